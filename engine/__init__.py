@@ -1,0 +1,38 @@
+"""A PyTorch training engine: DDP on whatever the machine or cluster offers.
+
+``import engine`` stays cheap: it does not import torch, torchvision or tensorboard.
+Those come in when a run needs them.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+__version__ = "0.1.0"
+
+#: Decorator for plugin hook implementations (``@engine.hookimpl``).
+hookimpl = pluggy.HookimplMarker("engine")
+
+# Names resolved on first use, so that ``import engine`` does not pull in torch.
+_LAZY = {
+    "TrainConfig": "engine.config",
+    "DataConfig": "engine.config",
+    "Launcher": "engine.launcher",
+    "World": "engine.world",
+    "Parallel": "engine.parallel",
+    "Checkpointer": "engine.checkpoint",
+    "EngineError": "engine.errors",
+}
+
+__all__ = ["__version__", "hookimpl", *_LAZY]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,190 @@
+"""``engine-run``: the command line.
+
+    engine-run RECIPE [key=value ...] [options]     train (see --help)
+    engine-run plugins                              list loaded plugins
+    engine-run doctor                               what this machine and launcher look like
+    engine-run sbatch RECIPE [options]              print an sbatch script
+    engine-run tune-workers RECIPE [options]        measure DataLoader num_workers
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+from typing import Any, Sequence
+
+import attrs
+
+from engine.errors import EngineError
+
+COMMANDS = {
+    "plugins": "engine.commands.plugins",
+    "doctor": "engine.commands.doctor",
+    "sbatch": "engine.commands.sbatch",
+    "tune-workers": "engine.commands.tune_workers",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] in COMMANDS:
+            return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+        return run(argv)
+    except EngineError as exc:
+        print(f"engine-run: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("engine-run: interrupted", file=sys.stderr)
+        return 130
+
+
+def plugin_args(argv: Sequence[str]) -> list[str]:
+    """The ``-p`` values, read before the full parse (plugins may add options)."""
+    found = []
+    for i, arg in enumerate(argv):
+        if arg == "-p" and i + 1 < len(argv):
+            found.append(argv[i + 1])
+        elif arg.startswith("-p") and len(arg) > 2 and not arg.startswith("--"):
+            found.append(arg[2:])
+    return found
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="engine-run",
+        description="Train a recipe with DDP on whatever the machine or cluster offers. "
+                    "Other commands: engine-run {plugins,doctor,sbatch,tune-workers} --help",
+    )
+    p.add_argument("recipe", help="a recipe file, e.g. recipes/cifar_ddp.py")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides by dotted path, e.g. epochs=3 data.root=/data")
+    g = p.add_argument_group("launch")
+    g.add_argument("--launcher", help="spawn, torchrun, slurm, legacy... (default: detect)")
+    g.add_argument("--nproc", type=int, help="processes on this node (spawn)")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes (spawn on several nodes)")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's rank (spawn)")
+    g.add_argument("--master-addr", help="address of the rank-0 node")
+    g.add_argument("--master-port", type=int, help="a free TCP port on the rank-0 node")
+    g.add_argument("--init-method", help="env:// (default), tcp://HOST:PORT, file:///path")
+    # torch.distributed.launch passes one of these to every worker.
+    g.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank",
+                   help=argparse.SUPPRESS)
+    t = p.add_argument_group("training")
+    t.add_argument("--parallel", help="single, dp, ddp, ddp-multigpu (default: auto)")
+    t.add_argument("--checkpointer", help="torch-file (default), async, dcp")
+    t.add_argument("--resume", metavar="PATH", help="resume from this snapshot")
+    t.add_argument("--no-resume", action="store_true",
+                   help="start fresh even if out_dir holds snapshots")
+    t.add_argument("--threads", type=int, help="torch threads per process (default: "
+                   "the process's share of the CPUs)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the resolved config and the plan, then exit")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the world table")
+    p.add_argument("-p", dest="plugins", action="append", default=[], metavar="NAME",
+                   help="-p module.path loads a plugin, -p no:NAME disables one")
+    return p
+
+
+def run(argv: Sequence[str]) -> int:
+    from engine.plugin_manager import build_plugin_manager
+
+    pm = build_plugin_manager(plugin_args(argv))
+    parser = build_parser()
+    pm.hook.engine_addoption.call_historic(kwargs={"parser": parser})
+    args = parser.parse_intermixed_args(argv)
+    job = WorkerJob.from_args(args)
+    recipe, cfg = job.load(pm)
+
+    from engine.launcher import LaunchOptions, choose_launcher
+
+    launcher = choose_launcher(pm.launchers, cfg.launcher, job.launch_options(cfg))
+    worlds = launcher.worlds()
+    from engine import plan
+
+    the_plan = plan.make_plan(pm, recipe, cfg, launcher, worlds, job.options)
+    show = worlds[0].is_rank0 or launcher.spawns
+    if args.dry_run:
+        if show:
+            print(plan.format_plan(cfg, the_plan, worlds))
+        return 0
+    if args.verbose and show:
+        print(plan.format_plan(cfg, the_plan, worlds, config=False))
+    launcher.launch(job)
+    return 0
+
+
+@attrs.frozen
+class WorkerJob:
+    """Everything a worker needs to rebuild the run, picklable for spawned processes."""
+
+    recipe_path: str
+    overrides: tuple[str, ...]
+    plugins: tuple[str, ...]
+    options: dict[str, Any]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "WorkerJob":
+        overrides = list(args.overrides)
+        for key in ("launcher", "parallel", "checkpointer", "init_method"):
+            value = getattr(args, key)
+            if value is not None:
+                overrides.append(f"{key}={value}")  # the flag wins over the recipe
+        options = {k: v for k, v in vars(args).items()
+                   if k not in ("recipe", "overrides", "plugins")
+                   and isinstance(v, (str, int, float, bool, type(None), list))}
+        return cls(args.recipe, tuple(overrides), tuple(args.plugins), options)
+
+    def load(self, pm):
+        from engine.config import apply_overrides
+        from engine.plugin_manager import require_plugins
+        from engine.recipe import load_recipe
+
+        recipe = load_recipe(self.recipe_path)
+        require_plugins(pm, recipe.required_plugins)
+        cfg = apply_overrides(recipe.make_config(), list(self.overrides))
+        if cfg.out_dir == "runs/default":
+            cfg.out_dir = f"runs/{recipe.name}"
+        # Names are checked now, before any process starts.
+        if cfg.launcher != "auto":
+            pm.launchers.get(cfg.launcher)
+        if cfg.parallel != "auto":
+            pm.parallel_modes.get(cfg.parallel)
+        pm.checkpointers.get(cfg.checkpointer)
+        return recipe, cfg
+
+    def launch_options(self, cfg):
+        from engine.launcher import LaunchOptions
+
+        o = self.options
+        return LaunchOptions(nproc=o.get("nproc"), nnodes=o.get("nnodes") or 1,
+                             node_rank=o.get("node_rank") or 0,
+                             master_addr=o.get("master_addr"),
+                             master_port=o.get("master_port"),
+                             init_method=cfg.init_method, timeout_s=cfg.timeout_s)
+
+    def __call__(self, world) -> None:
+        """Run in every worker process."""
+        from engine.engine import Engine
+        from engine.plugin_manager import build_plugin_manager
+
+        try:
+            pm = build_plugin_manager(self.plugins)
+            recipe, cfg = self.load(pm)
+            Engine(pm, recipe, cfg, world, self.options).run()
+        except EngineError as exc:
+            print(f"[rank {world.rank}] error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        except SystemExit:
+            raise
+        except BaseException:
+            text = traceback.format_exc()
+            print("".join(f"[rank {world.rank}] {line}\n" for line in text.splitlines()),
+                  file=sys.stderr, end="", flush=True)
+            raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

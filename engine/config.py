@@ -1,0 +1,265 @@
+"""Configuration: attrs classes with defaults, and ``key=value`` overrides by dotted path.
+
+A recipe's ``Config`` subclasses :class:`TrainConfig` and adds its own groups (``data``
+...). Overrides are converted with the field's annotation (int, float, bool, str,
+Path, ``Literal[...]`` choices, ``X | None``, tuples) and checked; every problem is a
+one-line :class:`~engine.errors.ConfigError` naming the key, the value given and what
+is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import pathlib
+import types
+import typing
+from typing import Any, Literal
+
+import attrs
+
+from engine.errors import ConfigError
+
+
+@attrs.define
+class DDPConfig:
+    """Options passed to torch's DistributedDataParallel. The defaults suit most models."""
+
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True  # saves one copy of the gradients
+    static_graph: bool = False
+    find_unused_parameters: bool = False  # costs a graph traversal every step
+    broadcast_buffers: bool = True
+    sync_batchnorm: bool = False
+
+
+@attrs.define
+class CheckpointConfig:
+    every_epochs: int = 1  # 0: only at the end
+    every_steps: int = 0  # 0: never by step count
+    every_minutes: float = 0.0  # 0: never by wall time
+    keep_last: int = 3
+    best_metric: str = ""  # e.g. "val/accuracy": also keep the best snapshot by it
+    best_mode: Literal["max", "min"] = "max"
+
+
+@attrs.define
+class TrainConfig:
+    """Fields every recipe has. ``batch_size`` is the *global* batch per optimizer step;
+    the engine splits it across processes (and accumulation steps)."""
+
+    epochs: int = 2
+    batch_size: int = 64
+    lr: float = 0.001
+    seed: int = 0
+    out_dir: str = "runs/default"
+    grad_accum_steps: int = 1
+    precision: Literal["32", "bf16", "fp16"] = "32"
+    scheduler_interval: Literal["epoch", "step"] = "epoch"
+    num_workers: int | Literal["auto"] = 0  # DataLoader workers per process
+    drop_last: bool = False  # drop the last incomplete training batch
+    log_every: int = 20  # optimizer steps between progress/log refreshes
+    launcher: str = "auto"
+    parallel: str = "auto"
+    checkpointer: str = "torch-file"
+    init_method: str = "env://"  # env://, tcp://HOST:PORT or file:///shared/path
+    timeout_s: float = 300.0  # process-group init and collective timeout
+    ddp: DDPConfig = attrs.Factory(DDPConfig)
+    checkpoint: CheckpointConfig = attrs.Factory(CheckpointConfig)
+
+
+# --------------------------------------------------------------------- overrides
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+_NONE = {"none", "null"}
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved annotations of an attrs class (``from __future__ import annotations``
+    leaves them as strings)."""
+    try:
+        return typing.get_type_hints(cls)
+    except Exception as exc:
+        raise ConfigError(f"cannot resolve the field types of {cls.__qualname__}: {exc}") from exc
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of: " + ", ".join(str(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "none"
+    if origin in (tuple, list):
+        return "a comma-separated list"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of: " + ", ".join(m.name for m in tp)
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+             pathlib.Path: "a path"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def convert(value: str, tp: Any) -> Any:
+    """Convert the override text ``value`` to type ``tp``; ValueError if it does not fit."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        for choice in typing.get_args(tp):
+            if str(choice) == value:
+                return choice
+        raise ValueError
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if type(None) in args and value.lower() in _NONE:
+            return None
+        # Literal choices first so "auto" in `int | Literal["auto"]` wins over int parsing.
+        for arg in sorted(args, key=lambda a: typing.get_origin(a) is not Literal):
+            if arg is type(None):
+                continue
+            try:
+                return convert(value, arg)
+            except ValueError:
+                continue
+        raise ValueError
+    if origin in (tuple, list):
+        args = typing.get_args(tp)
+        item_tp = args[0] if args else str
+        items = [convert(v.strip(), item_tp) for v in value.split(",") if v.strip()]
+        return tuple(items) if origin is tuple else items
+    if tp is bool:
+        low = value.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError
+    if tp is int:
+        return int(value)
+    if tp is float:
+        return float(value)
+    if tp is str or tp is Any:
+        return value
+    if tp is pathlib.Path:
+        return pathlib.Path(value)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp[value]
+        except KeyError:
+            raise ValueError from None
+    raise ValueError
+
+
+def all_keys(cfg: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for f in attrs.fields(type(cfg)):
+        value = getattr(cfg, f.name)
+        if attrs.has(type(value)):
+            keys.extend(all_keys(value, f"{prefix}{f.name}."))
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def apply_override(cfg: Any, key: str, text: str) -> None:
+    """Set ``key`` (a dotted path) on ``cfg`` from the override text, converted and checked."""
+    target = cfg
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        names = [f.name for f in attrs.fields(type(target))]
+        if part not in names:
+            here = ".".join(parts[:i])
+            known = all_keys(cfg)
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"unknown config key {key!r}"
+                + (f" ({here!r} has no field {part!r})" if here else "")
+                + f"; {hint}known keys: {', '.join(known)}"
+            )
+        if i == len(parts) - 1:
+            break
+        target = getattr(target, part)
+        if not attrs.has(type(target)):
+            raise ConfigError(
+                f"config key {key!r}: {'.'.join(parts[: i + 1])!r} is a value, not a group"
+            )
+    name = parts[-1]
+    current = getattr(target, name)
+    if attrs.has(type(current)):
+        raise ConfigError(
+            f"config key {key!r} is a group; set one of its fields, e.g. "
+            f"{all_keys(current, key + '.')[0]}=..."
+        )
+    tp = field_types(type(target))[name]
+    try:
+        value = convert(text, tp)
+    except (ValueError, TypeError):
+        raise ConfigError(
+            f"config key {key!r}: {text!r} is not {_describe(tp)}"
+        ) from None
+    setattr(target, name, value)
+    field = attrs.fields_dict(type(target))[name]
+    if field.validator is not None:
+        try:
+            field.validator(target, field, value)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"config key {key!r}: {text!r} is not allowed: {exc}") from None
+
+
+def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(
+                f"override {item!r} is not of the form key=value (e.g. epochs=3, data.root=/data)"
+            )
+        apply_override(cfg, key.strip(), text)
+    check(cfg)
+    return cfg
+
+
+def check(cfg: TrainConfig) -> None:
+    """Cross-field checks that apply to every recipe."""
+    positive = ("epochs", "batch_size", "grad_accum_steps", "log_every")
+    for name in positive:
+        value = getattr(cfg, name)
+        if value < 1:
+            raise ConfigError(f"config key {name!r}: {value!r} is not allowed; it must be >= 1")
+    if isinstance(cfg.num_workers, int) and cfg.num_workers < 0:
+        raise ConfigError(f"config key 'num_workers': {cfg.num_workers!r} must be >= 0")
+    if cfg.lr <= 0:
+        raise ConfigError(f"config key 'lr': {cfg.lr!r} must be > 0")
+    if not cfg.init_method.startswith(("env://", "tcp://", "file://")):
+        raise ConfigError(
+            f"config key 'init_method': {cfg.init_method!r} is not allowed; "
+            "use env://, tcp://HOST:PORT or file:///shared/path"
+        )
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of str/int/float/bool/None (safe for json and weights_only loads)."""
+
+    def plain(value):
+        if isinstance(value, pathlib.PurePath):
+            return str(value)
+        if isinstance(value, enum.Enum):
+            return value.name
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return plain(attrs.asdict(cfg, recurse=True))
+
+
+def format_config(cfg: Any, prefix: str = "") -> list[str]:
+    lines = []
+    for f in attrs.fields(type(cfg)):
+        value = getattr(cfg, f.name)
+        if attrs.has(type(value)):
+            lines.extend(format_config(value, f"{prefix}{f.name}."))
+        else:
+            lines.append(f"{prefix}{f.name} = {value!r}")
+    return lines

@@ -1,0 +1,242 @@
+"""One worker's run: set up, train, tear down.
+
+``Engine.run`` is the whole story of a worker process, top to bottom::
+
+    seed every RNG, set threads
+    parallel mode: devices, backend       -> process group (if more than one process)
+    data: prepare on local rank 0 first, then build datasets and loaders on every rank
+    model on the device, wrapped; optimizer, scheduler, grad scaler
+    resume from the latest good snapshot (if any)
+    Trainer.fit()                         -> epochs, validation, snapshots
+    summary.json (rank 0), final snapshot, process group destroyed
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import sys
+import time
+from typing import Any
+
+import attrs
+
+from engine import config as config_mod
+from engine.errors import ConfigError, EngineError
+
+
+@attrs.define
+class TrainState:
+    """Where training stands; saved in every snapshot."""
+
+    epoch: int = 0  # the epoch in progress (or the next one, at a boundary)
+    step: int = 0  # optimizer steps taken since the start of training
+    batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed
+    epochs_completed: int = 0
+
+
+def resolve_parallel_name(name: str, world, registry) -> str:
+    """``auto``: DDP when there are several processes, DataParallel when one process
+    sees several GPUs, else a single device."""
+    if name != "auto":
+        return name
+    if world.world_size > 1:
+        return "ddp"
+    import torch
+
+    if torch.cuda.device_count() > 1 and "dp" in registry:
+        return "dp"
+    return "single"
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # seeds CUDA too
+
+
+class Engine:
+    def __init__(self, pm, recipe, cfg, world, options: dict[str, Any] | None = None):
+        self.pm = pm
+        self.recipe = recipe
+        self.cfg = cfg
+        self.world = world
+        self.options = options or {}
+        self.out_dir = pathlib.Path(cfg.out_dir)
+        self.state = TrainState()
+        self.parallel = None
+        self.model = None  # as trained: wrapped by the parallel mode
+        self.optimizer = None
+        self.scheduler = None
+        self.scaler = None
+        self.checkpointer = None
+        self.train_loader = None
+        self.val_loader = None
+        self.metrics: dict[str, float] = {}
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------ rank-0 output
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.world.rank == 0
+
+    def print(self, message: str) -> None:
+        if self.is_rank0:
+            print(message, flush=True)
+
+    def warn(self, message: str) -> None:
+        """Print a warning once, on rank 0 only."""
+        if self.is_rank0 and message not in self._warned:
+            self._warned.add(message)
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    @property
+    def module(self):
+        """The model without its parallel wrapper (what snapshots hold)."""
+        return self.parallel.unwrap(self.model)
+
+    @property
+    def device(self):
+        return self.parallel.device
+
+    # ------------------------------------------------------------------- run
+
+    def run(self) -> dict:
+        import torch
+
+        from engine import distributed
+
+        start = time.perf_counter()
+        cfg, world = self.cfg, self.world
+        seed_everything(cfg.seed)
+        torch.set_num_threads(self.options.get("threads") or
+                              _threads(world.local_world_size))
+
+        name = resolve_parallel_name(cfg.parallel, world, self.pm.parallel_modes)
+        self.parallel = self.pm.parallel_modes.get(name)(world, cfg)
+        self.parallel.check()
+        self.parallel.setup_device()
+        if world.distributed:
+            distributed.init(world, self.parallel.backend or "gloo", cfg.timeout_s)
+        status = "failed"
+        try:
+            self._setup()
+            self.pm.hook.engine_run_start(engine=self)
+            from engine.trainer import Trainer
+
+            Trainer(self).fit()
+            status = "completed"
+        except BaseException as exc:
+            self.pm.hook.engine_exception(engine=self, exc=exc)
+            hint = self.parallel.explain(exc)
+            if hint:
+                raise EngineError(f"{type(exc).__name__}: {str(exc).splitlines()[0]}; "
+                                  f"hint: {hint}") from exc
+            raise
+        finally:
+            summary = self._summary(status, time.perf_counter() - start)
+            self.pm.hook.engine_run_end(engine=self, summary=summary)
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+            if status == "completed":
+                if self.is_rank0:
+                    self._write_summary(summary)
+                distributed.destroy()
+        return summary
+
+    def _setup(self) -> None:
+        import torch
+
+        from engine import data, distributed
+
+        cfg, world, recipe = self.cfg, self.world, self.recipe
+        self.micro_batch = data.split_batch(cfg.batch_size, world.world_size,
+                                            cfg.grad_accum_steps)
+        if self.is_rank0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.json").write_text(
+                json.dumps(config_mod.to_dict(cfg), indent=1))
+
+        # Local rank 0 downloads/prepares first; the others wait, then read.
+        prepare = recipe.optional("prepare_data")
+        if prepare is not None:
+            with distributed.local_rank0_first(world):
+                if world.is_local_rank0:
+                    prepare(cfg, self)
+        train_set, val_set = recipe.module.build_datasets(cfg, self)
+        pin = self.device.type == "cuda"
+        workers = cfg.num_workers if isinstance(cfg.num_workers, int) else 0
+        self.train_loader = data.train_loader(
+            train_set, micro_batch=self.micro_batch, world=world, seed=cfg.seed,
+            num_workers=workers, pin_memory=pin, drop_last=cfg.drop_last)
+        if len(self.train_loader) == 0:
+            raise ConfigError(
+                f"the training set has {len(train_set)} samples, fewer than one batch of "
+                f"{self.micro_batch} per process; use a smaller batch_size or drop_last=false")
+        self.val_loader = None if val_set is None else data.val_loader(
+            val_set, batch=self.micro_batch, world=world, num_workers=workers,
+            pin_memory=pin)
+
+        # The model is built right after seeding, as a hand-written loop would, so the
+        # initial weights are the same as there.
+        torch.manual_seed(cfg.seed)
+        model = recipe.module.build_model(cfg).to(self.device)
+        self.model = self.parallel.wrap(model)
+        self.optimizer = recipe.module.build_optimizer(cfg, self.module)
+        build_scheduler = recipe.optional("build_scheduler")
+        self.scheduler = build_scheduler(cfg, self.optimizer) if build_scheduler else None
+        self.loss_fn = recipe.optional("loss_fn") or torch.nn.functional.cross_entropy
+        if cfg.precision == "fp16":
+            if self.device.type != "cuda":
+                raise ConfigError("precision 'fp16' needs a CUDA device; on the CPU use "
+                                  "precision=bf16")
+            self.scaler = torch.amp.GradScaler("cuda")
+        self.checkpointer = self.pm.checkpointers.get(cfg.checkpointer)(
+            self.out_dir / "checkpoints", cfg, world)
+        from engine import snapshot
+
+        snapshot.resume(self)
+
+    # --------------------------------------------------------------- summary
+
+    def _summary(self, status: str, wall_time: float) -> dict:
+        from engine.checkpoint import model_digest
+
+        summary = {
+            "status": status,
+            "recipe": str(self.recipe.path),
+            "world_size": self.world.world_size,
+            "launcher": self.world.launcher,
+            "parallel": self.parallel.name if self.parallel else None,
+            "epochs_completed": self.state.epochs_completed,
+            "global_step": self.state.step,
+            "wall_time_s": round(wall_time, 3),
+            **{k: v for k, v in self.summary_metrics().items()},
+        }
+        if self.model is not None and status == "completed":
+            summary["weights_sha256"] = model_digest(self.module.state_dict())
+        return summary
+
+    def summary_metrics(self) -> dict:
+        names = {"train/loss": "train_loss", "val/loss": "val_loss",
+                 "val/accuracy": "val_accuracy", "train/images_per_sec": "images_per_sec",
+                 "train/data_wait_fraction": "data_wait_fraction"}
+        return {short: self.metrics.get(long) for long, short in names.items()}
+
+    def _write_summary(self, summary: dict) -> None:
+        from engine.checkpoint import atomic_write_text
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
+
+
+def _threads(local_world_size: int) -> int:
+    from engine.data import threads_per_process
+
+    return threads_per_process(local_world_size)
+

@@ -1,0 +1,78 @@
+"""The plan of a run: what ``--dry-run`` prints and ``-v`` shows before training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine import config as config_mod
+from engine.data import split_batch, threads_per_process
+from engine.engine import resolve_parallel_name
+from engine.world import format_world_table
+
+
+def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dict[str, Any]:
+    world = worlds[0]
+    parallel_name = resolve_parallel_name(cfg.parallel, world, pm.parallel_modes)
+    parallel_cls = pm.parallel_modes.get(parallel_name)
+    devices = []
+    for w in worlds:
+        mode = parallel_cls(w, cfg)
+        mode.check()
+        devices.append(",".join(str(d) for d in mode.devices))
+    micro = split_batch(cfg.batch_size, world.world_size, cfg.grad_accum_steps)
+    return {
+        "recipe": str(recipe.path),
+        "launcher": launcher.name,
+        "parallel": parallel_name,
+        "world_size": world.world_size,
+        "nodes": world.num_nodes,
+        "processes_this_node": world.local_world_size,
+        "devices": devices,
+        "backend": (parallel_cls(world, cfg).backend or "none") if world.distributed
+        else "none (one process)",
+        "init_method": cfg.init_method,
+        "global_batch": cfg.batch_size,
+        "per_process_batch": micro * cfg.grad_accum_steps,
+        "micro_batch": micro,
+        "grad_accum_steps": cfg.grad_accum_steps,
+        "threads_per_process": options.get("threads") or threads_per_process(
+            world.local_world_size),
+        "num_workers": cfg.num_workers,
+        "precision": cfg.precision,
+        "checkpointer": cfg.checkpointer,
+        "out_dir": cfg.out_dir,
+    }
+
+
+def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True) -> str:
+    lines = []
+    if config:
+        lines.append("config:")
+        lines.extend(f"  {line}" for line in config_mod.format_config(cfg))
+    lines.append("plan:")
+    batch = (f"{plan['global_batch']} global = {plan['world_size']} processes x "
+             f"{plan['per_process_batch']}")
+    if plan["grad_accum_steps"] > 1:
+        batch += (f" (= {plan['grad_accum_steps']} accumulation steps x "
+                  f"{plan['micro_batch']})")
+    rows = [
+        ("recipe", plan["recipe"]),
+        ("launcher", plan["launcher"]),
+        ("parallel", plan["parallel"]),
+        ("world size", f"{plan['world_size']} ({plan['nodes']} node(s), "
+                       f"{plan['processes_this_node']} process(es) on this node)"),
+        ("backend", plan["backend"]),
+        ("init method", plan["init_method"]),
+        ("batch", batch),
+        ("threads", f"{plan['threads_per_process']} per process"),
+        ("num_workers", str(plan["num_workers"])),
+        ("precision", plan["precision"]),
+        ("checkpointer", plan["checkpointer"]),
+        ("output dir", plan["out_dir"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines.extend(f"  {k.ljust(width)}  {v}" for k, v in rows)
+    lines.append("world:")
+    lines.extend("  " + line for line in
+                 format_world_table(worlds, plan["devices"]).splitlines())
+    return "\n".join(lines)

@@ -1,0 +1,111 @@
+"""Loading a recipe: a plain Python file with a ``Config`` class and factories.
+
+A recipe defines::
+
+    class Config(engine.TrainConfig): ...          # attrs class, defaults for everything
+    def build_model(cfg) -> nn.Module
+    def build_datasets(cfg, ctx) -> (train_dataset, val_dataset or None)
+    def build_optimizer(cfg, model) -> torch.optim.Optimizer
+
+and may define::
+
+    def prepare_data(cfg, ctx)          # downloads; run by local rank 0 before the others
+    def build_scheduler(cfg, optimizer) # an LR scheduler (cfg.scheduler_interval: step|epoch)
+    def loss_fn(outputs, targets)       # default: cross-entropy
+    REQUIRED_PLUGINS = ["name>=1.0"]    # plugins the recipe cannot run without
+
+``ctx`` is the worker's :class:`engine.engine.Engine` (``ctx.world``, ``ctx.is_rank0``,
+``ctx.warn(...)``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import pathlib
+import sys
+import traceback
+from types import ModuleType
+from typing import Any, Callable
+
+import attrs
+
+from engine.config import TrainConfig
+from engine.errors import ConfigError
+
+REQUIRED = ("Config", "build_model", "build_datasets", "build_optimizer")
+
+
+@attrs.frozen
+class Recipe:
+    path: pathlib.Path
+    module: ModuleType
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    def make_config(self) -> TrainConfig:
+        return self.module.Config()
+
+    def optional(self, name: str) -> Callable[..., Any] | None:
+        return getattr(self.module, name, None)
+
+    @property
+    def required_plugins(self) -> list[str]:
+        return list(getattr(self.module, "REQUIRED_PLUGINS", []))
+
+
+def load_recipe(path: str | pathlib.Path) -> Recipe:
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"recipe file {str(path)!r} not found"
+            + (" (it is a directory)" if path.is_dir() else "")
+            + "; give the path of a recipe such as recipes/cifar_ddp.py"
+        )
+    path = path.resolve()
+    # A stable module name per file, so that spawned workers and pickled objects agree.
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
+    module_name = f"engine_recipe_{path.stem}_{digest}"
+    if module_name in sys.modules:
+        return Recipe(path, sys.modules[module_name])
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # typing.get_type_hints needs the module registered
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        del sys.modules[module_name]
+        raise ConfigError(
+            f"recipe {str(path)!r} line {exc.lineno}: SyntaxError: {exc.msg}"
+        ) from exc
+    except Exception as exc:
+        del sys.modules[module_name]
+        line = _line_in(path, exc)
+        raise ConfigError(
+            f"recipe {str(path)!r} line {line}: {type(exc).__name__}: {exc}"
+        ) from exc
+    missing = [name for name in REQUIRED if not hasattr(module, name)]
+    if missing:
+        raise ConfigError(
+            f"recipe {str(path)!r} does not define {', '.join(missing)} "
+            f"(a recipe needs {', '.join(REQUIRED)})"
+        )
+    config_cls = module.Config
+    if not (isinstance(config_cls, type) and attrs.has(config_cls)
+            and issubclass(config_cls, TrainConfig)):
+        raise ConfigError(
+            f"recipe {str(path)!r}: Config must be an attrs class that subclasses "
+            "engine.TrainConfig"
+        )
+    return Recipe(path, module)
+
+
+def _line_in(path: pathlib.Path, exc: BaseException) -> int | str:
+    """The deepest traceback line that lies in the recipe file itself."""
+    line: int | str = "?"
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if pathlib.Path(frame.filename).resolve() == path:
+            line = frame.lineno
+    return line

@@ -1,0 +1,236 @@
+"""The training loop.
+
+``Trainer.fit`` in pseudocode (hooks in brackets)::
+
+    [engine_run_start]                                   (fired by Engine.run)
+    for epoch in epochs not yet completed:
+        sampler.set_epoch(epoch, skip the batches a resumed snapshot already consumed)
+        [engine_epoch_start]
+        for each micro-batch:
+            forward, loss, backward             (DDP syncs gradients on the last micro-step only)
+            on the last micro-step of a group:
+                optimizer step, zero_grad(set_to_none=True), scheduler if per step
+                [engine_train_step_end]                 (not called when nobody implements it)
+                every log_every steps: [engine_log] on rank 0, pending snapshot/stop decisions
+        reduce the epoch's metrics over all ranks; validate
+        [engine_log] [engine_epoch_end]; scheduler if per epoch; snapshot if due
+
+Nothing inside a step reads a value back from the device: metrics accumulate in device
+tensors and are read at the log interval and at the end of the epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+
+from engine import distributed, snapshot
+from engine.errors import EngineError
+
+
+class NonFiniteLoss(EngineError):
+    pass
+
+
+class Trainer:
+    def __init__(self, engine):
+        self.engine = engine
+        self.cfg = engine.cfg
+        hook = engine.pm.hook
+        # A per-step hook with no implementation costs nothing: we never call it.
+        self.step_end_hook = (hook.engine_train_step_end
+                              if hook.engine_train_step_end.get_hookimpls() else None)
+        self.log_hook = hook.engine_log if engine.is_rank0 else None
+        device = engine.device
+        if self.cfg.precision == "32":
+            self.autocast = contextlib.nullcontext
+        else:
+            dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
+            self.autocast = lambda: torch.autocast(device.type, dtype=dtype)
+        self.last_snapshot_time = time.monotonic()
+        self.stop_requested = False  # set by a pre-emption signal (see engine.preemption)
+
+    # ------------------------------------------------------------------- fit
+
+    def fit(self) -> None:
+        eng, cfg = self.engine, self.cfg
+        while eng.state.epoch < cfg.epochs and not self.stop_requested:
+            epoch = eng.state.epoch
+            sampler = eng.train_loader.sampler
+            start = eng.state.batch_in_epoch * eng.micro_batch
+            sampler.set_epoch(epoch, start_index=start)
+            eng.pm.hook.engine_epoch_start(engine=eng, epoch=epoch)
+            train_metrics = self.train_epoch(epoch)
+            if self.stop_requested:
+                break
+            metrics = {**train_metrics, **self.validate()}
+            metrics["lr"] = self.current_lr()
+            eng.metrics.update(metrics)
+            eng.state.epoch = epoch + 1
+            eng.state.batch_in_epoch = 0
+            eng.state.epochs_completed = epoch + 1
+            if self.log_hook is not None:
+                self.log_hook(engine=eng, metrics=metrics, step=eng.state.step)
+            eng.pm.hook.engine_epoch_end(engine=eng, epoch=epoch, metrics=metrics)
+            if eng.scheduler is not None and cfg.scheduler_interval == "epoch":
+                eng.scheduler.step()
+            every = cfg.checkpoint.every_epochs
+            if (every and (epoch + 1) % every == 0) or eng.state.epoch == cfg.epochs:
+                self.save_snapshot()
+        if self.stop_requested:
+            self.save_snapshot()
+
+    # ----------------------------------------------------------------- epoch
+
+    def train_epoch(self, epoch: int) -> dict:
+        eng, cfg = self.engine, self.cfg
+        model, optimizer, scaler = eng.model, eng.optimizer, eng.scaler
+        device, loss_fn, parallel = eng.device, eng.loss_fn, eng.parallel
+        accum = cfg.grad_accum_steps
+        non_blocking = device.type == "cuda"
+        model.train()
+
+        n_batches = len(eng.train_loader)  # what is left of this epoch
+        first_batch = eng.state.batch_in_epoch
+        loss_sum = torch.zeros((), device=device)
+        window_loss = torch.zeros((), device=device)
+        window_steps = 0
+        steps_in_epoch = batches_seen = 0
+        data_wait = 0.0
+        samples_per_step = eng.micro_batch * accum * eng.world.world_size
+        epoch_start = window_start = time.perf_counter()
+
+        fetch_start = time.perf_counter()
+        for i, (inputs, targets) in enumerate(eng.train_loader):
+            data_wait += time.perf_counter() - fetch_start
+            batch_index = first_batch + i
+            # Micro-steps are grouped by absolute position, so a resumed epoch groups
+            # them exactly as the uninterrupted one did.
+            group_start = batch_index - batch_index % accum
+            group_size = min(accum, first_batch + n_batches - group_start)
+            last_micro = batch_index - group_start == group_size - 1
+            inputs = inputs.to(device, non_blocking=non_blocking)
+            targets = targets.to(device, non_blocking=non_blocking)
+
+            with (contextlib.nullcontext() if last_micro else parallel.no_sync(model)):
+                with self.autocast():
+                    outputs = model(inputs)
+                    loss = loss_fn(outputs, targets)
+                scaled = loss / group_size if group_size > 1 else loss
+                if scaler is not None:
+                    scaler.scale(scaled).backward()
+                else:
+                    scaled.backward()
+            detached = loss.detach()
+            loss_sum += detached
+            window_loss += detached
+            eng.state.batch_in_epoch = batch_index + 1
+            batches_seen += 1
+            if last_micro:
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if eng.scheduler is not None and cfg.scheduler_interval == "step":
+                    eng.scheduler.step()
+                eng.state.step += 1
+                steps_in_epoch += 1
+                window_steps += 1
+                if self.step_end_hook is not None:
+                    self.step_end_hook(engine=eng, step=eng.state.step, loss=loss)
+                if eng.state.step % cfg.log_every == 0:
+                    now = time.perf_counter()
+                    self.log_window(window_loss, window_steps,
+                                    samples_per_step * window_steps / (now - window_start))
+                    window_loss.zero_()
+                    window_steps, window_start = 0, now
+                    if self.boundary_checks():
+                        break
+            fetch_start = time.perf_counter()
+
+        elapsed = time.perf_counter() - epoch_start
+        # One reduction per epoch: the loss of every rank, and how many batches it saw.
+        totals = torch.stack([loss_sum.float(),
+                              torch.tensor(float(batches_seen), device=device)])
+        distributed.all_reduce_sum(totals)
+        mean_loss = (totals[0] / totals[1].clamp(min=1)).item()
+        if not math.isfinite(mean_loss):
+            raise NonFiniteLoss(f"the training loss is not finite ({mean_loss}) in epoch "
+                                f"{epoch}, by step {eng.state.step}")
+        return {
+            "train/loss": mean_loss,
+            "train/images_per_sec": samples_per_step * steps_in_epoch / max(elapsed, 1e-9),
+            "train/data_wait_fraction": data_wait / max(elapsed, 1e-9),
+        }
+
+    def log_window(self, window_loss, window_steps: int, images_per_sec: float) -> None:
+        if self.log_hook is None:
+            return
+        loss = window_loss.item() / max(window_steps, 1)  # the only host sync: rank 0, per log
+        self.log_hook(engine=self.engine, step=self.engine.state.step, metrics={
+            "train/loss": loss, "train/images_per_sec": images_per_sec,
+            "lr": self.current_lr()})
+
+    def boundary_checks(self) -> bool:
+        """At the log interval: the ranks agree on a pending snapshot or stop request.
+        Returns True when the epoch must stop here (pre-emption)."""
+        eng, cfg = self.engine, self.cfg
+        every_steps = cfg.checkpoint.every_steps
+        due_by_time = bool(cfg.checkpoint.every_minutes) and (
+            time.monotonic() - self.last_snapshot_time >= cfg.checkpoint.every_minutes * 60)
+        flags = [due_by_time, self.stop_requested]
+        if eng.world.distributed and (cfg.checkpoint.every_minutes or self.preemptible):
+            flags = distributed.broadcast_object(flags)
+        due_by_time, self.stop_requested = flags
+        if self.stop_requested:
+            return True
+        if due_by_time or (every_steps and eng.state.step % every_steps == 0):
+            self.save_snapshot()
+        return False
+
+    preemptible = False  # set when a pre-emption signal handler is installed
+
+    # ------------------------------------------------------------ validation
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        eng = self.engine
+        if eng.val_loader is None:
+            return {}
+        # The unwrapped module: no DDP collectives in forward, so ranks whose shard is
+        # one batch shorter do not hang the others.
+        module = eng.module
+        was_training = module.training
+        module.eval()
+        device = eng.device
+        sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss, correct, count
+        for inputs, targets in eng.val_loader:
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            with self.autocast():
+                outputs = module(inputs)
+                loss = eng.loss_fn(outputs, targets)  # a mean over the batch
+            sums[0] += loss.double() * targets.shape[0]
+            sums[1] += (outputs.argmax(dim=1) == targets).sum()
+            sums[2] += targets.shape[0]
+        distributed.all_reduce_sum(sums)
+        module.train(was_training)
+        loss_sum, correct, count = sums.tolist()
+        if count == 0:
+            return {}
+        return {"val/loss": loss_sum / count, "val/accuracy": correct / count}
+
+    # --------------------------------------------------------------- helpers
+
+    def current_lr(self) -> float:
+        return float(self.engine.optimizer.param_groups[0]["lr"])
+
+    def save_snapshot(self) -> None:
+        snapshot.save(self.engine)
+        self.last_snapshot_time = time.monotonic()
+

@@ -1,0 +1,95 @@
+"""Logger ``console``: a tqdm progress bar and one line per epoch, on rank 0 only.
+
+The bar shows step, loss and images/s; it refreshes at the log interval, so it never
+forces a host-device synchronisation per step. On a terminal it redraws in place;
+in a log file (SLURM output) only the epoch lines appear.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import engine
+
+#: A run is called data-bound when more than this fraction of its time waits for data.
+DATA_BOUND = 0.3
+
+
+class ConsoleLogger:
+    def __init__(self):
+        self.bar = None
+        self.last_step = 0
+
+    @engine.hookimpl
+    def engine_run_start(self, engine):
+        if not engine.is_rank0:
+            return
+        from tqdm import tqdm
+
+        cfg = engine.cfg
+        loader_batches = math.ceil(len(engine.train_loader.sampler.dataset) /
+                                   engine.world.world_size / engine.micro_batch)
+        steps_per_epoch = math.ceil(loader_batches / cfg.grad_accum_steps)
+        self.last_step = engine.state.step
+        self.bar = tqdm(total=cfg.epochs * steps_per_epoch, initial=self.last_step,
+                        desc=engine.recipe.name, unit="step", dynamic_ncols=True,
+                        disable=None, file=sys.stderr, mininterval=0.5)
+
+    @engine.hookimpl
+    def engine_log(self, engine, metrics, step):
+        if self.bar is None or "train/images_per_sec" not in metrics or "val/loss" in metrics:
+            return
+        self.bar.update(step - self.last_step)
+        self.last_step = step
+        self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}",
+                             img_s=f"{metrics['train/images_per_sec']:.0f}", refresh=False)
+
+    @engine.hookimpl
+    def engine_epoch_end(self, engine, epoch, metrics):
+        if not engine.is_rank0:
+            return
+        if self.bar is not None:
+            self.bar.update(engine.state.step - self.last_step)
+            self.last_step = engine.state.step
+        parts = [f"epoch {epoch + 1}/{engine.cfg.epochs}"]
+        for key, label, fmt in (("train/loss", "train loss", ".4f"),
+                                ("val/loss", "val loss", ".4f"),
+                                ("val/accuracy", "val acc", ".2%"),
+                                ("train/images_per_sec", "img/s", ".0f")):
+            if metrics.get(key) is not None:
+                parts.append(f"{label} {format(metrics[key], fmt)}")
+        wait = metrics.get("train/data_wait_fraction")
+        if wait is not None:
+            parts.append(f"{'data-bound' if wait > DATA_BOUND else 'data wait'}: "
+                         f"{wait:.0%} waiting")
+        message = "  ".join(parts)
+        if wait is not None and wait > DATA_BOUND:
+            message += ("\nhint: the devices wait for data; raise num_workers (try "
+                        "`engine-run tune-workers RECIPE`) or give the job more CPUs")
+        self._write(message)
+
+    @engine.hookimpl
+    def engine_run_end(self, engine, summary):
+        if not engine.is_rank0:
+            return
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if summary["status"] == "completed":
+            self._write(f"done: {summary['epochs_completed']} epochs in "
+                        f"{summary['wall_time_s']:.1f}s, results in {engine.out_dir}")
+
+    def _write(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stdout)
+        else:
+            print(message, flush=True)
+
+
+# One logger per process; its hooks are the module's hooks.
+_logger = ConsoleLogger()
+engine_run_start = _logger.engine_run_start
+engine_log = _logger.engine_log
+engine_epoch_end = _logger.engine_epoch_end
+engine_run_end = _logger.engine_run_end

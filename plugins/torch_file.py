@@ -1,0 +1,157 @@
+"""Checkpointer ``torch-file`` (the default): one torch.save file per snapshot, by rank 0.
+
+Layout under ``<out_dir>/checkpoints/``::
+
+    snapshot-e0002-s00001564.pt        the snapshot (torch.save, weights_only-loadable)
+    snapshot-e0002-s00001564.pt.json   its manifest: size, sha256, epoch, step, metrics
+    latest                             the file name of the newest good snapshot
+    best                               the best one by cfg.checkpoint.best_metric, if set
+
+Every file is written through :func:`engine.checkpoint.atomic_write`. Loading checks
+size and sha256 against the manifest; a snapshot that fails is reported and the
+previous good one is used.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+
+import engine
+from engine.checkpoint import Checkpointer, atomic_write, atomic_write_text, file_sha256
+from engine.errors import CheckpointError
+
+PREFIX = "snapshot-"
+SUFFIX = ".pt"
+
+
+def snapshot_name(epoch: int, step: int) -> str:
+    return f"{PREFIX}e{epoch:04d}-s{step:08d}{SUFFIX}"
+
+
+def manifest_path(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(path.name + ".json")
+
+
+def read_manifest(path: pathlib.Path) -> dict | None:
+    try:
+        return json.loads(manifest_path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def verify(path: pathlib.Path) -> str | None:
+    """None when ``path`` matches its manifest, else what is wrong."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        return "its manifest is missing or unreadable"
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return "the file is missing"
+    if size != manifest.get("size"):
+        return f"size {size} differs from the manifest's {manifest.get('size')} (truncated?)"
+    if file_sha256(path) != manifest.get("sha256"):
+        return "sha256 differs from the manifest (corrupt)"
+    return None
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+class TorchFileCheckpointer(Checkpointer):
+    name = "torch-file"
+
+    def write_snapshot(self, state: dict, path: pathlib.Path, *, epoch: int, step: int,
+                       metrics: dict | None) -> None:
+        """Write ``state`` to ``path`` with its manifest (no pointer updates)."""
+        import torch
+
+        size, sha256 = atomic_write(path, lambda f: torch.save(state, f))
+        manifest = {"file": path.name, "size": size, "sha256": sha256, "epoch": epoch,
+                    "step": step, "metrics": metrics or {}, "created": time.time(),
+                    "engine_version": engine.__version__}
+        atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1))
+
+    def save(self, state, *, epoch, step, metrics=None):
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / snapshot_name(epoch, step)
+        self.write_snapshot(state, path, epoch=epoch, step=step, metrics=metrics)
+        self.commit(path, metrics)
+        return path
+
+    def commit(self, path: pathlib.Path, metrics: dict | None) -> None:
+        """Point ``latest`` (and maybe ``best``) at ``path``, then prune old snapshots."""
+        atomic_write_text(self.directory / "latest", path.name + "\n")
+        cfg = self.cfg.checkpoint if self.cfg is not None else None
+        if cfg is not None and cfg.best_metric and metrics and cfg.best_metric in metrics:
+            if self._is_better(metrics[cfg.best_metric], cfg):
+                atomic_write_text(self.directory / "best", path.name + "\n")
+        self._prune(keep=cfg.keep_last if cfg is not None else 0)
+
+    def _is_better(self, value: float, cfg) -> bool:
+        best = self._pointer("best")
+        if best is None:
+            return True
+        old = (read_manifest(best) or {}).get("metrics", {}).get(cfg.best_metric)
+        if old is None:
+            return True
+        return value > old if cfg.best_mode == "max" else value < old
+
+    def _pointer(self, name: str) -> pathlib.Path | None:
+        try:
+            target = (self.directory / name).read_text().strip()
+        except OSError:
+            return None
+        return self.directory / target if target else None
+
+    def snapshots(self) -> list[pathlib.Path]:
+        """All snapshot files, oldest first (by step, then epoch)."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(self.directory.glob(f"{PREFIX}*{SUFFIX}"),
+                      key=lambda p: (p.name.split("-s")[-1], p.name))
+
+    def _prune(self, keep: int) -> None:
+        if keep <= 0:
+            return
+        protected = {self._pointer("latest"), self._pointer("best")}
+        old = [p for p in self.snapshots() if p not in protected]
+        for path in old[: max(0, len(old) - (keep - 1))]:
+            for victim in (path, manifest_path(path)):
+                victim.unlink(missing_ok=True)
+
+    def latest(self):
+        candidates = self.snapshots()
+        pointed = self._pointer("latest")
+        if pointed is not None and pointed in candidates:
+            # The pointer wins; anything newer than it was never committed.
+            candidates = candidates[: candidates.index(pointed) + 1]
+        for path in reversed(candidates):
+            problem = verify(path)
+            if problem is None:
+                return path
+            warn(f"snapshot {path} is unusable: {problem}; trying the previous one")
+        return None
+
+    def load(self, path, map_location=None):
+        import torch
+
+        path = pathlib.Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} not found")
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} cannot be loaded: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from None
+
+
+@engine.hookimpl
+def engine_register_checkpointers(registry):
+    registry.add("torch-file", TorchFileCheckpointer)
