@@ -70,6 +70,9 @@ def load_recipe(path: str | pathlib.Path) -> Recipe:
     module_name = f"engine_recipe_{path.stem}_{digest}"
     if module_name in sys.modules:
         return Recipe(path, sys.modules[module_name])
+    # Recipes may share code with sibling files (``from oct_common import ...``).
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # typing.get_type_hints needs the module registered
