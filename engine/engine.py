@@ -219,7 +219,15 @@ class Engine:
             **{k: v for k, v in self.summary_metrics().items()},
         }
         if self.model is not None and status == "completed":
-            summary["weights_sha256"] = model_digest(self.module.state_dict())
+            from engine import distributed
+
+            # Every rank digests its own copy: DDP promises they are equal, we check.
+            digests = distributed.all_gather_object(model_digest(self.module.state_dict()))
+            summary["weights_sha256"] = digests[0]
+            summary["weights_sha256_per_rank"] = digests
+            if len(set(digests)) > 1:
+                self.warn("the ranks finished with different weights: "
+                          + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)))
         return summary
 
     def summary_metrics(self) -> dict:

@@ -1,13 +1,32 @@
 """Parallel modes: which devices a worker uses, and how the model is wrapped.
 
+Built-in modes (one plugin file each, see docs/parallel.md):
+
+============== ========================================= ==============================
+mode           devices of one process                    gradient reduction
+============== ========================================= ==============================
+single         cuda:0, or the CPU                        none
+dp             every visible GPU (nn.DataParallel)       inside the process
+ddp            cuda:<local rank>, or the CPU             across processes (DDP)
+ddp-multigpu   k GPUs: cuda:<local rank*k .. +k-1>       inside the process, then DDP
+============== ========================================= ==============================
+
 The recipe's ``batch_size`` is global. Every mode gets ``batch_size / world_size``
 samples per process and optimizer step (divided again by ``grad_accum_steps``); a mode
-that drives several devices inside one process (``dp``) splits that share further.
+that drives several devices inside one process (``dp``, ``ddp-multigpu``) scatters that
+share over its devices.
+
+Devices: ``CUDA_VISIBLE_DEVICES`` is respected because torch itself only numbers the
+visible GPUs (``cuda:0`` is the first visible one). A process whose launcher already
+gave it exactly its own GPUs (``srun --gpus-per-task``: every task sees only its own)
+uses them all; see :func:`gpu_group`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from typing import ClassVar
 
 from engine.errors import ConfigError
@@ -19,6 +38,7 @@ class Parallel:
     def __init__(self, world, cfg):
         self.world = world
         self.cfg = cfg
+        self._said: set[str] = set()
 
     # -------------------------------------------------------------- devices
 
@@ -37,10 +57,15 @@ class Parallel:
         return None
 
     def check(self) -> None:
-        """Raise a ConfigError when this mode cannot run in this world."""
+        """Raise a ConfigError when this mode cannot run in this world.
+
+        Called in the launching process for every worker (``--dry-run`` and the plan)
+        and again in each worker, so it must not print.
+        """
 
     def setup_device(self) -> None:
-        """Called before the process group is created (torch.cuda.set_device)."""
+        """Called once per worker before the process group is created
+        (torch.cuda.set_device; warnings about GPUs the mode leaves idle)."""
 
     # ---------------------------------------------------------------- model
 
@@ -58,6 +83,80 @@ class Parallel:
     def explain(self, exc: BaseException) -> str | None:
         """A hint for an error raised during a step, or None."""
         return None
+
+    # -------------------------------------------------------------- output
+
+    def warn(self, message: str, *, every_node: bool = False) -> None:
+        """Print ``warning: message`` once: on rank 0, or on local rank 0 of every node
+        for facts about the node (its GPUs), named by host when there are several."""
+        if message in self._said:
+            return
+        self._said.add(message)
+        if every_node:
+            if not self.world.is_local_rank0:
+                return
+            if self.world.num_nodes > 1:
+                message = f"{self.world.host}: {message}"
+        elif not self.world.is_rank0:
+            return
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    def warn_idle_gpus(self, used: int, how: str) -> None:
+        """Warn loudly when this node has GPUs the mode leaves idle. ``used`` is the
+        number of GPUs the node's processes use together; ``how`` says what to do."""
+        visible = visible_gpus()
+        if visible > used:
+            idle = ", ".join(f"cuda:{i}" for i in range(used, visible))
+            self.warn(f"{visible} GPUs are visible{visible_devices_note()} but parallel "
+                      f"mode {self.name!r} uses only {used}: {idle} stay idle; {how}",
+                      every_node=True)
+
+
+# ------------------------------------------------------------------- helpers
+
+
+def visible_gpus() -> int:
+    """How many GPUs this process sees (torch counts only CUDA_VISIBLE_DEVICES)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def visible_devices_note() -> str:
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "" if value is None else f" (CUDA_VISIBLE_DEVICES={value})"
+
+
+def gpus_bound_by_launcher(world) -> bool:
+    """True when the launcher may have given this process GPUs of its own: it set
+    CUDA_VISIBLE_DEVICES and is not our spawn (whose children share one variable)."""
+    return world.launcher != "spawn" and bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def gpu_group(mode: str, world, per_process: int, visible: int) -> list[int]:
+    """The indices (among the visible GPUs) of the ``per_process`` GPUs that the process
+    with ``world.local_rank`` drives.
+
+    - All local processes see the same GPUs (spawn, torchrun, SLURM one task per node):
+      local rank r takes GPUs ``r*k .. r*k+k-1``; the node needs k x local processes.
+    - The launcher bound each process to its own GPUs (``srun --gpus-per-task=k``, so
+      CUDA_VISIBLE_DEVICES lists exactly k GPUs and differs between tasks): the process
+      takes all k. Only trusted when CUDA_VISIBLE_DEVICES is set and the processes were
+      not spawned by us (spawned processes inherit one and the same variable).
+    """
+    needed = per_process * world.local_world_size
+    if visible >= needed:
+        first = world.local_rank * per_process
+        return list(range(first, first + per_process))
+    if visible == per_process and gpus_bound_by_launcher(world):
+        return list(range(per_process))
+    raise ConfigError(
+        f"parallel mode {mode!r} needs {per_process} GPU(s) per process x "
+        f"{world.local_world_size} processes on this node = {needed} GPUs, but "
+        f"{visible} are visible{visible_devices_note()}; start at most "
+        f"{max(1, visible // per_process)} processes per node (--nproc) or make more GPUs "
+        "visible"
+    )
 
 
 def require_single_process(parallel: Parallel) -> None:

@@ -3,7 +3,19 @@
 Built-in plugins go through exactly the code path a third-party plugin does: a module
 name, imported, registered under a short name. The only difference is where the list
 comes from (``BUILTIN_PLUGINS`` here, the ``engine.plugins`` entry-point group for
-installed packages, ``-p module.path`` on the command line).
+installed packages, ``-p`` on the command line).
+
+Control, in pytest's words:
+
+- ``-p no:NAME``: do not load the plugin NAME (a plugin name, or the name of the
+  distribution that provides it). Essential plugins refuse.
+- ``-p NAME``: load the installed entry-point plugin NAME (useful with autoload off),
+  or else import the module ``NAME`` (``-p mypackage.myplugin``) and register it.
+- ``ENGINE_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry-point plugin unless ``-p`` names it.
+
+Every start-up problem is one :class:`~engine.errors.PluginError` line that names the
+plugin: an import error, a hook that does not exist, a hook argument the spec lacks, a
+component name registered twice.
 """
 
 from __future__ import annotations
@@ -12,6 +24,7 @@ import difflib
 import importlib
 import inspect
 import os
+import re
 from typing import Iterable
 
 import attrs
@@ -19,7 +32,7 @@ import pluggy
 
 import engine
 from engine import hookspecs
-from engine.errors import PluginError
+from engine.errors import ConfigError, EngineError, PluginError
 from engine.registry import Registry
 
 ENTRY_POINT_GROUP = "engine.plugins"
@@ -36,16 +49,38 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("tensorboard", "engine.plugins.tensorboard"),
 )
 
-#: Plugins a run cannot do without; ``-p no:NAME`` refuses them.
+#: Plugins a run cannot do without (the fallback launcher, the one-process parallel
+#: mode, the default checkpointer); ``-p no:NAME`` refuses them.
 ESSENTIAL_PLUGINS = frozenset({"spawn", "single", "torch-file"})
 
 
 @attrs.frozen
 class PluginInfo:
     name: str
-    module: str
+    module: str  # what was imported: "package.module" or "package.module:object"
     version: str
-    source: str  # "built-in", a distribution name, or "-p"
+    source: str  # "built-in", "entry point", "-p" or "object"
+    distribution: str = ""  # the installed distribution that provides it, if known
+
+    def describe(self) -> str:
+        where = f"distribution {self.distribution} {self.version}" if self.distribution \
+            else self.source
+        return f"{self.module} ({where})"
+
+
+@attrs.frozen
+class EntryPoint:
+    """One ``engine.plugins`` entry point of an installed distribution."""
+
+    name: str
+    value: str  # "module" or "module:object"
+    distribution: str
+    version: str
+
+
+def normalize(name: str) -> str:
+    """Distribution names compare like pip compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 class EnginePluginManager(pluggy.PluginManager):
@@ -59,6 +94,9 @@ class EnginePluginManager(pluggy.PluginManager):
         self.launchers = Registry("launcher")
         self.parallel_modes = Registry("parallel mode")
         self.checkpointers = Registry("checkpointer")
+        self.autoload = True
+        self.disabled: list[str] = []  # the NAMEs of -p no:NAME
+        self.entry_points: list[EntryPoint] = []  # installed, loaded or not
 
     def parse_hookimpl_opts(self, plugin, name):
         # Like pytest: a function named engine_* counts as a hook implementation even
@@ -72,29 +110,66 @@ class EnginePluginManager(pluggy.PluginManager):
 
     # ------------------------------------------------------------------ loading
 
-    def load_plugin(self, name: str, module_name: str, version: str, source: str) -> None:
-        if self.is_blocked(name) or name in self.infos:
+    def load_plugin(self, name: str, target: str, *, version: str, source: str,
+                    distribution: str = "") -> None:
+        """Import ``target`` ("module" or "module:object") and register it as ``name``."""
+        if self.is_blocked(name) or (distribution and self.is_blocked(distribution)):
             return
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:
+        new = PluginInfo(name, target, version, source, distribution)
+        if name in self.infos:
             raise PluginError(
-                f'Error importing plugin "{name}": {type(exc).__name__}: {exc}'
-            ) from exc
-        self._register_checked(module, name)
-        self.infos[name] = PluginInfo(name, module_name, version, source)
+                f'two plugins are named "{name}": {self.infos[name].describe()} and '
+                f"{new.describe()}; uninstall one, or disable a distribution with "
+                f"-p no:DISTRIBUTION"
+            )
+        plugin = import_plugin(name, target)
+        if self.is_registered(plugin):
+            return  # the same module asked for twice (entry point and -p): load it once
+        self._register_checked(plugin, name)
+        self.infos[name] = new
+
+    def load_entry_point(self, ep: EntryPoint, source: str = "entry point") -> None:
+        self.load_plugin(ep.name, ep.value, version=ep.version, source=source,
+                         distribution=ep.distribution)
 
     def register_object(self, plugin: object, name: str, source: str = "object") -> None:
         """Register an already-imported plugin object (tests, the library API)."""
         self._register_checked(plugin, name)
-        self.infos[name] = PluginInfo(name, getattr(plugin, "__name__", repr(plugin)),
+        self.infos[name] = PluginInfo(name, getattr(plugin, "__name__", type(plugin).__name__),
                                       engine.__version__, source)
 
     def _register_checked(self, plugin: object, name: str) -> None:
+        self._check_arguments(plugin, name)
         try:
             self.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
-            raise PluginError(f'Plugin "{name}" is invalid: {exc}') from exc
+            detail = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+            raise PluginError(f'Plugin "{name}" is invalid: {detail}') from None
+        except ValueError as exc:  # pluggy: name or object already registered
+            raise PluginError(f'Plugin "{name}" cannot be registered: {exc}') from None
+
+    def _check_arguments(self, plugin: object, name: str) -> None:
+        """An implementation may take fewer arguments than its hook, never others.
+
+        pluggy checks this too, but its message spans several lines."""
+        for attr in dir(plugin):
+            if not attr.startswith("engine_"):
+                continue
+            opts = self.parse_hookimpl_opts(plugin, attr)
+            if opts is None:
+                continue
+            hook_name = opts.get("specname") or attr
+            spec = getattr(hookspecs, hook_name, None)
+            if spec is None:
+                continue  # an unknown hook: check_pending names it, with a suggestion
+            provided = argnames(spec)
+            extra = [a for a in argnames(getattr(plugin, attr)) if a not in provided]
+            if extra:
+                raise PluginError(
+                    f'Plugin "{name}" implements hook "{hook_name}" with argument(s) '
+                    f"{', '.join(extra)} that the hook does not provide; it provides: "
+                    f"{', '.join(provided) or 'no arguments'}"
+                )
 
     def check_pending(self) -> None:
         """Every engine_* function must match a hook spec; name the plugin and hook."""
@@ -106,7 +181,7 @@ class EnginePluginManager(pluggy.PluginManager):
             if caller.spec is not None:
                 continue
             for impl in caller.get_hookimpls():
-                if impl.hookwrapper or impl.optionalhook:
+                if impl.optionalhook:
                     continue
                 close = difflib.get_close_matches(hook_name, specs, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -121,12 +196,46 @@ class EnginePluginManager(pluggy.PluginManager):
             (self.parallel_modes, self.hook.engine_register_parallel),
             (self.checkpointers, self.hook.engine_register_checkpointers),
         ):
-            # Called one plugin at a time (in registration order) so that the registry
-            # knows who registered what: a duplicate name then names both plugins.
-            for impl in reversed(hook.get_hookimpls()):
+            # One plugin at a time, in registration order (built-ins first), so that the
+            # registry knows who registered what: a duplicate name then names both
+            # plugins, and the one that came first keeps it.
+            for impl in hook.get_hookimpls():
+                if impl.hookwrapper or impl.wrapper:
+                    raise PluginError(f'Plugin "{impl.plugin_name}": the registration hook '
+                                      f'"{hook.name}" cannot be a wrapper')
                 registry.current_plugin = impl.plugin_name
-                impl.function(registry)
+                try:
+                    impl.function(*[{"registry": registry}[a] for a in impl.argnames])
+                except EngineError:
+                    raise
+                except Exception as exc:
+                    raise PluginError(
+                        f'Plugin "{impl.plugin_name}" failed in {hook.name}: '
+                        f"{type(exc).__name__}: {first_line(exc)}"
+                    ) from exc
             registry.current_plugin = "<unknown>"
+
+    # ---------------------------------------------------------------- queries
+
+    def find(self, name: str) -> PluginInfo | None:
+        """The loaded plugin called ``name``, or provided by the distribution ``name``."""
+        if name in self.infos:
+            return self.infos[name]
+        wanted = normalize(name)
+        return next((info for info in self.infos.values()
+                     if normalize(info.name) == wanted or
+                     (info.distribution and normalize(info.distribution) == wanted)), None)
+
+    def why_absent(self, name: str) -> str:
+        """Why the plugin ``name`` is not loaded, in a few words."""
+        wanted = normalize(name)
+        if any(normalize(d) == wanted for d in self.disabled):
+            return f"disabled with -p no:{name}"
+        for ep in self.entry_points:
+            if wanted in (normalize(ep.name), normalize(ep.distribution)):
+                return (f"installed ({ep.distribution} {ep.version}) but not loaded because "
+                        f"{DISABLE_AUTOLOAD_ENV} is set; add -p {ep.name}")
+        return "not installed"
 
     def components_of(self, plugin_name: str) -> dict[str, list[str]]:
         return {
@@ -140,100 +249,148 @@ class EnginePluginManager(pluggy.PluginManager):
         return sorted(caller.name for caller in self.get_hookcallers(plugin) or [])
 
 
-def _entry_points() -> Iterable[tuple[str, str, str, str]]:
-    from importlib.metadata import distributions
+def argnames(function) -> list[str]:
+    """The arguments pluggy passes to ``function`` (those without a default; no self)."""
+    params = [p for p in inspect.signature(function).parameters.values()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+              and p.default is p.empty]
+    names = [p.name for p in params]
+    if names and names[0] in ("self", "cls") and "." in getattr(function, "__qualname__", ""):
+        names = names[1:]
+    return names
 
-    seen = set()
-    for dist in distributions():
-        dist_name = dist.metadata["Name"]
-        if dist_name in seen:  # the same distribution on sys.path twice
-            continue
-        seen.add(dist_name)
-        for ep in dist.entry_points:
-            if ep.group == ENTRY_POINT_GROUP:
-                yield ep.name, ep.value, dist.version, dist_name
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def import_plugin(name: str, target: str) -> object:
+    """Import "module" or "module:object.attr"; any failure names the plugin."""
+    module_name, _, attr_path = target.partition(":")
+    try:
+        plugin = importlib.import_module(module_name)
+        for attr in filter(None, attr_path.split(".")):
+            plugin = getattr(plugin, attr)
+    except Exception as exc:
+        raise PluginError(
+            f'Error importing plugin "{name}": {type(exc).__name__}: {first_line(exc)}'
+        ) from exc
+    return plugin
+
+
+def installed_entry_points() -> list[EntryPoint]:
+    from importlib.metadata import entry_points
+
+    found = []
+    # importlib.metadata lists a distribution once even when it is on sys.path twice.
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist
+        found.append(EntryPoint(ep.name, ep.value, dist.name if dist else "",
+                                dist.version if dist else "-"))
+    return found
 
 
 def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = None
                          ) -> EnginePluginManager:
     """``extra`` holds the ``-p`` arguments: ``no:NAME`` blocks a plugin, anything else
-    is a module path to import and register."""
+    names an entry point or a module to import and register. ``autoload`` defaults to
+    true unless ENGINE_DISABLE_PLUGIN_AUTOLOAD is set to something other than 0."""
     pm = EnginePluginManager()
     extra = list(extra)
-    for spec in extra:
-        if spec.startswith("no:"):
-            name = spec[3:]
-            if name in ESSENTIAL_PLUGINS:
-                raise PluginError(
-                    f'Plugin "{name}" is essential and cannot be disabled '
-                    f"(essential: {', '.join(sorted(ESSENTIAL_PLUGINS))})"
-                )
-            pm.set_blocked(name)
+    disable = [spec[3:] for spec in extra if spec.startswith("no:")]
+    add = [spec for spec in extra if not spec.startswith("no:")]
+    for name in disable:
+        if name in ESSENTIAL_PLUGINS:
+            raise PluginError(
+                f'Plugin "{name}" is essential and cannot be disabled '
+                f"(essential: {', '.join(sorted(ESSENTIAL_PLUGINS))})"
+            )
+        pm.set_blocked(name)
+        pm.disabled.append(name)
 
     for name, module_name in BUILTIN_PLUGINS:
-        pm.load_plugin(name, module_name, engine.__version__, "built-in")
+        pm.load_plugin(name, module_name, version=engine.__version__, source="built-in")
 
     if autoload is None:
         autoload = os.environ.get(DISABLE_AUTOLOAD_ENV, "") in ("", "0")
+    pm.autoload = autoload
+    pm.entry_points = installed_entry_points()
     if autoload:
-        for name, value, version, dist_name in _entry_points():
-            pm.load_plugin(name, value.split(":")[0], version, dist_name)
+        for ep in pm.entry_points:
+            pm.load_entry_point(ep)
 
-    for spec in extra:
-        if not spec.startswith("no:"):
-            pm.load_plugin(spec, spec, _module_version(spec), "-p")
+    by_name = {ep.name: ep for ep in pm.entry_points}
+    for spec in add:
+        if spec in pm.infos:
+            continue  # already loaded: a built-in, or an entry point autoload found
+        if spec in by_name:
+            pm.load_entry_point(by_name[spec], source="-p")
+        else:
+            version, dist = module_version(spec)
+            pm.load_plugin(spec, spec, version=version, source="-p", distribution=dist)
+
+    known = {name for name, _ in BUILTIN_PLUGINS} | set(add)
+    known |= {n for ep in pm.entry_points for n in (ep.name, ep.distribution)}
+    for name in disable:
+        if name not in known and normalize(name) not in map(normalize, known):
+            raise PluginError(
+                f'-p no:{name}: no plugin or distribution is named "{name}"; plugins: '
+                + ", ".join(sorted({*pm.infos, *(ep.name for ep in pm.entry_points)}))
+            )
 
     pm.check_pending()
     pm.fill_registries()
     return pm
 
 
-def _module_version(module_name: str) -> str:
+def module_version(module_name: str) -> tuple[str, str]:
+    """(version, distribution) of a ``-p`` module: its distribution's, else its
+    ``__version__``, else "-"."""
+    from importlib import metadata
+
+    top = module_name.split(":")[0].split(".")[0]
+    for dist in metadata.packages_distributions().get(top, []):
+        try:
+            return metadata.version(dist), dist
+        except metadata.PackageNotFoundError:
+            continue
     try:
-        return str(getattr(importlib.import_module(module_name), "__version__", "-"))
+        module = importlib.import_module(module_name.split(":")[0])
     except Exception:
-        return "-"  # the import error itself is reported by load_plugin
+        return "-", ""  # the import error itself is reported by load_plugin
+    return str(getattr(module, "__version__", "-")), ""
 
 
 def require_plugins(pm: EnginePluginManager, requirements: Iterable[str]) -> None:
-    """Check a recipe's ``REQUIRED_PLUGINS`` such as ``["engine-csv>=0.2"]``."""
+    """Check a recipe's ``REQUIRED_PLUGINS``, such as ``["engine-csv-logger>=0.3"]``.
+
+    A name matches a loaded plugin's name or its distribution's; the specifier uses
+    pip's rules (``>=0.3,<1``, ``~=0.3.1``, ``==0.3.*``)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.version import InvalidVersion, Version
+
     missing = []
-    for req in requirements:
-        name, op, wanted = _split_requirement(req)
-        info = pm.infos.get(name) or next(
-            (i for i in pm.infos.values() if i.source == name), None)
-        if info is None or (op and not _version_ok(info.version, op, wanted)):
-            have = f" (have {info.version})" if info else ""
-            missing.append(req + have)
+    for text in requirements:
+        try:
+            req = Requirement(text)
+        except InvalidRequirement:
+            raise ConfigError(
+                f"REQUIRED_PLUGINS entry {text!r} is not a requirement; write a plugin or "
+                "distribution name with an optional version specifier, e.g. "
+                "'engine-csv-logger>=0.3'"
+            ) from None
+        info = pm.find(req.name)
+        if info is None:
+            missing.append(f"{text} ({pm.why_absent(req.name)})")
+            continue
+        if not req.specifier:
+            continue
+        try:
+            ok = req.specifier.contains(Version(info.version), prereleases=True)
+        except InvalidVersion:
+            ok = False
+        if not ok:
+            missing.append(f"{text} (have {info.version})")
     if missing:
         raise PluginError("Missing required plugins: " + ", ".join(missing))
-
-
-_OPS = ("==", ">=", "<=", "!=", "~=", ">", "<")
-
-
-def _split_requirement(req: str) -> tuple[str, str, str]:
-    for op in _OPS:
-        if op in req:
-            name, _, wanted = req.partition(op)
-            return name.strip(), op, wanted.strip()
-    return req.strip(), "", ""
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-def _version_ok(have: str, op: str, wanted: str) -> bool:
-    h, w = _version_tuple(have), _version_tuple(wanted)
-    if op == "~=":
-        return h >= w and h[: len(w) - 1] == w[: len(w) - 1]
-    return {
-        "==": h == w, "!=": h != w, ">=": h >= w, "<=": h <= w, ">": h > w, "<": h < w,
-    }[op]
