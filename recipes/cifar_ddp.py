@@ -11,6 +11,7 @@ otherwise (with one warning) a synthetic CIFAR-shaped set that the network can l
 from __future__ import annotations
 
 import pathlib
+import pickle
 import socket
 from typing import Literal
 
@@ -81,7 +82,7 @@ def build_optimizer(cfg: Config, model: nn.Module):
 
 def cifar_present(root: pathlib.Path) -> bool:
     folder = root / CIFAR_FOLDER
-    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]
     return all((folder / name).is_file() for name in names)
 
 
@@ -121,7 +122,7 @@ def build_datasets(cfg: Config, ctx):
     if cfg.data.source == "cifar10":
         raise ConfigError(
             f"data.source=cifar10 but CIFAR-10 is not under {str(root)!r}: put the python "
-            f"version there ({root / CIFAR_FOLDER}/data_batch_1..5, test_batch, or "
+            f"version there ({root / CIFAR_FOLDER}/data_batch_1..5, test_batch, batches.meta, or "
             f"{root / CIFAR_ARCHIVE}), or set data.root"
         )
     if cfg.data.source == "auto":
@@ -141,6 +142,12 @@ def cifar10(root: pathlib.Path, train: bool):
         # checked against the official archive's md5 in prepare_data.
         def _check_integrity(self) -> bool:
             return cifar_present(pathlib.Path(self.root))
+
+        def _load_meta(self) -> None:
+            with open(pathlib.Path(self.root) / self.base_folder / self.meta["filename"],
+                      "rb") as f:
+                self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+            self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
 
     transform = T.Compose([T.ToTensor(), T.Normalize(CIFAR_MEAN, CIFAR_STD)])
     return LocalCIFAR10(str(root), train=train, transform=transform, download=False)
