@@ -34,6 +34,8 @@ from engine.errors import ConfigError
 
 class Parallel:
     name: ClassVar[str] = ""
+    #: True for modes that run in exactly one process (a launcher can default to 1).
+    single_process: ClassVar[bool] = False
 
     def __init__(self, world, cfg):
         self.world = world
@@ -79,6 +81,11 @@ class Parallel:
     def no_sync(self, model):
         """Context for micro-steps that must not synchronise gradients."""
         return contextlib.nullcontext()
+
+    def sync_buffers(self, model) -> None:
+        """Make every rank's buffers (BatchNorm running statistics) equal again after
+        training steps, before validation or a snapshot reads them. A no-op for modes
+        that keep one copy of the model."""
 
     def explain(self, exc: BaseException) -> str | None:
         """A hint for an error raised during a step, or None."""

@@ -1,7 +1,29 @@
 """Parallel mode ``ddp``: DistributedDataParallel, one device per process.
 
-On CUDA, local rank i drives GPU i of the visible ones (NCCL); on a CPU-only machine
-every process computes on the CPU (gloo). The options come from ``cfg.ddp``.
+On CUDA, local rank i drives visible GPU i (NCCL; ``torch.cuda.set_device`` before the
+process group); on a CPU-only machine every process computes on the CPU (gloo). The
+batch is split across processes: each gets ``batch_size / world_size``.
+
+The DDP options come from ``cfg.ddp`` (``engine-run RECIPE ddp.bucket_cap_mb=50``):
+
+- ``bucket_cap_mb`` (25): gradients are all-reduced in buckets of this size, each
+  as soon as it is full, overlapping communication with the rest of the backward.
+- ``gradient_as_bucket_view`` (true): ``.grad`` tensors are views into the buckets,
+  which saves one copy of the gradients in memory and time.
+- ``static_graph`` (false): the set of used parameters never changes; DDP can then
+  skip work and support reentrant checkpointing.
+- ``find_unused_parameters`` (false): walk the autograd graph after every forward to
+  find parameters that get no gradient; only needed when some really are unused
+  (it costs a graph traversal per step). Without it such a model fails in the second
+  step; the engine's error then names this option.
+- ``broadcast_buffers`` (true): rank 0's buffers (BatchNorm running statistics) are
+  copied to every rank at the start of each forward, so the ranks stay identical.
+- ``sync_batchnorm`` (false): convert BatchNorm layers to SyncBatchNorm, which
+  normalises with the statistics of the global batch. torch supports it on GPUs only;
+  on the CPU it is a clear error.
+
+With one process there is nothing to synchronise: the model trains unwrapped, as with
+``single``, and the mode says so.
 """
 
 from __future__ import annotations
@@ -10,38 +32,41 @@ import inspect
 
 import engine
 from engine.errors import ConfigError
-from engine.parallel import Parallel
-
-UNUSED_PARAMETERS_MARKERS = (
-    "Expected to have finished reduction in the prior iteration",
-    "find_unused_parameters",
-)
+from engine.parallel import Parallel, gpu_group, visible_gpus
 
 
 class DistributedDataParallel(Parallel):
     name = "ddp"
+    #: GPUs each process drives (ddp-multigpu overrides it).
+    gpus_per_process = 1
+    idle_gpus_advice = ("start one process per GPU (--nproc; spawn's default) or use "
+                        "--parallel ddp-multigpu")
 
     @property
     def devices(self):
         import torch
 
-        if torch.cuda.is_available():
-            return [torch.device("cuda", self.world.local_rank)]
-        return [torch.device("cpu")]
+        visible = visible_gpus()
+        if not visible:
+            return [torch.device("cpu")]
+        indices = gpu_group(self.name, self.world, self.gpus_per_process, visible)
+        return [torch.device("cuda", i) for i in indices]
 
     @property
     def backend(self):
         return "nccl" if self.device.type == "cuda" else "gloo"
 
     def check(self):
-        import torch
+        device = self.devices[0]  # raises when the node lacks GPUs for its processes
+        if (self.cfg.ddp.sync_batchnorm and device.type == "cpu"
+                and self.world.world_size > 1):
+            import torch
 
-        visible = torch.cuda.device_count()
-        if visible and self.world.local_world_size > visible:
             raise ConfigError(
-                f"parallel mode 'ddp' needs one GPU per local process: "
-                f"{self.world.local_world_size} processes on this node but {visible} "
-                "visible GPUs (CUDA_VISIBLE_DEVICES); start fewer processes with --nproc"
+                f"ddp.sync_batchnorm=true needs GPUs: SyncBatchNorm in torch "
+                f"{torch.__version__.split('+')[0]} synchronises CUDA tensors only; on "
+                "the CPU set ddp.sync_batchnorm=false (each process then normalises with "
+                "the statistics of its own share of the batch)"
             )
 
     def setup_device(self):
@@ -50,41 +75,85 @@ class DistributedDataParallel(Parallel):
         if self.device.type == "cuda":
             # Before the process group: NCCL binds each rank to the current device.
             torch.cuda.set_device(self.device)
+            self.warn_idle_gpus(self.gpus_per_process * self.world.local_world_size,
+                                self.idle_gpus_advice)
+
+    # ---------------------------------------------------------------- model
 
     def wrap(self, model):
         import torch
+
+        if self.world.world_size == 1:
+            self.warn(f"parallel mode {self.name!r} with one process: nothing to "
+                      "synchronise, training the model unwrapped (as 'single')")
+            return model
+        if self.cfg.ddp.sync_batchnorm:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        return self.ddp(model, device_ids=[self.device.index]
+                        if self.device.type == "cuda" else None)
+
+    def ddp(self, module, device_ids):
+        """torch's DistributedDataParallel around ``module`` with the ``cfg.ddp`` options."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         opts = self.cfg.ddp
-        if opts.sync_batchnorm:
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        extra = {}
-        if not opts.broadcast_buffers:
-            # Newer torch renamed the option and warns on the old name.
-            name = ("forward_sync_buffers" if "forward_sync_buffers" in
-                    inspect.signature(DDP.__init__).parameters else "broadcast_buffers")
-            extra[name] = False
+        # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (same meaning
+        # during training) and warns on the old name.
+        sync_buffers = ("forward_sync_buffers" if "forward_sync_buffers" in
+                        inspect.signature(DDP.__init__).parameters else "broadcast_buffers")
         return DDP(
-            model,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            module,
+            device_ids=device_ids,
             bucket_cap_mb=opts.bucket_cap_mb,
             gradient_as_bucket_view=opts.gradient_as_bucket_view,
             static_graph=opts.static_graph,
             find_unused_parameters=opts.find_unused_parameters,
-            **extra,
+            **{sync_buffers: opts.broadcast_buffers},
         )
 
     def unwrap(self, model):
-        return getattr(model, "module", model)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return model.module if isinstance(model, DDP) else model
 
     def no_sync(self, model):
-        return model.no_sync()
+        import contextlib
+
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # DDP.no_sync: gradients accumulate locally; the next step outside it reduces
+        # them all in one all-reduce per bucket.
+        return model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
+
+    def sync_buffers(self, model):
+        """DDP broadcasts rank 0's buffers at the start of every forward, but each rank
+        then updates them with its own batch: after the last step the ranks' BatchNorm
+        statistics differ. Broadcast rank 0's once more (unless the user turned buffer
+        broadcasting off to keep them per rank)."""
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if not isinstance(model, DDP) or not self.cfg.ddp.broadcast_buffers:
+            return
+        for buffer in model.module.buffers():
+            dist.broadcast(buffer, src=0)
 
     def explain(self, exc):
         text = str(exc)
-        if any(marker in text for marker in UNUSED_PARAMETERS_MARKERS):
+        if "Expected to have finished reduction" in text:
+            if "static_graph" in text:
+                return ("the set of parameters used changed between steps, which "
+                        "ddp.static_graph=true forbids; set ddp.static_graph=false "
+                        "(and ddp.find_unused_parameters=true if some are unused)")
+            if "Since `find_unused_parameters=True` is enabled" in text:
+                return ("ddp.find_unused_parameters is on, so some forward outputs do "
+                        "not reach the loss; make every output the model returns take "
+                        "part in the loss")
             return ("some parameters received no gradient in the last step; if the model "
                     "really leaves parameters unused, set ddp.find_unused_parameters=true")
+        if "Duplicate GPU detected" in text:
+            return ("two processes drive the same GPU; give each process its own "
+                    "(CUDA_VISIBLE_DEVICES, srun --gpus-per-task) or start fewer (--nproc)")
         return None
 
 

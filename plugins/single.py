@@ -1,22 +1,35 @@
-"""Parallel mode ``single``: one process, one device (the first CUDA device, else CPU)."""
+"""Parallel mode ``single``: one process, one device (the first visible GPU, else CPU).
+
+With several GPUs visible it still uses only ``cuda:0`` and says so loudly: ``dp``
+(one process, every GPU) or ``ddp`` (one process per GPU) would use them all.
+"""
 
 from __future__ import annotations
 
 import engine
-from engine.parallel import Parallel, require_single_process
+from engine.parallel import Parallel, require_single_process, visible_gpus
 
 
 class SingleDevice(Parallel):
     name = "single"
+    single_process = True
 
     @property
     def devices(self):
         import torch
 
-        return [torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")]
+        return [torch.device("cuda", 0) if visible_gpus() else torch.device("cpu")]
 
     def check(self):
         require_single_process(self)
+
+    def setup_device(self):
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self.warn_idle_gpus(1, "use --parallel ddp (one process per GPU, the fastest) "
+                                   "or --parallel dp")
 
 
 @engine.hookimpl
