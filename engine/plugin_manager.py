@@ -44,6 +44,8 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("spawn", "engine.plugins.spawn"),
     ("single", "engine.plugins.single"),
     ("ddp", "engine.plugins.ddp"),
+    ("dp", "engine.plugins.dp"),
+    ("ddp-multigpu", "engine.plugins.ddp_multigpu"),
     ("torch-file", "engine.plugins.torch_file"),
     ("console", "engine.plugins.console"),
     ("tensorboard", "engine.plugins.tensorboard"),
