@@ -5,37 +5,102 @@
   start part-way through an epoch without loading the samples it skips.
 - Validation: :class:`ShardSampler`, rank r takes samples r, r+W, r+2W...; no padding,
   so every validation sample is counted exactly once in the reduced metrics.
+
+A dataset may carry two optional attributes that the loaders honour:
+``sample_weights`` (one weight per sample: the training order becomes a weighted draw
+with replacement, e.g. class-balanced) and ``collate_fn`` (how samples become a batch).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import random
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 
 class ResumableDistributedSampler(DistributedSampler):
     def __init__(self, dataset, num_replicas: int, rank: int, seed: int, shuffle: bool = True,
-                 drop_last: bool = False):
+                 drop_last: bool = False, weights=None):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
                          seed=seed, drop_last=drop_last)
         self.start_index = 0  # samples of this rank's share to skip in the current epoch
+        self.with_epoch = False  # yield (epoch, index) keys for SeededSamples
+        self.weights = None if weights is None else torch.as_tensor(weights, dtype=torch.double)
 
     def set_epoch(self, epoch: int, start_index: int = 0) -> None:
         super().set_epoch(epoch)
         self.start_index = start_index
 
     def __iter__(self):
-        indices = super().__iter__()
+        if self.weights is None:
+            indices = super().__iter__()
+        else:
+            # Every rank draws the same global order from (seed, epoch), then takes its
+            # own share of it, as DistributedSampler does with a permutation.
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.multinomial(self.weights, self.total_size, replacement=True,
+                                      generator=g).tolist()
+            indices = iter(order[self.rank:self.total_size:self.num_replicas])
         if self.start_index:
             indices = iter(list(indices)[self.start_index:])
+        if self.with_epoch:
+            epoch = self.epoch
+            indices = ((epoch, i) for i in indices)
         return indices
 
     def __len__(self) -> int:
         return self.num_samples - self.start_index
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    key = f"{seed}:{epoch}:{index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+class SeededSamples(Dataset):
+    """Random augmentation that depends on (seed, epoch, sample index) only.
+
+    Before loading sample i of epoch e, torch, numpy and random are seeded from
+    (seed, e, i): which worker loads a sample, or whether the epoch was resumed half-way
+    through, no longer changes its augmentation. That is what makes a resumed run with
+    workers and random transforms bit-identical to an uninterrupted one. In the main
+    process (num_workers=0) the global RNG states are restored afterwards.
+    """
+
+    def __init__(self, dataset, seed: int):
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name):  # sample_weights, collate_fn, classes... of the dataset
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        seed = sample_seed(self.seed, epoch, index)
+        in_worker = torch.utils.data.get_worker_info() is not None
+        saved = None if in_worker else (random.getstate(), np.random.get_state(),
+                                         torch.get_rng_state())
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        try:
+            return self.dataset[index]
+        finally:
+            if saved is not None:
+                random.setstate(saved[0])
+                np.random.set_state(saved[1])
+                torch.set_rng_state(saved[2])
 
 
 class ShardSampler(Sampler):
@@ -94,19 +159,45 @@ def split_batch(global_batch: int, world_size: int, accum: int) -> int:
 
 
 def train_loader(dataset, *, micro_batch: int, world, seed: int, num_workers: int,
-                 pin_memory: bool, drop_last: bool) -> DataLoader:
+                 pin_memory: bool, drop_last: bool, persistent_workers: bool | None = None,
+                 prefetch_factor: int | None = None, timeout: float = 0.0,
+                 per_sample_seed: bool = False) -> DataLoader:
     sampler = ResumableDistributedSampler(dataset, num_replicas=world.world_size,
-                                          rank=world.rank, seed=seed)
+                                          rank=world.rank, seed=seed,
+                                          weights=getattr(dataset, "sample_weights", None))
+    if per_sample_seed:
+        dataset = SeededSamples(dataset, seed)
+        sampler.with_epoch = True
+    # The loader draws its workers' base seed from its own generator (reseeded every
+    # epoch by start_epoch), never from the global RNG: a resumed epoch then leaves the
+    # global RNG exactly where the uninterrupted run had it.
     return DataLoader(dataset, batch_size=micro_batch, sampler=sampler,
+                      generator=torch.Generator().manual_seed(seed),
                       num_workers=num_workers, pin_memory=pin_memory, drop_last=drop_last,
-                      persistent_workers=num_workers > 0)
+                      persistent_workers=(num_workers > 0 if persistent_workers is None
+                                          else persistent_workers),
+                      prefetch_factor=prefetch_factor, timeout=timeout,
+                      collate_fn=getattr(dataset, "collate_fn", None))
 
 
-def val_loader(dataset, *, batch: int, world, num_workers: int, pin_memory: bool
-               ) -> DataLoader:
+def start_epoch(loader: DataLoader, epoch: int, start_index: int = 0) -> None:
+    """Before iterating an epoch: the sampler's order, the position to resume from, and
+    the workers' seeds, all derived from (seed, epoch)."""
+    sampler = loader.sampler
+    sampler.set_epoch(epoch, start_index=start_index)
+    loader.generator.manual_seed(sampler.seed * 1_000_003 + epoch)
+
+
+def val_loader(dataset, *, batch: int, world, num_workers: int, pin_memory: bool,
+               persistent_workers: bool | None = None, prefetch_factor: int | None = None,
+               timeout: float = 0.0) -> DataLoader:
     sampler = ShardSampler(len(dataset), world.world_size, world.rank)
     return DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=num_workers > 0)
+                      pin_memory=pin_memory,
+                      persistent_workers=(num_workers > 0 if persistent_workers is None
+                                          else persistent_workers),
+                      prefetch_factor=prefetch_factor, timeout=timeout,
+                      collate_fn=getattr(dataset, "collate_fn", None))
 
 
 def batches_per_epoch(num_samples: int, micro_batch: int, drop_last: bool) -> int:

@@ -169,18 +169,22 @@ class Engine:
                 if world.is_local_rank0:
                     prepare(cfg, self)
         train_set, val_set = recipe.module.build_datasets(cfg, self)
-        pin = self.device.type == "cuda"
-        workers = cfg.num_workers if isinstance(cfg.num_workers, int) else 0
+        from engine import loader_settings
+
+        # num_workers, persistence, prefetch, pinning, timeout: engine/loader_settings.py
+        self.loader_settings = loader_settings.choose(
+            cfg.num_workers, local_world_size=world.local_world_size,
+            device_type=self.device.type, timeout_s=cfg.timeout_s)
+        loader_kwargs = self.loader_settings.loader_kwargs()
         self.train_loader = data.train_loader(
             train_set, micro_batch=self.micro_batch, world=world, seed=cfg.seed,
-            num_workers=workers, pin_memory=pin, drop_last=cfg.drop_last)
+            drop_last=cfg.drop_last, per_sample_seed=cfg.per_sample_seed, **loader_kwargs)
         if len(self.train_loader) == 0:
             raise ConfigError(
                 f"the training set has {len(train_set)} samples, fewer than one batch of "
                 f"{self.micro_batch} per process; use a smaller batch_size or drop_last=false")
         self.val_loader = None if val_set is None else data.val_loader(
-            val_set, batch=self.micro_batch, world=world, num_workers=workers,
-            pin_memory=pin)
+            val_set, batch=self.micro_batch, world=world, **loader_kwargs)
 
         # The model is built right after seeding, as a hand-written loop would, so the
         # initial weights are the same as there.

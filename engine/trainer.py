@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from engine import distributed, snapshot
+from engine import data, distributed, snapshot
 from engine.errors import EngineError
 
 
@@ -59,9 +59,8 @@ class Trainer:
         eng, cfg = self.engine, self.cfg
         while eng.state.epoch < cfg.epochs and not self.stop_requested:
             epoch = eng.state.epoch
-            sampler = eng.train_loader.sampler
-            start = eng.state.batch_in_epoch * eng.micro_batch
-            sampler.set_epoch(epoch, start_index=start)
+            data.start_epoch(eng.train_loader, epoch,
+                             start_index=eng.state.batch_in_epoch * eng.micro_batch)
             eng.pm.hook.engine_epoch_start(engine=eng, epoch=epoch)
             train_metrics = self.train_epoch(epoch)
             if self.stop_requested:
