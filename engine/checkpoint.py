@@ -177,5 +177,23 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until every save started so far is durable."""
 
+    # The engine calls these two. The defaults suit checkpointers that store the
+    # snapshot dict as it is; a sharded format overrides them to work with the model
+    # and optimizer directly (see plugins/dcp.py).
+
+    def save_snapshot(self, eng, state: dict, *, epoch: int, step: int,
+                      metrics: dict | None = None) -> pathlib.Path | None:
+        """Called on every rank with the snapshot dict (engine.snapshot.capture);
+        by default only rank 0 writes, unless ``all_ranks``."""
+        if self.all_ranks or eng.is_rank0:
+            return self.save(state, epoch=epoch, step=step, metrics=metrics)
+        return None
+
+    def restore_snapshot(self, eng, path: pathlib.Path) -> None:
+        """Load ``path`` into the engine's model, optimizer and train state."""
+        from engine import snapshot
+
+        snapshot.restore(eng, self.load(path, map_location=eng.device), source=str(path))
+
     def close(self) -> None:
         self.wait()

@@ -72,12 +72,8 @@ def capture(eng) -> dict:
 
 def save(eng) -> pathlib.Path | None:
     """Write a snapshot; rank 0 only unless the checkpointer shards over all ranks."""
-    snap = capture(eng)
-    path = None
-    if eng.checkpointer.all_ranks or eng.is_rank0:
-        path = eng.checkpointer.save(snap, epoch=eng.state.epoch, step=eng.state.step,
-                                     metrics=dict(eng.metrics))
-    return path
+    return eng.checkpointer.save_snapshot(eng, capture(eng), epoch=eng.state.epoch,
+                                          step=eng.state.step, metrics=dict(eng.metrics))
 
 
 def resume(eng) -> None:
@@ -103,8 +99,7 @@ def resume(eng) -> None:
         raise chosen
     if chosen is None:
         return
-    snap = eng.checkpointer.load(pathlib.Path(chosen), map_location=eng.device)
-    restore(eng, snap, source=chosen)
+    eng.checkpointer.restore_snapshot(eng, pathlib.Path(chosen))
     s = eng.state
     where = f"epoch {s.epoch}, step {s.step}" + (
         f", batch {s.batch_in_epoch} of the epoch" if s.batch_in_epoch else "")
