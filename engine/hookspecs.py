@@ -1,34 +1,46 @@
 """Every hook the engine calls, in one module, all with the ``engine_`` prefix.
 
-Each docstring states the hook's *kind*:
+Each docstring starts its last paragraph but one with the hook's *kind*:
 
-- **registration**: called once at start-up, in plugin registration order (built-ins
-  first, then entry points, then ``-p`` extras); the plugin adds components to a
-  :class:`engine.registry.Registry`. A name registered twice is an error naming both
-  plugins.
+- **registration**: called once at start-up in every process, one plugin at a time in
+  registration order (built-ins first, then entry points, then ``-p`` extras); the
+  plugin adds components to a :class:`engine.registry.Registry`. A name registered twice
+  is an error naming both plugins. Cannot be a wrapper.
 - **historic**: remembered by the plugin manager and replayed to plugins registered
-  later, so late plugins see it too.
-- **notification**: every implementation is called, results are ignored.
+  later, so late plugins see it too. Cannot be a wrapper.
+- **notification**: every implementation is called, results are ignored. Any
+  notification hook may be implemented as a wrapper (``@engine.hookimpl(wrapper=True)``,
+  a generator that yields once) to run code around the other implementations.
 - **first result**: implementations are called until one returns something other than
-  ``None``; that value is the answer.
+  ``None``; that value is the answer. (No hook is of this kind yet.)
 
-The run calls them in this order (``engine.trainer.Trainer.fit`` holds the loop)::
+The ``engine`` argument is the worker's :class:`engine.engine.Engine` under
+``engine-run``, or the :class:`engine.api.Context` of a custom loop. Both offer
+``is_rank0``, ``world``, ``cfg``, ``out_dir``, ``state.epoch``, ``state.step``,
+``options``, ``print(msg)`` and ``warn(msg)``; anything else is ``Engine``-only.
+
+``engine-run`` calls them in this order (``engine.trainer.Trainer.fit`` holds the loop)::
 
     engine_register_launchers / _parallel / _checkpointers     (start-up, every process)
     engine_addoption                                            (CLI start-up, historic)
-    engine_run_start
+    engine_run_start                                            (each worker)
       for each epoch:
         engine_epoch_start
           for each optimizer step:
             engine_train_step_end          (skipped entirely when nobody implements it)
             engine_log                     (rank 0, every ``log_every`` steps)
-        engine_log                         (rank 0, validation metrics)
+        engine_log                         (rank 0, the epoch's metrics after validation)
         engine_epoch_end
-    engine_run_end                         (also after a failure, with status "failed")
-    engine_exception                       (only when the run raised)
+    engine_exception                       (only when the run raised, before run_end)
+    engine_run_end                         (always, last; summary["status"] says how)
 
-Signatures only ever grow by optional arguments; each docstring notes the version in
-which an argument was added.
+A custom loop (:func:`engine.launch`) fires the registration hooks, ``engine_log`` (on
+rank 0, from ``ctx.log``), ``engine_exception`` and ``engine_run_end``.
+
+Signatures only ever grow, by arguments that implementations may leave out (pluggy
+passes an implementation only the arguments it names). Each docstring ends with the
+version that added the hook and, for any argument added later, the version that added
+that argument ("Since 0.1." / "``foo`` since 0.2.").
 """
 
 from __future__ import annotations
@@ -45,9 +57,11 @@ hookspec = pluggy.HookspecMarker("engine")
 def engine_register_launchers(registry):
     """Add launchers: ``registry.add("name", LauncherClass)``.
 
-    Kind: registration. A launcher decides how worker processes come into being
-    (spawn them, or adopt the variables of torchrun / SLURM / legacy launch) and
-    describes each worker's place in the world. See :class:`engine.launcher.Launcher`.
+    A launcher decides how worker processes come into being (spawn them, or adopt the
+    variables of torchrun / SLURM / legacy launch) and describes each worker's place in
+    the world. The class must subclass :class:`engine.launcher.Launcher`.
+
+    Kind: registration. Fires at start-up in every process (CLI and workers).
 
     Since 0.1.
     """
@@ -57,9 +71,11 @@ def engine_register_launchers(registry):
 def engine_register_parallel(registry):
     """Add parallel modes: ``registry.add("name", ParallelClass)``.
 
-    Kind: registration. A parallel mode chooses the devices and backend of a worker,
-    wraps and unwraps the model and splits the batch. See
+    A parallel mode chooses the devices and backend of a worker, wraps and unwraps the
+    model and splits the batch. The class must subclass
     :class:`engine.parallel.Parallel`.
+
+    Kind: registration. Fires at start-up in every process (CLI and workers).
 
     Since 0.1.
     """
@@ -69,8 +85,10 @@ def engine_register_parallel(registry):
 def engine_register_checkpointers(registry):
     """Add checkpointers: ``registry.add("name", CheckpointerClass)``.
 
-    Kind: registration. A checkpointer writes and reads snapshots. See
+    A checkpointer writes and reads snapshots. The class must subclass
     :class:`engine.checkpoint.Checkpointer`.
+
+    Kind: registration. Fires at start-up in every process (CLI and workers).
 
     Since 0.1.
     """
@@ -83,7 +101,11 @@ def engine_register_checkpointers(registry):
 def engine_addoption(parser):
     """Add command-line options to ``engine-run`` (an :class:`argparse.ArgumentParser`).
 
-    Kind: historic. Values arrive in ``engine.options`` (an ``argparse.Namespace``).
+    The parsed values reach every worker in ``engine.options`` (a dict keyed by the
+    option's ``dest``); use a distinctive prefix (``--csv-every``) to avoid clashes.
+
+    Kind: historic. Fires once in the ``engine-run`` process, before the command line
+    is parsed; not in custom loops.
 
     Since 0.1.
     """
@@ -94,10 +116,11 @@ def engine_addoption(parser):
 
 @hookspec
 def engine_run_start(engine):
-    """The worker is set up (process group, model, optimizer, data) and about to train.
+    """The worker is set up (process group, model, optimizer, data, resumed state) and
+    about to train; ``engine.state`` already holds the resumed epoch and step.
 
-    Kind: notification. Called on every rank; ``engine.is_rank0`` tells which one
-    this is.
+    Kind: notification. Fires on every rank (``engine.is_rank0`` tells which), once per
+    run, under ``engine-run`` only.
 
     Since 0.1.
     """
@@ -105,7 +128,9 @@ def engine_run_start(engine):
 
 @hookspec
 def engine_epoch_start(engine, epoch):
-    """An epoch begins (after ``sampler.set_epoch``). Kind: notification. Every rank.
+    """An epoch begins (after ``sampler.set_epoch``); ``epoch`` counts from 0.
+
+    Kind: notification. Fires on every rank, under ``engine-run`` only.
 
     Since 0.1.
     """
@@ -113,11 +138,12 @@ def engine_epoch_start(engine, epoch):
 
 @hookspec
 def engine_train_step_end(engine, step, loss):
-    """One optimizer step finished; ``loss`` is the step's loss tensor, still on the
-    device (calling ``.item()`` forces a host-device synchronisation every step).
+    """One optimizer step finished; ``step`` is the global step count after it and
+    ``loss`` the step's loss tensor, still on the device (calling ``.item()`` forces a
+    host-device synchronisation every step: accumulate on the device instead).
 
-    Kind: notification. Every rank. When no plugin implements this hook the Trainer
-    does not call it at all, so it costs nothing.
+    Kind: notification. Fires on every rank. When no plugin implements this hook the
+    Trainer does not call it at all, so it costs nothing.
 
     Since 0.1.
     """
@@ -127,11 +153,11 @@ def engine_train_step_end(engine, step, loss):
 def engine_log(engine, metrics, step):
     """Scalars to record: ``metrics`` maps names such as ``train/loss``, ``val/accuracy``,
     ``train/images_per_sec`` or ``lr`` to Python floats, at global optimizer step
-    ``step``.
+    ``step``. Logger plugins (console, TensorBoard, CSV, W&B...) implement this.
 
-    Kind: notification. Rank 0 only, every ``log_every`` steps during training and once
-    per epoch after validation. Logger plugins (console, TensorBoard, CSV...) implement
-    this.
+    Kind: notification. Fires on rank 0 only: every ``log_every`` steps during training
+    and once per epoch with the epoch's metrics after validation; in a custom loop,
+    whenever it calls ``ctx.log``.
 
     Since 0.1.
     """
@@ -140,7 +166,10 @@ def engine_log(engine, metrics, step):
 @hookspec
 def engine_epoch_end(engine, epoch, metrics):
     """An epoch finished; ``metrics`` holds the epoch's reduced metrics (Python floats,
-    identical on every rank). Kind: notification. Every rank.
+    identical on every rank).
+
+    Kind: notification. Fires on every rank, after that epoch's ``engine_log``, under
+    ``engine-run`` only.
 
     Since 0.1.
     """
@@ -149,9 +178,10 @@ def engine_epoch_end(engine, epoch, metrics):
 @hookspec
 def engine_run_end(engine, summary):
     """The run ended; ``summary`` is the dict that rank 0 writes to summary.json
-    (``summary["status"]`` is ``"completed"``, ``"failed"`` or ``"preempted"``).
+    (``summary["status"]`` is ``"completed"``, ``"failed"`` or ``"preempted"``). Loggers
+    flush and close their files here.
 
-    Kind: notification. Every rank. Loggers close their files here.
+    Kind: notification. Fires on every rank, last, however the run ended.
 
     Since 0.1.
     """
@@ -159,7 +189,11 @@ def engine_run_end(engine, summary):
 
 @hookspec
 def engine_exception(engine, exc):
-    """The run raised ``exc`` on this rank. Kind: notification. Every rank that raised.
+    """The run raised ``exc`` on this rank (the run still fails: this hook observes, it
+    cannot recover).
+
+    Kind: notification. Fires on every rank that raised, just before
+    ``engine_run_end``.
 
     Since 0.1.
     """

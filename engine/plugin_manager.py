@@ -25,7 +25,7 @@ import importlib
 import inspect
 import os
 import re
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import attrs
 import pluggy
@@ -93,9 +93,14 @@ class EnginePluginManager(pluggy.PluginManager):
         super().__init__("engine")
         self.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
-        self.launchers = Registry("launcher")
-        self.parallel_modes = Registry("parallel mode")
-        self.checkpointers = Registry("checkpointer")
+        # The base modules import no torch, so the registries can check subclasses.
+        from engine.checkpoint import Checkpointer
+        from engine.launcher import Launcher
+        from engine.parallel import Parallel
+
+        self.launchers = Registry("launcher", Launcher)
+        self.parallel_modes = Registry("parallel mode", Parallel)
+        self.checkpointers = Registry("checkpointer", Checkpointer)
         self.autoload = True
         self.disabled: list[str] = []  # the NAMEs of -p no:NAME
         self.entry_points: list[EntryPoint] = []  # installed, loaded or not
@@ -293,11 +298,13 @@ def installed_entry_points() -> list[EntryPoint]:
     return found
 
 
-def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = None
+def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = None,
+                         objects: Mapping[str, object] | None = None
                          ) -> EnginePluginManager:
     """``extra`` holds the ``-p`` arguments: ``no:NAME`` blocks a plugin, anything else
     names an entry point or a module to import and register. ``autoload`` defaults to
-    true unless ENGINE_DISABLE_PLUGIN_AUTOLOAD is set to something other than 0."""
+    true unless ENGINE_DISABLE_PLUGIN_AUTOLOAD is set to something other than 0.
+    ``objects`` maps names to plugin objects already in hand (tests), registered last."""
     pm = EnginePluginManager()
     extra = list(extra)
     disable = [spec[3:] for spec in extra if spec.startswith("no:")]
@@ -332,12 +339,17 @@ def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = N
             version, dist = module_version(spec)
             pm.load_plugin(spec, spec, version=version, source="-p", distribution=dist)
 
-    known = {name for name, _ in BUILTIN_PLUGINS} | set(add)
+    for name, plugin in (objects or {}).items():
+        pm.register_object(plugin, name)
+
+    known = {name for name, _ in BUILTIN_PLUGINS} | set(add) | set(objects or {})
     known |= {n for ep in pm.entry_points for n in (ep.name, ep.distribution)}
     for name in disable:
         if name not in known and normalize(name) not in map(normalize, known):
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
             raise PluginError(
-                f'-p no:{name}: no plugin or distribution is named "{name}"; plugins: '
+                f'-p no:{name}: no plugin or distribution is named "{name}"; {hint}plugins: '
                 + ", ".join(sorted({*pm.infos, *(ep.name for ep in pm.entry_points)}))
             )
 

@@ -1,43 +1,64 @@
 """Registries of components chosen by name (launchers, parallel modes, checkpointers).
 
 They are filled by the registration hooks. Unlike a dict, a registry refuses a name that
-is already taken (naming both plugins), and a lookup of an unknown name lists what is
-registered.
+is already taken (naming both plugins), a name that could not be typed on the command
+line, and a component that is not a subclass of the registry's base class; a lookup of
+an unknown name lists what is registered.
 """
 
 from __future__ import annotations
 
+import difflib
+import re
 from typing import Any
 
 from engine.errors import PluginError
 
+#: Names are typed on the command line (``--parallel NAME``, ``checkpointer=NAME``).
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+
 
 class Registry:
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, base: type | None = None):
         self.kind = kind  # "launcher", "parallel mode", "checkpointer"
+        self.base = base  # components must subclass it (None: anything goes)
         self._entries: dict[str, Any] = {}
         self._owners: dict[str, str] = {}
         # Set by the plugin manager while it calls one plugin's registration hook.
         self.current_plugin = "<unknown>"
 
     def add(self, name: str, component: Any) -> None:
+        plugin = self.current_plugin
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise PluginError(
+                f"plugin {plugin!r} registers a {self.kind} named {name!r}; a name is "
+                "letters, digits, '-', '_' and '.', starting with a letter or digit"
+            )
+        if self.base is not None and not (isinstance(component, type)
+                                          and issubclass(component, self.base)):
+            raise PluginError(
+                f"plugin {plugin!r} registers {self.kind} {name!r} as {component!r}, "
+                f"which is not a subclass of {self.base.__module__}.{self.base.__qualname__}"
+            )
         if name in self._entries:
             raise PluginError(
                 f"{self.kind} {name!r} is registered twice: by plugin "
-                f"{self._owners[name]!r} and by plugin {self.current_plugin!r}; "
+                f"{self._owners[name]!r} and by plugin {plugin!r}; "
                 f"disable one with -p no:NAME"
             )
         self._entries[name] = component
-        self._owners[name] = self.current_plugin
+        self._owners[name] = plugin
 
     def get(self, name: str) -> Any:
         try:
             return self._entries[name]
         except KeyError:
             known = ", ".join(sorted(self._entries)) or "none"
+            close = difflib.get_close_matches(str(name), list(self._entries), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
             raise PluginError(
                 f"{self.kind} {name!r} is not available (plugin may not be installed); "
-                f"registered: {known}"
+                f"{hint}registered: {known}"
             ) from None
 
     def owner(self, name: str) -> str:
@@ -54,3 +75,6 @@ class Registry:
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
