@@ -19,7 +19,10 @@ def engine_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     # Keep runs on the CPU and away from any real dataset in the user's home.
     env.update({"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
-                "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}"})
+                "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+                # so that workers can load test plugins: -p tests.fault_plugin
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                            env.get("PYTHONPATH")]))})
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID",
                 "SLURM_NTASKS", "SLURM_STEP_ID"):

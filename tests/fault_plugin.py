@@ -1,0 +1,51 @@
+"""A plugin that injects faults, for tests: ``-p tests.fault_plugin`` plus variables.
+
+ENGINE_FAULT_ACTION  kill (SIGKILL itself), raise, hang, signal (SIGUSR1 to itself)
+ENGINE_FAULT_STEP    act right after this optimizer step ...
+ENGINE_FAULT_EPOCH   ... or at the start of this epoch
+ENGINE_FAULT_RANK    the rank that acts (default 0)
+ENGINE_FAULT_ONCE    a marker file: act only when it does not exist yet (then create it),
+                     so that the resumed run goes through
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import time
+
+import engine
+
+
+def _act(eng) -> None:
+    if eng.world.rank != int(os.environ.get("ENGINE_FAULT_RANK", "0")):
+        return
+    marker = os.environ.get("ENGINE_FAULT_ONCE")
+    if marker:
+        path = pathlib.Path(marker)
+        if path.exists():
+            return
+        path.write_text(f"{eng.state.epoch} {eng.state.step}\n")
+    action = os.environ.get("ENGINE_FAULT_ACTION", "kill")
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "raise":
+        raise RuntimeError(f"injected failure on rank {eng.world.rank}")
+    elif action == "hang":
+        while True:
+            time.sleep(1)
+    elif action == "signal":
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+
+@engine.hookimpl
+def engine_train_step_end(engine, step, loss):
+    if str(step) == os.environ.get("ENGINE_FAULT_STEP"):
+        _act(engine)
+
+
+@engine.hookimpl
+def engine_epoch_start(engine, epoch):
+    if str(epoch) == os.environ.get("ENGINE_FAULT_EPOCH"):
+        _act(engine)
