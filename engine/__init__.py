@@ -22,6 +22,8 @@ _LAZY = {
     "Parallel": "engine.parallel",
     "Checkpointer": "engine.checkpoint",
     "EngineError": "engine.errors",
+    "launch": "engine.api",
+    "Context": "engine.api",
 }
 
 __all__ = ["__version__", "hookimpl", *_LAZY]

@@ -1,34 +1,65 @@
 """Logger ``tensorboard``: scalars under ``<out_dir>/tensorboard``, written by rank 0.
 
-tensorboard is imported when the first scalar is written, never at start-up.
+Every ``engine_log`` call becomes one scalar per metric, tagged with the metric's name
+(``train/loss``, ``train/images_per_sec``, ``lr``, ``val/loss``, ``val/accuracy``...)
+at the global optimizer step. tensorboard is imported when the first scalar is written,
+never at start-up; ``-p no:tensorboard`` turns the logger off.
+
+A resumed run writes a new event file into the same folder; it tells TensorBoard to
+drop the points the interrupted run had written after the snapshot it resumes from
+(``purge_step``), so the curves do not fold back on themselves.
 """
 
 from __future__ import annotations
 
 import engine
+from engine.errors import PluginError
 
 
 class TensorBoardLogger:
     def __init__(self):
         self.writer = None
+        self.resumed_step = 0  # the step the run started (or resumed) from
+
+    @engine.hookimpl
+    def engine_run_start(self, engine):
+        self.resumed_step = engine.state.step
 
     @engine.hookimpl
     def engine_log(self, engine, metrics, step):
         if self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(engine.out_dir / "tensorboard"))
+            self.writer = self._open(engine)
         for name, value in metrics.items():
             if value is not None:
                 self.writer.add_scalar(name, value, global_step=step)
+
+    @engine.hookimpl
+    def engine_epoch_end(self, engine, epoch, metrics):
+        if self.writer is not None:
+            self.writer.flush()  # so that a running TensorBoard shows whole epochs
 
     @engine.hookimpl
     def engine_run_end(self, engine, summary):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        self.resumed_step = 0
+
+    def _open(self, engine):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise PluginError(
+                f"the tensorboard logger needs the tensorboard package ({exc}); install "
+                "it with pip install tensorboard, or turn the logger off with "
+                "-p no:tensorboard") from None
+        purge = {"purge_step": self.resumed_step + 1} if self.resumed_step else {}
+        return SummaryWriter(log_dir=str(engine.out_dir / "tensorboard"), **purge)
 
 
+# One logger per process; its hooks are the module's hooks.
 _logger = TensorBoardLogger()
+engine_run_start = _logger.engine_run_start
 engine_log = _logger.engine_log
+engine_epoch_end = _logger.engine_epoch_end
 engine_run_end = _logger.engine_run_end

@@ -1,0 +1,477 @@
+"""The library API: DDP, resume and rank-0 logging for a training loop you write yourself.
+
+A hand-written loop needs about ten changed lines (examples/custom_loop.py shows the
+before and after)::
+
+    import engine
+
+    def train(ctx, epochs):                                  # ctx: an engine.Context
+        model, optimizer = ctx.wrap(model, optimizer)        # device + DDP (or --parallel)
+        loader = ctx.loader(dataset, batch_size=64)          # global batch, split, sharded
+        for epoch in ctx.epochs(epochs):                     # resumes; snapshot per epoch
+            for inputs, targets in loader:
+                ...                                          # your step, unchanged
+            metrics = ctx.reduce({"loss": total / len(loader)})   # mean over the ranks
+            ctx.log(metrics)                                 # rank 0: TensorBoard, CSV...
+            ctx.print(f"epoch {epoch}: {metrics}")           # rank 0 only
+
+    if __name__ == "__main__":                               # needed: workers re-import
+        engine.launch(train, 3, nproc=2)
+
+:func:`launch` does what ``engine-run`` does before the recipe code runs: it builds the
+plugin manager, chooses a launcher plugin (spawn from Python, or adopts torchrun / SLURM
+/ legacy variables when the script already runs inside such a worker) and calls
+``fn(ctx, *args)`` once in every worker. The :class:`Context` reuses the engine's parts:
+the parallel-mode registry and the process group (``engine.distributed``), the samplers
+and batch split of ``engine.data``, the snapshots of ``engine.snapshot`` written through
+the checkpoint plugins, and the ``engine_log`` / ``engine_run_end`` hooks, so logger
+plugins work unchanged.
+
+Resume: ``ctx.epochs(n)`` first loads the latest good snapshot in
+``<out_dir>/checkpoints`` (model, optimizer, scheduler, scaler, epoch, step, every
+rank's RNG states) and then yields the epochs still to run; after each epoch whose body
+completes it writes a snapshot (every ``cfg.checkpoint.every_epochs`` epochs, and after
+the last). A snapshot taken mid-epoch with ``ctx.save()`` resumes at the start of the
+epoch it was taken in. ``launch(..., resume=False)`` starts fresh; ``resume=PATH`` loads
+that snapshot.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pathlib
+import pickle
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Iterator, Sequence
+
+import attrs
+
+from engine.errors import ConfigError, EngineError, LaunchError
+
+
+def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
+           config=None, plugins: Sequence[str] = (), resume: bool | str = True,
+           threads: int | None = None, nnodes: int = 1, node_rank: int = 0,
+           master_addr: str | None = None, master_port: int | None = None) -> Any:
+    """Run ``fn(ctx, *args)`` in every worker process and return its result.
+
+    ``fn`` must be picklable when workers are spawned: a module-level function (or a
+    picklable callable object), with the call guarded by ``if __name__ == "__main__"``.
+    ``config`` is an :class:`engine.TrainConfig` (or a subclass: ``seed``, ``out_dir``,
+    ``parallel``, ``checkpointer``, ``launcher``, ``init_method``, ``timeout_s`` and
+    ``checkpoint.*`` apply). ``plugins`` takes the ``-p`` arguments of ``engine-run``.
+
+    Returns what ``fn`` returned on rank 0 when this call spawned the workers (it must
+    then be picklable), or in this process when the launcher adopted it (torchrun,
+    SLURM, or a single process). A failed worker raises an EngineError naming it.
+    """
+    from engine.config import TrainConfig, check
+    from engine.launcher import LaunchOptions, choose_launcher
+    from engine.plugin_manager import build_plugin_manager
+
+    if not callable(fn):
+        raise ConfigError(f"engine.launch needs a function to run in every worker, "
+                          f"not {fn!r}")
+    cfg = copy.deepcopy(config) if config is not None else TrainConfig()
+    if not isinstance(cfg, TrainConfig):
+        raise ConfigError(f"engine.launch: config must be an engine.TrainConfig (or a "
+                          f"subclass), not {type(cfg).__name__}")
+    check(cfg)
+    if cfg.out_dir == "runs/default":
+        cfg.out_dir = f"runs/{_script_name(fn)}"
+
+    pm = build_plugin_manager(plugins)
+    # Names are checked now, before any process starts.
+    if cfg.parallel != "auto":
+        pm.parallel_modes.get(cfg.parallel)
+    pm.checkpointers.get(cfg.checkpointer)
+    launcher = choose_launcher(pm.launchers, cfg.launcher, LaunchOptions(
+        nproc=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+        master_port=master_port, init_method=cfg.init_method, timeout_s=cfg.timeout_s))
+
+    options = {"no_resume": resume is False, "threads": threads,
+               "resume": resume if isinstance(resume, (str, os.PathLike)) else None}
+    with tempfile.TemporaryDirectory(prefix="engine-launch-") as tmp:
+        worker = Worker(fn=fn, args=tuple(args), cfg=cfg, plugins=tuple(plugins),
+                        options=options, parent_pid=os.getpid(), exchange_dir=tmp)
+        if launcher.spawns:
+            _check_spawnable(worker)
+        try:
+            launcher.launch(worker)
+        except LaunchError as exc:
+            failures = sorted(pathlib.Path(tmp).glob("error-rank*.txt"))
+            if not failures:
+                raise
+            first = failures[0].read_text().strip()
+            raise LaunchError(f"{first} ({exc}; {len(failures)} rank(s) failed)") from None
+        if worker.result:
+            return worker.result[0]  # ran in this process
+        result_file = pathlib.Path(tmp) / "result.pickle"
+        if result_file.exists():
+            with open(result_file, "rb") as f:
+                return pickle.load(f)
+    return None
+
+
+def _script_name(fn) -> str:
+    module = sys.modules.get(getattr(fn, "__module__", ""), None)
+    path = getattr(module, "__file__", None)
+    if path:
+        return pathlib.Path(path).stem
+    return getattr(fn, "__name__", "custom_loop").strip("<>") or "custom_loop"
+
+
+def _check_spawnable(worker: "Worker") -> None:
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:
+        raise ConfigError(
+            "engine.launch ran again inside a spawned worker: the workers import your "
+            "script, so guard the call with `if __name__ == \"__main__\":`")
+    try:
+        pickle.dumps(worker)
+    except Exception as exc:
+        raise ConfigError(
+            f"engine.launch: cannot send {worker.fn!r} and its arguments to the worker "
+            f"processes ({type(exc).__name__}: {exc}); use a module-level function, not a "
+            "lambda or a nested function, and picklable arguments") from None
+
+
+@attrs.frozen
+class Worker:
+    """What every worker process runs: picklable, like the CLI's WorkerJob."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    cfg: Any
+    plugins: tuple[str, ...]
+    options: dict
+    parent_pid: int
+    exchange_dir: str  # the launching process reads results and errors from here
+    result: list = attrs.field(factory=list, eq=False)  # filled when run in-process
+
+    def __call__(self, world) -> None:
+        spawned = os.getpid() != self.parent_pid
+        try:
+            value = self.run(world)
+        except BaseException as exc:
+            if not spawned:
+                raise  # in-process: the caller gets the exception itself
+            self._report(world, exc)
+        if not spawned:
+            self.result.append(value)
+        elif world.rank == 0 or (world.local_rank == 0 and world.node_rank != 0):
+            with open(os.path.join(self.exchange_dir, "result.pickle"), "wb") as f:
+                pickle.dump(value, f)
+
+    def run(self, world) -> Any:
+        from engine.plugin_manager import build_plugin_manager
+
+        pm = build_plugin_manager(self.plugins)
+        ctx = Context(pm, self.cfg, world, self.options)
+        ctx.setup()
+        status = "failed"
+        try:
+            value = self.fn(ctx, *self.args)
+            status = "completed"
+            return value
+        except BaseException as exc:
+            pm.hook.engine_exception(engine=ctx, exc=exc)
+            raise
+        finally:
+            ctx.finish(status)
+
+    def _report(self, world, exc: BaseException):
+        """In a spawned worker: one line for the launching process, then exit."""
+        if isinstance(exc, SystemExit):
+            raise exc
+        if isinstance(exc, EngineError):
+            line = f"rank {world.rank}: {exc}"
+            print(f"[rank {world.rank}] error: {exc}", file=sys.stderr, flush=True)
+        else:
+            line = f"rank {world.rank}: {type(exc).__name__}: {exc}".splitlines()[0]
+            text = traceback.format_exc()
+            print("".join(f"[rank {world.rank}] {row}\n" for row in text.splitlines()),
+                  file=sys.stderr, end="", flush=True)
+        path = os.path.join(self.exchange_dir, f"error-rank{world.rank:05d}.txt")
+        with open(path, "w") as f:
+            f.write(line + "\n")
+        raise SystemExit(2 if isinstance(exc, EngineError) else 1) from None
+
+
+class Context:
+    """One worker's view of the run, for a loop you write yourself.
+
+    It is also the ``engine`` argument of the hooks it fires (``engine_log``,
+    ``engine_exception``, ``engine_run_end``), with the attributes hooks may rely on:
+    ``is_rank0``, ``world``, ``cfg``, ``out_dir``, ``state``, ``options``, ``print``,
+    ``warn``.
+    """
+
+    def __init__(self, pm, cfg, world, options: dict | None = None):
+        from engine.engine import TrainState
+
+        self.pm = pm
+        self.cfg = cfg
+        self.world = world
+        self.options = dict(options or {})
+        self.out_dir = pathlib.Path(cfg.out_dir)
+        self.state = TrainState()  # epoch, step (optimizer steps), epochs_completed
+        self.metrics: dict[str, float] = {}  # the latest reduced or logged values
+        self.parallel = None
+        self.model = None  # as wrapped by the parallel mode
+        self.optimizer = None
+        self.scheduler = None
+        self.scaler = None
+        self.checkpointer = None
+        self._train_samplers: list = []
+        self._resumed = False
+        self._warned: set[str] = set()
+        self._start = time.perf_counter()
+
+    # ---------------------------------------------------------------- set-up
+
+    def setup(self) -> None:
+        """Seed, threads, parallel mode, process group, checkpointer (as Engine.run)."""
+        import torch
+
+        from engine import distributed
+        from engine.data import threads_per_process
+        from engine.engine import resolve_parallel_name, seed_everything
+
+        cfg, world = self.cfg, self.world
+        seed_everything(cfg.seed)
+        torch.set_num_threads(self.options.get("threads") or
+                              threads_per_process(world.local_world_size))
+        name = resolve_parallel_name(cfg.parallel, world, self.pm.parallel_modes)
+        self.parallel = self.pm.parallel_modes.get(name)(world, cfg)
+        self.parallel.check()
+        self.parallel.setup_device()
+        if world.distributed:
+            distributed.init(world, self.parallel.backend or "gloo", cfg.timeout_s)
+        self.checkpointer = self.pm.checkpointers.get(cfg.checkpointer)(
+            self.out_dir / "checkpoints", cfg, world)
+        if self.is_rank0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------- the world
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.world.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.world.rank == 0
+
+    @property
+    def device(self):
+        """The torch device this process computes on (put your batches there)."""
+        return self.parallel.device
+
+    @property
+    def module(self):
+        """The model without its parallel wrapper (what snapshots hold)."""
+        self._need_model("ctx.module")
+        return self.parallel.unwrap(self.model)
+
+    # ------------------------------------------------------- model and data
+
+    def wrap(self, model, optimizer, *, scheduler=None, scaler=None):
+        """Move ``model`` to the device and wrap it for the parallel mode (DDP when
+        there are several processes); returns ``(model, optimizer)``.
+
+        The optimizer may be built before or after: it keeps the same parameters.
+        ``scheduler`` and ``scaler`` (a GradScaler), when given, are saved in snapshots
+        too. Every optimizer step counts in ``ctx.state.step``."""
+        if self.model is not None:
+            raise ConfigError("ctx.wrap was called twice; a Context trains one model "
+                              "(with one optimizer)")
+        if optimizer is None or not hasattr(optimizer, "state_dict"):
+            raise ConfigError(f"ctx.wrap(model, optimizer): {optimizer!r} is not a torch "
+                              "optimizer")
+        self.model = self.parallel.wrap(model.to(self.device))
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        # Counted on the host by a post-step hook: no device synchronisation.
+        optimizer.register_step_post_hook(self._count_step)
+        return self.model, optimizer
+
+    def _count_step(self, optimizer, args, kwargs) -> None:
+        self.state.step += 1
+
+    def loader(self, dataset, batch_size: int, *, train: bool = True,
+               num_workers: int = 0, drop_last: bool = False):
+        """A DataLoader over this rank's share of ``dataset``.
+
+        ``batch_size`` is the global batch, as in a recipe: each of the N processes
+        loads ``batch_size / N`` samples per step (an uneven split is an error).
+        Training loaders shuffle with a distributed sampler that ``ctx.epochs`` (or
+        ``ctx.set_epoch``) moves to each new epoch; ``train=False`` gives a validation
+        loader where every sample is seen exactly once over all ranks."""
+        from engine import data
+
+        micro_batch = data.split_batch(batch_size, self.world_size, 1)
+        pin_memory = self.device.type == "cuda"
+        if not train:
+            return data.val_loader(dataset, batch=micro_batch, world=self.world,
+                                   num_workers=num_workers, pin_memory=pin_memory)
+        loader = data.train_loader(dataset, micro_batch=micro_batch, world=self.world,
+                                   seed=self.cfg.seed, num_workers=num_workers,
+                                   pin_memory=pin_memory, drop_last=drop_last)
+        if len(loader) == 0:
+            raise ConfigError(
+                f"the training set has {len(dataset)} samples, fewer than one batch of "
+                f"{micro_batch} per process; use a smaller batch_size or drop_last=False")
+        self._train_samplers.append(loader.sampler)
+        return loader
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle every training loader for ``epoch`` (``ctx.epochs`` does this)."""
+        for sampler in self._train_samplers:
+            sampler.set_epoch(epoch)
+
+    # --------------------------------------------------------------- epochs
+
+    def epochs(self, total: int) -> Iterator[int]:
+        """Resume, then yield the epochs still to run (counted from 0), each after
+        ``set_epoch``; a snapshot follows every epoch whose body completes (every
+        ``cfg.checkpoint.every_epochs``, and the last). Leaving the loop early (break,
+        an exception) saves nothing for the unfinished epoch."""
+        self._need_model("ctx.epochs")
+        self.resume()
+        every = self.cfg.checkpoint.every_epochs
+        while self.state.epoch < total:
+            epoch = self.state.epoch
+            self.set_epoch(epoch)
+            yield epoch
+            self.state.epoch = self.state.epochs_completed = epoch + 1
+            self.state.batch_in_epoch = 0
+            if (every and (epoch + 1) % every == 0) or epoch + 1 == total:
+                self.save()
+
+    def resume(self) -> None:
+        """Load the latest good snapshot (or ``resume=PATH``) once; a no-op when there
+        is none or ``resume=False``. Collective: every rank calls it."""
+        from engine import snapshot
+
+        self._need_model("ctx.resume")
+        if self._resumed:
+            return
+        self._resumed = True
+        snapshot.resume(self)
+
+    def save(self):
+        """Write a snapshot through the checkpoint plugin. Collective: every rank calls
+        it (rank 0 writes, unless the checkpointer shards). Returns the path on the
+        writing rank, else None."""
+        from engine import snapshot
+
+        self._need_model("ctx.save")
+        return snapshot.save(self)
+
+    # -------------------------------------------------------------- metrics
+
+    def reduce(self, metrics: dict[str, Any], op: str = "mean") -> dict[str, float]:
+        """Combine scalars (numbers or one-element tensors) over all ranks in one
+        collective; returns Python floats, the same on every rank. Collective."""
+        import torch
+
+        from engine import distributed
+
+        if op not in ("mean", "sum"):
+            raise ConfigError(f"ctx.reduce: op {op!r} is not one of: mean, sum")
+        names = list(metrics)
+        if not names:
+            return {}
+        values = torch.stack([torch.as_tensor(metrics[n]).detach().reshape(())
+                              .to(self.device, torch.float64) for n in names])
+        distributed.all_reduce_sum(values)
+        if op == "mean":
+            values /= self.world_size
+        reduced = dict(zip(names, values.tolist()))
+        self.metrics.update(reduced)
+        return reduced
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Hand scalars to the logger plugins (``engine_log``) on rank 0; the other
+        ranks return at once. ``step`` defaults to the optimizer steps so far."""
+        if not self.is_rank0:
+            return
+        values = {name: float(value) for name, value in metrics.items()}
+        self.metrics.update(values)
+        self.pm.hook.engine_log(engine=self, metrics=values,
+                                step=self.state.step if step is None else step)
+
+    def print(self, *args, **kwargs) -> None:
+        """``print`` on rank 0 only (flushed, so it shows up in order in log files)."""
+        if self.is_rank0:
+            print(*args, **kwargs, flush=True)
+
+    def warn(self, message: str) -> None:
+        """A warning on stderr, once per message, on rank 0 only."""
+        if self.is_rank0 and message not in self._warned:
+            self._warned.add(message)
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    def barrier(self) -> None:
+        from engine import distributed
+
+        distributed.barrier()
+
+    # ------------------------------------------------------------------ end
+
+    def finish(self, status: str) -> dict:
+        """Summary, ``engine_run_end``, pending snapshot writes, summary.json (rank 0)
+        and the process group, as at the end of an ``engine-run`` worker."""
+        from engine import distributed
+        from engine.checkpoint import atomic_write_text, model_digest
+
+        summary = {
+            "status": status,
+            "world_size": self.world_size,
+            "launcher": self.world.launcher,
+            "parallel": self.parallel.name if self.parallel else None,
+            "epochs_completed": self.state.epochs_completed,
+            "global_step": self.state.step,
+            "wall_time_s": round(time.perf_counter() - self._start, 3),
+            "metrics": dict(self.metrics),
+        }
+        if self.model is not None and status == "completed":
+            # Every rank digests its own copy: DDP promises they are equal, we check.
+            digests = distributed.all_gather_object(model_digest(self.module.state_dict()))
+            summary["weights_sha256"] = digests[0]
+            summary["weights_sha256_per_rank"] = digests
+            if len(set(digests)) > 1:
+                self.warn("the ranks finished with different weights: "
+                          + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)))
+        try:
+            self.pm.hook.engine_run_end(engine=self, summary=summary)
+        finally:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+        if status == "completed":
+            if self.is_rank0:
+                import json
+
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(self.out_dir / "summary.json",
+                                  json.dumps(summary, indent=1) + "\n")
+            distributed.destroy()
+        return summary
+
+    def _need_model(self, what: str) -> None:
+        if self.model is None:
+            raise ConfigError(f"{what} needs the model: call "
+                              "`model, optimizer = ctx.wrap(model, optimizer)` first")

@@ -1,0 +1,212 @@
+"""Fixtures for testing engine plugins: an opt-in pytest plugin.
+
+It is not loaded automatically (no ``pytest11`` entry point), so installing the engine
+changes nobody's test suite. Enable it in your plugin's tests with::
+
+    # conftest.py (at the root of your tests)
+    pytest_plugins = ["engine.testing"]
+
+or on the command line: ``pytest -p engine.testing``. Fixtures:
+
+``make_plugin_manager(*plugins, autoload=False)``
+    The engine's plugin manager with the built-ins plus ``plugins`` (plugin objects, or
+    the strings of ``-p``: module paths, entry-point names, ``no:NAME``). Entry-point
+    autoload is off unless asked for, so other installed plugins cannot interfere.
+``make_engine(*overrides, recipe=None, plugins=(), autoload=False)``
+    An :class:`engine.engine.Engine` as a rank-0 worker of a one-process world would
+    have it before training (plugin manager, recipe, config with ``out_dir`` in a
+    temporary folder), for calling hooks directly:
+    ``eng.pm.hook.engine_log(engine=eng, metrics={"train/loss": 1.0}, step=1)``, then
+    ``engine.testing.fire_run_end(eng)`` for ``engine_run_end`` with a real summary.
+``tiny_recipe``
+    The path of a recipe that trains a small network on synthetic data in a second or
+    two (``Config``: epochs=2, batch_size=32, log_every=2, 256 samples).
+``run_recipe(*overrides, recipe=None, nproc=2, plugins=(), args=(), env=None)``
+    Runs ``engine-run`` in a subprocess, 2 processes on the CPU with gloo by default,
+    ``out_dir`` in a temporary folder; returns a :class:`RecipeRun` (return code,
+    stdout, stderr, out_dir and the parsed summary.json).
+``install_plugin(path)``
+    ``pip install --no-deps --target`` of the package at ``path`` into a temporary
+    folder; returns the environment (PYTHONPATH) under which ``engine-run`` finds its
+    entry points, for ``run_recipe(env=...)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+from typing import Any, Callable, Mapping, Sequence
+
+import attrs
+import pytest
+
+#: Variables of launchers and schedulers that would make a run adopt them; a test run
+#: starts its own workers, so they are removed.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+TINY_RECIPE = '''\
+"""A tiny recipe for plugin tests: four classes of 8-dimensional points, an MLP."""
+
+import attrs
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from engine import TrainConfig
+
+
+@attrs.define
+class Config(TrainConfig):
+    epochs: int = 2
+    batch_size: int = 32
+    lr: float = 0.1
+    log_every: int = 2
+    samples: int = 256
+
+
+def build_model(cfg):
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def build_datasets(cfg, ctx):
+    g = torch.Generator().manual_seed(0)
+    inputs = torch.randn(cfg.samples + 64, 8, generator=g)
+    targets = inputs[:, :4].argmax(dim=1)
+    n = cfg.samples
+    return TensorDataset(inputs[:n], targets[:n]), TensorDataset(inputs[n:], targets[n:])
+
+
+def build_optimizer(cfg, model):
+    return torch.optim.SGD(model.parameters(), lr=cfg.lr)
+'''
+
+
+def engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """os.environ for a test run: CPU only, no launcher variables, unbuffered output."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
+    env.update({"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"})
+    env.update(extra or {})
+    return env
+
+
+def fire_run_end(eng, status: str = "completed") -> dict:
+    """Fire ``engine_run_end`` on an engine from ``make_engine`` with the summary a real
+    run would have (``status``, ``epochs_completed``, ``wall_time_s``...); returns it."""
+    summary = eng._summary(status, wall_time=0.0)
+    eng.pm.hook.engine_run_end(engine=eng, summary=summary)
+    return summary
+
+
+@attrs.frozen
+class RecipeRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    out_dir: pathlib.Path
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """summary.json of the run (written by rank 0 when the run completed)."""
+        return json.loads((self.out_dir / "summary.json").read_text())
+
+
+# ------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture
+def tiny_recipe(tmp_path_factory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("recipe") / "tiny_recipe.py"
+    path.write_text(TINY_RECIPE)
+    return path
+
+
+@pytest.fixture
+def make_plugin_manager() -> Callable[..., Any]:
+    from engine.plugin_manager import build_plugin_manager
+
+    def make(*plugins, autoload: bool = False):
+        specs = [p for p in plugins if isinstance(p, str)]
+        objects = {_object_name(p): p for p in plugins if not isinstance(p, str)}
+        return build_plugin_manager(specs, autoload=autoload, objects=objects)
+
+    return make
+
+
+def _object_name(plugin: object) -> str:
+    return getattr(plugin, "__name__", None) or f"{type(plugin).__name__}-{id(plugin):x}"
+
+
+@pytest.fixture
+def make_engine(make_plugin_manager, tiny_recipe, tmp_path) -> Callable[..., Any]:
+    from engine.config import apply_overrides
+    from engine.engine import Engine
+    from engine.recipe import load_recipe
+    from engine.world import World
+
+    def make(*overrides: str, recipe=None, plugins: Sequence = (), autoload: bool = False):
+        pm = make_plugin_manager(*plugins, autoload=autoload)
+        loaded = load_recipe(recipe or tiny_recipe)
+        cfg = apply_overrides(loaded.make_config(),
+                              [f"out_dir={tmp_path / 'run'}", *overrides])
+        world = World(rank=0, local_rank=0, world_size=1, local_world_size=1)
+        return Engine(pm, loaded, cfg, world)
+
+    return make
+
+
+@pytest.fixture
+def run_recipe(tiny_recipe, tmp_path) -> Callable[..., RecipeRun]:
+    counter = iter(range(1, 1_000_000))
+
+    def run(*overrides: str, recipe=None, nproc: int = 2, plugins: Sequence[str] = (),
+            args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+            timeout: float = 300, check: bool = True) -> RecipeRun:
+        out_dir = tmp_path / f"run-{next(counter)}"
+        command = [sys.executable, "-m", "engine", str(recipe or tiny_recipe), *overrides,
+                   f"out_dir={out_dir}", "--nproc", str(nproc), *args]
+        for plugin in plugins:
+            command += ["-p", plugin]
+        proc = subprocess.run(command, env=engine_env(env), capture_output=True, text=True,
+                              timeout=timeout, cwd=tmp_path)
+        result = RecipeRun(proc.returncode, proc.stdout, proc.stderr, out_dir)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"engine-run failed with code {proc.returncode}:\n"
+                                 f"{' '.join(command)}\n{proc.stdout}\n{proc.stderr}")
+        return result
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def install_plugin(tmp_path_factory) -> Callable[..., dict[str, str]]:
+    installed: dict[str, dict[str, str]] = {}  # one install per package and session
+
+    def install(path) -> dict[str, str]:
+        key = str(pathlib.Path(path).resolve())
+        if key not in installed:
+            installed[key] = _pip_install_target(path, tmp_path_factory)
+        return dict(installed[key])
+
+    return install
+
+
+def _pip_install_target(path, tmp_path_factory) -> dict[str, str]:
+    # Built from a copy: an in-tree build would leave build/ and *.egg-info behind.
+    work = tmp_path_factory.mktemp("plugin-build")
+    source = work / "src"
+    shutil.copytree(path, source, ignore=shutil.ignore_patterns(
+        "build", "*.egg-info", "__pycache__", ".pytest_cache"))
+    target = work / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--quiet",
+                           "--no-deps", "--no-build-isolation", "--target", str(target),
+                           str(source)], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"pip could not install {path}:\n{proc.stdout}\n{proc.stderr}")
+    pythonpath = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": pythonpath}

@@ -1,0 +1,55 @@
+"""Plugin ``csv``: every logged metric as a row of ``<out_dir>/metrics.csv``.
+
+A logger needs two hooks, and so would a W&B or MLflow plugin: ``engine_log`` (rank 0
+only: a dict of floats and the global step; open the file or the remote run on the
+first call, ``engine.cfg`` holds the config to record) and ``engine_run_end`` (flush and
+close; ``summary["status"]`` says how the run ended). ``engine_addoption`` adds a
+command-line option whose value arrives in ``engine.options``.
+"""
+
+from __future__ import annotations
+
+import csv
+
+import engine
+
+HEADER = ["step", "name", "value"]
+
+
+class CsvLogger:
+    def __init__(self):
+        self.file = None
+        self.writer = None
+
+    @engine.hookimpl
+    def engine_addoption(self, parser):
+        parser.add_argument("--csv-file", default="metrics.csv", metavar="NAME",
+                            help="CSV logger: the file under out_dir (default metrics.csv)")
+
+    @engine.hookimpl
+    def engine_log(self, engine, metrics, step):
+        if self.file is None:
+            self._open(engine.out_dir / (engine.options.get("csv_file") or "metrics.csv"))
+        for name in sorted(metrics):
+            if metrics[name] is not None:
+                self.writer.writerow([step, name, repr(float(metrics[name]))])
+        self.file.flush()  # a crash loses at most the rows of the current call
+
+    @engine.hookimpl
+    def engine_run_end(self, engine, summary):
+        if self.file is not None:
+            self.file.close()
+            self.file = self.writer = None
+
+    def _open(self, path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Append: a resumed run continues the file of the interrupted one.
+        new = not path.exists() or path.stat().st_size == 0
+        self.file = open(path, "a", newline="")
+        self.writer = csv.writer(self.file)
+        if new:
+            self.writer.writerow(HEADER)
+
+
+#: The plugin object the entry point names (``engine_csv_logger:plugin``).
+plugin = CsvLogger()
