@@ -25,6 +25,8 @@ or on the command line: ``pytest -p engine.testing``. Fixtures:
     Runs ``engine-run`` in a subprocess, 2 processes on the CPU with gloo by default,
     ``out_dir`` in a temporary folder; returns a :class:`RecipeRun` (return code,
     stdout, stderr, out_dir and the parsed summary.json).
+``write_distribution(site, name, version, entry_points, files)`` (a function)
+    A minimal installed distribution in a folder, without pip: for tests of discovery.
 ``install_plugin(path)``
     ``pip install --no-deps --target`` of the package at ``path`` into a temporary
     folder; returns the environment (PYTHONPATH) under which ``engine-run`` finds its
@@ -93,6 +95,26 @@ def engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env.update({"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"})
     env.update(extra or {})
     return env
+
+
+def write_distribution(site, name: str, version: str,
+                       entry_points: Mapping[str, str] | None = None,
+                       files: Mapping[str, str] | None = None) -> pathlib.Path:
+    """Write an installed distribution as pip would leave it (``files`` and a
+    ``NAME-VERSION.dist-info`` folder with its ``engine.plugins`` entry points) into the
+    folder ``site``. With ``site`` on sys.path or PYTHONPATH, importlib.metadata finds
+    it: a quick way to test entry-point discovery without building a package."""
+    site = pathlib.Path(site)
+    for relative, text in (files or {}).items():
+        (site / relative).parent.mkdir(parents=True, exist_ok=True)
+        (site / relative).write_text(text)
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    lines = [f"{ep} = {value}" for ep, value in (entry_points or {}).items()]
+    (info / "entry_points.txt").write_text("[engine.plugins]\n" + "\n".join(lines) + "\n")
+    return site
 
 
 def fire_run_end(eng, status: str = "completed") -> dict:

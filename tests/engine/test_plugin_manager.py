@@ -1,0 +1,361 @@
+"""The plugin manager: built-ins, entry points, -p, -p no:, autoload off, REQUIRED_PLUGINS
+and every start-up error message.
+
+Plugins here are real modules written to a folder on sys.path, and real installed
+distributions (dist-info folders, found by importlib.metadata like pip-installed ones).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import engine
+from tests.conftest import engine_env
+from engine.errors import ConfigError, PluginError
+from engine.plugin_manager import (BUILTIN_PLUGINS, DISABLE_AUTOLOAD_ENV, ESSENTIAL_PLUGINS,
+                                   build_plugin_manager, require_plugins)
+from engine.testing import write_distribution
+
+LOGGER = """
+import engine
+
+__version__ = "2.5"
+calls = []
+
+@engine.hookimpl
+def engine_log(engine, metrics, step):
+    calls.append((step, metrics))
+"""
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A folder on sys.path for plugin modules and distributions; autoload as default."""
+    monkeypatch.delenv(DISABLE_AUTOLOAD_ENV, raising=False)
+    path = tmp_path / "site"
+    path.mkdir()
+    monkeypatch.syspath_prepend(str(path))
+    return path
+
+
+@pytest.fixture
+def write_module(site, tmp_path):
+    """write_module(source) -> a module name unique to this test (sys.modules caches)."""
+    count = iter(range(100))
+
+    def write(source: str) -> str:
+        name = f"plug_{tmp_path.name.replace('-', '_')}_{next(count)}"
+        (site / f"{name}.py").write_text(textwrap.dedent(source))
+        return name
+
+    return write
+
+
+def hook_plugins(pm, hook: str) -> list[str]:
+    return [impl.plugin_name for impl in getattr(pm.hook, hook).get_hookimpls()]
+
+
+# ----------------------------------------------------------------- built-ins
+
+
+def test_builtins_load_in_order_with_their_components(site):
+    pm = build_plugin_manager()
+    builtin = [name for name, _ in BUILTIN_PLUGINS]
+    assert list(pm.infos)[: len(builtin)] == builtin
+    for name in builtin:
+        info = pm.infos[name]
+        assert (info.source, info.version) == ("built-in", engine.__version__)
+    assert pm.launchers.owner("spawn") == "spawn"
+    assert pm.parallel_modes.owner("single") == "single"
+    assert pm.parallel_modes.owner("ddp") == "ddp"
+    assert pm.checkpointers.owner("torch-file") == "torch-file"
+    assert {"console", "tensorboard"} <= set(hook_plugins(pm, "engine_log"))
+
+
+def test_building_the_plugin_manager_does_not_import_torch():
+    code = ("import sys; from engine.plugin_manager import build_plugin_manager; "
+            "build_plugin_manager(); print(sorted(m for m in ('torch', 'tensorboard', "
+            "'torchvision') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], env=engine_env(), text=True,
+                         capture_output=True, timeout=120, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ------------------------------------------------------------------ -p no:NAME
+
+
+def test_no_name_disables_a_plugin_and_its_hooks(site):
+    pm = build_plugin_manager(["no:tensorboard"])
+    assert "tensorboard" not in pm.infos
+    assert "tensorboard" not in hook_plugins(pm, "engine_log")
+    assert "console" in hook_plugins(pm, "engine_log")
+    assert pm.disabled == ["tensorboard"]
+
+
+@pytest.mark.parametrize("name", sorted(ESSENTIAL_PLUGINS))
+def test_essential_plugins_refuse_to_be_disabled(site, name):
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager([f"no:{name}"])
+    assert str(err.value) == (f'Plugin "{name}" is essential and cannot be disabled '
+                              "(essential: single, spawn, torch-file)")
+
+
+def test_disabling_an_unknown_name_is_an_error_with_a_suggestion(site):
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager(["no:tensorbord"])
+    message = str(err.value)
+    assert message.startswith('-p no:tensorbord: no plugin or distribution is named '
+                              '"tensorbord"; did you mean \'tensorboard\'? plugins: ')
+    assert "console" in message and "\n" not in message
+
+
+# ------------------------------------------------------------------ -p MODULE
+
+
+def test_p_module_adds_a_plugin_with_its_hooks_and_components(site, write_module):
+    name = write_module(LOGGER + """
+from engine.parallel import Parallel
+
+class Mine(Parallel):
+    name = "mine"
+
+@engine.hookimpl
+def engine_register_parallel(registry):
+    registry.add("mine", Mine)
+""")
+    pm = build_plugin_manager(["no:console", "no:tensorboard", name])
+    info = pm.infos[name]
+    assert (info.source, info.version, info.module) == ("-p", "2.5", name)
+    assert pm.parallel_modes.owner("mine") == name
+    assert hook_plugins(pm, "engine_log") == [name]
+    pm.hook.engine_log(engine=None, metrics={"a": 1.0}, step=7)
+    assert sys.modules[name].calls == [(7, {"a": 1.0})]
+
+
+def test_the_same_module_asked_for_twice_is_loaded_once(site, write_module):
+    name = write_module(LOGGER)
+    pm = build_plugin_manager([name, name, "engine.plugins.console"])
+    assert hook_plugins(pm, "engine_log").count(name) == 1
+    # console is a built-in already: -p with its module path adds nothing.
+    assert len(hook_plugins(pm, "engine_log")) == len(build_plugin_manager().hook
+                                                      .engine_log.get_hookimpls()) + 1
+
+
+def test_a_module_that_fails_to_import_is_named(site, write_module):
+    name = write_module("raise RuntimeError('no licence key')\n")
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager([name])
+    assert str(err.value) == f'Error importing plugin "{name}": RuntimeError: no licence key'
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager(["no_such_plugin_module"])
+    assert str(err.value) == ('Error importing plugin "no_such_plugin_module": '
+                              "ModuleNotFoundError: No module named 'no_such_plugin_module'")
+
+
+# --------------------------------------------------------------- entry points
+
+
+def test_entry_points_autoload_unless_the_environment_turns_it_off(site, write_module,
+                                                                   monkeypatch):
+    module = write_module(LOGGER)
+    write_distribution(site, "engine-fancy", "1.2.0", {"fancy": module})
+    pm = build_plugin_manager()
+    info = pm.infos["fancy"]
+    assert (info.source, info.distribution, info.version) == (
+        "entry point", "engine-fancy", "1.2.0")
+    assert "fancy" in hook_plugins(pm, "engine_log")
+
+    monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
+    pm = build_plugin_manager()
+    assert "fancy" not in pm.infos and not pm.autoload
+    assert [ep.name for ep in pm.entry_points] == ["fancy"]
+    # -p NAME loads one entry point by its name, with its distribution and version.
+    pm = build_plugin_manager(["fancy"])
+    assert (pm.infos["fancy"].source, pm.infos["fancy"].version) == ("-p", "1.2.0")
+
+    monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "0")
+    assert "fancy" in build_plugin_manager().infos
+
+
+def test_an_entry_point_may_name_an_object_in_a_module(site, write_module):
+    module = write_module("""
+import engine
+
+class Logger:
+    @engine.hookimpl
+    def engine_log(self, engine, metrics, step):
+        pass
+
+plugin = Logger()
+""")
+    write_distribution(site, "engine-obj", "0.1", {"obj": f"{module}:plugin"})
+    pm = build_plugin_manager()
+    assert pm.get_plugin("obj") is sys.modules[module].plugin
+    assert pm.infos["obj"].module == f"{module}:plugin"
+
+
+def test_no_distribution_disables_all_its_entry_points(site, write_module):
+    write_distribution(site, "engine-pair", "3.0",
+                       {"one": write_module(LOGGER), "two": write_module(LOGGER)})
+    assert {"one", "two"} <= set(build_plugin_manager().infos)
+    pm = build_plugin_manager(["no:engine-pair"])
+    assert not {"one", "two"} & set(pm.infos)
+
+
+def test_a_broken_entry_point_is_named(site):
+    write_distribution(site, "engine-broken", "1.0", {"broken": "gone_module_xyz"})
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager()
+    assert str(err.value) == ('Error importing plugin "broken": ModuleNotFoundError: '
+                              "No module named 'gone_module_xyz'")
+    # ... and can be switched off by name until it is fixed.
+    assert "broken" not in build_plugin_manager(["no:broken"]).infos
+
+
+def test_an_entry_point_named_like_a_builtin_names_both(site, write_module):
+    module = write_module(LOGGER)
+    write_distribution(site, "engine-console2", "1.0", {"console": module})
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager()
+    assert str(err.value) == (
+        'two plugins are named "console": engine.plugins.console (built-in) and '
+        f"{module} (distribution engine-console2 1.0); uninstall one, or disable a "
+        "distribution with -p no:DISTRIBUTION")
+    assert "console" in build_plugin_manager(["no:engine-console2"]).infos
+
+
+# ---------------------------------------------------------- bad hook functions
+
+
+def test_an_unknown_hook_names_plugin_hook_and_the_likely_one(site, write_module):
+    name = write_module("def engine_lgo(engine, metrics, step):\n    pass\n")
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager([name])
+    assert str(err.value) == (f'Plugin "{name}" implements unknown hook "engine_lgo"; '
+                              "did you mean 'engine_log'?")
+
+
+def test_an_argument_the_hook_lacks_names_plugin_hook_and_argument(site, write_module):
+    name = write_module("def engine_log(engine, metrics, step, colour):\n    pass\n")
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager([name])
+    assert str(err.value) == (
+        f'Plugin "{name}" implements hook "engine_log" with argument(s) colour that the '
+        "hook does not provide; it provides: engine, metrics, step")
+
+
+def test_methods_are_checked_without_self(site):
+    class Logger:
+        @engine.hookimpl
+        def engine_epoch_end(self, engine, epochs):
+            pass
+
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager(objects={"my-logger": Logger()})
+    assert str(err.value) == (
+        'Plugin "my-logger" implements hook "engine_epoch_end" with argument(s) epochs '
+        "that the hook does not provide; it provides: engine, epoch, metrics")
+
+
+def test_an_implementation_may_take_fewer_arguments(site):
+    seen = []
+
+    class StepsOnly:
+        @engine.hookimpl
+        def engine_log(self, step):
+            seen.append(step)
+
+    pm = build_plugin_manager(["no:console", "no:tensorboard"],
+                              objects={"steps": StepsOnly()})
+    pm.hook.engine_log(engine=None, metrics={}, step=3)
+    assert seen == [3]
+
+
+# ------------------------------------------------------------- registrations
+
+
+def test_a_component_name_taken_twice_names_both_plugins(site, write_module):
+    name = write_module("""
+import engine
+from engine.parallel import Parallel
+
+class MyDDP(Parallel):
+    name = "ddp"
+
+@engine.hookimpl
+def engine_register_parallel(registry):
+    registry.add("ddp", MyDDP)
+""")
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager([name])
+    assert str(err.value) == (f"parallel mode 'ddp' is registered twice: by plugin 'ddp' "
+                              f"and by plugin '{name}'; disable one with -p no:NAME")
+    # Disabling the built-in lets the plugin provide "ddp".
+    pm = build_plugin_manager(["no:ddp", name])
+    assert pm.parallel_modes.owner("ddp") == name
+
+
+def test_a_registration_hook_that_raises_is_named(site, write_module):
+    name = write_module("""
+def engine_register_launchers(registry):
+    raise KeyError("SLURM_JOB_ID")
+""")
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager([name])
+    assert str(err.value) == (f'Plugin "{name}" failed in engine_register_launchers: '
+                              "KeyError: 'SLURM_JOB_ID'")
+
+
+# ------------------------------------------------------------ REQUIRED_PLUGINS
+
+
+@pytest.fixture
+def fancy(site, write_module):
+    write_distribution(site, "engine-fancy", "1.2.0", {"fancy": write_module(LOGGER)})
+
+
+@pytest.mark.parametrize("requirement", [
+    "fancy", "engine-fancy", "engine_fancy>=1.2", "Engine.Fancy>=1.1,<2", "fancy~=1.1",
+    "fancy==1.2.*", "fancy!=1.3", "console", "tensorboard==0.1.0"])
+def test_requirements_met_by_plugin_or_distribution_name(fancy, requirement):
+    require_plugins(build_plugin_manager(), [requirement])
+
+
+def test_missing_plugins_are_listed_with_the_reason(fancy, monkeypatch):
+    with pytest.raises(PluginError) as err:
+        require_plugins(build_plugin_manager(["no:tensorboard"]),
+                        ["engine-fancy>=1.3", "wandb-engine", "fancy", "tensorboard"])
+    assert str(err.value) == (
+        "Missing required plugins: engine-fancy>=1.3 (have 1.2.0), wandb-engine (not "
+        "installed), tensorboard (disabled with -p no:tensorboard)")
+    monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
+    with pytest.raises(PluginError) as err:
+        require_plugins(build_plugin_manager(), ["fancy>=1"])
+    assert str(err.value) == (
+        "Missing required plugins: fancy>=1 (installed (engine-fancy 1.2.0) but not "
+        f"loaded because {DISABLE_AUTOLOAD_ENV} is set; add -p fancy)")
+
+
+def test_a_malformed_requirement_is_a_config_error(site):
+    with pytest.raises(ConfigError) as err:
+        require_plugins(build_plugin_manager(), ["fancy>>1"])
+    assert str(err.value) == (
+        "REQUIRED_PLUGINS entry 'fancy>>1' is not a requirement; write a plugin or "
+        "distribution name with an optional version specifier, e.g. "
+        "'engine-csv-logger>=0.3'")
+
+
+def test_a_recipe_with_missing_plugins_stops_engine_run(tmp_path):
+    from engine.testing import TINY_RECIPE
+
+    recipe = tmp_path / "needs_plugins.py"
+    recipe.write_text(TINY_RECIPE + '\nREQUIRED_PLUGINS = ["engine-mlflow>=2", "console"]\n')
+    proc = subprocess.run([sys.executable, "-m", "engine", str(recipe), "--dry-run"],
+                          env=engine_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == ("engine-run: error: Missing required plugins: engine-mlflow>=2 "
+                           "(not installed)\n")
