@@ -47,6 +47,8 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("dp", "engine.plugins.dp"),
     ("ddp-multigpu", "engine.plugins.ddp_multigpu"),
     ("torch-file", "engine.plugins.torch_file"),
+    ("async", "engine.plugins.async_file"),
+    ("dcp", "engine.plugins.dcp"),
     ("console", "engine.plugins.console"),
     ("tensorboard", "engine.plugins.tensorboard"),
 )
