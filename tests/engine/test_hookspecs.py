@@ -1,0 +1,136 @@
+"""The hooks fire as engine/hookspecs.py and docs/plugins.md say: which, on which ranks,
+in which order, with which arguments. A recorder plugin (-p) writes every call it gets
+to a file per rank during real engine-run runs."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from engine.testing import TINY_RECIPE
+from tests.conftest import engine_env, run_cli
+
+RECORDER = textwrap.dedent('''
+    """Records every hook call, one JSON line per call, in $RECORDER_DIR."""
+    import json
+    import os
+
+    import engine
+
+    def record(name, *values):
+        path = os.path.join(os.environ["RECORDER_DIR"], name)
+        with open(path, "a") as f:
+            f.write(json.dumps(values) + "\\n")
+
+    def rank_record(engine, *values):
+        record(f"rank{engine.world.rank}.jsonl", *values)
+
+    def engine_register_launchers(registry):
+        record(f"register-{os.getpid()}.jsonl", "launchers", registry.kind)
+
+    def engine_register_parallel(registry):
+        record(f"register-{os.getpid()}.jsonl", "parallel", registry.kind)
+
+    def engine_register_checkpointers(registry):
+        record(f"register-{os.getpid()}.jsonl", "checkpointers", registry.kind)
+
+    def engine_addoption(parser):
+        parser.add_argument("--recorder-tag", default="-")
+
+    def engine_run_start(engine):
+        rank_record(engine, "run_start", engine.state.step, engine.options["recorder_tag"])
+
+    def engine_epoch_start(engine, epoch):
+        rank_record(engine, "epoch_start", epoch)
+
+    def engine_train_step_end(engine, step, loss):
+        rank_record(engine, "train_step_end", step, type(loss).__name__, list(loss.shape))
+        if step == int(os.environ.get("RECORDER_FAIL_AT_STEP", "0")):
+            raise RuntimeError(f"recorder fails at step {step}")
+
+    def engine_log(engine, metrics, step):
+        rank_record(engine, "log", step, sorted(metrics))
+
+    def engine_epoch_end(engine, epoch, metrics):
+        rank_record(engine, "epoch_end", epoch, sorted(metrics))
+
+    def engine_exception(engine, exc):
+        rank_record(engine, "exception", type(exc).__name__, str(exc))
+
+    def engine_run_end(engine, summary):
+        rank_record(engine, "run_end", summary["status"])
+''')
+
+
+@pytest.fixture
+def recorder(tmp_path):
+    (tmp_path / "hook_recorder.py").write_text(RECORDER)
+    (tmp_path / "tiny.py").write_text(TINY_RECIPE)
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    return tmp_path
+
+
+def read(path) -> list[list]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run(recorder, *args, check=False, **env):
+    return run_cli(str(recorder / "tiny.py"), f"out_dir={recorder / 'run'}", "-p",
+                   "hook_recorder", *args, cwd=recorder, check=check,
+                   env=engine_env(PYTHONPATH=str(recorder),
+                                  RECORDER_DIR=str(recorder / "calls"), **env))
+
+
+def expected_calls(rank: int, epochs: int, steps_per_epoch: int, log_every: int) -> list:
+    calls = [["run_start", 0, "hello"]]
+    step = 0
+    for epoch in range(epochs):
+        calls.append(["epoch_start", epoch])
+        for _ in range(steps_per_epoch):
+            step += 1
+            calls.append(["train_step_end", step, "Tensor", []])
+            if rank == 0 and step % log_every == 0:
+                calls.append(["log", step])
+        if rank == 0:
+            calls.append(["log", step])  # the epoch's metrics, after validation
+        calls.append(["epoch_end", epoch])
+    calls.append(["run_end", "completed"])
+    return calls
+
+
+def test_hooks_fire_in_the_documented_order_on_the_documented_ranks(recorder):
+    run(recorder, "epochs=2", "--nproc", "2", "--recorder-tag", "hello", check=True)
+    for rank in (0, 1):
+        calls = read(recorder / "calls" / f"rank{rank}.jsonl")
+        # Metric names are checked below; the order and arguments here.
+        shape = [c[:2] if c[0] in ("log", "epoch_end") else c for c in calls]
+        # 256 samples, global batch 32 over 2 processes: 8 steps an epoch; log_every=2.
+        assert shape == expected_calls(rank, epochs=2, steps_per_epoch=8, log_every=2)
+    logs = [c for c in read(recorder / "calls" / "rank0.jsonl") if c[0] == "log"]
+    assert "train/loss" in logs[0][2] and "val/accuracy" not in logs[0][2]
+    assert {"train/loss", "val/loss", "val/accuracy"} <= set(logs[4][2])
+    epoch_end = [c for c in read(recorder / "calls" / "rank1.jsonl") if c[0] == "epoch_end"]
+    assert epoch_end[0][2] == logs[4][2]  # every rank gets the epoch's metrics
+
+    # Registration: once per hook in every process (the CLI and the two workers).
+    registrations = sorted(recorder.joinpath("calls").glob("register-*.jsonl"))
+    assert len(registrations) == 3
+    for path in registrations:
+        assert read(path) == [["launchers", "launcher"], ["parallel", "parallel mode"],
+                              ["checkpointers", "checkpointer"]]
+
+
+def test_a_failing_run_fires_exception_then_run_end(recorder):
+    proc = run(recorder, "epochs=1", "--nproc", "1", "--recorder-tag", "hello",
+               RECORDER_FAIL_AT_STEP="3")
+    assert proc.returncode != 0
+    assert "RuntimeError: recorder fails at step 3" in proc.stderr
+    calls = read(recorder / "calls" / "rank0.jsonl")
+    assert calls == [
+        ["run_start", 0, "hello"], ["epoch_start", 0],
+        ["train_step_end", 1, "Tensor", []], ["train_step_end", 2, "Tensor", []],
+        ["log", 2, calls[4][2]], ["train_step_end", 3, "Tensor", []],
+        ["exception", "RuntimeError", "recorder fails at step 3"], ["run_end", "failed"]]
