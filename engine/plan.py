@@ -37,11 +37,21 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
         "grad_accum_steps": cfg.grad_accum_steps,
         "threads_per_process": options.get("threads") or threads_per_process(
             world.local_world_size),
-        "num_workers": cfg.num_workers,
+        **_loader_plan(cfg, world, parallel_cls),
         "precision": cfg.precision,
         "checkpointer": cfg.checkpointer,
         "out_dir": cfg.out_dir,
     }
+
+
+def _loader_plan(cfg, world, parallel_cls) -> dict[str, Any]:
+    from engine import loader_settings
+
+    device = parallel_cls(world, cfg).devices[0]
+    settings = loader_settings.choose(
+        cfg.num_workers, local_world_size=world.local_world_size,
+        device_type=getattr(device, "type", str(device)), timeout_s=cfg.timeout_s)
+    return {"num_workers": settings.num_workers, "loader": settings.describe()}
 
 
 def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True) -> str:
@@ -65,7 +75,7 @@ def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True) -> str:
         ("init method", plan["init_method"]),
         ("batch", batch),
         ("threads", f"{plan['threads_per_process']} per process"),
-        ("num_workers", str(plan["num_workers"])),
+        ("num_workers", plan["loader"]),
         ("precision", plan["precision"]),
         ("checkpointer", plan["checkpointer"]),
         ("output dir", plan["out_dir"]),
