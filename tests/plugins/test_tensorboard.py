@@ -1,0 +1,56 @@
+"""The TensorBoard logger: event files with the expected tags, steps and values, written
+by rank 0 only, read back with TensorBoard's own EventAccumulator."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.testing import TINY_RECIPE
+from tests.conftest import QUICK, read_summary, run_cli
+
+
+def scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+            for tag in acc.Tags()["scalars"]}
+
+
+def test_rank0_writes_the_run_metrics_as_scalars(cifar_recipe, tmp_path):
+    out = tmp_path / "run"
+    run_cli(cifar_recipe, *QUICK, f"out_dir={out}", "--nproc", "2", check=True)
+    # One writer: rank 0's.
+    assert len(list(out.glob("**/events.out.tfevents.*"))) == 1
+    found = scalars(out / "tensorboard")
+    assert {"train/loss", "train/images_per_sec", "lr", "val/loss", "val/accuracy"} <= set(
+        found)
+    # 512 samples, global batch 64: 8 steps; a point every 4 (log_every) plus the epoch's.
+    assert [step for step, _ in found["train/loss"]] == [4, 8, 8]
+    assert [step for step, _ in found["val/accuracy"]] == [8]
+    summary = read_summary(out)
+    assert found["val/accuracy"][0][1] == pytest.approx(summary["val_accuracy"], abs=1e-6)
+    assert found["train/loss"][-1][1] == pytest.approx(summary["train_loss"], rel=1e-6)
+    assert found["lr"][0][1] == pytest.approx(0.001)
+
+
+def test_a_resumed_run_replaces_the_points_after_its_snapshot(tmp_path):
+    recipe = tmp_path / "tiny.py"
+    recipe.write_text(TINY_RECIPE)
+    out = tmp_path / "run"
+    run_cli(str(recipe), "epochs=2", "log_every=4", f"out_dir={out}", "--nproc", "1",
+            check=True)
+    first = scalars(out / "tensorboard")["train/loss"]
+    assert [step for step, _ in first] == [4, 8, 8, 12, 16, 16]
+
+    # Go back to the end of epoch 1 (step 8), as after a crash in epoch 2, with another
+    # data order (seed) so that the new points differ from the old.
+    snapshot = next((out / "checkpoints").glob("snapshot-e0001-s00000008.pt"))
+    run_cli(str(recipe), "epochs=2", "log_every=4", "seed=1", f"out_dir={out}",
+            "--resume", str(snapshot), "--nproc", "1", check=True)
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    second = scalars(out / "tensorboard")["train/loss"]
+    assert [step for step, _ in second] == [4, 8, 8, 12, 16, 16]
+    assert second[:3] == first[:3]
+    assert all(new != old for new, old in zip(second[3:], first[3:]))
