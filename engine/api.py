@@ -89,31 +89,45 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
     if cfg.parallel != "auto":
         pm.parallel_modes.get(cfg.parallel)
     pm.checkpointers.get(cfg.checkpointer)
+    # torch.distributed.launch passes --local-rank=N to the script: the legacy launcher
+    # adopts the process by it (as it does by LOCAL_RANK).
+    local_rank = _local_rank_argument(sys.argv[1:])
     launcher = choose_launcher(pm.launchers, cfg.launcher, LaunchOptions(
         nproc=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-        master_port=master_port, init_method=cfg.init_method, timeout_s=cfg.timeout_s))
+        master_port=master_port, init_method=cfg.init_method, timeout_s=cfg.timeout_s,
+        **({"local_rank": local_rank} if local_rank is not None else {})))
 
     options = {"no_resume": resume is False, "threads": threads,
                "resume": resume if isinstance(resume, (str, os.PathLike)) else None}
     with tempfile.TemporaryDirectory(prefix="engine-launch-") as tmp:
         worker = Worker(fn=fn, args=tuple(args), cfg=cfg, plugins=tuple(plugins),
                         options=options, parent_pid=os.getpid(), exchange_dir=tmp)
-        if launcher.spawns:
-            _check_spawnable(worker)
+        if launcher.spawns and len(launcher.worlds()) > 1:
+            _check_spawnable(worker)  # one process runs in this one: anything goes
         try:
             launcher.launch(worker)
         except LaunchError as exc:
             failures = sorted(pathlib.Path(tmp).glob("error-rank*.txt"))
             if not failures:
                 raise
-            first = failures[0].read_text().strip()
-            raise LaunchError(f"{first} ({exc}; {len(failures)} rank(s) failed)") from None
+            # The first failed rank's own one-line error, then the launcher's.
+            raise LaunchError(f"{failures[0].read_text().strip()}; {exc}") from None
         if worker.result:
             return worker.result[0]  # ran in this process
         result_file = pathlib.Path(tmp) / "result.pickle"
         if result_file.exists():
             with open(result_file, "rb") as f:
                 return pickle.load(f)
+    return None
+
+
+def _local_rank_argument(argv: Sequence[str]) -> int | None:
+    for i, arg in enumerate(argv):
+        for flag in ("--local-rank", "--local_rank"):
+            text = arg[len(flag) + 1:] if arg.startswith(flag + "=") else (
+                argv[i + 1] if arg == flag and i + 1 < len(argv) else None)
+            if text is not None and text.isdigit():
+                return int(text)
     return None
 
 
