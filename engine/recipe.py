@@ -65,12 +65,12 @@ def load_recipe(path: str | pathlib.Path) -> Recipe:
             + "; give the path of a recipe such as recipes/cifar_ddp.py"
         )
     path = path.resolve()
-    # A stable module name per file, so that spawned workers and pickled objects agree.
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
-    module_name = f"engine_recipe_{path.stem}_{digest}"
+    module_name = _module_name(path)
     if module_name in sys.modules:
         return Recipe(path, sys.modules[module_name])
-    # Recipes may share code with sibling files (``from oct_common import ...``).
+    # Recipes may share code with sibling files (``from oct_common import ...``), and
+    # processes started with "spawn" (DataLoader workers) import the recipe by name to
+    # unpickle its datasets: the folder goes on sys.path, which they inherit.
     if str(path.parent) not in sys.path:
         sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location(module_name, path)
@@ -103,6 +103,25 @@ def load_recipe(path: str | pathlib.Path) -> Recipe:
             "engine.TrainConfig"
         )
     return Recipe(path, module)
+
+
+def _module_name(path: pathlib.Path) -> str:
+    """The file's stem, so that other processes can import it by name; a unique name
+    when the stem is taken by another module (then spawned workers cannot import it)."""
+    stem = path.stem
+    existing = sys.modules.get(stem)
+    if stem.isidentifier() and existing is not None and getattr(existing, "__file__", None) \
+            and pathlib.Path(existing.__file__).resolve() == path:
+        return stem
+    if stem.isidentifier() and existing is None:
+        try:
+            found = importlib.util.find_spec(stem)
+        except (ImportError, ValueError):
+            found = None
+        if found is None or (found.origin and pathlib.Path(found.origin).resolve() == path):
+            return stem
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
+    return f"engine_recipe_{stem}_{digest}"
 
 
 def _line_in(path: pathlib.Path, exc: BaseException) -> int | str:
