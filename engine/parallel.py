@@ -111,12 +111,9 @@ class Parallel:
     def warn_idle_gpus(self, used: int, how: str) -> None:
         """Warn loudly when this node has GPUs the mode leaves idle. ``used`` is the
         number of GPUs the node's processes use together; ``how`` says what to do."""
-        visible = visible_gpus()
-        if visible > used:
-            idle = ", ".join(f"cuda:{i}" for i in range(used, visible))
-            self.warn(f"{visible} GPUs are visible{visible_devices_note()} but parallel "
-                      f"mode {self.name!r} uses only {used}: {idle} stay idle; {how}",
-                      every_node=True)
+        message = idle_gpus_message(self.name, used, visible_gpus(), how)
+        if message:
+            self.warn(message, every_node=True)
 
 
 # ------------------------------------------------------------------- helpers
@@ -127,6 +124,14 @@ def visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def idle_gpus_message(mode: str, used: int, visible: int, how: str) -> str | None:
+    if visible <= used:
+        return None
+    idle = ", ".join(f"cuda:{i}" for i in range(used, visible))
+    return (f"{visible} GPUs are visible{visible_devices_note()} but parallel mode "
+            f"{mode!r} uses only {used}: {idle} stay idle; {how}")
 
 
 def visible_devices_note() -> str:

@@ -1,0 +1,117 @@
+"""engine/parallel.py: the device-group mapping, its errors, and rank-0 warnings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from engine.errors import ConfigError
+from engine.parallel import Parallel, gpu_group, idle_gpus_message, require_single_process
+from engine.world import World
+
+
+def world(local_rank=0, local_world_size=1, launcher="spawn", rank=None, nodes=1,
+          host="node-a"):
+    return World(rank=local_rank if rank is None else rank, local_rank=local_rank,
+                 world_size=local_world_size * nodes, local_world_size=local_world_size,
+                 num_nodes=nodes, launcher=launcher, host=host)
+
+
+def test_each_local_rank_gets_its_own_consecutive_gpus():
+    groups = [gpu_group("ddp-multigpu", world(r, 2), per_process=4, visible=8)
+              for r in range(2)]
+    assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [gpu_group("ddp", world(r, 4), 1, visible=4) for r in range(4)] == [
+        [0], [1], [2], [3]]
+
+
+def test_too_few_gpus_for_the_local_processes_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    with pytest.raises(ConfigError) as err:
+        gpu_group("ddp-multigpu", world(0, 2), per_process=2, visible=3)
+    assert str(err.value) == (
+        "parallel mode 'ddp-multigpu' needs 2 GPU(s) per process x 2 processes on this "
+        "node = 4 GPUs, but 3 are visible (CUDA_VISIBLE_DEVICES=0,1,2); start at most 1 "
+        "processes per node (--nproc) or make more GPUs visible")
+
+
+def test_a_launcher_that_binds_gpus_per_task_is_trusted(monkeypatch):
+    # srun --gpus-per-task=2: every task sees only its own two GPUs.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
+    assert gpu_group("ddp-multigpu", world(3, 4, launcher="slurm"), 2, visible=2) == [0, 1]
+    # Our own spawn passes one CUDA_VISIBLE_DEVICES to all children: never bound.
+    with pytest.raises(ConfigError, match="needs 2 GPU"):
+        gpu_group("ddp-multigpu", world(3, 4, launcher="spawn"), 2, visible=2)
+
+
+def test_binding_needs_cuda_visible_devices(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(ConfigError, match=r"needs 1 GPU\(s\) per process x 2 processes"):
+        gpu_group("ddp", world(1, 2, launcher="torchrun"), 1, visible=1)
+
+
+def test_idle_gpu_message_names_the_idle_gpus(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert idle_gpus_message("single", 1, 1, "x") is None
+    assert idle_gpus_message("ddp", 2, 4, "start one process per GPU") == (
+        "4 GPUs are visible but parallel mode 'ddp' uses only 2: cuda:2, cuda:3 stay "
+        "idle; start one process per GPU")
+
+
+def test_warn_prints_once_and_only_on_rank0(capsys):
+    for rank in (0, 1):
+        mode = Parallel(world(rank, 2), cfg=None)
+        mode.warn("something")
+        mode.warn("something")
+    assert capsys.readouterr().err == "warning: something\n"
+
+
+def test_node_warnings_come_from_every_node_named_by_host(capsys):
+    for node, host in ((0, "node-a"), (1, "node-b")):
+        for local in (0, 1):
+            mode = Parallel(world(local, 2, rank=node * 2 + local, nodes=2, host=host),
+                            cfg=None)
+            mode.warn("GPUs idle", every_node=True)
+    assert capsys.readouterr().err == ("warning: node-a: GPUs idle\n"
+                                       "warning: node-b: GPUs idle\n")
+
+
+def test_single_process_modes_refuse_a_bigger_world():
+    class OneProcess(Parallel):
+        name = "single"
+
+    with pytest.raises(ConfigError) as err:
+        require_single_process(OneProcess(world(0, 2), cfg=None))
+    assert str(err.value) == ("parallel mode 'single' runs in one process, but the world "
+                              "has 2; use --parallel ddp, or --nproc 1")
+
+
+def test_base_mode_leaves_the_model_alone():
+    mode = Parallel(world(), cfg=None)
+    model = object()
+    assert mode.wrap(model) is model and mode.unwrap(model) is model
+    with mode.no_sync(model):
+        pass
+    mode.sync_buffers(model)
+    assert mode.explain(RuntimeError("boom")) is None
+
+
+def test_parallel_modules_do_not_import_torch():
+    code = ("import sys, engine.parallel, engine.plugins.single, engine.plugins.dp, "
+            "engine.plugins.ddp, engine.plugins.ddp_multigpu; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_all_four_modes_are_registered_built_ins():
+    from engine.plugin_manager import build_plugin_manager
+
+    pm = build_plugin_manager(autoload=False)
+    names = set(pm.parallel_modes.names())
+    assert {"single", "dp", "ddp", "ddp-multigpu"} <= names
+    assert all(pm.parallel_modes.owner(n) == n for n in ("single", "dp", "ddp",
+                                                         "ddp-multigpu"))
