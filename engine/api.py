@@ -393,6 +393,7 @@ class Context:
         from engine import snapshot
 
         self._need_model("ctx.save")
+        self.parallel.sync_buffers(self.model)  # BatchNorm statistics equal on every rank
         return snapshot.save(self)
 
     # -------------------------------------------------------------- metrics
@@ -463,6 +464,7 @@ class Context:
             "metrics": dict(self.metrics),
         }
         if self.model is not None and status == "completed":
+            self.parallel.sync_buffers(self.model)
             # Every rank digests its own copy: DDP promises they are equal, we check.
             digests = distributed.all_gather_object(model_digest(self.module.state_dict()))
             summary["weights_sha256"] = digests[0]
