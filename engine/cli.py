@@ -163,7 +163,8 @@ class WorkerJob:
                              node_rank=o.get("node_rank") or 0,
                              master_addr=o.get("master_addr"),
                              master_port=o.get("master_port"),
-                             init_method=cfg.init_method, timeout_s=cfg.timeout_s)
+                             init_method=cfg.init_method, timeout_s=cfg.timeout_s,
+                             local_rank=o.get("local_rank"))
 
     def __call__(self, world) -> None:
         """Run in every worker process."""

@@ -2,54 +2,290 @@
 
 Every wait here is bounded by ``cfg.timeout_s``: a rank that never joins, or dies,
 makes the others fail with a message instead of hanging.
+
+:func:`init` does what ``init_process_group(init_method=...)`` does, in three visible
+steps, so that each failure gets its own message:
+
+1. open the rendezvous store: a TCPStore at the master (env://, tcp://; rank 0 hosts
+   it, or torchrun's agent already does) or a FileStore (file://);
+2. a roll call through that store: every rank checks in, rank 0 waits for all of them
+   and then confirms. A timeout names the ranks that never checked in; ranks that
+   disagree about the world size are named too;
+3. ``init_process_group`` on the same store, under a key prefix private to this run.
+
+Stale file:// rendezvous files. A FileStore is an append-only file of keys; a run that
+crashed leaves its keys behind, and the next run's ranks would read the dead run's
+addresses and fail or hang (the seeds say: delete the file by hand before every run).
+Here the file is never deleted (another rank of this run may already be writing to it).
+Instead each run starts a *session*: rank 0 writes a fresh random session id, every rank
+checks in under that id with a random token of its own, and rank 0's confirmation lists
+the tokens it accepted. A rank that read a dead run's session id waits for a
+confirmation carrying its token, which the dead run never writes, re-reads the session
+id and checks in again under the live one. The process group then keeps its keys under
+``engine/<session>/pg/``, where no earlier run wrote anything. The file is deleted by
+torch when every rank of a run closes it cleanly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import pathlib
+import sys
+import time
+import uuid
 
 from engine.errors import LaunchError
-from engine.world import World, format_world_table
+from engine.world import World, format_world_table, tcp_endpoint, whole_world
+
+#: How often a waiting rank re-reads the session id (a stale file's is replaced).
+POLL_S = 0.5
+#: How long a failing rank 0 keeps its store up for the others to read why.
+ACK_WAIT_S = 3.0
+SESSION_KEY = "engine/session"
 
 
 def init(world: World, backend: str, timeout_s: float) -> None:
+    """Create the default process group, or raise a one-line LaunchError in time."""
     import torch.distributed as dist
 
     if world.init_method == "env://":
+        # Code that reads them (and torch's own env:// handler) sees what we use.
         os.environ["MASTER_ADDR"] = world.master_addr
         os.environ["MASTER_PORT"] = str(world.master_port)
-    elif world.init_method.startswith("file://"):
-        prepare_file_rendezvous(world)
+    try:
+        store = open_store(world, timeout_s)
+        session = roll_call(store, world, timeout_s)
+    except LaunchError:
+        print_failure_table(world, backend)
+        raise
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(backend=backend, init_method=world.init_url,
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(
+                                    f"engine/{session}/pg/", store),
                                 rank=world.rank, world_size=world.world_size,
                                 timeout=timeout)
     except Exception as exc:
-        where = (f"{world.master_addr}:{world.master_port}" if world.init_method == "env://"
-                 else world.init_method)
-        if world.is_rank0:
-            print(format_world_table([world]), flush=True)
+        print_failure_table(world, backend)
         raise LaunchError(
-            f"rank {world.rank}: process group init via {where} failed within "
-            f"{timeout_s:g}s ({type(exc).__name__}: {str(exc).splitlines()[0]}); check that "
-            f"the master is reachable and all {world.world_size} ranks were started"
+            f"rank {world.rank}: process group init ({backend}) via {world.rendezvous} "
+            f"failed within {timeout_s:g}s ({type(exc).__name__}: {_first_line(exc)}); "
+            f"all {world.world_size} ranks had checked in, so look at the network between "
+            "the hosts (NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME)"
         ) from None
 
 
-def prepare_file_rendezvous(world: World) -> None:
-    """A file:// rendezvous file left by an earlier run makes the next one hang or fail.
+def print_failure_table(world: World, backend: str) -> None:
+    """The world table, printed by rank 0 whenever init fails."""
+    if world.is_rank0:
+        table = whole_world([world])
+        devices = {w.local_rank: (f"cuda:{w.local_rank}" if backend == "nccl" else "cpu")
+                   for w in table}
+        print("world (as rank 0 saw it when init failed):\n" +
+              format_world_table(table, devices), file=sys.stderr, flush=True)
 
-    Rank 0 removes a stale file before init; the others wait a moment for that to happen
-    by retrying inside torch's own rendezvous.
-    """
-    path = pathlib.Path(world.init_method[len("file://"):])
-    if world.rank == 0 and path.exists():
-        path.unlink()
-        print(f"removed stale rendezvous file {path} left by an earlier run", flush=True)
+
+# ------------------------------------------------------------------------- store
+
+
+def open_store(world: World, timeout_s: float):
+    """The rendezvous store every rank of ``world`` shares."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if world.init_method.startswith("file://"):
+        path = pathlib.Path(world.init_method[len("file://"):])
+        if not path.parent.is_dir():
+            raise LaunchError(
+                f"file:// rendezvous {path}: the folder {path.parent} does not exist; give "
+                "a path on a file system that every node sees, e.g. file:///shared/rdzv")
+        return dist.FileStore(str(path), world.world_size)
+    host, port = tcp_endpoint(world)
+    if world.rank == 0 and not agent_store_serves(host, port):
+        try:
+            # wait_for_workers=False: the roll call below waits, and can say who is missing.
+            return dist.TCPStore(host, port, world.world_size, is_master=True,
+                                 timeout=timeout, wait_for_workers=False, multi_tenant=True)
+        except Exception as exc:
+            text = _first_line(exc)
+            if "in use" in text.lower():
+                raise LaunchError(
+                    f"rank 0: master port {port} on {world.host} is already in use; choose "
+                    "another with --master-port PORT or MASTER_PORT=PORT"
+                ) from None
+            raise LaunchError(
+                f"rank 0: cannot host the rendezvous at {host}:{port} "
+                f"({type(exc).__name__}: {text}); check --master-addr/MASTER_ADDR: it must "
+                "name this host"
+            ) from None
+    wait_reachable(world, host, port, timeout_s)
+    try:
+        return dist.TCPStore(host, port, world.world_size, is_master=False, timeout=timeout)
+    except Exception as exc:
+        raise LaunchError(
+            f"rank {world.rank}: cannot reach the master at {host}:{port} within "
+            f"{timeout_s:g}s ({type(exc).__name__}: {_first_line(exc)}); check that rank 0 "
+            "runs there, that the address resolves and the port is open from this host "
+            "(--master-addr/MASTER_ADDR, --master-port/MASTER_PORT)"
+        ) from None
+
+
+def wait_reachable(world: World, host: str, port: int, timeout_s: float) -> None:
+    """Knock until the master's port answers. torch's own client retries the same way,
+    but logs a C++ stack trace for every attempt; this says it in one line."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise LaunchError(
+            f"rank {world.rank}: the master address {host!r} does not resolve ({exc}); "
+            "check --master-addr/MASTER_ADDR"
+        ) from None
+    problem = ""
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port),
+                                          timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            problem = exc.strerror or type(exc).__name__
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    raise LaunchError(
+        f"rank {world.rank}: cannot reach the master at {host}:{port} within "
+        f"{timeout_s:g}s (last attempt: {problem}); check that rank 0 runs there, that "
+        "the port is open from this host and that --master-addr/MASTER_ADDR and "
+        "--master-port/MASTER_PORT are the same on every node"
+    )
+
+
+def agent_store_serves(host: str, port: int) -> bool:
+    """torchrun's agent (and torch.distributed.launch's) already hosts the store at its
+    own MASTER_ADDR:MASTER_PORT; then every rank, rank 0 included, is a client."""
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("MASTER_ADDR") == host
+            and os.environ.get("MASTER_PORT") == str(port))
+
+
+# --------------------------------------------------------------------- roll call
+
+
+def roll_call(store, world: World, timeout_s: float) -> str:
+    """Every rank checks in; returns the session id shared by all of them."""
+    deadline = time.monotonic() + timeout_s
+    token = uuid.uuid4().hex
+    entry = json.dumps({"token": token, "host": world.host, "pid": os.getpid(),
+                        "world_size": world.world_size})
+    try:
+        if world.rank == 0:
+            return _lead_roll_call(store, world, deadline, timeout_s, entry)
+        return _join_roll_call(store, world, deadline, timeout_s, entry, token)
+    except LaunchError:
+        raise
+    except Exception as exc:  # the store went away: rank 0 stopped (and says why)
+        raise LaunchError(
+            f"rank {world.rank}: lost the rendezvous at {world.rendezvous} "
+            f"({type(exc).__name__}: {_first_line(exc)}); rank 0 stopped, see its error"
+        ) from None
+
+
+def _lead_roll_call(store, world: World, deadline: float, timeout_s: float, entry: str
+                    ) -> str:
+    session = uuid.uuid4().hex[:16]
+    keys = [f"engine/{session}/rank/{r}" for r in range(world.world_size)]
+    store.set(keys[0], entry)
+    store.set(SESSION_KEY, session)
+    if not _poll(store, keys, deadline):
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        _fail(store, world, session, keys,
+              f"{_ranks(missing)} of {world.world_size} never joined the rendezvous at "
+              f"{world.rendezvous} within {_budget(timeout_s)}; check that every rank was "
+              "started, with the same world size and master, and can reach it")
+    entries = {r: json.loads(store.get(key)) for r, key in enumerate(keys)}
+    disagree = {r: e["world_size"] for r, e in entries.items()
+                if e["world_size"] != world.world_size}
+    if disagree:
+        _fail(store, world, session, keys,
+              f"the ranks disagree about the world size: rank 0 has {world.world_size}, " +
+              ", ".join(f"rank {r} has {ws}" for r, ws in sorted(disagree.items())) +
+              " (check WORLD_SIZE / --nnodes / --nproc on every node)")
+    tokens = [entries[r]["token"] for r in sorted(entries)]
+    store.set(f"engine/{session}/verdict", json.dumps({"ok": True, "tokens": tokens}))
+    return session
+
+
+def _fail(store, world: World, session: str, keys: list[str], message: str) -> None:
+    """Tell the ranks that did check in why the run stops, then stop rank 0."""
+    joined = [k for k in keys[1:] if store.check([k])]
+    tokens = [json.loads(store.get(k))["token"] for k in joined]
+    store.set(f"engine/{session}/verdict",
+              json.dumps({"ok": False, "message": message, "tokens": tokens}))
+    # Rank 0's TCPStore dies with it: give the others a moment to read the verdict.
+    acks = [f"engine/{session}/read/{k.rsplit('/', 1)[1]}" for k in joined]
+    _poll(store, acks, time.monotonic() + ACK_WAIT_S)
+    raise LaunchError(f"rank 0: {message}")
+
+
+def _join_roll_call(store, world: World, deadline: float, timeout_s: float, entry: str,
+                    token: str) -> str:
+    joined = None
+    while _poll(store, [SESSION_KEY], deadline):
+        session = store.get(SESSION_KEY).decode()
+        if session != joined:
+            store.set(f"engine/{session}/rank/{world.rank}", entry)
+            joined = session
+        verdict_key = f"engine/{session}/verdict"
+        if not _poll(store, [verdict_key], min(deadline, time.monotonic() + POLL_S)):
+            continue
+        verdict = json.loads(store.get(verdict_key))
+        if token not in verdict["tokens"]:
+            time.sleep(POLL_S)  # a dead run's session: wait for the live one's id
+            continue
+        store.set(f"engine/{session}/read/{world.rank}", "1")
+        if not verdict["ok"]:
+            raise LaunchError(f"rank {world.rank}: rank 0 reports: {verdict['message']}")
+        return session
+    raise LaunchError(
+        f"rank {world.rank}: rank 0 did not complete the rendezvous at {world.rendezvous} "
+        f"within {_budget(timeout_s)}; check that rank 0 was started, with the same "
+        "world size and master"
+    )
+
+
+def _poll(store, keys: list[str], deadline: float) -> bool:
+    """True once every key exists, False at the deadline. Polls with ``check`` rather
+    than ``store.wait``: torch logs a warning for every wait that times out."""
+    pause = 0.01
+    while not store.check(keys):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, POLL_S)
+    return True
+
+
+def _budget(timeout_s: float) -> str:
+    return f"{timeout_s:g}s (timeout_s)"
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) > 8:
+        return f"ranks {', '.join(map(str, ranks[:8]))}... ({len(ranks)} ranks)"
+    return f"ranks {', '.join(map(str, ranks))}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# ---------------------------------------------------------------- collectives
 
 
 def is_initialized() -> bool:

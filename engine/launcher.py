@@ -1,37 +1,59 @@
 """Launchers: how the worker processes come into being, and where each one stands.
 
-A launcher either starts the workers itself (``spawn``) or adopts the process it runs
-in, reading the variables another tool set (torchrun, SLURM, legacy launch). Either
-way it ends by calling ``worker(world)`` once in every worker process.
+A launcher either starts the workers itself (``spawn``, and ``slurm`` with one task per
+node) or adopts the process it runs in, reading the variables another tool set
+(torchrun, SLURM, legacy launch). Either way it ends by calling ``worker(world)`` once
+in every worker process, and it checks the numbers (ranks, sizes, node lists, ports)
+before any process group exists.
 
-Detection order, when no launcher is named: the registered launchers sorted by their
-``priority`` (lower first), the first whose :meth:`Launcher.detect` is true wins.
-``spawn`` has the highest number, so it is the fallback.
+Detection order, when ``--launcher`` is not given (the registered launchers sorted by
+``priority``, lower first; the first whose :meth:`Launcher.detect` is true wins):
+
+1. ``legacy`` (10): ``python -m torch.distributed.launch``: a ``--local-rank=N`` /
+   ``--local_rank=N`` argument, a parent process that is ``torch.distributed.launch``,
+   or LOCAL_RANK with RANK and WORLD_SIZE but no TORCHELASTIC_RUN_ID. It comes before
+   torchrun because since PyTorch 2.0 the legacy module *is* torchrun underneath and
+   sets the same variables; only these signs tell the two apart.
+2. ``torchrun`` (20): TORCHELASTIC_RUN_ID, or RANK + LOCAL_RANK + WORLD_SIZE together
+   with torchrun's own GROUP_RANK / LOCAL_WORLD_SIZE.
+3. ``slurm`` (30): a task of a job step (``srun``): SLURM_STEP_ID and SLURM_PROCID set.
+   Not inside an interactive allocation (a ``salloc`` shell has no step; an interactive
+   step, or a job named ``bash``/``interactive``, is a shell, not a training task) and
+   not in the batch script itself: there ``--launcher slurm`` asks for it anyway.
+4. ``spawn`` (1000): nothing else claimed the process: start the workers here.
+
+Third-party launchers slot in by priority. ``engine-run doctor`` shows what each
+launcher made of the environment.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import signal
 import socket
+import sys
 from typing import Callable, ClassVar, Mapping
 
 import attrs
 
 from engine.errors import LaunchError
-from engine.world import World
+from engine.world import World, whole_world
 
 
 @attrs.frozen
 class LaunchOptions:
     """What the command line (or the library caller) says about the launch."""
 
-    nproc: int | None = None  # processes on this node; None: the launcher decides
+    nproc: int | None = None  # processes on this node (or per SLURM task); None: decide
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
     init_method: str = "env://"
     timeout_s: float = 300.0
+    #: ``--local-rank=N`` / ``--local_rank=N``, as torch.distributed.launch passes it.
+    local_rank: int | None = None
 
 
 class Launcher:
@@ -39,21 +61,33 @@ class Launcher:
     #: Detection order when ``--launcher`` is not given: lower numbers are tried first.
     priority: ClassVar[int] = 100
     #: True when this launcher starts the local workers itself (then the CLI process
-    #: is not a worker and must not touch torch.distributed).
+    #: is not a worker and must not touch torch.distributed). A launcher that decides
+    #: at run time (slurm) overrides it with a property.
     spawns: ClassVar[bool] = False
 
-    def __init__(self, options: LaunchOptions, environ: Mapping[str, str] | None = None):
-        self.options = options
+    def __init__(self, options: LaunchOptions | None = None,
+                 environ: Mapping[str, str] | None = None):
+        self.options = options or LaunchOptions()
         self.environ = dict(os.environ if environ is None else environ)
 
     @classmethod
-    def detect(cls, environ: Mapping[str, str]) -> bool:
+    def detect(cls, environ: Mapping[str, str], options: LaunchOptions) -> bool:
         """True when the environment shows that this launcher started the process."""
         return False
 
+    @classmethod
+    def explain_detection(cls, environ: Mapping[str, str], options: LaunchOptions) -> str:
+        """One line for ``engine-run doctor``: why detect() says what it says."""
+        return ""
+
     def worlds(self) -> list[World]:
-        """The worlds of the worker processes on this node (checked, not yet started)."""
+        """The worlds of the worker processes this launcher runs here (checked, not yet
+        started): all local processes for spawn, the one process otherwise."""
         raise NotImplementedError
+
+    def all_worlds(self) -> list[World]:
+        """Every rank of the run as seen from here, for the world table."""
+        return whole_world(self.worlds())
 
     def launch(self, worker: Callable[[World], None]) -> None:
         """Run ``worker(world)`` in every worker process of this node and wait."""
@@ -61,8 +95,22 @@ class Launcher:
         worker(world)
 
     def variables(self) -> dict[str, str]:
-        """The environment variables this launcher read (for ``doctor`` and errors)."""
-        return {}
+        """The environment variables this launcher reads, as set (for doctor, errors)."""
+        return {k: self.environ[k] for k in self.reads if k in self.environ}
+
+    #: Names of the environment variables the launcher reads.
+    reads: ClassVar[tuple[str, ...]] = ()
+
+
+def detects(cls: type[Launcher], environ: Mapping[str, str], options: LaunchOptions) -> bool:
+    """``cls.detect``; third-party launchers written as ``detect(environ)`` still work."""
+    try:
+        params = inspect.signature(cls.detect).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if len(params) >= 2:
+        return bool(cls.detect(environ, options))
+    return bool(cls.detect(environ))
 
 
 def choose_launcher(registry, name: str, options: LaunchOptions,
@@ -70,9 +118,8 @@ def choose_launcher(registry, name: str, options: LaunchOptions,
     environ = dict(os.environ if environ is None else environ)
     if name and name != "auto":
         return registry.get(name)(options, environ)
-    candidates = sorted(registry.items(), key=lambda item: item[1].priority)
-    for _, cls in candidates:
-        if cls.detect(environ):
+    for cls in detection_order(registry):
+        if detects(cls, environ, options):
             return cls(options, environ)
     raise LaunchError(
         "no launcher detected and none registered as a fallback; registered: "
@@ -80,17 +127,29 @@ def choose_launcher(registry, name: str, options: LaunchOptions,
     )
 
 
-def require_variables(environ: Mapping[str, str], names: list[str], launcher: str) -> None:
+def detection_order(registry) -> list[type[Launcher]]:
+    return [cls for _, cls in sorted(registry.items(), key=lambda item: item[1].priority)]
+
+
+# ------------------------------------------------------------------- variables
+
+
+def require_variables(environ: Mapping[str, str], names: list[str] | tuple[str, ...],
+                      launcher: str) -> None:
     missing = [n for n in names if not environ.get(n)]
     if missing:
         raise LaunchError(
             f"launcher {launcher!r} needs the environment variables {', '.join(missing)}, "
-            "which are not set"
+            f"which {'is' if len(missing) == 1 else 'are'} not set; was this process "
+            f"started by {launcher}? (or leave out --launcher to detect)"
         )
 
 
-def int_variable(environ: Mapping[str, str], name: str, launcher: str) -> int:
+def int_variable(environ: Mapping[str, str], name: str, launcher: str,
+                 default: int | None = None) -> int:
     text = environ.get(name, "")
+    if not text and default is not None:
+        return default
     try:
         return int(text)
     except ValueError:
@@ -99,13 +158,25 @@ def int_variable(environ: Mapping[str, str], name: str, launcher: str) -> int:
         ) from None
 
 
+def parent_cmdline() -> list[str]:
+    """The command line of the parent process (Linux; empty elsewhere)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+# ------------------------------------------------------------------------ ports
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def check_port_free(host: str, port: int, option: str = "--master-port") -> None:
+def check_port_free(host: str, port: int, option: str = "--master-port PORT") -> None:
     """Fail before starting workers when the master port is taken on this machine."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -114,5 +185,82 @@ def check_port_free(host: str, port: int, option: str = "--master-port") -> None
         except OSError:
             raise LaunchError(
                 f"master port {port} on {host} is already in use; choose another with "
-                f"{option} PORT (or leave it out and a free port is picked)"
+                f"{option}"
             ) from None
+
+
+def is_local_address(host: str) -> bool:
+    """True when ``host`` names this machine (then its ports can be checked here)."""
+    if host in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    if any(a.startswith("127.") or a == "::1" for a in addresses):
+        return True
+    try:
+        mine = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        mine = set()
+    return bool(addresses & mine)
+
+
+# ---------------------------------------------------------------- local workers
+
+
+#: Signals the parent passes on to its workers: SIGUSR1 is SLURM's pre-emption warning
+#: (sbatch --signal=USR1@90), SIGTERM a polite stop. The workers decide what to do.
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+def spawn_workers(worker: Callable[[World], None], worlds: list[World],
+                  child_env: Mapping[str, str] | None = None) -> None:
+    """Start one process per world on this machine, run ``worker`` in each, wait.
+
+    ``child_env`` is set in every child before ``worker`` runs. A worker that fails
+    stops the others (torch does that) and becomes one LaunchError here.
+    """
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_entry, args=(worker, worlds, dict(child_env or {})),
+                                 nprocs=len(worlds), join=False, start_method="spawn")
+
+    def forward(signum, frame):
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    previous = {}
+    try:
+        for signum in FORWARDED_SIGNALS:
+            previous[signum] = signal.signal(signum, forward)
+    except ValueError:  # not the main thread: the workers get signals from their group
+        pass
+    try:
+        while not context.join(timeout=1.0):
+            pass
+    except mp.ProcessExitedException as exc:
+        how = (f"was killed by {exc.signal_name}" if exc.signal_name
+               else f"exited with code {exc.exit_code}")
+        raise LaunchError(
+            f"worker with local rank {worlds[exc.error_index].local_rank} (rank "
+            f"{worlds[exc.error_index].rank}) {how}; its error is printed above"
+        ) from None
+    except mp.ProcessRaisedException as exc:
+        raise LaunchError(f"a worker failed:\n{exc}") from None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _entry(index: int, worker: Callable[[World], None], worlds: list[World],
+           child_env: dict[str, str]) -> None:
+    os.environ.update(child_env)
+    worker(worlds[index])
+
+
+def warn_once(message: str, _seen: set[str] = set()) -> None:  # noqa: B006 (on purpose)
+    if message not in _seen:
+        _seen.add(message)
+        print(f"warning: {message}", file=sys.stderr, flush=True)

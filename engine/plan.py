@@ -28,6 +28,7 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
         "nodes": world.num_nodes,
         "processes_this_node": world.local_world_size,
         "devices": devices,
+        "all_worlds": launcher.all_worlds(),  # every rank, for the world table
         "backend": (parallel_cls(world, cfg).backend or "none") if world.distributed
         else "none (one process)",
         "init_method": cfg.init_method,
@@ -84,5 +85,6 @@ def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True) -> str:
     lines.extend(f"  {k.ljust(width)}  {v}" for k, v in rows)
     lines.append("world:")
     lines.extend("  " + line for line in
-                 format_world_table(worlds, plan["devices"]).splitlines())
+                 format_world_table(plan.get("all_worlds") or worlds, {
+                     w.local_rank: d for w, d in zip(worlds, plan["devices"])}).splitlines())
     return "\n".join(lines)

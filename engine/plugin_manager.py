@@ -42,6 +42,9 @@ DISABLE_AUTOLOAD_ENV = "ENGINE_DISABLE_PLUGIN_AUTOLOAD"
 #: (name, module) of every built-in plugin, in registration order.
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("spawn", "engine.plugins.spawn"),
+    ("torchrun", "engine.plugins.torchrun"),
+    ("slurm", "engine.plugins.slurm"),
+    ("legacy", "engine.plugins.legacy"),
     ("single", "engine.plugins.single"),
     ("ddp", "engine.plugins.ddp"),
     ("dp", "engine.plugins.dp"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from typing import Mapping, Sequence
 
 import attrs
 
@@ -22,8 +23,13 @@ class World:
     init_method: str = "env://"
     launcher: str = "spawn"
     restart_count: int = 0  # torchrun --max-restarts: how many times we were restarted
+    #: Shared by every rank of one run and different between runs (a uuid from spawn,
+    #: TORCHELASTIC_RUN_ID, SLURM job.step); "" when the launcher cannot know one.
     run_id: str = ""
     host: str = attrs.field(factory=socket.gethostname)
+    #: (host, processes) of every node in node-rank order, where the launcher knows it
+    #: (SLURM's nodelist does; torchrun does not). Only used to print the world table.
+    layout: tuple[tuple[str, int], ...] = ()
 
     @property
     def is_rank0(self) -> bool:
@@ -49,15 +55,23 @@ class World:
         if not 0 <= self.local_rank < self.local_world_size:
             raise LaunchError(
                 f"local rank {self.local_rank} is outside local world size "
-                f"{self.local_world_size} ({self.launcher})"
+                f"{self.local_world_size} ({self.launcher}); local ranks run from 0 to "
+                f"{self.local_world_size - 1}"
             )
         if self.local_world_size > self.world_size:
             raise LaunchError(
                 f"local world size {self.local_world_size} is larger than world size "
                 f"{self.world_size} ({self.launcher})"
             )
+        if not 0 <= self.node_rank < self.num_nodes:
+            raise LaunchError(
+                f"node rank {self.node_rank} is outside {self.num_nodes} node(s) "
+                f"({self.launcher}); node ranks run from 0 to {self.num_nodes - 1}"
+            )
         if not 0 < self.master_port < 65536:
-            raise LaunchError(f"master port {self.master_port} is not a valid TCP port")
+            raise LaunchError(
+                f"master port {self.master_port} is not a valid TCP port (1-65535)")
+        check_init_method(self.init_method)
 
     @property
     def init_url(self) -> str:
@@ -66,15 +80,87 @@ class World:
             return "env://"
         return self.init_method
 
+    @property
+    def rendezvous(self) -> str:
+        """Where the ranks meet, for messages: ``host:port`` or the file:// URL."""
+        if self.init_method.startswith("file://"):
+            return self.init_method
+        host, port = tcp_endpoint(self)
+        return f"{host}:{port}"
 
-def format_world_table(worlds: list[World], devices: list[str] | None = None) -> str:
-    """One table of the world as detected, printed before init (and when init fails)."""
+
+INIT_METHODS = ("env://", "tcp://HOST:PORT", "file:///shared/path")
+
+
+def check_init_method(url: str) -> None:
+    if url == "env://":
+        return
+    if url.startswith("tcp://"):
+        host, _, port = url[len("tcp://"):].rpartition(":")
+        if host and port.isdigit() and 0 < int(port) < 65536:
+            return
+    elif url.startswith("file://") and url[len("file://"):].startswith("/"):
+        return
+    raise LaunchError(
+        f"init method {url!r} is not one of {', '.join(INIT_METHODS)} "
+        "(file:// needs an absolute path on a file system every node sees)"
+    )
+
+
+def tcp_endpoint(world: World) -> tuple[str, int]:
+    """The host and port of rank 0's store for env:// (the master) or tcp://."""
+    if world.init_method.startswith("tcp://"):
+        host, _, port = world.init_method[len("tcp://"):].rpartition(":")
+        return host.strip("[]"), int(port)
+    return world.master_addr, world.master_port
+
+
+def whole_world(worlds: Sequence[World]) -> list[World]:
+    """Every rank of the run as this node sees it before init: the rows of this node
+    exactly as the launcher computed them, the other nodes' rows inferred from the
+    layout (or from equal node sizes), with host ``?`` where it cannot be known."""
+    if not worlds:
+        return []
+    w = worlds[0]
+    if w.layout:
+        hosts = [host for host, _ in w.layout]
+        sizes = [size for _, size in w.layout]
+    elif w.local_world_size * w.num_nodes == w.world_size:
+        sizes = [w.local_world_size] * w.num_nodes
+        hosts = [w.host if node == w.node_rank else (w.master_addr if node == 0 else "?")
+                 for node in range(w.num_nodes)]
+    else:
+        return list(worlds)
+    if sum(sizes) != w.world_size:
+        return list(worlds)
+    rows = []
+    for node, (host, size) in enumerate(zip(hosts, sizes)):
+        first = sum(sizes[:node])
+        rows.extend(attrs.evolve(w, rank=first + local, local_rank=local, node_rank=node,
+                                 local_world_size=size, host=host)
+                    for local in range(size))
+    mine = {x.rank: x for x in worlds}
+    if any(rows[x.rank].node_rank != x.node_rank for x in worlds if x.rank < len(rows)):
+        return list(worlds)  # ranks not laid out node by node (srun -m cyclic, say)
+    return [mine.get(row.rank, row) for row in rows]
+
+
+def format_world_table(worlds: Sequence[World],
+                       devices: Sequence[str] | Mapping[int, str] | None = None) -> str:
+    """One table of the world as detected, printed before init (and when init fails).
+
+    ``devices``: a list aligned with ``worlds``, or a mapping from local rank to device
+    (the same on every node).
+    """
     header = ("rank", "local", "node", "host", "device", "master")
     rows = [header]
     for i, w in enumerate(worlds):
-        device = devices[i] if devices and i < len(devices) else "-"
+        if isinstance(devices, Mapping):
+            device = devices.get(w.local_rank, "-")
+        else:
+            device = devices[i] if devices and i < len(devices) else "-"
         rows.append((str(w.rank), str(w.local_rank), str(w.node_rank), w.host, device,
-                     f"{w.master_addr}:{w.master_port}"))
+                     w.rendezvous))
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     return "\n".join("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip()
                      for row in rows)

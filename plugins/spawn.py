@@ -9,12 +9,15 @@ every node" style: the same command on each node with ``--nnodes N --node-rank R
 from __future__ import annotations
 
 import os
+import socket
+import uuid
 from typing import Callable
 
 import engine
 from engine.errors import LaunchError
-from engine.launcher import Launcher, check_port_free, free_port
-from engine.world import World
+from engine.launcher import (Launcher, check_port_free, free_port, is_local_address,
+                             spawn_workers)
+from engine.world import World, tcp_endpoint
 
 
 def default_nproc() -> int:
@@ -30,17 +33,24 @@ class SpawnLauncher(Launcher):
     name = "spawn"
     priority = 1000  # the fallback: nothing else claimed the process
     spawns = True
+    reads = ("CUDA_VISIBLE_DEVICES", "ENGINE_RUN_ID")
 
     @classmethod
-    def detect(cls, environ) -> bool:
+    def detect(cls, environ, options) -> bool:
         return True
+
+    @classmethod
+    def explain_detection(cls, environ, options) -> str:
+        return "the fallback: starts the workers on this machine"
 
     def worlds(self) -> list[World]:
         opts = self.options
         nproc = opts.nproc or default_nproc()
         if nproc < 1:
             raise LaunchError(f"--nproc {nproc} must be >= 1")
-        if opts.nnodes < 1 or not 0 <= opts.node_rank < opts.nnodes:
+        if opts.nnodes < 1:
+            raise LaunchError(f"--nnodes {opts.nnodes} must be >= 1")
+        if not 0 <= opts.node_rank < opts.nnodes:
             raise LaunchError(
                 f"--node-rank {opts.node_rank} must lie in 0..{opts.nnodes - 1} "
                 f"for --nnodes {opts.nnodes}"
@@ -48,10 +58,13 @@ class SpawnLauncher(Launcher):
         if opts.nnodes > 1 and (not opts.master_addr or not opts.master_port):
             raise LaunchError(
                 "spawn on several nodes needs --master-addr HOST and --master-port PORT "
-                "(the address of node 0, the same on every node)"
+                "(the address of node 0 and a free port there, the same on every node)"
             )
         addr = opts.master_addr or "127.0.0.1"
         port = opts.master_port or self._port
+        host = socket.gethostname()
+        layout = tuple((host if node == opts.node_rank else (addr if node == 0 else "?"),
+                        nproc) for node in range(opts.nnodes))
         worlds = [
             World(
                 rank=opts.node_rank * nproc + local_rank,
@@ -64,6 +77,9 @@ class SpawnLauncher(Launcher):
                 master_port=port,
                 init_method=opts.init_method,
                 launcher=self.name,
+                run_id=self._run_id,
+                host=host,
+                layout=layout,
             )
             for local_rank in range(nproc)
         ]
@@ -78,29 +94,32 @@ class SpawnLauncher(Launcher):
             self._picked_port = free_port()
         return self._picked_port
 
+    @property
+    def _run_id(self) -> str:
+        # One machine: this process starts every rank, so a fresh id is shared by all.
+        # Several machines: only the user can give all nodes the same id.
+        if self.options.nnodes > 1:
+            return self.environ.get("ENGINE_RUN_ID", "")
+        if not hasattr(self, "_picked_run_id"):
+            self._picked_run_id = uuid.uuid4().hex[:12]
+        return self._picked_run_id
+
     def launch(self, worker: Callable[[World], None]) -> None:
         worlds = self.worlds()
-        if self.options.master_port and worlds[0].node_rank == 0:
-            check_port_free(worlds[0].master_addr, self.options.master_port)
+        first = worlds[0]
+        if first.node_rank == 0 and not first.init_method.startswith("file://"):
+            host, port = tcp_endpoint(first)
+            # Only an address of this machine can be checked here; rank 0's store
+            # reports a port taken elsewhere when it starts.
+            if is_local_address(host):
+                option = ("--init-method tcp://HOST:PORT" if first.init_method != "env://"
+                          else "--master-port PORT (or leave it out and a free port is "
+                               "picked)")
+                check_port_free(host, port, option)
         if len(worlds) == 1:
             worker(worlds[0])  # no point in a child process
             return
-        import torch.multiprocessing as mp
-
-        try:
-            mp.start_processes(_entry, args=(worker, worlds), nprocs=len(worlds),
-                               join=True, start_method="spawn")
-        except mp.ProcessExitedException as exc:
-            raise LaunchError(
-                f"worker with local rank {exc.error_index} (rank "
-                f"{worlds[exc.error_index].rank}) exited with code {exc.exit_code}"
-            ) from None
-        except mp.ProcessRaisedException as exc:
-            raise LaunchError(f"a worker failed:\n{exc}") from None
-
-
-def _entry(local_rank: int, worker: Callable[[World], None], worlds: list[World]) -> None:
-    worker(worlds[local_rank])
+        spawn_workers(worker, worlds)
 
 
 @engine.hookimpl

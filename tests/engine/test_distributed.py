@@ -1,0 +1,147 @@
+"""engine/distributed.py: process-group init with real gloo processes on this machine:
+env://, tcp:// and file://, and every way it can go wrong ending in time with a message
+that names the master and the ranks that never came."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from engine.launcher import free_port
+from tests.conftest import REPO, engine_env
+
+TIMEOUT_S = 4
+#: Start-up of a process that imports torch, on a busy 2-core machine.
+STARTUP_SLACK_S = 60
+
+RANK_SCRIPT = textwrap.dedent("""
+    # One process, several inits in a row (starting processes is the slow part):
+    # argv[1] is a JSON list of cases, each one World plus a timeout.
+    import json, os, sys, time
+    import torch, torch.distributed as dist
+    from engine import distributed
+    from engine.errors import LaunchError
+    from engine.world import World
+
+    for case in json.loads(sys.argv[1]):
+        world = World(rank=case["rank"], local_rank=case["rank"],
+                      world_size=case["world_size"], local_world_size=case["world_size"],
+                      master_addr=case.get("addr", "127.0.0.1"), master_port=case["port"],
+                      init_method=case.get("init", "env://"), host="testhost")
+        started = time.monotonic()
+        try:
+            distributed.init(world, "gloo", case.get("timeout", %(timeout)s))
+            total = torch.tensor([float(world.rank + 1)])
+            dist.all_reduce(total)
+            result = {"ok": True, "sum": total.item()}
+        except LaunchError as exc:
+            result = {"ok": False, "error": str(exc)}
+        result["seconds"] = time.monotonic() - started
+        print("RESULT " + json.dumps(result), flush=True)
+        if case.get("crash"):
+            os._exit(1)  # like a killed job: the file:// rendezvous file stays behind
+        distributed.destroy()
+""") % {"timeout": TIMEOUT_S}
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "rank.py"
+    path.write_text(RANK_SCRIPT)
+    return path
+
+
+def start(script, *cases: dict):
+    return subprocess.Popen([sys.executable, str(script), json.dumps(cases)], cwd=REPO,
+                            env=engine_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc) -> list[dict]:
+    """One result per case; each has "stderr": everything the process printed there."""
+    out, err = proc.communicate(timeout=STARTUP_SLACK_S + 20 * TIMEOUT_S)
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"no result (exit {proc.returncode}):\n{out}\n{err}"
+    return [dict(json.loads(line[len("RESULT "):]), stderr=err) for line in lines]
+
+
+def test_two_ranks_meet_by_env_tcp_and_file(script, tmp_path):
+    inits = ["env://", f"tcp://127.0.0.1:{free_port()}", f"file://{tmp_path}/rdzv"]
+    port = free_port()
+    ranks = [start(script, *[dict(rank=r, world_size=2, port=port, init=init)
+                             for init in inits]) for r in range(2)]
+    for results in map(finish, ranks):
+        assert [(r["ok"], r.get("sum")) for r in results] == [(True, 3.0)] * 3, results
+
+
+def test_a_rank_that_never_comes_is_named_in_time(script):
+    port = free_port()
+    ranks = [start(script, dict(rank=r, world_size=3, port=port)) for r in range(2)]
+    results = [finish(p)[0] for p in ranks]
+    message = (f"rank 2 of 3 never joined the rendezvous at 127.0.0.1:{port} within "
+               f"{TIMEOUT_S}s (timeout_s); check that every rank was started")
+    assert results[0]["error"].startswith(f"rank 0: {message}")
+    assert results[1]["error"].startswith(f"rank 1: rank 0 reports: {message}")
+    for r in results:
+        assert r["seconds"] < TIMEOUT_S + 5, r
+    # Rank 0 printed the world table as it saw it.
+    table = results[0]["stderr"].split("world (as rank 0 saw it when init failed):\n")[1]
+    assert [line.split()[:5] for line in table.splitlines()[:4]] == [
+        ["rank", "local", "node", "host", "device"], ["0", "0", "0", "testhost", "cpu"],
+        ["1", "1", "0", "testhost", "cpu"], ["2", "2", "0", "testhost", "cpu"]]
+
+
+def test_a_master_that_is_not_there_fails_in_time_and_says_where(script):
+    closed = free_port()  # nobody listens there
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        unreachable, unresolvable, port_taken = finish(start(
+            script,
+            dict(rank=1, world_size=2, port=closed),
+            dict(rank=1, world_size=2, port=29500, addr="no-such-host.invalid"),
+            dict(rank=0, world_size=2, port=taken)))
+    assert unreachable["error"].startswith(
+        f"rank 1: cannot reach the master at 127.0.0.1:{closed} within {TIMEOUT_S}s "
+        "(last attempt: Connection refused)")
+    assert TIMEOUT_S - 0.5 < unreachable["seconds"] < TIMEOUT_S + 5
+    assert unresolvable["error"].startswith(
+        "rank 1: the master address 'no-such-host.invalid' does not resolve")
+    assert unresolvable["seconds"] < TIMEOUT_S + 5
+    assert port_taken["error"] == (
+        f"rank 0: master port {taken} on testhost is already in use; choose another with "
+        "--master-port PORT or MASTER_PORT=PORT")
+
+
+def test_ranks_that_disagree_about_the_world_size(script):
+    port = free_port()
+    ranks = [start(script, dict(rank=0, world_size=2, port=port)),
+             start(script, dict(rank=1, world_size=3, port=port))]
+    results = [finish(p)[0] for p in ranks]
+    message = ("the ranks disagree about the world size: rank 0 has 2, rank 1 has 3 "
+               "(check WORLD_SIZE / --nnodes / --nproc on every node)")
+    assert results[0]["error"] == f"rank 0: {message}"
+    assert results[1]["error"] == f"rank 1: rank 0 reports: {message}"
+
+
+def test_stale_file_rendezvous_from_a_crashed_run_does_not_break_the_next(script, tmp_path):
+    rdzv = tmp_path / "rdzv"
+    case = dict(world_size=2, port=1, init=f"file://{rdzv}")
+    crashed = [finish(p)[0] for p in [start(script, dict(case, rank=r, crash=True))
+                                      for r in range(2)]]
+    assert all(r["ok"] for r in crashed), crashed
+    assert rdzv.exists()  # the crashed run left its keys behind
+    # The next run: rank 1 starts first and reads the dead run's session; it must wait
+    # for the live one instead of joining the dead one.
+    late = start(script, dict(case, rank=1, timeout=30))
+    time.sleep(3)
+    early = start(script, dict(case, rank=0, timeout=30))
+    results = [finish(early)[0], finish(late)[0]]
+    assert [(r["ok"], r.get("sum")) for r in results] == [(True, 3.0), (True, 3.0)], results
