@@ -16,7 +16,7 @@ import torch
 
 import engine
 from engine.checkpoint import model_digest
-from engine.errors import ConfigError, LaunchError, PluginError
+from engine.errors import ConfigError, PluginError
 from tests.conftest import engine_env, read_summary
 
 RECORDER = textwrap.dedent("""
