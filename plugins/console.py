@@ -1,8 +1,10 @@
 """Logger ``console``: a tqdm progress bar and one line per epoch, on rank 0 only.
 
-The bar shows step, loss and images/s; it refreshes at the log interval, so it never
-forces a host-device synchronisation per step. On a terminal it redraws in place;
-in a log file (SLURM output) only the epoch lines appear.
+The bar shows step, loss, images/s and the share of time spent waiting for data; it
+refreshes at the log interval, so it never forces a host-device synchronisation per
+step. On a terminal it redraws in place; in a log file (SLURM output) only the epoch
+lines appear. An epoch whose training waited for data more than :data:`DATA_BOUND` of
+its time is called data-bound, with a hint on what to do about it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,25 @@ import engine
 DATA_BOUND = 0.3
 
 
+def data_wait_text(wait: float) -> str:
+    """``data-bound: 63% waiting`` above the threshold, ``data wait: 4% waiting`` below."""
+    return f"{'data-bound' if wait > DATA_BOUND else 'data wait'}: {wait:.0%} waiting"
+
+
+def data_bound_hint(engine) -> str:
+    settings = getattr(engine, "loader_settings", None)
+    workers = (f"num_workers={settings.num_workers} per process" if settings is not None
+               else f"num_workers={engine.cfg.num_workers}")
+    return (f"hint: the training waits for data ({workers}); measure better settings with "
+            f"`engine-run tune-workers {engine.recipe.path}`, or give the job more CPUs "
+            "(SLURM: --cpus-per-task)")
+
+
 class ConsoleLogger:
     def __init__(self):
         self.bar = None
         self.last_step = 0
+        self.postfix: dict[str, str] = {}
 
     @engine.hookimpl
     def engine_run_start(self, engine):
@@ -32,6 +49,7 @@ class ConsoleLogger:
                                    engine.world.world_size / engine.micro_batch)
         steps_per_epoch = math.ceil(loader_batches / cfg.grad_accum_steps)
         self.last_step = engine.state.step
+        self.postfix = {}
         self.bar = tqdm(total=cfg.epochs * steps_per_epoch, initial=self.last_step,
                         desc=engine.recipe.name, unit="step", dynamic_ncols=True,
                         disable=None, file=sys.stderr, mininterval=0.5)
@@ -42,16 +60,23 @@ class ConsoleLogger:
             return
         self.bar.update(step - self.last_step)
         self.last_step = step
-        self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}",
-                             img_s=f"{metrics['train/images_per_sec']:.0f}", refresh=False)
+        self.postfix.update(loss=f"{metrics['train/loss']:.4f}",
+                            img_s=f"{metrics['train/images_per_sec']:.0f}")
+        if metrics.get("train/data_wait_fraction") is not None:
+            self.postfix["data_wait"] = f"{metrics['train/data_wait_fraction']:.0%}"
+        self.bar.set_postfix(self.postfix, refresh=False)
 
     @engine.hookimpl
     def engine_epoch_end(self, engine, epoch, metrics):
         if not engine.is_rank0:
             return
+        wait = metrics.get("train/data_wait_fraction")
         if self.bar is not None:
             self.bar.update(engine.state.step - self.last_step)
             self.last_step = engine.state.step
+            if wait is not None:
+                self.postfix["data_wait"] = f"{wait:.0%}"
+                self.bar.set_postfix(self.postfix, refresh=True)
         parts = [f"epoch {epoch + 1}/{engine.cfg.epochs}"]
         for key, label, fmt in (("train/loss", "train loss", ".4f"),
                                 ("val/loss", "val loss", ".4f"),
@@ -59,14 +84,11 @@ class ConsoleLogger:
                                 ("train/images_per_sec", "img/s", ".0f")):
             if metrics.get(key) is not None:
                 parts.append(f"{label} {format(metrics[key], fmt)}")
-        wait = metrics.get("train/data_wait_fraction")
         if wait is not None:
-            parts.append(f"{'data-bound' if wait > DATA_BOUND else 'data wait'}: "
-                         f"{wait:.0%} waiting")
+            parts.append(data_wait_text(wait))
         message = "  ".join(parts)
         if wait is not None and wait > DATA_BOUND:
-            message += ("\nhint: the devices wait for data; raise num_workers (try "
-                        "`engine-run tune-workers RECIPE`) or give the job more CPUs")
+            message += "\n" + data_bound_hint(engine)
         self._write(message)
 
     @engine.hookimpl

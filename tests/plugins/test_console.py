@@ -1,0 +1,142 @@
+"""plugins/console.py: the epoch lines, the data-wait report and hint, the progress bar."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import struct
+import subprocess
+import termios
+import threading
+
+from engine.plugins.console import DATA_BOUND, data_wait_text
+from tests.conftest import ENGINE_RUN, REPO, engine_env, read_summary, run_cli
+
+#: A recipe whose data loading can be made slow (a sleep per sample) or whose model can
+#: be made heavy, to put a run on either side of the data-bound threshold.
+RECIPE = '''
+import time
+
+import attrs
+import torch
+from engine import TrainConfig
+
+
+@attrs.define
+class Config(TrainConfig):
+    epochs: int = 1
+    batch_size: int = 8
+    samples: int = 48
+    delay_s: float = 0.0  # sleep per sample loaded
+    width: int = 8
+    depth: int = 1
+    log_every: int = 1
+
+
+class Samples(torch.utils.data.Dataset):
+    def __init__(self, n, delay_s):
+        self.n, self.delay_s = n, delay_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return torch.full((4,), float(i % 2)), i % 2
+
+
+def build_model(cfg):
+    layers = [torch.nn.Linear(4, cfg.width)]
+    for _ in range(cfg.depth):
+        layers += [torch.nn.ReLU(), torch.nn.Linear(cfg.width, cfg.width)]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(cfg.width, 2))
+
+
+def build_datasets(cfg, ctx):
+    return Samples(cfg.samples, cfg.delay_s), None
+
+
+def build_optimizer(cfg, model):
+    return torch.optim.SGD(model.parameters(), lr=0.01)
+'''
+
+
+def write_recipe(tmp_path) -> str:
+    path = tmp_path / "console_probe.py"
+    path.write_text(RECIPE)
+    return str(path)
+
+
+def test_the_wording_on_both_sides_of_the_threshold():
+    assert data_wait_text(0.63) == "data-bound: 63% waiting"
+    assert data_wait_text(0.04) == "data wait: 4% waiting"
+    assert data_wait_text(DATA_BOUND) == "data wait: 30% waiting"  # "more than" 30%
+
+
+def test_a_data_bound_run_says_so_with_a_hint_and_summary_json_agrees(tmp_path):
+    recipe = write_recipe(tmp_path)
+    out = tmp_path / "run"
+    # 20 ms of sleep per sample against a 4-to-8 linear model: nearly all waiting.
+    proc = run_cli(recipe, "delay_s=0.02", f"out_dir={out}", "--nproc", "1", check=True)
+    wait = read_summary(out)["data_wait_fraction"]
+    assert wait > 0.5
+    epoch_line = next(l for l in proc.stdout.splitlines() if l.startswith("epoch 1/1"))
+    assert epoch_line.endswith(f"data-bound: {wait:.0%} waiting")
+    assert (f"hint: the training waits for data (num_workers=0 per process); measure "
+            f"better settings with `engine-run tune-workers {recipe}`, or give the job "
+            "more CPUs (SLURM: --cpus-per-task)") in proc.stdout
+
+
+def test_a_compute_bound_run_gets_no_hint(tmp_path):
+    recipe = write_recipe(tmp_path)
+    out = tmp_path / "run"
+    # In-memory samples against five 512-wide layers on a batch of 64: mostly compute.
+    proc = run_cli(recipe, "samples=256", "batch_size=64", "width=512", "depth=4",
+                   f"out_dir={out}", "--nproc", "1", check=True)
+    wait = read_summary(out)["data_wait_fraction"]
+    assert wait < DATA_BOUND
+    assert f"data wait: {wait:.0%} waiting" in proc.stdout
+    assert "hint:" not in proc.stdout
+
+
+def run_on_a_terminal(args, env, timeout=240) -> str:
+    """Run engine-run with stderr on a pseudo-terminal (tqdm draws its bar only on a
+    terminal); returns what the terminal showed."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
+    shown = bytearray()
+
+    def read():
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the other side closed
+                return
+            if not chunk:
+                return
+            shown.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc = subprocess.run([ENGINE_RUN, *args], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=slave, timeout=timeout)
+    finally:
+        os.close(slave)
+        reader.join(timeout=10)
+        os.close(master)
+    assert proc.returncode == 0, shown.decode(errors="replace")
+    return shown.decode(errors="replace")
+
+
+def test_the_progress_bar_shows_loss_speed_and_data_wait(tmp_path):
+    recipe = write_recipe(tmp_path)
+    out = tmp_path / "run"
+    shown = run_on_a_terminal([recipe, "delay_s=0.01", "epochs=2", f"out_dir={out}",
+                               "--nproc", "1"], env=engine_env())
+    wait = read_summary(out)["data_wait_fraction"]  # the last epoch's
+    assert "console_probe:" in shown and ("step/s" in shown or "s/step" in shown)
+    assert "loss=" in shown and "img_s=" in shown
+    assert f"data_wait={wait:.0%}" in shown
