@@ -68,6 +68,11 @@ class TrainConfig:
     checkpointer: str = "torch-file"
     init_method: str = "env://"  # env://, tcp://HOST:PORT or file:///shared/path
     timeout_s: float = 300.0  # process-group init and collective timeout
+    # SIGUSR1/SIGTERM: snapshot at the next check point and stop; under a SLURM batch
+    # job, rank 0 then requeues it (see engine/preemption.py).
+    preemption: bool = True
+    requeue: bool = True
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # skip: one host sync per step
     ddp: DDPConfig = attrs.Factory(DDPConfig)
     checkpoint: CheckpointConfig = attrs.Factory(CheckpointConfig)
 

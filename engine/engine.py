@@ -77,6 +77,8 @@ class Engine:
         self.train_loader = None
         self.val_loader = None
         self.metrics: dict[str, float] = {}
+        self.preemption = None  # engine.preemption.PreemptionFlag while training
+        self.trainer = None
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------ rank-0 output
@@ -109,7 +111,8 @@ class Engine:
     def run(self) -> dict:
         import torch
 
-        from engine import distributed
+        from engine import distributed, health, preemption
+        from engine.trainer import Trainer
 
         start = time.perf_counter()
         cfg, world = self.cfg, self.world
@@ -123,31 +126,66 @@ class Engine:
         self.parallel.setup_device()
         if world.distributed:
             distributed.init(world, self.parallel.backend or "gloo", cfg.timeout_s)
+            health.prepare()
+        if cfg.preemption:
+            self.preemption = preemption.PreemptionFlag()
+            self.preemption.install()
         status = "failed"
         try:
             self._setup()
             self.pm.hook.engine_run_start(engine=self)
-            from engine.trainer import Trainer
-
-            Trainer(self).fit()
-            status = "completed"
+            self.trainer = Trainer(self)
+            self.trainer.fit()
+            status = "preempted" if self.trainer.stop_requested else "completed"
         except BaseException as exc:
             self.pm.hook.engine_exception(engine=self, exc=exc)
-            hint = self.parallel.explain(exc)
-            if hint:
-                raise EngineError(f"{type(exc).__name__}: {str(exc).splitlines()[0]}; "
-                                  f"hint: {hint}") from exc
-            raise
+            raise self._explain(exc) from exc
         finally:
+            if self.preemption is not None:
+                self.preemption.uninstall()
             summary = self._summary(status, time.perf_counter() - start)
             self.pm.hook.engine_run_end(engine=self, summary=summary)
             if self.checkpointer is not None:
                 self.checkpointer.close()
-            if status == "completed":
+            if status != "failed":
                 if self.is_rank0:
                     self._write_summary(summary)
                 distributed.destroy()
+        if status == "preempted":
+            self._after_preemption()
         return summary
+
+    def _explain(self, exc: BaseException) -> BaseException:
+        """The error a user should see: a hint from the parallel mode, or, when a
+        collective failed, which ranks stopped answering."""
+        from engine import distributed, health
+
+        if isinstance(exc, EngineError) or not isinstance(exc, Exception):
+            return exc
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        hint = self.parallel.explain(exc) if self.parallel is not None else None
+        if hint:
+            return EngineError(f"{type(exc).__name__}: {first_line}; hint: {hint}")
+        if distributed.is_initialized() and health.is_collective_failure(exc):
+            missing = health.missing_ranks(timeout_s=5.0)
+            who = (f"rank(s) {', '.join(map(str, missing))} stopped answering" if missing
+                   else "another rank failed or stopped answering")
+            return EngineError(
+                f"rank {self.world.rank}: a collective operation failed at step "
+                f"{self.state.step}: {who} (timeout {self.cfg.timeout_s:g}s): {first_line}")
+        return exc
+
+    def _after_preemption(self) -> None:
+        from engine import preemption
+
+        s = self.state
+        signal_name = self.preemption.signal_name if self.preemption else None
+        message = (f"pre-empted{f' by {signal_name}' if signal_name else ''}: snapshot "
+                   f"written at epoch {s.epoch}, step {s.step}")
+        if self.is_rank0:
+            if self.cfg.requeue:
+                message += "; " + preemption.requeue()
+            preemption.report(message)
 
     def _setup(self) -> None:
         import torch

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from engine import data, distributed, snapshot
+from engine import data, distributed, health, snapshot
 from engine.errors import EngineError
 
 
@@ -51,22 +51,25 @@ class Trainer:
             dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
             self.autocast = lambda: torch.autocast(device.type, dtype=dtype)
         self.last_snapshot_time = time.monotonic()
-        self.stop_requested = False  # set by a pre-emption signal (see engine.preemption)
+        self.stop_requested = False  # the ranks agreed to stop (see engine/preemption.py)
+        self.skipped_steps = 0
 
     # ------------------------------------------------------------------- fit
 
     def fit(self) -> None:
         eng, cfg = self.engine, self.cfg
-        while eng.state.epoch < cfg.epochs and not self.stop_requested:
+        while eng.state.epoch < cfg.epochs:
             epoch = eng.state.epoch
             data.start_epoch(eng.train_loader, epoch,
                              start_index=eng.state.batch_in_epoch * eng.micro_batch)
             eng.pm.hook.engine_epoch_start(engine=eng, epoch=epoch)
             train_metrics = self.train_epoch(epoch)
-            if self.stop_requested:
-                break
+            if self.stop_requested:  # pre-empted half-way through the epoch
+                self.save_snapshot()
+                return
             metrics = {**train_metrics, **self.validate()}
             metrics["lr"] = self.current_lr()
+            health.epoch_barrier(cfg.timeout_s)
             eng.metrics.update(metrics)
             eng.state.epoch = epoch + 1
             eng.state.batch_in_epoch = 0
@@ -77,10 +80,12 @@ class Trainer:
             if eng.scheduler is not None and cfg.scheduler_interval == "epoch":
                 eng.scheduler.step()
             every = cfg.checkpoint.every_epochs
-            if (every and (epoch + 1) % every == 0) or eng.state.epoch == cfg.epochs:
+            due = (every and (epoch + 1) % every == 0) or eng.state.epoch == cfg.epochs
+            stop = eng.state.epoch < cfg.epochs and self.agree_to_stop()
+            if due or stop:
                 self.save_snapshot()
-        if self.stop_requested:
-            self.save_snapshot()
+            if stop:
+                return
 
     # ----------------------------------------------------------------- epoch
 
@@ -129,7 +134,12 @@ class Trainer:
             eng.state.batch_in_epoch = batch_index + 1
             batches_seen += 1
             if last_micro:
-                if scaler is not None:
+                if cfg.on_nonfinite == "skip" and not self.all_finite(loss):
+                    optimizer.zero_grad(set_to_none=True)
+                    self.skipped_steps += 1
+                    eng.warn(f"non-finite loss at step {eng.state.step + 1}: step skipped "
+                             "(on_nonfinite=skip)")
+                elif scaler is not None:
                     scaler.step(optimizer)
                     scaler.update()
                 else:
@@ -144,12 +154,15 @@ class Trainer:
                     self.step_end_hook(engine=eng, step=eng.state.step, loss=loss)
                 if eng.state.step % cfg.log_every == 0:
                     now = time.perf_counter()
-                    self.log_window(window_loss, window_steps,
-                                    samples_per_step * window_steps / (now - window_start))
+                    stop = self.check_point(window_loss, window_steps,
+                                            samples_per_step * window_steps / (now - window_start))
                     window_loss.zero_()
                     window_steps, window_start = 0, now
-                    if self.boundary_checks():
+                    if stop:
                         break
+                every_steps = cfg.checkpoint.every_steps
+                if every_steps and eng.state.step % every_steps == 0:
+                    self.save_snapshot()
             fetch_start = time.perf_counter()
 
         elapsed = time.perf_counter() - epoch_start
@@ -158,7 +171,7 @@ class Trainer:
                               torch.tensor(float(batches_seen), device=device)])
         distributed.all_reduce_sum(totals)
         mean_loss = (totals[0] / totals[1].clamp(min=1)).item()
-        if not math.isfinite(mean_loss):
+        if not math.isfinite(mean_loss) and cfg.on_nonfinite == "stop":
             raise NonFiniteLoss(f"the training loss is not finite ({mean_loss}) in epoch "
                                 f"{epoch}, by step {eng.state.step}")
         return {
@@ -167,32 +180,48 @@ class Trainer:
             "train/data_wait_fraction": data_wait / max(elapsed, 1e-9),
         }
 
-    def log_window(self, window_loss, window_steps: int, images_per_sec: float) -> None:
-        if self.log_hook is None:
-            return
-        loss = window_loss.item() / max(window_steps, 1)  # the only host sync: rank 0, per log
-        self.log_hook(engine=self.engine, step=self.engine.state.step, metrics={
-            "train/loss": loss, "train/images_per_sec": images_per_sec,
-            "lr": self.current_lr()})
-
-    def boundary_checks(self) -> bool:
-        """At the log interval: the ranks agree on a pending snapshot or stop request.
-        Returns True when the epoch must stop here (pre-emption)."""
+    def check_point(self, window_loss, window_steps: int, images_per_sec: float) -> bool:
+        """Every ``log_every`` steps, on every rank: one small all-reduce gives the mean
+        loss of the window over all ranks and the ranks' agreement on a pre-emption stop
+        or a time-based snapshot. Returns True when the epoch must stop here."""
         eng, cfg = self.engine, self.cfg
-        every_steps = cfg.checkpoint.every_steps
-        due_by_time = bool(cfg.checkpoint.every_minutes) and (
+        due_by_time = eng.is_rank0 and bool(cfg.checkpoint.every_minutes) and (
             time.monotonic() - self.last_snapshot_time >= cfg.checkpoint.every_minutes * 60)
-        flags = [due_by_time, self.stop_requested]
-        if eng.world.distributed and (cfg.checkpoint.every_minutes or self.preemptible):
-            flags = distributed.broadcast_object(flags)
-        due_by_time, self.stop_requested = flags
-        if self.stop_requested:
+        preempted = eng.preemption is not None and bool(eng.preemption)
+        values = torch.stack([window_loss.float(), window_loss.new_tensor(float(preempted)),
+                              window_loss.new_tensor(float(due_by_time))])
+        loss_sum, preempted, due_by_time = distributed.all_reduce_sum(values).tolist()
+        loss = loss_sum / max(window_steps, 1) / eng.world.world_size
+        first = eng.state.step - window_steps + 1
+        if not math.isfinite(loss) and cfg.on_nonfinite == "stop":
+            raise NonFiniteLoss(
+                f"the training loss became non-finite ({loss}) between steps {first} and "
+                f"{eng.state.step} (epoch {eng.state.epoch}); lower lr, check the data, "
+                "or set on_nonfinite=skip")
+        if self.log_hook is not None:
+            self.log_hook(engine=eng, step=eng.state.step, metrics={
+                "train/loss": loss, "train/images_per_sec": images_per_sec,
+                "lr": self.current_lr()})
+        if preempted:
+            self.stop_requested = True
             return True
-        if due_by_time or (every_steps and eng.state.step % every_steps == 0):
+        if due_by_time:
             self.save_snapshot()
         return False
 
-    preemptible = False  # set when a pre-emption signal handler is installed
+    def agree_to_stop(self) -> bool:
+        """At an epoch boundary: did a pre-emption signal reach any rank?"""
+        eng = self.engine
+        if eng.preemption is None:
+            return False
+        flag = torch.tensor([float(bool(eng.preemption))], device=eng.device)
+        self.stop_requested = distributed.all_reduce_sum(flag).item() > 0
+        return self.stop_requested
+
+    def all_finite(self, loss) -> bool:
+        """Whether every rank's loss is finite: a host sync, so only with on_nonfinite=skip."""
+        flag = torch.isfinite(loss.detach()).float().reshape(1)
+        return distributed.all_reduce_sum(flag).item() == self.engine.world.world_size
 
     # ------------------------------------------------------------ validation
 

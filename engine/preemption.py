@@ -1,0 +1,83 @@
+"""Pre-emption: SIGUSR1 (``#SBATCH --signal=USR1@90``) or SIGTERM (the time limit, or a
+scheduler taking the node back) means "save and stop soon".
+
+The signal handler only sets a flag: nothing else is safe inside a handler, and a
+snapshot needs every rank. The Trainer looks at the flag at its next check point (every
+``log_every`` steps); the ranks agree with one small all-reduce (a signal that reached
+any rank counts for all), a snapshot is written, and rank 0 asks SLURM to requeue the
+job. The requeued job starts again with the same out_dir and resumes from that snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+
+class PreemptionFlag:
+    """Set by a signal; read by the Trainer at step boundaries."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous = {}
+
+    def __bool__(self) -> bool:
+        return self.signal_name is not None
+
+    def install(self, names=("SIGUSR1", "SIGTERM")) -> None:
+        for name in names:
+            signum = getattr(signal, name, None)
+            if signum is None:
+                continue
+            try:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            except ValueError:  # not the main thread (a library user's thread)
+                return
+
+    def uninstall(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal_name is not None:
+            # A second signal: the user (or the scheduler) means it. Die as asked.
+            self.uninstall()
+            os.kill(os.getpid(), signum)
+            return
+        self.signal_name = signal.Signals(signum).name
+
+
+def slurm_job_id(environ=os.environ) -> str | None:
+    """The id that ``scontrol requeue`` wants: ARRAYJOB_TASK for array jobs."""
+    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get(
+        "SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    return environ.get("SLURM_JOB_ID")
+
+
+def requeue(environ=os.environ) -> str:
+    """Ask SLURM to requeue this job. Returns what happened, for the log; never raises."""
+    job = slurm_job_id(environ)
+    if not job:
+        return "not a SLURM job: not requeued (start the run again to resume)"
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return (f"scontrol not found on PATH: job {job} was not requeued; resubmit it to "
+                "resume from the snapshot")
+    try:
+        proc = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"scontrol requeue {job} failed: {exc}"
+    if proc.returncode != 0:
+        return f"scontrol requeue {job} failed: {(proc.stderr or proc.stdout).strip()}"
+    return f"job {job} requeued"
+
+
+def report(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
