@@ -1,0 +1,244 @@
+"""tools/ckpt.py: inspect, strip-prefix, add-prefix and export, run as a script on real
+checkpoint files written by the engine's checkpointers."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.checkpoint import add_module_prefix, file_sha256, model_digest
+from engine.plugins.dcp import DCPCheckpointer
+from engine.plugins.torch_file import TorchFileCheckpointer
+from tests.conftest import REPO
+
+TOOL = REPO / "tools" / "ckpt.py"
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("ckpt_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TOOL_MODULE = load_tool()
+
+
+def ckpt(*args) -> subprocess.CompletedProcess:
+    """``python tools/ckpt.py ARGS``, run in this process (torch is imported already);
+    test_runs_as_a_script checks that the script does the same on its own."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = TOOL_MODULE.main([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def test_runs_as_a_script(snapshot, tmp_path):
+    def script(*args):
+        return subprocess.run([sys.executable, str(TOOL), *map(str, args)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+
+    proc = script("inspect", snapshot, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == json.loads(ckpt("inspect", snapshot, "--json").stdout)
+    proc = script("export", tmp_path / "missing.pt", tmp_path / "out.pt")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == f"ckpt.py: error: {tmp_path / 'missing.pt'}: no such file or directory\n"
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4),
+                               torch.nn.Linear(4, 2))
+
+
+@pytest.fixture(scope="module")
+def trained():
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 6)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.fixture(scope="module")
+def snapshot(trained, tmp_path_factory):
+    """A torch-file snapshot, as the engine writes it (with manifest and latest)."""
+    model, optimizer = trained
+    state = {"engine_version": "0.1.0", "model": model.state_dict(),
+             "optimizer": optimizer.state_dict(), "epoch": 3, "step": 42,
+             "batch_in_epoch": 5, "epochs_completed": 3, "world_size": 2,
+             "rng": [{"torch": torch.get_rng_state()}] * 2, "metrics": {"val/loss": 0.25}}
+    folder = tmp_path_factory.mktemp("torch-file")
+    return TorchFileCheckpointer(folder).save(state, epoch=3, step=42)
+
+
+@pytest.fixture(scope="module")
+def ddp_file(trained, tmp_path_factory):
+    """A plain state_dict saved from inside DDP: every key starts with module."""
+    path = tmp_path_factory.mktemp("ddp") / "ddp_weights.pt"
+    torch.save(add_module_prefix(trained[0].state_dict()), path)
+    return path
+
+
+def test_inspect_json_reports_everything(snapshot, trained):
+    proc = ckpt("inspect", snapshot, "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    model = trained[0]
+    assert info["format"] == "engine snapshot"
+    assert info["sha256"] == file_sha256(snapshot) and info["size"] == snapshot.stat().st_size
+    assert info["manifest"] == "ok"
+    assert (info["epoch"], info["step"], info["batch_in_epoch"], info["world_size"]) == (
+        3, 42, 5, 2)
+    m = info["model"]
+    assert m["digest"] == model_digest(model.state_dict())
+    assert m["module_prefix"] == "none" and m["tensors"] == len(model.state_dict())
+    assert m["entries"]["0.weight"] == {"dtype": "float32", "shape": [4, 6]}
+    assert m["entries"]["1.num_batches_tracked"] == {"dtype": "int64", "shape": []}
+    assert info["optimizer"] == {"param_states": 6, "buffers": ["momentum_buffer"]}
+
+
+def test_inspect_text_and_a_checkpoints_folder_stands_for_its_latest(snapshot):
+    proc = ckpt("inspect", snapshot.parent)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"path      {snapshot}"
+    assert "manifest  ok" in lines
+    assert "position  epoch 3, step 42, batch 5 of the epoch" in lines
+    assert "model     9 tensors, 55 values, module. prefix: none" in lines
+    assert "  0.weight               float32   4x6" in lines
+    assert "  1.num_batches_tracked  int64     scalar" in lines
+
+
+def test_inspect_finds_a_snapshot_that_no_longer_matches_its_manifest(snapshot, tmp_path):
+    copy = tmp_path / snapshot.name
+    raw = bytearray(snapshot.read_bytes())
+    # One bit inside a tensor's bytes (the saved RNG state): torch.load does not notice.
+    rng = torch.load(snapshot, weights_only=True)["rng"][0]["torch"].numpy().tobytes()
+    raw[raw.find(rng) + 100] ^= 0x01
+    copy.write_bytes(bytes(raw))
+    (tmp_path / (snapshot.name + ".json")).write_bytes(
+        (snapshot.parent / (snapshot.name + ".json")).read_bytes())
+    proc = ckpt("inspect", copy, "--json")
+    assert proc.returncode == 1
+    assert json.loads(proc.stdout)["manifest"] == "sha256 differs from the manifest (corrupt)"
+
+
+def test_strip_prefix_makes_ddp_weights_load_into_the_plain_model(ddp_file, trained, tmp_path):
+    out = tmp_path / "plain.pt"
+    proc = ckpt("strip-prefix", ddp_file, out)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (f"wrote {out}: 9 keys without 'module.', sha256 "
+                           f"{file_sha256(out)}\n")
+    fresh = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 2))
+    fresh.load_state_dict(torch.load(out, weights_only=True))  # strict
+    assert model_digest(fresh.state_dict()) == model_digest(trained[0].state_dict())
+
+
+def test_add_prefix_keeps_the_rest_of_a_snapshot(snapshot, trained, tmp_path):
+    out = tmp_path / "prefixed.pt"
+    proc = ckpt("add-prefix", snapshot, out)
+    assert proc.returncode == 0, proc.stderr
+    converted = torch.load(out, weights_only=True)
+    assert all(k.startswith("module.") for k in converted["model"])
+    assert (converted["epoch"], converted["step"]) == (3, 42)
+    # What a DataParallel/DDP-wrapped model expects.
+    wrapped = torch.nn.DataParallel(make_model())
+    wrapped.load_state_dict(converted["model"])
+    assert model_digest(wrapped.module.state_dict()) == model_digest(trained[0].state_dict())
+    # ...and back: strip-prefix restores the weights digest.
+    back = tmp_path / "back.pt"
+    assert ckpt("strip-prefix", out, back).returncode == 0
+    info = json.loads(ckpt("inspect", back, "--json").stdout)
+    assert info["model"]["module_prefix"] == "none"
+    assert info["model"]["digest"] == model_digest(trained[0].state_dict())
+
+
+def test_export_from_a_snapshot_and_from_ddp_weights(snapshot, ddp_file, trained, tmp_path):
+    digest = model_digest(trained[0].state_dict())
+    for source in (snapshot, ddp_file):
+        out = tmp_path / f"export-{source.stem}.pt"
+        proc = ckpt("export", source, out)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == (f"wrote {out}: 9 tensors, model digest {digest}, sha256 "
+                               f"{file_sha256(out)}\n")
+        weights = torch.load(out, weights_only=True)
+        assert sorted(weights) == sorted(trained[0].state_dict())  # nothing but weights
+        make_model().load_state_dict(weights)
+
+
+def test_dcp_snapshot_inspect_and_export(trained, tmp_path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer = trained
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    folder = tmp_path / "checkpoints"
+    snap = DCPCheckpointer(folder).save(
+        {"model": model_state, "optimizer": optimizer_state, "epoch": 2, "step": 7},
+        epoch=2, step=7)
+    proc = ckpt("inspect", snap, "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert (info["format"], info["manifest"], info["epoch"], info["step"]) == (
+        "dcp snapshot", "ok", 2, 7)
+    assert sorted(info["files"]) == [".metadata", "__0_0.distcp", "train_state.pt"]
+    assert info["files"]["__0_0.distcp"]["sha256"] == file_sha256(snap / "__0_0.distcp")
+    assert info["model"]["digest"] == model_digest(model.state_dict())
+    assert info["model"]["entries"]["2.weight"] == {"dtype": "float32", "shape": [2, 4]}
+
+    out = tmp_path / "weights.pt"
+    assert ckpt("export", folder, out).returncode == 0  # the folder: its latest snapshot
+    make_model().load_state_dict(torch.load(out, weights_only=True))
+    assert model_digest(torch.load(out, weights_only=True)) == model_digest(model.state_dict())
+
+
+@pytest.mark.parametrize("case", ["missing", "garbage", "truncated", "pickled", "no-prefix",
+                                  "mixed-prefix", "over-input"])
+def test_bad_input_is_one_line(case, snapshot, ddp_file, tmp_path):
+    target = tmp_path / "input.pt"
+    command = ("inspect", target)
+    if case == "missing":
+        expected = f"ckpt.py: error: {target}: no such file or directory"
+    elif case == "garbage":
+        target.write_bytes(b"not a checkpoint\n")
+        expected = (f"ckpt.py: error: {target} cannot be loaded (corrupt, truncated or "
+                    "not a torch file): not a torch.save file")
+    elif case == "truncated":
+        target.write_bytes(snapshot.read_bytes()[:1000])
+        expected = (f"ckpt.py: error: {target} cannot be loaded (corrupt, truncated or not "
+                    "a torch file): PytorchStreamReader failed reading zip archive: failed "
+                    "finding central directory")
+    elif case == "pickled":
+        # What the seeds' scripts did: torch.save({"model": ..., "args": args}).
+        torch.save({"model": {"w": torch.ones(1)}, "args": argparse.Namespace(lr=0.1)}, target)
+        expected = (f"ckpt.py: error: {target} holds pickled Python objects (GLOBAL "
+                    "argparse.Namespace) besides tensors; only files that "
+                    "torch.load(weights_only=True) accepts are read")
+    elif case == "no-prefix":
+        command = ("strip-prefix", snapshot, tmp_path / "out.pt")
+        expected = (f"ckpt.py: error: {snapshot}: no key starts with 'module.'; nothing to "
+                    "strip (the keys already suit the plain model)")
+    elif case == "mixed-prefix":
+        torch.save({"module.a": torch.ones(1), "b": torch.ones(1)}, target)
+        command = ("strip-prefix", target, tmp_path / "out.pt")
+        expected = (f"ckpt.py: error: {target}: only 1 of 2 keys start with 'module.' "
+                    "(e.g. not 'b'); refusing to guess")
+    else:
+        command = ("strip-prefix", ddp_file, ddp_file)
+        expected = (f"ckpt.py: error: {ddp_file}: write to another file, not over the "
+                    "input (a snapshot's manifest would no longer match it)")
+    proc = ckpt(*command)
+    assert proc.returncode == 2
+    assert proc.stderr == expected + "\n"
+    assert proc.stdout == ""
+    assert not (tmp_path / "out.pt").exists()

@@ -1,0 +1,326 @@
+#!/usr/bin/env python3
+"""Look into checkpoints and convert them.
+
+    python tools/ckpt.py inspect PATH [--json]       keys, shapes, dtypes, epoch/step,
+                                                     sha256, model digest, manifest check
+    python tools/ckpt.py strip-prefix IN OUT         drop DDP's "module." from the keys
+    python tools/ckpt.py add-prefix IN OUT           add "module." to every key
+    python tools/ckpt.py export IN OUT               plain model weights for inference
+
+PATH/IN may be an engine snapshot (torch-file or async: ``snapshot-*.pt``), a dcp
+snapshot directory (``snapshot-*.dcp``), a checkpoints folder (the snapshot its
+``latest`` names), or a plain state_dict file with or without ``module.`` keys (also
+inside ``{"state_dict": ...}`` or ``{"model_state_dict": ...}``, as other tools save it).
+
+The seeds' "dict names" problem: a model saved from inside DDP has every key prefixed
+with ``module.``, and the plain model refuses it (and the other way round).
+strip-prefix/add-prefix rewrite the keys of the model weights only and keep everything
+else in the file; export writes just the weights, without the prefix, loadable with
+``model.load_state_dict(torch.load(OUT, weights_only=True))``.
+
+Only ``torch.load(weights_only=True)`` is used: a file that needs arbitrary pickled
+objects is refused, not executed. Output files are written crash-consistently
+(temp file, fsync, rename). Exit status: 0 ok, 1 ``inspect`` found a manifest
+mismatch, 2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from engine.checkpoint import (add_module_prefix, atomic_write, file_sha256, model_digest,
+                               strip_module_prefix)
+from engine.errors import CheckpointError
+
+PREFIX = "module."
+#: Where the model weights sit inside a container dict, in the order they are looked for.
+MODEL_KEYS = ("model", "state_dict", "model_state_dict")
+
+
+# -------------------------------------------------------------------- reading
+
+
+class Checkpoint:
+    """A loaded checkpoint: the whole object, where its model weights are, its format."""
+
+    def __init__(self, path: pathlib.Path, obj, fmt: str, model_key: str | None):
+        self.path = path
+        self.obj = obj
+        self.format = fmt
+        self.model_key = model_key  # None: the object is the state_dict itself
+
+    @property
+    def model(self) -> dict:
+        return self.obj if self.model_key is None else self.obj[self.model_key]
+
+    def with_model(self, model: dict):
+        if self.model_key is None:
+            return model
+        return {**self.obj, self.model_key: model}
+
+
+def resolve(path: pathlib.Path) -> pathlib.Path:
+    """A checkpoints folder stands for the snapshot its ``latest`` pointer names."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if path.is_dir() and not (path / ".metadata").exists():
+        pointer = path / "latest"
+        if not pointer.is_file():
+            raise CheckpointError(f"{path} is a folder but neither a dcp snapshot (no "
+                                  ".metadata) nor a checkpoints folder (no latest pointer)")
+        target = path / pointer.read_text().strip()
+        if not target.exists():
+            raise CheckpointError(f"{pointer} names {target.name}, which does not exist")
+        return target
+    return path
+
+
+def is_tensor_dict(obj) -> bool:
+    import torch
+
+    return isinstance(obj, dict) and bool(obj) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+
+
+def why_unloadable(path: pathlib.Path, exc: Exception) -> str:
+    """torch.load's errors span many lines; the one that matters, in a sentence."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    pickled = next((line for line in lines if "Unsupported global:" in line), None)
+    if pickled is not None:
+        name = pickled.split("Unsupported global:")[1].split(" was not")[0].strip()
+        return (f"{path} holds pickled Python objects ({name}) besides tensors; only files "
+                "that torch.load(weights_only=True) accepts are read")
+    first = lines[0] if lines else type(exc).__name__
+    if first.startswith("Weights only load failed"):
+        first = "not a torch.save file"
+    first = first.split(". ")[0]  # torch adds paragraphs of advice
+    return f"{path} cannot be loaded (corrupt, truncated or not a torch file): {first}"
+
+
+def read(path: pathlib.Path) -> Checkpoint:
+    path = resolve(path)
+    if path.is_dir():
+        from engine.plugins.dcp import DCPCheckpointer
+
+        return Checkpoint(path, DCPCheckpointer(path.parent).load(path), "dcp snapshot",
+                          "model")
+    import torch
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(why_unloadable(path, exc)) from None
+    if is_tensor_dict(obj):
+        return Checkpoint(path, obj, "state_dict", None)
+    if isinstance(obj, dict):
+        for key in MODEL_KEYS:
+            if is_tensor_dict(obj.get(key)):
+                fmt = "engine snapshot" if "engine_version" in obj else f"dict with {key!r}"
+                return Checkpoint(path, obj, fmt, key)
+        keys = ", ".join(map(str, list(obj)[:8]))
+        raise CheckpointError(f"{path} holds a dict without model weights (keys: {keys}); "
+                              f"expected a state_dict or one under {', '.join(MODEL_KEYS)}")
+    raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state_dict")
+
+
+# -------------------------------------------------------------------- inspect
+
+
+def manifest_check(path: pathlib.Path) -> str:
+    """"ok", "none" or what is wrong, from the engine's manifest next to ``path``."""
+    from engine.plugins import dcp, torch_file
+
+    if not torch_file.manifest_path(path).exists():
+        return "none"
+    problem = dcp.verify(path) if path.is_dir() else torch_file.verify(path)
+    return "ok" if problem is None else problem
+
+
+def describe(ckpt: Checkpoint) -> dict:
+    path = ckpt.path
+    model = ckpt.model
+    info: dict = {"path": str(path), "format": ckpt.format}
+    if path.is_dir():
+        files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)}
+                 for p in sorted(path.iterdir()) if p.is_file()}
+        info["size"] = sum(f["size"] for f in files.values())
+        info["files"] = files
+    else:
+        info["size"] = path.stat().st_size
+        info["sha256"] = file_sha256(path)
+    info["manifest"] = manifest_check(path)
+    obj = ckpt.obj
+    if ckpt.model_key is not None:
+        for key in ("epoch", "step", "batch_in_epoch", "epochs_completed", "world_size",
+                    "engine_version"):
+            if key in obj:
+                info[key] = obj[key]
+        info["keys"] = sorted(map(str, obj))
+    prefixed = [k for k in model if k.startswith(PREFIX)]
+    info["model"] = {
+        "key": ckpt.model_key,
+        "tensors": len(model),
+        "values": sum(t.numel() for t in model.values()),
+        "digest": model_digest(strip_module_prefix(model)),
+        "module_prefix": "all" if len(prefixed) == len(model) else
+                         ("some" if prefixed else "none"),
+        "entries": {k: {"dtype": str(t.dtype).replace("torch.", ""),
+                        "shape": list(t.shape)} for k, t in model.items()},
+    }
+    optimizer = obj.get("optimizer") if isinstance(obj, dict) else None
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict):
+        kinds = sorted({name for s in optimizer["state"].values() if isinstance(s, dict)
+                        for name in s})
+        info["optimizer"] = {"param_states": len(optimizer["state"]), "buffers": kinds}
+    return info
+
+
+def print_text(info: dict) -> None:
+    rows = [("path", info["path"]), ("format", info["format"]),
+            ("bytes", str(info["size"]))]
+    if "sha256" in info:
+        rows.append(("sha256", info["sha256"]))
+    for name, f in info.get("files", {}).items():
+        rows.append(("file", f"{name}  {f['size']} bytes  sha256 {f['sha256']}"))
+    rows.append(("manifest", info["manifest"]))
+    if "epoch" in info:
+        where = f"epoch {info['epoch']}, step {info.get('step')}"
+        if info.get("batch_in_epoch"):
+            where += f", batch {info['batch_in_epoch']} of the epoch"
+        rows.append(("position", where))
+    if "world_size" in info:
+        rows.append(("saved by", f"{info['world_size']} process(es), engine "
+                                 f"{info.get('engine_version', '?')}"))
+    m = info["model"]
+    rows.append(("model", f"{m['tensors']} tensors, {m['values']} values, "
+                          f"module. prefix: {m['module_prefix']}"))
+    rows.append(("digest", f"{m['digest']}  (engine.checkpoint.model_digest, without "
+                           "module.)"))
+    if "optimizer" in info:
+        o = info["optimizer"]
+        rows.append(("optimizer", f"state for {o['param_states']} parameters: "
+                                  f"{', '.join(o['buffers']) or 'no buffers'}"))
+    for label, value in rows:
+        print(f"{label:<10}{value}")
+    width = max(map(len, m["entries"]), default=0)
+    for name, e in m["entries"].items():
+        shape = "x".join(map(str, e["shape"])) or "scalar"
+        print(f"  {name:<{width}}  {e['dtype']:<9} {shape}")
+
+
+def cmd_inspect(args) -> int:
+    info = describe(read(pathlib.Path(args.path)))
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        print_text(info)
+    return 0 if info["manifest"] in ("ok", "none") else 1
+
+
+# ----------------------------------------------------------------- converting
+
+
+def write_torch(obj, out: pathlib.Path) -> str:
+    import torch
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _, sha256 = atomic_write(out, lambda f: torch.save(obj, f))
+    return sha256
+
+
+def check_output(ckpt: Checkpoint, out: pathlib.Path) -> None:
+    if out.resolve() == ckpt.path.resolve():
+        raise CheckpointError(f"{out}: write to another file, not over the input "
+                              "(a snapshot's manifest would no longer match it)")
+    if out.is_dir():
+        raise CheckpointError(f"{out} is a folder; give a file name, e.g. {out}/model.pt")
+
+
+def cmd_strip_prefix(args) -> int:
+    ckpt = read(pathlib.Path(args.input))
+    out = pathlib.Path(args.output)
+    check_output(ckpt, out)
+    if ckpt.path.is_dir():
+        raise CheckpointError(f"{ckpt.path} is a dcp snapshot, whose keys never carry "
+                              "module.; use export to get a plain weights file")
+    model = ckpt.model
+    prefixed = [k for k in model if k.startswith(PREFIX)]
+    if not prefixed:
+        raise CheckpointError(f"{ckpt.path}: no key starts with {PREFIX!r}; nothing to "
+                              "strip (the keys already suit the plain model)")
+    if len(prefixed) < len(model):
+        plain = next(k for k in model if not k.startswith(PREFIX))
+        raise CheckpointError(f"{ckpt.path}: only {len(prefixed)} of {len(model)} keys "
+                              f"start with {PREFIX!r} (e.g. not {plain!r}); refusing to "
+                              "guess")
+    sha256 = write_torch(ckpt.with_model(strip_module_prefix(model)), out)
+    print(f"wrote {out}: {len(model)} keys without {PREFIX!r}, sha256 {sha256}")
+    return 0
+
+
+def cmd_add_prefix(args) -> int:
+    ckpt = read(pathlib.Path(args.input))
+    out = pathlib.Path(args.output)
+    check_output(ckpt, out)
+    if ckpt.path.is_dir():
+        raise CheckpointError(f"{ckpt.path} is a dcp snapshot; export it first, then add "
+                              "the prefix to the exported file")
+    model = ckpt.model
+    if all(k.startswith(PREFIX) for k in model):
+        raise CheckpointError(f"{ckpt.path}: every key already starts with {PREFIX!r}")
+    sha256 = write_torch(ckpt.with_model(add_module_prefix(model)), out)
+    print(f"wrote {out}: {len(model)} keys with {PREFIX!r}, sha256 {sha256}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    ckpt = read(pathlib.Path(args.input))
+    out = pathlib.Path(args.output)
+    check_output(ckpt, out)
+    weights = {k: v.contiguous() for k, v in strip_module_prefix(ckpt.model).items()}
+    if any(k.startswith(PREFIX) for k in weights):
+        raise CheckpointError(f"{ckpt.path}: only some keys start with {PREFIX!r}; fix "
+                              "the file first (strip-prefix refuses to guess either)")
+    sha256 = write_torch(weights, out)
+    print(f"wrote {out}: {len(weights)} tensors, model digest {model_digest(weights)}, "
+          f"sha256 {sha256}")
+    return 0
+
+
+# ------------------------------------------------------------------------ main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckpt.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = sub.add_parser("inspect", help="keys, shapes, dtypes, epoch/step, sha256, digest")
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(run=cmd_inspect)
+    for name, run, text in (("strip-prefix", cmd_strip_prefix, "drop module. from keys"),
+                            ("add-prefix", cmd_add_prefix, "add module. to keys"),
+                            ("export", cmd_export, "plain model weights for inference")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("input")
+        s.add_argument("output")
+        s.set_defaults(run=run)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except CheckpointError as exc:
+        print(f"ckpt.py: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # an output folder that cannot be written, a full disk
+        print(f"ckpt.py: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
