@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import multiprocessing.util
+import os
 import pathlib
 import queue
 import sys
@@ -47,6 +47,9 @@ from engine.plugins.torch_file import TorchFileCheckpointer, snapshot_name, warn
 POLL_S = 0.5
 #: Tensors start at multiples of this many bytes in the buffer (any dtype's alignment).
 ALIGN = 64
+#: Where shared memory comes from (torch's file_descriptor sharing uses shm_open).
+SHM = "/dev/shm"
+MB = 1 << 20
 
 
 class _Slot:
@@ -130,6 +133,21 @@ def views_of(buffer, layout: list) -> list:
             for offset, dtype, shape, numel in layout]
 
 
+def check_shared_memory(nbytes: int, folder: str = SHM) -> None:
+    """Shared memory is only reserved when touched: too little of it would kill the
+    trainer with SIGBUS in the middle of the copy. Docker gives containers 64 MB."""
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return  # not Linux-like: let torch try
+    free = stat.f_bavail * stat.f_frsize
+    if free < nbytes:
+        raise CheckpointError(
+            f"the async checkpointer needs {nbytes / MB:.0f} MB of shared memory for a "
+            f"snapshot, but {folder} has {free / MB:.0f} MB free; make it larger (docker: "
+            "--shm-size) or use --checkpointer torch-file")
+
+
 # ----------------------------------------------------------------- the writer
 
 
@@ -138,6 +156,8 @@ def writer_main(jobs, results, directory: str, checkpoint: dict | None) -> None:
     import torch
 
     torch.set_num_threads(1)  # serialization does not use them; the trainer does
+    import multiprocessing
+
     cfg = None if checkpoint is None else types.SimpleNamespace(
         checkpoint=types.SimpleNamespace(**checkpoint))
     writer = TorchFileCheckpointer(pathlib.Path(directory), cfg)
@@ -211,6 +231,7 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
         layout, nbytes = plan_layout(tensors)
         if self._buffer is None or self._buffer.numel() < nbytes:
             self._buffer = None  # free the old one first: both may not fit
+            check_shared_memory(nbytes)
             self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8).share_memory_()
         copy_into(self._buffer, tensors, layout)
         self._start_writer()
@@ -221,9 +242,21 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
         self._pending = path
         return path  # durable once wait() returns
 
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process's id while it runs (it starts at the first save)."""
+        return self._process.pid if self._process is not None else None
+
     def _start_writer(self) -> None:
         if self._process is not None:
-            return
+            if self._process.is_alive():
+                return
+            # It died between two saves (the OOM killer, say): no write was lost.
+            warn(f"the checkpoint writer process died (exit code {self._process.exitcode}) "
+                 "while idle; starting a new one")
+            self._forget_writer(keep_buffer=True)
+        import multiprocessing.util
+
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -321,7 +354,7 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
                 self._process.join(timeout=5)
             self._forget_writer()
 
-    def _forget_writer(self) -> None:
+    def _forget_writer(self, keep_buffer: bool = False) -> None:
         if self._at_exit is not None:
             self._at_exit.cancel()
         for q in (self._jobs, self._results):
@@ -330,7 +363,8 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
                 q.cancel_join_thread()
         self._process = self._jobs = self._results = self._at_exit = None
         self._pending = None
-        self._buffer = None
+        if not keep_buffer:
+            self._buffer = None
 
 
 @engine.hookimpl
