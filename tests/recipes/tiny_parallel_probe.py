@@ -35,6 +35,7 @@ _counts = {"buckets": 0, "rounds": 0}
 
 @engine.hookimpl
 def engine_run_start(engine):
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     chain, model = [], engine.model
@@ -46,6 +47,8 @@ def engine_run_start(engine):
     _record.update({
         "wrappers": chain,
         "devices": [str(d) for d in engine.parallel.devices],
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "parameters_on": str(next(engine.module.parameters()).device),
         "sync_batchnorm_layers": sum(type(m).__name__ == "SyncBatchNorm"
                                      for m in engine.module.modules()),
     })

@@ -14,13 +14,26 @@ HERE = pathlib.Path(__file__).resolve().parent
 TINY_RECIPE = str(HERE / "tiny_parallel_recipe.py")
 
 
-def run_tiny(out, *args: str, nproc: int = 2, check: bool = True):
-    """``engine-run tiny_parallel_recipe.py -p tiny_parallel_probe out_dir=OUT --nproc N
-    ARGS``; returns the CompletedProcess."""
+def tiny_env(cuda_visible_devices: str | None = "") -> dict[str, str]:
+    """engine_env with the probe importable. CUDA_VISIBLE_DEVICES: "" hides the GPUs
+    (the default, as engine_env), None leaves the machine's setting alone."""
     path = os.pathsep.join(filter(None, [str(HERE), str(REPO),
                                          os.environ.get("PYTHONPATH", "")]))
+    env = engine_env(PYTHONPATH=path)
+    env.pop("CUDA_VISIBLE_DEVICES")
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    elif "CUDA_VISIBLE_DEVICES" in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    return env
+
+
+def run_tiny(out, *args: str, nproc: int = 2, check: bool = True,
+             cuda_visible_devices: str | None = ""):
+    """``engine-run tiny_parallel_recipe.py -p tiny_parallel_probe out_dir=OUT --nproc N
+    ARGS``; returns the CompletedProcess."""
     return run_cli(TINY_RECIPE, "-p", "tiny_parallel_probe", f"out_dir={out}",
-                   "--nproc", str(nproc), *args, env=engine_env(PYTHONPATH=path),
+                   "--nproc", str(nproc), *args, env=tiny_env(cuda_visible_devices),
                    check=check)
 
 
@@ -34,7 +47,8 @@ def probes(out) -> list[dict]:
 def weights(out, rank: int = 0) -> dict:
     import torch
 
-    return torch.load(pathlib.Path(out) / f"weights-rank{rank}.pt", weights_only=True)
+    return torch.load(pathlib.Path(out) / f"weights-rank{rank}.pt", weights_only=True,
+                      map_location="cpu")
 
 
 def summary(out) -> dict:

@@ -1,0 +1,39 @@
+"""tools/bench_gpu_resnet.py: without CUDA it says so and exits; its plumbing (recipe,
+engine timer plugin, hand-written loop, variants) runs as a tiny CPU smoke test."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, engine_env
+
+BENCH = str(REPO / "tools" / "bench_gpu_resnet.py")
+
+
+def test_without_cuda_it_exits_with_a_clear_message():
+    proc = subprocess.run([sys.executable, BENCH], cwd=REPO, env=engine_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "bench_gpu_resnet: no CUDA device visible (torch.cuda.is_available() is False); "
+        "run it on a GPU machine, or use --cpu-smoke to check the plumbing on the CPU")
+
+
+@pytest.mark.slow
+def test_cpu_smoke_runs_both_sides_of_two_variants(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, BENCH, "--cpu-smoke", "--variants", "fp32,channels_last+bf16",
+         "--image-size", "16", "--batch", "4", "--steps", "1", "--workers", "0",
+         "--reps", "1", "--json", str(out)],
+        cwd=REPO, env=engine_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert [r["variant"] for r in rows] == ["fp32", "channels_last+bf16"]
+    assert all(r["hand"] > 0 and r["engine"] > 0 for r in rows)
+    assert rows[0]["gain"] == 1.0
+    assert "CPU smoke test (not a measurement)" in proc.stdout

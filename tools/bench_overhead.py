@@ -1,0 +1,293 @@
+"""Benchmark: the engine's training loop against a hand-written PyTorch loop, on the CPU.
+
+    python tools/bench_overhead.py                       # every CPU mode, 5 repetitions
+    python tools/bench_overhead.py --reps 9 --size 8192 --modes ddp
+
+The workload is recipes/cifar_ddp.py's: its Net, SGD (lr 0.001, momentum 0.9), its
+synthetic CIFAR-shaped set, seed 0, global batch 64, one epoch. The hand-written side
+is the PyTorch DDP tutorial's loop (init_process_group, DDP(model),
+DistributedSampler + set_epoch, zero_grad / forward / loss / backward / step), plain
+without DDP for one process. It gets one line the tutorial lacks: the same
+torch.set_num_threads as the engine, since two processes with all cores each
+oversubscribe the CPU and would make the baseline, not the engine, slow.
+
+Sessions: one for 1 process (hand-written, engine ``single``, engine ``dp``, which is
+``single`` without GPUs) and one for 2 processes with gloo (hand-written DDP, engine
+``ddp``, engine ``ddp-multigpu`` with k = 1). A session's processes start once and run
+every variant in turn, INTERLEAVED: a warm-up round that is not counted, then ``--reps``
+rounds, the order rotating every round, so that load from elsewhere on the machine
+hits every variant alike. Only the training loop is timed, by each side itself: the
+hand-written loop with perf_counter around its epoch; the engine through the
+``Engine`` class, whose Trainer measures its epoch (summary's images_per_sec =
+global batch x steps / loop time). Process start-up, imports, data generation,
+validation and checkpoints are outside the timings.
+
+Printed per mode: median loop seconds of both sides, the ratio engine / hand-written
+(target <= 1.02), and whether the final weights are bit-identical (the engine's
+weights_sha256 against engine.checkpoint.model_digest of the hand-written model).
+
+Then the start-up cost: ``python -X importtime`` of what a run imports (``engine.cli``,
+``engine.engine``, ``engine.trainer`` and the built-in plugins) against ``import torch``
+alone (target: at most 10% more), and whether a bare ``import engine`` pulls in torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "cifar_ddp.py"
+SESSIONS = {1: ("single", "dp"), 2: ("ddp", "ddp-multigpu")}
+HAND = "hand-written"
+
+
+# --------------------------------------------------------------------- the two sides
+
+
+def hand_written(rank: int, world_size: int, port: int, args) -> tuple[float, str]:
+    """The PyTorch DDP tutorial's loop. Returns (loop seconds, weights digest)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from engine.checkpoint import model_digest
+    from engine.recipe import load_recipe
+
+    cifar = load_recipe(RECIPE).module
+    train_set, _ = cifar.synthetic_cifar(args.size, seed=1234)
+    torch.set_num_threads(args.threads)
+    if world_size > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world_size)
+    torch.manual_seed(args.seed)
+    model = cifar.Net()
+    if world_size > 1:
+        model = DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
+    criterion = nn.CrossEntropyLoss()
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
+                                 shuffle=True, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch // world_size, sampler=sampler)
+
+    sampler.set_epoch(0)
+    start = time.perf_counter()
+    for inputs, labels in loader:
+        optimizer.zero_grad()
+        loss = criterion(model(inputs), labels)
+        loss.backward()
+        optimizer.step()
+    elapsed = time.perf_counter() - start
+
+    digest = model_digest(getattr(model, "module", model).state_dict())
+    if world_size > 1:
+        dist.destroy_process_group()
+    return elapsed, digest
+
+
+def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: str,
+                   args) -> tuple[float, str]:
+    """The same workload through engine.engine.Engine, as engine-run's workers run it."""
+    from engine.config import apply_overrides
+    from engine.engine import Engine
+    from engine.plugin_manager import build_plugin_manager
+    from engine.recipe import load_recipe
+    from engine.world import World
+
+    pm = build_plugin_manager(autoload=False)
+    recipe = load_recipe(RECIPE)
+    cfg = apply_overrides(recipe.make_config(), [
+        f"parallel={mode}", "data.source=synthetic", f"data.synthetic_size={args.size}",
+        "epochs=1", f"batch_size={args.batch}", f"seed={args.seed}", f"out_dir={out_dir}",
+    ])
+    world = World(rank=rank, local_rank=rank, world_size=world_size,
+                  local_world_size=world_size, master_port=port)
+    summary = Engine(pm, recipe, cfg, world, {"threads": args.threads}).run()
+    loop_seconds = summary["global_step"] * cfg.batch_size / summary["images_per_sec"]
+    return loop_seconds, summary["weights_sha256"]
+
+
+# ------------------------------------------------------------------------ sessions
+
+
+def session_worker(rank: int, world_size: int, schedule: list, ports: list, args,
+                   results_path: str, log_path: str) -> None:
+    # The engine prints its progress; keep it out of the benchmark's table.
+    log = open(f"{log_path}.rank{rank}", "a")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    for (round_index, variant), port in zip(schedule, ports):
+        with tempfile.TemporaryDirectory() as out_dir:
+            if variant == HAND:
+                seconds, digest = hand_written(rank, world_size, port, args)
+            else:
+                seconds, digest = through_engine(variant, rank, world_size, port, out_dir,
+                                                 args)
+        if rank == 0:  # every rank times the same loop; rank 0 speaks for the session
+            with open(results_path, "a") as f:
+                f.write(json.dumps({"round": round_index, "variant": variant,
+                                    "seconds": seconds, "digest": digest}) + "\n")
+
+
+def run_session(world_size: int, modes: list[str], args, log_path: str) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    from engine.launcher import free_port
+
+    variants = [HAND, *modes]
+    schedule = []
+    for round_index in range(args.reps + 1):  # round 0: warm-up, not counted
+        shift = round_index % len(variants)
+        schedule += [(round_index, v) for v in variants[shift:] + variants[:shift]]
+    ports = [free_port() for _ in schedule]  # a fresh rendezvous for every run
+    with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
+        results_path = f.name
+    try:
+        mp.start_processes(session_worker, nprocs=world_size, start_method="spawn",
+                           args=(world_size, schedule, ports, args, results_path,
+                                 log_path))
+        lines = pathlib.Path(results_path).read_text().splitlines()
+    finally:
+        os.unlink(results_path)
+    return [json.loads(line) for line in lines]
+
+
+def summarize(world_size: int, results: list[dict]) -> list[dict]:
+    counted = [r for r in results if r["round"] > 0]
+    hand = [r for r in counted if r["variant"] == HAND]
+    hand_median = statistics.median(r["seconds"] for r in hand)
+    hand_digests = {r["digest"] for r in results if r["variant"] == HAND}
+    rows = []
+    for mode in dict.fromkeys(r["variant"] for r in counted if r["variant"] != HAND):
+        runs = [r for r in counted if r["variant"] == mode]
+        by_round = {r["round"]: r["seconds"] for r in hand}
+        paired = [r["seconds"] / by_round[r["round"]] for r in runs]
+        median = statistics.median(r["seconds"] for r in runs)
+        digests = {r["digest"] for r in results if r["variant"] == mode}
+        rows.append({
+            "processes": world_size, "mode": mode, "reps": len(runs),
+            "hand_s": hand_median, "engine_s": median, "ratio": median / hand_median,
+            "paired_ratio": statistics.median(paired),
+            "bit_identical": len(hand_digests) == 1 and digests == hand_digests,
+        })
+    return rows
+
+
+# ---------------------------------------------------------------------- imports
+
+
+def import_seconds(code: str) -> float:
+    """Cumulative import time of everything ``code`` imports beyond the interpreter's
+    own start-up, from ``python -X importtime``."""
+    def top_level(snippet: str) -> dict[str, int]:
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-c", snippet],
+                              capture_output=True, text=True, check=True, cwd=REPO,
+                              timeout=300)
+        found = {}
+        for line in proc.stderr.splitlines():
+            if not line.startswith("import time:") or "|" not in line:
+                continue
+            _, cumulative, name = line.split("|", 2)
+            if cumulative.strip().isdigit() and not name.startswith("  "):
+                found[name.strip()] = int(cumulative)  # a top-level import
+        return found
+
+    baseline = top_level("pass")
+    total = sum(us for name, us in top_level(code).items() if name not in baseline)
+    return total / 1e6
+
+
+RUN_IMPORTS = ("import engine.cli, engine.engine, engine.trainer, engine.data; "
+               "from engine.plugin_manager import build_plugin_manager; "
+               "build_plugin_manager(autoload=False)")
+
+
+def measure_imports(reps: int) -> dict:
+    torch_s, run_s = [], []
+    for _ in range(reps):  # interleaved too
+        torch_s.append(import_seconds("import torch"))
+        run_s.append(import_seconds(RUN_IMPORTS))
+    bare = subprocess.run([sys.executable, "-c",
+                           "import sys, engine; print('torch' in sys.modules)"],
+                          capture_output=True, text=True, check=True, cwd=REPO, timeout=120)
+    return {"torch_s": statistics.median(torch_s), "run_s": statistics.median(run_s),
+            "ratio": statistics.median(run_s) / statistics.median(torch_s),
+            "bare_import_engine_imports_torch": bare.stdout.strip() == "True",
+            "bare_import_engine_s": import_seconds("import engine")}
+
+
+# ------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=5, help="counted rounds (plus 1 warm-up)")
+    p.add_argument("--size", type=int, default=4096, help="training samples (one epoch)")
+    p.add_argument("--batch", type=int, default=64, help="global batch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default="single,dp,ddp,ddp-multigpu",
+                   help="comma-separated engine modes to compare")
+    p.add_argument("--import-reps", type=int, default=5,
+                   help="import-time measurements (0: skip)")
+    p.add_argument("--json", metavar="PATH", help="also write the results here")
+    args = p.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in args.modes if not any(m in ms for ms in SESSIONS.values())]
+    if unknown:
+        p.error(f"unknown mode(s) {', '.join(unknown)}; choose from "
+                f"{', '.join(m for ms in SESSIONS.values() for m in ms)}")
+    if args.reps < 1 or args.size < args.batch:
+        p.error("--reps must be >= 1 and --size at least one --batch")
+    return args
+
+
+def main(argv=None) -> int:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark, also on a GPU machine
+    args = parse_args(argv)
+    rows = []
+    with tempfile.NamedTemporaryFile(prefix="bench_overhead-", suffix=".log",
+                                     delete=False) as log:
+        log_path = log.name
+    for world_size, session_modes in SESSIONS.items():
+        modes = [m for m in session_modes if m in args.modes]
+        if not modes:
+            continue
+        from engine.data import threads_per_process
+
+        args.threads = threads_per_process(world_size)
+        results = run_session(world_size, modes, args, log_path)
+        rows += summarize(world_size, results)
+
+    print(f"training loop, {args.size} samples x 1 epoch, global batch {args.batch}, "
+          f"median of {args.reps} interleaved rounds (engine output: {log_path}.rank*)")
+    print(f"{'procs':>5}  {'mode':<13} {'hand-written':>12} {'engine':>9} "
+          f"{'ratio':>7} {'paired':>7}  weights")
+    for r in rows:
+        same = "bit-identical" if r["bit_identical"] else "DIFFERENT"
+        print(f"{r['processes']:>5}  {r['mode']:<13} {r['hand_s']:>11.3f}s "
+              f"{r['engine_s']:>8.3f}s {r['ratio']:>7.3f} {r['paired_ratio']:>7.3f}  {same}")
+    imports = measure_imports(args.import_reps) if args.import_reps else None
+    if imports:
+        print(f"imports: what a run imports {imports['run_s']:.3f}s vs import torch "
+              f"{imports['torch_s']:.3f}s: ratio {imports['ratio']:.3f} "
+              f"(median of {args.import_reps}); bare `import engine` "
+              f"{imports['bare_import_engine_s'] * 1000:.1f} ms, imports torch: "
+              f"{'yes' if imports['bare_import_engine_imports_torch'] else 'no'}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"loops": rows, "imports": imports},
+                                                      indent=1))
+    return 0 if all(r["bit_identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
