@@ -1,6 +1,6 @@
 """Every hook the engine calls, in one module, all with the ``engine_`` prefix.
 
-Each docstring starts its last paragraph but one with the hook's *kind*:
+Each docstring states the hook's *kind* on a line ``Kind: ...``:
 
 - **registration**: called once at start-up in every process, one plugin at a time in
   registration order (built-ins first, then entry points, then ``-p`` extras); the
