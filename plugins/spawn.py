@@ -45,7 +45,7 @@ class SpawnLauncher(Launcher):
 
     def worlds(self) -> list[World]:
         opts = self.options
-        nproc = opts.nproc or default_nproc()
+        nproc = default_nproc() if opts.nproc is None else opts.nproc
         if nproc < 1:
             raise LaunchError(f"--nproc {nproc} must be >= 1")
         if opts.nnodes < 1:
@@ -55,10 +55,12 @@ class SpawnLauncher(Launcher):
                 f"--node-rank {opts.node_rank} must lie in 0..{opts.nnodes - 1} "
                 f"for --nnodes {opts.nnodes}"
             )
-        if opts.nnodes > 1 and (not opts.master_addr or not opts.master_port):
+        if (opts.nnodes > 1 and opts.init_method == "env://"
+                and (not opts.master_addr or not opts.master_port)):
             raise LaunchError(
                 "spawn on several nodes needs --master-addr HOST and --master-port PORT "
-                "(the address of node 0 and a free port there, the same on every node)"
+                "(the address of node 0 and a free port there, the same on every node), "
+                "or --init-method tcp://HOST:PORT or file:///shared/path"
             )
         addr = opts.master_addr or "127.0.0.1"
         port = opts.master_port or self._port

@@ -1,0 +1,80 @@
+"""``engine-run doctor``: versions, what each launcher rule makes of the environment,
+the world it computes, checks with a clear verdict, and the hints. Each case sets the
+variables a launcher would set and runs the real command."""
+
+from __future__ import annotations
+
+import socket
+
+from engine.commands.doctor import HINTS
+from tests.conftest import engine_env, run_cli
+
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "job7", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29400"}
+
+
+def doctor(*args: str, **env: str):
+    return run_cli("doctor", *args, env=engine_env(**env), timeout=120)
+
+
+def detection_rows(stdout: str) -> list[list[str]]:
+    block = stdout.split("launcher detection (first match wins):\n")[1].split("checks:")[0]
+    return [line.split()[:3] for line in block.splitlines()]
+
+
+def test_plain_machine():
+    proc = doctor()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.startswith("engine ")
+    assert "torch " in out and "CUDA available: no (CUDA_VISIBLE_DEVICES='')" in out
+    assert detection_rows(out) == [["legacy", "10", "no"], ["torchrun", "20", "no"],
+                                   ["slurm", "30", "no"], ["spawn", "1000", "yes"]]
+    assert "ok      launcher spawn (detected)" in out
+    assert "ranks 0, 1 of 2, local world size 2" in out
+    for title, _ in HINTS:
+        assert f"  {title}: " in out
+
+
+def test_under_torchrun_variables():
+    proc = doctor(**TORCHRUN)
+    out = proc.stdout
+    assert ["torchrun", "20", "yes"] in detection_rows(out)
+    assert "launcher torchrun (detected)" in out
+    assert "this node: node 1 of 2, ranks 3 of 4, local world size 2; master " \
+           "127.0.0.1:29400 (env://)" in out
+    assert "torchrun's agent holds it" in out
+    assert "  TORCHELASTIC_RUN_ID=job7" in out.split("variables read by torchrun:")[1]
+    # The table: node 0's ranks inferred, this node's exact.
+    table = out.split("world (as computed here):\n")[1].splitlines()[1:5]
+    assert [row.split()[:3] for row in table] == [["0", "0", "0"], ["1", "1", "0"],
+                                                  ["2", "0", "1"], ["3", "1", "1"]]
+
+
+def test_problems_are_named_and_fail_the_exit_status():
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = doctor("--master-port", str(port), NCCL_SOCKET_IFNAME="nosuch0")
+    assert proc.returncode == 1
+    assert (f"PROBLEM master port {port} on 127.0.0.1 is already in use" in proc.stdout)
+    assert "PROBLEM NCCL_SOCKET_IFNAME=nosuch0: no interface matches nosuch0 (interfaces " \
+           "here: lo" in proc.stdout
+
+
+def test_launcher_asked_for_without_its_variables():
+    proc = doctor("--launcher", "torchrun")
+    assert proc.returncode == 1
+    assert "PROBLEM launcher 'torchrun' needs the environment variables RANK, LOCAL_RANK, " \
+           "WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, which are not set" \
+           in proc.stdout
+
+
+def test_salloc_shell_is_explained():
+    proc = doctor(SLURM_JOB_ID="9", SLURM_PROCID="0", SLURM_JOB_NAME="interactive",
+                  SLURM_JOB_NODELIST="n1", SLURM_NTASKS="1")
+    slurm_row = [line for line in proc.stdout.splitlines() if line.startswith("  slurm ")]
+    assert slurm_row and "no   in a SLURM allocation but not in a job step" in slurm_row[0]
+    assert "launcher spawn (detected)" in proc.stdout

@@ -1,0 +1,200 @@
+"""plugins/slurm.py: tasks started by srun, in both layouts, on the real two-node
+cluster of tools/slurm_cluster.sh (skipped with the reason when it is not running), and
+the variables checked before anything starts."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import subprocess
+
+import pytest
+
+from engine.errors import LaunchError
+from engine.launcher import LaunchOptions
+from engine.plugins.slurm import SlurmLauncher
+from tests.conftest import ENGINE_RUN, REPO, engine_env, run_cli
+from tests.plugins.launch_runs import finished, reference_digest, run, train_args
+
+# srun -N1 -n2 -c1: two tasks on node n2 (tasks 0 and 1).
+STEP = {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NTASKS": "2",
+        "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "n2",
+        "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "n[1-2]",
+        "SLURM_CPUS_PER_TASK": "1", "SLURM_JOB_NAME": "train", "SLURMD_NODENAME": "n2"}
+# srun -N3 -n5 on gpu[01-03] (2, 2, 1 tasks), this task the last one.
+UNEVEN = {**STEP, "SLURM_PROCID": "4", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+          "SLURM_NTASKS": "5", "SLURM_STEP_NUM_TASKS": "5", "SLURM_STEP_NUM_NODES": "3",
+          "SLURM_STEP_NODELIST": "gpu[01-03]", "SLURM_STEP_TASKS_PER_NODE": "2(x2),1",
+          "SLURMD_NODENAME": "gpu03"}
+
+
+def worlds_of(env, **options):
+    return SlurmLauncher(LaunchOptions(**options), env).worlds()
+
+
+def test_one_task_per_process():
+    (w,) = worlds_of(STEP)
+    assert (w.rank, w.local_rank, w.world_size, w.local_world_size, w.node_rank,
+            w.num_nodes, w.host, w.launcher, w.run_id) == (
+        1, 1, 2, 2, 0, 1, "n2", "slurm", "1234.0")
+    # The step's first node is the master (not the job's), the port comes from the job id.
+    assert (w.master_addr, w.master_port) == ("n2", 15000 + 1234)
+
+
+def test_one_task_per_node_starting_its_processes():
+    launcher = SlurmLauncher(LaunchOptions(nproc=4), UNEVEN)
+    assert launcher.spawns
+    worlds = launcher.worlds()
+    assert [(w.rank, w.local_rank, w.world_size, w.local_world_size, w.node_rank)
+            for w in worlds] == [(16 + i, i, 20, 4, 2) for i in range(4)]
+    assert [(w.rank, w.host) for w in launcher.all_worlds()][::4] == [
+        (0, "gpu01"), (4, "gpu01"), (8, "gpu02"), (12, "gpu02"), (16, "gpu03")]
+
+
+def test_gpus_of_a_lone_task_decide_its_processes():
+    env = {**UNEVEN, "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert len(worlds_of(env)) == 4  # one task on gpu03, four GPUs: four processes
+    env = {**STEP, "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert len(worlds_of(env)) == 1  # two tasks on the node: one process each
+
+
+def test_master_variables_win():
+    (w,) = worlds_of({**STEP, "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "23456"})
+    assert (w.master_addr, w.master_port) == ("10.1.1.1", 23456)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x2)"},
+     "SLURM_STEP_TASKS_PER_NODE='2(x2)' (4 tasks on 2 node(s)) does not add up to "
+     "SLURM_STEP_NUM_TASKS=2 on 1 node(s)"),
+    ({"SLURM_STEP_NUM_NODES": "2"},
+     "SLURM_STEP_NUM_NODES=2 but SLURM_STEP_NODELIST='n2' names 1 host(s) (n2)"),
+    ({"SLURM_STEP_NODELIST": "n[2-"},
+     "SLURM_STEP_NODELIST='n[2-' does not parse as a SLURM node list: a '[' is never closed"),
+    ({"SLURM_PROCID": "2"}, "SLURM_PROCID=2 is outside SLURM_STEP_NUM_TASKS=2 (0..1)"),
+    ({"SLURM_LOCALID": "2"}, "SLURM_LOCALID=2 is outside the 2 task(s) on node 0"),
+    ({"SLURM_STEP_NODELIST": None, "SLURM_STEP_TASKS_PER_NODE": None,
+      "SLURM_STEP_NUM_NODES": None, "SLURM_STEP_NUM_TASKS": None, "SLURM_JOB_NODELIST": "n2",
+      "SLURM_NNODES": "1", "SLURM_TASKS_PER_NODE": "2", "SLURM_NTASKS_PER_NODE": "4"},
+     "SLURM_NTASKS_PER_NODE=4 x 1 node(s) != SLURM_NTASKS=2"),
+    ({"SLURM_STEP_NODELIST": None, "SLURM_JOB_NODELIST": None},
+     "launcher 'slurm' needs the environment variables SLURM_JOB_NODELIST (or "
+     "SLURM_STEP_NODELIST), which are not set"),
+    ({"SLURM_NODEID": None}, "launcher 'slurm' needs the environment variables "
+                             "SLURM_NODEID, which is not set"),
+])
+def test_variables_that_do_not_add_up(change, message, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # the parser's verdict, not scontrol's
+    env = {k: v for k, v in {**STEP, **change}.items() if v is not None}
+    with pytest.raises(LaunchError) as err:
+        worlds_of(env)
+    assert str(err.value).startswith(message)
+
+
+# ---------------------------------------------------------------- the cluster
+
+
+def cluster_problem() -> str | None:
+    if shutil.which("sinfo") is None or shutil.which("srun") is None:
+        return "SLURM is not installed (sudo tools/slurm_cluster.sh start)"
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True,
+                              text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"sinfo does not answer ({exc})"
+    states = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
+    if proc.returncode != 0 or not all(states.get(n) in ("idle", "mix") for n in ("n1", "n2")):
+        seen = proc.stdout.strip() or proc.stderr.strip()
+        return (f"the local SLURM cluster is not up (sinfo: {seen}); start it with "
+                "tools/slurm_cluster.sh start")
+    return None
+
+
+cluster = pytest.mark.slurm
+PROBLEM = cluster_problem()
+needs_cluster = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+
+
+def srun(*args: str, timeout: float = 300, check: bool = True):
+    # -c1: one CPU per task, so SLURM_CPUS_PER_TASK sets one thread per process, as the
+    # reference run has. --kill-on-bad-exit: one failed task stops the step.
+    return run(["srun", "--kill-on-bad-exit=1", *args], timeout=timeout, check=check)
+
+
+@cluster
+@needs_cluster
+def test_one_task_per_node_on_two_nodes(tmp_path, tmp_path_factory):
+    out = tmp_path / "run"
+    srun("-N2", "-n2", "-c1", ENGINE_RUN, *train_args(out), "-v")
+    assert finished(out, "slurm")["weights_sha256"] == reference_digest(tmp_path_factory)
+
+
+@cluster
+@needs_cluster
+def test_one_task_per_process_on_one_node(tmp_path, tmp_path_factory):
+    out = tmp_path / "run"
+    proc = srun("-N1", "-n2", "-c1", ENGINE_RUN, *train_args(out), "-v")
+    assert finished(out, "slurm")["weights_sha256"] == reference_digest(tmp_path_factory)
+    # Rank 0 printed the world it detected: two ranks on one node, master derived.
+    table = proc.stdout.split("world:\n")[1].splitlines()[:3]
+    assert [row.split()[:3] for row in table] == [["rank", "local", "node"],
+                                                   ["0", "0", "0"], ["1", "1", "0"]]
+
+
+@cluster
+@needs_cluster
+def test_sbatch_script_runs_one_task_per_node_that_spawns(tmp_path, tmp_path_factory):
+    out = tmp_path / "run"
+    script = run_cli("sbatch", *train_args(out), "--nodes", "1", "--procs-per-node", "2",
+                     "--cpus-per-task", "2", "--layout", "task-per-node", check=True).stdout
+    job = tmp_path / "job.sh"
+    job.write_text(script)
+    submitted = run(["sbatch", "--wait", str(job)], timeout=400)
+    job_id = submitted.stdout.split()[-1]
+    log = (out / f"slurm-{job_id}.out").read_text()
+    assert "done: 1 epochs" in log, log
+    summary = finished(out, "slurm")
+    # Two processes started by one task: the task's 2 CPUs shared, one thread each.
+    assert summary["weights_sha256"] == reference_digest(tmp_path_factory)
+
+
+@cluster
+@needs_cluster
+def test_doctor_in_every_task():
+    proc = srun("-N2", "-n2", ENGINE_RUN, "doctor", timeout=200)
+    assert proc.stdout.count("ok      launcher slurm (detected)") == 2
+    assert "ranks 0 of 2" in proc.stdout and "ranks 1 of 2" in proc.stdout
+
+
+@cluster
+@needs_cluster
+def test_master_port_in_use_stops_the_step_early(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = engine_env(MASTER_PORT=str(port))
+        proc = run(["srun", "--kill-on-bad-exit=1", "-N1", "-n2", "-c1", ENGINE_RUN,
+                    *train_args(tmp_path / "run"), "timeout_s=20"], env=env, check=False,
+                   timeout=200)
+    assert proc.returncode != 0
+    assert re.search(f"engine-run: error: master port {port} on n[12] is already in use; "
+                     "choose another with MASTER_PORT=PORT in the job's environment \\(the "
+                     "port was MASTER_PORT\\)", proc.stderr), proc.stderr
+
+
+@cluster
+@needs_cluster
+def test_a_nodelist_that_does_not_parse_stops_every_task(tmp_path):
+    proc = run(["srun", "-N1", "-n1", "env", "SLURM_STEP_NODELIST=n[1-", ENGINE_RUN,
+                *train_args(tmp_path / "run")], check=False, timeout=200)
+    assert proc.returncode == 2
+    assert "engine-run: error: SLURM_STEP_NODELIST='n[1-' does not parse as a SLURM node " \
+           "list: a '[' is never closed" in proc.stderr
+
+
+def test_cluster_script_is_executable():
+    # .ci/run starts the cluster only when the script is executable.
+    assert (REPO / "tools" / "slurm_cluster.sh").stat().st_mode & 0o111

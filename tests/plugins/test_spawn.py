@@ -1,0 +1,92 @@
+"""plugins/spawn.py: workers started here, on one machine or on every node by hand
+(--nnodes/--node-rank), checked before anything starts."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from engine.errors import LaunchError
+from engine.launcher import LaunchOptions, free_port
+from engine.plugins.spawn import SpawnLauncher
+from tests.conftest import ENGINE_RUN, run_cli
+from tests.plugins.launch_runs import (ONE_THREAD, finished, reference_digest, run_together,
+                                       train_args)
+
+
+def test_every_node_style_ranks():
+    launcher = SpawnLauncher(LaunchOptions(nproc=2, nnodes=3, node_rank=1,
+                                           master_addr="10.0.0.1", master_port=29400), {})
+    worlds = launcher.worlds()
+    assert [(w.rank, w.local_rank, w.node_rank, w.world_size, w.local_world_size)
+            for w in worlds] == [(2, 0, 1, 6, 2), (3, 1, 1, 6, 2)]
+    assert {(w.master_addr, w.master_port, w.num_nodes) for w in worlds} == {
+        ("10.0.0.1", 29400, 3)}
+    # The table knows node 0's address, this node, and nothing about node 2.
+    assert [w.host for w in launcher.all_worlds()] == ["10.0.0.1"] * 2 + [
+        socket.gethostname()] * 2 + ["?"] * 2
+
+
+def test_one_machine_picks_a_free_port_once():
+    launcher = SpawnLauncher(LaunchOptions(nproc=2), {})
+    first, second = launcher.worlds(), launcher.worlds()
+    assert first == second and first[0].run_id and first[0].master_port > 0
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(nproc=2, nnodes=2, node_rank=2, master_addr="h", master_port=1),
+     "--node-rank 2 must lie in 0..1 for --nnodes 2"),
+    (dict(nproc=2, nnodes=2, node_rank=1),
+     "spawn on several nodes needs --master-addr HOST and --master-port PORT"),
+    (dict(nproc=0), "--nproc 0 must be >= 1"),
+    (dict(nproc=2, init_method="file://relative"), "init method 'file://relative' is not"),
+])
+def test_bad_options(options, message):
+    with pytest.raises(LaunchError) as err:
+        SpawnLauncher(LaunchOptions(**options), {}).worlds()
+    assert str(err.value).startswith(message)
+
+
+def test_port_in_use_is_reported_before_any_worker_starts(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run_cli(*train_args(tmp_path / "run"), "--master-port", str(port))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"engine-run: error: master port {port} on 127.0.0.1 is already in use; choose "
+        "another with --master-port PORT (or leave it out and a free port is picked)")
+    assert "[rank" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def stale_rendezvous_file(path) -> None:
+    """What a crashed run leaves in a file:// rendezvous: its session, a verdict for
+    tokens of its own, and process-group keys pointing at dead processes."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(path), 2)  # one of two users: torch keeps the file
+    store.set("engine/session", "deadbeefdeadbeef")
+    store.set("engine/deadbeefdeadbeef/verdict",
+              json.dumps({"ok": True, "tokens": ["dead0", "dead1"]}))
+    store.set("engine/deadbeefdeadbeef/pg/rank_0", "127.0.0.1:1")
+    del store
+
+
+def test_two_nodes_by_hand_meet_through_a_stale_file_and_match_spawn(tmp_path,
+                                                                    tmp_path_factory):
+    """The seeds' style (the same command on every node) with a file:// rendezvous that
+    an earlier run left behind: same weights as one machine."""
+    rdzv = tmp_path / "rdzv"
+    stale_rendezvous_file(rdzv)
+    assert rdzv.exists()
+    out = tmp_path / "run"
+    port = free_port()
+    nodes = [[ENGINE_RUN, *train_args(out), "--launcher", "spawn", "--nnodes", "2",
+              "--node-rank", str(rank), "--nproc", "1", "--master-addr", "127.0.0.1",
+              "--master-port", str(port), "--init-method", f"file://{rdzv}", *ONE_THREAD]
+             for rank in range(2)]
+    run_together(nodes)
+    assert finished(out, "spawn")["weights_sha256"] == reference_digest(tmp_path_factory)
