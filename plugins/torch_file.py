@@ -14,6 +14,7 @@ previous good one is used.
 
 from __future__ import annotations
 
+import errno
 import json
 import pathlib
 import sys
@@ -58,12 +59,23 @@ def verify(path: pathlib.Path) -> str | None:
     return None
 
 
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """torch.save reports a failed write (a full disk) as a RuntimeError whose context
+    is the OSError; find it."""
+    while exc is not None:
+        if isinstance(exc, OSError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class TorchFileCheckpointer(Checkpointer):
     name = "torch-file"
+    _temps_checked = False
 
     def write_snapshot(self, state: dict, path: pathlib.Path, *, epoch: int, step: int,
                        metrics: dict | None) -> None:
@@ -78,10 +90,35 @@ class TorchFileCheckpointer(Checkpointer):
 
     def save(self, state, *, epoch, step, metrics=None):
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.remove_stale_temps()
         path = self.directory / snapshot_name(epoch, step)
-        self.write_snapshot(state, path, epoch=epoch, step=step, metrics=metrics)
-        self.commit(path, metrics)
+        try:
+            self.write_snapshot(state, path, epoch=epoch, step=step, metrics=metrics)
+            self.commit(path, metrics)
+        except (OSError, RuntimeError) as exc:
+            os_error = _os_error_in(exc)
+            if os_error is None:
+                raise
+            raise self.write_error(path, os_error) from exc
         return path
+
+    def write_error(self, path: pathlib.Path, exc: OSError) -> CheckpointError:
+        previous = self._pointer("latest")
+        kept = (f"the previous snapshot {previous} is intact" if previous is not None
+                else "no earlier snapshot exists")
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.ENOSPC:
+            reason += f"; free space in {self.directory} or point out_dir elsewhere"
+        return CheckpointError(f"cannot write snapshot {path}: {reason}; {kept}")
+
+    def remove_stale_temps(self) -> None:
+        """Temp files of writes that were killed half-way (only one process writes here,
+        so none of them can still be in progress)."""
+        if self._temps_checked:
+            return
+        self._temps_checked = True
+        for temp in self.directory.glob(".*.tmp-*"):
+            temp.unlink(missing_ok=True)
 
     def commit(self, path: pathlib.Path, metrics: dict | None) -> None:
         """Point ``latest`` (and maybe ``best``) at ``path``, then prune old snapshots."""
