@@ -1,0 +1,349 @@
+"""``engine-run tune-workers RECIPE [key=value ...]``: measure DataLoader settings.
+
+The seeds found their OCT-A job's best ``num_workers`` by hand, one 10-epoch run per
+row of a table. This command makes that table in a minute: for each setting of the
+sweep it starts the processes a run would start on this node, each builds the recipe's
+training DataLoader exactly as the engine does (same sampler, batch split and dataset),
+and reads batches for ``--budget`` seconds after a warm-up that starts the workers and
+drains what they prefetched. images/s is the sum over the processes, from the steady
+state (the time between the first and the last batch of the window).
+
+``--full-step`` also runs every batch through forward, backward and the optimizer step
+on the process's device, so the loader competes with the compute for the CPUs as in a
+real run (without the gradient all-reduce: no process group is started).
+
+The output ends with the best setting and the override that applies it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue as queue_mod
+import sys
+import time
+from typing import Any, Sequence
+
+import attrs
+
+from engine.errors import ConfigError, EngineError
+
+#: Seconds a setting may take beyond its budget (process start, dataset, warm-up).
+STARTUP_ALLOWANCE_S = 180.0
+#: Batches read before the window starts: worker start-up, then the prefetched ones.
+WARMUP_BATCHES = 2
+
+
+@attrs.frozen
+class Setting:
+    num_workers: int
+    batch_size: int  # global
+
+
+@attrs.frozen
+class Measurement:
+    setting: Setting
+    images_per_sec: float  # all local processes together
+    per_process: tuple[float, ...]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers, e.g. 0,1,2,4") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers >= 0, e.g. 0,1,2,4")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="engine-run tune-workers",
+        description="Measure images/s of a recipe's training DataLoader for a sweep of "
+                    "num_workers (and batch sizes); print the table, the best setting and "
+                    "the override that applies it.")
+    p.add_argument("recipe", help="a recipe file, e.g. recipes/oct_ddp.py")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides, as for a run (e.g. data.root=/data/oct)")
+    p.add_argument("--budget", type=float, default=5.0, metavar="SECONDS",
+                   help="measuring time per setting, after the warm-up (default 5)")
+    p.add_argument("--workers", type=_int_list, metavar="N,N,...",
+                   help="num_workers values to try (default: 0, 1, 2, 4... up to twice "
+                        "the CPUs per process, and the engine's auto choice)")
+    p.add_argument("--batch-sizes", type=_int_list, metavar="B,B,...",
+                   help="global batch sizes to try (default: the recipe's batch_size)")
+    p.add_argument("--nproc", type=int,
+                   help="processes on this node (default: as many as a run would start)")
+    p.add_argument("--full-step", action="store_true",
+                   help="also run forward, backward and the optimizer step on each batch")
+    p.add_argument("-p", dest="plugins", action="append", default=[], metavar="NAME",
+                   help="-p module.path loads a plugin, -p no:NAME disables one")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_intermixed_args(list(argv))
+    if args.budget <= 0:
+        raise ConfigError(f"--budget {args.budget:g}: give a number of seconds > 0")
+    result = tune(args.recipe, args.overrides, budget_s=args.budget, workers=args.workers,
+                  batch_sizes=args.batch_sizes, nproc=args.nproc, full_step=args.full_step,
+                  plugins=args.plugins, out=sys.stdout)
+    print(format_result(result, args.recipe, args.overrides))
+    return 0
+
+
+# ----------------------------------------------------------------------- sweep
+
+
+def default_workers(per_process_cpus: int, auto: int) -> list[int]:
+    """0, 1, 2, 4, ... up to twice the CPUs of one process, plus the auto choice."""
+    values = {0, 1, 2, auto}
+    n = 4
+    while n <= 2 * per_process_cpus:
+        values.add(n)
+        n *= 2
+    return sorted(values)
+
+
+def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5.0,
+         workers: Sequence[int] | None = None, batch_sizes: Sequence[int] | None = None,
+         nproc: int | None = None, full_step: bool = False, plugins: Sequence[str] = (),
+         out=None) -> dict[str, Any]:
+    """Measure every setting; returns the measurements and what the engine would choose."""
+    from engine import data, loader_settings
+    from engine.cli import WorkerJob
+    from engine.engine import resolve_parallel_name
+    from engine.launcher import LaunchOptions, choose_launcher
+    from engine.plugin_manager import build_plugin_manager
+
+    pm = build_plugin_manager(list(plugins))
+    job = WorkerJob(str(recipe_path), tuple(overrides), tuple(plugins), {})
+    recipe, cfg = job.load(pm)
+    launcher = choose_launcher(pm.launchers, cfg.launcher,
+                               LaunchOptions(nproc=nproc, init_method=cfg.init_method))
+    worlds = launcher.worlds()
+    world = worlds[0]
+    parallel = pm.parallel_modes.get(resolve_parallel_name(cfg.parallel, world,
+                                                           pm.parallel_modes))(world, cfg)
+    device_type = parallel.devices[0].type
+    per_process, where = loader_settings.cpus_per_process(world.local_world_size)
+    auto = loader_settings.choose("auto", local_world_size=world.local_world_size,
+                                  device_type=device_type, timeout_s=cfg.timeout_s)
+    batch_sizes = list(batch_sizes or [cfg.batch_size])
+    for batch in batch_sizes:  # every batch size must split, before anything starts
+        data.split_batch(batch, world.world_size, cfg.grad_accum_steps)
+    settings = [Setting(w, b) for b in batch_sizes
+                for w in (workers or default_workers(per_process, auto.num_workers))]
+    if out is not None:
+        what = ("the training DataLoader with forward, backward and optimizer step"
+                if full_step else "the training DataLoader (read, decode, augment, batch)")
+        print(f"tune-workers: {recipe.path.name}, {len(worlds)} process(es) on this node, "
+              f"{where}; measuring {what}, {budget_s:g}s per setting", file=out, flush=True)
+    results = _run_sweep(job, worlds, settings, budget_s, full_step, out)
+    return {"measurements": results, "auto": auto, "device": device_type,
+            "processes": len(worlds), "cpus": where, "full_step": full_step,
+            "recipe_batch_size": cfg.batch_size}
+
+
+def _run_sweep(job, worlds, settings: list[Setting], budget_s: float, full_step: bool,
+               out=None) -> list[Measurement]:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    barrier = ctx.Barrier(len(worlds))
+    procs = [ctx.Process(target=_measure_process,
+                         args=(job, w, settings, budget_s, full_step, results, barrier),
+                         daemon=False)
+             for w in worlds]
+    for proc in procs:
+        proc.start()
+    measurements = []
+    try:
+        for setting in settings:
+            rates = {}
+            deadline = time.monotonic() + budget_s + STARTUP_ALLOWANCE_S
+            while len(rates) < len(worlds):
+                try:
+                    kind, rank, payload = results.get(
+                        timeout=max(0.1, deadline - time.monotonic()))
+                except queue_mod.Empty:
+                    dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                    raise EngineError(
+                        f"tune-workers: no measurement of num_workers={setting.num_workers} "
+                        f"within {budget_s + STARTUP_ALLOWANCE_S:g}s"
+                        + (f" (a measuring process exited with code {dead[0]})" if dead
+                           else "")) from None
+                if kind == "error":
+                    raise EngineError(f"tune-workers, rank {rank}: {payload}")
+                rates[rank] = payload
+            per_process = tuple(rates[r] for r in sorted(rates))
+            measurements.append(Measurement(setting, sum(per_process), per_process))
+            if out is not None:
+                print(f"  num_workers={setting.num_workers} batch_size={setting.batch_size}:"
+                      f" {sum(per_process):.1f} images/s", file=out, flush=True)
+        for proc in procs:
+            proc.join(timeout=60)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=10)
+    return measurements
+
+
+def _measure_process(job, world, settings, budget_s, full_step, results, barrier) -> None:
+    """One local process: build the dataset once, then measure each setting in turn,
+    in step with the other processes (a barrier before each window)."""
+    try:
+        _measure_settings(job, world, settings, budget_s, full_step, results, barrier)
+    except BaseException as exc:  # reported to the parent as one line, never a hang
+        message = (str(exc).strip().splitlines() or [""])[0]
+        if not isinstance(exc, EngineError):
+            message = f"{type(exc).__name__}: {message}"
+        results.put(("error", world.rank, message))
+        barrier.abort()
+
+
+def _measure_settings(job, world, settings, budget_s, full_step, results, barrier) -> None:
+    import torch
+
+    from engine import data, loader_settings
+    from engine.engine import Engine, resolve_parallel_name, seed_everything
+    from engine.plugin_manager import build_plugin_manager
+
+    pm = build_plugin_manager(list(job.plugins))
+    recipe, cfg = job.load(pm)
+    seed_everything(cfg.seed)
+    torch.set_num_threads(data.threads_per_process(world.local_world_size))
+    ctx = Engine(pm, recipe, cfg, world, {})  # what build_datasets sees as ctx in a run
+    ctx.parallel = pm.parallel_modes.get(
+        resolve_parallel_name(cfg.parallel, world, pm.parallel_modes))(world, cfg)
+    ctx.parallel.setup_device()
+    device = ctx.device
+    wait = barrier.wait  # every wait below has the same finite timeout
+    timeout = budget_s + STARTUP_ALLOWANCE_S
+    prepare = recipe.optional("prepare_data")
+    if prepare is not None and world.is_local_rank0:
+        prepare(cfg, ctx)
+    wait(timeout)  # local rank 0 has prepared the data
+    train_set, _ = recipe.module.build_datasets(cfg, ctx)
+
+    step = None
+    if full_step:
+        model = recipe.module.build_model(cfg).to(device)
+        optimizer = recipe.module.build_optimizer(cfg, model)
+        loss_fn = recipe.optional("loss_fn") or torch.nn.functional.cross_entropy
+
+        def step(inputs, targets):
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            loss_fn(model(inputs), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    for setting in settings:
+        micro = data.split_batch(setting.batch_size, world.world_size, cfg.grad_accum_steps)
+        chosen = loader_settings.choose(setting.num_workers,
+                                        local_world_size=world.local_world_size,
+                                        device_type=device.type, timeout_s=cfg.timeout_s)
+        loader = data.train_loader(train_set, micro_batch=micro, world=world, seed=cfg.seed,
+                                   drop_last=cfg.drop_last, per_sample_seed=cfg.per_sample_seed,
+                                   **chosen.loader_kwargs())
+        batches = _endless(loader)
+        for _ in range(WARMUP_BATCHES):  # starts the workers (and the step's allocations)
+            inputs, targets = next(batches)
+            if step is not None:
+                step(inputs, targets)
+        wait(timeout)
+        # What the workers prefetched while we waited arrives at once: not a rate.
+        for _ in range(chosen.num_workers * (chosen.prefetch_factor or 0)):
+            next(batches)
+        arrivals, images = [], 0
+        start = time.perf_counter()
+        while True:
+            inputs, targets = next(batches)
+            if step is not None:
+                step(inputs, targets)
+            now = time.perf_counter()
+            if arrivals:  # the first arrival opens the window
+                images += len(targets)
+            arrivals.append(now)
+            if now - start >= budget_s and len(arrivals) >= 2:
+                break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            arrivals[-1] = time.perf_counter()
+        results.put(("ok", world.rank, images / max(arrivals[-1] - arrivals[0], 1e-9)))
+        del batches, loader  # stop this setting's workers before the next one starts
+        wait(timeout)
+
+
+def _endless(loader):
+    """Batches across epoch boundaries, as training reads them."""
+    from engine.data import start_epoch
+
+    epoch = 0
+    while True:
+        start_epoch(loader, epoch)
+        yield from loader
+        epoch += 1
+
+
+# ---------------------------------------------------------------------- report
+
+
+def format_result(result: dict[str, Any], recipe_path: str, overrides: Sequence[str]) -> str:
+    measurements: list[Measurement] = result["measurements"]
+    auto = result["auto"]
+    best = max(measurements, key=lambda m: m.images_per_sec)
+    several_batches = len({m.setting.batch_size for m in measurements}) > 1
+    lines = [f"  {'num_workers':>11}  {'global batch':>12}  {'images/s':>9}  "
+             f"{'per process':>11}  {'vs best':>7}"]
+    for m in measurements:
+        share = m.images_per_sec / best.images_per_sec if best.images_per_sec else 0.0
+        marks = []
+        if m is best:
+            marks.append("best")
+        if m.setting.num_workers == auto.num_workers and (
+                m.setting.batch_size == result["recipe_batch_size"]):
+            marks.append("auto")
+        per = "/".join(f"{r:.1f}" for r in m.per_process)
+        lines.append(f"  {m.setting.num_workers:>11}  {m.setting.batch_size:>12}  "
+                     f"{m.images_per_sec:>9.1f}  {per:>11}  {share:>7.0%}"
+                     + (f"  <- {', '.join(marks)}" if marks else ""))
+    auto_rows = [m for m in measurements if m.setting.num_workers == auto.num_workers
+                 and m.setting.batch_size == result["recipe_batch_size"]]
+    lines.append("")
+    lines.append(f"best: num_workers={best.setting.num_workers}"
+                 + (f", batch_size={best.setting.batch_size}" if several_batches else "")
+                 + f": {best.images_per_sec:.1f} images/s")
+    if auto_rows:
+        share = auto_rows[0].images_per_sec / best.images_per_sec if best.images_per_sec \
+            else 0.0
+        lines.append(f"the engine's auto choice, num_workers={auto.num_workers}, reaches "
+                     f"{share:.0%} of it ({auto.reason})")
+    else:
+        lines.append(f"the engine's auto choice would be num_workers={auto.num_workers} "
+                     f"({auto.reason}); not measured")
+    kept = [o for o in overrides if not o.startswith(("num_workers=", "batch_size="))]
+    apply = [f"num_workers={best.setting.num_workers}"]
+    if several_batches and best.setting.batch_size != result["recipe_batch_size"]:
+        apply.append(f"batch_size={best.setting.batch_size}")
+    lines.append("apply it: engine-run " + " ".join([recipe_path, *kept, *apply]))
+    return "\n".join(lines)
+
+
+def images_per_sec_of(result: dict[str, Any], num_workers: int, batch_size: int | None = None
+                      ) -> float:
+    """The measured rate of one setting (for tools/bench_oct_pipeline.py)."""
+    batch = batch_size or result["recipe_batch_size"]
+    for m in result["measurements"]:
+        if m.setting == Setting(num_workers, batch):
+            return m.images_per_sec
+    raise KeyError(f"num_workers={num_workers}, batch_size={batch} was not measured")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
