@@ -23,11 +23,20 @@ STARTUP_SLACK_S = 60
 RANK_SCRIPT = textwrap.dedent("""
     # One process, several inits in a row (starting processes is the slow part):
     # argv[1] is a JSON list of cases, each one World plus a timeout.
-    import json, os, sys, time
+    import json, os, pathlib, sys, time
     import torch, torch.distributed as dist
     from engine import distributed
     from engine.errors import LaunchError
     from engine.world import World
+
+    # Start the clock when every process of the test has imported torch: on a busy
+    # machine that alone can take longer than the short timeouts tested here.
+    ready = pathlib.Path(os.environ["READY_DIR"])
+    (ready / str(os.getpid())).touch()
+    deadline = time.monotonic() + 120
+    while len(list(ready.iterdir())) < int(os.environ["READY_COUNT"]):
+        assert time.monotonic() < deadline, "the other test processes never started"
+        time.sleep(0.05)
 
     for case in json.loads(sys.argv[1]):
         world = World(rank=case["rank"], local_rank=case["rank"],
@@ -57,10 +66,18 @@ def script(tmp_path):
     return path
 
 
-def start(script, *cases: dict):
-    return subprocess.Popen([sys.executable, str(script), json.dumps(cases)], cwd=REPO,
-                            env=engine_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def start_together(script, *processes: list[dict]) -> list[subprocess.Popen]:
+    """One process per list of cases; their inits start once all have imported torch."""
+    ready = script.parent / f"ready-{time.monotonic_ns()}"
+    ready.mkdir()
+    env = engine_env(READY_DIR=str(ready), READY_COUNT=str(len(processes)))
+    procs = [subprocess.Popen([sys.executable, str(script), json.dumps(cases)], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+             for cases in processes]
+    for p in procs:
+        p.ready_dir = ready
+    return procs
 
 
 def finish(proc) -> list[dict]:
@@ -74,15 +91,16 @@ def finish(proc) -> list[dict]:
 def test_two_ranks_meet_by_env_tcp_and_file(script, tmp_path):
     inits = ["env://", f"tcp://127.0.0.1:{free_port()}", f"file://{tmp_path}/rdzv"]
     port = free_port()
-    ranks = [start(script, *[dict(rank=r, world_size=2, port=port, init=init)
-                             for init in inits]) for r in range(2)]
+    ranks = start_together(script, *[[dict(rank=r, world_size=2, port=port, init=init)
+                                      for init in inits] for r in range(2)])
     for results in map(finish, ranks):
         assert [(r["ok"], r.get("sum")) for r in results] == [(True, 3.0)] * 3, results
 
 
 def test_a_rank_that_never_comes_is_named_in_time(script):
     port = free_port()
-    ranks = [start(script, dict(rank=r, world_size=3, port=port)) for r in range(2)]
+    ranks = start_together(script, *[[dict(rank=r, world_size=3, port=port)]
+                                     for r in range(2)])
     results = [finish(p)[0] for p in ranks]
     message = (f"rank 2 of 3 never joined the rendezvous at 127.0.0.1:{port} within "
                f"{TIMEOUT_S}s (timeout_s); check that every rank was started")
@@ -103,11 +121,11 @@ def test_a_master_that_is_not_there_fails_in_time_and_says_where(script):
         busy.bind(("", 0))
         busy.listen()
         taken = busy.getsockname()[1]
-        unreachable, unresolvable, port_taken = finish(start(
-            script,
+        (process,) = start_together(script, [
             dict(rank=1, world_size=2, port=closed),
             dict(rank=1, world_size=2, port=29500, addr="no-such-host.invalid"),
-            dict(rank=0, world_size=2, port=taken)))
+            dict(rank=0, world_size=2, port=taken)])
+        unreachable, unresolvable, port_taken = finish(process)
     assert unreachable["error"].startswith(
         f"rank 1: cannot reach the master at 127.0.0.1:{closed} within {TIMEOUT_S}s "
         "(last attempt: Connection refused)")
@@ -122,8 +140,8 @@ def test_a_master_that_is_not_there_fails_in_time_and_says_where(script):
 
 def test_ranks_that_disagree_about_the_world_size(script):
     port = free_port()
-    ranks = [start(script, dict(rank=0, world_size=2, port=port)),
-             start(script, dict(rank=1, world_size=3, port=port))]
+    ranks = start_together(script, [dict(rank=0, world_size=2, port=port)],
+                           [dict(rank=1, world_size=3, port=port)])
     results = [finish(p)[0] for p in ranks]
     message = ("the ranks disagree about the world size: rank 0 has 2, rank 1 has 3 "
                "(check WORLD_SIZE / --nnodes / --nproc on every node)")
@@ -134,14 +152,17 @@ def test_ranks_that_disagree_about_the_world_size(script):
 def test_stale_file_rendezvous_from_a_crashed_run_does_not_break_the_next(script, tmp_path):
     rdzv = tmp_path / "rdzv"
     case = dict(world_size=2, port=1, init=f"file://{rdzv}")
-    crashed = [finish(p)[0] for p in [start(script, dict(case, rank=r, crash=True))
-                                      for r in range(2)]]
+    crashed = [finish(p)[0] for p in start_together(
+        script, *[[dict(case, rank=r, crash=True)] for r in range(2)])]
     assert all(r["ok"] for r in crashed), crashed
     assert rdzv.exists()  # the crashed run left its keys behind
     # The next run: rank 1 starts first and reads the dead run's session; it must wait
     # for the live one instead of joining the dead one.
-    late = start(script, dict(case, rank=1, timeout=30))
-    time.sleep(3)
-    early = start(script, dict(case, rank=0, timeout=30))
+    (late,) = start_together(script, [dict(case, rank=1, timeout=60)])
+    deadline = time.monotonic() + 120
+    while not any(late.ready_dir.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1)  # rank 1 is polling the dead session; rank 0 still has torch to import
+    (early,) = start_together(script, [dict(case, rank=0, timeout=60)])
     results = [finish(early)[0], finish(late)[0]]
     assert [(r["ok"], r.get("sum")) for r in results] == [(True, 3.0), (True, 3.0)], results
