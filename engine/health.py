@@ -34,12 +34,13 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 
 def _side_group():
-    """monitored_barrier exists on gloo only; NCCL runs get a gloo group for it."""
+    """A gloo group of its own for these checks: monitored_barrier exists on gloo only,
+    and after a collective of the main group times out, gloo closes that group's
+    connections ("Application timeout caused pair closure"), so only a separate group
+    can still ask who is there."""
     import torch.distributed as dist
 
     global _GLOO_GROUP
-    if dist.get_backend() == "gloo":
-        return None
     if _GLOO_GROUP is None:
         _GLOO_GROUP = dist.new_group(backend="gloo")
     return _GLOO_GROUP

@@ -65,7 +65,7 @@ def requeue(environ=os.environ) -> str:
     job = slurm_job_id(environ)
     if not job:
         return "not a SLURM job: not requeued (start the run again to resume)"
-    scontrol = shutil.which("scontrol")
+    scontrol = shutil.which("scontrol", path=environ.get("PATH", os.defpath))
     if scontrol is None:
         return (f"scontrol not found on PATH: job {job} was not requeued; resubmit it to "
                 "resume from the snapshot")

@@ -1,0 +1,44 @@
+"""No hangs: when one rank raises, dies or hangs, the others stop in bounded time and
+the message names the rank."""
+
+from __future__ import annotations
+
+import time
+
+from tests.conftest import REPO, engine_env, run_cli
+
+RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
+
+
+def run_with_fault(tmp_path, action: str, *extra: str, step: int = 3):
+    env = engine_env(ENGINE_FAULT_ACTION=action, ENGINE_FAULT_STEP=str(step),
+                     ENGINE_FAULT_RANK="1")
+    started = time.monotonic()
+    proc = run_cli(RECIPE, f"out_dir={tmp_path}", "--nproc", "2", "-p", "tests.fault_plugin",
+                   *extra, env=env, timeout=200)
+    return proc, time.monotonic() - started
+
+
+def test_a_rank_that_raises_is_named_and_the_run_stops(tmp_path):
+    proc, _ = run_with_fault(tmp_path, "raise")
+    assert proc.returncode != 0
+    assert "[rank 1] RuntimeError: injected failure on rank 1" in proc.stderr
+    assert "(rank 1) exited with code 1" in proc.stderr
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_a_rank_that_dies_is_named(tmp_path):
+    proc, _ = run_with_fault(tmp_path, "kill")
+    assert proc.returncode != 0
+    assert "worker with local rank 1 (rank 1) was killed by SIGKILL" in proc.stderr
+
+
+def test_a_hung_rank_is_named_within_the_collective_timeout(tmp_path):
+    proc, elapsed = run_with_fault(tmp_path, "hang", "timeout_s=8")
+    assert proc.returncode != 0
+    # Rank 0 gives up after the 8 s collective timeout and names the silent rank...
+    assert "[rank 0] error: rank 0: a collective operation failed at step" in proc.stderr
+    assert "rank(s) 1 stopped answering (timeout 8s)" in proc.stderr
+    # ...and the whole run ends: the timeout, the 5 s roll call, the launcher's grace
+    # period for the hung process, and start-up, but nowhere near "forever".
+    assert elapsed < 8 + 5 + 30 + 60, elapsed
