@@ -241,11 +241,13 @@ def spawn_workers(worker: Callable[[World], None], worlds: list[World],
         while not context.join(timeout=1.0):
             pass
     except mp.ProcessExitedException as exc:
-        how = (f"was killed by {exc.signal_name}" if exc.signal_name
-               else f"exited with code {exc.exit_code}")
+        # A worker that raised printed its error itself; one that was killed could not.
+        how = (f"was killed by {exc.signal_name} (out of memory? killed by hand?)"
+               if exc.signal_name else
+               f"exited with code {exc.exit_code}; its error is printed above")
         raise LaunchError(
             f"worker with local rank {worlds[exc.error_index].local_rank} (rank "
-            f"{worlds[exc.error_index].rank}) {how}; its error is printed above"
+            f"{worlds[exc.error_index].rank}) {how}"
         ) from None
     except mp.ProcessRaisedException as exc:
         raise LaunchError(f"a worker failed:\n{exc}") from None
