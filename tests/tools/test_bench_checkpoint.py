@@ -1,0 +1,26 @@
+"""tools/bench_checkpoint.py runs end to end on a tiny state (the numbers themselves
+belong to the benchmark, not to a test) and cleans up after itself."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_prints_both_ratios_and_removes_its_files(tmp_path):
+    folder = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_checkpoint.py"), "--sizes", "2M",
+         "--repeat", "2", "--tensors", "4", "--dir", str(folder), "--breakdown"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("2 MB"))
+    # torch.save (min), crash-consistent (min), ratio, async blocks (min), ratio, first
+    numbers = re.findall(r"\d+\.\d+", row)
+    assert len(numbers) == 9, row
+    assert "  + sha256 on a helper thread" in proc.stdout
+    assert re.search(r"^targets: .*: (met|NOT met)$", proc.stdout, re.M)
+    assert not folder.exists()
