@@ -157,7 +157,15 @@ def writer_main(jobs, results, directory: str, checkpoint: dict | None) -> None:
 
     torch.set_num_threads(1)  # serialization does not use them; the trainer does
     import multiprocessing
+    import signal
 
+    # Ctrl-C, SLURM's pre-emption signal (USR1, then TERM) and a launcher's TERM reach
+    # every process of the job. The trainer decides what they mean, and may well want
+    # one more snapshot written; this process finishes what it was given and ends when
+    # told to or when the trainer is gone. (They were blocked since the spawn.)
+    for sig in job_signals():
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, job_signals())
     cfg = None if checkpoint is None else types.SimpleNamespace(
         checkpoint=types.SimpleNamespace(**checkpoint))
     writer = TorchFileCheckpointer(pathlib.Path(directory), cfg)
@@ -189,6 +197,26 @@ def writer_main(jobs, results, directory: str, checkpoint: dict | None) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def job_signals() -> set:
+    import signal
+
+    return {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP}
+
+
+@contextlib.contextmanager
+def _job_signals_blocked():
+    """Around the spawn: the child inherits the blocked set, so no job signal can kill
+    it before it has chosen to ignore them. Here they are only held back: one that
+    arrives meanwhile is delivered when the set is restored, not lost."""
+    import signal
+
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, job_signals())
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager
@@ -270,7 +298,7 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
         self._process = ctx.Process(target=writer_main, name="engine-checkpoint-writer",
                                     args=(self._jobs, self._results, str(self.directory),
                                           checkpoint), daemon=True)
-        with _main_module_hidden():
+        with _main_module_hidden(), _job_signals_blocked():
             self._process.start()
         # Runs at interpreter exit before multiprocessing terminates daemonic children
         # (priority >= 0), in the main process and in multiprocessing workers alike.
@@ -303,7 +331,10 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
                     f"the checkpoint writer process died (exit code {code}) while writing "
                     f"{path}; the previous snapshot is untouched: {self._latest_name()}")
             if time.monotonic() > deadline:
-                self._pending = None
+                # Stop it: a later save must not refill the buffer it still reads.
+                self._process.kill()  # it ignores SIGTERM
+                self._process.join(timeout=5)
+                self._forget_writer()
                 raise CheckpointError(
                     f"writing {path} took longer than {self.write_timeout_s:g}s; the "
                     f"previous snapshot is untouched: {self._latest_name()}")
@@ -350,7 +381,7 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
             self._process.join(timeout=30)
         finally:
             if self._process.is_alive():
-                self._process.terminate()
+                self._process.kill()  # it ignores SIGTERM
                 self._process.join(timeout=5)
             self._forget_writer()
 

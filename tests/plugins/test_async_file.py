@@ -85,6 +85,10 @@ def test_file_is_the_one_torch_file_writes(checkpointer, tmp_path):
 def test_close_returns_only_when_the_last_write_is_durable(checkpointer):
     path = checkpointer.save(big_state(3.0, megabytes=64), epoch=2, step=5)
     pid = checkpointer.writer_pid
+    # What a job's processes receive on Ctrl-C and on SLURM pre-emption: the trainer
+    # decides; the writer finishes its write.
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM):
+        os.kill(pid, sig)
     checkpointer.close()
     assert verify(path) is None
     assert (checkpointer.directory / "latest").read_text().strip() == path.name
