@@ -44,3 +44,51 @@ def test_array_jobs_are_requeued_by_their_array_id():
     assert preemption.slurm_job_id({"SLURM_JOB_ID": "100"}) == "100"
     assert preemption.requeue({}) == ("not a SLURM job: not requeued (start the run again "
                                       "to resume)")
+
+
+def test_slurm_job_signalled_mid_run_is_requeued_and_finishes_identically(tmp_path):
+    """On the local cluster: the script `engine-run sbatch` writes, SIGUSR1 mid-run
+    (what --signal=USR1@90 sends), requeue, resume, same weights as uninterrupted."""
+    import json
+    import subprocess
+    import time
+
+    from tests.plugins.test_slurm import PROBLEM
+
+    if PROBLEM is not None:
+        import pytest
+
+        pytest.skip(PROBLEM)
+    train = (RECIPE, "epochs=12", "checkpoint.every_steps=0")
+    reference = tmp_path / "reference"
+    run_cli(*train, f"out_dir={reference}", "--launcher", "spawn", "--nproc", "2",
+            "--threads", "1", check=True)
+
+    out = tmp_path / "run"
+    script = run_cli("sbatch", *train, f"out_dir={out}", "--nodes", "1",
+                     "--procs-per-node", "2", "--cpus-per-task", "2",
+                     "--layout", "task-per-node", check=True).stdout
+    assert "#SBATCH --signal=USR1@90" in script and "#SBATCH --requeue" in script
+    job_file = tmp_path / "job.sh"
+    job_file.write_text(script)
+    submitted = subprocess.run(["sbatch", str(job_file)], capture_output=True, text=True,
+                               env=engine_env(), cwd=REPO, timeout=60, check=True)
+    job = submitted.stdout.split()[-1]
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoints" / "latest").exists():  # handlers are up by then
+            assert time.monotonic() < deadline, "the job never wrote a snapshot"
+            time.sleep(0.2)
+        subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
+        summary = {}
+        while summary.get("status") != "completed":
+            assert time.monotonic() < deadline, f"job {job} did not finish: {summary}"
+            time.sleep(1)
+            if (out / "summary.json").exists():
+                summary = json.loads((out / "summary.json").read_text())
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    log = (out / f"slurm-{job}.out").read_text()
+    assert "pre-empted by SIGUSR1" in log and f"job {job} requeued" in log, log
+    assert "resuming from" in log, log
+    assert summary["weights_sha256"] == read_summary(reference)["weights_sha256"]
