@@ -251,22 +251,10 @@ class Context:
 
     def setup(self) -> None:
         """Seed, threads, parallel mode, process group, checkpointer (as Engine.run)."""
-        import torch
-
-        from engine import distributed
-        from engine.data import threads_per_process
-        from engine.engine import resolve_parallel_name, seed_everything
+        from engine.engine import start_worker
 
         cfg, world = self.cfg, self.world
-        seed_everything(cfg.seed)
-        torch.set_num_threads(self.options.get("threads") or
-                              threads_per_process(world.local_world_size))
-        name = resolve_parallel_name(cfg.parallel, world, self.pm.parallel_modes)
-        self.parallel = self.pm.parallel_modes.get(name)(world, cfg)
-        self.parallel.check()
-        self.parallel.setup_device()
-        if world.distributed:
-            distributed.init(world, self.parallel.backend or "gloo", cfg.timeout_s)
+        self.parallel = start_worker(self.pm, cfg, world, self.options)
         self.checkpointer = self.pm.checkpointers.get(cfg.checkpointer)(
             self.out_dir / "checkpoints", cfg, world)
         if self.is_rank0:

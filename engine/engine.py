@@ -50,6 +50,28 @@ def resolve_parallel_name(name: str, world, registry) -> str:
     return "single"
 
 
+def start_worker(pm, cfg, world, options: dict[str, Any]):
+    """The first steps of every worker (a Trainer run or a library user's loop): seed
+    every RNG, share the CPUs, choose the parallel mode and its devices, create the
+    process group. Returns the parallel mode."""
+    import torch
+
+    from engine import distributed, health
+    from engine.data import threads_per_process
+
+    seed_everything(cfg.seed)
+    torch.set_num_threads(options.get("threads") or
+                          threads_per_process(world.local_world_size))
+    name = resolve_parallel_name(cfg.parallel, world, pm.parallel_modes)
+    parallel = pm.parallel_modes.get(name)(world, cfg)
+    parallel.check()
+    parallel.setup_device()
+    if world.distributed:
+        distributed.init(world, parallel.backend or "gloo", cfg.timeout_s)
+        health.prepare()
+    return parallel
+
+
 def seed_everything(seed: int) -> None:
     import numpy as np
     import torch
@@ -109,24 +131,12 @@ class Engine:
     # ------------------------------------------------------------------- run
 
     def run(self) -> dict:
-        import torch
-
-        from engine import distributed, health, preemption
+        from engine import distributed, preemption
         from engine.trainer import Trainer
 
         start = time.perf_counter()
-        cfg, world = self.cfg, self.world
-        seed_everything(cfg.seed)
-        torch.set_num_threads(self.options.get("threads") or
-                              _threads(world.local_world_size))
-
-        name = resolve_parallel_name(cfg.parallel, world, self.pm.parallel_modes)
-        self.parallel = self.pm.parallel_modes.get(name)(world, cfg)
-        self.parallel.check()
-        self.parallel.setup_device()
-        if world.distributed:
-            distributed.init(world, self.parallel.backend or "gloo", cfg.timeout_s)
-            health.prepare()
+        cfg = self.cfg
+        self.parallel = start_worker(self.pm, cfg, self.world, self.options)
         if cfg.preemption:
             self.preemption = preemption.PreemptionFlag()
             self.preemption.install()
@@ -284,9 +294,4 @@ class Engine:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
 
-
-def _threads(local_world_size: int) -> int:
-    from engine.data import threads_per_process
-
-    return threads_per_process(local_world_size)
 
