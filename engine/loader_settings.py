@@ -9,7 +9,10 @@ rule here is the one their table points to:
 - shared among the processes that draw on them: all local processes, unless SLURM gave
   each process its own task (one task per GPU), in which case SLURM already divided;
 - one CPU stays with the training process (it feeds the device, or is the device);
-  the rest become workers, at most :data:`MAX_AUTO_WORKERS`;
+  the rest become workers, at most :data:`MAX_AUTO_WORKERS` and at least one: with no
+  worker every batch is read, decoded and augmented while the device waits, and a
+  worker that shares the training process's only CPU still overlaps loading with the
+  step (measured in docs/data.md);
 - workers are persistent (no re-fork of every worker at each epoch), keep at least
   :data:`MIN_BATCHES_IN_FLIGHT` batches in flight (``prefetch_factor``), pin memory
   only when the batches go to a CUDA device, and time out instead of hanging.
@@ -103,19 +106,27 @@ def cpus_per_process(local_world_size: int, environ: Mapping[str, str] | None = 
                          f"= {per_process} each")
 
 
+def auto_workers(per_process_cpus: int) -> int:
+    """All CPUs but the training process's, at least 1 and at most MAX_AUTO_WORKERS."""
+    return max(1, min(per_process_cpus - 1, MAX_AUTO_WORKERS))
+
+
 def choose(requested: int | str, *, local_world_size: int, device_type: str,
            timeout_s: float, environ: Mapping[str, str] | None = None,
            cpus: int | None = None) -> LoaderSettings:
     """The DataLoader settings for one process; ``requested`` is ``cfg.num_workers``."""
     per_process, where = cpus_per_process(local_world_size, environ, cpus)
+    auto = auto_workers(per_process)
     if requested == "auto":
-        workers = min(per_process - 1, MAX_AUTO_WORKERS)
-        reason = f"auto: {where}, 1 kept for training"
+        workers = auto
+        if per_process == 1:
+            reason = f"auto: {where}; 1 worker shares it with training, overlapping the two"
+        else:
+            reason = f"auto: {where}, 1 kept for training"
         if per_process - 1 > MAX_AUTO_WORKERS:
             reason += f", capped at {MAX_AUTO_WORKERS}"
     else:
         workers = int(requested)
-        auto = min(per_process - 1, MAX_AUTO_WORKERS)
         reason = f"as configured; auto would choose {auto} from {where}"
         if workers >= 2 * per_process:
             reason += ", so these workers compete for the CPUs"

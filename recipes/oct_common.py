@@ -308,8 +308,9 @@ class EncodedBatch:
                                       mode=ImageReadMode.GRAY, device=device)
             except RuntimeError as exc:
                 paths = ", ".join(self.items[i][0] for i in jpegs)
+                reason = (str(exc).strip().splitlines() or ["failed"])[0]
                 raise UnreadableImageError(
-                    f"cannot decode the JPEG files of this batch on {device} ({exc}); "
+                    f"cannot decode the JPEG files of this batch on {device} ({reason}); "
                     f"one of: {paths}") from None
             for i, image in zip(jpegs, decoded):
                 images[i] = image.float() / 255.0

@@ -176,7 +176,7 @@ def _run_sweep(job, worlds, settings: list[Setting], budget_s: float, full_step:
                         + (f" (a measuring process exited with code {dead[0]})" if dead
                            else "")) from None
                 if kind == "error":
-                    raise EngineError(f"tune-workers, rank {rank}: {payload}")
+                    raise EngineError(_first_cause(results, rank, payload))
                 rates[rank] = payload
             per_process = tuple(rates[r] for r in sorted(rates))
             measurements.append(Measurement(setting, sum(per_process), per_process))
@@ -191,6 +191,20 @@ def _run_sweep(job, worlds, settings: list[Setting], budget_s: float, full_step:
                 proc.terminate()
                 proc.join(timeout=10)
     return measurements
+
+
+def _first_cause(results, rank: int, message: str) -> str:
+    """The error to show: the one that broke the barrier, not the other processes'
+    BrokenBarrierError that it caused (their reports may arrive first)."""
+    deadline = time.monotonic() + 2.0
+    while message.startswith("BrokenBarrierError") and time.monotonic() < deadline:
+        try:
+            kind, other_rank, payload = results.get(timeout=0.2)
+        except queue_mod.Empty:
+            continue
+        if kind == "error" and not payload.startswith("BrokenBarrierError"):
+            rank, message = other_rank, payload
+    return f"tune-workers, rank {rank}: {message}"
 
 
 def _measure_process(job, world, settings, budget_s, full_step, results, barrier) -> None:

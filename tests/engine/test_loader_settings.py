@@ -20,12 +20,27 @@ def auto(cpus, local, device="cpu", environ=NO_SLURM, timeout_s=300.0):
                   environ=environ, cpus=cpus)
 
 
-def test_this_machine_two_processes_on_two_cpus_load_in_the_training_process():
+def test_this_machine_one_cpu_per_process_still_gets_a_worker():
+    """2 CPUs, 2 processes: the worker shares its process's CPU, so that loading
+    overlaps the step instead of stopping it (docs/data.md has the measurement)."""
     settings = auto(cpus=2, local=2)
     assert (settings.num_workers, settings.persistent_workers, settings.prefetch_factor,
-            settings.timeout_s, settings.pin_memory) == (0, False, None, 0.0, False)
+            settings.timeout_s, settings.pin_memory) == (1, True, 4, 300.0, False)
     assert settings.reason == ("auto: 2 CPUs (affinity) shared by 2 local processes = 1 "
-                               "each, 1 kept for training")
+                               "each; 1 worker shares it with training, overlapping the two")
+    # More processes than CPUs: still one each.
+    assert auto(cpus=4, local=8, device="cuda").num_workers == 1
+
+
+def test_no_workers_means_no_worker_options():
+    """torch refuses prefetch_factor and timeout without workers."""
+    settings = choose(0, local_world_size=2, device_type="cpu", timeout_s=300,
+                      environ=NO_SLURM, cpus=2)
+    assert (settings.num_workers, settings.persistent_workers, settings.prefetch_factor,
+            settings.timeout_s) == (0, False, None, 0.0)
+    assert settings.describe() == (
+        "0 per process, loading in the training process (as configured; auto would choose "
+        "1 from 2 CPUs (affinity) shared by 2 local processes = 1 each)")
 
 
 def test_cpus_are_shared_by_the_local_processes_and_one_stays_with_training():
@@ -99,9 +114,9 @@ def test_describe_is_what_the_plan_prints():
     assert auto(cpus=8, local=2).describe() == (
         "3 per process, persistent, prefetch 2 batches each, timeout 300s "
         "(auto: 8 CPUs (affinity) shared by 2 local processes = 4 each, 1 kept for training)")
-    assert auto(cpus=2, local=2, device="cuda").describe() == (
-        "0 per process, loading in the training process, pinned memory "
-        "(auto: 2 CPUs (affinity) shared by 2 local processes = 1 each, 1 kept for training)")
+    assert auto(cpus=2, local=1, device="cuda").describe() == (
+        "1 per process, persistent, prefetch 4 batches each, timeout 300s, pinned memory "
+        "(auto: 2 CPUs (affinity) for this process, 1 kept for training)")
 
 
 @pytest.mark.parametrize("workers", [0, 2])

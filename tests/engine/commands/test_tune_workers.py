@@ -93,7 +93,7 @@ def test_bad_options_stop_before_measuring(args, message):
 
 
 def test_default_sweep_spans_the_cpus_and_includes_auto():
-    assert default_workers(per_process_cpus=1, auto=0) == [0, 1, 2]
+    assert default_workers(per_process_cpus=1, auto=1) == [0, 1, 2]
     assert default_workers(per_process_cpus=2, auto=1) == [0, 1, 2, 4]
     assert default_workers(per_process_cpus=15, auto=14) == [0, 1, 2, 4, 8, 14, 16]
 
@@ -102,8 +102,11 @@ def test_the_override_replaces_the_one_given():
     auto = choose("auto", local_world_size=2, device_type="cpu", timeout_s=60,
                   environ={}, cpus=2)
     result = {"measurements": [Measurement(Setting(0, 12), 10.0, (5.0, 5.0)),
+                               Measurement(Setting(1, 12), 15.0, (7.5, 7.5)),
                                Measurement(Setting(2, 12), 20.0, (10.0, 10.0))],
               "auto": auto, "recipe_batch_size": 12}
     text = format_result(result, "r.py", ["num_workers=0", "epochs=3"])
     assert text.endswith("apply it: engine-run r.py epochs=3 num_workers=2")
-    assert "the engine's auto choice, num_workers=0, reaches 50% of it" in text
+    assert "the engine's auto choice, num_workers=1, reaches 75% of it" in text
+    lines = text.splitlines()
+    assert lines[2].endswith("75%  <- auto") and lines[3].endswith("100%  <- best")
