@@ -23,8 +23,11 @@ global batch x steps / loop time). Process start-up, imports, data generation,
 validation and checkpoints are outside the timings.
 
 Printed per mode: median loop seconds of both sides, the ratio engine / hand-written
-(target <= 1.02), and whether the final weights are bit-identical (the engine's
-weights_sha256 against engine.checkpoint.model_digest of the hand-written model).
+(target <= 1.02; also of the fastest runs and per round), the same ratio of the loop's
+process CPU time (measured on the engine side by a plugin that stands in for the
+training DataLoader; on a machine shared with other jobs it is far steadier than wall
+time), and whether the final weights are bit-identical (the engine's weights_sha256
+against engine.checkpoint.model_digest of the hand-written model).
 
 Then the start-up cost: ``python -X importtime`` of what a run imports (``engine.cli``,
 ``engine.engine``, ``engine.trainer`` and the built-in plugins) against ``import torch``
@@ -42,6 +45,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from engine import hookimpl
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cifar_ddp.py"
@@ -81,18 +86,48 @@ def hand_written(rank: int, world_size: int, port: int, args) -> tuple[float, st
     loader = DataLoader(train_set, batch_size=args.batch // world_size, sampler=sampler)
 
     sampler.set_epoch(0)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for inputs, labels in loader:
         optimizer.zero_grad()
         loss = criterion(model(inputs), labels)
         loss.backward()
         optimizer.step()
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
 
     digest = model_digest(getattr(model, "module", model).state_dict())
     if world_size > 1:
         dist.destroy_process_group()
-    return elapsed, digest
+    return elapsed, cpu, digest
+
+
+class LoopCPUClock:
+    """Stands in for the engine's training DataLoader and measures the process CPU time
+    of the loop over it: from the first request for a batch to the request that finds
+    none left, which comes after the last step. Everything else is delegated."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.cpu_seconds = None
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def __iter__(self):
+        start = time.process_time()
+        yield from self.loader
+        self.cpu_seconds = time.process_time() - start
+
+
+class CPUClockPlugin:
+    def __init__(self):
+        self.clock = None
+
+    @hookimpl
+    def engine_run_start(self, engine):
+        self.clock = engine.train_loader = LoopCPUClock(engine.train_loader)
 
 
 def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: str,
@@ -105,6 +140,8 @@ def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: st
     from engine.world import World
 
     pm = build_plugin_manager(autoload=False)
+    cpu_clock = CPUClockPlugin()
+    pm.register_object(cpu_clock, "bench-cpu-clock")
     recipe = load_recipe(RECIPE)
     cfg = apply_overrides(recipe.make_config(), [
         f"parallel={mode}", "data.source=synthetic", f"data.synthetic_size={args.size}",
@@ -113,8 +150,9 @@ def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: st
     world = World(rank=rank, local_rank=rank, world_size=world_size,
                   local_world_size=world_size, master_port=port)
     summary = Engine(pm, recipe, cfg, world, {"threads": args.threads}).run()
+    # The wall time is the engine's own measurement of its loop.
     loop_seconds = summary["global_step"] * cfg.batch_size / summary["images_per_sec"]
-    return loop_seconds, summary["weights_sha256"]
+    return loop_seconds, cpu_clock.clock.cpu_seconds, summary["weights_sha256"]
 
 
 # ------------------------------------------------------------------------ sessions
@@ -129,14 +167,15 @@ def session_worker(rank: int, world_size: int, schedule: list, ports: list, args
     for (round_index, variant), port in zip(schedule, ports):
         with tempfile.TemporaryDirectory() as out_dir:
             if variant == HAND:
-                seconds, digest = hand_written(rank, world_size, port, args)
+                seconds, cpu, digest = hand_written(rank, world_size, port, args)
             else:
-                seconds, digest = through_engine(variant, rank, world_size, port, out_dir,
-                                                 args)
+                seconds, cpu, digest = through_engine(variant, rank, world_size, port,
+                                                      out_dir, args)
         if rank == 0:  # every rank times the same loop; rank 0 speaks for the session
             with open(results_path, "a") as f:
                 f.write(json.dumps({"round": round_index, "variant": variant,
-                                    "seconds": seconds, "digest": digest}) + "\n")
+                                    "seconds": seconds, "cpu_seconds": cpu,
+                                    "digest": digest}) + "\n")
 
 
 def run_session(world_size: int, modes: list[str], args, log_path: str) -> list[dict]:
@@ -174,10 +213,15 @@ def summarize(world_size: int, results: list[dict]) -> list[dict]:
         paired = [r["seconds"] / by_round[r["round"]] for r in runs]
         median = statistics.median(r["seconds"] for r in runs)
         digests = {r["digest"] for r in results if r["variant"] == mode}
+        fastest = min(r["seconds"] for r in runs)
+        cpu = statistics.median(r["cpu_seconds"] for r in runs)
+        hand_cpu = statistics.median(r["cpu_seconds"] for r in hand)
         rows.append({
             "processes": world_size, "mode": mode, "reps": len(runs),
             "hand_s": hand_median, "engine_s": median, "ratio": median / hand_median,
+            "min_ratio": fastest / min(r["seconds"] for r in hand),
             "paired_ratio": statistics.median(paired),
+            "hand_cpu_s": hand_cpu, "engine_cpu_s": cpu, "cpu_ratio": cpu / hand_cpu,
             "bit_identical": len(hand_digests) == 1 and digests == hand_digests,
         })
     return rows
@@ -186,25 +230,31 @@ def summarize(world_size: int, results: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------------- imports
 
 
-def import_seconds(code: str) -> float:
-    """Cumulative import time of everything ``code`` imports beyond the interpreter's
-    own start-up, from ``python -X importtime``."""
-    def top_level(snippet: str) -> dict[str, int]:
-        proc = subprocess.run([sys.executable, "-X", "importtime", "-c", snippet],
-                              capture_output=True, text=True, check=True, cwd=REPO,
-                              timeout=300)
-        found = {}
-        for line in proc.stderr.splitlines():
-            if not line.startswith("import time:") or "|" not in line:
-                continue
-            _, cumulative, name = line.split("|", 2)
-            if cumulative.strip().isdigit() and not name.startswith("  "):
-                found[name.strip()] = int(cumulative)  # a top-level import
-        return found
+def import_trace(snippet: str) -> list[tuple[int, str, int]]:
+    """(depth, module, cumulative microseconds) of every import ``python -X importtime
+    -c SNIPPET`` makes, the interpreter's own start-up included."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", snippet],
+                          capture_output=True, text=True, check=True, cwd=REPO, timeout=300)
+    trace = []
+    for line in proc.stderr.splitlines():
+        if not line.startswith("import time:") or line.count("|") < 2:
+            continue
+        _, cumulative, name = line.split("|", 2)
+        if cumulative.strip().isdigit():
+            depth = (len(name) - len(name.lstrip()) - 1) // 2  # two spaces per level
+            trace.append((depth, name.strip(), int(cumulative)))
+    return trace
 
-    baseline = top_level("pass")
-    total = sum(us for name, us in top_level(code).items() if name not in baseline)
-    return total / 1e6
+
+def import_seconds(snippet: str) -> tuple[float, float | None]:
+    """Seconds that ``snippet``'s imports take beyond the interpreter's start-up, and
+    the share of them that ``import torch`` took inside that same process (None when
+    torch is not imported)."""
+    baseline = {name for depth, name, _ in import_trace("pass") if depth == 0}
+    trace = import_trace(snippet)
+    total = sum(us for depth, name, us in trace if depth == 0 and name not in baseline)
+    torch_us = next((us for _, name, us in trace if name == "torch"), None)
+    return total / 1e6, None if torch_us is None else torch_us / 1e6
 
 
 RUN_IMPORTS = ("import engine.cli, engine.engine, engine.trainer, engine.data; "
@@ -213,17 +263,23 @@ RUN_IMPORTS = ("import engine.cli, engine.engine, engine.trainer, engine.data; "
 
 
 def measure_imports(reps: int) -> dict:
-    torch_s, run_s = [], []
-    for _ in range(reps):  # interleaved too
-        torch_s.append(import_seconds("import torch"))
-        run_s.append(import_seconds(RUN_IMPORTS))
+    """Two ratios: what a run imports against a separate ``import torch`` (interleaved
+    processes, medians), and within each run's own process against the torch share
+    of it (immune to load changing between processes)."""
+    torch_s, run_s, within = [], [], []
+    for _ in range(reps):
+        torch_s.append(import_seconds("import torch")[0])
+        total, torch_part = import_seconds(RUN_IMPORTS)
+        run_s.append(total)
+        within.append(total / torch_part)
     bare = subprocess.run([sys.executable, "-c",
                            "import sys, engine; print('torch' in sys.modules)"],
                           capture_output=True, text=True, check=True, cwd=REPO, timeout=120)
     return {"torch_s": statistics.median(torch_s), "run_s": statistics.median(run_s),
             "ratio": statistics.median(run_s) / statistics.median(torch_s),
+            "ratio_within_process": statistics.median(within),
             "bare_import_engine_imports_torch": bare.stdout.strip() == "True",
-            "bare_import_engine_s": import_seconds("import engine")}
+            "bare_import_engine_s": import_seconds("import engine")[0]}
 
 
 # ------------------------------------------------------------------------- main
@@ -239,8 +295,13 @@ def parse_args(argv=None):
                    help="comma-separated engine modes to compare")
     p.add_argument("--import-reps", type=int, default=5,
                    help="import-time measurements (0: skip)")
+    p.add_argument("--threads", type=int,
+                   help="torch threads per process on both sides (default: the engine's "
+                        "choice, the process's share of the CPUs); 1 steadies the numbers "
+                        "on a machine that other jobs load")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
     args = p.parse_args(argv)
+    args.threads_option = args.threads
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if not any(m in ms for ms in SESSIONS.values())]
     if unknown:
@@ -254,7 +315,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark, also on a GPU machine
     args = parse_args(argv)
-    rows = []
+    rows, runs = [], []
     with tempfile.NamedTemporaryFile(prefix="bench_overhead-", suffix=".log",
                                      delete=False) as log:
         log_path = log.name
@@ -264,28 +325,37 @@ def main(argv=None) -> int:
             continue
         from engine.data import threads_per_process
 
-        args.threads = threads_per_process(world_size)
+        args.threads = args.threads_option or threads_per_process(world_size)
         results = run_session(world_size, modes, args, log_path)
         rows += summarize(world_size, results)
+        runs += [{"processes": world_size, **r} for r in results]
 
+    threads = args.threads_option or "the engine's default"
     print(f"training loop, {args.size} samples x 1 epoch, global batch {args.batch}, "
-          f"median of {args.reps} interleaved rounds (engine output: {log_path}.rank*)")
-    print(f"{'procs':>5}  {'mode':<13} {'hand-written':>12} {'engine':>9} "
-          f"{'ratio':>7} {'paired':>7}  weights")
+          f"threads per process: {threads}, {args.reps} interleaved rounds (engine "
+          f"output: {log_path}.rank*)")
+    print("wall: loop seconds (medians); ratio = engine / hand-written; min: ratio of the "
+          "fastest runs; paired: median of the per-round ratios; cpu: ratio of the "
+          "median process CPU seconds of the loop (steadier when other jobs load the "
+          "machine)")
+    print(f"{'procs':>5}  {'mode':<13} {'hand wall':>10} {'engine wall':>12} "
+          f"{'ratio':>6} {'min':>6} {'paired':>6} {'cpu':>6}  weights")
     for r in rows:
         same = "bit-identical" if r["bit_identical"] else "DIFFERENT"
-        print(f"{r['processes']:>5}  {r['mode']:<13} {r['hand_s']:>11.3f}s "
-              f"{r['engine_s']:>8.3f}s {r['ratio']:>7.3f} {r['paired_ratio']:>7.3f}  {same}")
+        print(f"{r['processes']:>5}  {r['mode']:<13} {r['hand_s']:>9.3f}s "
+              f"{r['engine_s']:>11.3f}s {r['ratio']:>6.3f} {r['min_ratio']:>6.3f} "
+              f"{r['paired_ratio']:>6.3f} {r['cpu_ratio']:>6.3f}  {same}")
     imports = measure_imports(args.import_reps) if args.import_reps else None
     if imports:
         print(f"imports: what a run imports {imports['run_s']:.3f}s vs import torch "
-              f"{imports['torch_s']:.3f}s: ratio {imports['ratio']:.3f} "
-              f"(median of {args.import_reps}); bare `import engine` "
+              f"{imports['torch_s']:.3f}s: ratio {imports['ratio']:.3f}; within the same "
+              f"process, all / torch's share: {imports['ratio_within_process']:.3f} "
+              f"(medians of {args.import_reps}); bare `import engine` "
               f"{imports['bare_import_engine_s'] * 1000:.1f} ms, imports torch: "
               f"{'yes' if imports['bare_import_engine_imports_torch'] else 'no'}")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"loops": rows, "imports": imports},
-                                                      indent=1))
+        pathlib.Path(args.json).write_text(json.dumps({"loops": rows, "imports": imports,
+                                                       "runs": runs}, indent=1))
     return 0 if all(r["bit_identical"] for r in rows) else 1
 
 
