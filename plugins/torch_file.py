@@ -59,6 +59,24 @@ def verify(path: pathlib.Path) -> str | None:
     return None
 
 
+def save_without_crc32(state: dict, fileobj) -> None:
+    """torch.save, minus the CRC32 of every record in its zip container: the manifest's
+    sha256 already covers the whole file, torch.load never checks the CRC, and on a
+    busy CPU computing both made a save ~1.5x slower than it needs to be."""
+    import torch
+    import torch.serialization as serialization
+
+    if not hasattr(serialization, "set_crc32_options"):  # torch < 2.4
+        torch.save(state, fileobj)
+        return
+    previous = serialization.get_crc32_options()
+    serialization.set_crc32_options(False)
+    try:
+        torch.save(state, fileobj)
+    finally:
+        serialization.set_crc32_options(previous)
+
+
 def _os_error_in(exc: BaseException) -> OSError | None:
     """torch.save reports a failed write (a full disk) as a RuntimeError whose context
     is the OSError; find it."""
@@ -80,9 +98,7 @@ class TorchFileCheckpointer(Checkpointer):
     def write_snapshot(self, state: dict, path: pathlib.Path, *, epoch: int, step: int,
                        metrics: dict | None) -> None:
         """Write ``state`` to ``path`` with its manifest (no pointer updates)."""
-        import torch
-
-        size, sha256 = atomic_write(path, lambda f: torch.save(state, f))
+        size, sha256 = atomic_write(path, lambda f: save_without_crc32(state, f))
         manifest = {"file": path.name, "size": size, "sha256": sha256, "epoch": epoch,
                     "step": step, "metrics": metrics or {}, "created": time.time(),
                     "engine_version": engine.__version__}
