@@ -40,7 +40,6 @@ class Parallel:
     def __init__(self, world, cfg):
         self.world = world
         self.cfg = cfg
-        self._said: set[str] = set()
 
     # -------------------------------------------------------------- devices
 
@@ -96,9 +95,10 @@ class Parallel:
     def warn(self, message: str, *, every_node: bool = False) -> None:
         """Print ``warning: message`` once: on rank 0, or on local rank 0 of every node
         for facts about the node (its GPUs), named by host when there are several."""
-        if message in self._said:
+        said = self.__dict__.setdefault("_said", set())  # also if __init__ was overridden
+        if message in said:
             return
-        self._said.add(message)
+        said.add(message)
         if every_node:
             if not self.world.is_local_rank0:
                 return
