@@ -100,7 +100,7 @@ def run(argv: Sequence[str]) -> int:
 
     from engine.launcher import LaunchOptions, choose_launcher
 
-    launcher = choose_launcher(pm.launchers, cfg.launcher, job.launch_options(cfg))
+    launcher = choose_launcher(pm.launchers, cfg.launcher, job.launch_options(cfg, pm))
     worlds = launcher.worlds()
     from engine import plan
 
@@ -155,11 +155,15 @@ class WorkerJob:
         pm.checkpointers.get(cfg.checkpointer)
         return recipe, cfg
 
-    def launch_options(self, cfg):
+    def launch_options(self, cfg, pm=None):
         from engine.launcher import LaunchOptions
 
         o = self.options
-        return LaunchOptions(nproc=o.get("nproc"), nnodes=o.get("nnodes") or 1,
+        nproc = o.get("nproc")
+        if nproc is None and pm is not None and cfg.parallel != "auto" and getattr(
+                pm.parallel_modes.get(cfg.parallel), "single_process", False):
+            nproc = 1  # --parallel single or dp: one process, not one per GPU
+        return LaunchOptions(nproc=nproc, nnodes=o.get("nnodes") or 1,
                              node_rank=o.get("node_rank") or 0,
                              master_addr=o.get("master_addr"),
                              master_port=o.get("master_port"),

@@ -31,6 +31,7 @@ class DDPConfig:
     find_unused_parameters: bool = False  # costs a graph traversal every step
     broadcast_buffers: bool = True
     sync_batchnorm: bool = False
+    gpus_per_process: int = 0  # ddp-multigpu: GPUs each process drives (0: all it can)
 
 
 @attrs.define

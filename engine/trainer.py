@@ -67,6 +67,9 @@ class Trainer:
             if self.stop_requested:  # pre-empted half-way through the epoch
                 self.save_snapshot()
                 return
+            # DDP syncs buffers at the start of each forward; after the last one every
+            # rank's BatchNorm statistics moved on their own. Equalise before validating.
+            eng.parallel.sync_buffers(eng.model)
             metrics = {**train_metrics, **self.validate()}
             metrics["lr"] = self.current_lr()
             health.epoch_barrier(cfg.timeout_s)
@@ -165,12 +168,12 @@ class Trainer:
                     self.save_snapshot()
             fetch_start = time.perf_counter()
 
-        elapsed = time.perf_counter() - epoch_start
         # One reduction per epoch: the loss of every rank, and how many batches it saw.
         totals = torch.stack([loss_sum.float(),
                               torch.tensor(float(batches_seen), device=device)])
         distributed.all_reduce_sum(totals)
         mean_loss = (totals[0] / totals[1].clamp(min=1)).item()
+        elapsed = time.perf_counter() - epoch_start  # after .item(): the device is done
         if not math.isfinite(mean_loss) and cfg.on_nonfinite == "stop":
             raise NonFiniteLoss(f"the training loss is not finite ({mean_loss}) in epoch "
                                 f"{epoch}, by step {eng.state.step}")

@@ -2,8 +2,8 @@
 
 Every ``engine_log`` call becomes one scalar per metric, tagged with the metric's name
 (``train/loss``, ``train/images_per_sec``, ``lr``, ``val/loss``, ``val/accuracy``...)
-at the global optimizer step. tensorboard is imported when the first scalar is written,
-never at start-up; ``-p no:tensorboard`` turns the logger off.
+at the global optimizer step. tensorboard is imported when the run starts (or, in a
+custom loop, at the first scalar), never at start-up of the engine; ``-p no:tensorboard`` turns the logger off.
 
 A resumed run writes a new event file into the same folder; it tells TensorBoard to
 drop the points the interrupted run had written after the snapshot it resumes from
@@ -24,6 +24,10 @@ class TensorBoardLogger:
     @engine.hookimpl
     def engine_run_start(self, engine):
         self.resumed_step = engine.state.step
+        if engine.is_rank0 and self.writer is None:
+            # Importing tensorboard takes most of a second: here, not inside the loop
+            # at the first log interval.
+            self.writer = self._open(engine)
 
     @engine.hookimpl
     def engine_log(self, engine, metrics, step):
