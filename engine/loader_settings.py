@@ -129,7 +129,7 @@ def choose(requested: int | str, *, local_world_size: int, device_type: str,
         workers = int(requested)
         reason = f"as configured; auto would choose {auto} from {where}"
         if workers >= 2 * per_process:
-            reason += ", so these workers compete for the CPUs"
+            reason += f"; {workers} workers compete for {per_process} CPUs"
     if workers == 0:
         return LoaderSettings(0, False, device_type == "cuda", None, 0.0, reason)
     return LoaderSettings(

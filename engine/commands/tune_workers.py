@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="global batch sizes to try (default: the recipe's batch_size)")
     p.add_argument("--nproc", type=int,
                    help="processes on this node (default: as many as a run would start)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="cycle through the sweep this many times and report medians (on a "
+                        "shared machine the load drifts; cycling spreads it over all settings)")
     p.add_argument("--full-step", action="store_true",
                    help="also run forward, backward and the optimizer step on each batch")
     p.add_argument("-p", dest="plugins", action="append", default=[], metavar="NAME",
@@ -86,9 +89,11 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_intermixed_args(list(argv))
     if args.budget <= 0:
         raise ConfigError(f"--budget {args.budget:g}: give a number of seconds > 0")
+    if args.rounds < 1:
+        raise ConfigError(f"--rounds {args.rounds}: give an integer >= 1")
     result = tune(args.recipe, args.overrides, budget_s=args.budget, workers=args.workers,
                   batch_sizes=args.batch_sizes, nproc=args.nproc, full_step=args.full_step,
-                  plugins=args.plugins, out=sys.stdout)
+                  plugins=args.plugins, out=sys.stdout, rounds=args.rounds)
     print(format_result(result, args.recipe, args.overrides))
     return 0
 
@@ -109,8 +114,9 @@ def default_workers(per_process_cpus: int, auto: int) -> list[int]:
 def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5.0,
          workers: Sequence[int] | None = None, batch_sizes: Sequence[int] | None = None,
          nproc: int | None = None, full_step: bool = False, plugins: Sequence[str] = (),
-         out=None) -> dict[str, Any]:
-    """Measure every setting; returns the measurements and what the engine would choose."""
+         out=None, rounds: int = 1) -> dict[str, Any]:
+    """Measure every setting (``rounds`` times, cycling, medians); returns the
+    measurements and what the engine would choose."""
     from engine import data, loader_settings
     from engine.cli import WorkerJob
     from engine.engine import resolve_parallel_name
@@ -139,9 +145,10 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
         what = ("the training DataLoader with forward, backward and optimizer step"
                 if full_step else "the training DataLoader (read, decode, augment, batch)")
         print(f"tune-workers: {recipe.path.name}, {len(worlds)} process(es) on this node, "
-              f"{where}; measuring {what}, {budget_s:g}s per setting", file=out, flush=True)
-    results = _run_sweep(job, worlds, settings, budget_s, full_step, out)
-    return {"measurements": results, "auto": auto, "device": device_type,
+              f"{where}; measuring {what}, {budget_s:g}s per setting"
+              + (f", {rounds} rounds (medians)" if rounds > 1 else ""), file=out, flush=True)
+    raw = _run_sweep(job, worlds, settings * rounds, budget_s, full_step, out)
+    return {"measurements": [_median(setting, raw) for setting in settings], "rounds": rounds, "auto": auto, "device": device_type,
             "processes": len(worlds), "cpus": where, "full_step": full_step,
             "recipe_batch_size": cfg.batch_size}
 
@@ -191,6 +198,15 @@ def _run_sweep(job, worlds, settings: list[Setting], budget_s: float, full_step:
                 proc.terminate()
                 proc.join(timeout=10)
     return measurements
+
+
+def _median(setting: Setting, raw: list[Measurement]) -> Measurement:
+    import statistics
+
+    mine = [m for m in raw if m.setting == setting]
+    per_process = tuple(statistics.median(rates) for rates in zip(*(m.per_process
+                                                                      for m in mine)))
+    return Measurement(setting, statistics.median(m.images_per_sec for m in mine), per_process)
 
 
 def _first_cause(results, rank: int, message: str) -> str:

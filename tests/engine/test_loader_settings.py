@@ -107,7 +107,7 @@ def test_an_explicit_value_is_kept_and_compared_with_auto():
                                "shared by 2 local processes = 4 each")
     crowded = choose(8, local_world_size=2, device_type="cpu", timeout_s=60,
                      environ=NO_SLURM, cpus=8)
-    assert crowded.reason.endswith("so these workers compete for the CPUs")
+    assert crowded.reason.endswith("= 4 each; 8 workers compete for 4 CPUs")
 
 
 def test_describe_is_what_the_plan_prints():
