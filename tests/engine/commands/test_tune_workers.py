@@ -65,8 +65,10 @@ def test_sweep_prints_the_table_the_best_setting_and_its_override(oct_data):
 def test_full_step_measures_the_training_step_too(oct_data):
     proc = run_cli("tune-workers", OCT_DDP, f"data.root={oct_data}", "data.image_size=32",
                    "--workers", "0", "--budget", "0.5", "--nproc", "1", "--full-step",
-                   check=True)
+                   "--rounds", "2", check=True)
     assert "with forward, backward and optimizer step" in proc.stdout
+    assert "0.5s per setting, 2 rounds (medians)" in proc.stdout
+    assert proc.stdout.count("  num_workers=0 batch_size=12: ") == 2  # one per round
     ((workers, batch, total, per_process, marks),) = table(proc.stdout)
     assert (workers, batch, len(per_process)) == (0, 12, 1) and total > 0
     assert "best" in marks
@@ -85,6 +87,7 @@ def test_a_recipe_error_in_the_measuring_processes_is_one_line(tmp_path):
     (("--batch-sizes", "13", "--nproc", "2"),
      "batch_size 13 (global) does not split evenly over 2 processes"),
     (("--budget", "0"), "--budget 0: give a number of seconds > 0"),
+    (("--rounds", "0"), "--rounds 0: give an integer >= 1"),
 ])
 def test_bad_options_stop_before_measuring(args, message):
     proc = run_cli("tune-workers", OCT_DDP, "data.root=/nowhere", *args, timeout=120)
