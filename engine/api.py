@@ -439,7 +439,8 @@ class Context:
         """Summary, ``engine_run_end``, pending snapshot writes, summary.json (rank 0)
         and the process group, as at the end of an ``engine-run`` worker."""
         from engine import distributed
-        from engine.checkpoint import atomic_write_text, model_digest
+        from engine.checkpoint import atomic_write_text
+        from engine.engine import weights_digests
 
         summary = {
             "status": status,
@@ -453,13 +454,7 @@ class Context:
         }
         if self.model is not None and status == "completed":
             self.parallel.sync_buffers(self.model)
-            # Every rank digests its own copy: DDP promises they are equal, we check.
-            digests = distributed.all_gather_object(model_digest(self.module.state_dict()))
-            summary["weights_sha256"] = digests[0]
-            summary["weights_sha256_per_rank"] = digests
-            if len(set(digests)) > 1:
-                self.warn("the ranks finished with different weights: "
-                          + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)))
+            summary.update(weights_digests(self.module, self.warn))
         try:
             self.pm.hook.engine_run_end(engine=self, summary=summary)
         finally:

@@ -98,7 +98,7 @@ def run(argv: Sequence[str]) -> int:
     job = WorkerJob.from_args(args)
     recipe, cfg = job.load(pm)
 
-    from engine.launcher import LaunchOptions, choose_launcher
+    from engine.launcher import choose_launcher
 
     launcher = choose_launcher(pm.launchers, cfg.launcher, job.launch_options(cfg, pm))
     worlds = launcher.worlds()

@@ -72,6 +72,19 @@ def start_worker(pm, cfg, world, options: dict[str, Any]):
     return parallel
 
 
+def weights_digests(module, warn) -> dict:
+    """Every rank digests its own copy of the weights: DDP promises they are equal, we
+    check (a collective: every rank calls it)."""
+    from engine import distributed
+    from engine.checkpoint import model_digest
+
+    digests = distributed.all_gather_object(model_digest(module.state_dict()))
+    if len(set(digests)) > 1:
+        warn("the ranks finished with different weights: "
+             + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)))
+    return {"weights_sha256": digests[0], "weights_sha256_per_rank": digests}
+
+
 def seed_everything(seed: int) -> None:
     import numpy as np
     import torch
@@ -257,8 +270,6 @@ class Engine:
     # --------------------------------------------------------------- summary
 
     def _summary(self, status: str, wall_time: float) -> dict:
-        from engine.checkpoint import model_digest
-
         summary = {
             "status": status,
             "recipe": str(self.recipe.path),
@@ -271,15 +282,7 @@ class Engine:
             **{k: v for k, v in self.summary_metrics().items()},
         }
         if self.model is not None and status == "completed":
-            from engine import distributed
-
-            # Every rank digests its own copy: DDP promises they are equal, we check.
-            digests = distributed.all_gather_object(model_digest(self.module.state_dict()))
-            summary["weights_sha256"] = digests[0]
-            summary["weights_sha256_per_rank"] = digests
-            if len(set(digests)) > 1:
-                self.warn("the ranks finished with different weights: "
-                          + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)))
+            summary.update(weights_digests(self.module, self.warn))
         return summary
 
     def summary_metrics(self) -> dict:
