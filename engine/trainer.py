@@ -102,9 +102,11 @@ class Trainer:
 
         n_batches = len(eng.train_loader)  # what is left of this epoch
         first_batch = eng.state.batch_in_epoch
+        # Losses add up on the device in one tensor per log window (one add per
+        # micro-batch); each window is folded into the epoch's sum at its check point.
         loss_sum = torch.zeros((), device=device)
         window_loss = torch.zeros((), device=device)
-        window_steps = 0
+        window_steps = window_batches = 0
         steps_in_epoch = batches_seen = 0
         data_wait = 0.0
         samples_per_step = eng.micro_batch * accum * eng.world.world_size
@@ -131,9 +133,8 @@ class Trainer:
                     scaler.scale(scaled).backward()
                 else:
                     scaled.backward()
-            detached = loss.detach()
-            loss_sum += detached
-            window_loss += detached
+            window_loss += loss.detach()
+            window_batches += 1
             eng.state.batch_in_epoch = batch_index + 1
             batches_seen += 1
             if last_micro:
@@ -157,10 +158,12 @@ class Trainer:
                     self.step_end_hook(engine=eng, step=eng.state.step, loss=loss)
                 if eng.state.step % cfg.log_every == 0:
                     now = time.perf_counter()
-                    stop = self.check_point(window_loss, window_steps,
+                    stop = self.check_point(window_loss, window_batches, window_steps,
                                             samples_per_step * window_steps / (now - window_start))
+                    loss_sum += window_loss
                     window_loss.zero_()
-                    window_steps, window_start = 0, now
+                    window_steps = window_batches = 0
+                    window_start = now
                     if stop:
                         break
                 every_steps = cfg.checkpoint.every_steps
@@ -168,6 +171,7 @@ class Trainer:
                     self.save_snapshot()
             fetch_start = time.perf_counter()
 
+        loss_sum += window_loss
         # One reduction per epoch: the loss of every rank, and how many batches it saw.
         totals = torch.stack([loss_sum.float(),
                               torch.tensor(float(batches_seen), device=device)])
@@ -183,7 +187,8 @@ class Trainer:
             "train/data_wait_fraction": data_wait / max(elapsed, 1e-9),
         }
 
-    def check_point(self, window_loss, window_steps: int, images_per_sec: float) -> bool:
+    def check_point(self, window_loss, window_batches: int, window_steps: int,
+                    images_per_sec: float) -> bool:
         """Every ``log_every`` steps, on every rank: one small all-reduce gives the mean
         loss of the window over all ranks and the ranks' agreement on a pre-emption stop
         or a time-based snapshot. Returns True when the epoch must stop here."""
@@ -194,7 +199,8 @@ class Trainer:
         values = torch.stack([window_loss.float(), window_loss.new_tensor(float(preempted)),
                               window_loss.new_tensor(float(due_by_time))])
         loss_sum, preempted, due_by_time = distributed.all_reduce_sum(values).tolist()
-        loss = loss_sum / max(window_steps, 1) / eng.world.world_size
+        # The mean over micro-batches (with accumulation, a step has several).
+        loss = loss_sum / max(window_batches, 1) / eng.world.world_size
         first = eng.state.step - window_steps + 1
         if not math.isfinite(loss) and cfg.on_nonfinite == "stop":
             raise NonFiniteLoss(

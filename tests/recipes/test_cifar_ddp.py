@@ -126,3 +126,19 @@ def test_missing_recipe_is_named(tmp_path):
     proc = run_cli(str(tmp_path / "nope.py"))
     assert proc.returncode == 2
     assert f"engine-run: error: recipe file '{tmp_path / 'nope.py'}' not found" in proc.stderr
+
+
+def test_logged_loss_is_a_mean_per_micro_batch_with_accumulation(cifar_recipe, tmp_path):
+    """With grad_accum_steps=2 every optimizer step has two micro-batch losses; the
+    logged loss must be their mean (not their sum), like the epoch's train_loss."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    run_cli(cifar_recipe, *QUICK, "log_every=1", "grad_accum_steps=2", "lr=1e-6",
+            f"out_dir={out}", "--nproc", "2", check=True)
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    logged = [e.value for e in events.Scalars("train/loss")]
+    epoch_loss = read_summary(out)["train_loss"]
+    # lr is tiny, so every window's loss is close to the epoch mean (~2.3 for 10 classes).
+    assert all(abs(value - epoch_loss) < 0.2 for value in logged), (logged, epoch_loss)
