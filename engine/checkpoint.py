@@ -223,7 +223,9 @@ class Checkpointer:
         """Load ``path`` into the engine's model, optimizer and train state."""
         from engine import snapshot
 
-        snapshot.restore(eng, self.load(path, map_location=eng.device), source=str(path))
+        # Onto the CPU: load_state_dict copies into the model's and optimizer's devices,
+        # and the RNG states must stay CPU tensors (a GPU resume crashed restoring them).
+        snapshot.restore(eng, self.load(path, map_location="cpu"), source=str(path))
 
     def close(self) -> None:
         self.wait()
