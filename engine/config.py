@@ -53,6 +53,10 @@ class TrainConfig:
     batch_size: int = 64
     lr: float = 0.001
     seed: int = 0
+    # GPUs: bit-identical runs and exact resume need deterministic kernels (cuDNN and
+    # cuBLAS otherwise pick algorithms whose float sums vary run to run). Slower; an
+    # op without a deterministic kernel then stops the run naming the op.
+    deterministic: bool = False
     out_dir: str = "runs/default"
     grad_accum_steps: int = 1
     precision: Literal["32", "bf16", "fp16"] = "32"

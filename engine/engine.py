@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import random
 import sys
@@ -60,6 +61,8 @@ def start_worker(pm, cfg, world, options: dict[str, Any]):
     from engine.data import threads_per_process
 
     seed_everything(cfg.seed)
+    if cfg.deterministic:
+        use_deterministic_kernels()
     torch.set_num_threads(options.get("threads") or
                           threads_per_process(world.local_world_size))
     name = resolve_parallel_name(cfg.parallel, world, pm.parallel_modes)
@@ -83,6 +86,20 @@ def weights_digests(module, warn) -> dict:
         warn("the ranks finished with different weights: "
              + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)))
     return {"weights_sha256": digests[0], "weights_sha256_per_rank": digests}
+
+
+def use_deterministic_kernels() -> None:
+    """Deterministic cuDNN and cuBLAS kernels (``deterministic=true``). Must run before
+    the process's first CUDA matrix product: cuBLAS reads its workspace setting when it
+    starts."""
+    import torch
+
+    # cuBLAS is deterministic only with a fixed workspace (CUDA >= 10.2); a user's own
+    # setting wins.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True)
 
 
 def seed_everything(seed: int) -> None:

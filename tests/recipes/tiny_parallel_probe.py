@@ -35,6 +35,7 @@ _counts = {"buckets": 0, "rounds": 0}
 
 @engine.hookimpl
 def engine_run_start(engine):
+    import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -51,6 +52,9 @@ def engine_run_start(engine):
         "parameters_on": str(next(engine.module.parameters()).device),
         "sync_batchnorm_layers": sum(type(m).__name__ == "SyncBatchNorm"
                                      for m in engine.module.modules()),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "train_loader": {"pin_memory": engine.train_loader.pin_memory,
+                         "num_workers": engine.train_loader.num_workers},
     })
     if isinstance(engine.model, DDP):
         _record["ddp"] = {k: getattr(engine.model, k) for k in DDP_SETTINGS}
