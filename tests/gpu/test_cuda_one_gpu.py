@@ -1,0 +1,103 @@
+"""The CUDA paths that one GPU proves: the main job on the device, pinned batches, the
+parallel modes that need no second GPU, AMP, and exact resume with the CUDA RNG and the
+GradScaler in the snapshot. Every test skips cleanly on a machine without CUDA.
+
+Run on a GPU machine with: python -m pytest tests/gpu -m cuda -rs
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import QUICK, REPO, engine_env, read_summary, run_cli
+from tests.recipes.tiny_parallel_runs import probes, run_tiny, tiny_env, weights
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device")]
+
+RESUME_RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
+# deterministic=true: without it two identical GPU runs of this recipe differed (H100).
+RESUME_BASE = ("epochs=3", "checkpoint.every_steps=4", "checkpoint.keep_last=2",
+               "deterministic=true")
+ON_GPU0 = {"CUDA_VISIBLE_DEVICES": "0"}
+
+
+def test_main_job_trains_on_the_gpus_with_pinned_batches(cifar_recipe, tmp_path):
+    out = tmp_path / "cifar"
+    # No --nproc, no --parallel: what `engine-run recipes/cifar_ddp.py` picks here.
+    run_cli(cifar_recipe, *QUICK, f"out_dir={out}", "-p", "tiny_parallel_probe",
+            env=tiny_env(cuda_visible_devices=None), check=True)
+    result = read_summary(out)
+    assert result["status"] == "completed"
+    assert result["world_size"] == GPUS
+    assert result["parallel"] == ("ddp" if GPUS > 1 else "single")
+    first = probes(out)[0]
+    assert first["parameters_on"] == "cuda:0"
+    assert first["backend"] == ("nccl" if GPUS > 1 else None)
+    assert first["train_loader"]["pin_memory"] is True
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_training_batches_come_from_pinned_memory(tmp_path, workers):
+    out = tmp_path / "run"
+    run_tiny(out, "--parallel", "single", "epochs=1", f"num_workers={workers}", nproc=1,
+             cuda_visible_devices="0")
+    (probe,) = probes(out)
+    assert probe["train_loader"] == {"pin_memory": True, "num_workers": workers}
+
+
+@pytest.mark.parametrize("mode", ["dp", "ddp", "ddp-multigpu"])
+def test_every_mode_on_one_gpu_trains_what_single_trains(tmp_path, mode):
+    """With one GPU and one process there is nothing to split or synchronise: each mode
+    trains the unwrapped model on cuda:0, the same weights as 'single'."""
+    common = ("epochs=2", "batch_size=16", "train_size=64")
+    run_tiny(tmp_path / "single", "--parallel", "single", *common, nproc=1,
+             cuda_visible_devices="0")
+    proc = run_tiny(tmp_path / mode, "--parallel", mode, *common, nproc=1,
+                    cuda_visible_devices="0")
+    (probe,) = probes(tmp_path / mode)
+    assert probe["devices"] == ["cuda:0"] and probe["parameters_on"] == "cuda:0"
+    # ddp-multigpu keeps its DataParallel (over one GPU it calls the module directly).
+    assert probe["wrappers"] == (["DataParallel", "TinyNet"] if mode == "ddp-multigpu"
+                                 else ["TinyNet"])
+    if mode != "dp":
+        assert "with one process: nothing to synchronise" in proc.stderr
+    expected, got = weights(tmp_path / "single"), weights(tmp_path / mode)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+@pytest.fixture(scope="module")
+def gpu_reference(tmp_path_factory):
+    """weights_sha256 of uninterrupted one-GPU runs, by precision; two runs each, so a
+    resume test cannot pass or fail because the kernels are not deterministic."""
+    digests = {}
+    for precision in ("32", "fp16"):
+        runs = []
+        for i in range(2):
+            out = tmp_path_factory.mktemp(f"reference-{precision}-{i}")
+            run_cli(RESUME_RECIPE, *RESUME_BASE, f"precision={precision}",
+                    f"out_dir={out}", "--nproc", "1", env=engine_env(**ON_GPU0),
+                    check=True)
+            runs.append(read_summary(out)["weights_sha256"])
+        assert runs[0] == runs[1], f"two identical {precision} runs on the GPU differ"
+        digests[precision] = runs[0]
+    return digests
+
+
+@pytest.mark.parametrize("precision", ["32", "fp16"])
+def test_killed_gpu_run_resumes_to_identical_weights(gpu_reference, tmp_path, precision):
+    """Dropout draws from the CUDA generator and fp16 steps through a GradScaler whose
+    scale moves: both must come back from the snapshot for the weights to match."""
+    out = tmp_path / "run"
+    fault = {**ON_GPU0, "ENGINE_FAULT_ACTION": "kill", "ENGINE_FAULT_STEP": "9",
+             "ENGINE_FAULT_ONCE": str(tmp_path / "fault-done")}  # mid-epoch 1
+    args = (RESUME_RECIPE, *RESUME_BASE, f"precision={precision}", f"out_dir={out}",
+            "--nproc", "1", "-p", "tests.fault_plugin")
+    killed = run_cli(*args, env=engine_env(**fault))
+    assert killed.returncode != 0, killed.stderr
+    resumed = run_cli(*args, env=engine_env(**fault), check=True)
+    assert "resuming from " in resumed.stdout, resumed.stdout
+    assert read_summary(out)["weights_sha256"] == gpu_reference[precision]
