@@ -19,8 +19,15 @@ small plugin at ``engine_epoch_start`` / ``engine_epoch_end`` (there is no valid
 set, so nothing else happens in between but the epoch's one metric reduction).
 Sessions interleave the variants and sides, rotating their order every round.
 
-Printed: images/s of each side, engine / hand-written (target >= 0.98), and each
+Printed: images/s of each side, engine / hand-written (target >= 0.99), and each
 variant's gain over fp32 through the engine.
+
+``--modes single,dp,ddp`` adds the seeds' question, at the same global batch and fp32:
+is DDP (one process per GPU, default settings) ever slower than DataParallel or than
+one GPU? Each mode runs through the engine (``--parallel MODE``) and by hand (a plain
+loop, ``nn.DataParallel`` over every visible GPU, DDP with one NCCL process per GPU).
+With one GPU every engine mode trains the unwrapped model, while the hand-written
+DataParallel and DDP still pay for their wrappers.
 
 channels_last needs no engine option: this recipe's ``build_model`` converts the
 model (``cfg.channels_last``), the engine's ``.to(device)`` keeps the memory format,
@@ -52,6 +59,7 @@ VARIANTS = {  # name: (channels_last, precision)
 }
 HAND = "hand-written"
 ENGINE = "engine"
+MODES = ("single", "dp", "ddp")  # --modes: parallel modes at fp32, same global batch
 
 
 # ----------------------------------------------------------- this file as a recipe
@@ -109,8 +117,10 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def hand_written(rank: int, world_size: int, port: int, variant: str, args) -> float:
-    """The DDP tutorial's loop; returns the second epoch's images/s."""
+def hand_written(rank: int, world_size: int, port: int, variant: str, mode: str,
+                 args) -> float:
+    """The DDP tutorial's loop (``mode`` ddp; single: no wrapper; dp: nn.DataParallel
+    over every visible GPU); returns the second epoch's images/s."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -123,15 +133,17 @@ def hand_written(rank: int, world_size: int, port: int, variant: str, args) -> f
     device = torch.device("cpu") if args.cpu_smoke else torch.device("cuda", rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size > 1:
+    if mode == "ddp":  # also with one process: what a hand-written DDP script runs
         dist.init_process_group("gloo" if args.cpu_smoke else "nccl",
                                 init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size)
     train_set = make_train_set(cfg.steps * cfg.batch_size, cfg.image_size)
     torch.manual_seed(0)
     model = build_model(cfg).to(device)
-    if world_size > 1:
+    if mode == "ddp":
         model = DDP(model, device_ids=[rank] if device.type == "cuda" else None)
+    elif mode == "dp" and device.type == "cuda":
+        model = torch.nn.DataParallel(model)
     optimizer = build_optimizer(cfg, model)
     criterion = torch.nn.CrossEntropyLoss()
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=0)
@@ -155,7 +167,7 @@ def hand_written(rank: int, world_size: int, port: int, variant: str, args) -> f
             optimizer.step()
         synchronize(device)
         seconds = time.perf_counter() - start  # the last epoch's
-    if world_size > 1:
+    if mode == "ddp":
         dist.destroy_process_group()
     return cfg.steps * cfg.batch_size / seconds
 
@@ -182,8 +194,8 @@ class EpochTimer:
         self.seconds.append(time.perf_counter() - self.start)
 
 
-def through_engine(rank: int, world_size: int, port: int, variant: str, out_dir: str,
-                   args) -> float:
+def through_engine(rank: int, world_size: int, port: int, variant: str, mode: str,
+                   out_dir: str, args) -> float:
     from engine.config import apply_overrides
     from engine.engine import Engine
     from engine.plugin_manager import build_plugin_manager
@@ -196,7 +208,7 @@ def through_engine(rank: int, world_size: int, port: int, variant: str, out_dir:
     pm.register_object(timer, "bench-epoch-timer")
     recipe = load_recipe(__file__)
     cfg = apply_overrides(recipe.make_config(), [
-        f"parallel={'ddp' if world_size > 1 else 'single'}", f"batch_size={args.batch}",
+        f"parallel={mode}", f"batch_size={args.batch}",
         f"steps={args.steps}", f"image_size={args.image_size}",
         f"channels_last={channels_last}", f"precision={precision}",
         f"num_workers={args.workers}", f"out_dir={out_dir}", "checkpoint.every_epochs=0",
@@ -214,17 +226,29 @@ def session_worker(rank: int, world_size: int, schedule: list, ports: list, args
                    results_path: str) -> None:
     if args.cpu_smoke:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    for (round_index, variant, side), port in zip(schedule, ports):
+    for item, port in zip(schedule, ports):
+        round_index, table, variant, mode, side = item
         with tempfile.TemporaryDirectory() as out_dir:
             if side == HAND:
-                images_per_s = hand_written(rank, world_size, port, variant, args)
+                images_per_s = hand_written(rank, world_size, port, variant, mode, args)
             else:
-                images_per_s = through_engine(rank, world_size, port, variant, out_dir,
-                                              args)
+                images_per_s = through_engine(rank, world_size, port, variant, mode,
+                                              out_dir, args)
         if rank == 0:
             with open(results_path, "a") as f:
-                f.write(json.dumps({"round": round_index, "variant": variant,
-                                    "side": side, "images_per_s": images_per_s}) + "\n")
+                f.write(json.dumps({"round": round_index, "table": table,
+                                    "variant": variant, "mode": mode, "side": side,
+                                    "images_per_s": images_per_s}) + "\n")
+
+
+def mode_processes(mode: str, nproc: int) -> int:
+    """single and dp run one process; ddp one per GPU."""
+    return nproc if mode == "ddp" else 1
+
+
+def rotated(items: list, shift: int) -> list:
+    shift %= max(1, len(items))
+    return items[shift:] + items[:shift]
 
 
 def main(argv=None) -> int:
@@ -236,7 +260,10 @@ def main(argv=None) -> int:
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--workers", type=int, default=4, help="DataLoader workers per process")
     p.add_argument("--reps", type=int, default=3, help="interleaved rounds")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="the variant table (empty: none)")
+    p.add_argument("--modes", default="", help="also a table of parallel modes at fp32, "
+                   f"e.g. {','.join(MODES)}")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="a tiny run on the CPU with gloo that checks the plumbing")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
@@ -245,6 +272,12 @@ def main(argv=None) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        p.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    if not variants and not modes:
+        p.error("nothing to measure: give --variants or --modes")
 
     import torch
 
@@ -262,47 +295,77 @@ def main(argv=None) -> int:
     if args.batch % nproc:
         p.error(f"--batch {args.batch} does not split over {nproc} processes")
 
-    import torch.multiprocessing as mp
-
-    from engine.launcher import free_port
-
-    sides = [(v, s) for v in variants for s in (HAND, ENGINE)]
-    schedule = []
+    # One session (a set of processes) per round and process count; inside a round the
+    # items run back to back in an order that rotates from round to round.
+    default_mode = "ddp" if nproc > 1 else "single"
+    items = [("variants", v, default_mode, side) for v in variants for side in (HAND, ENGINE)]
+    items += [("modes", "fp32", m, side) for m in modes for side in (HAND, ENGINE)]
+    results = []
     for round_index in range(args.reps):
-        shift = round_index % len(sides)
-        schedule += [(round_index, v, s) for v, s in sides[shift:] + sides[:shift]]
-    ports = [free_port() for _ in schedule]
-    with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
-        results_path = f.name
-    try:
-        mp.start_processes(session_worker, nprocs=nproc, start_method="spawn",
-                           args=(nproc, schedule, ports, args, results_path))
-        results = [json.loads(line) for line in
-                   pathlib.Path(results_path).read_text().splitlines()]
-    finally:
-        os.unlink(results_path)
+        by_nproc: dict[int, list] = {}
+        for item in rotated(items, round_index):
+            by_nproc.setdefault(mode_processes(item[2], nproc), []).append(
+                (round_index, *item))
+        for processes, schedule in rotated(sorted(by_nproc.items()), round_index):
+            results += run_session(processes, schedule, args)
 
-    def median(variant, side):
+    def median(table, variant, mode, side):
         return statistics.median(r["images_per_s"] for r in results
-                                 if r["variant"] == variant and r["side"] == side)
+                                 if (r["table"], r["variant"], r["mode"], r["side"])
+                                 == (table, variant, mode, side))
 
     where = "CPU smoke test (not a measurement)" if args.cpu_smoke else (
         f"{nproc} x {torch.cuda.get_device_name(0)}")
     print(f"ResNet-18, {args.image_size}x{args.image_size} images, global batch "
           f"{args.batch}, {args.steps} steps timed, median of {args.reps} rounds; {where}")
-    print(f"{'variant':<20} {'hand img/s':>11} {'engine img/s':>13} {'ratio':>7} "
-          f"{'gain vs fp32':>13}")
     rows = []
-    base = median("fp32", ENGINE) if "fp32" in variants else None
-    for v in variants:
-        hand, eng = median(v, HAND), median(v, ENGINE)
-        rows.append({"variant": v, "hand": hand, "engine": eng, "ratio": eng / hand,
-                     "gain": eng / base if base else None})
-        gain = f"{eng / base:.2f}x" if base else "-"
-        print(f"{v:<20} {hand:>11.0f} {eng:>13.0f} {eng / hand:>7.3f} {gain:>13}")
+    if variants:
+        print(f"{'variant':<20} {'hand img/s':>11} {'engine img/s':>13} {'ratio':>7} "
+              f"{'gain vs fp32':>13}")
+        base = median("variants", "fp32", default_mode, ENGINE) if "fp32" in variants \
+            else None
+        for v in variants:
+            hand = median("variants", v, default_mode, HAND)
+            eng = median("variants", v, default_mode, ENGINE)
+            rows.append({"variant": v, "hand": hand, "engine": eng, "ratio": eng / hand,
+                         "gain": eng / base if base else None})
+            gain = f"{eng / base:.2f}x" if base else "-"
+            print(f"{v:<20} {hand:>11.0f} {eng:>13.0f} {eng / hand:>7.3f} {gain:>13}")
+    if modes:
+        print(f"\nparallel modes at fp32, global batch {args.batch}:")
+        print(f"{'mode':<8} {'processes':>9} {'hand img/s':>11} {'engine img/s':>13} "
+              f"{'ratio':>7} {'engine vs single':>17}")
+        single = median("modes", "fp32", "single", ENGINE) if "single" in modes else None
+        for m in modes:
+            hand = median("modes", "fp32", m, HAND)
+            eng = median("modes", "fp32", m, ENGINE)
+            rows.append({"mode": m, "processes": mode_processes(m, nproc), "hand": hand,
+                         "engine": eng, "ratio": eng / hand,
+                         "vs_single": eng / single if single else None})
+            versus = f"{eng / single:.3f}" if single else "-"
+            print(f"{m:<8} {mode_processes(m, nproc):>9} {hand:>11.0f} {eng:>13.0f} "
+                  f"{eng / hand:>7.3f} {versus:>17}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def run_session(processes: int, schedule: list, args) -> list[dict]:
+    """Runs ``schedule`` in ``processes`` spawned processes; returns rank 0's results."""
+    import torch.multiprocessing as mp
+
+    from engine.launcher import free_port
+
+    ports = [free_port() for _ in schedule]
+    with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
+        results_path = f.name
+    try:
+        mp.start_processes(session_worker, nprocs=processes, start_method="spawn",
+                           args=(processes, schedule, ports, args, results_path))
+        return [json.loads(line) for line in
+                pathlib.Path(results_path).read_text().splitlines()]
+    finally:
+        os.unlink(results_path)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,13 @@ against the best that ``tune-workers`` finds. Target: auto within 10% of the bes
    trainer's own measure of the last epoch (persistent workers warm), from summary.json.
 
 Prints the machine (CPUs, load) with the numbers.
+
+    python tools/bench_oct_pipeline.py --augment-on-compare --nproc 1 --train 512
+
+instead compares where the scans are decoded and augmented: ``data.augment_on=cpu`` (in
+the loader workers) against ``data.augment_on=cuda`` (workers only read the files; the
+GPU decodes and augments), both at ``num_workers=auto``, interleaved engine runs. Needs
+a CUDA device.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--quick", action="store_true",
                    help="small images (64 px crops of 128 px scans), 48 of them")
+    p.add_argument("--augment-on-compare", action="store_true",
+                   help="compare data.augment_on=cpu with cuda instead (needs a GPU)")
     args = p.parse_args(argv)
     if args.quick:
         args.train, args.image_size, args.budget, args.rounds = 48, 64, 3.0, 3
@@ -91,6 +100,9 @@ def main(argv=None) -> int:
     print(f"machine: {machine()}")
     print(f"data: {root} ({args.train} training images), recipe oct_ddp.py, "
           f"{args.nproc} processes, crops of {args.image_size} px\n")
+
+    if args.augment_on_compare:
+        return compare_augment_on(args, overrides, tmp)
 
     print(f"tune-workers, {args.rounds} rounds of {args.budget:g}s per setting, medians:")
     ratios = {}
@@ -136,6 +148,37 @@ def main(argv=None) -> int:
           f"{run_ratio:.3f} (engine-run); target >= {TARGET:.2f}: "
           f"{'OK' if verdict else 'BELOW TARGET'}")
     return 0 if verdict else 1
+
+
+def compare_augment_on(args, overrides: list[str], tmp: pathlib.Path) -> int:
+    """Interleaved engine runs with the scans decoded and augmented on the CPU (loader
+    workers) and on the GPU; images/s of the last epoch, medians, and their ratio."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_oct_pipeline: --augment-on-compare needs a CUDA device",
+              file=sys.stderr)
+        return 2
+    # engine_run hides the GPUs unless CUDA_VISIBLE_DEVICES says otherwise.
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES",
+                          ",".join(map(str, range(torch.cuda.device_count()))))
+    names = ["cpu", "cuda"]
+    runs: dict[str, list[float]] = {name: [] for name in names}
+    for repeat in range(args.repeats):
+        for name in (names if repeat % 2 == 0 else names[::-1]):  # ABBA, as above
+            out = tmp / f"run-{name}-{repeat}"
+            engine_run([RECIPE, *overrides, f"data.augment_on={name}", "num_workers=auto",
+                        f"epochs={args.epochs}", f"out_dir={out}", "--no-resume",
+                        "--nproc", str(args.nproc)])
+            summary = json.loads((out / "summary.json").read_text())
+            runs[name].append(summary["images_per_sec"])
+            print(f"  engine-run data.augment_on={name}: {summary['images_per_sec']:.1f} "
+                  f"images/s (data wait {summary['data_wait_fraction']:.0%})", flush=True)
+    medians = {name: statistics.median(v) for name, v in runs.items()}
+    print(f"engine-run on {torch.cuda.get_device_name(0)}, median of {args.repeats}: "
+          f"augment_on=cpu {medians['cpu']:.1f}, augment_on=cuda {medians['cuda']:.1f} "
+          f"images/s; cuda / cpu = {medians['cuda'] / medians['cpu']:.2f}")
+    return 0
 
 
 def median_rates(result) -> dict[int, float]:
