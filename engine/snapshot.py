@@ -41,13 +41,13 @@ def set_rng_state(state: dict) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
-    # .cpu(): a snapshot loaded with a GPU map_location holds the states on the GPU,
-    # and numpy and torch's setters take CPU tensors only.
-    np.random.set_state(("MT19937", n["keys"].cpu().numpy().astype("uint32"), n["pos"],
+    # CPU tensors only (numpy's and torch's setters refuse others): checkpointers load
+    # snapshots onto the CPU for this (Checkpointer.restore_snapshot).
+    np.random.set_state(("MT19937", n["keys"].numpy().astype("uint32"), n["pos"],
                          n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(state["torch"].cpu())
+    torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def capture(eng) -> dict:
