@@ -122,19 +122,8 @@ def main(argv=None) -> int:
     print()
 
     names = ["auto", str(best_step)]
-    runs: dict[str, list[float]] = {name: [] for name in names}
-    for repeat in range(args.repeats):
-        # Interleaved, and in alternating order (ABBA): the machine's load drifts over
-        # both alike, and neither always runs first.
-        for name in (names if repeat % 2 == 0 else names[::-1]):
-            out = tmp / f"run-{name}-{repeat}"
-            engine_run([RECIPE, *overrides, f"num_workers={name}", f"epochs={args.epochs}",
-                        f"out_dir={out}", "--no-resume", "--nproc", str(args.nproc)])
-            summary = json.loads((out / "summary.json").read_text())
-            runs[name].append(summary["images_per_sec"])
-            print(f"  engine-run num_workers={name}: {summary['images_per_sec']:.2f} images/s"
-                  f" (data wait {summary['data_wait_fraction']:.0%})", flush=True)
-    medians = {name: statistics.median(v) for name, v in runs.items()}
+    medians = interleaved_runs({name: [f"num_workers={name}"] for name in names},
+                               overrides, tmp, args)
     run_ratio = medians["auto"] / medians[str(best_step)]
     print(f"engine-run, median of {args.repeats}: auto {medians['auto']:.2f}, "
           f"num_workers={best_step} {medians[str(best_step)]:.2f} images/s; "
@@ -162,23 +151,34 @@ def compare_augment_on(args, overrides: list[str], tmp: pathlib.Path) -> int:
     # engine_run hides the GPUs unless CUDA_VISIBLE_DEVICES says otherwise.
     os.environ.setdefault("CUDA_VISIBLE_DEVICES",
                           ",".join(map(str, range(torch.cuda.device_count()))))
-    names = ["cpu", "cuda"]
-    runs: dict[str, list[float]] = {name: [] for name in names}
-    for repeat in range(args.repeats):
-        for name in (names if repeat % 2 == 0 else names[::-1]):  # ABBA, as above
-            out = tmp / f"run-{name}-{repeat}"
-            engine_run([RECIPE, *overrides, f"data.augment_on={name}", "num_workers=auto",
-                        f"epochs={args.epochs}", f"out_dir={out}", "--no-resume",
-                        "--nproc", str(args.nproc)])
-            summary = json.loads((out / "summary.json").read_text())
-            runs[name].append(summary["images_per_sec"])
-            print(f"  engine-run data.augment_on={name}: {summary['images_per_sec']:.1f} "
-                  f"images/s (data wait {summary['data_wait_fraction']:.0%})", flush=True)
-    medians = {name: statistics.median(v) for name, v in runs.items()}
+    medians = interleaved_runs(
+        {name: [f"data.augment_on={name}", "num_workers=auto"] for name in ("cpu", "cuda")},
+        overrides, tmp, args)
     print(f"engine-run on {torch.cuda.get_device_name(0)}, median of {args.repeats}: "
           f"augment_on=cpu {medians['cpu']:.1f}, augment_on=cuda {medians['cuda']:.1f} "
           f"images/s; cuda / cpu = {medians['cuda'] / medians['cpu']:.2f}")
     return 0
+
+
+def interleaved_runs(settings: dict[str, list[str]], overrides: list[str],
+                     tmp: pathlib.Path, args) -> dict[str, float]:
+    """``engine-run`` the recipe ``args.repeats`` times per setting (name: its extra
+    overrides); the median images/s of each setting's last epoch."""
+    names = list(settings)
+    runs: dict[str, list[float]] = {name: [] for name in names}
+    for repeat in range(args.repeats):
+        # Interleaved, and in alternating order (ABBA): the machine's load drifts over
+        # both alike, and neither always runs first.
+        for name in (names if repeat % 2 == 0 else names[::-1]):
+            out = tmp / f"run-{name}-{repeat}"
+            engine_run([RECIPE, *overrides, *settings[name], f"epochs={args.epochs}",
+                        f"out_dir={out}", "--no-resume", "--nproc", str(args.nproc)])
+            summary = json.loads((out / "summary.json").read_text())
+            runs[name].append(summary["images_per_sec"])
+            print(f"  engine-run {' '.join(settings[name])}: "
+                  f"{summary['images_per_sec']:.2f} images/s "
+                  f"(data wait {summary['data_wait_fraction']:.0%})", flush=True)
+    return {name: statistics.median(v) for name, v in runs.items()}
 
 
 def median_rates(result) -> dict[int, float]:
