@@ -295,56 +295,56 @@ def main(argv=None) -> int:
     if args.batch % nproc:
         p.error(f"--batch {args.batch} does not split over {nproc} processes")
 
-    # One session (a set of processes) per round and process count; inside a round the
-    # items run back to back in an order that rotates from round to round.
+    # A measurement is (table, variant, mode) on one side. One session (a set of
+    # processes) per round and process count; inside a round the measurements run back
+    # to back in an order that rotates from round to round.
     default_mode = "ddp" if nproc > 1 else "single"
-    items = [("variants", v, default_mode, side) for v in variants for side in (HAND, ENGINE)]
-    items += [("modes", "fp32", m, side) for m in modes for side in (HAND, ENGINE)]
+    keys = [("variants", v, default_mode) for v in variants]
+    keys += [("modes", "fp32", m) for m in modes]
+    items = [(*key, side) for key in keys for side in (HAND, ENGINE)]
     results = []
     for round_index in range(args.reps):
         by_nproc: dict[int, list] = {}
-        for item in rotated(items, round_index):
-            by_nproc.setdefault(mode_processes(item[2], nproc), []).append(
-                (round_index, *item))
+        for table, variant, mode, side in rotated(items, round_index):
+            by_nproc.setdefault(mode_processes(mode, nproc), []).append(
+                (round_index, table, variant, mode, side))
         for processes, schedule in rotated(sorted(by_nproc.items()), round_index):
             results += run_session(processes, schedule, args)
 
-    def median(table, variant, mode, side):
+    def median(key, side):
         return statistics.median(r["images_per_s"] for r in results
                                  if (r["table"], r["variant"], r["mode"], r["side"])
-                                 == (table, variant, mode, side))
+                                 == (*key, side))
 
     where = "CPU smoke test (not a measurement)" if args.cpu_smoke else (
         f"{nproc} x {torch.cuda.get_device_name(0)}")
     print(f"ResNet-18, {args.image_size}x{args.image_size} images, global batch "
           f"{args.batch}, {args.steps} steps timed, median of {args.reps} rounds; {where}")
-    rows = []
+    # Each table: its first column, (label, key) per line, the key the last column
+    # compares the engine with, and that column's name in the JSON and on screen.
+    tables = []
     if variants:
-        print(f"{'variant':<20} {'hand img/s':>11} {'engine img/s':>13} {'ratio':>7} "
-              f"{'gain vs fp32':>13}")
-        base = median("variants", "fp32", default_mode, ENGINE) if "fp32" in variants \
-            else None
-        for v in variants:
-            hand = median("variants", v, default_mode, HAND)
-            eng = median("variants", v, default_mode, ENGINE)
-            rows.append({"variant": v, "hand": hand, "engine": eng, "ratio": eng / hand,
-                         "gain": eng / base if base else None})
-            gain = f"{eng / base:.2f}x" if base else "-"
-            print(f"{v:<20} {hand:>11.0f} {eng:>13.0f} {eng / hand:>7.3f} {gain:>13}")
+        tables.append(("variant", [(v, ("variants", v, default_mode)) for v in variants],
+                       ("variants", "fp32", default_mode) if "fp32" in variants else None,
+                       "gain", "gain vs fp32"))
     if modes:
-        print(f"\nparallel modes at fp32, global batch {args.batch}:")
-        print(f"{'mode':<8} {'processes':>9} {'hand img/s':>11} {'engine img/s':>13} "
-              f"{'ratio':>7} {'engine vs single':>17}")
-        single = median("modes", "fp32", "single", ENGINE) if "single" in modes else None
-        for m in modes:
-            hand = median("modes", "fp32", m, HAND)
-            eng = median("modes", "fp32", m, ENGINE)
-            rows.append({"mode": m, "processes": mode_processes(m, nproc), "hand": hand,
+        tables.append(("mode", [(m, ("modes", "fp32", m)) for m in modes],
+                       ("modes", "fp32", "single") if "single" in modes else None,
+                       "vs_single", "engine vs single"))
+    rows = []
+    for column, lines, base_key, versus, versus_header in tables:
+        base = median(base_key, ENGINE) if base_key else None
+        print(f"\n{column:<20} {'processes':>9} {'hand img/s':>11} {'engine img/s':>13} "
+              f"{'ratio':>7} {versus_header:>17}")
+        for label, key in lines:
+            hand, eng = median(key, HAND), median(key, ENGINE)
+            processes = mode_processes(key[2], nproc)
+            rows.append({column: label, "processes": processes, "hand": hand,
                          "engine": eng, "ratio": eng / hand,
-                         "vs_single": eng / single if single else None})
-            versus = f"{eng / single:.3f}" if single else "-"
-            print(f"{m:<8} {mode_processes(m, nproc):>9} {hand:>11.0f} {eng:>13.0f} "
-                  f"{eng / hand:>7.3f} {versus:>17}")
+                         versus: eng / base if base else None})
+            shown = f"{eng / base:.3f}" if base else "-"
+            print(f"{label:<20} {processes:>9} {hand:>11.0f} {eng:>13.0f} "
+                  f"{eng / hand:>7.3f} {shown:>17}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

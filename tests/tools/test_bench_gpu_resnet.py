@@ -37,3 +37,27 @@ def test_cpu_smoke_runs_both_sides_of_two_variants(tmp_path):
     assert all(r["hand"] > 0 and r["engine"] > 0 for r in rows)
     assert rows[0]["gain"] == 1.0
     assert "CPU smoke test (not a measurement)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_cpu_smoke_modes_table_runs_each_mode_at_its_process_count(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, BENCH, "--cpu-smoke", "--variants", "", "--modes", "single,dp,ddp",
+         "--nproc", "2", "--image-size", "16", "--batch", "4", "--steps", "1",
+         "--workers", "0", "--reps", "1", "--json", str(out)],
+        cwd=REPO, env=engine_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert [(r["mode"], r["processes"]) for r in rows] == [("single", 1), ("dp", 1),
+                                                          ("ddp", 2)]
+    assert all(r["hand"] > 0 and r["engine"] > 0 for r in rows)
+    assert rows[0]["vs_single"] == 1.0
+
+
+def test_nothing_to_measure_is_an_error():
+    proc = subprocess.run([sys.executable, BENCH, "--cpu-smoke", "--variants", ""],
+                          cwd=REPO, env=engine_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "nothing to measure: give --variants or --modes" in proc.stderr
