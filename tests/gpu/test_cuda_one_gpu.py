@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import QUICK, REPO, engine_env, read_summary, run_cli
+from tests.conftest import QUICK, engine_env, read_summary, run_cli
+from tests.engine.test_snapshot import BASE, RECIPE
 from tests.recipes.tiny_parallel_runs import probes, run_tiny, tiny_env, weights
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -18,10 +19,9 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device")]
 
-RESUME_RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
-# deterministic=true: without it two identical GPU runs of this recipe differed (H100).
-RESUME_BASE = ("epochs=3", "checkpoint.every_steps=4", "checkpoint.keep_last=2",
-               "deterministic=true")
+# The CPU exact-resume tests' recipe and settings (tests/engine/test_snapshot.py), with
+# deterministic kernels: without them two identical GPU runs differed (H100).
+RESUME_BASE = (*BASE, "deterministic=true")
 ON_GPU0 = {"CUDA_VISIBLE_DEVICES": "0"}
 
 
@@ -41,7 +41,7 @@ def test_main_job_trains_on_the_gpus_with_pinned_batches(cifar_recipe, tmp_path)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_training_batches_come_from_pinned_memory(tmp_path, workers):
+def test_the_train_loader_pins_batches_on_cuda(tmp_path, workers):
     out = tmp_path / "run"
     run_tiny(out, "--parallel", "single", "epochs=1", f"num_workers={workers}", nproc=1,
              cuda_visible_devices="0")
@@ -78,7 +78,7 @@ def gpu_reference(tmp_path_factory):
         runs = []
         for i in range(2):
             out = tmp_path_factory.mktemp(f"reference-{precision}-{i}")
-            run_cli(RESUME_RECIPE, *RESUME_BASE, f"precision={precision}",
+            run_cli(RECIPE, *RESUME_BASE, f"precision={precision}",
                     f"out_dir={out}", "--nproc", "1", env=engine_env(**ON_GPU0),
                     check=True)
             runs.append(read_summary(out)["weights_sha256"])
@@ -94,7 +94,7 @@ def test_killed_gpu_run_resumes_to_identical_weights(gpu_reference, tmp_path, pr
     out = tmp_path / "run"
     fault = {**ON_GPU0, "ENGINE_FAULT_ACTION": "kill", "ENGINE_FAULT_STEP": "9",
              "ENGINE_FAULT_ONCE": str(tmp_path / "fault-done")}  # mid-epoch 1
-    args = (RESUME_RECIPE, *RESUME_BASE, f"precision={precision}", f"out_dir={out}",
+    args = (RECIPE, *RESUME_BASE, f"precision={precision}", f"out_dir={out}",
             "--nproc", "1", "-p", "tests.fault_plugin")
     killed = run_cli(*args, env=engine_env(**fault))
     assert killed.returncode != 0, killed.stderr
