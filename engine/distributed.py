@@ -343,4 +343,7 @@ def destroy() -> None:
     if is_initialized():
         import torch.distributed as dist
 
+        from engine import health
+
+        health.release()
         dist.destroy_process_group()

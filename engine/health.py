@@ -54,6 +54,19 @@ def prepare() -> None:
     _side_group()
 
 
+def release() -> None:
+    """Destroy the side group and drop our reference to it, before the world group goes.
+    A group still referenced at interpreter exit is torn down during C++ finalisation,
+    where gloo's threads abort the process ("terminate called without an active
+    exception") after a run that finished."""
+    global _GLOO_GROUP
+    if _GLOO_GROUP is not None:
+        import torch.distributed as dist
+
+        group, _GLOO_GROUP = _GLOO_GROUP, None
+        dist.destroy_process_group(group)
+
+
 def missing_ranks(timeout_s: float = 5.0) -> list[int] | None:
     """The ranks that do not reach a monitored barrier within ``timeout_s``; None when
     that cannot be found out (not rank 0, or the check itself failed)."""
