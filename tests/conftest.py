@@ -7,7 +7,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import warnings
 
 import pytest
 
@@ -37,27 +36,10 @@ def run_cli(*args: str, cwd=None, env=None, timeout: float = 240, check: bool = 
     """Run ``engine-run ARGS`` in a subprocess; stdout and stderr are captured as text."""
     proc = subprocess.run([ENGINE_RUN, *args], cwd=cwd or REPO, env=env or engine_env(),
                           capture_output=True, text=True, timeout=timeout)
-    if aborted_after_done(proc):
-        # Known defect (issue 10, defect 3): a worker sometimes dies with SIGABRT in
-        # C++ teardown after the run finished and wrote its results. The tests here check
-        # what the run did; the exit defect has its own issue and loop tool. Remove this
-        # when that issue is fixed.
-        warnings.warn(f"engine-run {' '.join(args[:1])}: a worker aborted at exit after "
-                      "'done:' (issue 10, defect 3); counted as finished")
-        proc = subprocess.CompletedProcess(proc.args, 0, proc.stdout, proc.stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"engine-run {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stdout}\n{proc.stderr}")
     return proc
-
-
-def aborted_after_done(proc: subprocess.CompletedProcess) -> bool:
-    """The run printed 'done:' and failed only because a worker aborted at exit."""
-    return (proc.returncode != 0
-            and any(line.startswith("done: ") for line in proc.stdout.splitlines())
-            and "terminate called without an active exception" in proc.stderr
-            and "was killed by SIGABRT" in proc.stderr
-            and "Traceback" not in proc.stderr)
 
 
 def read_summary(out_dir) -> dict:
