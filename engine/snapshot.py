@@ -15,7 +15,27 @@ import engine
 from engine import config as config_mod
 from engine import distributed
 from engine.checkpoint import load_model_state
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, ConfigError
+
+#: Config keys a resumed run may change: they decide how long the run goes and how it
+#: is launched, watched and stored, not what an optimizer step computes, so the run
+#: stays the one the snapshot belongs to. Any OTHER key that differs refuses the resume
+#: (unless --resume-anyway), notably: batch_size and grad_accum_steps (the batches and
+#: their split over processes and micro-steps; the position inside the epoch is counted
+#: in batches), seed, drop_last and per_sample_seed (the data order and the augmentation
+#: randomness), precision and scheduler_interval, ddp.sync_batchnorm and
+#: ddp.broadcast_buffers (the arithmetic), and a recipe's own keys (data, model): the
+#: engine cannot judge those, and refusing is the side that never mixes two runs
+#: silently. ``lr`` has its own rule (:func:`_apply_lr`). The world size is not a config
+#: key: a different one resumes with a warning (the RNG states cannot be restored).
+MAY_CHANGE = frozenset({
+    "epochs", "log_every", "num_workers", "timeout_s", "out_dir", "launcher", "init_method",
+    "parallel", "checkpointer", "preemption", "requeue", "deterministic", "on_nonfinite",
+    "ddp.bucket_cap_mb", "ddp.gradient_as_bucket_view", "ddp.static_graph",
+    "ddp.find_unused_parameters", "ddp.gpus_per_process",
+})
+#: Groups whose every key may change (when and how many snapshots are kept).
+MAY_CHANGE_GROUPS = ("checkpoint.",)
 
 
 def rng_state() -> dict:
@@ -110,11 +130,14 @@ def resume(eng) -> None:
 
 
 def restore(eng, snap: dict, source: str) -> None:
+    lr_change = check_config(eng, snap.get("config"), source)
     load_model_state(eng.module, snap["model"], source=source)
     try:
         eng.optimizer.load_state_dict(snap["optimizer"])
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"{source}: optimizer state does not match: {exc}") from None
+    if lr_change is not None:
+        _apply_lr(eng, *lr_change, source)
     if eng.scheduler is not None and snap.get("scheduler") is not None:
         eng.scheduler.load_state_dict(snap["scheduler"])
     if eng.scaler is not None and snap.get("scaler") is not None:
@@ -132,3 +155,69 @@ def restore(eng, snap: dict, source: str) -> None:
         eng.warn(f"{source} was written by {snap.get('world_size')} processes, this run has "
                  f"{eng.world.world_size}: RNG states are not restored, so the run will not "
                  "be bit-identical to an uninterrupted one")
+
+
+# ------------------------------------------------------------ a changed config
+
+
+def flatten(config: dict, prefix: str = "") -> dict:
+    """``{"checkpoint": {"keep_last": 3}}`` -> ``{"checkpoint.keep_last": 3}``."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def may_change(key: str) -> bool:
+    return key in MAY_CHANGE or key.startswith(MAY_CHANGE_GROUPS)
+
+
+def config_changes(saved: dict, current: dict) -> dict[str, tuple]:
+    """``{key: (saved value, current value)}`` for the keys both configs have and that
+    differ. A key only one of them has (a snapshot from an older engine or recipe) is no
+    change: there is nothing to compare it with."""
+    old, new = flatten(saved), flatten(current)
+    return {k: (old[k], new[k]) for k in old.keys() & new.keys() if old[k] != new[k]}
+
+
+def check_config(eng, saved: dict | None, source: str) -> tuple | None:
+    """Refuse a resume whose config changed a key that breaks exact resume (see
+    :data:`MAY_CHANGE`), or load it anyway with ``--resume-anyway`` and say what
+    changed. Returns ``(old lr, new lr)`` when the learning rate is to be applied."""
+    if not isinstance(saved, dict):
+        return None  # written before snapshots held their config
+    changes = config_changes(saved, config_mod.to_dict(eng.cfg))
+    lr = changes.pop("lr", None)
+    # With a scheduler the learning rate is the scheduler's (its state holds the base
+    # lrs it scales): a new cfg.lr could only be mixed into it, so it counts as a change
+    # that breaks the resume. Without one, the new lr is applied (_apply_lr).
+    if lr is not None and eng.scheduler is not None:
+        changes["lr"], lr = lr, None
+    refused = {k: v for k, v in sorted(changes.items()) if not may_change(k)}
+    if refused:
+        listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in refused.items())
+        if not eng.options.get("resume_anyway"):
+            raise ConfigError(
+                f"cannot resume {source}: the config changed {listed}, which would mix two "
+                "runs; put the values back, pass --resume-anyway to load the snapshot "
+                "with the new values, or --no-resume to start fresh")
+        eng.warn(f"--resume-anyway: resuming {source} although the config changed "
+                 f"{listed}; the run is no longer an exact continuation"
+                 + ("; the learning rate stays the scheduler's" if "lr" in refused else ""))
+    return lr
+
+
+def _apply_lr(eng, old: float, new: float, source: str) -> None:
+    """Set a changed ``lr`` on the loaded optimizer, which would otherwise keep the
+    snapshot's while config.json says the new one. A param group at another lr (a
+    recipe's per-group multiple of cfg.lr) is scaled by new/old, keeping the ratio."""
+    for group in eng.optimizer.param_groups:
+        if group["lr"] == old or not old:
+            group["lr"] = new
+        else:
+            group["lr"] = group["lr"] * new / old
+    eng.warn(f"lr changed since {source}: {old!r} -> {new!r}, applied to every optimizer "
+             "param group")

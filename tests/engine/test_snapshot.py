@@ -122,3 +122,99 @@ def test_torchrun_max_restarts_resumes_a_killed_worker_to_identical_weights(
     summary = read_summary(out)
     assert (summary["launcher"], summary["global_step"]) == ("torchrun", 18)
     assert summary["weights_sha256"] == reference[2]
+
+
+# ------------------------------------------------- resuming with a changed config
+
+TINY = str(REPO / "tests" / "recipes" / "tiny_parallel_recipe.py")  # no scheduler
+
+
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory):
+    """out_dirs that hold one finished epoch: of a recipe without an LR scheduler
+    (tiny_parallel_recipe, lr 0.05) and of one with a scheduler (tiny_resume)."""
+    runs = {}
+    for name, recipe, extra in (("plain", TINY, ()), ("scheduled", RECIPE, BASE)):
+        out = tmp_path_factory.mktemp(name)
+        run_cli(recipe, *extra, "epochs=1", f"out_dir={out}", "--nproc", "1", check=True)
+        runs[name] = out
+    return runs
+
+
+def resume_changed(one_epoch, tmp_path, name: str, *args: str):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(one_epoch[name], out)
+    recipe, extra = (TINY, ()) if name == "plain" else (RECIPE, BASE)
+    return out, run_cli(recipe, *extra, f"out_dir={out}", "--nproc", "1", *args)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "error:" in line]
+
+
+def test_a_changed_batch_size_or_seed_refuses_the_resume_naming_each_key(one_epoch, tmp_path):
+    out, proc = resume_changed(one_epoch, tmp_path, "plain", "epochs=2", "batch_size=16",
+                               "seed=7", "grad_accum_steps=2")
+    assert proc.returncode != 0
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1, proc.stderr
+    assert "the config changed batch_size 8 -> 16, grad_accum_steps 1 -> 2, seed 0 -> 7" \
+        in errors[0]
+    assert "--resume-anyway" in errors[0] and "--no-resume" in errors[0]
+    assert "epochs" not in errors[0]  # a key that may change is not listed
+    assert not (out / "checkpoints" / "snapshot-e0002-s00000016.pt").exists()
+
+
+def test_resume_anyway_loads_and_warns_listing_the_changed_keys(one_epoch, tmp_path):
+    out, proc = resume_changed(one_epoch, tmp_path, "plain", "epochs=2", "batch_size=16",
+                               "--resume-anyway")
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming from " in proc.stdout
+    assert "warning: --resume-anyway: resuming " in proc.stderr
+    assert "the config changed batch_size 8 -> 16;" in proc.stderr
+    summary = read_summary(out)
+    assert (summary["epochs_completed"], summary["global_step"]) == (2, 8 + 4)
+
+
+def test_keys_that_may_change_resume_without_a_word(one_epoch, tmp_path):
+    out, proc = resume_changed(one_epoch, tmp_path, "plain", "epochs=2", "log_every=1",
+                               "num_workers=1", "timeout_s=120", "checkpoint.keep_last=5",
+                               "checkpoint.every_steps=3")
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr
+    assert read_summary(out)["global_step"] == 16
+
+
+def test_a_changed_lr_without_a_scheduler_is_applied_with_a_warning(one_epoch, tmp_path):
+    import torch
+
+    out, proc = resume_changed(one_epoch, tmp_path, "plain", "epochs=2", "lr=0.1")
+    assert proc.returncode == 0, proc.stderr
+    assert "lr changed since " in proc.stderr and ": 0.05 -> 0.1, applied to every " \
+        "optimizer param group" in proc.stderr, proc.stderr
+    final = torch.load(out / "checkpoints" / "snapshot-e0002-s00000016.pt", weights_only=True)
+    assert [g["lr"] for g in final["optimizer"]["param_groups"]] == [0.1]
+    assert final["config"]["lr"] == 0.1
+
+
+def test_a_changed_lr_with_a_scheduler_refuses_the_resume(one_epoch, tmp_path):
+    _, proc = resume_changed(one_epoch, tmp_path, "scheduled", "epochs=2", "lr=0.5")
+    assert proc.returncode != 0
+    assert "the config changed lr 0.05 -> 0.5, which would mix two runs" in proc.stderr
+
+
+def test_keys_only_an_older_snapshot_or_this_config_has_do_not_matter(one_epoch, tmp_path):
+    import torch
+
+    source = one_epoch["plain"] / "checkpoints" / "snapshot-e0001-s00000008.pt"
+    snap = torch.load(source, weights_only=True)
+    snap["config"]["removed_long_ago"] = 1
+    del snap["config"]["per_sample_seed"]
+    old = tmp_path / "old.pt"
+    torch.save(snap, old)
+    out = tmp_path / "run"
+    proc = run_cli(TINY, "epochs=2", f"out_dir={out}", "--nproc", "1", "--resume", str(old))
+    assert proc.returncode == 0, proc.stderr
+    assert f"resuming from {old}" in proc.stdout and "warning" not in proc.stderr
