@@ -122,6 +122,8 @@ def resume(eng) -> None:
     if chosen is None:
         return
     eng.checkpointer.restore_snapshot(eng, pathlib.Path(chosen))
+    # The summary reports it; setattr, as Engine and api.Context both come through here.
+    setattr(eng, "resumed_from", chosen)
     s = eng.state
     where = f"epoch {s.epoch}, step {s.step}" + (
         f", batch {s.batch_in_epoch} of the epoch" if s.batch_in_epoch else "")
