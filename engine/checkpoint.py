@@ -1,7 +1,20 @@
-"""Checkpoint plumbing shared by the checkpoint plugins.
+"""The checkpointer interface, and the state-dict helpers the core, the checkpointers
+and tools/ckpt.py share.
 
-- :func:`atomic_write`: temp file in the same directory, fsync, rename, fsync of the
-  directory. A crash at any moment leaves either the old file or the new one.
+Words (used the same way in the code, the docs and the messages):
+
+- a **snapshot** is the whole training state that an exact resume needs: model,
+  optimizer, scheduler, grad scaler, epoch/step/position, RNG states, config. The core
+  captures and restores it (:mod:`engine.snapshot`); on disk it is one file or folder
+  (``snapshot-e0002-s00001564.pt``) under ``<out_dir>/checkpoints/``.
+- a **checkpointer** (a plugin: torch-file, async, dcp) is storage only: it saves a
+  snapshot dict, lists the saved ones, verifies and loads them back. It never sees the
+  Engine, a model or an optimizer.
+- **checkpoint** on its own names that storage side: the ``checkpoint.*`` config group
+  (when to save, how many to keep), the ``checkpoints/`` folder, :class:`CheckpointError`.
+
+State-dict helpers:
+
 - :func:`model_digest`: the sha256 of a state_dict, the same on every machine.
 - :func:`load_model_state`: accepts keys with or without DDP's ``module.`` prefix and
   reports a mismatch as the missing and unexpected keys.
@@ -9,109 +22,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
-import os
 import pathlib
-from typing import Any, Callable, ClassVar
+from typing import ClassVar
 
+# The atomic file writes live in engine.atomic_io; these names stay importable from
+# here for the run summary (engine/engine.py, engine/api.py), tools/bench_checkpoint.py
+# and tests/tools/test_ckpt.py.
+from engine.atomic_io import (HashingWriter, atomic_write, atomic_write_text,  # noqa: F401
+                              file_sha256)
 from engine.errors import CheckpointError
-
-
-def fsync_directory(directory: pathlib.Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class HashingWriter(io.RawIOBase):
-    """A file wrapper that hashes and counts what is written through it.
-
-    sha256 costs about as much CPU as writing the bytes (``tools/bench_checkpoint.py
-    --breakdown``), so a large write is hashed on a helper thread while this thread
-    writes the same bytes to the file. Both release the GIL: with a core to spare, the
-    hash hides behind the write instead of adding to it. Call :meth:`stop` when done.
-    """
-
-    #: Smaller writes are hashed inline: not worth a hand-off to the thread.
-    PARALLEL_BYTES = 1 << 20
-
-    def __init__(self, raw):
-        self.raw = raw
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-        self._helper = None  # a one-thread pool, started by the first large write
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        if view.nbytes >= self.PARALLEL_BYTES:
-            if self._helper is None:
-                from concurrent.futures import ThreadPoolExecutor  # 30 ms: not at import
-
-                self._helper = ThreadPoolExecutor(1, thread_name_prefix="sha256")
-            hashing = self._helper.submit(self.sha256.update, view)
-            try:
-                n = self.raw.write(view)
-            finally:
-                hashing.result()  # the caller may reuse its buffer once we return
-        else:
-            self.sha256.update(view)
-            n = self.raw.write(view)
-        self.size += view.nbytes
-        return view.nbytes if n is None else n
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-    def stop(self) -> None:
-        """End the helper thread (the writer stays usable, hashing inline)."""
-        if self._helper is not None:
-            self._helper.shutdown()
-            self._helper = None
-
-
-def atomic_write(path: pathlib.Path, write: Callable[[Any], None]) -> tuple[int, str]:
-    """Write ``path`` through ``write(fileobj)`` crash-consistently.
-
-    Returns (size, sha256) of what was written. On any error (a full disk included) the
-    temp file is removed and the previous ``path``, if any, is untouched.
-    """
-    path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as raw:
-            writer = HashingWriter(raw)
-            try:
-                write(writer)
-            finally:
-                writer.stop()
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, path)
-        fsync_directory(path.parent)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-    return writer.size, writer.sha256.hexdigest()
-
-
-def atomic_write_text(path: pathlib.Path, text: str) -> None:
-    atomic_write(path, lambda f: f.write(text.encode()))
-
-
-def file_sha256(path: pathlib.Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------ state dicts
@@ -174,19 +94,29 @@ def load_model_state(model, state_dict: dict, source: str = "checkpoint") -> Non
         raise CheckpointError(f"{source} does not match the model: {detail}") from None
 
 
-# ------------------------------------------------------------------- plugin base
+# ----------------------------------------------------------- the checkpointer
 
 
 class Checkpointer:
-    """Writes and reads snapshots under ``directory``.
+    """Storage for snapshots under ``directory``: save, list, verify, load. No Engine.
 
-    A snapshot is a dict of tensors and plain Python values (loadable with
-    ``torch.load(weights_only=True)``).
+    A snapshot reaches :meth:`save` as a dict of tensors and plain Python values
+    (loadable with ``torch.load(weights_only=True)``), and :meth:`load` gives the same
+    dict back. The core (:mod:`engine.snapshot`) decides what goes in and what to do
+    with it. Constructed as ``Checkpointer(directory, cfg, world)``: ``cfg.checkpoint``
+    says how many to keep and which is best, ``world`` which rank this is.
     """
 
     name: ClassVar[str] = ""
-    #: True when every rank takes part in save and load (sharded formats).
+    #: True when every rank takes part in save and load (sharded formats); otherwise
+    #: only rank 0 saves, and every rank loads.
     all_ranks: ClassVar[bool] = False
+    #: True when the snapshot's "model" and "optimizer" entries are to be in the form of
+    #: torch.distributed.checkpoint.state_dict.get_state_dict (keyed by parameter name,
+    #: sharded tensors left sharded) instead of ``module.state_dict()`` /
+    #: ``optimizer.state_dict()``. :meth:`load` then gets a ``template`` of that form to
+    #: load into, since a sharded format reads each rank's part in place.
+    distributed_state_dict: ClassVar[bool] = False
 
     def __init__(self, directory: pathlib.Path, cfg=None, world=None):
         self.directory = pathlib.Path(directory)
@@ -195,9 +125,13 @@ class Checkpointer:
 
     def save(self, state: dict, *, epoch: int, step: int, metrics: dict | None = None
              ) -> pathlib.Path:
+        """Store ``state`` durably; returns its path (durable once :meth:`wait` returns)."""
         raise NotImplementedError
 
-    def load(self, path: pathlib.Path, map_location=None) -> dict:
+    def load(self, path: pathlib.Path, *, map_location=None, template: dict | None = None
+             ) -> dict:
+        """The snapshot dict stored at ``path``. ``template``: see
+        :attr:`distributed_state_dict`; formats that store the dict as it is ignore it."""
         raise NotImplementedError
 
     def latest(self) -> pathlib.Path | None:
@@ -206,26 +140,6 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every save started so far is durable."""
-
-    # The engine calls these two. The defaults suit checkpointers that store the
-    # snapshot dict as it is; a sharded format overrides them to work with the model
-    # and optimizer directly (see plugins/dcp.py).
-
-    def save_snapshot(self, eng, state: dict, *, epoch: int, step: int,
-                      metrics: dict | None = None) -> pathlib.Path | None:
-        """Called on every rank with the snapshot dict (engine.snapshot.capture);
-        by default only rank 0 writes, unless ``all_ranks``."""
-        if self.all_ranks or eng.is_rank0:
-            return self.save(state, epoch=epoch, step=step, metrics=metrics)
-        return None
-
-    def restore_snapshot(self, eng, path: pathlib.Path) -> None:
-        """Load ``path`` into the engine's model, optimizer and train state."""
-        from engine import snapshot
-
-        # Onto the CPU: load_state_dict copies into the model's and optimizer's devices,
-        # and the RNG states must stay CPU tensors (a GPU resume crashed restoring them).
-        snapshot.restore(eng, self.load(path, map_location="cpu"), source=str(path))
 
     def close(self) -> None:
         self.wait()

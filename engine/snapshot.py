@@ -1,9 +1,11 @@
-"""What a snapshot holds, and resuming from one.
+"""Snapshots: capturing the training state, saving it, and resuming from one.
 
 A snapshot is a dict of tensors and plain values (``torch.load(weights_only=True)``):
 the unwrapped model, optimizer, scheduler, grad scaler, train state (epoch, step,
 position inside the epoch), sampler seed, the RNG states of every rank, the resolved
-config and the engine version.
+config and the engine version. This module is the only one that knows the Engine's
+side of it; the checkpointer (:class:`engine.checkpoint.Checkpointer`) only stores
+the dict and gives it back.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ def set_rng_state(state: dict) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
-    # CPU tensors only (numpy's and torch's setters refuse others): checkpointers load
-    # snapshots onto the CPU for this (Checkpointer.restore_snapshot).
+    # CPU tensors only (numpy's and torch's setters refuse others): snapshots are loaded
+    # onto the CPU for this (load_snapshot).
     np.random.set_state(("MT19937", n["keys"].numpy().astype("uint32"), n["pos"],
                          n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
@@ -74,10 +76,11 @@ def capture(eng) -> dict:
     """The snapshot dict. Collective: every rank must call it (RNG states are gathered)."""
     rngs = distributed.all_gather_object(rng_state())
     state = eng.state
+    model, optimizer = _model_and_optimizer_state(eng)
     return {
         "engine_version": engine.__version__,
-        "model": eng.module.state_dict(),
-        "optimizer": eng.optimizer.state_dict(),
+        "model": model,
+        "optimizer": optimizer,
         "scheduler": eng.scheduler.state_dict() if eng.scheduler is not None else None,
         "scaler": eng.scaler.state_dict() if eng.scaler is not None else None,
         "epoch": state.epoch,
@@ -92,10 +95,24 @@ def capture(eng) -> dict:
     }
 
 
+def _model_and_optimizer_state(eng) -> tuple[dict, dict]:
+    """In the form the checkpointer stores (Checkpointer.distributed_state_dict): a
+    sharded format gets get_state_dict's, keyed by parameter name, shards unmerged."""
+    if eng.checkpointer.distributed_state_dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return get_state_dict(eng.module, eng.optimizer)
+    return eng.module.state_dict(), eng.optimizer.state_dict()
+
+
 def save(eng) -> pathlib.Path | None:
-    """Write a snapshot; rank 0 only unless the checkpointer shards over all ranks."""
-    return eng.checkpointer.save_snapshot(eng, capture(eng), epoch=eng.state.epoch,
-                                          step=eng.state.step, metrics=dict(eng.metrics))
+    """Write a snapshot; rank 0 only unless the checkpointer shards over all ranks.
+    Collective (capture). Returns the path on the ranks that saved."""
+    state = capture(eng)
+    if not (eng.checkpointer.all_ranks or eng.is_rank0):
+        return None
+    return eng.checkpointer.save(state, epoch=eng.state.epoch, step=eng.state.step,
+                                 metrics=dict(eng.metrics))
 
 
 def resume(eng) -> None:
@@ -112,7 +129,7 @@ def resume(eng) -> None:
         if opts.get("resume"):
             chosen = str(opts["resume"])
             if not pathlib.Path(chosen).exists():
-                chosen = CheckpointError(f"--resume {chosen!r}: no such checkpoint")
+                chosen = CheckpointError(f"--resume {chosen!r}: no such snapshot")
         else:
             latest = eng.checkpointer.latest()
             chosen = str(latest) if latest is not None else None
@@ -121,7 +138,7 @@ def resume(eng) -> None:
         raise chosen
     if chosen is None:
         return
-    eng.checkpointer.restore_snapshot(eng, pathlib.Path(chosen))
+    restore(eng, load_snapshot(eng, pathlib.Path(chosen)), source=chosen)
     # The summary reports it; setattr, as Engine and api.Context both come through here.
     setattr(eng, "resumed_from", chosen)
     s = eng.state
@@ -131,13 +148,35 @@ def resume(eng) -> None:
     eng.print(f"resuming from {chosen}: {where}{restarts}")
 
 
+def load_snapshot(eng, path: pathlib.Path) -> dict:
+    """The snapshot at ``path``, through the checkpointer; nothing is changed yet."""
+    if eng.checkpointer.distributed_state_dict:
+        # A sharded format loads in place: this model's and optimizer's own state dicts
+        # say what to read and where (get_state_dict creates the optimizer state if it
+        # has none yet).
+        model, optimizer = _model_and_optimizer_state(eng)
+        return eng.checkpointer.load(path, template={"model": model, "optimizer": optimizer})
+    # Onto the CPU: load_state_dict copies into the model's and optimizer's devices,
+    # and the RNG states must stay CPU tensors (a GPU resume crashed restoring them).
+    return eng.checkpointer.load(path, map_location="cpu")
+
+
 def restore(eng, snap: dict, source: str) -> None:
+    """Put ``snap`` (from :func:`load_snapshot`) into the model, optimizer, scheduler,
+    scaler, train state and RNGs, after checking its config against this run's."""
     lr_change = check_config(eng, snap.get("config"), source)
-    load_model_state(eng.module, snap["model"], source=source)
-    try:
-        eng.optimizer.load_state_dict(snap["optimizer"])
-    except (ValueError, KeyError) as exc:
-        raise CheckpointError(f"{source}: optimizer state does not match: {exc}") from None
+    if eng.checkpointer.distributed_state_dict:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(eng.module, eng.optimizer, model_state_dict=snap["model"],
+                       optim_state_dict=snap["optimizer"])
+    else:
+        load_model_state(eng.module, snap["model"], source=source)
+        try:
+            eng.optimizer.load_state_dict(snap["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{source}: optimizer state does not match: {exc}"
+                                  ) from None
     if lr_change is not None:
         _apply_lr(eng, *lr_change, source)
     if eng.scheduler is not None and snap.get("scheduler") is not None:

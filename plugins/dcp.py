@@ -2,14 +2,15 @@
 
 Layout under ``<out_dir>/checkpoints/``::
 
-    snapshot-e0002-s00001564.dcp/        one DCP checkpoint (a directory)
+    snapshot-e0002-s00001564.dcp/        one snapshot: a DCP checkpoint directory
         .metadata                        DCP's index: every tensor's shape, dtype, chunks
         __0_0.distcp  __1_0.distcp ...   tensor data, one file per rank that wrote some
         train_state.pt                   the rest of the snapshot, by rank 0 (see below)
     snapshot-e0002-s00001564.dcp.json    manifest: size and sha256 of every file above
     latest, best                         the directory name, as with torch-file
 
-Model and optimizer go through DCP, as ``get_state_dict`` presents them: keys are the
+Model and optimizer go through DCP, as ``get_state_dict`` presents them (the core
+captures them in that form for this checkpointer: ``distributed_state_dict``): keys are the
 parameters' names (not the optimizer's integer ids), so the optimizer state (momentum)
 loads into a model at any world size. Replicated tensors (DDP) are written once, the
 work spread over the ranks; at load every rank reads what it needs, so a snapshot
@@ -37,7 +38,7 @@ import warnings
 
 import engine
 from engine import distributed
-from engine.checkpoint import atomic_write, atomic_write_text, file_sha256, fsync_directory
+from engine.atomic_io import atomic_write, atomic_write_text, file_sha256, fsync_directory
 from engine.errors import CheckpointError
 from engine.plugins.torch_file import (PREFIX, TorchFileCheckpointer, manifest_path,
                                        read_manifest, warn)
@@ -76,7 +77,7 @@ def verify(path: pathlib.Path, deep: bool = True) -> str | None:
 
 
 def load_everything(path: pathlib.Path) -> dict:
-    """The whole checkpoint into this process, as it was saved (no model needed)."""
+    """The whole snapshot into this process, as it was saved (no model needed)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -120,15 +121,9 @@ class DCPCheckpointer(TorchFileCheckpointer):
 
     name = "dcp"
     all_ranks = True
+    distributed_state_dict = True  # save() gets, load() fills, get_state_dict's form
 
     # --------------------------------------------------------------- saving
-
-    def save_snapshot(self, eng, state, *, epoch, step, metrics=None):
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optimizer = get_state_dict(eng.module, eng.optimizer)
-        return self.save({**state, "model": model, "optimizer": optimizer},
-                         epoch=epoch, step=step, metrics=metrics)
 
     def save(self, state, *, epoch, step, metrics=None):
         """Collective: every rank calls it with its own ``state`` (model and optimizer
@@ -191,56 +186,33 @@ class DCPCheckpointer(TorchFileCheckpointer):
 
     # -------------------------------------------------------------- loading
 
-    def restore_snapshot(self, eng, path):
-        import torch
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        from engine import snapshot
-
+    def load(self, path, *, map_location=None, template=None):
+        """The snapshot at ``path``. With ``template`` (what engine.snapshot passes: the
+        model's and optimizer's state dicts as ``get_state_dict`` gives them), every
+        rank reads its part of "model" and "optimizer" in place into those tensors.
+        Without one (tools), the whole snapshot comes into this process: "model" as
+        saved, "optimizer" keyed by parameter names. The train state is added to both."""
         path = pathlib.Path(path)
         if not (path / ".metadata").is_file():
             raise CheckpointError(f"{path} is not a dcp snapshot (no .metadata in it)")
-        # DCP loads in place: the model's and optimizer's own state dicts say what to read
-        # and where (get_state_dict creates the optimizer state if it has none yet).
-        model, optimizer = get_state_dict(eng.module, eng.optimizer)
-        parts = {"model": model, "optimizer": optimizer}
-        try:
-            with _single_process_is_intended():
-                dcp.load(parts, checkpoint_id=str(path))
-        except Exception as exc:
-            raise CheckpointError(f"{path} cannot be loaded into this model and "
-                                  f"optimizer: {type(exc).__name__}: {_first_line(exc)}"
-                                  ) from None
-        set_state_dict(eng.module, eng.optimizer, model_state_dict=parts["model"],
-                       optim_state_dict=parts["optimizer"])
-        try:
-            rest = torch.load(path / TRAIN_STATE, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise CheckpointError(f"{path / TRAIN_STATE} cannot be loaded: "
-                                  f"{type(exc).__name__}: {_first_line(exc)}") from None
-        # Everything else is restored as for torch-file, by engine.snapshot.restore; the
-        # model and optimizer are in place already, so they get their own state back.
-        snap = {**rest, "model": eng.module.state_dict(),
-                "optimizer": eng.optimizer.state_dict()}
-        snapshot.restore(eng, snap, source=str(path))
+        if template is not None:
+            parts = {k: template[k] for k in DCP_PARTS}
+            try:
+                import torch.distributed.checkpoint as dcp
 
-    def load(self, path, map_location=None):
-        """The whole snapshot in this process (for tools): "model" as saved, "optimizer"
-        keyed by parameter names as ``get_state_dict`` gives it, plus the train state."""
-        import torch
-
-        path = pathlib.Path(path)
-        if not (path / ".metadata").is_file():
-            raise CheckpointError(f"{path} is not a dcp snapshot (no .metadata in it)")
+                with _single_process_is_intended():
+                    dcp.load(parts, checkpoint_id=str(path))
+            except Exception as exc:
+                raise CheckpointError(f"{path} cannot be loaded into this model and "
+                                      f"optimizer: {type(exc).__name__}: "
+                                      f"{_first_line(exc)}") from None
+            return {**_train_state(path, required=True), **parts}
         try:
             state = load_everything(path)
-            if (path / TRAIN_STATE).is_file():
-                state.update(torch.load(path / TRAIN_STATE, map_location="cpu",
-                                        weights_only=True))
         except Exception as exc:
             raise CheckpointError(f"{path} cannot be loaded: {type(exc).__name__}: "
                                   f"{_first_line(exc)}") from None
+        state.update(_train_state(path))
         if map_location is not None:
             state = _to(state, map_location)
         return state
@@ -278,6 +250,19 @@ class DCPCheckpointer(TorchFileCheckpointer):
         for path in old[: max(0, len(old) - (keep - 1))]:
             manifest_path(path).unlink(missing_ok=True)  # first: it is what makes it valid
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _train_state(path: pathlib.Path, required: bool = False) -> dict:
+    """Everything of the snapshot but the model and optimizer (rank 0 wrote it)."""
+    import torch
+
+    if not required and not (path / TRAIN_STATE).is_file():
+        return {}
+    try:
+        return torch.load(path / TRAIN_STATE, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path / TRAIN_STATE} cannot be loaded: "
+                              f"{type(exc).__name__}: {_first_line(exc)}") from None
 
 
 def _to(state, device):

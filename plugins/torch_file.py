@@ -7,9 +7,10 @@ Layout under ``<out_dir>/checkpoints/``::
     latest                             the file name of the newest good snapshot
     best                               the best one by cfg.checkpoint.best_metric, if set
 
-Every file is written through :func:`engine.checkpoint.atomic_write`. Loading checks
-size and sha256 against the manifest; a snapshot that fails is reported and the
-previous good one is used.
+Every file is written through :func:`engine.atomic_io.atomic_write`. ``latest()``
+checks size and sha256 against the manifest; a snapshot that fails is reported and
+the previous good one is used. Storage only: the snapshot dict comes from and goes
+back to engine.snapshot.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import sys
 import time
 
 import engine
-from engine.checkpoint import Checkpointer, atomic_write, atomic_write_text, file_sha256
+from engine.atomic_io import atomic_write, atomic_write_text, file_sha256
+from engine.checkpoint import Checkpointer
 from engine.errors import CheckpointError
 
 PREFIX = "snapshot-"
@@ -190,17 +192,17 @@ class TorchFileCheckpointer(Checkpointer):
             warn(f"snapshot {path} is unusable: {problem}; trying the previous one")
         return None
 
-    def load(self, path, map_location=None):
+    def load(self, path, *, map_location=None, template=None):
         import torch
 
         path = pathlib.Path(path)
         if not path.is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} not found")
+            raise CheckpointError(f"snapshot {str(path)!r} not found")
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except Exception as exc:
             raise CheckpointError(
-                f"checkpoint {str(path)!r} cannot be loaded: {type(exc).__name__}: "
+                f"snapshot {str(path)!r} cannot be loaded: {type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}"
             ) from None
 

@@ -31,8 +31,8 @@ import json
 import pathlib
 import sys
 
-from engine.checkpoint import (add_module_prefix, atomic_write, file_sha256, model_digest,
-                               strip_module_prefix)
+from engine.atomic_io import atomic_write, file_sha256
+from engine.checkpoint import add_module_prefix, model_digest, strip_module_prefix
 from engine.errors import CheckpointError
 
 PREFIX = "module."

@@ -97,7 +97,7 @@ def test_resume_from_a_missing_path_is_an_error(tmp_path):
     proc = run_cli(RECIPE, f"out_dir={tmp_path}", "--nproc", "1", "--resume",
                    str(tmp_path / "nope.pt"))
     assert proc.returncode != 0
-    assert f"--resume '{tmp_path / 'nope.pt'}': no such checkpoint" in proc.stderr
+    assert f"--resume '{tmp_path / 'nope.pt'}': no such snapshot" in proc.stderr
 
 
 def test_torchrun_max_restarts_resumes_a_killed_worker_to_identical_weights(

@@ -1,0 +1,130 @@
+"""No import cycles inside engine/: every ``import engine...`` and ``from engine...
+import`` statement of every module, function-local ones included (a lazy import hides
+a cycle from Python, not from the design), read with ast."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ENGINE = pathlib.Path(__file__).resolve().parents[2] / "engine"
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = ("engine", *path.relative_to(ENGINE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def engine_modules() -> dict[str, pathlib.Path]:
+    return {module_name(p): p for p in sorted(ENGINE.rglob("*.py"))}
+
+
+def imported(name: str, path: pathlib.Path, modules: dict) -> set[str]:
+    """The engine/ modules that ``name`` imports anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from . import x, from .x import y
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(filter(None, [*anchor, base]))
+            # ``from engine import snapshot`` imports the module engine.snapshot.
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            # ``import engine.a.b`` runs engine/a/b.py: the longest prefix that exists.
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = engine_modules()
+    return {name: imported(name, path, modules) for name, path in modules.items()}
+
+
+def components(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan): each
+    holds at least one cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each component, e.g. ``["engine.a", "engine.b", "engine.a"]``."""
+    return [cycle_in(graph, component) for component in components(graph)]
+
+
+def cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A shortest path from the component's first module back to itself."""
+    start = min(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for v in frontier:
+            for w in sorted(graph[v] & component):
+                if w == start:
+                    return paths[v] + [start]
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    following.append(w)
+        frontier = following
+    raise AssertionError(f"no cycle in {component}")
+
+
+def test_the_walk_sees_function_local_and_relative_imports(tmp_path):
+    modules = {"engine.a": tmp_path / "a.py", "engine.b": tmp_path / "b.py",
+               "engine.pkg": tmp_path / "pkg" / "__init__.py", "engine.pkg.c": tmp_path}
+    source = tmp_path / "a.py"
+    source.write_text("import os\nimport engine.b\n"
+                      "def f():\n    from engine.pkg import c, not_a_module\n"
+                      "def g():\n    from . import b\n    from .pkg.c import x\n")
+    assert imported("engine.a", source, modules) == {"engine.b", "engine.pkg", "engine.pkg.c"}
+    graph = {"engine.a": {"engine.b"}, "engine.b": {"engine.c"}, "engine.c": {"engine.a"},
+             "engine.d": {"engine.a"}}
+    assert cycles(graph) == [["engine.a", "engine.b", "engine.c", "engine.a"]]
+
+
+def test_engine_has_no_import_cycle():
+    graph = import_graph()
+    found = components(graph)
+    assert not found, "import cycles in engine/:\n" + "\n".join(
+        f"{' -> '.join(cycle_in(graph, c))}   (all of {', '.join(sorted(c))} import each "
+        "other, directly or not)" for c in found)
