@@ -1,0 +1,159 @@
+"""engine/checkpoint.py: the storage-only checkpointer interface, held by every
+built-in checkpointer (save / latest / load round trip, a corrupt newest snapshot
+skipped for the previous good one, no Engine anywhere), and the state-dict helpers."""
+
+from __future__ import annotations
+
+import inspect
+import pathlib
+
+import pytest
+import torch
+from torch import nn
+
+from engine.checkpoint import (Checkpointer, add_module_prefix, load_model_state,
+                               model_digest, strip_module_prefix)
+from engine.config import TrainConfig
+from engine.errors import CheckpointError
+from engine.plugin_manager import build_plugin_manager
+
+BUILT_IN = ("torch-file", "async", "dcp")
+
+
+def built_in_checkpointers() -> dict[str, type]:
+    registry = build_plugin_manager([]).checkpointers
+    return {name: registry.get(name) for name in BUILT_IN}
+
+
+def snapshot_for(step: int) -> dict:
+    """A snapshot-shaped dict whose every tensor holds ``step``: easy to check whole.
+    The optimizer is keyed by parameter name, the form every format stores."""
+    return {"model": {"fc.weight": torch.full((6, 4), float(step)),
+                      "fc.bias": torch.full((6,), float(step))},
+            "optimizer": {"state": {"fc.weight": {"momentum_buffer":
+                                                  torch.full((6, 4), float(step))}},
+                          "param_groups": [{"lr": 0.1, "momentum": 0.9,
+                                            "params": ["fc.weight", "fc.bias"]}]},
+            "epoch": step, "step": step, "config": {"lr": 0.1}}
+
+
+def assert_is(loaded: dict, step: int) -> None:
+    assert (loaded["epoch"], loaded["step"], loaded["config"]) == (step, step, {"lr": 0.1})
+    for name, tensor in snapshot_for(step)["model"].items():
+        assert torch.equal(loaded["model"][name], tensor), name
+
+
+def corrupt(path: pathlib.Path) -> None:
+    """Flip one byte in the middle of the snapshot (its largest file), size unchanged."""
+    target = max(path.iterdir(), key=lambda p: p.stat().st_size) if path.is_dir() else path
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+
+
+@pytest.fixture(params=BUILT_IN)
+def checkpointer(request, tmp_path):
+    made = built_in_checkpointers()[request.param](tmp_path / "checkpoints", TrainConfig())
+    yield made
+    made.close()
+
+
+def test_save_latest_load_round_trip(checkpointer):
+    assert checkpointer.latest() is None
+    first = checkpointer.save(snapshot_for(1), epoch=1, step=1, metrics={"val/loss": 2.0})
+    second = checkpointer.save(snapshot_for(2), epoch=2, step=2, metrics={"val/loss": 1.0})
+    checkpointer.wait()
+    assert first != second and checkpointer.latest() == second
+    assert_is(checkpointer.load(second), 2)
+    assert_is(checkpointer.load(first, map_location="cpu"), 1)
+
+
+def test_a_corrupt_newest_snapshot_is_reported_and_the_previous_good_one_used(
+        checkpointer, capsys):
+    first = checkpointer.save(snapshot_for(1), epoch=1, step=1)
+    second = checkpointer.save(snapshot_for(2), epoch=2, step=2)
+    checkpointer.wait()
+    corrupt(second)
+    assert checkpointer.latest() == first
+    assert f"snapshot {second} is unusable: " in capsys.readouterr().err
+    assert_is(checkpointer.load(first), 1)
+
+
+def test_a_snapshot_saved_again_under_its_name_replaces_the_old_one_whole(checkpointer):
+    checkpointer.save(snapshot_for(1), epoch=3, step=7)
+    path = checkpointer.save(snapshot_for(2), epoch=3, step=7)
+    checkpointer.wait()
+    assert checkpointer.latest() == path
+    assert_is(checkpointer.load(path), 2)
+
+
+def test_the_interface_is_storage_only():
+    """save(state, epoch, step, metrics) / load(path) / latest() / wait() / close():
+    no member takes the engine, and the engine-side methods are gone."""
+    allowed = {"self", "state", "epoch", "step", "metrics", "path", "map_location",
+               "template"}
+    for cls in (Checkpointer, *built_in_checkpointers().values()):
+        for member in ("save", "load", "latest", "wait", "close"):
+            params = set(inspect.signature(getattr(cls, member)).parameters)
+            assert params <= allowed, f"{cls.__name__}.{member} takes {params - allowed}"
+        assert not hasattr(cls, "save_snapshot") and not hasattr(cls, "restore_snapshot")
+
+
+# ------------------------------------------------------------- state dicts
+
+
+def test_model_digest_ignores_device_layout_and_key_order_but_not_values():
+    weight = torch.arange(12.0).reshape(3, 4)
+    state = {"w": weight, "b": torch.ones(3), "n": 5}
+    transposed_twice = {"n": 5, "b": torch.ones(3), "w": weight.t().contiguous().t()}
+    assert not transposed_twice["w"].is_contiguous()
+    assert model_digest(state) == model_digest(transposed_twice)
+    changed = dict(state, w=weight.clone())
+    changed["w"][2, 3] += 1e-6
+    assert model_digest(changed) != model_digest(state)
+    assert model_digest(dict(state, w=weight.double())) != model_digest(state)
+
+
+def test_module_prefix_is_added_and_stripped_only_as_a_whole():
+    state = {"a.weight": 1, "b.bias": 2}
+    assert add_module_prefix(state) == {"module.a.weight": 1, "module.b.bias": 2}
+    assert strip_module_prefix(add_module_prefix(state)) == state
+    mixed = {"module.a.weight": 1, "b.bias": 2}
+    assert strip_module_prefix(mixed) == mixed
+    assert add_module_prefix(mixed) == {"module.a.weight": 1, "module.b.bias": 2}
+
+
+def test_loads_into_plain_and_ddp_wrapped_models_with_or_without_prefix(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    plain = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        wrapped = DDP(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)))
+        with_prefix = {f"module.{k}": v for k, v in source.state_dict().items()}
+        for target, state in ((plain, source.state_dict()), (plain, with_prefix),
+                              (wrapped, source.state_dict()), (wrapped, with_prefix)):
+            load_model_state(target, state)
+            got = getattr(target, "module", target).state_dict()
+            assert all(torch.equal(got[k], v) for k, v in source.state_dict().items())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_key_mismatch_names_missing_and_unexpected_keys():
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    state = dict(model.state_dict())
+    state["2.weight"] = state.pop("1.weight")
+    with pytest.raises(CheckpointError) as info:
+        load_model_state(model, state, source="ckpt.pt")
+    assert str(info.value) == ("ckpt.pt does not match the model; missing keys: 1.weight; "
+                               "unexpected keys: 2.weight")
+    state = dict(model.state_dict())
+    state["1.weight"] = torch.zeros(5, 5)
+    with pytest.raises(CheckpointError, match=r"ckpt.pt does not match the model: size "
+                                              r"mismatch for 1.weight"):
+        load_model_state(model, state, source="ckpt.pt")
