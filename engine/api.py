@@ -146,6 +146,12 @@ def _check_spawnable(worker: "Worker") -> None:
         raise ConfigError(
             "engine.launch ran again inside a spawned worker: the workers import your "
             "script, so guard the call with `if __name__ == \"__main__\":`")
+    script = _unguarded_main_script()
+    if script is not None:
+        raise ConfigError(
+            f"engine.launch: {script} starts workers at import time; spawned workers "
+            f"import {script.name} again, so put the call under "
+            "`if __name__ == \"__main__\":`")
     try:
         pickle.dumps(worker)
     except Exception as exc:
@@ -153,6 +159,35 @@ def _check_spawnable(worker: "Worker") -> None:
             f"engine.launch: cannot send {worker.fn!r} and its arguments to the worker "
             f"processes ({type(exc).__name__}: {exc}); use a module-level function, not a "
             "lambda or a nested function, and picklable arguments") from None
+
+
+def _unguarded_main_script() -> pathlib.Path | None:
+    """The main script, when the code that called engine.launch runs at its top level
+    outside an ``if __name__ ...`` block; else None.
+
+    A spawned worker imports the main script before it runs anything: an unguarded
+    call would launch again there, and multiprocessing would fail in every worker with
+    a traceback about "bootstrapping". Checked here, before any process starts."""
+    import ast
+
+    frame = sys._getframe(1)
+    while frame is not None:  # the main module's top-level frame, if it is a caller
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            break
+        frame = frame.f_back
+    path = frame and frame.f_globals.get("__file__")
+    if not path or not os.path.isfile(path):
+        return None  # python -c, an interactive session, a notebook: nothing to import
+    try:
+        tree = ast.parse(pathlib.Path(path).read_text(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    line = frame.f_lineno
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.If) and "__name__" in ast.unparse(node.test)
+                and node.lineno <= line <= (node.end_lineno or node.lineno)):
+            return None
+    return pathlib.Path(path)
 
 
 @attrs.frozen

@@ -208,6 +208,43 @@ def test_misuse_of_launch_is_caught_before_any_process_starts(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_every_name_in_all_imports_and_import_engine_stays_light():
+    code = ("import sys, engine\n"
+            "assert 'torch' not in sys.modules, 'import engine imported torch'\n"
+            "from engine import *\n"
+            "print(sorted(n for n in engine.__all__ if getattr(engine, n, None) is None))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=engine_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "[]\n", "")
+
+
+UNGUARDED = textwrap.dedent("""
+    import engine
+
+
+    def work(ctx):
+        return ctx.rank
+
+
+    engine.launch(work, nproc=2, config=engine.TrainConfig(out_dir="run"))
+""")
+
+
+def test_a_script_without_the_main_guard_gets_one_clear_error(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=engine_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    # No worker started: no multiprocessing "bootstrapping phase" traceback from them.
+    assert "bootstrapping" not in proc.stderr and proc.stderr.count("Traceback") == 1
+    assert proc.stderr.splitlines()[-1] == (
+        f"engine.errors.ConfigError: engine.launch: {script} starts workers at import "
+        "time; spawned workers import unguarded.py again, so put the call under "
+        '`if __name__ == "__main__":`')
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------ two processes
 
 
