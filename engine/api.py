@@ -495,13 +495,15 @@ class Context:
         finally:
             if self.checkpointer is not None:
                 self.checkpointer.close()
-        if status == "completed":
-            if self.is_rank0:
-                import json
+        # Every end is recorded, a failed one too; no collective on the way: the rank
+        # that failed may be gone.
+        if self.is_rank0:
+            import json
 
-                self.out_dir.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(self.out_dir / "summary.json",
-                                  json.dumps(summary, indent=1) + "\n")
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.out_dir / "summary.json",
+                              json.dumps(summary, indent=1) + "\n")
+        if status == "completed":
             distributed.destroy()
         return summary
 

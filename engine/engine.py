@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -176,6 +177,9 @@ class Engine:
             self.pm.hook.engine_run_start(engine=self)
             self.trainer = Trainer(self)
             self.trainer.fit()
+            # The last snapshot is durable (or its write failed) before the run counts
+            # as completed.
+            self.checkpointer.close()
             status = "preempted" if self.trainer.stop_requested else "completed"
         except BaseException as exc:
             self.pm.hook.engine_exception(engine=self, exc=exc)
@@ -183,13 +187,18 @@ class Engine:
         finally:
             if self.preemption is not None:
                 self.preemption.uninstall()
+            if status == "failed" and self.checkpointer is not None:
+                # Earlier snapshots still in flight finish; the first error is the one
+                # reported, so a second one here is not.
+                with contextlib.suppress(Exception):
+                    self.checkpointer.close()
             summary = self._summary(status, time.perf_counter() - start)
             self.pm.hook.engine_run_end(engine=self, summary=summary)
-            if self.checkpointer is not None:
-                self.checkpointer.close()
+            # Every end is recorded, a failed one too; no collective on the way: the
+            # rank that failed may be gone.
+            if self.is_rank0:
+                self._write_summary(summary)
             if status != "failed":
-                if self.is_rank0:
-                    self._write_summary(summary)
                 distributed.destroy()
         if status == "preempted":
             self._after_preemption()
