@@ -120,7 +120,7 @@ def write_distribution(site, name: str, version: str,
 def fire_run_end(eng, status: str = "completed") -> dict:
     """Fire ``engine_run_end`` on an engine from ``make_engine`` with the summary a real
     run would have (``status``, ``epochs_completed``, ``wall_time_s``...); returns it."""
-    summary = eng._summary(status, wall_time=0.0)
+    summary = eng.summary(status)
     eng.pm.hook.engine_run_end(engine=eng, summary=summary)
     return summary
 

@@ -139,6 +139,17 @@ def test_epochs_resume_from_the_last_snapshot_bit_identically(tmp_path):
     assert (picked["ran"], picked["weights"]) == ([1, 2], straight["weights"])
 
 
+def test_a_finished_run_says_it_is_complete_and_what_to_do(tmp_path, capsys):
+    engine.launch(train, 2, nproc=1, config=config(tmp_path))
+    capsys.readouterr()
+    again = engine.launch(train, 2, nproc=1, config=config(tmp_path))
+    assert again["ran"] == []
+    assert capsys.readouterr().out.splitlines()[1] == (
+        f"already complete: {tmp_path / 'run'} holds a finished run of 2 epochs (asked for "
+        "2), nothing to train; to train on, ask for more (ctx.epochs(3) or more); to start "
+        "over, use engine.launch(..., resume=False) or another out_dir")
+
+
 def test_checkpoint_every_epochs_is_respected(tmp_path):
     cfg = config(tmp_path)
     cfg.checkpoint.every_epochs = 2

@@ -29,4 +29,18 @@ def test_a_failed_run_writes_summary_json_with_status_failed(tmp_path):
     summary = read_summary(tmp_path)
     assert (summary["status"], summary["global_step"], summary["world_size"]) == (
         "failed", 3, 2)
-    assert "weights_sha256" not in summary  # a collective: not on the failure path
+    assert summary["weights_sha256"] is None  # a collective: not on the failure path
+
+
+def test_rerunning_a_finished_run_says_it_is_complete_and_what_to_do(tmp_path):
+    args = (str(REPO / "tests" / "recipes" / "tiny_resume.py"), f"out_dir={tmp_path}",
+            "--nproc", "1")
+    run_cli(*args, "epochs=2", check=True)
+    for asked in (1, 2):
+        again = run_cli(*args, f"epochs={asked}", check=True)
+        assert (f"already complete: {tmp_path} holds a finished run of 2 epochs (asked for "
+                f"{asked}), nothing to train; to train on, ask for more (epochs=3 or "
+                "more); to start over, use --no-resume or another out_dir") in again.stdout
+    more = run_cli(*args, "epochs=3", check=True)
+    assert "already complete" not in more.stdout and read_summary(tmp_path)[
+        "epochs_completed"] == 3
