@@ -177,7 +177,8 @@ def _unguarded_main_script() -> pathlib.Path | None:
 
     frame = sys._getframe(1)
     while frame is not None:  # the main module's top-level frame, if it is a caller
-        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+        code, name = frame.f_code.co_name, frame.f_globals.get("__name__")
+        if code == "<module>" and name == "__main__":
             break
         frame = frame.f_back
     path = frame and frame.f_globals.get("__file__")
@@ -228,9 +229,9 @@ class Worker:
         pm = build_plugin_manager(self.plugins)
         ctx = Context(pm, self.cfg, world, self.options)
         ctx.recipe_path = _script_path(self.fn)
-        ctx.setup()
         status, error = "failed", None
         try:
+            ctx.setup()
             value = self.fn(ctx, *self.args)
             # The last snapshot is durable (or its write failed) before the run counts
             # as completed.

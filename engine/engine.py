@@ -115,12 +115,12 @@ class Engine(WorkerContext):
         from engine.trainer import Trainer
 
         cfg = self.cfg
-        self.parallel = start_worker(self.pm, cfg, self.world, self.options)
-        if cfg.preemption:
-            self.preemption = preemption.PreemptionFlag()
-            self.preemption.install()
         status, error = "failed", None
         try:
+            self.parallel = start_worker(self.pm, cfg, self.world, self.options)
+            if cfg.preemption:
+                self.preemption = preemption.PreemptionFlag()
+                self.preemption.install()
             self._setup()
             self.report_if_complete(cfg.epochs, more="epochs={n}", over="--no-resume")
             self.pm.hook.engine_run_start(engine=self)

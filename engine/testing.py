@@ -27,9 +27,10 @@ or on the command line: ``pytest -p engine.testing``. Fixtures:
     Runs ``engine-run`` in a subprocess, 2 processes on the CPU with gloo by default,
     ``out_dir`` in a temporary folder; returns a :class:`RecipeRun` (return code,
     stdout, stderr, out_dir and the parsed summary.json).
-``run_engine(args, env=None, cwd=None, timeout=300, check=False)``, ``read_summary(out_dir)``, ``engine_env(extra)`` (functions)
-    ``engine-run ARGS`` in a subprocess; a run's summary.json; the environment for a
-    test run (CPU only, no launcher variables).
+``run_engine(args, env=None, cwd=None, timeout=300, check=False)`` (a function)
+    ``engine-run ARGS`` in a subprocess; ``read_summary(out_dir)``: a run's
+    summary.json; ``engine_env(extra)``: the environment for a test run (CPU only, no
+    launcher variables).
 ``write_distribution(site, name, version, entry_points, files)`` (a function)
     A minimal installed distribution in a folder, without pip: for tests of discovery.
 ``install_plugin(path)``

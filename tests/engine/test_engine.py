@@ -29,6 +29,7 @@ def test_a_failed_run_writes_summary_json_with_status_failed(tmp_path):
     summary = read_summary(tmp_path)
     assert (summary["status"], summary["global_step"], summary["world_size"]) == (
         "failed", 3, 2)
+    assert summary["error"] == "RuntimeError: injected failure on rank 0"
     assert summary["weights_sha256"] is None  # a collective: not on the failure path
 
 
