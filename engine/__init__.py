@@ -16,7 +16,6 @@ hookimpl = pluggy.HookimplMarker("engine")
 # Names resolved on first use, so that ``import engine`` does not pull in torch.
 _LAZY = {
     "TrainConfig": "engine.config",
-    "DataConfig": "engine.config",
     "Launcher": "engine.launcher",
     "World": "engine.world",
     "Parallel": "engine.parallel",

@@ -44,12 +44,12 @@ import pathlib
 import pickle
 import sys
 import tempfile
-import time
 import traceback
 from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 
+from engine.context import WorkerContext
 from engine.errors import ConfigError, EngineError, LaunchError
 
 
@@ -131,9 +131,14 @@ def _local_rank_argument(argv: Sequence[str]) -> int | None:
     return None
 
 
-def _script_name(fn) -> str:
+def _script_path(fn) -> str | None:
+    """The file that defines ``fn`` (the user's script, usually), if any."""
     module = sys.modules.get(getattr(fn, "__module__", ""), None)
-    path = getattr(module, "__file__", None)
+    return getattr(module, "__file__", None)
+
+
+def _script_name(fn) -> str:
+    path = _script_path(fn)
     if path:
         return pathlib.Path(path).stem
     return getattr(fn, "__name__", "custom_loop").strip("<>") or "custom_loop"
@@ -146,6 +151,12 @@ def _check_spawnable(worker: "Worker") -> None:
         raise ConfigError(
             "engine.launch ran again inside a spawned worker: the workers import your "
             "script, so guard the call with `if __name__ == \"__main__\":`")
+    script = _unguarded_main_script()
+    if script is not None:
+        raise ConfigError(
+            f"engine.launch: {script} starts workers at import time; spawned workers "
+            f"import {script.name} again, so put the call under "
+            "`if __name__ == \"__main__\":`")
     try:
         pickle.dumps(worker)
     except Exception as exc:
@@ -153,6 +164,36 @@ def _check_spawnable(worker: "Worker") -> None:
             f"engine.launch: cannot send {worker.fn!r} and its arguments to the worker "
             f"processes ({type(exc).__name__}: {exc}); use a module-level function, not a "
             "lambda or a nested function, and picklable arguments") from None
+
+
+def _unguarded_main_script() -> pathlib.Path | None:
+    """The main script, when the code that called engine.launch runs at its top level
+    outside an ``if __name__ ...`` block; else None.
+
+    A spawned worker imports the main script before it runs anything: an unguarded
+    call would launch again there, and multiprocessing would fail in every worker with
+    a traceback about "bootstrapping". Checked here, before any process starts."""
+    import ast
+
+    frame = sys._getframe(1)
+    while frame is not None:  # the main module's top-level frame, if it is a caller
+        code, name = frame.f_code.co_name, frame.f_globals.get("__name__")
+        if code == "<module>" and name == "__main__":
+            break
+        frame = frame.f_back
+    path = frame and frame.f_globals.get("__file__")
+    if not path or not os.path.isfile(path):
+        return None  # python -c, an interactive session, a notebook: nothing to import
+    try:
+        tree = ast.parse(pathlib.Path(path).read_text(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    line = frame.f_lineno
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.If) and "__name__" in ast.unparse(node.test)
+                and node.lineno <= line <= (node.end_lineno or node.lineno)):
+            return None
+    return pathlib.Path(path)
 
 
 @attrs.frozen
@@ -187,17 +228,22 @@ class Worker:
 
         pm = build_plugin_manager(self.plugins)
         ctx = Context(pm, self.cfg, world, self.options)
-        ctx.setup()
-        status = "failed"
+        ctx.recipe_path = _script_path(self.fn)
+        status, error = "failed", None
         try:
+            ctx.setup()
             value = self.fn(ctx, *self.args)
+            # The last snapshot is durable (or its write failed) before the run counts
+            # as completed.
+            ctx.checkpointer.close()
             status = "completed"
             return value
         except BaseException as exc:
+            error = exc
             pm.hook.engine_exception(engine=ctx, exc=exc)
             raise
         finally:
-            ctx.finish(status)
+            ctx.finish(status, error)
 
     def _report(self, world, exc: BaseException):
         """In a spawned worker: one line for the launching process, then exit."""
@@ -217,71 +263,34 @@ class Worker:
         raise SystemExit(2 if isinstance(exc, EngineError) else 1) from None
 
 
-class Context:
+class Context(WorkerContext):
     """One worker's view of the run, for a loop you write yourself.
 
     It is also the ``engine`` argument of the hooks it fires (``engine_log``,
-    ``engine_exception``, ``engine_run_end``), with the attributes hooks may rely on:
-    ``is_rank0``, ``world``, ``cfg``, ``out_dir``, ``state``, ``options``, ``print``,
-    ``warn``.
+    ``engine_exception``, ``engine_run_end``): what it shares with ``engine-run``'s
+    Engine (engine/context.py) is what hooks may rely on
+    (``engine.hookspecs.RunContext``).
     """
 
     def __init__(self, pm, cfg, world, options: dict | None = None):
         from engine.engine import TrainState
 
-        self.pm = pm
-        self.cfg = cfg
-        self.world = world
-        self.options = dict(options or {})
-        self.out_dir = pathlib.Path(cfg.out_dir)
-        self.state = TrainState()  # epoch, step (optimizer steps), epochs_completed
-        self.metrics: dict[str, float] = {}  # the latest reduced or logged values
-        self.parallel = None
-        self.model = None  # as wrapped by the parallel mode
-        self.optimizer = None
-        self.scheduler = None
-        self.scaler = None
-        self.checkpointer = None
+        super().__init__(pm, cfg, world, options, TrainState())
         self._train_samplers: list = []
         self._resumed = False
-        self._warned: set[str] = set()
-        self._start = time.perf_counter()
 
     # ---------------------------------------------------------------- set-up
 
     def setup(self) -> None:
-        """Seed, threads, parallel mode, process group, checkpointer (as Engine.run)."""
+        """Seed, threads, parallel mode, process group, checkpointer, config.json (as
+        Engine.run)."""
         from engine.engine import start_worker
 
         cfg, world = self.cfg, self.world
         self.parallel = start_worker(self.pm, cfg, world, self.options)
         self.checkpointer = self.pm.checkpointers.get(cfg.checkpointer)(
             self.out_dir / "checkpoints", cfg, world)
-        if self.is_rank0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-
-    # ------------------------------------------------------------- the world
-
-    @property
-    def rank(self) -> int:
-        return self.world.rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.world.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.world.world_size
-
-    @property
-    def is_rank0(self) -> bool:
-        return self.world.rank == 0
-
-    @property
-    def device(self):
-        """The torch device this process computes on (put your batches there)."""
-        return self.parallel.device
+        self.write_config()
 
     @property
     def module(self):
@@ -352,7 +361,10 @@ class Context:
         ``cfg.checkpoint.every_epochs``, and the last). Leaving the loop early (break,
         an exception) saves nothing for the unfinished epoch."""
         self._need_model("ctx.epochs")
+        self.epochs_requested = total
         self.resume()
+        self.report_if_complete(total, more="ctx.epochs({n})",
+                                over="engine.launch(..., resume=False)")
         every = self.cfg.checkpoint.every_epochs
         while self.state.epoch < total:
             epoch = self.state.epoch
@@ -417,58 +429,10 @@ class Context:
         self.pm.hook.engine_log(engine=self, metrics=values,
                                 step=self.state.step if step is None else step)
 
-    def print(self, *args, **kwargs) -> None:
-        """``print`` on rank 0 only (flushed, so it shows up in order in log files)."""
-        if self.is_rank0:
-            print(*args, **kwargs, flush=True)
-
-    def warn(self, message: str) -> None:
-        """A warning on stderr, once per message, on rank 0 only."""
-        if self.is_rank0 and message not in self._warned:
-            self._warned.add(message)
-            print(f"warning: {message}", file=sys.stderr, flush=True)
-
     def barrier(self) -> None:
         from engine import distributed
 
         distributed.barrier()
-
-    # ------------------------------------------------------------------ end
-
-    def finish(self, status: str) -> dict:
-        """Summary, ``engine_run_end``, pending snapshot writes, summary.json (rank 0)
-        and the process group, as at the end of an ``engine-run`` worker."""
-        from engine import distributed
-        from engine.checkpoint import atomic_write_text
-        from engine.engine import weights_digests
-
-        summary = {
-            "status": status,
-            "world_size": self.world_size,
-            "launcher": self.world.launcher,
-            "parallel": self.parallel.name if self.parallel else None,
-            "epochs_completed": self.state.epochs_completed,
-            "global_step": self.state.step,
-            "wall_time_s": round(time.perf_counter() - self._start, 3),
-            "metrics": dict(self.metrics),
-        }
-        if self.model is not None and status == "completed":
-            self.parallel.sync_buffers(self.model)
-            summary.update(weights_digests(self.module, self.warn))
-        try:
-            self.pm.hook.engine_run_end(engine=self, summary=summary)
-        finally:
-            if self.checkpointer is not None:
-                self.checkpointer.close()
-        if status == "completed":
-            if self.is_rank0:
-                import json
-
-                self.out_dir.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(self.out_dir / "summary.json",
-                                  json.dumps(summary, indent=1) + "\n")
-            distributed.destroy()
-        return summary
 
     def _need_model(self, what: str) -> None:
         if self.model is None:

@@ -8,22 +8,19 @@
     model on the device, wrapped; optimizer, scheduler, grad scaler
     resume from the latest good snapshot (if any)
     Trainer.fit()                         -> epochs, validation, snapshots
-    summary.json (rank 0), final snapshot, process group destroyed
+    final snapshot durable; summary.json (rank 0, however the run ended); process group
+    destroyed (engine/context.py: WorkerContext.finish)
 """
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 import random
-import sys
-import time
 from typing import Any
 
 import attrs
 
-from engine import config as config_mod
+from engine.context import WorkerContext
 from engine.errors import ConfigError, EngineError
 
 
@@ -75,19 +72,6 @@ def start_worker(pm, cfg, world, options: dict[str, Any]):
     return parallel
 
 
-def weights_digests(module, warn) -> dict:
-    """Every rank digests its own copy of the weights: DDP promises they are equal, we
-    check (a collective: every rank calls it)."""
-    from engine import distributed
-    from engine.checkpoint import model_digest
-
-    digests = distributed.all_gather_object(model_digest(module.state_dict()))
-    if len(set(digests)) > 1:
-        warn("the ranks finished with different weights: "
-             + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)))
-    return {"weights_sha256": digests[0], "weights_sha256_per_rank": digests}
-
-
 def use_deterministic_kernels() -> None:
     """Deterministic cuDNN and cuBLAS kernels (``deterministic=true``). Must run before
     the process's first CUDA matrix product: cuBLAS reads its workspace setting when it
@@ -111,86 +95,49 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # seeds CUDA too
 
 
-class Engine:
+class Engine(WorkerContext):
+    """A worker under ``engine-run``: the recipe's model and data, trained by the
+    Trainer. What it shares with a custom loop's Context is in engine/context.py."""
+
     def __init__(self, pm, recipe, cfg, world, options: dict[str, Any] | None = None):
-        self.pm = pm
+        super().__init__(pm, cfg, world, options, TrainState())
         self.recipe = recipe
-        self.cfg = cfg
-        self.world = world
-        self.options = options or {}
-        self.out_dir = pathlib.Path(cfg.out_dir)
-        self.state = TrainState()
-        self.parallel = None
-        self.model = None  # as trained: wrapped by the parallel mode
-        self.optimizer = None
-        self.scheduler = None
-        self.scaler = None
-        self.checkpointer = None
+        self.recipe_path = str(recipe.path)
+        self.epochs_requested = cfg.epochs
         self.train_loader = None
         self.val_loader = None
-        self.metrics: dict[str, float] = {}
-        self.preemption = None  # engine.preemption.PreemptionFlag while training
         self.trainer = None
-        self._warned: set[str] = set()
-
-    # ------------------------------------------------------------ rank-0 output
-
-    @property
-    def is_rank0(self) -> bool:
-        return self.world.rank == 0
-
-    def print(self, message: str) -> None:
-        if self.is_rank0:
-            print(message, flush=True)
-
-    def warn(self, message: str) -> None:
-        """Print a warning once, on rank 0 only."""
-        if self.is_rank0 and message not in self._warned:
-            self._warned.add(message)
-            print(f"warning: {message}", file=sys.stderr, flush=True)
-
-    @property
-    def module(self):
-        """The model without its parallel wrapper (what snapshots hold)."""
-        return self.parallel.unwrap(self.model)
-
-    @property
-    def device(self):
-        return self.parallel.device
 
     # ------------------------------------------------------------------- run
 
     def run(self) -> dict:
-        from engine import distributed, preemption
+        from engine import preemption
         from engine.trainer import Trainer
 
-        start = time.perf_counter()
         cfg = self.cfg
-        self.parallel = start_worker(self.pm, cfg, self.world, self.options)
-        if cfg.preemption:
-            self.preemption = preemption.PreemptionFlag()
-            self.preemption.install()
-        status = "failed"
+        status, error = "failed", None
         try:
+            self.parallel = start_worker(self.pm, cfg, self.world, self.options)
+            if cfg.preemption:
+                self.preemption = preemption.PreemptionFlag()
+                self.preemption.install()
             self._setup()
+            self.report_if_complete(cfg.epochs, more="epochs={n}", over="--no-resume")
             self.pm.hook.engine_run_start(engine=self)
             self.trainer = Trainer(self)
             self.trainer.fit()
+            # The last snapshot is durable (or its write failed) before the run counts
+            # as completed.
+            self.checkpointer.close()
             status = "preempted" if self.trainer.stop_requested else "completed"
         except BaseException as exc:
             self.pm.hook.engine_exception(engine=self, exc=exc)
-            raise self._explain(exc) from exc
+            error = self._explain(exc)
+            raise error from exc
         finally:
             if self.preemption is not None:
                 self.preemption.uninstall()
-            summary = self._summary(status, time.perf_counter() - start)
-            self.pm.hook.engine_run_end(engine=self, summary=summary)
-            if self.checkpointer is not None:
-                self.checkpointer.close()
-            if status != "failed":
-                if self.is_rank0:
-                    self._write_summary(summary)
-                distributed.destroy()
+            summary = self.finish(status, error)
         if status == "preempted":
             self._after_preemption()
         return summary
@@ -235,10 +182,7 @@ class Engine:
         cfg, world, recipe = self.cfg, self.world, self.recipe
         self.micro_batch = data.split_batch(cfg.batch_size, world.world_size,
                                             cfg.grad_accum_steps)
-        if self.is_rank0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.json").write_text(
-                json.dumps(config_mod.to_dict(cfg), indent=1))
+        self.write_config()
 
         # Local rank 0 downloads/prepares first; the others wait, then read.
         prepare = recipe.optional("prepare_data")
@@ -283,35 +227,3 @@ class Engine:
         from engine import snapshot
 
         snapshot.resume(self)
-
-    # --------------------------------------------------------------- summary
-
-    def _summary(self, status: str, wall_time: float) -> dict:
-        summary = {
-            "status": status,
-            "recipe": str(self.recipe.path),
-            "world_size": self.world.world_size,
-            "launcher": self.world.launcher,
-            "parallel": self.parallel.name if self.parallel else None,
-            "epochs_completed": self.state.epochs_completed,
-            "global_step": self.state.step,
-            "wall_time_s": round(wall_time, 3),
-            **{k: v for k, v in self.summary_metrics().items()},
-        }
-        if self.model is not None and status == "completed":
-            summary.update(weights_digests(self.module, self.warn))
-        return summary
-
-    def summary_metrics(self) -> dict:
-        names = {"train/loss": "train_loss", "val/loss": "val_loss",
-                 "val/accuracy": "val_accuracy", "train/images_per_sec": "images_per_sec",
-                 "train/data_wait_fraction": "data_wait_fraction"}
-        return {short: self.metrics.get(long) for long, short in names.items()}
-
-    def _write_summary(self, summary: dict) -> None:
-        from engine.checkpoint import atomic_write_text
-
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
-
-

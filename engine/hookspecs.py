@@ -15,9 +15,9 @@ Each docstring states the hook's *kind* on a line ``Kind: ...``:
   ``None``; that value is the answer. (No hook is of this kind yet.)
 
 The ``engine`` argument is the worker's :class:`engine.engine.Engine` under
-``engine-run``, or the :class:`engine.api.Context` of a custom loop. Both offer
-``is_rank0``, ``world``, ``cfg``, ``out_dir``, ``state.epoch``, ``state.step``,
-``options``, ``print(msg)`` and ``warn(msg)``; anything else is ``Engine``-only.
+``engine-run``, or the :class:`engine.api.Context` of a custom loop: both are an
+:class:`engine.context.WorkerContext`, and :class:`RunContext` below lists what a plugin
+may use on either; anything else (``recipe``, ``train_loader``...) is ``Engine``-only.
 
 ``engine-run`` calls them in this order (``engine.trainer.Trainer.fit`` holds the loop)::
 
@@ -45,9 +45,68 @@ that argument ("Since 0.1." / "``foo`` since 0.2.").
 
 from __future__ import annotations
 
+import pathlib
+from typing import Any, Protocol, runtime_checkable
+
 import pluggy
 
 hookspec = pluggy.HookspecMarker("engine")
+
+
+# ------------------------------------------------------------ the engine argument
+
+
+@runtime_checkable
+class RunContext(Protocol):
+    """What a hook may use on its ``engine`` argument, under ``engine-run`` and in a
+    custom loop alike (both are an :class:`engine.context.WorkerContext`). For type
+    checkers: ``def engine_log(engine: RunContext, metrics, step)``.
+
+    Until set-up has made them, ``parallel``, ``model``, ``optimizer``, ``scheduler``,
+    ``scaler`` and ``checkpointer`` are None (a custom loop has a model once it called
+    ``ctx.wrap``); ``device`` and ``module`` need the parallel mode and the model."""
+
+    pm: Any  #: the plugin manager (``pm.hook`` calls hooks)
+    cfg: Any  #: the resolved config, an ``engine.TrainConfig`` (subclass)
+    world: Any  #: ``engine.World``: rank, local_rank, world_size, launcher...
+    options: dict[str, Any]  #: command-line option values (those plugins added too)
+    out_dir: pathlib.Path  #: the run's output folder
+    state: Any  #: ``epoch``, ``step`` (optimizer steps), ``epochs_completed``...
+    metrics: dict[str, float]  #: the latest reduced or logged values
+    parallel: Any  #: the parallel mode (``engine.Parallel``)
+    model: Any  #: as trained: wrapped by the parallel mode
+    optimizer: Any
+    scheduler: Any
+    scaler: Any  #: a GradScaler with precision fp16, else None
+    checkpointer: Any  #: the checkpoint plugin's ``engine.Checkpointer``
+    preemption: Any  #: a PreemptionFlag while training with ``preemption=true``
+    recipe_path: str | None  #: the recipe file, or the custom loop's script
+    epochs_requested: int | None
+    resumed_from: str | None  #: the snapshot a resume loaded, or None
+
+    @property
+    def is_rank0(self) -> bool: ...  #: global rank 0: the rank that writes and logs
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def device(self) -> Any: ...  #: the torch.device of this process
+
+    @property
+    def module(self) -> Any: ...  #: the model without its parallel wrapper
+
+    def print(self, *args: Any, **kwargs: Any) -> None: ...  #: rank 0 only
+
+    def warn(self, message: str) -> None: ...  #: rank 0 only, once per message, stderr
+
+    def summary(self, status: str, error: BaseException | None = None) -> dict: ...
 
 
 # --------------------------------------------------------------------- registration
@@ -178,8 +237,9 @@ def engine_epoch_end(engine, epoch, metrics):
 @hookspec
 def engine_run_end(engine, summary):
     """The run ended; ``summary`` is the dict that rank 0 writes to summary.json
-    (``summary["status"]`` is ``"completed"``, ``"failed"`` or ``"preempted"``). Loggers
-    flush and close their files here.
+    (``summary["status"]`` is ``"completed"``, ``"failed"`` or ``"preempted"``), the same
+    keys under ``engine-run`` and in a custom loop (``engine.context.WorkerContext.summary``).
+    Loggers flush and close their files here.
 
     Kind: notification. Fires on every rank, last, however the run ended.
 

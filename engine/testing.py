@@ -12,10 +12,12 @@ or on the command line: ``pytest -p engine.testing``. Fixtures:
     The engine's plugin manager with the built-ins plus ``plugins`` (plugin objects, or
     the strings of ``-p``: module paths, entry-point names, ``no:NAME``). Entry-point
     autoload is off unless asked for, so other installed plugins cannot interfere.
-``make_engine(*overrides, recipe=None, plugins=(), autoload=False)``
+``make_engine(*overrides, recipe=None, plugins=(), autoload=False, options=None)``
     An :class:`engine.engine.Engine` as a rank-0 worker of a one-process world would
     have it before training (plugin manager, recipe, config with ``out_dir`` in a
-    temporary folder), for calling hooks directly:
+    temporary folder, ``engine.options`` with every option's default, those the plugins
+    add included, updated by ``options``: ``{"csv_every": 5}``), for calling hooks
+    directly:
     ``eng.pm.hook.engine_log(engine=eng, metrics={"train/loss": 1.0}, step=1)``, then
     ``engine.testing.fire_run_end(eng)`` for ``engine_run_end`` with a real summary.
 ``tiny_recipe``
@@ -25,6 +27,10 @@ or on the command line: ``pytest -p engine.testing``. Fixtures:
     Runs ``engine-run`` in a subprocess, 2 processes on the CPU with gloo by default,
     ``out_dir`` in a temporary folder; returns a :class:`RecipeRun` (return code,
     stdout, stderr, out_dir and the parsed summary.json).
+``run_engine(args, env=None, cwd=None, timeout=300, check=False)`` (a function)
+    ``engine-run ARGS`` in a subprocess; ``read_summary(out_dir)``: a run's
+    summary.json; ``engine_env(extra)``: the environment for a test run (CPU only, no
+    launcher variables).
 ``write_distribution(site, name, version, entry_points, files)`` (a function)
     A minimal installed distribution in a folder, without pip: for tests of discovery.
 ``install_plugin(path)``
@@ -120,9 +126,47 @@ def write_distribution(site, name: str, version: str,
 def fire_run_end(eng, status: str = "completed") -> dict:
     """Fire ``engine_run_end`` on an engine from ``make_engine`` with the summary a real
     run would have (``status``, ``epochs_completed``, ``wall_time_s``...); returns it."""
-    summary = eng._summary(status, wall_time=0.0)
+    summary = eng.summary(status)
     eng.pm.hook.engine_run_end(engine=eng, summary=summary)
     return summary
+
+
+def read_summary(out_dir) -> dict[str, Any]:
+    """``<out_dir>/summary.json`` (rank 0 writes it however the run ended)."""
+    return json.loads((pathlib.Path(out_dir) / "summary.json").read_text())
+
+
+def run_engine(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd=None,
+               timeout: float = 300, check: bool = False,
+               program: Sequence[str] = (sys.executable, "-m", "engine")
+               ) -> subprocess.CompletedProcess:
+    """``engine-run ARGS`` in a subprocess (``env``: :func:`engine_env` unless given),
+    output captured as text. ``check``: a failed run is an AssertionError showing the
+    command and its output."""
+    command = [*program, *map(str, args)]
+    proc = subprocess.run(command, env=dict(env) if env is not None else engine_env(),
+                          cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"engine-run failed with code {proc.returncode}:\n"
+                             f"{' '.join(command)}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def plugin_options(pm, recipe, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``engine.options`` as a worker of ``engine-run RECIPE`` gets it: the defaults of
+    every command-line option, those the plugins add included (``engine_addoption``),
+    then ``given`` (keyed by ``dest``, as ``engine.options`` is)."""
+    from engine.cli import WorkerJob, build_parser
+
+    parser = build_parser()
+    pm.hook.engine_addoption.call_historic(kwargs={"parser": parser})
+    options = WorkerJob.from_args(parser.parse_args([str(recipe)])).options
+    unknown = sorted(set(given or {}) - set(options))
+    if unknown:
+        raise ValueError(f"make_engine: {', '.join(map(repr, unknown))} is not an option "
+                         f"of engine-run or of a loaded plugin; known: "
+                         f"{', '.join(sorted(options))}")
+    return {**options, **(given or {})}
 
 
 @attrs.frozen
@@ -134,8 +178,8 @@ class RecipeRun:
 
     @property
     def summary(self) -> dict[str, Any]:
-        """summary.json of the run (written by rank 0 when the run completed)."""
-        return json.loads((self.out_dir / "summary.json").read_text())
+        """summary.json of the run (rank 0 writes it however the run ended)."""
+        return read_summary(self.out_dir)
 
 
 # ------------------------------------------------------------------------ fixtures
@@ -171,13 +215,14 @@ def make_engine(make_plugin_manager, tiny_recipe, tmp_path) -> Callable[..., Any
     from engine.recipe import load_recipe
     from engine.world import World
 
-    def make(*overrides: str, recipe=None, plugins: Sequence = (), autoload: bool = False):
+    def make(*overrides: str, recipe=None, plugins: Sequence = (), autoload: bool = False,
+             options: Mapping[str, Any] | None = None):
         pm = make_plugin_manager(*plugins, autoload=autoload)
         loaded = load_recipe(recipe or tiny_recipe)
         cfg = apply_overrides(loaded.make_config(),
                               [f"out_dir={tmp_path / 'run'}", *overrides])
         world = World(rank=0, local_rank=0, world_size=1, local_world_size=1)
-        return Engine(pm, loaded, cfg, world)
+        return Engine(pm, loaded, cfg, world, plugin_options(pm, loaded.path, options))
 
     return make
 
@@ -190,17 +235,13 @@ def run_recipe(tiny_recipe, tmp_path) -> Callable[..., RecipeRun]:
             args: Sequence[str] = (), env: Mapping[str, str] | None = None,
             timeout: float = 300, check: bool = True) -> RecipeRun:
         out_dir = tmp_path / f"run-{next(counter)}"
-        command = [sys.executable, "-m", "engine", str(recipe or tiny_recipe), *overrides,
-                   f"out_dir={out_dir}", "--nproc", str(nproc), *args]
+        command = [str(recipe or tiny_recipe), *overrides, f"out_dir={out_dir}", "--nproc",
+                   str(nproc), *args]
         for plugin in plugins:
             command += ["-p", plugin]
-        proc = subprocess.run(command, env=engine_env(env), capture_output=True, text=True,
-                              timeout=timeout, cwd=tmp_path)
-        result = RecipeRun(proc.returncode, proc.stdout, proc.stderr, out_dir)
-        if check and proc.returncode != 0:
-            raise AssertionError(f"engine-run failed with code {proc.returncode}:\n"
-                                 f"{' '.join(command)}\n{proc.stdout}\n{proc.stderr}")
-        return result
+        proc = run_engine(command, env=engine_env(env), cwd=tmp_path, timeout=timeout,
+                          check=check)
+        return RecipeRun(proc.returncode, proc.stdout, proc.stderr, out_dir)
 
     return run
 

@@ -94,7 +94,7 @@ def test_an_exception_reaches_the_caller_after_the_hooks(tmp_path, recorder):
                       config=config(tmp_path))
     assert sys.modules[recorder].calls[-2:] == [("exception", "ValueError"),
                                                 ("run_end", "failed")]
-    assert not (tmp_path / "run" / "summary.json").exists()
+    assert read_summary(tmp_path / "run")["status"] == "failed"
 
 
 def train(ctx, epochs, lr=0.1):
@@ -137,6 +137,17 @@ def test_epochs_resume_from_the_last_snapshot_bit_identically(tmp_path):
     picked = engine.launch(train, 3, nproc=1, resume=str(snapshot),
                            config=config(tmp_path / "b"))
     assert (picked["ran"], picked["weights"]) == ([1, 2], straight["weights"])
+
+
+def test_a_finished_run_says_it_is_complete_and_what_to_do(tmp_path, capsys):
+    engine.launch(train, 2, nproc=1, config=config(tmp_path))
+    capsys.readouterr()
+    again = engine.launch(train, 2, nproc=1, config=config(tmp_path))
+    assert again["ran"] == []
+    assert capsys.readouterr().out.splitlines()[1] == (
+        f"already complete: {tmp_path / 'run'} holds a finished run of 2 epochs (asked for "
+        "2), nothing to train; to train on, ask for more (ctx.epochs(3) or more); to start "
+        "over, use engine.launch(..., resume=False) or another out_dir")
 
 
 def test_checkpoint_every_epochs_is_respected(tmp_path):
@@ -205,6 +216,43 @@ def test_misuse_of_launch_is_caught_before_any_process_starts(tmp_path):
         engine.launch(describe, config=config(tmp_path, parallel="fsdp"))
     with pytest.raises(ConfigError, match="config key 'lr': -1.0 must be > 0"):
         engine.launch(describe, config=config(tmp_path, lr=-1.0))
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_name_in_all_imports_and_import_engine_stays_light():
+    code = ("import sys, engine\n"
+            "assert 'torch' not in sys.modules, 'import engine imported torch'\n"
+            "from engine import *\n"
+            "print(sorted(n for n in engine.__all__ if getattr(engine, n, None) is None))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=engine_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "[]\n", "")
+
+
+UNGUARDED = textwrap.dedent("""
+    import engine
+
+
+    def work(ctx):
+        return ctx.rank
+
+
+    engine.launch(work, nproc=2, config=engine.TrainConfig(out_dir="run"))
+""")
+
+
+def test_a_script_without_the_main_guard_gets_one_clear_error(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=engine_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    # No worker started: no multiprocessing "bootstrapping phase" traceback from them.
+    assert "bootstrapping" not in proc.stderr and proc.stderr.count("Traceback") == 1
+    assert proc.stderr.splitlines()[-1] == (
+        f"engine.errors.ConfigError: engine.launch: {script} starts workers at import "
+        "time; spawned workers import unguarded.py again, so put the call under "
+        '`if __name__ == "__main__":`')
     assert not (tmp_path / "run").exists()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import REPO, engine_env, read_summary, run_cli
 from tests.recipes.tiny_parallel_runs import probes, run_tiny
 
 
@@ -14,3 +15,33 @@ def test_deterministic_switches_torch_to_deterministic_kernels(tmp_path, determi
              nproc=1)
     (probe,) = probes(out)
     assert probe["deterministic_algorithms"] is deterministic
+
+
+def test_a_failed_run_writes_summary_json_with_status_failed(tmp_path):
+    """Rank 0 raises mid-epoch: it still writes summary.json, without any collective
+    on the way (rank 1 is left waiting in one and is stopped by the launcher)."""
+    env = engine_env(ENGINE_FAULT_ACTION="raise", ENGINE_FAULT_STEP="3",
+                     ENGINE_FAULT_RANK="0")
+    proc = run_cli(str(REPO / "tests" / "recipes" / "tiny_resume.py"), f"out_dir={tmp_path}",
+                   "--nproc", "2", "-p", "tests.fault_plugin", env=env, timeout=200)
+    assert proc.returncode != 0
+    assert "[rank 0] RuntimeError: injected failure on rank 0" in proc.stderr
+    summary = read_summary(tmp_path)
+    assert (summary["status"], summary["global_step"], summary["world_size"]) == (
+        "failed", 3, 2)
+    assert summary["error"] == "RuntimeError: injected failure on rank 0"
+    assert summary["weights_sha256"] is None  # a collective: not on the failure path
+
+
+def test_rerunning_a_finished_run_says_it_is_complete_and_what_to_do(tmp_path):
+    args = (str(REPO / "tests" / "recipes" / "tiny_resume.py"), f"out_dir={tmp_path}",
+            "--nproc", "1")
+    run_cli(*args, "epochs=2", check=True)
+    for asked in (1, 2):
+        again = run_cli(*args, f"epochs={asked}", check=True)
+        assert (f"already complete: {tmp_path} holds a finished run of 2 epochs (asked for "
+                f"{asked}), nothing to train; to train on, ask for more (epochs=3 or "
+                "more); to start over, use --no-resume or another out_dir") in again.stdout
+    more = run_cli(*args, "epochs=3", check=True)
+    assert "already complete" not in more.stdout and read_summary(tmp_path)[
+        "epochs_completed"] == 3

@@ -53,7 +53,8 @@ def test_killed_run_resumes_to_identical_weights(reference, tmp_path, nproc, wor
             "-p", "tests.fault_plugin")
     killed = run_cli(*args, env=engine_env(**fault))
     assert killed.returncode != 0, f"the fault was not injected: {fault}\n{killed.stderr}"
-    assert not (out / "summary.json").exists()
+    # Rank 0 records the failure when it notices the lost rank before it is stopped.
+    assert not (out / "summary.json").exists() or read_summary(out)["status"] == "failed"
 
     resumed = run_cli(*args, env=engine_env(**fault), check=True)
     assert "resuming from " in resumed.stdout, resumed.stdout

@@ -13,6 +13,8 @@ from engine.testing import write_distribution
 from tests.conftest import engine_env
 
 AUTHOR_TESTS = textwrap.dedent('''
+    import pytest
+
     import engine
     from engine.testing import fire_run_end
 
@@ -39,6 +41,21 @@ AUTHOR_TESTS = textwrap.dedent('''
         summary = fire_run_end(eng, status="failed")
         assert summary["status"] == "failed" and summary["epochs_completed"] == 0
         assert recorder.calls == [("log", 2, {"train/loss": 1.5}), ("run_end", "failed")]
+
+
+    class EveryOption:
+        @engine.hookimpl
+        def engine_addoption(self, parser):
+            parser.add_argument("--recorder-every", type=int, default=3)
+
+
+    def test_make_engine_passes_plugin_options(make_engine):
+        assert make_engine(plugins=[EveryOption()]).options["recorder_every"] == 3
+        eng = make_engine(plugins=[EveryOption()], options={"recorder_every": 5})
+        assert eng.options["recorder_every"] == 5 and eng.options["no_resume"] is False
+        with pytest.raises(ValueError, match="make_engine: 'recorder_evry' is not an "
+                                             "option of engine-run or of a loaded plugin"):
+            make_engine(plugins=[EveryOption()], options={"recorder_evry": 5})
 
 
     def test_installed_plugins_stay_out_unless_asked_for(make_plugin_manager):
@@ -92,11 +109,11 @@ def test_without_opting_in_the_fixtures_do_not_exist(tmp_path):
 def test_opting_in_with_p_gives_fixtures_that_work(tmp_path):
     proc = run_pytest(make_project(tmp_path), "-p", "engine.testing")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "3 passed" in proc.stdout
+    assert "4 passed" in proc.stdout
 
 
 def test_opting_in_with_pytest_plugins_in_conftest(tmp_path):
     project = make_project(tmp_path, conftest='pytest_plugins = ["engine.testing"]\n')
     proc = run_pytest(project, "-k", "not two_processes")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2 passed" in proc.stdout
+    assert "3 passed" in proc.stdout

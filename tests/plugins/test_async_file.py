@@ -190,7 +190,7 @@ def test_write_error_fails_the_run_with_one_line(cifar_recipe, tmp_path):
                            "[Errno 21] Is a directory"), proc.stderr
     assert line.endswith("; the previous snapshot is untouched: there is none")
     assert "Traceback" not in proc.stderr
-    assert not (out / "summary.json").exists()
+    assert read_summary(out)["status"] == "failed"
 
 
 @pytest.mark.slow

@@ -1,0 +1,227 @@
+"""What every worker has, whichever loop trains: one base for ``engine.engine.Engine``
+(``engine-run``) and ``engine.api.Context`` (a loop you write yourself).
+
+A worker context holds the world, the config, the train state, the model and its
+companions once they exist, rank-0 output, and the end of the run: the one summary
+builder and its write rule. It is the ``engine`` argument of every hook;
+``engine.hookspecs.RunContext`` lists what a plugin may rely on.
+
+The end of a run, however it ends::
+
+    checkpointer closed (quietly when the run failed: the first error is the one reported)
+    summary built (weights digests, a collective, only when the run completed)
+    [engine_run_end]                    every rank
+    summary.json                        rank 0, always: completed, preempted or failed
+    process group destroyed             unless the run failed (a rank may be gone)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import pathlib
+import sys
+import time
+from typing import Any
+
+import engine
+from engine import config as config_mod
+
+#: Summary keys taken from the latest metrics (``val/accuracy`` -> ``val_accuracy``).
+SUMMARY_METRICS = {"train/loss": "train_loss", "val/loss": "val_loss",
+                   "val/accuracy": "val_accuracy", "train/images_per_sec": "images_per_sec",
+                   "train/data_wait_fraction": "data_wait_fraction"}
+
+
+def utc_now() -> str:
+    """An ISO 8601 timestamp in UTC, to the second (``2026-01-31T12:00:00+00:00``)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def weights_digests(module, warn) -> dict:
+    """Every rank digests its own copy of the weights: DDP promises they are equal, we
+    check (a collective: every rank calls it)."""
+    from engine import distributed
+    from engine.checkpoint import model_digest
+
+    digests = distributed.all_gather_object(model_digest(module.state_dict()))
+    if len(set(digests)) > 1:
+        warn("the ranks finished with different weights: "
+             + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)))
+    return {"weights_sha256": digests[0], "weights_sha256_per_rank": digests}
+
+
+class WorkerContext:
+    """One worker's run. Subclasses set up the model and data their own way; the
+    attributes below are None until they exist."""
+
+    def __init__(self, pm, cfg, world, options: dict[str, Any] | None, state):
+        self.pm = pm
+        self.cfg = cfg
+        self.world = world
+        self.options = dict(options or {})
+        self.out_dir = pathlib.Path(cfg.out_dir)
+        self.state = state  # engine.engine.TrainState: epoch, step, epochs_completed...
+        self.metrics: dict[str, float] = {}  # the latest reduced or logged values
+        self.parallel = None  # the parallel mode (engine.parallel.Parallel)
+        self.model = None  # as trained: wrapped by the parallel mode
+        self.optimizer = None
+        self.scheduler = None
+        self.scaler = None
+        self.checkpointer = None
+        self.preemption = None  # engine.preemption.PreemptionFlag while training
+        self.recipe_path: str | None = None  # the recipe file, or the custom loop's script
+        self.epochs_requested: int | None = None
+        self.resumed_from: str | None = None  # the snapshot a resume loaded
+        self.best_checkpoint: str | None = None
+        self._warned: set[str] = set()
+        self._started = time.perf_counter()
+        self._started_at = utc_now()
+
+    # ------------------------------------------------------------- the world
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.world.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.world.rank == 0
+
+    @property
+    def device(self):
+        """The torch device this process computes on (put your batches there)."""
+        return self.parallel.device
+
+    @property
+    def module(self):
+        """The model without its parallel wrapper (what snapshots hold)."""
+        return self.parallel.unwrap(self.model)
+
+    # --------------------------------------------------------- rank-0 output
+
+    def print(self, *args, **kwargs) -> None:
+        """``print`` on rank 0 only (flushed, so it shows up in order in log files)."""
+        if self.is_rank0:
+            print(*args, **kwargs, flush=True)
+
+    def warn(self, message: str) -> None:
+        """A warning on stderr, once per message, on rank 0 only."""
+        if self.is_rank0 and message not in self._warned:
+            self._warned.add(message)
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    def write_config(self) -> None:
+        """``<out_dir>/config.json``: the resolved config (rank 0)."""
+        if self.is_rank0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.json").write_text(
+                json.dumps(config_mod.to_dict(self.cfg), indent=1))
+
+    def report_if_complete(self, requested: int, more: str, over: str) -> None:
+        """Say so when the resumed run has nothing left to train (a re-run asking for
+        as many epochs as it has, or fewer), and how to train on or start over: ``more``
+        is how to ask for more epochs (``{n}``: the least that trains), ``over`` how to
+        start afresh."""
+        done = self.state.epochs_completed
+        if 0 < requested <= done and self.state.batch_in_epoch == 0:
+            self.print(f"already complete: {self.out_dir} holds a finished run of {done} "
+                       f"epochs (asked for {requested}), nothing to train; to train on, "
+                       f"ask for more ({more.format(n=done + 1)} or more); to start over, "
+                       f"use {over} or another out_dir")
+
+    # ------------------------------------------------------------------ end
+
+    def finish(self, status: str, error: BaseException | None = None) -> dict:
+        """The end of the run (see the module docstring); returns the summary.
+
+        Call it on every rank. A run that completed or was pre-empted must have closed
+        its checkpointer already (a failed final write then fails the run)."""
+        from engine import distributed
+
+        if status == "failed" and self.checkpointer is not None:
+            # Earlier snapshots still in flight finish; the first error is the one
+            # reported, so a second one here is not.
+            with contextlib.suppress(Exception):
+                self.checkpointer.close()
+        summary = self.summary(status, error)
+        self.pm.hook.engine_run_end(engine=self, summary=summary)
+        if self.is_rank0:
+            self.write_summary(summary)
+        if status != "failed":
+            distributed.destroy()
+        return summary
+
+    def summary(self, status: str, error: BaseException | None = None) -> dict:
+        """The one summary, the same keys from both loops (``None`` where unknown).
+        A collective when the run completed (weights digests): every rank calls it."""
+        import torch
+
+        summary = {
+            "status": status,
+            "error": _one_line(error),
+            "recipe": self.recipe_path,
+            "world_size": self.world.world_size,
+            "launcher": self.world.launcher,
+            "parallel": self.parallel.name if self.parallel else None,
+            "epochs_requested": self.epochs_requested,
+            "epochs_completed": self.state.epochs_completed,
+            "global_step": self.state.step,
+            # Set by early stopping when it ends the run.
+            "stopped_early": bool(getattr(self, "stopped_early", False)),
+            "started_at": self._started_at,
+            "ended_at": utc_now(),
+            "wall_time_s": round(time.perf_counter() - self._started, 3),
+            **{short: self.metrics.get(long) for long, short in SUMMARY_METRICS.items()},
+            "metrics": dict(self.metrics),
+            "resumed_from": _path_or_none(self.resumed_from),
+            "final_checkpoint": self._final_checkpoint(status),
+            "best_checkpoint": _path_or_none(self.best_checkpoint),
+            "torch_version": torch.__version__,
+            "engine_version": engine.__version__,
+            "weights_sha256": None,
+            "weights_sha256_per_rank": None,
+        }
+        if self.model is not None and status == "completed":
+            # BatchNorm statistics equal on every rank (a no-op when they already are).
+            self.parallel.sync_buffers(self.model)
+            summary.update(weights_digests(self.module, self.warn))
+        return summary
+
+    def _final_checkpoint(self, status: str) -> str | None:
+        """The newest good snapshot, as rank 0 sees it (the rank that writes the
+        summary; the others say None rather than read the disk)."""
+        if self.checkpointer is None or not self.is_rank0:
+            return None
+        try:
+            return _path_or_none(self.checkpointer.latest())
+        except Exception:
+            if status != "failed":
+                raise
+            return None  # a failing run's summary is written all the same
+
+    def write_summary(self, summary: dict) -> None:
+        from engine.checkpoint import atomic_write_text
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
+
+
+def _path_or_none(path) -> str | None:
+    return None if path is None else str(path)
+
+
+def _one_line(error: BaseException | None) -> str | None:
+    if error is None:
+        return None
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__

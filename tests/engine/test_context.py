@@ -1,0 +1,118 @@
+"""engine/context.py: one worker context under engine-run and in custom loops, and one
+summary.json, the same keys from both (and from every end of a run)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import textwrap
+
+import pytest
+import torch
+
+import engine
+from engine.api import Context
+from engine.context import WorkerContext
+from engine.engine import Engine
+from tests.conftest import REPO, engine_env, read_summary, run_cli
+
+RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
+
+
+def custom_loop(ctx, epochs, fail=False):
+    """A small loop of one's own: one linear layer, two epochs of three steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    model, optimizer = ctx.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = torch.utils.data.TensorDataset(torch.randn(48, 4), torch.arange(48) % 2)
+    loader = ctx.loader(data, batch_size=16)
+    for _ in ctx.epochs(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        ctx.log(ctx.reduce({"train/loss": 0.5}))
+        if fail:
+            raise ValueError("diverged")
+
+
+def library_run(out_dir, fail=False, plugins=()) -> dict:
+    cfg = engine.TrainConfig(out_dir=str(out_dir))
+    if fail:
+        with pytest.raises(ValueError, match="diverged"):
+            engine.launch(custom_loop, 2, fail, nproc=1, config=cfg, plugins=plugins)
+    else:
+        engine.launch(custom_loop, 2, nproc=1, config=cfg, plugins=plugins)
+    return read_summary(out_dir)
+
+
+PROBE = textwrap.dedent("""
+    import json
+    from engine.hookspecs import RunContext
+
+    def engine_run_end(engine, summary):
+        # What a plugin is promised (engine.hookspecs.RunContext), checked on the real
+        # object a hook receives.
+        names = [n for n in dir(RunContext) if not n.startswith("_")]
+        names += list(RunContext.__annotations__)
+        missing = sorted(n for n in set(names) if not hasattr(engine, n))
+        (engine.out_dir / "probe.json").write_text(json.dumps(
+            {"missing": missing, "is_run_context": isinstance(engine, RunContext)}))
+""")
+
+
+@pytest.fixture
+def probe(tmp_path, monkeypatch):
+    """A plugin module, context_probe, that checks the hook's engine argument."""
+    (tmp_path / "context_probe.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "context_probe"
+
+
+def test_both_loops_are_one_worker_context():
+    assert issubclass(Engine, WorkerContext) and issubclass(Context, WorkerContext)
+
+
+def test_engine_run_and_a_custom_loop_write_the_same_summary_keys(tmp_path, probe):
+    run_cli(RECIPE, "epochs=1", f"out_dir={tmp_path / 'cli'}", "--nproc", "1", "-p", probe,
+            env=engine_env(PYTHONPATH=f"{tmp_path}:{REPO}"), check=True)
+    cli = read_summary(tmp_path / "cli")
+    lib = library_run(tmp_path / "lib", plugins=[probe])
+    assert sorted(cli) == sorted(lib)
+    # Every key either path wrote before they shared one builder is still there.
+    assert {"status", "recipe", "world_size", "launcher", "parallel", "epochs_completed",
+            "global_step", "wall_time_s", "train_loss", "val_loss", "val_accuracy",
+            "images_per_sec", "data_wait_fraction", "weights_sha256",
+            "weights_sha256_per_rank", "metrics"} <= set(cli)
+
+    for summary, recipe, requested in ((cli, RECIPE, 1), (lib, __file__, 2)):
+        assert summary["status"] == "completed" and summary["error"] is None
+        assert summary["recipe"] == recipe
+        assert summary["epochs_requested"] == summary["epochs_completed"] == requested
+        started = datetime.datetime.fromisoformat(summary["started_at"])
+        ended = datetime.datetime.fromisoformat(summary["ended_at"])
+        assert started.utcoffset() == datetime.timedelta(0) and started <= ended
+        assert summary["torch_version"] == torch.__version__
+        assert summary["engine_version"] == engine.__version__
+        assert (summary["resumed_from"], summary["best_checkpoint"],
+                summary["stopped_early"]) == (None, None, False)
+        assert summary["final_checkpoint"].endswith(".pt")
+        assert summary["weights_sha256"] == summary["weights_sha256_per_rank"][0]
+    assert lib["train_loss"] == 0.5 == lib["metrics"]["train/loss"]
+    assert cli["metrics"]["train/loss"] == cli["train_loss"]
+    # Library mode records its config too, as engine-run does; both contexts give the
+    # hooks everything engine.hookspecs.RunContext promises.
+    for name in ("cli", "lib"):
+        assert json.loads((tmp_path / name / "probe.json").read_text()) == {
+            "missing": [], "is_run_context": True}
+        assert json.loads((tmp_path / name / "config.json").read_text())["out_dir"] == str(
+            tmp_path / name)
+
+
+def test_a_failed_custom_loop_writes_the_same_keys_with_its_error(tmp_path):
+    completed = library_run(tmp_path / "ok")
+    failed = library_run(tmp_path / "failed", fail=True)
+    assert sorted(failed) == sorted(completed)
+    assert (failed["status"], failed["error"]) == ("failed", "ValueError: diverged")
+    assert failed["epochs_completed"] == 0 and failed["global_step"] == 3
+    assert failed["weights_sha256"] is None  # a collective: never on the failure path
