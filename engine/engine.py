@@ -182,7 +182,8 @@ class Engine(WorkerContext):
         cfg, world, recipe = self.cfg, self.world, self.recipe
         self.micro_batch = data.split_batch(cfg.batch_size, world.world_size,
                                             cfg.grad_accum_steps)
-        self.write_config()
+        if self.is_rank0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
 
         # Local rank 0 downloads/prepares first; the others wait, then read.
         prepare = recipe.optional("prepare_data")
@@ -227,3 +228,5 @@ class Engine(WorkerContext):
         from engine import snapshot
 
         snapshot.resume(self)
+        # After the resume's config check: a refused resume leaves the old config.json.
+        self.write_config()

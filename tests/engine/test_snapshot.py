@@ -3,6 +3,7 @@ as a run that was never interrupted (bit-identical weights_sha256)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -166,6 +167,8 @@ def test_a_changed_batch_size_or_seed_refuses_the_resume_naming_each_key(one_epo
     assert "--resume-anyway" in errors[0] and "--no-resume" in errors[0]
     assert "epochs" not in errors[0]  # a key that may change is not listed
     assert not (out / "checkpoints" / "snapshot-e0002-s00000016.pt").exists()
+    # config.json still describes the run the snapshots belong to.
+    assert json.loads((out / "config.json").read_text())["batch_size"] == 8
 
 
 def test_resume_anyway_loads_and_warns_listing_the_changed_keys(one_epoch, tmp_path):
