@@ -52,7 +52,19 @@ def plugin_args(argv: Sequence[str]) -> list[str]:
     return found
 
 
-def build_parser() -> argparse.ArgumentParser:
+def choices(registry, default: str | None = None) -> dict[str, str]:
+    """``metavar`` and ``help`` words for an option that names a component: whatever the
+    registry holds, third-party plugins' components included."""
+    names = ([default] if default == "auto" else []) + sorted(registry.names())
+    text = "one of: " + ", ".join(names) if names else "none registered"
+    if default:
+        text += f" (default: {'detect' if default == 'auto' else default})"
+    return {"metavar": "NAME", "help": text}
+
+
+def build_parser(pm=None) -> argparse.ArgumentParser:
+    """The ``engine-run RECIPE`` parser. With the plugin manager ``pm``, the component
+    options list what its registries hold and ``-p`` the loaded plugins."""
     p = argparse.ArgumentParser(
         prog="engine-run",
         description="Train a recipe with DDP on whatever the machine or cluster offers. "
@@ -62,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides by dotted path, e.g. epochs=3 data.root=/data")
     g = p.add_argument_group("launch")
-    g.add_argument("--launcher", help="spawn, torchrun, slurm, legacy... (default: detect)")
+    g.add_argument("--launcher", **(choices(pm.launchers, "auto") if pm else
+                                    {"help": "a registered launcher (default: detect)"}))
     g.add_argument("--nproc", type=int, help="processes on this node (spawn)")
     g.add_argument("--nnodes", type=int, default=1, help="nodes (spawn on several nodes)")
     g.add_argument("--node-rank", type=int, default=0, help="this node's rank (spawn)")
@@ -73,8 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank",
                    help=argparse.SUPPRESS)
     t = p.add_argument_group("training")
-    t.add_argument("--parallel", help="single, dp, ddp, ddp-multigpu (default: auto)")
-    t.add_argument("--checkpointer", help="torch-file (default), async, dcp")
+    t.add_argument("--parallel", **(choices(pm.parallel_modes, "auto") if pm else
+                                    {"help": "a registered parallel mode (default: detect)"}))
+    t.add_argument("--checkpointer", **(choices(pm.checkpointers, "torch-file") if pm else
+                                        {"help": "a registered checkpointer"}))
     t.add_argument("--resume", metavar="PATH", help="resume from this snapshot")
     t.add_argument("--no-resume", action="store_true",
                    help="start fresh even if out_dir holds snapshots")
@@ -83,8 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config and the plan, then exit")
     p.add_argument("-v", "--verbose", action="store_true", help="print the world table")
+    loaded = f" (loaded: {', '.join(pm.infos)})" if pm else ""
     p.add_argument("-p", dest="plugins", action="append", default=[], metavar="NAME",
-                   help="-p module.path loads a plugin, -p no:NAME disables one")
+                   help=f"-p module.path loads a plugin, -p no:NAME disables one{loaded}; "
+                        "engine-run plugins lists them with what they add")
     return p
 
 
@@ -92,7 +109,7 @@ def run(argv: Sequence[str]) -> int:
     from engine.plugin_manager import build_plugin_manager
 
     pm = build_plugin_manager(plugin_args(argv))
-    parser = build_parser()
+    parser = build_parser(pm)
     pm.hook.engine_addoption.call_historic(kwargs={"parser": parser})
     args = parser.parse_intermixed_args(argv)
     job = WorkerJob.from_args(args)

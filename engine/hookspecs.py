@@ -55,7 +55,8 @@ hookspec = pluggy.HookspecMarker("engine")
 
 @hookspec
 def engine_register_launchers(registry):
-    """Add launchers: ``registry.add("name", LauncherClass)``.
+    """Add launchers: ``registry.add(LauncherClass)``, which registers
+    the class under its ``name`` attribute.
 
     A launcher decides how worker processes come into being (spawn them, or adopt the
     variables of torchrun / SLURM / legacy launch) and describes each worker's place in
@@ -69,7 +70,8 @@ def engine_register_launchers(registry):
 
 @hookspec
 def engine_register_parallel(registry):
-    """Add parallel modes: ``registry.add("name", ParallelClass)``.
+    """Add parallel modes: ``registry.add(ParallelClass)`` (registered under its
+    ``name`` attribute).
 
     A parallel mode chooses the devices and backend of a worker, wraps and unwraps the
     model and splits the batch. The class must subclass
@@ -83,7 +85,8 @@ def engine_register_parallel(registry):
 
 @hookspec
 def engine_register_checkpointers(registry):
-    """Add checkpointers: ``registry.add("name", CheckpointerClass)``.
+    """Add checkpointers: ``registry.add(CheckpointerClass)`` (registered
+    under its ``name`` attribute).
 
     A checkpointer writes and reads snapshots. The class must subclass
     :class:`engine.checkpoint.Checkpointer`.

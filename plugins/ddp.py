@@ -159,4 +159,4 @@ class DistributedDataParallel(Parallel):
 
 @engine.hookimpl
 def engine_register_parallel(registry):
-    registry.add("ddp", DistributedDataParallel)
+    registry.add(DistributedDataParallel)

@@ -109,4 +109,4 @@ class MultiGPUDistributedDataParallel(DistributedDataParallel):
 
 @engine.hookimpl
 def engine_register_parallel(registry):
-    registry.add("ddp-multigpu", MultiGPUDistributedDataParallel)
+    registry.add(MultiGPUDistributedDataParallel)

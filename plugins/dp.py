@@ -63,4 +63,4 @@ class DataParallel(Parallel):
 
 @engine.hookimpl
 def engine_register_parallel(registry):
-    registry.add("dp", DataParallel)
+    registry.add(DataParallel)

@@ -141,4 +141,4 @@ class LegacyLauncher(Launcher):
 
 @engine.hookimpl
 def engine_register_launchers(registry):
-    registry.add("legacy", LegacyLauncher)
+    registry.add(LegacyLauncher)

@@ -34,4 +34,4 @@ class SingleDevice(Parallel):
 
 @engine.hookimpl
 def engine_register_parallel(registry):
-    registry.add("single", SingleDevice)
+    registry.add(SingleDevice)

@@ -252,4 +252,4 @@ class SlurmLauncher(Launcher):
 
 @engine.hookimpl
 def engine_register_launchers(registry):
-    registry.add("slurm", SlurmLauncher)
+    registry.add(SlurmLauncher)

@@ -126,4 +126,4 @@ class SpawnLauncher(Launcher):
 
 @engine.hookimpl
 def engine_register_launchers(registry):
-    registry.add("spawn", SpawnLauncher)
+    registry.add(SpawnLauncher)

@@ -91,4 +91,4 @@ class TorchrunLauncher(Launcher):
 
 @engine.hookimpl
 def engine_register_launchers(registry):
-    registry.add("torchrun", TorchrunLauncher)
+    registry.add(TorchrunLauncher)
