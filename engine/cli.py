@@ -3,14 +3,18 @@
     engine-run RECIPE [key=value ...] [options]     train (see --help)
     engine-run plugins                              list loaded plugins
     engine-run doctor                               what this machine and launcher look like
-    engine-run sbatch RECIPE [options]              print an sbatch script
     engine-run tune-workers RECIPE [options]        measure DataLoader num_workers
+    engine-run sbatch RECIPE [options]              print an sbatch script (slurm plugin)
+
+Plugins add commands through the ``engine_register_commands`` hook.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
 import sys
 import traceback
 from typing import Any, Sequence
@@ -22,9 +26,10 @@ from engine.errors import EngineError
 COMMANDS = {
     "plugins": "engine.commands.plugins",
     "doctor": "engine.commands.doctor",
-    "sbatch": "engine.commands.sbatch",
     "tune-workers": "engine.commands.tune_workers",
 }
+#: What a command name looks like (a recipe is a path: it has a '/' or a '.').
+COMMAND_NAME = re.compile(r"[a-z][a-z0-9-]*\Z")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,6 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv and argv[0] in COMMANDS:
             return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+        command = plugin_command(argv)
+        if command is not None:
+            return command(argv[1:])
         return run(argv)
     except EngineError as exc:
         print(f"engine-run: error: {exc}", file=sys.stderr)
@@ -39,6 +47,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("engine-run: interrupted", file=sys.stderr)
         return 130
+
+
+def plugin_command(argv: Sequence[str]):
+    """The plugin command that ``argv[0]`` names (``sbatch``), or None."""
+    if not argv or not COMMAND_NAME.match(argv[0]) or os.path.exists(argv[0]):
+        return None
+    from engine.plugin_manager import build_plugin_manager
+
+    return build_plugin_manager(plugin_args(argv)).commands().get(argv[0])
 
 
 def plugin_args(argv: Sequence[str]) -> list[str]:
@@ -68,7 +85,8 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="engine-run",
         description="Train a recipe with DDP on whatever the machine or cluster offers. "
-                    "Other commands: engine-run {plugins,doctor,sbatch,tune-workers} --help",
+                    "Other commands: engine-run {%s} --help"
+                    % ",".join([*COMMANDS, *(pm.commands() if pm else ())]),
     )
     p.add_argument("recipe", help="a recipe file, e.g. recipes/cifar_ddp.py")
     p.add_argument("overrides", nargs="*", metavar="key=value",
@@ -155,13 +173,15 @@ class WorkerJob:
         return cls(args.recipe, tuple(overrides), tuple(args.plugins), options)
 
     def load(self, pm):
-        from engine.config import apply_overrides
+        from engine.config import apply_overrides, with_groups
         from engine.plugin_manager import require_plugins
         from engine.recipe import load_recipe
 
         recipe = load_recipe(self.recipe_path)
         require_plugins(pm, recipe.required_plugins)
-        cfg = apply_overrides(recipe.make_config(), list(self.overrides))
+        # The plugins' config groups (ddp...) join the recipe's before the overrides.
+        cfg = apply_overrides(with_groups(recipe.make_config(), pm.config_groups),
+                              list(self.overrides))
         if cfg.out_dir == "runs/default":
             cfg.out_dir = f"runs/{recipe.name}"
         # Names are checked now, before any process starts.

@@ -22,6 +22,7 @@ The ``engine`` argument is the worker's :class:`engine.engine.Engine` under
 ``engine-run`` calls them in this order (``engine.trainer.Trainer.fit`` holds the loop)::
 
     engine_register_launchers / _parallel / _checkpointers     (start-up, every process)
+    engine_register_config_groups                                        (start-up, every process)
     engine_addoption                                            (CLI start-up, historic)
     engine_run_start                                            (each worker)
       for each epoch:
@@ -94,6 +95,37 @@ def engine_register_checkpointers(registry):
     Kind: registration. Fires at start-up in every process (CLI and workers).
 
     Since 0.1.
+    """
+
+
+@hookspec
+def engine_register_config_groups():
+    """Return the config groups this plugin adds: ``{"name": AttrsClass}``.
+
+    Each group becomes a field of every run's config at the class's defaults, so that
+    ``cfg.name.field`` works and ``engine-run RECIPE name.field=value`` sets it, with
+    the same conversion and one-line errors as the recipe's own groups (the ddp plugin
+    adds ``ddp``: ``ddp.find_unused_parameters=true``). A recipe that declares a field
+    of that name keeps its own. A group name taken by two plugins is an error naming
+    both. Code that reads the group should fall back to the defaults when a config
+    was built without the plugin manager (``getattr(cfg, "name", None)``).
+
+    Kind: registration. Fires at start-up in every process (CLI and workers).
+
+    Since 0.2.
+    """
+
+
+@hookspec
+def engine_register_commands():
+    """Return the ``engine-run`` commands this plugin adds: ``{"name": main}``, where
+    ``main(argv) -> int`` runs ``engine-run name ARGS...`` (the slurm plugin adds
+    ``sbatch``). Import what the command needs inside ``main``, not at start-up.
+
+    Kind: registration. Fires in the ``engine-run`` process when its first argument is
+    not a built-in command or a file.
+
+    Since 0.2.
     """
 
 

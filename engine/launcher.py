@@ -64,6 +64,10 @@ class Launcher:
     #: is not a worker and must not touch torch.distributed). A launcher that decides
     #: at run time (slurm) overrides it with a property.
     spawns: ClassVar[bool] = False
+    #: True when the tool that started this process already holds the master port
+    #: (torchrun's agent hosts the rendezvous store there): doctor then does not
+    #: report the port as taken.
+    port_held_by_starter: ClassVar[bool] = False
 
     def __init__(self, options: LaunchOptions | None = None,
                  environ: Mapping[str, str] | None = None):

@@ -109,6 +109,10 @@ class EnginePluginManager(pluggy.PluginManager):
         self.autoload = True
         self.disabled: list[str] = []  # the NAMEs of -p no:NAME
         self.entry_points: list[EntryPoint] = []  # installed, loaded or not
+        #: The plugins' config groups by name (engine_register_config_groups), in registration
+        #: order, and which plugin added each.
+        self.config_groups: dict[str, type] = {}
+        self.config_group_owners: dict[str, str] = {}
 
     def parse_hookimpl_opts(self, plugin, name):
         # Like pytest: a function named engine_* counts as a hook implementation even
@@ -227,6 +231,51 @@ class EnginePluginManager(pluggy.PluginManager):
                     ) from exc
             registry.current_plugin = "<unknown>"
 
+    def collect_config_groups(self) -> None:
+        """Call engine_register_config_groups one plugin at a time (registration order), so
+        that a problem names the plugin."""
+        from engine.registry import NAME_PATTERN
+
+        for impl in self.hook.engine_register_config_groups.get_hookimpls():
+            plugin = impl.plugin_name
+            try:
+                groups = impl.function()
+            except EngineError:
+                raise
+            except Exception as exc:
+                raise PluginError(f'Plugin "{plugin}" failed in engine_register_config_groups: '
+                                  f"{type(exc).__name__}: {first_line(exc)}") from exc
+            if not isinstance(groups, Mapping):
+                raise PluginError(
+                    f'Plugin "{plugin}": engine_register_config_groups must return a dict of group '
+                    f"name to attrs class, not {type(groups).__name__}")
+            for name, group in groups.items():
+                if not (isinstance(name, str) and NAME_PATTERN.match(name)
+                        and name.isidentifier()):
+                    raise PluginError(f'Plugin "{plugin}" adds a config group named '
+                                      f"{name!r}; a group name is a Python identifier")
+                if not attrs.has(group):
+                    raise PluginError(f'Plugin "{plugin}" adds config group {name!r} as '
+                                      f"{group!r}, which is not an attrs class")
+                if name in self.config_groups:
+                    raise PluginError(
+                        f"config group {name!r} is added twice: by plugin "
+                        f"{self.config_group_owners[name]!r} and by plugin {plugin!r}; "
+                        "disable one with -p no:NAME")
+                self.config_groups[name] = group
+                self.config_group_owners[name] = plugin
+
+    def commands(self) -> dict[str, object]:
+        """The plugins' ``engine-run`` commands (engine_register_commands), by name."""
+        found: dict[str, object] = {}
+        for impl in self.hook.engine_register_commands.get_hookimpls():
+            for name, main in (impl.function() or {}).items():
+                if name in found:
+                    raise PluginError(f"engine-run command {name!r} is added twice; "
+                                      "disable one plugin with -p no:NAME")
+                found[name] = main
+        return found
+
     # ---------------------------------------------------------------- queries
 
     def find(self, name: str) -> PluginInfo | None:
@@ -250,11 +299,15 @@ class EnginePluginManager(pluggy.PluginManager):
         return "not installed"
 
     def components_of(self, plugin_name: str) -> dict[str, list[str]]:
-        return {
+        found = {
             registry.kind: registry.by_owner(plugin_name)
             for registry in (self.launchers, self.parallel_modes, self.checkpointers)
             if registry.by_owner(plugin_name)
         }
+        groups = [n for n, owner in self.config_group_owners.items() if owner == plugin_name]
+        if groups:
+            found["config group"] = groups
+        return found
 
     def hooks_of(self, plugin_name: str) -> list[str]:
         plugin = self.get_plugin(plugin_name)
@@ -360,6 +413,7 @@ def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = N
 
     pm.check_pending()
     pm.fill_registries()
+    pm.collect_config_groups()
     return pm
 
 

@@ -79,6 +79,7 @@ class SpawnLauncher(Launcher):
                 master_port=port,
                 init_method=opts.init_method,
                 launcher=self.name,
+                shared_devices=True,  # the children inherit this process's variables
                 run_id=self._run_id,
                 host=host,
                 layout=layout,

@@ -4,10 +4,14 @@ is what is tested)."""
 
 from __future__ import annotations
 
+import pickle
+
+import attrs
 import pytest
 
 import engine
 from engine.cli import WorkerJob, build_parser, plugin_args
+from engine.errors import PluginError
 from engine.parallel import Parallel
 from engine.testing import TINY_RECIPE, install_plugin, make_plugin_manager  # noqa: F401
 from tests.conftest import REPO, engine_env, run_cli
@@ -74,3 +78,82 @@ def test_flags_become_overrides_that_win_over_the_recipe():
     assert job.overrides == ("epochs=3", "lr=0.5", "parallel=dp", "checkpointer=dcp")
     assert job.plugins == ("no:console",)
     assert job.options["nproc"] == 3 and "recipe" not in job.options
+
+
+# ------------------------------------------------------------ config groups
+
+
+def test_the_ddp_options_are_the_ddp_plugins_config_group(cifar_recipe):
+    proc = run_cli(cifar_recipe, "ddp.find_unused_parameters=true", "--dry-run",
+                   timeout=120, check=True)
+    assert "ddp.find_unused_parameters = True" in proc.stdout
+    assert "ddp.bucket_cap_mb = 25.0" in proc.stdout
+    # Without the plugin there is no such group: the usual one-line unknown-key error.
+    proc = run_cli(cifar_recipe, "ddp.find_unused_parameters=true", "-p", "no:ddp",
+                   "--dry-run", timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("engine-run: error: unknown config key "
+                                  "'ddp.find_unused_parameters'; known keys: ")
+    assert proc.stderr.count("\n") == 1 and "ddp.bucket_cap_mb" not in proc.stderr
+    proc = run_cli(cifar_recipe, "ddp.find_unused=true", "--dry-run", timeout=120)
+    assert proc.returncode == 2 and "did you mean 'ddp.find_unused_parameters'?" in (
+        proc.stderr)
+
+
+@attrs.define
+class Extra:
+    level: int = 1
+
+
+class GroupPlugin:
+    @engine.hookimpl
+    def engine_register_config_groups(self):
+        return {"extra": Extra}
+
+
+def test_a_plugins_group_joins_the_config_and_survives_pickling(make_plugin_manager):
+    from engine.config import TrainConfig, apply_overrides, to_dict, with_groups
+
+    pm = make_plugin_manager(GroupPlugin())
+    assert pm.config_groups["extra"] is Extra and pm.config_group_owners["ddp"] == "ddp"
+    cfg = apply_overrides(with_groups(TrainConfig(epochs=3), pm.config_groups),
+                          ["extra.level=4", "ddp.static_graph=true"])
+    assert isinstance(cfg, TrainConfig) and cfg.epochs == 3
+    assert (cfg.extra.level, cfg.ddp.static_graph) == (4, True)
+    assert to_dict(cfg)["extra"] == {"level": 4}
+    again = pickle.loads(pickle.dumps(cfg))  # DataLoader workers, deepcopy
+    assert again == cfg and type(again) is type(cfg)
+
+
+def test_a_group_added_twice_names_both_plugins(make_plugin_manager):
+    class Twice:
+        @engine.hookimpl
+        def engine_register_config_groups(self):
+            return {"ddp": Extra}
+
+    with pytest.raises(PluginError) as err:
+        make_plugin_manager(Twice())
+    assert str(err.value).startswith("config group 'ddp' is added twice: by plugin 'ddp' "
+                                     "and by plugin 'Twice-")
+
+
+# ----------------------------------------------------------------- commands
+
+
+def test_a_plugin_adds_a_command(tmp_path):
+    (tmp_path / "hello_command.py").write_text(
+        "import engine\n\n\n"
+        "def hello(argv):\n"
+        "    print('hello', *argv)\n"
+        "    return 3\n\n\n"
+        "@engine.hookimpl\n"
+        "def engine_register_commands():\n"
+        "    return {'hello': hello}\n")
+    env = engine_env(PYTHONPATH=f"{tmp_path}:{REPO}")
+    proc = run_cli("hello", "a", "b", "-p", "hello_command", env=env, timeout=120)
+    assert (proc.returncode, proc.stdout) == (3, "hello a b -p hello_command\n")
+    # The slurm plugin's sbatch is one such command; without the plugin it is gone.
+    proc = run_cli("sbatch", "recipes/cifar_ddp.py", "-p", "no:slurm", timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == ("engine-run: error: recipe file 'sbatch' not found; give the "
+                           "path of a recipe such as recipes/cifar_ddp.py\n")
