@@ -21,7 +21,8 @@ from typing import Any, Sequence
 
 import attrs
 
-from engine.errors import EngineError
+from engine.errors import (EXIT_COMPLETED, EXIT_INTERRUPTED, EXIT_PREEMPTED, TRACEBACK_ENV,
+                           EngineError, PluginCodeError, exit_code, traceback_wanted)
 
 COMMANDS = {
     "plugins": "engine.commands.plugins",
@@ -33,7 +34,11 @@ COMMAND_NAME = re.compile(r"[a-z][a-z0-9-]*\Z")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes (README, engine/errors.py): 0 completed, 1 the run failed, 2 usage or
+    configuration, 75 pre-empted (run again to resume), 130 interrupted."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--traceback" in argv:
+        os.environ[TRACEBACK_ENV] = "1"  # the workers (spawned or adopted) see it too
     try:
         if argv and argv[0] in COMMANDS:
             return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
@@ -42,11 +47,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             return command(argv[1:])
         return run(argv)
     except EngineError as exc:
-        print(f"engine-run: error: {exc}", file=sys.stderr)
-        return 2
+        if traceback_wanted():
+            traceback.print_exc()
+        print(f"engine-run: error: {exc}{traceback_hint(exc)}", file=sys.stderr)
+        return exit_code(exc)
     except KeyboardInterrupt:
         print("engine-run: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+
+
+def traceback_hint(exc: BaseException) -> str:
+    """For an error in plugin code, how to see where it came from."""
+    if isinstance(exc, PluginCodeError) and not traceback_wanted():
+        return f"; {TRACEBACK_ENV}=1 or --traceback shows the traceback"
+    return ""
 
 
 def plugin_command(argv: Sequence[str]):
@@ -116,6 +130,8 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config and the plan, then exit")
     p.add_argument("-v", "--verbose", action="store_true", help="print the world table")
+    p.add_argument("--traceback", action="store_true",
+                   help=f"print the traceback of every error (or set {TRACEBACK_ENV}=1)")
     loaded = f" (loaded: {', '.join(pm.infos)})" if pm else ""
     p.add_argument("-p", dest="plugins", action="append", default=[], metavar="NAME",
                    help=f"-p module.path loads a plugin, -p no:NAME disables one{loaded}; "
@@ -124,9 +140,20 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
 
 
 def run(argv: Sequence[str]) -> int:
-    from engine.plugin_manager import build_plugin_manager
+    from engine.plugin_manager import attribute, build_plugin_manager
 
     pm = build_plugin_manager(plugin_args(argv))
+    try:
+        return train(pm, argv)
+    except Exception as exc:
+        # Launcher and hook code of plugins runs here too: name the plugin.
+        blamed = attribute(pm, exc)
+        if blamed is exc:
+            raise
+        raise blamed from exc
+
+
+def train(pm, argv: Sequence[str]) -> int:
     parser = build_parser(pm)
     pm.hook.engine_addoption.call_historic(kwargs={"parser": parser})
     args = parser.parse_intermixed_args(argv)
@@ -144,11 +171,11 @@ def run(argv: Sequence[str]) -> int:
     if args.dry_run:
         if show:
             print(plan.format_plan(cfg, the_plan, worlds))
-        return 0
+        return EXIT_COMPLETED
     if args.verbose and show:
         print(plan.format_plan(cfg, the_plan, worlds, config=False))
-    launcher.launch(job)
-    return 0
+    statuses = launcher.launch(job) or []
+    return EXIT_PREEMPTED if "preempted" in statuses else EXIT_COMPLETED
 
 
 @attrs.frozen
@@ -207,25 +234,39 @@ class WorkerJob:
                              init_method=cfg.init_method, timeout_s=cfg.timeout_s,
                              local_rank=o.get("local_rank"))
 
-    def __call__(self, world) -> None:
-        """Run in every worker process."""
+    def __call__(self, world) -> str | None:
+        """Run in every worker process; returns the run's status ("completed",
+        "preempted"). An error is printed here, by the rank it happened on, and the
+        process exits with the error's code."""
         from engine.engine import Engine
-        from engine.plugin_manager import build_plugin_manager
+        from engine.plugin_manager import attribute, build_plugin_manager
 
+        pm = None
         try:
             pm = build_plugin_manager(self.plugins)
             recipe, cfg = self.load(pm)
-            Engine(pm, recipe, cfg, world, self.options).run()
-        except EngineError as exc:
-            print(f"[rank {world.rank}] error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            summary = Engine(pm, recipe, cfg, world, self.options).run()
         except SystemExit:
             raise
-        except BaseException:
-            text = traceback.format_exc()
-            print("".join(f"[rank {world.rank}] {line}\n" for line in text.splitlines()),
-                  file=sys.stderr, end="", flush=True)
-            raise SystemExit(1) from None
+        except BaseException as exc:
+            shown = attribute(pm, exc)
+            report_worker_error(world.rank, shown)
+            raise SystemExit(exit_code(shown)) from None
+        return summary.get("status") if isinstance(summary, dict) else None
+
+
+def report_worker_error(rank: int, exc: BaseException) -> None:
+    """One line for an error the user can act on and for an error in a plugin's code
+    (with ENGINE_TRACEBACK=1 the traceback first); the traceback for anything else (the
+    recipe's own code needs it), every line marked with the rank."""
+    text = ""
+    if traceback_wanted() or not isinstance(exc, EngineError):
+        text = "".join(traceback.format_exception(exc.__cause__ or exc)
+                       if isinstance(exc, PluginCodeError) else traceback.format_exc())
+    if isinstance(exc, EngineError):
+        text += f"error: {exc}{traceback_hint(exc)}\n"
+    print("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()),
+          file=sys.stderr, end="", flush=True)
 
 
 if __name__ == "__main__":

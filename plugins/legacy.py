@@ -131,13 +131,13 @@ class LegacyLauncher(Launcher):
                 "every node must run --nproc-per-node processes")
         return local, world_size // local
 
-    def launch(self, worker: Callable[[World], None]) -> None:
+    def launch(self, worker: Callable[[World], object]) -> list:
         (world,) = self.worlds()
         if world.is_rank0:
             warn_once(f"python -m {LEGACY_MODULE} is deprecated and torchrun replaces it: "
                       "torchrun --nproc-per-node N $(which engine-run) RECIPE ... runs the "
                       "same workers (no --local-rank argument, no --use_env needed)")
-        worker(world)
+        return [worker(world)]
 
 
 @engine.hookimpl

@@ -230,7 +230,7 @@ class SlurmLauncher(Launcher):
 
     # ----------------------------------------------------------------- launch
 
-    def launch(self, worker: Callable[[World], None]) -> None:
+    def launch(self, worker: Callable[[World], object]) -> list:
         worlds = self.worlds()
         first = worlds[0]
         if first.is_rank0 and first.init_method == "env://":
@@ -239,15 +239,14 @@ class SlurmLauncher(Launcher):
                 check_port_free(addr, port, f"MASTER_PORT=PORT in the job's environment "
                                             f"(the port was {source})")
         if len(worlds) == 1:
-            worker(first)
-            return
+            return [worker(first)]
         child_env = {}
         cpus = self.environ.get("SLURM_CPUS_PER_TASK", "")
         if cpus.isdigit():
             # The task's CPUs are shared by the processes it starts: each child sees
             # its share where engine/data.py looks for it.
             child_env["SLURM_CPUS_PER_TASK"] = str(max(1, int(cpus) // len(worlds)))
-        spawn_workers(worker, worlds, child_env)
+        return spawn_workers(worker, worlds, child_env)
 
 
 @engine.hookimpl

@@ -10,10 +10,11 @@ import attrs
 import pytest
 
 import engine
-from engine.cli import WorkerJob, build_parser, plugin_args
-from engine.errors import PluginError
+from engine.cli import WorkerJob, build_parser, main, plugin_args, plugin_command
+from engine.errors import (CheckpointError, ConfigError, EngineError, LaunchError,
+                           PluginCodeError, PluginError, RunError, WorkerFailed, exit_code)
 from engine.parallel import Parallel
-from engine.testing import TINY_RECIPE, install_plugin, make_plugin_manager  # noqa: F401
+from engine.testing import install_plugin, make_plugin_manager, tiny_recipe  # noqa: F401
 from tests.conftest import REPO, engine_env, run_cli
 
 
@@ -157,3 +158,205 @@ def test_a_plugin_adds_a_command(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr == ("engine-run: error: recipe file 'sbatch' not found; give the "
                            "path of a recipe such as recipes/cifar_ddp.py\n")
+
+
+# ------------------------------------------------- errors and exit codes
+
+BROKEN_MODE = '''
+import engine
+from engine.plugins.ddp import DistributedDataParallel
+
+
+class Broken(DistributedDataParallel):
+    name = "broken"
+
+    def wrap(self, model):
+        return check_model(model)
+
+
+def check_model(model):
+    raise ValueError("cannot wrap this model")
+
+
+@engine.hookimpl
+def engine_register_parallel(registry):
+    registry.add(Broken)
+'''
+
+BROKEN_HOOK = '''
+import engine
+
+
+@engine.hookimpl
+def engine_run_start(engine):
+    {}.pop("missing")
+'''
+
+BROKEN_LAUNCHER = '''
+import engine
+from engine.launcher import Launcher
+
+
+class Cluster(Launcher):
+    name = "cluster"
+
+    def worlds(self):
+        return int(self.environ["CLUSTER_RANKS"])
+
+
+@engine.hookimpl
+def engine_register_launchers(registry):
+    registry.add(Cluster)
+'''
+
+
+@pytest.fixture
+def plugin_env(tmp_path):
+    """Write plugin modules into a folder on the workers' PYTHONPATH."""
+    folder = tmp_path / "plugins"
+    folder.mkdir()
+
+    def write(name: str, text: str, **extra: str) -> dict:
+        (folder / f"{name}.py").write_text(text)
+        return engine_env(PYTHONPATH=f"{folder}:{REPO}", **extra)
+
+    return write
+
+
+def test_an_error_in_a_plugins_parallel_mode_names_plugin_and_mode(
+        plugin_env, tiny_recipe, tmp_path):
+    env = plugin_env("broken_mode", BROKEN_MODE)
+    args = (str(tiny_recipe), f"out_dir={tmp_path / 'run'}", "-p", "broken_mode",
+            "--parallel", "broken", "--nproc", "2")
+    proc = run_cli(*args, env=env)
+    assert proc.returncode == 1  # a run failure, not a usage error
+    for rank in (0, 1):
+        assert (f"[rank {rank}] error: plugin 'broken_mode' (parallel mode 'broken'): "
+                "ValueError: cannot wrap this model (raised at ") in proc.stderr
+    assert "broken_mode.py:14); ENGINE_TRACEBACK=1 or --traceback shows the traceback" in (
+        proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1].startswith(
+        "engine-run: error: worker with local rank ")
+    # With the traceback asked for, every line of it, then the same one-line summary.
+    for shown in (run_cli(*args, "--traceback", env=env),
+                  run_cli(*args, env={**env, "ENGINE_TRACEBACK": "1"})):
+        assert shown.returncode == 1
+        assert "[rank 1] Traceback (most recent call last):" in shown.stderr
+        assert 'broken_mode.py", line 14, in check_model' in shown.stderr
+        assert ("[rank 1] error: plugin 'broken_mode' (parallel mode 'broken'): "
+                "ValueError: cannot wrap this model") in shown.stderr
+        assert "shows the traceback" not in shown.stderr
+
+
+def test_an_error_in_a_plugins_hook_names_plugin_and_hook(plugin_env, tiny_recipe,
+                                                           tmp_path):
+    env = plugin_env("broken_hook", BROKEN_HOOK)
+    proc = run_cli(str(tiny_recipe), f"out_dir={tmp_path / 'run'}", "-p", "broken_hook",
+                   "--nproc", "1", env=env)
+    assert proc.returncode == 1
+    assert ("[rank 0] error: plugin 'broken_hook' (hook engine_run_start): KeyError: "
+            "'missing' (raised at ") in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_error_in_a_plugins_launcher_names_it_in_the_cli_process(plugin_env,
+                                                                     tiny_recipe):
+    env = plugin_env("cluster_launcher", BROKEN_LAUNCHER)
+    proc = run_cli(str(tiny_recipe), "-p", "cluster_launcher", "--launcher", "cluster",
+                   "--dry-run", env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(
+        "engine-run: error: plugin 'cluster_launcher' (launcher 'cluster'): KeyError: "
+        "'CLUSTER_RANKS' (raised at ")
+    assert proc.stderr.count("\n") == 1
+
+
+def test_usage_and_config_errors_exit_2_in_one_line(tiny_recipe, tmp_path):
+    for args in (["--nproc"], [str(tiny_recipe), "epochs=zero"],
+                 [str(tmp_path / "missing.py")], [str(tiny_recipe), "-p", "no:nothing"],
+                 [str(tiny_recipe), "--parallel", "nope"]):
+        proc = run_cli(*args, "--dry-run", timeout=120)
+        assert proc.returncode == 2, (args, proc.stderr)
+        # One error line (argparse puts its usage before it).
+        assert proc.stderr.splitlines()[-1].startswith("engine-run: error: ")
+        assert "Traceback" not in proc.stderr
+    # A configuration the workers find wrong is a usage error too (exit 2, not 1).
+    proc = run_cli(str(tiny_recipe), f"out_dir={tmp_path / 'run'}", "batch_size=1000",
+                   "drop_last=true",
+                   "samples=16", "--nproc", "1")
+    assert proc.returncode == 2, proc.stderr
+    assert "[rank 0] error: the training set has 16 samples" in proc.stderr
+
+
+def test_a_preempted_run_exits_75_and_resumes(tiny_recipe, tmp_path):
+    env = engine_env(ENGINE_FAULT_ACTION="signal", ENGINE_FAULT_STEP="2",
+                     ENGINE_FAULT_ONCE=str(tmp_path / "once"))
+    args = (str(tiny_recipe), f"out_dir={tmp_path / 'run'}", "--nproc", "1",
+            "-p", "tests.fault_plugin")
+    stopped = run_cli(*args, env=env)
+    assert stopped.returncode == 75, stopped.stderr
+    assert "pre-empted by SIGUSR1: snapshot written" in stopped.stderr
+    assert run_cli(*args, env=env).returncode == 0
+
+
+def test_a_diverged_run_is_a_run_failure(tiny_recipe, tmp_path):
+    proc = run_cli(str(tiny_recipe), f"out_dir={tmp_path / 'run'}", "lr=1e38", "--nproc",
+                   "1")
+    assert proc.returncode == 1, proc.stderr
+    assert "[rank 0] error: the training loss became non-finite" in proc.stderr
+
+
+# ------------------------------------------------------------ in-process units
+
+
+@pytest.mark.parametrize("exc, code", [
+    (ConfigError("x"), 2), (PluginError("x"), 2), (LaunchError("x"), 2),
+    (CheckpointError("x"), 2), (RunError("x"), 1), (WorkerFailed("x", 2), 2),
+    (WorkerFailed("x", 3), 1), (PluginCodeError("x"), 1), (ValueError("x"), 1),
+    (KeyboardInterrupt(), 130),
+])
+def test_exit_code_of_each_kind_of_error(exc, code):
+    assert exit_code(exc) == code
+
+
+def test_an_engine_error_that_explains_a_crash_is_a_run_failure():
+    try:
+        try:
+            raise RuntimeError("Expected to have finished reduction")
+        except RuntimeError as crash:
+            raise EngineError("RuntimeError: ...; hint: set ddp.x") from crash
+    except EngineError as explained:
+        assert exit_code(explained) == 1
+    try:
+        raise EngineError("bad input") from None
+    except EngineError as plain:
+        assert exit_code(plain) == 2
+
+
+def test_main_prints_a_usage_error_in_one_line(capsys, tmp_path):
+    assert main([str(tmp_path / "nope.py"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"engine-run: error: recipe file '{tmp_path / 'nope.py'}' not found; "
+                   "give the path of a recipe such as recipes/cifar_ddp.py\n")
+
+
+def test_only_a_bare_word_can_name_a_plugin_command(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert plugin_command([]) is None
+    assert plugin_command(["recipes/x.py"]) is None  # a path, never a command
+    assert plugin_command(["sbatch"]) is not None
+    (tmp_path / "sbatch").write_text("")  # a file of that name wins: it is a recipe
+    assert plugin_command(["sbatch"]) is None
+    assert plugin_command(["sbatch", "-p", "no:slurm"]) is None
+
+
+def test_a_single_process_mode_starts_one_process(make_plugin_manager):
+    from engine.config import TrainConfig
+
+    pm = make_plugin_manager()
+    job = WorkerJob("r.py", (), (), {})
+    assert job.launch_options(TrainConfig(parallel="dp"), pm).nproc == 1
+    assert job.launch_options(TrainConfig(parallel="ddp"), pm).nproc is None
+    assert WorkerJob("r.py", (), (), {"nproc": 3}).launch_options(
+        TrainConfig(parallel="single"), pm).nproc == 3  # what the user asked for
