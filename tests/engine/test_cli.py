@@ -117,6 +117,7 @@ def test_a_plugins_group_joins_the_config_and_survives_pickling(make_plugin_mana
 
     pm = make_plugin_manager(GroupPlugin())
     assert pm.config_groups["extra"] is Extra and pm.config_group_owners["ddp"] == "ddp"
+    assert pm.components_of("ddp") == {"parallel mode": ["ddp"], "config group": ["ddp"]}
     cfg = apply_overrides(with_groups(TrainConfig(epochs=3), pm.config_groups),
                           ["extra.level=4", "ddp.static_graph=true"])
     assert isinstance(cfg, TrainConfig) and cfg.epochs == 3
