@@ -1,10 +1,11 @@
 """Configuration: attrs classes with defaults, and ``key=value`` overrides by dotted path.
 
 A recipe's ``Config`` subclasses :class:`TrainConfig` and adds its own groups (``data``
-...); plugins add theirs through the ``engine_register_config_groups`` hook (the ``ddp`` options
-come from the ddp plugin), see :func:`with_groups`. Overrides are converted with the field's annotation (int, float, bool, str,
-Path, ``Literal[...]`` choices, ``X | None``, tuples) and checked; every problem is a
-one-line :class:`~engine.errors.ConfigError` naming the key, the value given and what
+...); plugins add theirs through the ``engine_register_config_groups`` hook (the
+``ddp`` options come from the ddp plugin), see :func:`with_groups`. Overrides are
+converted with the field's annotation (int, float, bool, str, Path, ``Literal[...]``
+choices, ``X | None``, tuples) and checked; every problem is a one-line
+:class:`~engine.errors.ConfigError` naming the key, the value given and what
 is allowed.
 """
 

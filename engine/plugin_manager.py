@@ -248,8 +248,8 @@ class EnginePluginManager(pluggy.PluginManager):
                                   f"{type(exc).__name__}: {first_line(exc)}") from exc
             if not isinstance(groups, Mapping):
                 raise PluginError(
-                    f'Plugin "{plugin}": engine_register_config_groups must return a dict of group '
-                    f"name to attrs class, not {type(groups).__name__}")
+                    f'Plugin "{plugin}": engine_register_config_groups must return a dict '
+                    f"of group name to attrs class, not {type(groups).__name__}")
             for name, group in groups.items():
                 if not (isinstance(name, str) and NAME_PATTERN.match(name)
                         and name.isidentifier()):

@@ -361,3 +361,22 @@ def test_a_single_process_mode_starts_one_process(make_plugin_manager):
     assert job.launch_options(TrainConfig(parallel="ddp"), pm).nproc is None
     assert WorkerJob("r.py", (), (), {"nproc": 3}).launch_options(
         TrainConfig(parallel="single"), pm).nproc == 3  # what the user asked for
+
+
+@pytest.mark.parametrize("groups, message", [
+    (["ddp"], "engine_register_config_groups must return a dict of group name to attrs "
+              "class, not list"),
+    ({"extra": dict}, "adds config group 'extra' as <class 'dict'>, which is not an attrs "
+                      "class"),
+    ({"two words": Extra}, "adds a config group named 'two words'; a group name is a "
+                           "Python identifier"),
+])
+def test_a_bad_config_group_names_the_plugin(make_plugin_manager, groups, message):
+    class Bad:
+        @engine.hookimpl
+        def engine_register_config_groups(self):
+            return groups
+
+    with pytest.raises(PluginError) as err:
+        make_plugin_manager(Bad())
+    assert str(err.value).startswith('Plugin "Bad-') and message in str(err.value)
