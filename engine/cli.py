@@ -3,42 +3,73 @@
     engine-run RECIPE [key=value ...] [options]     train (see --help)
     engine-run plugins                              list loaded plugins
     engine-run doctor                               what this machine and launcher look like
-    engine-run sbatch RECIPE [options]              print an sbatch script
     engine-run tune-workers RECIPE [options]        measure DataLoader num_workers
+    engine-run sbatch RECIPE [options]              print an sbatch script (slurm plugin)
+
+Plugins add commands through the ``engine_register_commands`` hook.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
 import sys
 import traceback
 from typing import Any, Sequence
 
 import attrs
 
-from engine.errors import EngineError
+from engine.errors import (EXIT_COMPLETED, EXIT_INTERRUPTED, EXIT_PREEMPTED, TRACEBACK_ENV,
+                           EngineError, PluginCodeError, exit_code, traceback_wanted)
 
 COMMANDS = {
     "plugins": "engine.commands.plugins",
     "doctor": "engine.commands.doctor",
-    "sbatch": "engine.commands.sbatch",
     "tune-workers": "engine.commands.tune_workers",
 }
+#: What a command name looks like (a recipe is a path: it has a '/' or a '.').
+COMMAND_NAME = re.compile(r"[a-z][a-z0-9-]*\Z")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes (README, engine/errors.py): 0 completed, 1 the run failed, 2 usage or
+    configuration, 75 pre-empted (run again to resume), 130 interrupted."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--traceback" in argv:
+        os.environ[TRACEBACK_ENV] = "1"  # the workers (spawned or adopted) see it too
     try:
         if argv and argv[0] in COMMANDS:
             return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+        command = plugin_command(argv)
+        if command is not None:
+            return command(argv[1:])
         return run(argv)
     except EngineError as exc:
-        print(f"engine-run: error: {exc}", file=sys.stderr)
-        return 2
+        if traceback_wanted():
+            traceback.print_exc()
+        print(f"engine-run: error: {exc}{traceback_hint(exc)}", file=sys.stderr)
+        return exit_code(exc)
     except KeyboardInterrupt:
         print("engine-run: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+
+
+def traceback_hint(exc: BaseException) -> str:
+    """For an error in plugin code, how to see where it came from."""
+    if isinstance(exc, PluginCodeError) and not traceback_wanted():
+        return f"; {TRACEBACK_ENV}=1 or --traceback shows the traceback"
+    return ""
+
+
+def plugin_command(argv: Sequence[str]):
+    """The plugin command that ``argv[0]`` names (``sbatch``), or None."""
+    if not argv or not COMMAND_NAME.match(argv[0]) or os.path.exists(argv[0]):
+        return None
+    from engine.plugin_manager import build_plugin_manager
+
+    return build_plugin_manager(plugin_args(argv)).commands().get(argv[0])
 
 
 def plugin_args(argv: Sequence[str]) -> list[str]:
@@ -52,17 +83,31 @@ def plugin_args(argv: Sequence[str]) -> list[str]:
     return found
 
 
-def build_parser() -> argparse.ArgumentParser:
+def choices(registry, default: str | None = None) -> dict[str, str]:
+    """``metavar`` and ``help`` words for an option that names a component: whatever the
+    registry holds, third-party plugins' components included."""
+    names = ([default] if default == "auto" else []) + sorted(registry.names())
+    text = "one of: " + ", ".join(names) if names else "none registered"
+    if default:
+        text += f" (default: {'detect' if default == 'auto' else default})"
+    return {"metavar": "NAME", "help": text}
+
+
+def build_parser(pm=None) -> argparse.ArgumentParser:
+    """The ``engine-run RECIPE`` parser. With the plugin manager ``pm``, the component
+    options list what its registries hold and ``-p`` the loaded plugins."""
     p = argparse.ArgumentParser(
         prog="engine-run",
         description="Train a recipe with DDP on whatever the machine or cluster offers. "
-                    "Other commands: engine-run {plugins,doctor,sbatch,tune-workers} --help",
+                    "Other commands: engine-run {%s} --help"
+                    % ",".join([*COMMANDS, *(pm.commands() if pm else ())]),
     )
     p.add_argument("recipe", help="a recipe file, e.g. recipes/cifar_ddp.py")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides by dotted path, e.g. epochs=3 data.root=/data")
     g = p.add_argument_group("launch")
-    g.add_argument("--launcher", help="spawn, torchrun, slurm, legacy... (default: detect)")
+    g.add_argument("--launcher", **(choices(pm.launchers, "auto") if pm else
+                                    {"help": "a registered launcher (default: detect)"}))
     g.add_argument("--nproc", type=int, help="processes on this node (spawn)")
     g.add_argument("--nnodes", type=int, default=1, help="nodes (spawn on several nodes)")
     g.add_argument("--node-rank", type=int, default=0, help="this node's rank (spawn)")
@@ -73,8 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank",
                    help=argparse.SUPPRESS)
     t = p.add_argument_group("training")
-    t.add_argument("--parallel", help="single, dp, ddp, ddp-multigpu (default: auto)")
-    t.add_argument("--checkpointer", help="torch-file (default), async, dcp")
+    t.add_argument("--parallel", **(choices(pm.parallel_modes, "auto") if pm else
+                                    {"help": "a registered parallel mode (default: detect)"}))
+    t.add_argument("--checkpointer", **(choices(pm.checkpointers, "torch-file") if pm else
+                                        {"help": "a registered checkpointer"}))
     t.add_argument("--resume", metavar="PATH", help="resume from this snapshot")
     t.add_argument("--no-resume", action="store_true",
                    help="start fresh even if out_dir holds snapshots")
@@ -85,16 +132,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config and the plan, then exit")
     p.add_argument("-v", "--verbose", action="store_true", help="print the world table")
+    p.add_argument("--traceback", action="store_true",
+                   help=f"print the traceback of every error (or set {TRACEBACK_ENV}=1)")
+    loaded = f" (loaded: {', '.join(pm.infos)})" if pm else ""
     p.add_argument("-p", dest="plugins", action="append", default=[], metavar="NAME",
-                   help="-p module.path loads a plugin, -p no:NAME disables one")
+                   help=f"-p module.path loads a plugin, -p no:NAME disables one{loaded}; "
+                        "engine-run plugins lists them with what they add")
     return p
 
 
 def run(argv: Sequence[str]) -> int:
-    from engine.plugin_manager import build_plugin_manager
+    from engine.plugin_manager import attribute, build_plugin_manager
 
     pm = build_plugin_manager(plugin_args(argv))
-    parser = build_parser()
+    try:
+        return train(pm, argv)
+    except Exception as exc:
+        # Launcher and hook code of plugins runs here too: name the plugin.
+        blamed = attribute(pm, exc)
+        if blamed is exc:
+            raise
+        raise blamed from exc
+
+
+def train(pm, argv: Sequence[str]) -> int:
+    parser = build_parser(pm)
     pm.hook.engine_addoption.call_historic(kwargs={"parser": parser})
     args = parser.parse_intermixed_args(argv)
     job = WorkerJob.from_args(args)
@@ -111,11 +173,11 @@ def run(argv: Sequence[str]) -> int:
     if args.dry_run:
         if show:
             print(plan.format_plan(cfg, the_plan, worlds))
-        return 0
+        return EXIT_COMPLETED
     if args.verbose and show:
         print(plan.format_plan(cfg, the_plan, worlds, config=False))
-    launcher.launch(job)
-    return 0
+    statuses = launcher.launch(job) or []
+    return EXIT_PREEMPTED if "preempted" in statuses else EXIT_COMPLETED
 
 
 @attrs.frozen
@@ -140,13 +202,15 @@ class WorkerJob:
         return cls(args.recipe, tuple(overrides), tuple(args.plugins), options)
 
     def load(self, pm):
-        from engine.config import apply_overrides
+        from engine.config import apply_overrides, with_groups
         from engine.plugin_manager import require_plugins
         from engine.recipe import load_recipe
 
         recipe = load_recipe(self.recipe_path)
         require_plugins(pm, recipe.required_plugins)
-        cfg = apply_overrides(recipe.make_config(), list(self.overrides))
+        # The plugins' config groups (ddp...) join the recipe's before the overrides.
+        cfg = apply_overrides(with_groups(recipe.make_config(), pm.config_groups),
+                              list(self.overrides))
         if cfg.out_dir == "runs/default":
             cfg.out_dir = f"runs/{recipe.name}"
         # Names are checked now, before any process starts.
@@ -172,25 +236,39 @@ class WorkerJob:
                              init_method=cfg.init_method, timeout_s=cfg.timeout_s,
                              local_rank=o.get("local_rank"))
 
-    def __call__(self, world) -> None:
-        """Run in every worker process."""
+    def __call__(self, world) -> str | None:
+        """Run in every worker process; returns the run's status ("completed",
+        "preempted"). An error is printed here, by the rank it happened on, and the
+        process exits with the error's code."""
         from engine.engine import Engine
-        from engine.plugin_manager import build_plugin_manager
+        from engine.plugin_manager import attribute, build_plugin_manager
 
+        pm = None
         try:
             pm = build_plugin_manager(self.plugins)
             recipe, cfg = self.load(pm)
-            Engine(pm, recipe, cfg, world, self.options).run()
-        except EngineError as exc:
-            print(f"[rank {world.rank}] error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            summary = Engine(pm, recipe, cfg, world, self.options).run()
         except SystemExit:
             raise
-        except BaseException:
-            text = traceback.format_exc()
-            print("".join(f"[rank {world.rank}] {line}\n" for line in text.splitlines()),
-                  file=sys.stderr, end="", flush=True)
-            raise SystemExit(1) from None
+        except BaseException as exc:
+            shown = attribute(pm, exc)
+            report_worker_error(world.rank, shown)
+            raise SystemExit(exit_code(shown)) from None
+        return summary.get("status") if isinstance(summary, dict) else None
+
+
+def report_worker_error(rank: int, exc: BaseException) -> None:
+    """One line for an error the user can act on and for an error in a plugin's code
+    (with ENGINE_TRACEBACK=1 the traceback first); the traceback for anything else (the
+    recipe's own code needs it), every line marked with the rank."""
+    text = ""
+    if traceback_wanted() or not isinstance(exc, EngineError):
+        text = "".join(traceback.format_exception(exc.__cause__ or exc)
+                       if isinstance(exc, PluginCodeError) else traceback.format_exc())
+    if isinstance(exc, EngineError):
+        text += f"error: {exc}{traceback_hint(exc)}\n"
+    print("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()),
+          file=sys.stderr, end="", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Configuration: attrs classes with defaults, and ``key=value`` overrides by dotted path.
 
 A recipe's ``Config`` subclasses :class:`TrainConfig` and adds its own groups (``data``
-...). Overrides are converted with the field's annotation (int, float, bool, str,
-Path, ``Literal[...]`` choices, ``X | None``, tuples) and checked; every problem is a
-one-line :class:`~engine.errors.ConfigError` naming the key, the value given and what
+...); plugins add theirs through the ``engine_register_config_groups`` hook (the
+``ddp`` options come from the ddp plugin), see :func:`with_groups`. Overrides are
+converted with the field's annotation (int, float, bool, str, Path, ``Literal[...]``
+choices, ``X | None``, tuples) and checked; every problem is a one-line
+:class:`~engine.errors.ConfigError` naming the key, the value given and what
 is allowed.
 """
 
@@ -11,27 +13,15 @@ from __future__ import annotations
 
 import difflib
 import enum
+import functools
 import pathlib
 import types
 import typing
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import attrs
 
 from engine.errors import ConfigError
-
-
-@attrs.define
-class DDPConfig:
-    """Options passed to torch's DistributedDataParallel. The defaults suit most models."""
-
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = True  # saves one copy of the gradients
-    static_graph: bool = False
-    find_unused_parameters: bool = False  # costs a graph traversal every step
-    broadcast_buffers: bool = True
-    sync_batchnorm: bool = False
-    gpus_per_process: int = 0  # ddp-multigpu: GPUs each process drives (0: all it can)
 
 
 @attrs.define
@@ -78,8 +68,54 @@ class TrainConfig:
     preemption: bool = True
     requeue: bool = True
     on_nonfinite: Literal["stop", "skip"] = "stop"  # skip: one host sync per step
-    ddp: DDPConfig = attrs.Factory(DDPConfig)
     checkpoint: CheckpointConfig = attrs.Factory(CheckpointConfig)
+
+
+# ------------------------------------------------------------------ plugin groups
+
+
+def with_groups(cfg: Any, groups: Mapping[str, type]) -> Any:
+    """``cfg`` with the plugins' config groups (``{"ddp": DDPConfig}``) added as fields
+    at their defaults, so that ``cfg.ddp`` and the override ``ddp.x=...`` work like a
+    group the recipe declared. A group the config class already has (a recipe that
+    declares its own ``ddp``) is kept as it is. The values of ``cfg`` carry over."""
+    present = attrs.fields_dict(type(cfg))
+    missing = tuple((name, group) for name, group in groups.items() if name not in present)
+    if not missing:
+        return cfg
+    grouped = grouped_class(type(cfg), missing)
+    return _fill(grouped, {**{name: getattr(cfg, name) for name in present},
+                           **{name: group() for name, group in missing}})
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_class(base: type, groups: tuple[tuple[str, type], ...]) -> type:
+    """A subclass of the config class ``base`` with one more field per group; one class
+    per (base, groups), so that configs of the same run compare equal."""
+    cls = attrs.make_class(base.__name__, {name: attrs.field(factory=group)
+                                           for name, group in groups}, bases=(base,))
+    cls.__module__, cls.__qualname__ = base.__module__, base.__qualname__
+    cls.__annotations__ = {name: group for name, group in groups}
+
+    def __reduce__(self):
+        # The class is made at run time, so pickle (DataLoader workers, deepcopy)
+        # cannot find it by name: rebuild it from its parts.
+        return _rebuild, (base, groups, {f.name: getattr(self, f.name)
+                                         for f in attrs.fields(cls)})
+
+    cls.__reduce__ = __reduce__
+    return cls
+
+
+def _rebuild(base: type, groups: tuple[tuple[str, type], ...], values: dict) -> Any:
+    return _fill(grouped_class(base, groups), values)
+
+
+def _fill(cls: type, values: dict) -> Any:
+    cfg = cls.__new__(cls)
+    for name, value in values.items():
+        object.__setattr__(cfg, name, value)  # no __init__: values are already checked
+    return cfg
 
 
 # --------------------------------------------------------------------- overrides

@@ -35,17 +35,11 @@ class TrainState:
 
 
 def resolve_parallel_name(name: str, world, registry) -> str:
-    """``auto``: DDP when there are several processes, DataParallel when one process
-    sees several GPUs, else a single device."""
-    if name != "auto":
-        return name
-    if world.world_size > 1:
-        return "ddp"
-    import torch
+    """The parallel mode to run: ``name``, or for ``auto`` the one the registered modes'
+    own ``detect`` picks (engine.parallel.choose_parallel)."""
+    from engine.parallel import choose_parallel
 
-    if torch.cuda.device_count() > 1 and "dp" in registry:
-        return "dp"
-    return "single"
+    return choose_parallel(registry, name, world).name
 
 
 def start_worker(pm, cfg, world, options: dict[str, Any]):
@@ -62,8 +56,9 @@ def start_worker(pm, cfg, world, options: dict[str, Any]):
         use_deterministic_kernels()
     torch.set_num_threads(options.get("threads") or
                           threads_per_process(world.local_world_size))
-    name = resolve_parallel_name(cfg.parallel, world, pm.parallel_modes)
-    parallel = pm.parallel_modes.get(name)(world, cfg)
+    from engine.parallel import choose_parallel
+
+    parallel = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg)
     parallel.check()
     parallel.setup_device()
     if world.distributed:

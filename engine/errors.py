@@ -1,11 +1,44 @@
-"""Errors the user can act on: the CLI prints them as one line, without a traceback."""
+"""Errors the user can act on, and the exit codes of ``engine-run``.
+
+The CLI prints an :class:`EngineError` as one line, without a traceback (set
+``ENGINE_TRACEBACK=1`` or pass ``--traceback`` to see it), and exits with the error's
+``exit_code``:
+
+====  =====================================================================
+code  meaning
+====  =====================================================================
+0     the run completed (or was complete already)
+1     the run failed: it started and then a worker raised, died or diverged
+2     usage or configuration: a bad flag, override, recipe, plugin, launch
+      environment or snapshot; nothing was trained
+75    pre-empted: a snapshot was written and the run stopped (SIGUSR1/SIGTERM);
+      start it again (SLURM: the job was requeued) and it resumes
+130   interrupted (Ctrl-C)
+====  =====================================================================
+
+75 is ``EX_TEMPFAIL`` of sysexits.h, "a temporary failure; the user is invited to
+retry", so that a wrapper script can tell "run me again" from "done" and "broken".
+"""
 
 from __future__ import annotations
+
+import os
+
+EXIT_COMPLETED = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 130
+
+#: Set to 1 to print the traceback of every error (``engine-run --traceback`` sets it).
+TRACEBACK_ENV = "ENGINE_TRACEBACK"
 
 
 class EngineError(Exception):
     """A problem with the user's input or environment; the message says what is wrong
     and what would be right."""
+
+    exit_code = EXIT_USAGE
 
 
 class ConfigError(EngineError):
@@ -23,3 +56,40 @@ class LaunchError(EngineError):
 
 class CheckpointError(EngineError):
     """A checkpoint that is missing, corrupt or does not match the model."""
+
+
+class RunError(EngineError):
+    """The run started and then failed: a worker died or raised, a collective failed,
+    the loss became non-finite."""
+
+    exit_code = EXIT_FAILED
+
+
+class WorkerFailed(RunError, LaunchError):
+    """A worker process exited with an error (it printed its own message) or was
+    killed. ``exit_code`` is the worker's own when it said why (1 or 2), else 1."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED):
+        super().__init__(message)
+        self.exit_code = exit_code if exit_code in (EXIT_FAILED, EXIT_USAGE) else EXIT_FAILED
+
+
+class PluginCodeError(RunError):
+    """An unexpected exception inside a plugin's code; the message names the plugin and
+    the component or hook, and where it was raised."""
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit status for a run that ended with ``exc``."""
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, EngineError):
+        if type(exc) is EngineError and isinstance(exc.__cause__, Exception) and not \
+                isinstance(exc.__cause__, EngineError):
+            return EXIT_FAILED  # an explanation of a crash (a hint, a failed collective)
+        return exc.exit_code
+    return EXIT_FAILED
+
+
+def traceback_wanted() -> bool:
+    return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")

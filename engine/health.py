@@ -88,7 +88,7 @@ def epoch_barrier(timeout_s: float) -> None:
     """All ranks meet at the end of an epoch; a rank that does not come is named."""
     import torch.distributed as dist
 
-    from engine.errors import EngineError
+    from engine.errors import RunError
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
@@ -99,6 +99,6 @@ def epoch_barrier(timeout_s: float) -> None:
     except Exception as exc:
         match = _MISSING.search(str(exc))
         who = f"rank(s) {match.group(1)}" if match else "some rank"
-        raise EngineError(f"{who} did not reach the end of the epoch within {timeout_s:g}s "
+        raise RunError(f"{who} did not reach the end of the epoch within {timeout_s:g}s "
                           f"(rank {dist.get_rank()} waited): {str(exc).splitlines()[0]}"
                           ) from None

@@ -22,6 +22,7 @@ may use on either; anything else (``recipe``, ``train_loader``...) is ``Engine``
 ``engine-run`` calls them in this order (``engine.trainer.Trainer.fit`` holds the loop)::
 
     engine_register_launchers / _parallel / _checkpointers     (start-up, every process)
+    engine_register_config_groups                                        (start-up, every process)
     engine_addoption                                            (CLI start-up, historic)
     engine_run_start                                            (each worker)
       for each epoch:
@@ -114,7 +115,8 @@ class RunContext(Protocol):
 
 @hookspec
 def engine_register_launchers(registry):
-    """Add launchers: ``registry.add("name", LauncherClass)``.
+    """Add launchers: ``registry.add(LauncherClass)``, which registers
+    the class under its ``name`` attribute.
 
     A launcher decides how worker processes come into being (spawn them, or adopt the
     variables of torchrun / SLURM / legacy launch) and describes each worker's place in
@@ -128,7 +130,8 @@ def engine_register_launchers(registry):
 
 @hookspec
 def engine_register_parallel(registry):
-    """Add parallel modes: ``registry.add("name", ParallelClass)``.
+    """Add parallel modes: ``registry.add(ParallelClass)`` (registered under its
+    ``name`` attribute).
 
     A parallel mode chooses the devices and backend of a worker, wraps and unwraps the
     model and splits the batch. The class must subclass
@@ -142,7 +145,8 @@ def engine_register_parallel(registry):
 
 @hookspec
 def engine_register_checkpointers(registry):
-    """Add checkpointers: ``registry.add("name", CheckpointerClass)``.
+    """Add checkpointers: ``registry.add(CheckpointerClass)`` (registered
+    under its ``name`` attribute).
 
     A checkpointer writes and reads snapshots. The class must subclass
     :class:`engine.checkpoint.Checkpointer`.
@@ -150,6 +154,37 @@ def engine_register_checkpointers(registry):
     Kind: registration. Fires at start-up in every process (CLI and workers).
 
     Since 0.1.
+    """
+
+
+@hookspec
+def engine_register_config_groups():
+    """Return the config groups this plugin adds: ``{"name": AttrsClass}``.
+
+    Each group becomes a field of every run's config at the class's defaults, so that
+    ``cfg.name.field`` works and ``engine-run RECIPE name.field=value`` sets it, with
+    the same conversion and one-line errors as the recipe's own groups (the ddp plugin
+    adds ``ddp``: ``ddp.find_unused_parameters=true``). A recipe that declares a field
+    of that name keeps its own. A group name taken by two plugins is an error naming
+    both. Code that reads the group should fall back to the defaults when a config
+    was built without the plugin manager (``getattr(cfg, "name", None)``).
+
+    Kind: registration. Fires at start-up in every process (CLI and workers).
+
+    Since 0.2.
+    """
+
+
+@hookspec
+def engine_register_commands():
+    """Return the ``engine-run`` commands this plugin adds: ``{"name": main}``, where
+    ``main(argv) -> int`` runs ``engine-run name ARGS...`` (the slurm plugin adds
+    ``sbatch``). Import what the command needs inside ``main``, not at start-up.
+
+    Kind: registration. Fires in the ``engine-run`` process when its first argument is
+    not a built-in command or a file.
+
+    Since 0.2.
     """
 
 

@@ -37,7 +37,7 @@ from typing import Callable, ClassVar, Mapping
 
 import attrs
 
-from engine.errors import LaunchError
+from engine.errors import LaunchError, WorkerFailed
 from engine.world import World, whole_world
 
 
@@ -64,6 +64,10 @@ class Launcher:
     #: is not a worker and must not touch torch.distributed). A launcher that decides
     #: at run time (slurm) overrides it with a property.
     spawns: ClassVar[bool] = False
+    #: True when the tool that started this process already holds the master port
+    #: (torchrun's agent hosts the rendezvous store there): doctor then does not
+    #: report the port as taken.
+    port_held_by_starter: ClassVar[bool] = False
 
     def __init__(self, options: LaunchOptions | None = None,
                  environ: Mapping[str, str] | None = None):
@@ -89,10 +93,13 @@ class Launcher:
         """Every rank of the run as seen from here, for the world table."""
         return whole_world(self.worlds())
 
-    def launch(self, worker: Callable[[World], None]) -> None:
-        """Run ``worker(world)`` in every worker process of this node and wait."""
+    def launch(self, worker: Callable[[World], object]) -> list | None:
+        """Run ``worker(world)`` in every worker process of this node and wait. Returns
+        what the workers returned, one entry per local worker (None where it is not
+        known): engine-run's workers return the run's status, from which the exit code
+        tells a pre-emption apart."""
         (world,) = self.worlds()
-        worker(world)
+        return [worker(world)]
 
     def variables(self) -> dict[str, str]:
         """The environment variables this launcher reads, as set (for doctor, errors)."""
@@ -214,16 +221,22 @@ def is_local_address(host: str) -> bool:
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
-def spawn_workers(worker: Callable[[World], None], worlds: list[World],
-                  child_env: Mapping[str, str] | None = None) -> None:
+def spawn_workers(worker: Callable[[World], object], worlds: list[World],
+                  child_env: Mapping[str, str] | None = None) -> list:
     """Start one process per world on this machine, run ``worker`` in each, wait.
 
     ``child_env`` is set in every child before ``worker`` runs. A worker that fails
-    stops the others (torch does that) and becomes one LaunchError here.
+    stops the others (torch does that) and becomes one :class:`WorkerFailed` here,
+    with the worker's exit code. Returns each worker's return value where it is a short
+    string (a run's status), else None.
     """
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(_entry, args=(worker, worlds, dict(child_env or {})),
+    results = multiprocessing.get_context("spawn").SimpleQueue()
+    context = mp.start_processes(_entry, args=(worker, worlds, dict(child_env or {}),
+                                               results),
                                  nprocs=len(worlds), join=False, start_method="spawn")
 
     def forward(signum, frame):
@@ -245,21 +258,31 @@ def spawn_workers(worker: Callable[[World], None], worlds: list[World],
         how = (f"was killed by {exc.signal_name} (out of memory? killed by hand?)"
                if exc.signal_name else
                f"exited with code {exc.exit_code}; its error is printed above")
-        raise LaunchError(
+        raise WorkerFailed(
             f"worker with local rank {worlds[exc.error_index].local_rank} (rank "
-            f"{worlds[exc.error_index].rank}) {how}"
+            f"{worlds[exc.error_index].rank}) {how}",
+            exit_code=0 if exc.signal_name else exc.exit_code,
         ) from None
     except mp.ProcessRaisedException as exc:
-        raise LaunchError(f"a worker failed:\n{exc}") from None
+        raise WorkerFailed(f"a worker failed:\n{exc}") from None
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    statuses: list = [None] * len(worlds)
+    while not results.empty():  # every child has exited: what they sent is there
+        index, status = results.get()
+        statuses[index] = status
+    return statuses
 
 
-def _entry(index: int, worker: Callable[[World], None], worlds: list[World],
-           child_env: dict[str, str]) -> None:
+def _entry(index: int, worker: Callable[[World], object], worlds: list[World],
+           child_env: dict[str, str], results) -> None:
     os.environ.update(child_env)
-    worker(worlds[index])
+    status = worker(worlds[index])
+    # Only a short string travels back: a large object could fill the pipe, and the
+    # child would then wait for a reader that only reads after every child has exited.
+    results.put((index, status if isinstance(status, str) and len(status) <= 64
+                 else None))
 
 
 def warn_once(message: str, _seen: set[str] = set()) -> None:  # noqa: B006 (on purpose)

@@ -11,6 +11,13 @@ ddp            cuda:<local rank>, or the CPU             across processes (DDP)
 ddp-multigpu   k GPUs: cuda:<local rank*k .. +k-1>       inside the process, then DDP
 ============== ========================================= ==============================
 
+``--parallel auto`` (the default) asks the registered modes in ``priority`` order (lower
+first) and takes the first whose :meth:`Parallel.detect` says yes, as launchers are
+detected: ``ddp`` (10) when there are several processes, ``dp`` (20) when one process
+sees several GPUs, ``single`` (1000) otherwise. A third-party mode takes part by
+defining both; a subclass inherits its parent's, and ties go to the mode registered
+first.
+
 The recipe's ``batch_size`` is global. Every mode gets ``batch_size / world_size``
 samples per process and optimizer step (divided again by ``grad_accum_steps``); a mode
 that drives several devices inside one process (``dp``, ``ddp-multigpu``) scatters that
@@ -36,6 +43,14 @@ class Parallel:
     name: ClassVar[str] = ""
     #: True for modes that run in exactly one process (a launcher can default to 1).
     single_process: ClassVar[bool] = False
+    #: Order in which ``--parallel auto`` asks the modes: lower numbers first.
+    priority: ClassVar[int] = 100
+
+    @classmethod
+    def detect(cls, world) -> bool:
+        """True when ``--parallel auto`` should pick this mode for ``world`` (asked
+        before any process group or CUDA device is set up)."""
+        return False
 
     def __init__(self, world, cfg):
         self.world = world
@@ -116,6 +131,21 @@ class Parallel:
             self.warn(message, every_node=True)
 
 
+def choose_parallel(registry, name: str, world) -> type[Parallel]:
+    """The class of parallel mode ``name``; for ``auto`` the first registered mode, in
+    ``priority`` order, whose ``detect(world)`` is true."""
+    if name != "auto":
+        return registry.get(name)
+    # sorted() is stable: equal priorities keep the registration order.
+    for cls in sorted((cls for _, cls in registry.items()), key=lambda c: c.priority):
+        if cls.detect(world):
+            return cls
+    raise ConfigError(
+        "--parallel auto: no registered parallel mode accepts this process (world size "
+        f"{world.world_size}); choose one with --parallel NAME, registered: "
+        + ", ".join(registry.names()))
+
+
 # ------------------------------------------------------------------- helpers
 
 
@@ -141,8 +171,9 @@ def visible_devices_note() -> str:
 
 def gpus_bound_by_launcher(world) -> bool:
     """True when the launcher may have given this process GPUs of its own: it set
-    CUDA_VISIBLE_DEVICES and is not our spawn (whose children share one variable)."""
-    return world.launcher != "spawn" and bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    CUDA_VISIBLE_DEVICES and did not start all local processes from one parent that
+    they share it with (spawn: ``World.shared_devices``)."""
+    return not world.shared_devices and bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def gpu_group(mode: str, world, per_process: int, visible: int) -> list[int]:

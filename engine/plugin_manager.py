@@ -25,6 +25,7 @@ import importlib
 import inspect
 import os
 import re
+import traceback
 from typing import Iterable, Mapping
 
 import attrs
@@ -32,7 +33,7 @@ import pluggy
 
 import engine
 from engine import hookspecs
-from engine.errors import ConfigError, EngineError, PluginError
+from engine.errors import ConfigError, EngineError, PluginCodeError, PluginError
 from engine.registry import Registry
 
 ENTRY_POINT_GROUP = "engine.plugins"
@@ -109,6 +110,10 @@ class EnginePluginManager(pluggy.PluginManager):
         self.autoload = True
         self.disabled: list[str] = []  # the NAMEs of -p no:NAME
         self.entry_points: list[EntryPoint] = []  # installed, loaded or not
+        #: The plugins' config groups by name (engine_register_config_groups), in registration
+        #: order, and which plugin added each.
+        self.config_groups: dict[str, type] = {}
+        self.config_group_owners: dict[str, str] = {}
 
     def parse_hookimpl_opts(self, plugin, name):
         # Like pytest: a function named engine_* counts as a hook implementation even
@@ -227,6 +232,51 @@ class EnginePluginManager(pluggy.PluginManager):
                     ) from exc
             registry.current_plugin = "<unknown>"
 
+    def collect_config_groups(self) -> None:
+        """Call engine_register_config_groups one plugin at a time (registration order), so
+        that a problem names the plugin."""
+        from engine.registry import NAME_PATTERN
+
+        for impl in self.hook.engine_register_config_groups.get_hookimpls():
+            plugin = impl.plugin_name
+            try:
+                groups = impl.function()
+            except EngineError:
+                raise
+            except Exception as exc:
+                raise PluginError(f'Plugin "{plugin}" failed in engine_register_config_groups: '
+                                  f"{type(exc).__name__}: {first_line(exc)}") from exc
+            if not isinstance(groups, Mapping):
+                raise PluginError(
+                    f'Plugin "{plugin}": engine_register_config_groups must return a dict '
+                    f"of group name to attrs class, not {type(groups).__name__}")
+            for name, group in groups.items():
+                if not (isinstance(name, str) and NAME_PATTERN.match(name)
+                        and name.isidentifier()):
+                    raise PluginError(f'Plugin "{plugin}" adds a config group named '
+                                      f"{name!r}; a group name is a Python identifier")
+                if not attrs.has(group):
+                    raise PluginError(f'Plugin "{plugin}" adds config group {name!r} as '
+                                      f"{group!r}, which is not an attrs class")
+                if name in self.config_groups:
+                    raise PluginError(
+                        f"config group {name!r} is added twice: by plugin "
+                        f"{self.config_group_owners[name]!r} and by plugin {plugin!r}; "
+                        "disable one with -p no:NAME")
+                self.config_groups[name] = group
+                self.config_group_owners[name] = plugin
+
+    def commands(self) -> dict[str, object]:
+        """The plugins' ``engine-run`` commands (engine_register_commands), by name."""
+        found: dict[str, object] = {}
+        for impl in self.hook.engine_register_commands.get_hookimpls():
+            for name, main in (impl.function() or {}).items():
+                if name in found:
+                    raise PluginError(f"engine-run command {name!r} is added twice; "
+                                      "disable one plugin with -p no:NAME")
+                found[name] = main
+        return found
+
     # ---------------------------------------------------------------- queries
 
     def find(self, name: str) -> PluginInfo | None:
@@ -250,11 +300,54 @@ class EnginePluginManager(pluggy.PluginManager):
         return "not installed"
 
     def components_of(self, plugin_name: str) -> dict[str, list[str]]:
-        return {
+        found = {
             registry.kind: registry.by_owner(plugin_name)
             for registry in (self.launchers, self.parallel_modes, self.checkpointers)
             if registry.by_owner(plugin_name)
         }
+        groups = [n for n, owner in self.config_group_owners.items() if owner == plugin_name]
+        if groups:
+            found["config group"] = groups
+        return found
+
+    def blame(self, exc: BaseException) -> tuple[str, str] | None:
+        """Whose code raised ``exc``: ("plugin 'x' (parallel mode 'y')", "file:line"),
+        or ("plugin 'x' (hook engine_log)", ...), or None when no plugin code is on the
+        traceback. The innermost frame that is a registered component's method (its
+        ``self`` or ``cls``) or lies in a plugin's module wins: code the plugin called
+        (torch, engine helpers) is the plugin's doing."""
+        components = {}
+        for registry in (self.launchers, self.parallel_modes, self.checkpointers):
+            for name, cls in registry.items():
+                components[cls] = (registry.owner(name), f"{registry.kind} {name!r}")
+        files = {}
+        for name, plugin in self.list_name_plugin():
+            module = plugin if inspect.ismodule(plugin) else inspect.getmodule(type(plugin))
+            path = getattr(module, "__file__", None)
+            if path and name is not None:
+                files[os.path.realpath(path)] = name
+        found = None  # (plugin, what, where) of the innermost frame in plugin code
+        for frame, lineno in reversed(list(traceback.walk_tb(exc.__traceback__))):
+            owner = frame.f_locals.get("self", frame.f_locals.get("cls"))
+            cls = owner if isinstance(owner, type) else type(owner)
+            component = components.get(cls) if owner is not None else None
+            if component is not None and (found is None or found[0] == component[0]):
+                # The component whose method ran (or called) the failing code.
+                where = found[2] if found else f"{frame.f_code.co_filename}:{lineno}"
+                return f"plugin {component[0]!r} ({component[1]})", where
+            plugin = files.get(os.path.realpath(frame.f_code.co_filename))
+            function = frame.f_code.co_name
+            hook = f"hook {function}" if function.startswith("engine_") else ""
+            if plugin is not None and found is None:
+                found = (plugin, hook, f"{frame.f_code.co_filename}:{lineno}")
+            elif found is not None and plugin == found[0] and hook and not found[1]:
+                found = (plugin, hook, found[2])  # the hook that called the helper
+            if found is not None and found[1]:
+                break  # a hook: its caller is the engine
+        if found is None:
+            return None
+        plugin, what, where = found
+        return f"plugin {plugin!r}" + (f" ({what})" if what else ""), where
 
     def hooks_of(self, plugin_name: str) -> list[str]:
         plugin = self.get_plugin(plugin_name)
@@ -270,6 +363,23 @@ def argnames(function) -> list[str]:
     if names and names[0] in ("self", "cls") and "." in getattr(function, "__qualname__", ""):
         names = names[1:]
     return names
+
+
+def attribute(pm: EnginePluginManager | None, exc: BaseException) -> BaseException:
+    """``exc`` as the user should see it: an unexpected exception raised in a plugin's
+    code becomes a :class:`PluginCodeError` that names the plugin, the component or
+    hook, and the line; anything else (engine errors, the recipe's own code) is
+    returned as it is."""
+    if pm is None or isinstance(exc, EngineError) or not isinstance(exc, Exception):
+        return exc
+    found = pm.blame(exc)
+    if found is None:
+        return exc
+    who, where = found
+    blamed = PluginCodeError(f"{who}: {type(exc).__name__}: {first_line(exc)} "
+                             f"(raised at {where})")
+    blamed.__cause__ = exc
+    return blamed
 
 
 def first_line(exc: BaseException) -> str:
@@ -360,6 +470,7 @@ def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = N
 
     pm.check_pending()
     pm.fill_registries()
+    pm.collect_config_groups()
     return pm
 
 

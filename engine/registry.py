@@ -1,6 +1,8 @@
 """Registries of components chosen by name (launchers, parallel modes, checkpointers).
 
-They are filled by the registration hooks. Unlike a dict, a registry refuses a name that
+They are filled by the registration hooks (``registry.add(cls)``: the name is the
+class's ``name`` attribute, so the name a component reports and the one typed on the
+command line cannot differ). Unlike a dict, a registry refuses a name that
 is already taken (naming both plugins), a name that could not be typed on the command
 line, and a component that is not a subclass of the registry's base class; a lookup of
 an unknown name lists what is registered.
@@ -27,18 +29,38 @@ class Registry:
         # Set by the plugin manager while it calls one plugin's registration hook.
         self.current_plugin = "<unknown>"
 
-    def add(self, name: str, component: Any) -> None:
+    def add(self, component: Any, name: str | None = None) -> None:
+        """Register ``component`` under its own ``name`` attribute: the name the class
+        reports (in summary.json, in messages) and the one typed on the command line are
+        then the same. Plugins written for 0.1 call ``add("name", cls)``; that still
+        works when the two agree."""
         plugin = self.current_plugin
-        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        if isinstance(component, str) and name is not None:  # add("name", cls) of 0.1
+            component, name = name, component
+            declared = getattr(component, "name", None)
+            if declared != name:
+                raise PluginError(
+                    f"plugin {plugin!r} registers {self.kind} {name!r} as "
+                    f"{describe(component)}, whose name attribute is {declared!r}; "
+                    f"set name = {name!r} in the class and call registry.add(cls)")
+        elif name is not None:
             raise PluginError(
-                f"plugin {plugin!r} registers a {self.kind} named {name!r}; a name is "
-                "letters, digits, '-', '_' and '.', starting with a letter or digit"
-            )
+                f"plugin {plugin!r} passes a separate name {name!r} for {self.kind} "
+                f"{describe(component)}; the name comes from the class: call "
+                "registry.add(cls)")
+        else:
+            name = getattr(component, "name", None)
         if self.base is not None and not (isinstance(component, type)
                                           and issubclass(component, self.base)):
             raise PluginError(
                 f"plugin {plugin!r} registers {self.kind} {name!r} as {component!r}, "
                 f"which is not a subclass of {self.base.__module__}.{self.base.__qualname__}"
+            )
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise PluginError(
+                f"plugin {plugin!r} registers a {self.kind} named {name!r}"
+                f" ({describe(component)}.name); a name is "
+                "letters, digits, '-', '_' and '.', starting with a letter or digit"
             )
         if name in self._entries:
             raise PluginError(
@@ -78,3 +100,10 @@ class Registry:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def describe(component: Any) -> str:
+    """``module.Class`` for a class, its repr otherwise."""
+    if isinstance(component, type):
+        return f"{component.__module__}.{component.__qualname__}"
+    return repr(component)

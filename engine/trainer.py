@@ -28,11 +28,11 @@ import time
 import torch
 
 from engine import data, distributed, health, snapshot
-from engine.errors import EngineError
+from engine.errors import RunError
 
 
-class NonFiniteLoss(EngineError):
-    pass
+class NonFiniteLoss(RunError):
+    """The loss became non-finite: the run failed (exit code 1)."""
 
 
 class Trainer:

@@ -21,7 +21,7 @@ class World:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     init_method: str = "env://"
-    launcher: str = "spawn"
+    launcher: str = "unknown"  # the name of the launcher that computed this world
     restart_count: int = 0  # torchrun --max-restarts: how many times we were restarted
     #: Shared by every rank of one run and different between runs (a uuid from spawn,
     #: TORCHELASTIC_RUN_ID, SLURM job.step); "" when the launcher cannot know one.
@@ -30,6 +30,10 @@ class World:
     #: (host, processes) of every node in node-rank order, where the launcher knows it
     #: (SLURM's nodelist does; torchrun does not). Only used to print the world table.
     layout: tuple[tuple[str, int], ...] = ()
+    #: True when the launcher started every local process from one parent with one
+    #: CUDA_VISIBLE_DEVICES (spawn), so that the variable says nothing about which GPUs
+    #: are a process's own; see engine.parallel.gpus_bound_by_launcher.
+    shared_devices: bool = False
 
     @property
     def is_rank0(self) -> bool:

@@ -400,4 +400,4 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
 
 @engine.hookimpl
 def engine_register_checkpointers(registry):
-    registry.add("async", AsyncFileCheckpointer)
+    registry.add(AsyncFileCheckpointer)

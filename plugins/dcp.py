@@ -279,4 +279,4 @@ def _to(state, device):
 
 @engine.hookimpl
 def engine_register_checkpointers(registry):
-    registry.add("dcp", DCPCheckpointer)
+    registry.add(DCPCheckpointer)

@@ -4,7 +4,9 @@ On CUDA, local rank i drives visible GPU i (NCCL; ``torch.cuda.set_device`` befo
 process group); on a CPU-only machine every process computes on the CPU (gloo). The
 batch is split across processes: each gets ``batch_size / world_size``.
 
-The DDP options come from ``cfg.ddp`` (``engine-run RECIPE ddp.bucket_cap_mb=50``):
+The DDP options are this plugin's config group ``ddp`` (:class:`DDPConfig`, added to
+every run's config through ``engine_register_config_groups``; ``engine-run RECIPE
+ddp.bucket_cap_mb=50``):
 
 - ``bucket_cap_mb`` (25): gradients are all-reduced in buckets of this size, each
   as soon as it is full, overlapping communication with the rest of the backward.
@@ -30,17 +32,49 @@ from __future__ import annotations
 
 import inspect
 
+import attrs
+
 import engine
 from engine.errors import ConfigError
 from engine.parallel import Parallel, gpu_group, visible_gpus
 
 
+@attrs.define
+class DDPConfig:
+    """Options passed to torch's DistributedDataParallel. The defaults suit most models."""
+
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True  # saves one copy of the gradients
+    static_graph: bool = False
+    find_unused_parameters: bool = False  # costs a graph traversal every step
+    broadcast_buffers: bool = True
+    sync_batchnorm: bool = False
+    gpus_per_process: int = 0  # ddp-multigpu: GPUs each process drives (0: all it can)
+
+
+def ddp_options(cfg) -> DDPConfig:
+    """``cfg.ddp``, or the defaults for a config built without the plugin manager
+    (a library caller's own TrainConfig, a tool)."""
+    options = getattr(cfg, "ddp", None)
+    return DDPConfig() if options is None else options
+
+
 class DistributedDataParallel(Parallel):
     name = "ddp"
+    #: ``auto`` picks ddp first whenever there are several processes.
+    priority = 10
     #: GPUs each process drives (ddp-multigpu overrides it).
     gpus_per_process = 1
     idle_gpus_advice = ("start one process per GPU (--nproc; spawn's default) or use "
                         "--parallel ddp-multigpu")
+
+    @classmethod
+    def detect(cls, world) -> bool:
+        return world.world_size > 1
+
+    @property
+    def options(self) -> DDPConfig:
+        return ddp_options(self.cfg)
 
     @property
     def devices(self):
@@ -58,7 +92,7 @@ class DistributedDataParallel(Parallel):
 
     def check(self):
         device = self.devices[0]  # raises when the node lacks GPUs for its processes
-        if (self.cfg.ddp.sync_batchnorm and device.type == "cpu"
+        if (self.options.sync_batchnorm and device.type == "cpu"
                 and self.world.world_size > 1):
             import torch
 
@@ -87,7 +121,7 @@ class DistributedDataParallel(Parallel):
             self.warn(f"parallel mode {self.name!r} with one process: nothing to "
                       "synchronise, training the model unwrapped (as 'single')")
             return model
-        if self.cfg.ddp.sync_batchnorm:
+        if self.options.sync_batchnorm:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         return self.ddp(model, device_ids=[self.device.index]
                         if self.device.type == "cuda" else None)
@@ -96,7 +130,7 @@ class DistributedDataParallel(Parallel):
         """torch's DistributedDataParallel around ``module`` with the ``cfg.ddp`` options."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        opts = self.cfg.ddp
+        opts = self.options
         # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (same meaning
         # during training) and warns on the old name.
         sync_buffers = ("forward_sync_buffers" if "forward_sync_buffers" in
@@ -133,7 +167,7 @@ class DistributedDataParallel(Parallel):
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        if not isinstance(model, DDP) or not self.cfg.ddp.broadcast_buffers:
+        if not isinstance(model, DDP) or not self.options.broadcast_buffers:
             return
         for buffer in model.module.buffers():
             dist.broadcast(buffer, src=0)
@@ -159,4 +193,9 @@ class DistributedDataParallel(Parallel):
 
 @engine.hookimpl
 def engine_register_parallel(registry):
-    registry.add("ddp", DistributedDataParallel)
+    registry.add(DistributedDataParallel)
+
+
+@engine.hookimpl
+def engine_register_config_groups():
+    return {"ddp": DDPConfig}

@@ -34,7 +34,7 @@ Limits (also in docs/parallel.md):
   first GPU's replica updates the running statistics; ``ddp.sync_batchnorm`` cannot
   work across threads of one process and is refused when k > 1.
 - Validation runs the unwrapped model on the first GPU of each process.
-- k: ``ddp.gpus_per_process`` when the config has it (0 = automatic), otherwise the
+- k: ``ddp.gpus_per_process`` (0 = automatic), otherwise the
   visible GPUs shared out evenly over the node's processes.
 - On a machine without GPUs every process computes on the CPU with k = 1, where
   DataParallel is a pass-through: the nesting and the cross-process reduction are
@@ -51,6 +51,8 @@ from engine.plugins.ddp import DistributedDataParallel
 
 class MultiGPUDistributedDataParallel(DistributedDataParallel):
     name = "ddp-multigpu"
+    # Never chosen by ``auto`` (it would inherit ddp's detect): asked for by name.
+    detect = classmethod(lambda cls, world: False)
     idle_gpus_advice = ("start more processes (--nproc) or set ddp.gpus_per_process so "
                         "that processes x GPUs per process covers them")
 
@@ -59,7 +61,7 @@ class MultiGPUDistributedDataParallel(DistributedDataParallel):
         visible = visible_gpus()
         if not visible:
             return 1
-        wanted = getattr(self.cfg.ddp, "gpus_per_process", 0)  # 0: automatic
+        wanted = self.options.gpus_per_process  # 0: automatic
         if wanted:
             return wanted
         local = self.world.local_world_size
@@ -70,7 +72,7 @@ class MultiGPUDistributedDataParallel(DistributedDataParallel):
 
     def check(self):
         super().check()
-        if self.cfg.ddp.sync_batchnorm and len(self.devices) > 1:
+        if self.options.sync_batchnorm and len(self.devices) > 1:
             raise ConfigError(
                 f"ddp.sync_batchnorm=true does not work with parallel mode "
                 f"'ddp-multigpu' at {len(self.devices)} GPUs per process (SyncBatchNorm "
@@ -109,4 +111,4 @@ class MultiGPUDistributedDataParallel(DistributedDataParallel):
 
 @engine.hookimpl
 def engine_register_parallel(registry):
-    registry.add("ddp-multigpu", MultiGPUDistributedDataParallel)
+    registry.add(MultiGPUDistributedDataParallel)

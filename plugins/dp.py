@@ -23,6 +23,13 @@ from engine.parallel import Parallel, require_single_process, visible_gpus
 class DataParallel(Parallel):
     name = "dp"
     single_process = True
+    #: ``auto``: after ddp, before single.
+    priority = 20
+
+    @classmethod
+    def detect(cls, world) -> bool:
+        """One process that sees several GPUs."""
+        return world.world_size == 1 and visible_gpus() > 1
 
     @property
     def devices(self):
@@ -63,4 +70,4 @@ class DataParallel(Parallel):
 
 @engine.hookimpl
 def engine_register_parallel(registry):
-    registry.add("dp", DataParallel)
+    registry.add(DataParallel)

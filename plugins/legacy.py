@@ -45,6 +45,7 @@ def option_from_cmdline(cmdline: list[str], *names: str) -> str | None:
 
 
 class LegacyLauncher(Launcher):
+    port_held_by_starter = True  # torch.distributed.launch is torchrun underneath
     name = "legacy"
     priority = 10  # before torchrun: modern torch.distributed.launch sets its variables
     reads = REQUIRED + ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -130,15 +131,15 @@ class LegacyLauncher(Launcher):
                 "every node must run --nproc-per-node processes")
         return local, world_size // local
 
-    def launch(self, worker: Callable[[World], None]) -> None:
+    def launch(self, worker: Callable[[World], object]) -> list:
         (world,) = self.worlds()
         if world.is_rank0:
             warn_once(f"python -m {LEGACY_MODULE} is deprecated and torchrun replaces it: "
                       "torchrun --nproc-per-node N $(which engine-run) RECIPE ... runs the "
                       "same workers (no --local-rank argument, no --use_env needed)")
-        worker(world)
+        return [worker(world)]
 
 
 @engine.hookimpl
 def engine_register_launchers(registry):
-    registry.add("legacy", LegacyLauncher)
+    registry.add(LegacyLauncher)

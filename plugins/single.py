@@ -13,6 +13,11 @@ from engine.parallel import Parallel, require_single_process, visible_gpus
 class SingleDevice(Parallel):
     name = "single"
     single_process = True
+    priority = 1000  # ``auto``'s fallback: nothing else claimed the process
+
+    @classmethod
+    def detect(cls, world) -> bool:
+        return True
 
     @property
     def devices(self):
@@ -34,4 +39,4 @@ class SingleDevice(Parallel):
 
 @engine.hookimpl
 def engine_register_parallel(registry):
-    registry.add("single", SingleDevice)
+    registry.add(SingleDevice)

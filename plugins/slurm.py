@@ -9,7 +9,7 @@ and the ranks are task * G + i. Either way:
   from SLURM_LOCALID, node rank from SLURM_NODEID;
 - master address: MASTER_ADDR if set, else the first host of the step's node list
   (SLURM_STEP_NODELIST; SLURM_JOB_NODELIST outside a step variable), where task 0 runs;
-  expanded in Python (engine/slurm.py) and cross-checked with ``scontrol``;
+  expanded in Python (plugins/slurm_hostlist.py) and cross-checked with ``scontrol``;
 - master port: MASTER_PORT if set, else 15000 + the last four digits of SLURM_JOB_ID;
 - SLURM_CPUS_PER_TASK sets the threads (engine/data.py); a task that starts G
   processes gives each of them a G-th of its CPUs.
@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Callable
 
 import engine
-from engine import slurm
+from engine.plugins import slurm_hostlist as slurm
 from engine.errors import LaunchError
 from engine.launcher import (Launcher, check_port_free, int_variable, is_local_address,
                              require_variables, spawn_workers)
@@ -230,7 +230,7 @@ class SlurmLauncher(Launcher):
 
     # ----------------------------------------------------------------- launch
 
-    def launch(self, worker: Callable[[World], None]) -> None:
+    def launch(self, worker: Callable[[World], object]) -> list:
         worlds = self.worlds()
         first = worlds[0]
         if first.is_rank0 and first.init_method == "env://":
@@ -239,17 +239,27 @@ class SlurmLauncher(Launcher):
                 check_port_free(addr, port, f"MASTER_PORT=PORT in the job's environment "
                                             f"(the port was {source})")
         if len(worlds) == 1:
-            worker(first)
-            return
+            return [worker(first)]
         child_env = {}
         cpus = self.environ.get("SLURM_CPUS_PER_TASK", "")
         if cpus.isdigit():
             # The task's CPUs are shared by the processes it starts: each child sees
             # its share where engine/data.py looks for it.
             child_env["SLURM_CPUS_PER_TASK"] = str(max(1, int(cpus) // len(worlds)))
-        spawn_workers(worker, worlds, child_env)
+        return spawn_workers(worker, worlds, child_env)
 
 
 @engine.hookimpl
 def engine_register_launchers(registry):
-    registry.add("slurm", SlurmLauncher)
+    registry.add(SlurmLauncher)
+
+
+def sbatch_command(argv) -> int:
+    from engine.plugins import slurm_sbatch
+
+    return slurm_sbatch.main(argv)
+
+
+@engine.hookimpl
+def engine_register_commands():
+    return {"sbatch": sbatch_command}

@@ -79,6 +79,7 @@ class SpawnLauncher(Launcher):
                 master_port=port,
                 init_method=opts.init_method,
                 launcher=self.name,
+                shared_devices=True,  # the children inherit this process's variables
                 run_id=self._run_id,
                 host=host,
                 layout=layout,
@@ -106,7 +107,7 @@ class SpawnLauncher(Launcher):
             self._picked_run_id = uuid.uuid4().hex[:12]
         return self._picked_run_id
 
-    def launch(self, worker: Callable[[World], None]) -> None:
+    def launch(self, worker: Callable[[World], object]) -> list:
         worlds = self.worlds()
         first = worlds[0]
         if first.node_rank == 0 and not first.init_method.startswith("file://"):
@@ -119,11 +120,10 @@ class SpawnLauncher(Launcher):
                                "picked)")
                 check_port_free(host, port, option)
         if len(worlds) == 1:
-            worker(worlds[0])  # no point in a child process
-            return
-        spawn_workers(worker, worlds)
+            return [worker(worlds[0])]  # no point in a child process
+        return spawn_workers(worker, worlds)
 
 
 @engine.hookimpl
 def engine_register_launchers(registry):
-    registry.add("spawn", SpawnLauncher)
+    registry.add(SpawnLauncher)

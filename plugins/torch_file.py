@@ -209,4 +209,4 @@ class TorchFileCheckpointer(Checkpointer):
 
 @engine.hookimpl
 def engine_register_checkpointers(registry):
-    registry.add("torch-file", TorchFileCheckpointer)
+    registry.add(TorchFileCheckpointer)

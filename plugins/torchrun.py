@@ -27,6 +27,7 @@ REQUIRED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 class TorchrunLauncher(Launcher):
     name = "torchrun"
     priority = 20
+    port_held_by_starter = True  # the agent's rendezvous store
     reads = REQUIRED + ("GROUP_RANK", "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
                         "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
 
@@ -91,4 +92,4 @@ class TorchrunLauncher(Launcher):
 
 @engine.hookimpl
 def engine_register_launchers(registry):
-    registry.add("torchrun", TorchrunLauncher)
+    registry.add(TorchrunLauncher)

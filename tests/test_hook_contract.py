@@ -35,6 +35,10 @@ RELEASED = {
         "engine_run_end": ("engine", "summary"),
         "engine_exception": ("engine", "exc"),
     },
+    "0.2": {
+        "engine_register_config_groups": (),
+        "engine_register_commands": (),
+    },
 }
 FIRST_RELEASE = {name: (version, args) for version, hooks in RELEASED.items()
                  for name, args in hooks.items()}

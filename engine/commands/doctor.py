@@ -102,7 +102,7 @@ def main(argv) -> int:
              f"{', '.join(str(w.rank) for w in worlds)} of {world.world_size}, local world "
              f"size {world.local_world_size}; master {world.rendezvous} "
              f"({world.init_method})")
-    _check_master(world, line)
+    _check_master(world, line, launcher)
     _check_ifname(line)
     if gpus > 1 and world.local_world_size > 1:
         line(NOTE, f"{gpus} GPUs visible to each of {world.local_world_size} local "
@@ -156,7 +156,7 @@ def _torch_section() -> int:
     return count
 
 
-def _check_master(world, line) -> None:
+def _check_master(world, line, launcher) -> None:
     from engine.errors import LaunchError
     from engine.launcher import check_port_free, is_local_address
     from engine.world import tcp_endpoint
@@ -179,8 +179,8 @@ def _check_master(world, line) -> None:
     if world.world_size > 1 and world.num_nodes > 1 and any(
             a.startswith("127.") or a == "::1" for a in addresses) and world.node_rank != 0:
         line(NOTE, f"{host} is a loopback address: other machines cannot reach it")
-    if world.launcher in ("torchrun", "legacy"):
-        line(OK, f"port {port}: torchrun's agent holds it (the rendezvous store)")
+    if launcher.port_held_by_starter:
+        line(OK, f"port {port}: {launcher.name}'s agent holds it (the rendezvous store)")
     elif world.rank == 0 and is_local_address(host):
         try:
             check_port_free(host, port)

@@ -119,8 +119,8 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
     measurements and what the engine would choose."""
     from engine import data, loader_settings
     from engine.cli import WorkerJob
-    from engine.engine import resolve_parallel_name
     from engine.launcher import LaunchOptions, choose_launcher
+    from engine.parallel import choose_parallel
     from engine.plugin_manager import build_plugin_manager
 
     pm = build_plugin_manager(list(plugins))
@@ -130,8 +130,7 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
                                LaunchOptions(nproc=nproc, init_method=cfg.init_method))
     worlds = launcher.worlds()
     world = worlds[0]
-    parallel = pm.parallel_modes.get(resolve_parallel_name(cfg.parallel, world,
-                                                           pm.parallel_modes))(world, cfg)
+    parallel = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg)
     device_type = parallel.devices[0].type
     per_process, where = loader_settings.cpus_per_process(world.local_world_size)
     auto = loader_settings.choose("auto", local_world_size=world.local_world_size,
@@ -240,7 +239,8 @@ def _measure_settings(job, world, settings, budget_s, full_step, results, barrie
     import torch
 
     from engine import data, loader_settings
-    from engine.engine import Engine, resolve_parallel_name, seed_everything
+    from engine.engine import Engine, seed_everything
+    from engine.parallel import choose_parallel
     from engine.plugin_manager import build_plugin_manager
 
     pm = build_plugin_manager(list(job.plugins))
@@ -248,8 +248,7 @@ def _measure_settings(job, world, settings, budget_s, full_step, results, barrie
     seed_everything(cfg.seed)
     torch.set_num_threads(data.threads_per_process(world.local_world_size))
     ctx = Engine(pm, recipe, cfg, world, {})  # what build_datasets sees as ctx in a run
-    ctx.parallel = pm.parallel_modes.get(
-        resolve_parallel_name(cfg.parallel, world, pm.parallel_modes))(world, cfg)
+    ctx.parallel = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg)
     ctx.parallel.setup_device()
     device = ctx.device
     wait = barrier.wait  # every wait below has the same finite timeout

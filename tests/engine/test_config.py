@@ -27,14 +27,13 @@ class Config(TrainConfig):
 def test_overrides_convert_by_field_type():
     cfg = apply_overrides(Config(), [
         "epochs=3", "lr=0.5", "data.root=/data", "data.source=synthetic", "drop_last=yes",
-        "data.path=/x/y", "scales=0.25,2", "num_workers=auto", "ddp.bucket_cap_mb=50",
+        "data.path=/x/y", "scales=0.25,2", "num_workers=auto",
     ])
     assert cfg.epochs == 3 and cfg.lr == 0.5 and cfg.drop_last is True
     assert cfg.data.root == "/data" and cfg.data.source == "synthetic"
     assert cfg.data.path == pathlib.Path("/x/y")
     assert cfg.scales == (0.25, 2.0)
     assert cfg.num_workers == "auto"
-    assert cfg.ddp.bucket_cap_mb == 50.0
     assert apply_overrides(Config(), ["num_workers=3"]).num_workers == 3
     assert apply_overrides(Config(), ["data.path=none"]).data.path is None
 
@@ -75,5 +74,5 @@ def test_convert_rejects_what_does_not_fit():
 def test_to_dict_is_plain_data():
     d = to_dict(apply_overrides(Config(), ["data.path=/p"]))
     assert d["data"]["path"] == "/p"
-    assert d["ddp"]["find_unused_parameters"] is False
+    assert d["checkpoint"]["best_mode"] == "max"  # a nested group: a plain dict
     assert d["scales"] == [0.5, 1.0]

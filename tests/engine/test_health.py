@@ -22,7 +22,8 @@ def run_with_fault(tmp_path, action: str, *extra: str, step: int = 3):
 def test_a_rank_that_raises_is_named_and_the_run_stops(tmp_path):
     proc, _ = run_with_fault(tmp_path, "raise")
     assert proc.returncode != 0
-    assert "[rank 1] RuntimeError: injected failure on rank 1" in proc.stderr
+    assert ("[rank 1] error: plugin 'tests.fault_plugin' (hook engine_train_step_end): "
+            "RuntimeError: injected failure on rank 1") in proc.stderr
     assert "(rank 1) exited with code 1" in proc.stderr
     # Rank 0 records the failure when it notices the lost rank before it is stopped.
     assert (not (tmp_path / "summary.json").exists()

@@ -184,3 +184,15 @@ def test_local_workers_get_their_environment_and_signals_and_failures_are_named(
     assert (tmp_path / "usr1-0").exists() and (tmp_path / "usr1-1").exists()
     assert str(err.value) == ("worker with local rank 1 (rank 1) exited with code 3; its "
                               "error is printed above")
+    assert err.value.exit_code == 1  # a code that is not one of engine-run's: a failure
+
+
+class Status:
+    """Worker: return a short status, or an object too large to send back."""
+
+    def __call__(self, world):
+        return "preempted" if world.rank == 0 else "x" * 100_000
+
+
+def test_local_workers_send_back_their_status():
+    assert spawn_workers(Status(), worlds(2)) == ["preempted", None]

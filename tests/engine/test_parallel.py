@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
+import engine
 from engine.errors import ConfigError
 from engine.parallel import Parallel, gpu_group, idle_gpus_message, require_single_process
+from engine.testing import make_plugin_manager  # noqa: F401 (a fixture)
 from engine.world import World
 
 
@@ -16,7 +18,8 @@ def world(local_rank=0, local_world_size=1, launcher="spawn", rank=None, nodes=1
           host="node-a"):
     return World(rank=local_rank if rank is None else rank, local_rank=local_rank,
                  world_size=local_world_size * nodes, local_world_size=local_world_size,
-                 num_nodes=nodes, launcher=launcher, host=host)
+                 num_nodes=nodes, launcher=launcher, host=host,
+                 shared_devices=launcher == "spawn")
 
 
 def test_each_local_rank_gets_its_own_consecutive_gpus():
@@ -44,6 +47,13 @@ def test_a_launcher_that_binds_gpus_per_task_is_trusted(monkeypatch):
     # Our own spawn passes one CUDA_VISIBLE_DEVICES to all children: never bound.
     with pytest.raises(ConfigError, match="needs 2 GPU"):
         gpu_group("ddp-multigpu", world(3, 4, launcher="spawn"), 2, visible=2)
+    from engine.launcher import LaunchOptions
+    from engine.plugins.spawn import SpawnLauncher
+
+    spawned = SpawnLauncher(LaunchOptions(nproc=4), environ={}).worlds()
+    assert all(w.shared_devices for w in spawned)
+    with pytest.raises(ConfigError, match="needs 2 GPU"):
+        gpu_group("ddp-multigpu", spawned[3], 2, visible=2)
 
 
 def test_binding_needs_cuda_visible_devices(monkeypatch):
@@ -115,3 +125,47 @@ def test_all_four_modes_are_registered_built_ins():
     assert {"single", "dp", "ddp", "ddp-multigpu"} <= names
     assert all(pm.parallel_modes.owner(n) == n for n in ("single", "dp", "ddp",
                                                          "ddp-multigpu"))
+
+
+# ------------------------------------------------------------------- auto
+
+
+def auto(pm, world_size):
+    from engine.parallel import choose_parallel
+
+    w = World(rank=0, local_rank=0, world_size=world_size, local_world_size=world_size)
+    return choose_parallel(pm.parallel_modes, "auto", w).name
+
+
+def test_auto_asks_the_modes_own_detect_in_priority_order(make_plugin_manager, monkeypatch):
+    pm = make_plugin_manager()
+    monkeypatch.setattr("engine.plugins.dp.visible_gpus", lambda: 0)
+    assert [auto(pm, n) for n in (1, 2, 4)] == ["single", "ddp", "ddp"]
+    # One process that sees several GPUs: dp (its detect asks how many are visible).
+    monkeypatch.setattr("engine.plugins.dp.visible_gpus", lambda: 2)
+    assert [auto(pm, n) for n in (1, 2)] == ["dp", "ddp"]
+    # Without the dp plugin the same process falls back to single.
+    assert auto(make_plugin_manager("no:dp"), 1) == "single"
+
+
+class Pipeline(Parallel):
+    name = "pipeline"
+    priority = 5
+
+    @classmethod
+    def detect(cls, world):
+        return world.world_size == 4
+
+
+class PipelinePlugin:
+    @engine.hookimpl
+    def engine_register_parallel(self, registry):
+        registry.add(Pipeline)
+        ddp = registry.get("ddp")
+        # A subclass inherits ddp's detect and priority; ddp, registered first, wins.
+        registry.add(type("DDPVariant", (ddp,), {"name": "ddp-variant"}))
+
+
+def test_a_third_party_mode_takes_part_in_auto(make_plugin_manager):
+    pm = make_plugin_manager(PipelinePlugin())
+    assert [auto(pm, n) for n in (1, 2, 4)] == ["single", "ddp", "pipeline"]

@@ -125,7 +125,7 @@ class Mine(Parallel):
 
 @engine.hookimpl
 def engine_register_parallel(registry):
-    registry.add("mine", Mine)
+    registry.add(Mine)
 """)
     pm = build_plugin_manager(["no:console", "no:tensorboard", name])
     info = pm.infos[name]
@@ -288,7 +288,7 @@ class MyDDP(Parallel):
 
 @engine.hookimpl
 def engine_register_parallel(registry):
-    registry.add("ddp", MyDDP)
+    registry.add(MyDDP)
 """)
     with pytest.raises(PluginError) as err:
         build_plugin_manager([name])

@@ -22,9 +22,9 @@ class Slow(Launcher):
 def registry():
     registry = Registry("launcher", Launcher)
     registry.current_plugin = "plugin-a"
-    registry.add("fast", Fast)
+    registry.add(Fast)
     registry.current_plugin = "plugin-b"
-    registry.add("slow", Slow)
+    registry.add(Slow)
     return registry
 
 
@@ -38,8 +38,12 @@ def test_lookup_membership_and_owners(registry):
 
 def test_a_name_taken_twice_names_both_plugins(registry):
     registry.current_plugin = "plugin-c"
+
+    class AnotherFast(Launcher):
+        name = "fast"
+
     with pytest.raises(PluginError) as err:
-        registry.add("fast", Slow)
+        registry.add(AnotherFast)
     assert str(err.value) == ("launcher 'fast' is registered twice: by plugin 'plugin-a' "
                               "and by plugin 'plugin-c'; disable one with -p no:NAME")
     assert registry.get("fast") is Fast  # the first one keeps the name
@@ -56,23 +60,48 @@ def test_an_unknown_name_lists_the_registered_ones(registry):
                               "installed); registered: none")
 
 
-@pytest.mark.parametrize("name", ["", "two words", "-dash-first", "a/b", 3])
+@pytest.mark.parametrize("name", ["", "two words", "-dash-first", "a/b", 3, None])
 def test_names_must_be_typeable_on_the_command_line(registry, name):
+    bad = type("Bad", (Launcher,), {"name": name, "__module__": "mod"})
     with pytest.raises(PluginError) as err:
-        registry.add(name, Fast)
+        registry.add(bad)
     assert str(err.value) == (
-        f"plugin 'plugin-b' registers a launcher named {name!r}; a name is letters, "
-        "digits, '-', '_' and '.', starting with a letter or digit")
+        f"plugin 'plugin-b' registers a launcher named {name!r} (mod.Bad.name); a name is "
+        "letters, digits, '-', '_' and '.', starting with a letter or digit")
+
+
+def test_the_name_comes_from_the_class_only(registry):
+    """add(cls) takes the class's own name; the 0.1 form add("name", cls) still works
+    when the two agree and is refused when they differ (the name a component reports
+    in summary.json and the one typed on the command line would disagree)."""
+
+    class Medium(Launcher):
+        name = "medium"
+
+    registry.add("medium", Medium)
+    assert registry.get("medium") is Medium
+    with pytest.raises(PluginError) as err:
+        registry.add("quick", Fast)
+    assert str(err.value) == (
+        "plugin 'plugin-b' registers launcher 'quick' as tests.engine.test_registry.Fast, "
+        "whose name attribute is 'fast'; set name = 'quick' in the class and call "
+        "registry.add(cls)")
+    with pytest.raises(PluginError) as err:
+        registry.add(Fast, "quick")
+    assert str(err.value) == (
+        "plugin 'plugin-b' passes a separate name 'quick' for launcher "
+        "tests.engine.test_registry.Fast; the name comes from the class: call "
+        "registry.add(cls)")
 
 
 def test_components_must_subclass_the_base(registry):
     with pytest.raises(PluginError) as err:
-        registry.add("fake", object)
+        registry.add(type("Fake", (), {"name": "fake"}))
     assert str(err.value) == ("plugin 'plugin-b' registers launcher 'fake' as <class "
-                              "'object'>, which is not a subclass of "
+                              "'tests.engine.test_registry.Fake'>, which is not a subclass of "
                               "engine.launcher.Launcher")
     with pytest.raises(PluginError):
-        registry.add("instance", Fast(options=None, environ={}))
+        registry.add(Fast(options=None, environ={}))
 
 
 @pytest.mark.parametrize("args, message", [

@@ -10,7 +10,8 @@ from engine.world import World, check_init_method, format_world_table, whole_wor
 
 
 def world(**kw) -> World:
-    base = dict(rank=0, local_rank=0, world_size=2, local_world_size=2, host="h0")
+    base = dict(rank=0, local_rank=0, world_size=2, local_world_size=2, host="h0",
+                launcher="spawn")
     base.update(kw)
     return World(**base)
 

@@ -162,14 +162,14 @@ def test_dry_run_plan_shows_gloo_and_one_cpu_per_rank():
 def _sync_buffers_worker(rank: int, ports: list, results):
     import torch.distributed as dist
 
-    from engine.config import TrainConfig
-    from engine.plugins.ddp import DistributedDataParallel
+    from engine.config import TrainConfig, with_groups
+    from engine.plugins.ddp import DDPConfig, DistributedDataParallel
     from engine.world import World
 
     for broadcast, port in zip((True, False), ports):
         world = World(rank=rank, local_rank=rank, world_size=2, local_world_size=2,
                       master_port=port)
-        cfg = TrainConfig()
+        cfg = with_groups(TrainConfig(), {"ddp": DDPConfig})
         cfg.ddp.broadcast_buffers = broadcast
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -24,4 +24,4 @@ def engine_register_parallel(registry):
             wrapped.register_comm_hook(state=None, hook=default_hooks.fp16_compress_hook)
             return wrapped
 
-    registry.add("ddp-fp16", CompressedDDP)
+    registry.add(CompressedDDP)

@@ -1,4 +1,5 @@
-"""``engine-run sbatch``: print a SLURM batch script that trains a recipe.
+"""``engine-run sbatch``: print a SLURM batch script that trains a recipe (a command of
+the slurm plugin, see ``engine_register_commands`` in plugins/slurm.py).
 
     engine-run sbatch recipes/cifar_ddp.py --nodes 2 --gpus-per-node 4 --cpus-per-task 16
     engine-run sbatch recipes/cifar_ddp.py epochs=10 --nodes 2 --gpus-per-node 4 \\
@@ -90,12 +91,16 @@ def make_script(args: argparse.Namespace, argv_text: str = "") -> str:
     if args.signal_seconds < 0:
         raise ConfigError(f"--signal-seconds {args.signal_seconds} must be >= 0")
 
-    from engine.config import apply_overrides
-    from engine.recipe import load_recipe
+    from engine.cli import WorkerJob, plugin_args
+    from engine.plugin_manager import build_plugin_manager
+    from engine.plugins.slurm import SlurmLauncher
 
-    recipe = load_recipe(args.recipe)  # a wrong path or override fails here, not in the job
-    cfg = apply_overrides(recipe.make_config(), list(args.overrides))
-    out_dir = cfg.out_dir if cfg.out_dir != "runs/default" else f"runs/{recipe.name}"
+    # A wrong path, override or component name fails here, not in the job; the plugins
+    # the srun line loads (-p after --) may add config groups.
+    plugins = plugin_args(args.extra)
+    job = WorkerJob(args.recipe, tuple(args.overrides), tuple(plugins), {})
+    recipe, cfg = job.load(build_plugin_manager(plugins))
+    out_dir = cfg.out_dir
     log_dir = pathlib.Path(args.output_dir or out_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     engine_run = args.engine_run or _this_engine_run()
@@ -132,7 +137,7 @@ def make_script(args: argparse.Namespace, argv_text: str = "") -> str:
             f"#SBATCH --signal=USR1@{args.signal_seconds}",
             "#SBATCH --requeue",
         ]
-    command = [engine_run, args.recipe, *args.overrides, "--launcher", "slurm"]
+    command = [engine_run, args.recipe, *args.overrides, "--launcher", SlurmLauncher.name]
     if per_node:
         command += ["--nproc", str(procs)]
     command += args.extra

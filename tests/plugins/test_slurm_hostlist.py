@@ -1,4 +1,4 @@
-"""engine/slurm.py: SLURM's compressed node lists and task counts, read in Python and
+"""plugins/slurm_hostlist.py: SLURM's compressed node lists and task counts, read in Python and
 checked against ``scontrol show hostnames`` where SLURM is installed."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import stat
 
 import pytest
 
-from engine import slurm
 from engine.errors import LaunchError
+from engine.plugins import slurm_hostlist as slurm
 
 EXPANSIONS = [
     ("n1", ["n1"]),
