@@ -69,7 +69,7 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
     then be picklable), or in this process when the launcher adopted it (torchrun,
     SLURM, or a single process). A failed worker raises an EngineError naming it.
     """
-    from engine.config import TrainConfig, check
+    from engine.config import TrainConfig, check, with_groups
     from engine.launcher import LaunchOptions, choose_launcher
     from engine.plugin_manager import build_plugin_manager
 
@@ -85,6 +85,8 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
         cfg.out_dir = f"runs/{_script_name(fn)}"
 
     pm = build_plugin_manager(plugins)
+    # The plugins' config groups (cfg.ddp from the ddp plugin), as engine-run adds them.
+    cfg = with_groups(cfg, pm.config_groups)
     # Names are checked now, before any process starts.
     if cfg.parallel != "auto":
         pm.parallel_modes.get(cfg.parallel)

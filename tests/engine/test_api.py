@@ -71,6 +71,15 @@ def test_one_process_runs_here_and_returns_the_result(tmp_path):
         "completed", 1, "single")
 
 
+def ddp_options(ctx):
+    return ctx.cfg.ddp.bucket_cap_mb
+
+
+def test_the_plugins_config_groups_reach_library_mode(tmp_path):
+    # engine-run adds the ddp plugin's group to the config; engine.launch must too.
+    assert engine.launch(ddp_options, nproc=1, config=config(tmp_path)) == 25
+
+
 def log_and_fail(ctx, fail):
     ctx.log({"loss": torch.tensor(0.5), "lr": 0.1})
     ctx.log({"loss": 0.25}, step=7)
