@@ -110,6 +110,11 @@ class Trainer:
         steps_in_epoch = batches_seen = 0
         data_wait = 0.0
         samples_per_step = eng.micro_batch * accum * eng.world.world_size
+        # on_nonfinite=skip: whether every micro-batch of the step so far had a finite
+        # loss, kept on the device; one check at the optimizer step. A NaN in any
+        # micro-batch poisons the accumulated gradients, not only one in the last.
+        skip_nonfinite = cfg.on_nonfinite == "skip"
+        step_finite = torch.ones((), dtype=torch.bool, device=device)
         epoch_start = window_start = time.perf_counter()
 
         fetch_start = time.perf_counter()
@@ -134,11 +139,13 @@ class Trainer:
                 else:
                     scaled.backward()
             window_loss += loss.detach()
+            if skip_nonfinite:
+                step_finite &= torch.isfinite(loss.detach())
             window_batches += 1
             eng.state.batch_in_epoch = batch_index + 1
             batches_seen += 1
             if last_micro:
-                if cfg.on_nonfinite == "skip" and not self.all_finite(loss):
+                if skip_nonfinite and not self.all_finite(step_finite):
                     optimizer.zero_grad(set_to_none=True)
                     self.skipped_steps += 1
                     eng.warn(f"non-finite loss at step {eng.state.step + 1}: step skipped "
@@ -149,6 +156,8 @@ class Trainer:
                 else:
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                if skip_nonfinite:
+                    step_finite.fill_(True)
                 if eng.scheduler is not None and cfg.scheduler_interval == "step":
                     eng.scheduler.step()
                 eng.state.step += 1
@@ -227,9 +236,9 @@ class Trainer:
         self.stop_requested = distributed.all_reduce_sum(flag).item() > 0
         return self.stop_requested
 
-    def all_finite(self, loss) -> bool:
-        """Whether every rank's loss is finite: a host sync, so only with on_nonfinite=skip."""
-        flag = torch.isfinite(loss.detach()).float().reshape(1)
+    def all_finite(self, finite) -> bool:
+        """Whether every rank's step was finite: a host sync, so only with on_nonfinite=skip."""
+        flag = finite.float().reshape(1)
         return distributed.all_reduce_sum(flag).item() == self.engine.world.world_size
 
     # ------------------------------------------------------------ validation
