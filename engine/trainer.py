@@ -3,20 +3,28 @@
 ``Trainer.fit`` in pseudocode (hooks in brackets)::
 
     [engine_run_start]                                   (fired by Engine.run)
-    for epoch in epochs not yet completed:
+    for epoch in epochs not yet completed:                         run_epoch
         sampler.set_epoch(epoch, skip the batches a resumed snapshot already consumed)
         [engine_epoch_start]
-        for each micro-batch:
+        for each micro-batch:                                      train_epoch
             forward, loss, backward             (DDP syncs gradients on the last micro-step only)
-            on the last micro-step of a group:
-                optimizer step, zero_grad(set_to_none=True), scheduler if per step
+                                                                   run_batch
+            on the last micro-step of a group:                     optimizer_step
+                optimizer step (unless the non-finite policy skips it),
+                zero_grad(set_to_none=True), scheduler if per step
                 [engine_train_step_end]                 (not called when nobody implements it)
-                every log_every steps: [engine_log] on rank 0, pending snapshot/stop decisions
-        reduce the epoch's metrics over all ranks; validate
+                every log_every steps: [engine_log] on rank 0, pre-emption/snapshot agreement
+                                                                   check_point
+        reduce the epoch's metrics over all ranks; validate        validate
         [engine_log] [engine_epoch_end]; scheduler if per epoch; snapshot if due
 
-Nothing inside a step reads a value back from the device: metrics accumulate in device
-tensors and are read at the log interval and at the end of the epoch.
+Nothing inside a step reads a value back from the device (except ``on_nonfinite=skip``,
+which must decide every step): metrics accumulate in device tensors and are read at the
+log interval and at the end of the epoch.
+
+The policies are small objects, each in one place: :class:`NonFinitePolicy` (what a
+non-finite loss does), :class:`LogWindow` (the losses and timing between two check
+points) and :class:`SnapshotPolicy` (when a snapshot is due).
 """
 
 from __future__ import annotations
@@ -35,6 +43,111 @@ class NonFiniteLoss(EngineError):
     pass
 
 
+class NonFinitePolicy:
+    """``on_nonfinite``: what a non-finite training loss does.
+
+    ``stop`` costs nothing per step: the loss of each log window (reduced over the ranks
+    at the check point) and the epoch's mean loss are checked, and a non-finite one stops
+    the run. ``skip`` ANDs every micro-batch's finiteness into a device flag (a NaN in any
+    micro-batch poisons the accumulated gradients, not only one in the last); at the
+    optimizer step one all-reduce tells every rank alike whether to step: a host sync
+    per step, the price of deciding per step.
+    """
+
+    def __init__(self, mode: str, device, world_size: int, warn):
+        self.skip = mode == "skip"
+        self.world_size = world_size
+        self.warn = warn
+        self.skipped_steps = 0
+        self.finite = torch.ones((), dtype=torch.bool, device=device) if self.skip else None
+
+    def observe(self, loss) -> None:
+        """Every micro-batch's (detached) loss."""
+        if self.skip:
+            self.finite &= torch.isfinite(loss)
+
+    def allow_step(self, step: int) -> bool:
+        """At the optimizer step that will be number ``step``: take it?"""
+        if not self.skip:
+            return True
+        flag = self.finite.float().reshape(1)
+        self.finite.fill_(True)
+        if distributed.all_reduce_sum(flag).item() == self.world_size:
+            return True
+        self.skipped_steps += 1
+        self.warn(f"non-finite loss at step {step}: step skipped (on_nonfinite=skip)")
+        return False
+
+    def check_window(self, loss: float, first: int, last: int, epoch: int) -> None:
+        if not self.skip and not math.isfinite(loss):
+            raise NonFiniteLoss(
+                f"the training loss became non-finite ({loss}) between steps {first} and "
+                f"{last} (epoch {epoch}); lower lr, check the data, or set on_nonfinite=skip")
+
+    def check_epoch(self, loss: float, epoch: int, step: int) -> None:
+        if not self.skip and not math.isfinite(loss):
+            raise NonFiniteLoss(f"the training loss is not finite ({loss}) in epoch "
+                                f"{epoch}, by step {step}")
+
+
+class LogWindow:
+    """The micro-batches and steps since the last check point. Losses add up on the
+    device in one tensor (one add per micro-batch); at each check point the window is
+    folded into the epoch's sum and starts again."""
+
+    def __init__(self, device, samples_per_step: int):
+        self.samples_per_step = samples_per_step
+        self.loss = torch.zeros((), device=device)
+        self.epoch_loss = torch.zeros((), device=device)
+        self.batches = self.steps = 0
+        self.start = time.perf_counter()
+
+    def add_batch(self, loss) -> None:
+        self.loss += loss
+        self.batches += 1
+
+    def images_per_sec(self, now: float) -> float:
+        return self.samples_per_step * self.steps / (now - self.start)
+
+    def restart(self, now: float) -> None:
+        self.epoch_loss += self.loss
+        self.loss.zero_()
+        self.steps = self.batches = 0
+        self.start = now
+
+    def total_loss(self):
+        """The epoch's loss sum, this window's included (at the end of the epoch)."""
+        self.epoch_loss += self.loss
+        return self.epoch_loss
+
+
+class SnapshotPolicy:
+    """When a snapshot is due: every ``every_steps`` optimizer steps, every
+    ``every_minutes`` of wall time (rank 0's clock; the ranks agree at a check point),
+    every ``every_epochs`` epochs, and after the last epoch."""
+
+    def __init__(self, cfg, is_rank0: bool):
+        self.every_steps = cfg.checkpoint.every_steps
+        self.every_epochs = cfg.checkpoint.every_epochs
+        self.every_seconds = cfg.checkpoint.every_minutes * 60 if is_rank0 else 0
+        self.epochs = cfg.epochs
+        self.last_time = time.monotonic()
+
+    def due_at_step(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def due_by_time(self) -> bool:
+        return bool(self.every_seconds) and (
+            time.monotonic() - self.last_time >= self.every_seconds)
+
+    def due_at_epoch_end(self, epochs_done: int) -> bool:
+        return bool(self.every_epochs and epochs_done % self.every_epochs == 0) or (
+            epochs_done == self.epochs)
+
+    def saved(self) -> None:
+        self.last_time = time.monotonic()
+
+
 class Trainer:
     def __init__(self, engine):
         self.engine = engine
@@ -50,182 +163,172 @@ class Trainer:
         else:
             dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
             self.autocast = lambda: torch.autocast(device.type, dtype=dtype)
-        self.last_snapshot_time = time.monotonic()
+        self.non_blocking = device.type == "cuda"
+        self.nonfinite = NonFinitePolicy(self.cfg.on_nonfinite, device,
+                                         engine.world.world_size, engine.warn)
+        self.snapshots = SnapshotPolicy(self.cfg, engine.is_rank0)
         self.stop_requested = False  # the ranks agreed to stop (see engine/preemption.py)
-        self.skipped_steps = 0
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.nonfinite.skipped_steps
 
     # ------------------------------------------------------------------- fit
 
     def fit(self) -> None:
+        while self.engine.state.epoch < self.cfg.epochs:
+            if not self.run_epoch(self.engine.state.epoch):
+                return
+
+    def run_epoch(self, epoch: int) -> bool:
+        """Train one epoch, validate, log, snapshot if due. False when the run stops."""
         eng, cfg = self.engine, self.cfg
-        while eng.state.epoch < cfg.epochs:
-            epoch = eng.state.epoch
-            data.start_epoch(eng.train_loader, epoch,
-                             start_index=eng.state.batch_in_epoch * eng.micro_batch)
-            eng.pm.hook.engine_epoch_start(engine=eng, epoch=epoch)
-            train_metrics = self.train_epoch(epoch)
-            if self.stop_requested:  # pre-empted half-way through the epoch
-                self.save_snapshot()
-                return
-            # DDP syncs buffers at the start of each forward; after the last one every
-            # rank's BatchNorm statistics moved on their own. Equalise before validating.
-            eng.parallel.sync_buffers(eng.model)
-            metrics = {**train_metrics, **self.validate()}
-            metrics["lr"] = self.current_lr()
-            health.epoch_barrier(cfg.timeout_s)
-            eng.metrics.update(metrics)
-            eng.state.epoch = epoch + 1
-            eng.state.batch_in_epoch = 0
-            eng.state.epochs_completed = epoch + 1
-            if self.log_hook is not None:
-                self.log_hook(engine=eng, metrics=metrics, step=eng.state.step)
-            eng.pm.hook.engine_epoch_end(engine=eng, epoch=epoch, metrics=metrics)
-            if eng.scheduler is not None and cfg.scheduler_interval == "epoch":
-                eng.scheduler.step()
-            every = cfg.checkpoint.every_epochs
-            due = (every and (epoch + 1) % every == 0) or eng.state.epoch == cfg.epochs
-            stop = eng.state.epoch < cfg.epochs and self.agree_to_stop()
-            if due or stop:
-                self.save_snapshot()
-            if stop:
-                return
+        data.start_epoch(eng.train_loader, epoch,
+                         start_index=eng.state.batch_in_epoch * eng.micro_batch)
+        eng.pm.hook.engine_epoch_start(engine=eng, epoch=epoch)
+        train_metrics = self.train_epoch(epoch)
+        if self.stop_requested:  # pre-empted half-way through the epoch
+            self.save_snapshot()
+            return False
+        # DDP syncs buffers at the start of each forward; after the last one every
+        # rank's BatchNorm statistics moved on their own. Equalise before validating.
+        eng.parallel.sync_buffers(eng.model)
+        metrics = {**train_metrics, **self.validate()}
+        metrics["lr"] = self.current_lr()
+        health.epoch_barrier(cfg.timeout_s)
+        eng.metrics.update(metrics)
+        eng.state.epoch = epoch + 1
+        eng.state.batch_in_epoch = 0
+        eng.state.epochs_completed = epoch + 1
+        if self.log_hook is not None:
+            self.log_hook(engine=eng, metrics=metrics, step=eng.state.step)
+        eng.pm.hook.engine_epoch_end(engine=eng, epoch=epoch, metrics=metrics)
+        if eng.scheduler is not None and cfg.scheduler_interval == "epoch":
+            eng.scheduler.step()
+        stop = eng.state.epoch < cfg.epochs and self.agree_to_stop()
+        if stop or self.snapshots.due_at_epoch_end(eng.state.epoch):
+            self.save_snapshot()
+        return not stop
 
     # ----------------------------------------------------------------- epoch
 
     def train_epoch(self, epoch: int) -> dict:
-        eng, cfg = self.engine, self.cfg
-        model, optimizer, scaler = eng.model, eng.optimizer, eng.scaler
-        device, loss_fn, parallel = eng.device, eng.loss_fn, eng.parallel
-        accum = cfg.grad_accum_steps
-        non_blocking = device.type == "cuda"
-        model.train()
-
-        n_batches = len(eng.train_loader)  # what is left of this epoch
+        eng = self.engine
+        accum = self.cfg.grad_accum_steps
+        eng.model.train()
         first_batch = eng.state.batch_in_epoch
-        # Losses add up on the device in one tensor per log window (one add per
-        # micro-batch); each window is folded into the epoch's sum at its check point.
-        loss_sum = torch.zeros((), device=device)
-        window_loss = torch.zeros((), device=device)
-        window_steps = window_batches = 0
-        steps_in_epoch = batches_seen = 0
+        end_batch = first_batch + len(eng.train_loader)  # the loader holds what is left
+        window = LogWindow(eng.device, eng.micro_batch * accum * eng.world.world_size)
+        steps_at_start = eng.state.step
         data_wait = 0.0
-        samples_per_step = eng.micro_batch * accum * eng.world.world_size
-        # on_nonfinite=skip: whether every micro-batch of the step so far had a finite
-        # loss, kept on the device; one check at the optimizer step. A NaN in any
-        # micro-batch poisons the accumulated gradients, not only one in the last.
-        skip_nonfinite = cfg.on_nonfinite == "skip"
-        step_finite = torch.ones((), dtype=torch.bool, device=device)
-        epoch_start = window_start = time.perf_counter()
-
-        fetch_start = time.perf_counter()
-        for i, (inputs, targets) in enumerate(eng.train_loader):
+        epoch_start = fetch_start = time.perf_counter()
+        for i, batch in enumerate(eng.train_loader):
             data_wait += time.perf_counter() - fetch_start
             batch_index = first_batch + i
             # Micro-steps are grouped by absolute position, so a resumed epoch groups
             # them exactly as the uninterrupted one did.
             group_start = batch_index - batch_index % accum
-            group_size = min(accum, first_batch + n_batches - group_start)
+            group_size = min(accum, end_batch - group_start)
             last_micro = batch_index - group_start == group_size - 1
-            inputs = inputs.to(device, non_blocking=non_blocking)
-            targets = targets.to(device, non_blocking=non_blocking)
-
-            with (contextlib.nullcontext() if last_micro else parallel.no_sync(model)):
-                with self.autocast():
-                    outputs = model(inputs)
-                    loss = loss_fn(outputs, targets)
-                scaled = loss / group_size if group_size > 1 else loss
-                if scaler is not None:
-                    scaler.scale(scaled).backward()
-                else:
-                    scaled.backward()
-            window_loss += loss.detach()
-            if skip_nonfinite:
-                step_finite &= torch.isfinite(loss.detach())
-            window_batches += 1
+            loss = self.run_batch(batch, group_size, last_micro)
+            window.add_batch(loss)
             eng.state.batch_in_epoch = batch_index + 1
-            batches_seen += 1
-            if last_micro:
-                if skip_nonfinite and not self.all_finite(step_finite):
-                    optimizer.zero_grad(set_to_none=True)
-                    self.skipped_steps += 1
-                    eng.warn(f"non-finite loss at step {eng.state.step + 1}: step skipped "
-                             "(on_nonfinite=skip)")
-                elif scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if skip_nonfinite:
-                    step_finite.fill_(True)
-                if eng.scheduler is not None and cfg.scheduler_interval == "step":
-                    eng.scheduler.step()
-                eng.state.step += 1
-                steps_in_epoch += 1
-                window_steps += 1
-                if self.step_end_hook is not None:
-                    self.step_end_hook(engine=eng, step=eng.state.step, loss=loss)
-                if eng.state.step % cfg.log_every == 0:
-                    now = time.perf_counter()
-                    stop = self.check_point(window_loss, window_batches, window_steps,
-                                            samples_per_step * window_steps / (now - window_start))
-                    loss_sum += window_loss
-                    window_loss.zero_()
-                    window_steps = window_batches = 0
-                    window_start = now
-                    if stop:
-                        break
-                every_steps = cfg.checkpoint.every_steps
-                if every_steps and eng.state.step % every_steps == 0:
-                    self.save_snapshot()
+            if last_micro and self.optimizer_step(loss, window):
+                break
             fetch_start = time.perf_counter()
+        return self.epoch_metrics(epoch, window, batches=eng.state.batch_in_epoch - first_batch,
+                                  steps=eng.state.step - steps_at_start,
+                                  epoch_start=epoch_start, data_wait=data_wait)
 
-        loss_sum += window_loss
-        # One reduction per epoch: the loss of every rank, and how many batches it saw.
-        totals = torch.stack([loss_sum.float(),
-                              torch.tensor(float(batches_seen), device=device)])
-        distributed.all_reduce_sum(totals)
-        mean_loss = (totals[0] / totals[1].clamp(min=1)).item()
-        elapsed = time.perf_counter() - epoch_start  # after .item(): the device is done
-        if not math.isfinite(mean_loss) and cfg.on_nonfinite == "stop":
-            raise NonFiniteLoss(f"the training loss is not finite ({mean_loss}) in epoch "
-                                f"{epoch}, by step {eng.state.step}")
-        return {
-            "train/loss": mean_loss,
-            "train/images_per_sec": samples_per_step * steps_in_epoch / max(elapsed, 1e-9),
-            "train/data_wait_fraction": data_wait / max(elapsed, 1e-9),
-        }
+    def run_batch(self, batch, group_size: int, last_micro: bool):
+        """Forward and backward of one micro-batch; returns its loss, detached. DDP
+        all-reduces the gradients only in the backward of a group's last micro-batch."""
+        eng = self.engine
+        batch = data.to_device(batch, eng.device, non_blocking=self.non_blocking)
+        with (contextlib.nullcontext() if last_micro else eng.parallel.no_sync(eng.model)):
+            with self.autocast():
+                loss = self.train_step(batch)
+            scaled = loss / group_size if group_size > 1 else loss
+            if eng.scaler is not None:
+                eng.scaler.scale(scaled).backward()
+            else:
+                scaled.backward()
+        loss = loss.detach()
+        self.nonfinite.observe(loss)
+        return loss
 
-    def check_point(self, window_loss, window_batches: int, window_steps: int,
-                    images_per_sec: float) -> bool:
+    def train_step(self, batch):
+        """The default step: a classifier's ``loss_fn(model(inputs), targets)``."""
+        inputs, targets = batch
+        return self.engine.loss_fn(self.engine.model(inputs), targets)
+
+    def optimizer_step(self, loss, window: LogWindow) -> bool:
+        """After a group's last micro-batch: step, hooks, check point, snapshot if due.
+        Returns True when the epoch must stop here (the ranks agreed on a pre-emption)."""
+        eng = self.engine
+        optimizer, scaler, state = eng.optimizer, eng.scaler, eng.state
+        if self.nonfinite.allow_step(state.step + 1):
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if eng.scheduler is not None and self.cfg.scheduler_interval == "step":
+            eng.scheduler.step()
+        state.step += 1
+        window.steps += 1
+        if self.step_end_hook is not None:
+            self.step_end_hook(engine=eng, step=state.step, loss=loss)
+        if state.step % self.cfg.log_every == 0 and self.check_point(window):
+            return True
+        if self.snapshots.due_at_step(state.step):
+            self.save_snapshot()
+        return False
+
+    def check_point(self, window: LogWindow) -> bool:
         """Every ``log_every`` steps, on every rank: one small all-reduce gives the mean
         loss of the window over all ranks and the ranks' agreement on a pre-emption stop
         or a time-based snapshot. Returns True when the epoch must stop here."""
-        eng, cfg = self.engine, self.cfg
-        due_by_time = eng.is_rank0 and bool(cfg.checkpoint.every_minutes) and (
-            time.monotonic() - self.last_snapshot_time >= cfg.checkpoint.every_minutes * 60)
+        eng = self.engine
+        now = time.perf_counter()
+        images_per_sec = window.images_per_sec(now)
         preempted = eng.preemption is not None and bool(eng.preemption)
-        values = torch.stack([window_loss.float(), window_loss.new_tensor(float(preempted)),
-                              window_loss.new_tensor(float(due_by_time))])
+        due_by_time = eng.is_rank0 and self.snapshots.due_by_time()
+        values = torch.stack([window.loss.float(), window.loss.new_tensor(float(preempted)),
+                              window.loss.new_tensor(float(due_by_time))])
         loss_sum, preempted, due_by_time = distributed.all_reduce_sum(values).tolist()
         # The mean over micro-batches (with accumulation, a step has several).
-        loss = loss_sum / max(window_batches, 1) / eng.world.world_size
-        first = eng.state.step - window_steps + 1
-        if not math.isfinite(loss) and cfg.on_nonfinite == "stop":
-            raise NonFiniteLoss(
-                f"the training loss became non-finite ({loss}) between steps {first} and "
-                f"{eng.state.step} (epoch {eng.state.epoch}); lower lr, check the data, "
-                "or set on_nonfinite=skip")
+        loss = loss_sum / max(window.batches, 1) / eng.world.world_size
+        self.nonfinite.check_window(loss, first=eng.state.step - window.steps + 1,
+                                    last=eng.state.step, epoch=eng.state.epoch)
         if self.log_hook is not None:
             self.log_hook(engine=eng, step=eng.state.step, metrics={
                 "train/loss": loss, "train/images_per_sec": images_per_sec,
                 "lr": self.current_lr()})
+        window.restart(now)
         if preempted:
             self.stop_requested = True
             return True
         if due_by_time:
             self.save_snapshot()
         return False
+
+    def epoch_metrics(self, epoch: int, window: LogWindow, *, batches: int, steps: int,
+                      epoch_start: float, data_wait: float) -> dict:
+        """One reduction per epoch: the loss of every rank, and how many batches it saw."""
+        eng = self.engine
+        totals = torch.stack([window.total_loss().float(),
+                              torch.tensor(float(batches), device=eng.device)])
+        distributed.all_reduce_sum(totals)
+        mean_loss = (totals[0] / totals[1].clamp(min=1)).item()
+        elapsed = time.perf_counter() - epoch_start  # after .item(): the device is done
+        self.nonfinite.check_epoch(mean_loss, epoch, eng.state.step)
+        return {
+            "train/loss": mean_loss,
+            "train/images_per_sec": window.samples_per_step * steps / max(elapsed, 1e-9),
+            "train/data_wait_fraction": data_wait / max(elapsed, 1e-9),
+        }
 
     def agree_to_stop(self) -> bool:
         """At an epoch boundary: did a pre-emption signal reach any rank?"""
@@ -235,11 +338,6 @@ class Trainer:
         flag = torch.tensor([float(bool(eng.preemption))], device=eng.device)
         self.stop_requested = distributed.all_reduce_sum(flag).item() > 0
         return self.stop_requested
-
-    def all_finite(self, finite) -> bool:
-        """Whether every rank's step was finite: a host sync, so only with on_nonfinite=skip."""
-        flag = finite.float().reshape(1)
-        return distributed.all_reduce_sum(flag).item() == self.engine.world.world_size
 
     # ------------------------------------------------------------ validation
 
@@ -255,9 +353,8 @@ class Trainer:
         module.eval()
         device = eng.device
         sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss, correct, count
-        for inputs, targets in eng.val_loader:
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
+        for batch in eng.val_loader:
+            inputs, targets = data.to_device(batch, device, non_blocking=self.non_blocking)
             with self.autocast():
                 outputs = module(inputs)
                 loss = eng.loss_fn(outputs, targets)  # a mean over the batch
@@ -278,5 +375,4 @@ class Trainer:
 
     def save_snapshot(self) -> None:
         snapshot.save(self.engine)
-        self.last_snapshot_time = time.monotonic()
-
+        self.snapshots.saved()
