@@ -148,6 +148,75 @@ class SnapshotPolicy:
         self.last_time = time.monotonic()
 
 
+def classification_train_step(batch, ctx):
+    """The default ``train_step``: ``(inputs, targets)`` batches and the recipe's
+    ``loss_fn`` (cross-entropy unless the recipe defines one) on the model as trained."""
+    inputs, targets = batch
+    return ctx.loss_fn(ctx.model(inputs), targets)
+
+
+def classification_eval_step(batch, ctx):
+    """The default ``eval_step``: the summed loss and, when the targets are class
+    indices, the number of correct argmax predictions, over ``count`` samples."""
+    inputs, targets = batch
+    outputs = ctx.module(inputs)
+    count = targets.shape[0]
+    sums = {"loss": ctx.loss_fn(outputs, targets).double() * count}  # loss_fn: a mean
+    if not targets.is_floating_point() and outputs.dim() == targets.dim() + 1:
+        sums["accuracy"] = (outputs.argmax(dim=1) == targets).sum()
+    sums["count"] = count
+    return sums
+
+
+class MetricSums:
+    """What ``eval_step`` returns, summed over the batches of a rank; then one
+    all-reduce over the ranks, and every sum divided by the ``count`` sum.
+
+    Tensors add up on the device (no sync per batch); Python numbers on the host. The
+    names come from the first batch; rank 0, which holds the most validation samples,
+    tells the others, so a rank with no batch at all still joins the same reduction.
+    """
+
+    def __init__(self, device):
+        self.device = device
+        self.names: list[str] | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.numbers: dict[str, float] = {}
+
+    def add(self, sums: dict) -> None:
+        if self.names is None:
+            if not isinstance(sums, dict) or "count" not in sums:
+                raise EngineError(
+                    "eval_step must return a dict of metric sums with a 'count' (the number "
+                    f"of samples they cover), e.g. {{'loss': ..., 'count': n}}; got {sums!r}")
+            self.names = list(sums)
+        for name in self.names:
+            value = sums[name]
+            if isinstance(value, torch.Tensor):
+                value = value.detach().double()
+                if name in self.tensors:
+                    self.tensors[name] += value
+                else:
+                    self.tensors[name] = value.clone()
+            else:
+                self.numbers[name] = self.numbers.get(name, 0.0) + float(value)
+
+    def reduce(self) -> dict:
+        """``{"val/NAME": sum over ranks / count}``, identical on every rank."""
+        names = distributed.broadcast_object(self.names)
+        if not names:
+            return {}
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        values = torch.stack([
+            self.tensors[n] if n in self.tensors
+            else zero + self.numbers.get(n, 0.0) for n in names])
+        totals = dict(zip(names, distributed.all_reduce_sum(values).tolist()))
+        count = totals.pop("count")
+        if count == 0:
+            return {}
+        return {f"val/{name}": total / count for name, total in totals.items()}
+
+
 class Trainer:
     def __init__(self, engine):
         self.engine = engine
@@ -164,6 +233,10 @@ class Trainer:
             dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
             self.autocast = lambda: torch.autocast(device.type, dtype=dtype)
         self.non_blocking = device.type == "cuda"
+        # The recipe owns the step when it defines one; else the classification step.
+        recipe = engine.recipe
+        self.train_step = recipe.optional("train_step") or classification_train_step
+        self.eval_step = recipe.optional("eval_step") or classification_eval_step
         self.nonfinite = NonFinitePolicy(self.cfg.on_nonfinite, device,
                                          engine.world.world_size, engine.warn)
         self.snapshots = SnapshotPolicy(self.cfg, engine.is_rank0)
@@ -247,7 +320,7 @@ class Trainer:
         batch = data.to_device(batch, eng.device, non_blocking=self.non_blocking)
         with (contextlib.nullcontext() if last_micro else eng.parallel.no_sync(eng.model)):
             with self.autocast():
-                loss = self.train_step(batch)
+                loss = self.train_step(batch, eng)
             scaled = loss / group_size if group_size > 1 else loss
             if eng.scaler is not None:
                 eng.scaler.scale(scaled).backward()
@@ -256,11 +329,6 @@ class Trainer:
         loss = loss.detach()
         self.nonfinite.observe(loss)
         return loss
-
-    def train_step(self, batch):
-        """The default step: a classifier's ``loss_fn(model(inputs), targets)``."""
-        inputs, targets = batch
-        return self.engine.loss_fn(self.engine.model(inputs), targets)
 
     def optimizer_step(self, loss, window: LogWindow) -> bool:
         """After a group's last micro-batch: step, hooks, check point, snapshot if due.
@@ -343,6 +411,8 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict:
+        """The recipe's ``eval_step`` (or the classification one) over this rank's shard
+        of the validation set; the sums reduced over the ranks in one all-reduce."""
         eng = self.engine
         if eng.val_loader is None:
             return {}
@@ -351,22 +421,13 @@ class Trainer:
         module = eng.module
         was_training = module.training
         module.eval()
-        device = eng.device
-        sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss, correct, count
+        sums = MetricSums(eng.device)
         for batch in eng.val_loader:
-            inputs, targets = data.to_device(batch, device, non_blocking=self.non_blocking)
+            batch = data.to_device(batch, eng.device, non_blocking=self.non_blocking)
             with self.autocast():
-                outputs = module(inputs)
-                loss = eng.loss_fn(outputs, targets)  # a mean over the batch
-            sums[0] += loss.double() * targets.shape[0]
-            sums[1] += (outputs.argmax(dim=1) == targets).sum()
-            sums[2] += targets.shape[0]
-        distributed.all_reduce_sum(sums)
+                sums.add(self.eval_step(batch, eng))
         module.train(was_training)
-        loss_sum, correct, count = sums.tolist()
-        if count == 0:
-            return {}
-        return {"val/loss": loss_sum / count, "val/accuracy": correct / count}
+        return sums.reduce()
 
     # --------------------------------------------------------------- helpers
 
