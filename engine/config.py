@@ -78,6 +78,9 @@ class TrainConfig:
     preemption: bool = True
     requeue: bool = True
     on_nonfinite: Literal["stop", "skip"] = "stop"  # skip: one host sync per step
+    # Clip the gradients' total norm to this before each optimizer step (after the last
+    # micro-batch; unscaled first under fp16). none: no clipping.
+    grad_clip_norm: float | None = None
     ddp: DDPConfig = attrs.Factory(DDPConfig)
     checkpoint: CheckpointConfig = attrs.Factory(CheckpointConfig)
 
@@ -244,6 +247,9 @@ def check(cfg: TrainConfig) -> None:
         raise ConfigError(f"config key 'num_workers': {cfg.num_workers!r} must be >= 0")
     if cfg.lr <= 0:
         raise ConfigError(f"config key 'lr': {cfg.lr!r} must be > 0")
+    if cfg.grad_clip_norm is not None and not cfg.grad_clip_norm > 0:
+        raise ConfigError(f"config key 'grad_clip_norm': {cfg.grad_clip_norm!r} must be > 0 "
+                          "(or none: no clipping)")
     if not cfg.init_method.startswith(("env://", "tcp://", "file://")):
         raise ConfigError(
             f"config key 'init_method': {cfg.init_method!r} is not allowed; "

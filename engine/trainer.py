@@ -10,7 +10,10 @@
             forward, loss, backward             (DDP syncs gradients on the last micro-step only)
                                                                    run_batch
             on the last micro-step of a group:                     optimizer_step
-                optimizer step (unless the non-finite policy skips it),
+                unless the non-finite policy skips the step:
+                    unscale (fp16), clip to grad_clip_norm   before_optimizer_step
+                    [engine_before_optimizer_step]      (not called when nobody implements it)
+                    optimizer step
                 zero_grad(set_to_none=True), scheduler if per step
                 [engine_train_step_end]                 (not called when nobody implements it)
                 every log_every steps: [engine_log] on rank 0, pre-emption/snapshot agreement
@@ -225,7 +228,10 @@ class Trainer:
         # A per-step hook with no implementation costs nothing: we never call it.
         self.step_end_hook = (hook.engine_train_step_end
                               if hook.engine_train_step_end.get_hookimpls() else None)
+        self.before_step_hook = (hook.engine_before_optimizer_step if
+                                 hook.engine_before_optimizer_step.get_hookimpls() else None)
         self.log_hook = hook.engine_log if engine.is_rank0 else None
+        self.clip_norm = self.cfg.grad_clip_norm
         device = engine.device
         if self.cfg.precision == "32":
             self.autocast = contextlib.nullcontext
@@ -336,6 +342,8 @@ class Trainer:
         eng = self.engine
         optimizer, scaler, state = eng.optimizer, eng.scaler, eng.state
         if self.nonfinite.allow_step(state.step + 1):
+            if self.clip_norm is not None or self.before_step_hook is not None:
+                self.before_optimizer_step(state.step + 1)
             if scaler is not None:
                 scaler.step(optimizer)
                 scaler.update()
@@ -353,6 +361,19 @@ class Trainer:
         if self.snapshots.due_at_step(state.step):
             self.save_snapshot()
         return False
+
+    def before_optimizer_step(self, step: int) -> None:
+        """Between the last backward of a group and the optimizer step, on the true
+        gradients: unscaled (fp16), and already averaged over the ranks (DDP reduced
+        them in that backward). Clip to ``grad_clip_norm``, then the plugins' hook."""
+        eng = self.engine
+        if eng.scaler is not None:
+            # scaler.step() then sees that they are unscaled and does not do it again.
+            eng.scaler.unscale_(eng.optimizer)
+        if self.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(eng.model.parameters(), self.clip_norm)
+        if self.before_step_hook is not None:
+            self.before_step_hook(engine=eng, step=step, optimizer=eng.optimizer)
 
     def check_point(self, window: LogWindow) -> bool:
         """Every ``log_every`` steps, on every rank: one small all-reduce gives the mean

@@ -35,6 +35,9 @@ RELEASED = {
         "engine_run_end": ("engine", "summary"),
         "engine_exception": ("engine", "exc"),
     },
+    "0.2": {
+        "engine_before_optimizer_step": ("engine", "step", "optimizer"),
+    },
 }
 FIRST_RELEASE = {name: (version, args) for version, hooks in RELEASED.items()
                  for name, args in hooks.items()}
