@@ -11,6 +11,8 @@ from __future__ import annotations
 import pathlib
 import random
 
+import attrs
+
 import engine
 from engine import config as config_mod
 from engine import distributed
@@ -64,6 +66,7 @@ def capture(eng) -> dict:
         "step": state.step,
         "batch_in_epoch": state.batch_in_epoch,
         "epochs_completed": state.epochs_completed,
+        "train_state": attrs.asdict(state),  # every field, those added later included
         "sampler_seed": eng.cfg.seed,
         "world_size": eng.world.world_size,
         "rng": rngs,
@@ -120,6 +123,10 @@ def restore(eng, snap: dict, source: str) -> None:
     if eng.scaler is not None and snap.get("scaler") is not None:
         eng.scaler.load_state_dict(snap["scaler"])
     s = eng.state
+    # Fields a snapshot written before they existed lacks keep their defaults.
+    for name, value in (snap.get("train_state") or {}).items():
+        if hasattr(s, name):
+            setattr(s, name, value)
     s.epoch = int(snap["epoch"])
     s.step = int(snap["step"])
     s.batch_in_epoch = int(snap.get("batch_in_epoch", 0))

@@ -27,7 +27,8 @@ log interval and at the end of the epoch.
 
 The policies are small objects, each in one place: :class:`NonFinitePolicy` (what a
 non-finite loss does), :class:`LogWindow` (the losses and timing between two check
-points) and :class:`SnapshotPolicy` (when a snapshot is due).
+points), :class:`SnapshotPolicy` (when a snapshot is due) and :class:`EarlyStopping`
+(when a validation metric stopped improving).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import time
 import torch
 
 from engine import data, distributed, health, snapshot
-from engine.errors import EngineError
+from engine.errors import ConfigError, EngineError
 
 
 class NonFiniteLoss(EngineError):
@@ -220,6 +221,48 @@ class MetricSums:
         return {f"val/{name}": total / count for name, total in totals.items()}
 
 
+class EarlyStopping:
+    """``early_stopping.*``: stop when ``metric`` has not improved (by more than
+    ``min_delta``) for ``patience`` epochs. The metrics are reduced over the ranks, so
+    every rank decides alike; the count lives in the TrainState, which snapshots save,
+    so a resumed run stops exactly where an uninterrupted one would."""
+
+    def __init__(self, cfg, state):
+        self.metric = cfg.metric
+        self.mode = cfg.mode
+        self.patience = cfg.patience
+        self.min_delta = cfg.min_delta
+        self.state = state
+
+    def update(self, metrics: dict, epoch: int) -> bool:
+        """After validating ``epoch`` (from 0): True when the run must stop now."""
+        if not self.metric:
+            return False
+        if self.metric not in metrics:
+            raise ConfigError(
+                f"config key 'early_stopping.metric': {self.metric!r} is not a metric of "
+                f"this run; it has: {', '.join(sorted(metrics))}")
+        value, s = metrics[self.metric], self.state
+        if s.best_metric is None:
+            better = math.isfinite(value)
+        elif self.mode == "min":
+            better = value < s.best_metric - self.min_delta
+        else:
+            better = value > s.best_metric + self.min_delta
+        if better:
+            s.best_metric, s.best_epoch, s.epochs_without_improvement = value, epoch + 1, 0
+        else:
+            s.epochs_without_improvement += 1
+        s.stopped_early = s.epochs_without_improvement >= self.patience
+        return s.stopped_early
+
+    def message(self) -> str:
+        s = self.state
+        best = "none" if s.best_metric is None else f"{s.best_metric:.4g} at epoch {s.best_epoch}"
+        return (f"early stopping: {self.metric} did not improve for "
+                f"{s.epochs_without_improvement} epochs; best {best}")
+
+
 class Trainer:
     def __init__(self, engine):
         self.engine = engine
@@ -246,7 +289,10 @@ class Trainer:
         self.nonfinite = NonFinitePolicy(self.cfg.on_nonfinite, device,
                                          engine.world.world_size, engine.warn)
         self.snapshots = SnapshotPolicy(self.cfg, engine.is_rank0)
+        self.early_stopping = EarlyStopping(self.cfg.early_stopping, engine.state)
         self.stop_requested = False  # the ranks agreed to stop (see engine/preemption.py)
+        engine.stopped_early = False  # for the summary: the run ended by early stopping
+        engine.stopped_epoch = None  # ... after this many epochs
 
     @property
     def skipped_steps(self) -> int:
@@ -255,6 +301,9 @@ class Trainer:
     # ------------------------------------------------------------------- fit
 
     def fit(self) -> None:
+        if self.engine.state.stopped_early:  # resumed from the end of an early-stopped run
+            self.stop_early(again=True)
+            return
         while self.engine.state.epoch < self.cfg.epochs:
             if not self.run_epoch(self.engine.state.epoch):
                 return
@@ -276,6 +325,7 @@ class Trainer:
         metrics["lr"] = self.current_lr()
         health.epoch_barrier(cfg.timeout_s)
         eng.metrics.update(metrics)
+        stop_early = self.early_stopping.update(metrics, epoch)
         eng.state.epoch = epoch + 1
         eng.state.batch_in_epoch = 0
         eng.state.epochs_completed = epoch + 1
@@ -284,10 +334,22 @@ class Trainer:
         eng.pm.hook.engine_epoch_end(engine=eng, epoch=epoch, metrics=metrics)
         if eng.scheduler is not None and cfg.scheduler_interval == "epoch":
             eng.scheduler.step()
+        if stop_early:  # the same decision on every rank: the metrics are reduced
+            self.save_snapshot()
+            self.stop_early()
+            return False
         stop = eng.state.epoch < cfg.epochs and self.agree_to_stop()
         if stop or self.snapshots.due_at_epoch_end(eng.state.epoch):
             self.save_snapshot()
         return not stop
+
+    def stop_early(self, again: bool = False) -> None:
+        eng = self.engine
+        eng.stopped_early = True
+        eng.stopped_epoch = eng.state.epochs_completed
+        eng.print(self.early_stopping.message() + (
+            f" (this run already stopped early after epoch {eng.stopped_epoch}; start a "
+            "new one with --no-resume or another out_dir)" if again else ""))
 
     # ----------------------------------------------------------------- epoch
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 
+import pytest
 import torch
 
 import engine
@@ -209,3 +210,68 @@ def test_grad_clip_norm_must_be_positive(tmp_path):
     proc = run_cli(TINY, "grad_clip_norm=0", f"out_dir={tmp_path}", "--nproc", "1")
     assert proc.returncode != 0
     assert "config key 'grad_clip_norm': 0.0 must be > 0 (or none: no clipping)" in proc.stderr
+
+
+# ------------------------------------------------------------------ early stopping
+
+#: min_delta far above any change: epoch 1 sets the best, later epochs never beat it,
+#: so with patience 2 the run stops after epoch 3 of 6.
+EARLY = ("epochs=6", "early_stopping.metric=val/loss", "early_stopping.patience=2",
+         "early_stopping.min_delta=1000")
+
+
+def test_early_stopping_ends_the_run_completed_with_a_clear_line(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli(REGRESSION, *EARLY, f"out_dir={out}", "--nproc", "2", check=True)
+    summary = read_summary(out)
+    assert (summary["status"], summary["epochs_completed"]) == ("completed", 3)
+    first_val_loss = float(epoch_lines(proc.stdout)[0].split("val loss ")[1].split()[0])
+    (stop_line,) = [line for line in proc.stdout.splitlines()
+                    if line.startswith("early stopping: ")]
+    assert stop_line.startswith("early stopping: val/loss did not improve for 2 epochs; best ")
+    assert stop_line.endswith(" at epoch 1")
+    assert float(stop_line.split("best ")[1].split()[0]) == pytest.approx(first_val_loss,
+                                                                          rel=1e-3)
+    assert len(epoch_lines(proc.stdout)) == 3
+
+    again = run_cli(REGRESSION, *EARLY, f"out_dir={out}", "--nproc", "2", check=True)
+    assert "this run already stopped early after epoch 3" in again.stdout
+    assert read_summary(out)["epochs_completed"] == 3
+
+
+def test_early_stopping_state_survives_a_kill_exactly(tmp_path):
+    out = tmp_path / "reference"
+    run_cli(REGRESSION, *RESUME, *EARLY, f"out_dir={out}", "--nproc", "2", check=True)
+    reference = read_summary(out)
+    resumed = kill_and_resume(REGRESSION, tmp_path, 2, *EARLY)
+    assert resumed["epochs_completed"] == reference["epochs_completed"] == 3
+    assert resumed["weights_sha256"] == reference["weights_sha256"]
+
+
+def test_a_snapshot_without_the_early_stopping_state_still_loads(tmp_path):
+    out = tmp_path / "run"
+    run_cli(REGRESSION, "epochs=1", f"out_dir={out}", "--nproc", "1", check=True)
+    (path,) = (out / "checkpoints").glob("snapshot-*.pt")
+    snap = torch.load(path, weights_only=True)
+    del snap["train_state"]  # as written before TrainState grew the early-stopping fields
+    old = tmp_path / "old.pt"
+    torch.save(snap, old)
+    proc = run_cli(REGRESSION, "epochs=2", f"out_dir={tmp_path / 'again'}", "--nproc", "1",
+                   "--resume", str(old), check=True)
+    assert f"resuming from {old}: epoch 1, step 8" in proc.stdout
+    assert read_summary(tmp_path / "again")["epochs_completed"] == 2
+
+
+@pytest.mark.parametrize("override, message", [
+    ("early_stopping.metric=val/acc", "config key 'early_stopping.metric': 'val/acc' is not "
+     "a metric of this run; it has: lr, train/data_wait_fraction, train/images_per_sec, "
+     "train/loss, val/loss, val/mae"),
+    ("early_stopping.mode=lowest", "config key 'early_stopping.mode': 'lowest' is not one "
+     "of: min, max"),
+    ("early_stopping.patience=0", "config key 'early_stopping.patience': 0 must be >= 1"),
+])
+def test_bad_early_stopping_config_is_one_line_naming_the_key(tmp_path, override, message):
+    proc = run_cli(REGRESSION, "epochs=2", override, f"out_dir={tmp_path}", "--nproc", "1")
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
