@@ -211,9 +211,9 @@ class MetricSums:
         if not names:
             return {}
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        values = torch.stack([
-            self.tensors[n] if n in self.tensors
-            else zero + self.numbers.get(n, 0.0) for n in names])
+        # A name may have come as a tensor from some batches and a number from others.
+        values = torch.stack([self.tensors.get(n, zero) + self.numbers.get(n, 0.0)
+                              for n in names])
         totals = dict(zip(names, distributed.all_reduce_sum(values).tolist()))
         count = totals.pop("count")
         if count == 0:

@@ -1,5 +1,6 @@
-"""engine/trainer.py: the training loop's policies, through real ``engine-run`` runs on
-the CPU (gloo for two processes)."""
+"""engine/trainer.py: the loop through real ``engine-run`` runs on the CPU (gloo for two
+processes): non-finite steps, recipes that own their steps, gradient clipping and the
+before-optimizer-step hook, early stopping; then its policies in-process."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import pytest
 import torch
 
 import engine
+from engine.errors import ConfigError, EngineError
+from engine.trainer import (EarlyStopping, LogWindow, MetricSums, NonFiniteLoss,
+                            NonFinitePolicy, SnapshotPolicy, classification_eval_step)
 from tests.conftest import REPO, read_summary, run_cli
 
 REGRESSION = str(REPO / "tests" / "recipes" / "tiny_regression.py")
@@ -275,3 +279,121 @@ def test_bad_early_stopping_config_is_one_line_naming_the_key(tmp_path, override
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------- the policies, in-process (one rank)
+
+CPU = torch.device("cpu")
+NAN = torch.tensor(float("nan"))
+
+
+def test_skip_policy_skips_a_step_with_any_nan_micro_batch_and_starts_clean():
+    warnings = []
+    policy = NonFinitePolicy("skip", CPU, world_size=1, warn=warnings.append)
+    for loss in (NAN, torch.tensor(1.0)):  # the NaN first, the last micro-batch fine
+        policy.observe(loss)
+    assert policy.allow_step(7) is False
+    assert warnings == ["non-finite loss at step 7: step skipped (on_nonfinite=skip)"]
+    policy.observe(torch.tensor(2.0))
+    assert policy.allow_step(8) is True and policy.skipped_steps == 1
+    policy.check_window(float("nan"), first=1, last=2, epoch=0)  # skip never stops
+
+
+def test_stop_policy_never_syncs_per_step_and_stops_on_a_nan_window():
+    policy = NonFinitePolicy("stop", CPU, world_size=1, warn=print)
+    policy.observe(NAN)
+    assert policy.allow_step(1) is True and policy.finite is None
+    with pytest.raises(NonFiniteLoss, match=r"non-finite \(nan\) between steps 3 and 4 "
+                                            r"\(epoch 1\); .*on_nonfinite=skip"):
+        policy.check_window(float("nan"), first=3, last=4, epoch=1)
+    with pytest.raises(NonFiniteLoss, match=r"not finite \(inf\) in epoch 2, by step 9"):
+        policy.check_epoch(float("inf"), epoch=2, step=9)
+
+
+def test_log_window_folds_each_window_into_the_epoch_sum():
+    window = LogWindow(CPU, samples_per_step=10)
+    for value in (1.0, 2.0):
+        window.add_batch(torch.tensor(value))
+    window.steps = 1
+    assert (window.loss.item(), window.batches) == (3.0, 2)
+    assert window.images_per_sec(window.start + 0.5) == 20.0
+    window.restart(window.start + 0.5)
+    assert (window.loss.item(), window.batches, window.steps) == (0.0, 0, 0)
+    window.add_batch(torch.tensor(4.0))
+    assert window.total_loss().item() == 7.0
+
+
+def test_snapshot_policy():
+    from engine.config import TrainConfig
+
+    cfg = TrainConfig(epochs=5)
+    cfg.checkpoint.every_steps, cfg.checkpoint.every_epochs = 4, 2
+    policy = SnapshotPolicy(cfg, is_rank0=True)
+    assert [s for s in range(1, 13) if policy.due_at_step(s)] == [4, 8, 12]
+    assert [e for e in range(1, 6) if policy.due_at_epoch_end(e)] == [2, 4, 5]  # and last
+    assert not policy.due_by_time()  # every_minutes=0: never
+    cfg.checkpoint.every_minutes = 1e-9
+    assert SnapshotPolicy(cfg, is_rank0=True).due_by_time()
+    assert not SnapshotPolicy(cfg, is_rank0=False).due_by_time()  # rank 0's clock decides
+
+
+def early_stopping(mode="min", patience=2, min_delta=0.0, metric="val/loss"):
+    from engine.config import EarlyStoppingConfig
+    from engine.engine import TrainState
+
+    cfg = EarlyStoppingConfig(metric=metric, mode=mode, patience=patience,
+                              min_delta=min_delta)
+    return EarlyStopping(cfg, TrainState())
+
+
+@pytest.mark.parametrize("mode, values, stops_after", [
+    ("min", [1.0, 0.9, 0.95, 0.91], 4),  # best 0.9 at epoch 2, two epochs without
+    ("min", [1.0, 0.9, 0.8, 0.7], None),
+    ("max", [0.1, 0.2, 0.2, 0.3], None),  # equal is not better, but 0.3 is
+    ("max", [0.5, 0.4, 0.5], 3),
+])
+def test_early_stopping_counts_epochs_without_improvement(mode, values, stops_after):
+    stopping = early_stopping(mode)
+    stopped = [stopping.update({"val/loss": v}, epoch) for epoch, v in enumerate(values)]
+    assert (stopped.index(True) + 1 if True in stopped else None) == stops_after
+
+
+def test_early_stopping_min_delta_and_message():
+    stopping = early_stopping(min_delta=0.05)
+    for epoch, value in enumerate([1.0, 0.97, 0.96]):
+        stopping.update({"val/loss": value}, epoch)
+    assert stopping.state.stopped_early
+    assert stopping.message() == (
+        "early stopping: val/loss did not improve for 2 epochs; best 1 at epoch 1")
+
+
+def test_early_stopping_off_by_default_and_an_unknown_metric_names_the_key():
+    assert early_stopping(metric="").update({}, 0) is False
+    with pytest.raises(ConfigError, match=r"^config key 'early_stopping.metric': 'val/acc' "
+                                          r"is not a metric of this run; it has: val/loss$"):
+        early_stopping(metric="val/acc").update({"val/loss": 1.0}, 0)
+
+
+def test_metric_sums_add_tensors_and_numbers_and_divide_by_the_count():
+    sums = MetricSums(CPU)
+    sums.add({"loss": torch.tensor(3.0), "hits": 2, "count": 4})
+    sums.add({"loss": torch.tensor(1.0), "hits": torch.tensor(1), "count": 4})
+    assert sums.reduce() == {"val/loss": 0.5, "val/hits": 0.375}
+    assert MetricSums(CPU).reduce() == {}  # no batch at all
+    with pytest.raises(EngineError, match="eval_step must return a dict of metric sums "
+                                          "with a 'count'"):
+        MetricSums(CPU).add({"loss": torch.tensor(1.0)})
+
+
+def test_default_eval_step_reports_accuracy_for_class_indices_only():
+    class Ctx:
+        module = staticmethod(lambda x: x)
+        loss_fn = staticmethod(torch.nn.functional.mse_loss)
+
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 1.0]])
+    ctx = Ctx()
+    ctx.loss_fn = torch.nn.functional.cross_entropy
+    sums = classification_eval_step((logits, torch.tensor([0, 1, 1])), ctx)
+    assert list(sums) == ["loss", "accuracy", "count"] and sums["accuracy"].item() == 2
+    regression = classification_eval_step((logits[:, :1], torch.ones(3, 1)), Ctx())
+    assert list(regression) == ["loss", "count"]
