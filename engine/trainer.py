@@ -1,25 +1,30 @@
 """The training loop.
 
-``Trainer.fit`` in pseudocode (hooks in brackets)::
+``Trainer.fit`` in pseudocode, with the method that holds each part on the right
+(hooks in brackets)::
 
-    [engine_run_start]                                   (fired by Engine.run)
-    for epoch in epochs not yet completed:                         run_epoch
+    [engine_run_start]                                  (fired by Engine.run)
+    for epoch in epochs not yet completed:                          run_epoch
         sampler.set_epoch(epoch, skip the batches a resumed snapshot already consumed)
         [engine_epoch_start]
-        for each micro-batch:                                      train_epoch
-            forward, loss, backward             (DDP syncs gradients on the last micro-step only)
-                                                                   run_batch
-            on the last micro-step of a group:                     optimizer_step
-                unless the non-finite policy skips the step:
-                    unscale (fp16), clip to grad_clip_norm   before_optimizer_step
-                    [engine_before_optimizer_step]      (not called when nobody implements it)
+        for each micro-batch:                                       train_epoch
+            batch to the device; forward and loss (the recipe's     run_batch
+            train_step or the classification step); backward (DDP
+            all-reduces the gradients in a group's last micro-step only)
+            after a group's last micro-step:                        optimizer_step
+                unless on_nonfinite=skip skips the step:
+                    unscale (fp16), clip to grad_clip_norm          before_optimizer_step
+                    [engine_before_optimizer_step]    (not called when nobody implements it)
                     optimizer step
                 zero_grad(set_to_none=True), scheduler if per step
-                [engine_train_step_end]                 (not called when nobody implements it)
-                every log_every steps: [engine_log] on rank 0, pre-emption/snapshot agreement
-                                                                   check_point
-        reduce the epoch's metrics over all ranks; validate        validate
-        [engine_log] [engine_epoch_end]; scheduler if per epoch; snapshot if due
+                [engine_train_step_end]               (not called when nobody implements it)
+                every log_every steps: one all-reduce for the       check_point
+                    window's loss, pre-emption and time-based snapshot; [engine_log] (rank 0)
+                snapshot if every_steps is due
+        the epoch's loss reduced over all ranks                     epoch_metrics
+        the recipe's eval_step (or the classification one), reduced validate
+        [engine_log] [engine_epoch_end]; scheduler if per epoch
+        early stopping, pre-emption, snapshot if due
 
 Nothing inside a step reads a value back from the device (except ``on_nonfinite=skip``,
 which must decide every step): metrics accumulate in device tensors and are read at the
