@@ -35,6 +35,16 @@ class CheckpointConfig:
 
 
 @attrs.define
+class EarlyStoppingConfig:
+    """Stop when a validation metric stops improving (off while ``metric`` is empty)."""
+
+    metric: str = ""  # e.g. "val/loss": a metric of the epoch (see the console line)
+    mode: Literal["min", "max"] = "min"
+    patience: int = 3  # epochs without improvement before stopping
+    min_delta: float = 0.0  # an improvement must beat the best by more than this
+
+
+@attrs.define
 class TrainConfig:
     """Fields every recipe has. ``batch_size`` is the *global* batch per optimizer step;
     the engine splits it across processes (and accumulation steps)."""
@@ -68,7 +78,11 @@ class TrainConfig:
     preemption: bool = True
     requeue: bool = True
     on_nonfinite: Literal["stop", "skip"] = "stop"  # skip: one host sync per step
+    # Clip the gradients' total norm to this before each optimizer step (after the last
+    # micro-batch; unscaled first under fp16). none: no clipping.
+    grad_clip_norm: float | None = None
     checkpoint: CheckpointConfig = attrs.Factory(CheckpointConfig)
+    early_stopping: EarlyStoppingConfig = attrs.Factory(EarlyStoppingConfig)
 
 
 # ------------------------------------------------------------------ plugin groups
@@ -280,6 +294,16 @@ def check(cfg: TrainConfig) -> None:
         raise ConfigError(f"config key 'num_workers': {cfg.num_workers!r} must be >= 0")
     if cfg.lr <= 0:
         raise ConfigError(f"config key 'lr': {cfg.lr!r} must be > 0")
+    if cfg.grad_clip_norm is not None and not cfg.grad_clip_norm > 0:
+        raise ConfigError(f"config key 'grad_clip_norm': {cfg.grad_clip_norm!r} must be > 0 "
+                          "(or none: no clipping)")
+    stopping = cfg.early_stopping
+    if stopping.patience < 1:
+        raise ConfigError(f"config key 'early_stopping.patience': {stopping.patience!r} "
+                          "must be >= 1")
+    if stopping.min_delta < 0:
+        raise ConfigError(f"config key 'early_stopping.min_delta': {stopping.min_delta!r} "
+                          "must be >= 0")
     if not cfg.init_method.startswith(("env://", "tcp://", "file://")):
         raise ConfigError(
             f"config key 'init_method': {cfg.init_method!r} is not allowed; "

@@ -176,8 +176,8 @@ class WorkerContext:
             "epochs_requested": self.epochs_requested,
             "epochs_completed": self.state.epochs_completed,
             "global_step": self.state.step,
-            # Set by early stopping when it ends the run.
-            "stopped_early": bool(getattr(self, "stopped_early", False)),
+            # Early stopping ended the run (now or in the run this one resumed).
+            "stopped_early": bool(getattr(self.state, "stopped_early", False)),
             "started_at": self._started_at,
             "ended_at": utc_now(),
             "wall_time_s": round(time.perf_counter() - self._started, 3),

@@ -219,3 +219,19 @@ def val_loader(dataset, *, batch: int, world, num_workers: int, pin_memory: bool
 
 def batches_per_epoch(num_samples: int, micro_batch: int, drop_last: bool) -> int:
     return num_samples // micro_batch if drop_last else math.ceil(num_samples / micro_batch)
+
+
+def to_device(batch, device, non_blocking: bool = False):
+    """A batch on ``device``: a tensor, or tuples, lists and dicts of them (nested as
+    deep as they come; named tuples keep their type). Anything else passes unchanged.
+    ``non_blocking`` overlaps the copy from pinned memory with compute (CUDA)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return type(batch)((k, to_device(v, device, non_blocking)) for k, v in batch.items())
+    if isinstance(batch, list):
+        return [to_device(v, device, non_blocking) for v in batch]
+    if isinstance(batch, tuple):
+        moved = [to_device(v, device, non_blocking) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
+    return batch

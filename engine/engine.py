@@ -32,6 +32,12 @@ class TrainState:
     step: int = 0  # optimizer steps taken since the start of training
     batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed
     epochs_completed: int = 0
+    # Early stopping (early_stopping.*): the best value of its metric so far, the epoch
+    # (counted from 1) that reached it, the epochs since, and whether the run stopped.
+    best_metric: float | None = None
+    best_epoch: int = 0
+    epochs_without_improvement: int = 0
+    stopped_early: bool = False
 
 
 def resolve_parallel_name(name: str, world, registry) -> str:

@@ -28,6 +28,7 @@ may use on either; anything else (``recipe``, ``train_loader``...) is ``Engine``
       for each epoch:
         engine_epoch_start
           for each optimizer step:
+            engine_before_optimizer_step   (skipped entirely when nobody implements it)
             engine_train_step_end          (skipped entirely when nobody implements it)
             engine_log                     (rank 0, every ``log_every`` steps)
         engine_log                         (rank 0, the epoch's metrics after validation)
@@ -240,6 +241,26 @@ def engine_train_step_end(engine, step, loss):
     Trainer does not call it at all, so it costs nothing.
 
     Since 0.1.
+    """
+
+
+@hookspec
+def engine_before_optimizer_step(engine, step, optimizer):
+    """The gradients of optimizer step ``step`` (the global step count it will make)
+    are complete and the optimizer is about to use them: for gradient clipping, logging
+    gradient norms, or an exponential moving average of the weights.
+
+    The gradients are the true ones: after the last micro-batch of the accumulation
+    group, already averaged over the ranks (DDP reduced them in that backward),
+    unscaled under fp16 (``scaler.unscale_(optimizer)`` ran), and clipped to
+    ``grad_clip_norm`` when it is set. A step that ``on_nonfinite=skip`` skips does not
+    reach this hook. Reading a gradient with ``.item()`` forces a host-device
+    synchronisation every step.
+
+    Kind: notification. Fires on every rank, under ``engine-run`` only. When no plugin
+    implements this hook the Trainer does not call it at all, so it costs nothing.
+
+    Since 0.2.
     """
 
 

@@ -12,10 +12,30 @@ and may define::
     def prepare_data(cfg, ctx)          # downloads; run by local rank 0 before the others
     def build_scheduler(cfg, optimizer) # an LR scheduler (cfg.scheduler_interval: step|epoch)
     def loss_fn(outputs, targets)       # default: cross-entropy
+    def train_step(batch, ctx) -> loss  # own the forward and the loss (below)
+    def eval_step(batch, ctx) -> dict   # own the validation metrics (below)
     REQUIRED_PLUGINS = ["name>=1.0"]    # plugins the recipe cannot run without
 
 ``ctx`` is the worker's :class:`engine.engine.Engine` (``ctx.world``, ``ctx.is_rank0``,
-``ctx.warn(...)``).
+``ctx.warn(...)``, ``ctx.model``: the model as trained, wrapped by the parallel mode;
+``ctx.module``: the model itself; ``ctx.loss_fn``).
+
+Batches may be tensors, or tuples, lists and dicts of them (nested); the engine moves
+them to the device. The default steps expect ``(inputs, targets)``:
+
+- ``train_step(batch, ctx)`` returns the micro-batch's loss, a scalar tensor, computed
+  with ``ctx.model`` (the wrapped model: DDP needs its forward). The engine runs it under
+  autocast, and does the backward, gradient accumulation, scaling, clipping and the
+  optimizer step. Default: ``ctx.loss_fn(ctx.model(inputs), targets)``.
+- ``eval_step(batch, ctx)`` returns a dict of metric *sums* over the batch, with a
+  ``count`` (the samples they cover): ``{"loss": ..., "mae": ..., "count": n}``, tensors
+  or numbers. It runs without gradients, on ``ctx.module`` (unwrapped, so ranks with
+  fewer batches do not wait on the others). The sums add up over the batches and the
+  ranks (one all-reduce) and are divided by the total count; each becomes a metric
+  ``val/NAME`` (``val/loss``, ``val/mae``), which the console prints and which
+  ``checkpoint.best_metric`` and ``early_stopping.metric`` may name. Default: the summed
+  ``loss_fn`` and, when the targets are class indices, the correct argmax predictions
+  (``val/loss``, ``val/accuracy``).
 """
 
 from __future__ import annotations

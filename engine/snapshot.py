@@ -13,6 +13,8 @@ from __future__ import annotations
 import pathlib
 import random
 
+import attrs
+
 import engine
 from engine import config as config_mod
 from engine import distributed
@@ -36,8 +38,9 @@ MAY_CHANGE = frozenset({
     "ddp.bucket_cap_mb", "ddp.gradient_as_bucket_view", "ddp.static_graph",
     "ddp.find_unused_parameters", "ddp.gpus_per_process",
 })
-#: Groups whose every key may change (when and how many snapshots are kept).
-MAY_CHANGE_GROUPS = ("checkpoint.",)
+#: Groups whose every key may change (when and how many snapshots are kept; when to
+#: stop early).
+MAY_CHANGE_GROUPS = ("checkpoint.", "early_stopping.")
 
 
 def rng_state() -> dict:
@@ -87,6 +90,7 @@ def capture(eng) -> dict:
         "step": state.step,
         "batch_in_epoch": state.batch_in_epoch,
         "epochs_completed": state.epochs_completed,
+        "train_state": attrs.asdict(state),  # every field, those added later included
         "sampler_seed": eng.cfg.seed,
         "world_size": eng.world.world_size,
         "rng": rngs,
@@ -184,6 +188,10 @@ def restore(eng, snap: dict, source: str) -> None:
     if eng.scaler is not None and snap.get("scaler") is not None:
         eng.scaler.load_state_dict(snap["scaler"])
     s = eng.state
+    # Fields a snapshot written before they existed lacks keep their defaults.
+    for name, value in (snap.get("train_state") or {}).items():
+        if hasattr(s, name):
+            setattr(s, name, value)
     s.epoch = int(snap["epoch"])
     s.step = int(snap["step"])
     s.batch_in_epoch = int(snap.get("batch_in_epoch", 0))

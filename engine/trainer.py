@@ -1,22 +1,39 @@
 """The training loop.
 
-``Trainer.fit`` in pseudocode (hooks in brackets)::
+``Trainer.fit`` in pseudocode, with the method that holds each part on the right
+(hooks in brackets)::
 
-    [engine_run_start]                                   (fired by Engine.run)
-    for epoch in epochs not yet completed:
+    [engine_run_start]                                  (fired by Engine.run)
+    for epoch in epochs not yet completed:                          run_epoch
         sampler.set_epoch(epoch, skip the batches a resumed snapshot already consumed)
         [engine_epoch_start]
-        for each micro-batch:
-            forward, loss, backward             (DDP syncs gradients on the last micro-step only)
-            on the last micro-step of a group:
-                optimizer step, zero_grad(set_to_none=True), scheduler if per step
-                [engine_train_step_end]                 (not called when nobody implements it)
-                every log_every steps: [engine_log] on rank 0, pending snapshot/stop decisions
-        reduce the epoch's metrics over all ranks; validate
-        [engine_log] [engine_epoch_end]; scheduler if per epoch; snapshot if due
+        for each micro-batch:                                       train_epoch
+            batch to the device; forward and loss (the recipe's     run_batch
+            train_step or the classification step); backward (DDP
+            all-reduces the gradients in a group's last micro-step only)
+            after a group's last micro-step:                        optimizer_step
+                unless on_nonfinite=skip skips the step:
+                    unscale (fp16), clip to grad_clip_norm          before_optimizer_step
+                    [engine_before_optimizer_step]    (not called when nobody implements it)
+                    optimizer step
+                zero_grad(set_to_none=True), scheduler if per step
+                [engine_train_step_end]               (not called when nobody implements it)
+                every log_every steps: one all-reduce for the       check_point
+                    window's loss, pre-emption and time-based snapshot; [engine_log] (rank 0)
+                snapshot if every_steps is due
+        the epoch's loss reduced over all ranks                     epoch_metrics
+        the recipe's eval_step (or the classification one), reduced validate
+        [engine_log] [engine_epoch_end]; scheduler if per epoch
+        early stopping, pre-emption, snapshot if due
 
-Nothing inside a step reads a value back from the device: metrics accumulate in device
-tensors and are read at the log interval and at the end of the epoch.
+Nothing inside a step reads a value back from the device (except ``on_nonfinite=skip``,
+which must decide every step): metrics accumulate in device tensors and are read at the
+log interval and at the end of the epoch.
+
+The policies are small objects, each in one place: :class:`NonFinitePolicy` (what a
+non-finite loss does), :class:`LogWindow` (the losses and timing between two check
+points), :class:`SnapshotPolicy` (when a snapshot is due) and :class:`EarlyStopping`
+(when a validation metric stopped improving).
 """
 
 from __future__ import annotations
@@ -28,11 +45,227 @@ import time
 import torch
 
 from engine import data, distributed, health, snapshot
-from engine.errors import RunError
+from engine.errors import ConfigError, EngineError, RunError
 
 
 class NonFiniteLoss(RunError):
     """The loss became non-finite: the run failed (exit code 1)."""
+
+
+class NonFinitePolicy:
+    """``on_nonfinite``: what a non-finite training loss does.
+
+    ``stop`` costs nothing per step: the loss of each log window (reduced over the ranks
+    at the check point) and the epoch's mean loss are checked, and a non-finite one stops
+    the run. ``skip`` ANDs every micro-batch's finiteness into a device flag (a NaN in any
+    micro-batch poisons the accumulated gradients, not only one in the last); at the
+    optimizer step one all-reduce tells every rank alike whether to step: a host sync
+    per step, the price of deciding per step.
+    """
+
+    def __init__(self, mode: str, device, world_size: int, warn):
+        self.skip = mode == "skip"
+        self.world_size = world_size
+        self.warn = warn
+        self.skipped_steps = 0
+        self.finite = torch.ones((), dtype=torch.bool, device=device) if self.skip else None
+
+    def observe(self, loss) -> None:
+        """Every micro-batch's (detached) loss."""
+        if self.skip:
+            self.finite &= torch.isfinite(loss)
+
+    def allow_step(self, step: int) -> bool:
+        """At the optimizer step that will be number ``step``: take it?"""
+        if not self.skip:
+            return True
+        flag = self.finite.float().reshape(1)
+        self.finite.fill_(True)
+        if distributed.all_reduce_sum(flag).item() == self.world_size:
+            return True
+        self.skipped_steps += 1
+        self.warn(f"non-finite loss at step {step}: step skipped (on_nonfinite=skip)")
+        return False
+
+    def check_window(self, loss: float, first: int, last: int, epoch: int) -> None:
+        if not self.skip and not math.isfinite(loss):
+            raise NonFiniteLoss(
+                f"the training loss became non-finite ({loss}) between steps {first} and "
+                f"{last} (epoch {epoch}); lower lr, check the data, or set on_nonfinite=skip")
+
+    def check_epoch(self, loss: float, epoch: int, step: int) -> None:
+        if not self.skip and not math.isfinite(loss):
+            raise NonFiniteLoss(f"the training loss is not finite ({loss}) in epoch "
+                                f"{epoch}, by step {step}")
+
+
+class LogWindow:
+    """The micro-batches and steps since the last check point. Losses add up on the
+    device in one tensor (one add per micro-batch); at each check point the window is
+    folded into the epoch's sum and starts again."""
+
+    def __init__(self, device, samples_per_step: int):
+        self.samples_per_step = samples_per_step
+        self.loss = torch.zeros((), device=device)
+        self.epoch_loss = torch.zeros((), device=device)
+        self.batches = self.steps = 0
+        self.start = time.perf_counter()
+
+    def add_batch(self, loss) -> None:
+        self.loss += loss
+        self.batches += 1
+
+    def images_per_sec(self, now: float) -> float:
+        return self.samples_per_step * self.steps / (now - self.start)
+
+    def restart(self, now: float) -> None:
+        self.epoch_loss += self.loss
+        self.loss.zero_()
+        self.steps = self.batches = 0
+        self.start = now
+
+    def total_loss(self):
+        """The epoch's loss sum, this window's included (at the end of the epoch)."""
+        self.epoch_loss += self.loss
+        return self.epoch_loss
+
+
+class SnapshotPolicy:
+    """When a snapshot is due: every ``every_steps`` optimizer steps, every
+    ``every_minutes`` of wall time (rank 0's clock; the ranks agree at a check point),
+    every ``every_epochs`` epochs, and after the last epoch."""
+
+    def __init__(self, cfg, is_rank0: bool):
+        self.every_steps = cfg.checkpoint.every_steps
+        self.every_epochs = cfg.checkpoint.every_epochs
+        self.every_seconds = cfg.checkpoint.every_minutes * 60 if is_rank0 else 0
+        self.epochs = cfg.epochs
+        self.last_time = time.monotonic()
+
+    def due_at_step(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def due_by_time(self) -> bool:
+        return bool(self.every_seconds) and (
+            time.monotonic() - self.last_time >= self.every_seconds)
+
+    def due_at_epoch_end(self, epochs_done: int) -> bool:
+        return bool(self.every_epochs and epochs_done % self.every_epochs == 0) or (
+            epochs_done == self.epochs)
+
+    def saved(self) -> None:
+        self.last_time = time.monotonic()
+
+
+def classification_train_step(batch, ctx):
+    """The default ``train_step``: ``(inputs, targets)`` batches and the recipe's
+    ``loss_fn`` (cross-entropy unless the recipe defines one) on the model as trained."""
+    inputs, targets = batch
+    return ctx.loss_fn(ctx.model(inputs), targets)
+
+
+def classification_eval_step(batch, ctx):
+    """The default ``eval_step``: the summed loss and, when the targets are class
+    indices, the number of correct argmax predictions, over ``count`` samples."""
+    inputs, targets = batch
+    outputs = ctx.module(inputs)
+    count = targets.shape[0]
+    sums = {"loss": ctx.loss_fn(outputs, targets).double() * count}  # loss_fn: a mean
+    if not targets.is_floating_point() and outputs.dim() == targets.dim() + 1:
+        sums["accuracy"] = (outputs.argmax(dim=1) == targets).sum()
+    sums["count"] = count
+    return sums
+
+
+class MetricSums:
+    """What ``eval_step`` returns, summed over the batches of a rank; then one
+    all-reduce over the ranks, and every sum divided by the ``count`` sum.
+
+    Tensors add up on the device (no sync per batch); Python numbers on the host. The
+    names come from the first batch; rank 0, which holds the most validation samples,
+    tells the others, so a rank with no batch at all still joins the same reduction.
+    """
+
+    def __init__(self, device):
+        self.device = device
+        self.names: list[str] | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.numbers: dict[str, float] = {}
+
+    def add(self, sums: dict) -> None:
+        if self.names is None:
+            if not isinstance(sums, dict) or "count" not in sums:
+                raise EngineError(
+                    "eval_step must return a dict of metric sums with a 'count' (the number "
+                    f"of samples they cover), e.g. {{'loss': ..., 'count': n}}; got {sums!r}")
+            self.names = list(sums)
+        for name in self.names:
+            value = sums[name]
+            if isinstance(value, torch.Tensor):
+                value = value.detach().double()
+                if name in self.tensors:
+                    self.tensors[name] += value
+                else:
+                    self.tensors[name] = value.clone()
+            else:
+                self.numbers[name] = self.numbers.get(name, 0.0) + float(value)
+
+    def reduce(self) -> dict:
+        """``{"val/NAME": sum over ranks / count}``, identical on every rank."""
+        names = distributed.broadcast_object(self.names)
+        if not names:
+            return {}
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        # A name may have come as a tensor from some batches and a number from others.
+        values = torch.stack([self.tensors.get(n, zero) + self.numbers.get(n, 0.0)
+                              for n in names])
+        totals = dict(zip(names, distributed.all_reduce_sum(values).tolist()))
+        count = totals.pop("count")
+        if count == 0:
+            return {}
+        return {f"val/{name}": total / count for name, total in totals.items()}
+
+
+class EarlyStopping:
+    """``early_stopping.*``: stop when ``metric`` has not improved (by more than
+    ``min_delta``) for ``patience`` epochs. The metrics are reduced over the ranks, so
+    every rank decides alike; the count lives in the TrainState, which snapshots save,
+    so a resumed run stops exactly where an uninterrupted one would."""
+
+    def __init__(self, cfg, state):
+        self.metric = cfg.metric
+        self.mode = cfg.mode
+        self.patience = cfg.patience
+        self.min_delta = cfg.min_delta
+        self.state = state
+
+    def update(self, metrics: dict, epoch: int) -> bool:
+        """After validating ``epoch`` (from 0): True when the run must stop now."""
+        if not self.metric:
+            return False
+        if self.metric not in metrics:
+            raise ConfigError(
+                f"config key 'early_stopping.metric': {self.metric!r} is not a metric of "
+                f"this run; it has: {', '.join(sorted(metrics))}")
+        value, s = metrics[self.metric], self.state
+        if s.best_metric is None:
+            better = math.isfinite(value)
+        elif self.mode == "min":
+            better = value < s.best_metric - self.min_delta
+        else:
+            better = value > s.best_metric + self.min_delta
+        if better:
+            s.best_metric, s.best_epoch, s.epochs_without_improvement = value, epoch + 1, 0
+        else:
+            s.epochs_without_improvement += 1
+        s.stopped_early = s.epochs_without_improvement >= self.patience
+        return s.stopped_early
+
+    def message(self) -> str:
+        s = self.state
+        best = "none" if s.best_metric is None else f"{s.best_metric:.4g} at epoch {s.best_epoch}"
+        return (f"early stopping: {self.metric} did not improve for "
+                f"{s.epochs_without_improvement} epochs; best {best}")
 
 
 class Trainer:
@@ -43,180 +276,215 @@ class Trainer:
         # A per-step hook with no implementation costs nothing: we never call it.
         self.step_end_hook = (hook.engine_train_step_end
                               if hook.engine_train_step_end.get_hookimpls() else None)
+        self.before_step_hook = (hook.engine_before_optimizer_step if
+                                 hook.engine_before_optimizer_step.get_hookimpls() else None)
         self.log_hook = hook.engine_log if engine.is_rank0 else None
+        self.clip_norm = self.cfg.grad_clip_norm
         device = engine.device
         if self.cfg.precision == "32":
             self.autocast = contextlib.nullcontext
         else:
             dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
             self.autocast = lambda: torch.autocast(device.type, dtype=dtype)
-        self.last_snapshot_time = time.monotonic()
+        self.non_blocking = device.type == "cuda"
+        # The recipe owns the step when it defines one; else the classification step.
+        recipe = engine.recipe
+        self.train_step = recipe.optional("train_step") or classification_train_step
+        self.eval_step = recipe.optional("eval_step") or classification_eval_step
+        self.nonfinite = NonFinitePolicy(self.cfg.on_nonfinite, device,
+                                         engine.world.world_size, engine.warn)
+        self.snapshots = SnapshotPolicy(self.cfg, engine.is_rank0)
+        self.early_stopping = EarlyStopping(self.cfg.early_stopping, engine.state)
         self.stop_requested = False  # the ranks agreed to stop (see engine/preemption.py)
-        self.skipped_steps = 0
+        engine.stopped_early = False  # for the summary: the run ended by early stopping
+        engine.stopped_epoch = None  # ... after this many epochs
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.nonfinite.skipped_steps
 
     # ------------------------------------------------------------------- fit
 
     def fit(self) -> None:
+        if self.engine.state.stopped_early:  # resumed from the end of an early-stopped run
+            self.stop_early(again=True)
+            return
+        while self.engine.state.epoch < self.cfg.epochs:
+            if not self.run_epoch(self.engine.state.epoch):
+                return
+
+    def run_epoch(self, epoch: int) -> bool:
+        """Train one epoch, validate, log, snapshot if due. False when the run stops."""
         eng, cfg = self.engine, self.cfg
-        while eng.state.epoch < cfg.epochs:
-            epoch = eng.state.epoch
-            data.start_epoch(eng.train_loader, epoch,
-                             start_index=eng.state.batch_in_epoch * eng.micro_batch)
-            eng.pm.hook.engine_epoch_start(engine=eng, epoch=epoch)
-            train_metrics = self.train_epoch(epoch)
-            if self.stop_requested:  # pre-empted half-way through the epoch
-                self.save_snapshot()
-                return
-            # DDP syncs buffers at the start of each forward; after the last one every
-            # rank's BatchNorm statistics moved on their own. Equalise before validating.
-            eng.parallel.sync_buffers(eng.model)
-            metrics = {**train_metrics, **self.validate()}
-            metrics["lr"] = self.current_lr()
-            health.epoch_barrier(cfg.timeout_s)
-            eng.metrics.update(metrics)
-            eng.state.epoch = epoch + 1
-            eng.state.batch_in_epoch = 0
-            eng.state.epochs_completed = epoch + 1
-            if self.log_hook is not None:
-                self.log_hook(engine=eng, metrics=metrics, step=eng.state.step)
-            eng.pm.hook.engine_epoch_end(engine=eng, epoch=epoch, metrics=metrics)
-            if eng.scheduler is not None and cfg.scheduler_interval == "epoch":
-                eng.scheduler.step()
-            every = cfg.checkpoint.every_epochs
-            due = (every and (epoch + 1) % every == 0) or eng.state.epoch == cfg.epochs
-            stop = eng.state.epoch < cfg.epochs and self.agree_to_stop()
-            if due or stop:
-                self.save_snapshot()
-            if stop:
-                return
+        data.start_epoch(eng.train_loader, epoch,
+                         start_index=eng.state.batch_in_epoch * eng.micro_batch)
+        eng.pm.hook.engine_epoch_start(engine=eng, epoch=epoch)
+        train_metrics = self.train_epoch(epoch)
+        if self.stop_requested:  # pre-empted half-way through the epoch
+            self.save_snapshot()
+            return False
+        # DDP syncs buffers at the start of each forward; after the last one every
+        # rank's BatchNorm statistics moved on their own. Equalise before validating.
+        eng.parallel.sync_buffers(eng.model)
+        metrics = {**train_metrics, **self.validate()}
+        metrics["lr"] = self.current_lr()
+        health.epoch_barrier(cfg.timeout_s)
+        eng.metrics.update(metrics)
+        stop_early = self.early_stopping.update(metrics, epoch)
+        eng.state.epoch = epoch + 1
+        eng.state.batch_in_epoch = 0
+        eng.state.epochs_completed = epoch + 1
+        if self.log_hook is not None:
+            self.log_hook(engine=eng, metrics=metrics, step=eng.state.step)
+        eng.pm.hook.engine_epoch_end(engine=eng, epoch=epoch, metrics=metrics)
+        if eng.scheduler is not None and cfg.scheduler_interval == "epoch":
+            eng.scheduler.step()
+        if stop_early:  # the same decision on every rank: the metrics are reduced
+            self.save_snapshot()
+            self.stop_early()
+            return False
+        stop = eng.state.epoch < cfg.epochs and self.agree_to_stop()
+        if stop or self.snapshots.due_at_epoch_end(eng.state.epoch):
+            self.save_snapshot()
+        return not stop
+
+    def stop_early(self, again: bool = False) -> None:
+        eng = self.engine
+        eng.stopped_early = True
+        eng.stopped_epoch = eng.state.epochs_completed
+        eng.print(self.early_stopping.message() + (
+            f" (this run already stopped early after epoch {eng.stopped_epoch}; start a "
+            "new one with --no-resume or another out_dir)" if again else ""))
 
     # ----------------------------------------------------------------- epoch
 
     def train_epoch(self, epoch: int) -> dict:
-        eng, cfg = self.engine, self.cfg
-        model, optimizer, scaler = eng.model, eng.optimizer, eng.scaler
-        device, loss_fn, parallel = eng.device, eng.loss_fn, eng.parallel
-        accum = cfg.grad_accum_steps
-        non_blocking = device.type == "cuda"
-        model.train()
-
-        n_batches = len(eng.train_loader)  # what is left of this epoch
+        eng = self.engine
+        accum = self.cfg.grad_accum_steps
+        eng.model.train()
         first_batch = eng.state.batch_in_epoch
-        # Losses add up on the device in one tensor per log window (one add per
-        # micro-batch); each window is folded into the epoch's sum at its check point.
-        loss_sum = torch.zeros((), device=device)
-        window_loss = torch.zeros((), device=device)
-        window_steps = window_batches = 0
-        steps_in_epoch = batches_seen = 0
+        end_batch = first_batch + len(eng.train_loader)  # the loader holds what is left
+        window = LogWindow(eng.device, eng.micro_batch * accum * eng.world.world_size)
+        steps_at_start = eng.state.step
         data_wait = 0.0
-        samples_per_step = eng.micro_batch * accum * eng.world.world_size
-        epoch_start = window_start = time.perf_counter()
-
-        fetch_start = time.perf_counter()
-        for i, (inputs, targets) in enumerate(eng.train_loader):
+        epoch_start = fetch_start = time.perf_counter()
+        for i, batch in enumerate(eng.train_loader):
             data_wait += time.perf_counter() - fetch_start
             batch_index = first_batch + i
             # Micro-steps are grouped by absolute position, so a resumed epoch groups
             # them exactly as the uninterrupted one did.
             group_start = batch_index - batch_index % accum
-            group_size = min(accum, first_batch + n_batches - group_start)
+            group_size = min(accum, end_batch - group_start)
             last_micro = batch_index - group_start == group_size - 1
-            inputs = inputs.to(device, non_blocking=non_blocking)
-            targets = targets.to(device, non_blocking=non_blocking)
-
-            with (contextlib.nullcontext() if last_micro else parallel.no_sync(model)):
-                with self.autocast():
-                    outputs = model(inputs)
-                    loss = loss_fn(outputs, targets)
-                scaled = loss / group_size if group_size > 1 else loss
-                if scaler is not None:
-                    scaler.scale(scaled).backward()
-                else:
-                    scaled.backward()
-            window_loss += loss.detach()
-            window_batches += 1
+            loss = self.run_batch(batch, group_size, last_micro)
+            window.add_batch(loss)
             eng.state.batch_in_epoch = batch_index + 1
-            batches_seen += 1
-            if last_micro:
-                if cfg.on_nonfinite == "skip" and not self.all_finite(loss):
-                    optimizer.zero_grad(set_to_none=True)
-                    self.skipped_steps += 1
-                    eng.warn(f"non-finite loss at step {eng.state.step + 1}: step skipped "
-                             "(on_nonfinite=skip)")
-                elif scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if eng.scheduler is not None and cfg.scheduler_interval == "step":
-                    eng.scheduler.step()
-                eng.state.step += 1
-                steps_in_epoch += 1
-                window_steps += 1
-                if self.step_end_hook is not None:
-                    self.step_end_hook(engine=eng, step=eng.state.step, loss=loss)
-                if eng.state.step % cfg.log_every == 0:
-                    now = time.perf_counter()
-                    stop = self.check_point(window_loss, window_batches, window_steps,
-                                            samples_per_step * window_steps / (now - window_start))
-                    loss_sum += window_loss
-                    window_loss.zero_()
-                    window_steps = window_batches = 0
-                    window_start = now
-                    if stop:
-                        break
-                every_steps = cfg.checkpoint.every_steps
-                if every_steps and eng.state.step % every_steps == 0:
-                    self.save_snapshot()
+            if last_micro and self.optimizer_step(loss, window):
+                break
             fetch_start = time.perf_counter()
+        return self.epoch_metrics(epoch, window, batches=eng.state.batch_in_epoch - first_batch,
+                                  steps=eng.state.step - steps_at_start,
+                                  epoch_start=epoch_start, data_wait=data_wait)
 
-        loss_sum += window_loss
-        # One reduction per epoch: the loss of every rank, and how many batches it saw.
-        totals = torch.stack([loss_sum.float(),
-                              torch.tensor(float(batches_seen), device=device)])
-        distributed.all_reduce_sum(totals)
-        mean_loss = (totals[0] / totals[1].clamp(min=1)).item()
-        elapsed = time.perf_counter() - epoch_start  # after .item(): the device is done
-        if not math.isfinite(mean_loss) and cfg.on_nonfinite == "stop":
-            raise NonFiniteLoss(f"the training loss is not finite ({mean_loss}) in epoch "
-                                f"{epoch}, by step {eng.state.step}")
-        return {
-            "train/loss": mean_loss,
-            "train/images_per_sec": samples_per_step * steps_in_epoch / max(elapsed, 1e-9),
-            "train/data_wait_fraction": data_wait / max(elapsed, 1e-9),
-        }
+    def run_batch(self, batch, group_size: int, last_micro: bool):
+        """Forward and backward of one micro-batch; returns its loss, detached. DDP
+        all-reduces the gradients only in the backward of a group's last micro-batch."""
+        eng = self.engine
+        batch = data.to_device(batch, eng.device, non_blocking=self.non_blocking)
+        with (contextlib.nullcontext() if last_micro else eng.parallel.no_sync(eng.model)):
+            with self.autocast():
+                loss = self.train_step(batch, eng)
+            scaled = loss / group_size if group_size > 1 else loss
+            if eng.scaler is not None:
+                eng.scaler.scale(scaled).backward()
+            else:
+                scaled.backward()
+        loss = loss.detach()
+        self.nonfinite.observe(loss)
+        return loss
 
-    def check_point(self, window_loss, window_batches: int, window_steps: int,
-                    images_per_sec: float) -> bool:
+    def optimizer_step(self, loss, window: LogWindow) -> bool:
+        """After a group's last micro-batch: step, hooks, check point, snapshot if due.
+        Returns True when the epoch must stop here (the ranks agreed on a pre-emption)."""
+        eng = self.engine
+        optimizer, scaler, state = eng.optimizer, eng.scaler, eng.state
+        if self.nonfinite.allow_step(state.step + 1):
+            if self.clip_norm is not None or self.before_step_hook is not None:
+                self.before_optimizer_step(state.step + 1)
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if eng.scheduler is not None and self.cfg.scheduler_interval == "step":
+            eng.scheduler.step()
+        state.step += 1
+        window.steps += 1
+        if self.step_end_hook is not None:
+            self.step_end_hook(engine=eng, step=state.step, loss=loss)
+        if state.step % self.cfg.log_every == 0 and self.check_point(window):
+            return True
+        if self.snapshots.due_at_step(state.step):
+            self.save_snapshot()
+        return False
+
+    def before_optimizer_step(self, step: int) -> None:
+        """Between the last backward of a group and the optimizer step, on the true
+        gradients: unscaled (fp16), and already averaged over the ranks (DDP reduced
+        them in that backward). Clip to ``grad_clip_norm``, then the plugins' hook."""
+        eng = self.engine
+        if eng.scaler is not None:
+            # scaler.step() then sees that they are unscaled and does not do it again.
+            eng.scaler.unscale_(eng.optimizer)
+        if self.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(eng.model.parameters(), self.clip_norm)
+        if self.before_step_hook is not None:
+            self.before_step_hook(engine=eng, step=step, optimizer=eng.optimizer)
+
+    def check_point(self, window: LogWindow) -> bool:
         """Every ``log_every`` steps, on every rank: one small all-reduce gives the mean
         loss of the window over all ranks and the ranks' agreement on a pre-emption stop
         or a time-based snapshot. Returns True when the epoch must stop here."""
-        eng, cfg = self.engine, self.cfg
-        due_by_time = eng.is_rank0 and bool(cfg.checkpoint.every_minutes) and (
-            time.monotonic() - self.last_snapshot_time >= cfg.checkpoint.every_minutes * 60)
+        eng = self.engine
+        now = time.perf_counter()
+        images_per_sec = window.images_per_sec(now)
         preempted = eng.preemption is not None and bool(eng.preemption)
-        values = torch.stack([window_loss.float(), window_loss.new_tensor(float(preempted)),
-                              window_loss.new_tensor(float(due_by_time))])
+        due_by_time = eng.is_rank0 and self.snapshots.due_by_time()
+        values = torch.stack([window.loss.float(), window.loss.new_tensor(float(preempted)),
+                              window.loss.new_tensor(float(due_by_time))])
         loss_sum, preempted, due_by_time = distributed.all_reduce_sum(values).tolist()
         # The mean over micro-batches (with accumulation, a step has several).
-        loss = loss_sum / max(window_batches, 1) / eng.world.world_size
-        first = eng.state.step - window_steps + 1
-        if not math.isfinite(loss) and cfg.on_nonfinite == "stop":
-            raise NonFiniteLoss(
-                f"the training loss became non-finite ({loss}) between steps {first} and "
-                f"{eng.state.step} (epoch {eng.state.epoch}); lower lr, check the data, "
-                "or set on_nonfinite=skip")
+        loss = loss_sum / max(window.batches, 1) / eng.world.world_size
+        self.nonfinite.check_window(loss, first=eng.state.step - window.steps + 1,
+                                    last=eng.state.step, epoch=eng.state.epoch)
         if self.log_hook is not None:
             self.log_hook(engine=eng, step=eng.state.step, metrics={
                 "train/loss": loss, "train/images_per_sec": images_per_sec,
                 "lr": self.current_lr()})
+        window.restart(now)
         if preempted:
             self.stop_requested = True
             return True
         if due_by_time:
             self.save_snapshot()
         return False
+
+    def epoch_metrics(self, epoch: int, window: LogWindow, *, batches: int, steps: int,
+                      epoch_start: float, data_wait: float) -> dict:
+        """One reduction per epoch: the loss of every rank, and how many batches it saw."""
+        eng = self.engine
+        totals = torch.stack([window.total_loss().float(),
+                              torch.tensor(float(batches), device=eng.device)])
+        distributed.all_reduce_sum(totals)
+        mean_loss = (totals[0] / totals[1].clamp(min=1)).item()
+        elapsed = time.perf_counter() - epoch_start  # after .item(): the device is done
+        self.nonfinite.check_epoch(mean_loss, epoch, eng.state.step)
+        return {
+            "train/loss": mean_loss,
+            "train/images_per_sec": window.samples_per_step * steps / max(elapsed, 1e-9),
+            "train/data_wait_fraction": data_wait / max(elapsed, 1e-9),
+        }
 
     def agree_to_stop(self) -> bool:
         """At an epoch boundary: did a pre-emption signal reach any rank?"""
@@ -227,15 +495,12 @@ class Trainer:
         self.stop_requested = distributed.all_reduce_sum(flag).item() > 0
         return self.stop_requested
 
-    def all_finite(self, loss) -> bool:
-        """Whether every rank's loss is finite: a host sync, so only with on_nonfinite=skip."""
-        flag = torch.isfinite(loss.detach()).float().reshape(1)
-        return distributed.all_reduce_sum(flag).item() == self.engine.world.world_size
-
     # ------------------------------------------------------------ validation
 
     @torch.no_grad()
     def validate(self) -> dict:
+        """The recipe's ``eval_step`` (or the classification one) over this rank's shard
+        of the validation set; the sums reduced over the ranks in one all-reduce."""
         eng = self.engine
         if eng.val_loader is None:
             return {}
@@ -244,23 +509,13 @@ class Trainer:
         module = eng.module
         was_training = module.training
         module.eval()
-        device = eng.device
-        sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss, correct, count
-        for inputs, targets in eng.val_loader:
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
+        sums = MetricSums(eng.device)
+        for batch in eng.val_loader:
+            batch = data.to_device(batch, eng.device, non_blocking=self.non_blocking)
             with self.autocast():
-                outputs = module(inputs)
-                loss = eng.loss_fn(outputs, targets)  # a mean over the batch
-            sums[0] += loss.double() * targets.shape[0]
-            sums[1] += (outputs.argmax(dim=1) == targets).sum()
-            sums[2] += targets.shape[0]
-        distributed.all_reduce_sum(sums)
+                sums.add(self.eval_step(batch, eng))
         module.train(was_training)
-        loss_sum, correct, count = sums.tolist()
-        if count == 0:
-            return {}
-        return {"val/loss": loss_sum / count, "val/accuracy": correct / count}
+        return sums.reduce()
 
     # --------------------------------------------------------------- helpers
 
@@ -269,5 +524,4 @@ class Trainer:
 
     def save_snapshot(self) -> None:
         snapshot.save(self.engine)
-        self.last_snapshot_time = time.monotonic()
-
+        self.snapshots.saved()

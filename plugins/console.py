@@ -78,10 +78,14 @@ class ConsoleLogger:
                 self.postfix["data_wait"] = f"{wait:.0%}"
                 self.bar.set_postfix(self.postfix, refresh=True)
         parts = [f"epoch {epoch + 1}/{engine.cfg.epochs}"]
-        for key, label, fmt in (("train/loss", "train loss", ".4f"),
-                                ("val/loss", "val loss", ".4f"),
-                                ("val/accuracy", "val acc", ".2%"),
-                                ("train/images_per_sec", "img/s", ".0f")):
+        # The validation metrics are the recipe's (its eval_step's; by default val/loss
+        # and, for class-index targets, val/accuracy), in the order it returns them.
+        shown = [("train/loss", "train loss", ".4f")]
+        shown += [(key, "val acc", ".2%") if key == "val/accuracy" else
+                  (key, key.replace("/", " "), ".4f")
+                  for key in metrics if key.startswith("val/")]
+        shown.append(("train/images_per_sec", "img/s", ".0f"))
+        for key, label, fmt in shown:
             if metrics.get(key) is not None:
                 parts.append(f"{label} {format(metrics[key], fmt)}")
         if wait is not None:

@@ -38,6 +38,7 @@ RELEASED = {
     "0.2": {
         "engine_register_config_groups": (),
         "engine_register_commands": (),
+        "engine_before_optimizer_step": ("engine", "step", "optimizer"),
     },
 }
 FIRST_RELEASE = {name: (version, args) for version, hooks in RELEASED.items()

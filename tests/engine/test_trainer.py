@@ -1,0 +1,399 @@
+"""engine/trainer.py: the loop through real ``engine-run`` runs on the CPU (gloo for two
+processes): non-finite steps, recipes that own their steps, gradient clipping and the
+before-optimizer-step hook, early stopping; then its policies in-process."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+
+import pytest
+import torch
+
+import engine
+from engine.errors import ConfigError, EngineError
+from engine.trainer import (EarlyStopping, LogWindow, MetricSums, NonFiniteLoss,
+                            NonFinitePolicy, SnapshotPolicy, classification_eval_step)
+from tests.conftest import REPO, read_summary, run_cli
+
+REGRESSION = str(REPO / "tests" / "recipes" / "tiny_regression.py")
+
+
+def first_sample_of_epoch(epoch: int, n: int, seed: int = 0) -> int:
+    """The sample a one-process run sees first in ``epoch`` (DistributedSampler's order)."""
+    g = torch.Generator().manual_seed(seed + epoch)
+    return int(torch.randperm(n, generator=g)[0])
+
+
+def test_skip_counts_a_nan_in_any_micro_batch_not_only_the_last(tmp_path):
+    # The NaN sample opens the first micro-batch of the first optimizer step; the
+    # second micro-batch of that step is finite. The step must still be skipped.
+    nan = first_sample_of_epoch(0, n=64)
+    out = tmp_path / "run"
+    proc = run_cli(REGRESSION, f"out_dir={out}", "--nproc", "1", "epochs=1",
+                   "grad_accum_steps=2", "on_nonfinite=skip", f"nan_sample={nan}",
+                   check=True)
+    assert "non-finite loss at step 1: step skipped (on_nonfinite=skip)" in proc.stderr
+    summary = read_summary(out)
+    assert summary["status"] == "completed"
+    assert math.isfinite(summary["val_loss"]), "the optimizer stepped on NaN gradients"
+
+
+# ------------------------------------------------------------ recipes that own the step
+
+DICT_BATCH = str(REPO / "tests" / "recipes" / "tiny_dict_batch.py")
+#: 64 samples, global batch 8: 8 steps per epoch, 24 in all; snapshots every 5 steps.
+RESUME = ("epochs=3", "checkpoint.every_steps=5", "checkpoint.keep_last=2")
+KILL_STEP = 11  # mid-epoch 1, between the snapshots of steps 10 and 15
+
+
+def kill_and_resume(recipe: str, tmp_path, nproc: int, *overrides: str) -> dict:
+    """The summary of a run killed (SIGKILL, last rank) after step KILL_STEP and resumed."""
+    from tests.conftest import engine_env
+
+    out = tmp_path / "resumed"
+    fault = engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP=str(KILL_STEP),
+                       ENGINE_FAULT_RANK=str(nproc - 1),
+                       ENGINE_FAULT_ONCE=str(tmp_path / "fault-done"))
+    args = (recipe, *RESUME, *overrides, f"out_dir={out}", "--nproc", str(nproc),
+            "-p", "tests.fault_plugin")
+    killed = run_cli(*args, env=fault)
+    assert killed.returncode != 0, f"the fault was not injected\n{killed.stderr}"
+    resumed = run_cli(*args, env=fault, check=True)
+    assert "resuming from " in resumed.stdout, resumed.stdout
+    return read_summary(out)
+
+
+def epoch_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("epoch ")]
+
+
+def test_regression_recipe_reports_its_own_metrics_and_resumes_exactly(tmp_path):
+    out = tmp_path / "reference"
+    proc = run_cli(REGRESSION, *RESUME, f"out_dir={out}", "--nproc", "2", check=True)
+    lines = epoch_lines(proc.stdout)
+    assert len(lines) == 3 and all("val mae " in line for line in lines), proc.stdout
+    assert "val acc" not in proc.stdout
+    reference = read_summary(out)
+    assert reference["status"] == "completed" and reference["val_accuracy"] is None
+    assert math.isfinite(reference["val_loss"])
+    assert kill_and_resume(REGRESSION, tmp_path, 2)["weights_sha256"] == (
+        reference["weights_sha256"])
+
+
+def test_dict_batch_recipe_trains_and_resumes_exactly(tmp_path):
+    out = tmp_path / "reference"
+    proc = run_cli(DICT_BATCH, *RESUME, f"out_dir={out}", "--nproc", "2", check=True)
+    lines = epoch_lines(proc.stdout)
+    assert len(lines) == 3 and all("val acc " in line and "val top2 " in line
+                                   for line in lines), proc.stdout
+    reference = read_summary(out)
+    assert 0 <= reference["val_accuracy"] <= 1
+    assert kill_and_resume(DICT_BATCH, tmp_path, 2)["weights_sha256"] == (
+        reference["weights_sha256"])
+
+
+# ------------------------------------------- gradient clipping, before_optimizer_step
+
+TINY = str(REPO / "tests" / "recipes" / "tiny_parallel_recipe.py")
+CLIP = 0.05  # well below the tiny model's gradient norms, so every step clips
+#: 64 samples, global batch 8 in micro-batches of 8 / world / 2: full groups of 2.
+CLIP_RUN = ("epochs=2", "batch_size=8", "grad_accum_steps=2", "train_size=64")
+
+
+def hand_written_clipped(rank: int = 0, world_size: int = 1, clip: float | None = CLIP,
+                         port: int = 0) -> str:
+    """tiny_parallel_recipe trained by a plain loop with accumulation (2 micro-batches)
+    and clip_grad_norm_ before each step, DDP when world_size > 1. The weights digest."""
+    import torch.distributed as dist
+    from torch.nn import functional as F
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from engine.checkpoint import model_digest
+    from engine.recipe import load_recipe
+
+    recipe = load_recipe(TINY).module
+    cfg = recipe.Config(epochs=2, batch_size=8, train_size=64)
+    train_set, _ = recipe.build_datasets(cfg, None)
+    if world_size > 1:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+    torch.manual_seed(0)
+    model = recipe.build_model(cfg)
+    optimizer = recipe.build_optimizer(cfg, model)
+    if world_size > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=0)
+    loader = DataLoader(train_set, batch_size=8 // world_size // 2, sampler=sampler)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for i, (inputs, targets) in enumerate(loader):
+            last = i % 2 == 1
+            sync = contextlib.nullcontext() if last or world_size == 1 else model.no_sync()
+            with sync:
+                (F.cross_entropy(model(inputs), targets) / 2).backward()
+            if last:
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    digest = model_digest(getattr(model, "module", model).state_dict())
+    if world_size > 1:
+        dist.destroy_process_group()
+    return digest
+
+
+def _hand_written_worker(rank: int, port: int, results) -> None:
+    results[rank] = hand_written_clipped(rank, 2, port=port)
+
+
+def test_grad_clip_norm_equals_a_hand_written_loop_with_accumulation(tmp_path):
+    out = tmp_path / "run"
+    run_cli(TINY, *CLIP_RUN, f"grad_clip_norm={CLIP}", f"out_dir={out}", "--nproc", "1",
+            check=True)
+    expected = hand_written_clipped()
+    assert expected != hand_written_clipped(clip=None), "the test must clip something"
+    assert read_summary(out)["weights_sha256"] == expected
+
+
+def test_grad_clip_norm_with_ddp_equals_a_hand_written_ddp_loop(tmp_path):
+    import torch.multiprocessing as mp
+
+    from engine.launcher import free_port
+
+    out = tmp_path / "run"
+    run_cli(TINY, *CLIP_RUN, f"grad_clip_norm={CLIP}", f"out_dir={out}", "--nproc", "2",
+            "--parallel", "ddp", check=True)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_hand_written_worker, args=(free_port(), results), nprocs=2,
+                           start_method="spawn")
+        digests = dict(results)
+    assert digests[0] == digests[1]
+    assert read_summary(out)["weights_sha256"] == digests[0]
+
+
+# This module is also the probe plugin of the next test (``-p tests.engine.test_trainer``):
+# every rank records, for each optimizer step, the step number the hook was given and
+# the total norm of the gradients it saw, and writes them to grad-probe-rank{R}.json in
+# the out_dir at the end. (``.item()`` every step: fine for a test, not for a logger.)
+_grad_norms: list[tuple[int, float]] = []
+
+
+@engine.hookimpl
+def engine_before_optimizer_step(engine, step, optimizer):
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+             if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    _grad_norms.append((step, norm.item()))
+
+
+@engine.hookimpl
+def engine_run_end(engine, summary):
+    path = engine.out_dir / f"grad-probe-rank{engine.world.rank}.json"
+    path.write_text(json.dumps(_grad_norms))
+
+
+def test_before_optimizer_step_hook_sees_each_steps_clipped_gradients(tmp_path):
+    out = tmp_path / "run"
+    run_cli(TINY, *CLIP_RUN, f"grad_clip_norm={CLIP}", f"out_dir={out}", "--nproc", "2",
+            "-p", "tests.engine.test_trainer", check=True)
+    for rank in (0, 1):
+        seen = json.loads((out / f"grad-probe-rank{rank}.json").read_text())
+        assert [step for step, _ in seen] == list(range(1, 17))  # 8 steps x 2 epochs
+        assert all(0 < norm <= CLIP * (1 + 1e-5) for _, norm in seen), seen
+    # DDP averaged the gradients before the hook: both ranks saw the same ones.
+    assert (json.loads((out / "grad-probe-rank0.json").read_text())
+            == json.loads((out / "grad-probe-rank1.json").read_text()))
+
+
+def test_grad_clip_norm_must_be_positive(tmp_path):
+    proc = run_cli(TINY, "grad_clip_norm=0", f"out_dir={tmp_path}", "--nproc", "1")
+    assert proc.returncode != 0
+    assert "config key 'grad_clip_norm': 0.0 must be > 0 (or none: no clipping)" in proc.stderr
+
+
+# ------------------------------------------------------------------ early stopping
+
+#: min_delta far above any change: epoch 1 sets the best, later epochs never beat it,
+#: so with patience 2 the run stops after epoch 3 of 6.
+EARLY = ("epochs=6", "early_stopping.metric=val/loss", "early_stopping.patience=2",
+         "early_stopping.min_delta=1000")
+
+
+def test_early_stopping_ends_the_run_completed_with_a_clear_line(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli(REGRESSION, *EARLY, f"out_dir={out}", "--nproc", "2", check=True)
+    summary = read_summary(out)
+    assert (summary["status"], summary["epochs_completed"]) == ("completed", 3)
+    first_val_loss = float(epoch_lines(proc.stdout)[0].split("val loss ")[1].split()[0])
+    (stop_line,) = [line for line in proc.stdout.splitlines()
+                    if line.startswith("early stopping: ")]
+    assert stop_line.startswith("early stopping: val/loss did not improve for 2 epochs; best ")
+    assert stop_line.endswith(" at epoch 1")
+    assert float(stop_line.split("best ")[1].split()[0]) == pytest.approx(first_val_loss,
+                                                                          rel=1e-3)
+    assert len(epoch_lines(proc.stdout)) == 3
+
+    again = run_cli(REGRESSION, *EARLY, f"out_dir={out}", "--nproc", "2", check=True)
+    assert "this run already stopped early after epoch 3" in again.stdout
+    assert read_summary(out)["epochs_completed"] == 3
+
+
+def test_early_stopping_state_survives_a_kill_exactly(tmp_path):
+    out = tmp_path / "reference"
+    run_cli(REGRESSION, *RESUME, *EARLY, f"out_dir={out}", "--nproc", "2", check=True)
+    reference = read_summary(out)
+    resumed = kill_and_resume(REGRESSION, tmp_path, 2, *EARLY)
+    assert resumed["epochs_completed"] == reference["epochs_completed"] == 3
+    assert resumed["weights_sha256"] == reference["weights_sha256"]
+
+
+def test_a_snapshot_without_the_early_stopping_state_still_loads(tmp_path):
+    out = tmp_path / "run"
+    run_cli(REGRESSION, "epochs=1", f"out_dir={out}", "--nproc", "1", check=True)
+    (path,) = (out / "checkpoints").glob("snapshot-*.pt")
+    snap = torch.load(path, weights_only=True)
+    del snap["train_state"]  # as written before TrainState grew the early-stopping fields
+    old = tmp_path / "old.pt"
+    torch.save(snap, old)
+    proc = run_cli(REGRESSION, "epochs=2", f"out_dir={tmp_path / 'again'}", "--nproc", "1",
+                   "--resume", str(old), check=True)
+    assert f"resuming from {old}: epoch 1, step 8" in proc.stdout
+    assert read_summary(tmp_path / "again")["epochs_completed"] == 2
+
+
+@pytest.mark.parametrize("override, message", [
+    ("early_stopping.metric=val/acc", "config key 'early_stopping.metric': 'val/acc' is not "
+     "a metric of this run; it has: lr, train/data_wait_fraction, train/images_per_sec, "
+     "train/loss, val/loss, val/mae"),
+    ("early_stopping.mode=lowest", "config key 'early_stopping.mode': 'lowest' is not one "
+     "of: min, max"),
+    ("early_stopping.patience=0", "config key 'early_stopping.patience': 0 must be >= 1"),
+])
+def test_bad_early_stopping_config_is_one_line_naming_the_key(tmp_path, override, message):
+    proc = run_cli(REGRESSION, "epochs=2", override, f"out_dir={tmp_path}", "--nproc", "1")
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------- the policies, in-process (one rank)
+
+CPU = torch.device("cpu")
+NAN = torch.tensor(float("nan"))
+
+
+def test_skip_policy_skips_a_step_with_any_nan_micro_batch_and_starts_clean():
+    warnings = []
+    policy = NonFinitePolicy("skip", CPU, world_size=1, warn=warnings.append)
+    for loss in (NAN, torch.tensor(1.0)):  # the NaN first, the last micro-batch fine
+        policy.observe(loss)
+    assert policy.allow_step(7) is False
+    assert warnings == ["non-finite loss at step 7: step skipped (on_nonfinite=skip)"]
+    policy.observe(torch.tensor(2.0))
+    assert policy.allow_step(8) is True and policy.skipped_steps == 1
+    policy.check_window(float("nan"), first=1, last=2, epoch=0)  # skip never stops
+
+
+def test_stop_policy_never_syncs_per_step_and_stops_on_a_nan_window():
+    policy = NonFinitePolicy("stop", CPU, world_size=1, warn=print)
+    policy.observe(NAN)
+    assert policy.allow_step(1) is True and policy.finite is None
+    with pytest.raises(NonFiniteLoss, match=r"non-finite \(nan\) between steps 3 and 4 "
+                                            r"\(epoch 1\); .*on_nonfinite=skip"):
+        policy.check_window(float("nan"), first=3, last=4, epoch=1)
+    with pytest.raises(NonFiniteLoss, match=r"not finite \(inf\) in epoch 2, by step 9"):
+        policy.check_epoch(float("inf"), epoch=2, step=9)
+
+
+def test_log_window_folds_each_window_into_the_epoch_sum():
+    window = LogWindow(CPU, samples_per_step=10)
+    for value in (1.0, 2.0):
+        window.add_batch(torch.tensor(value))
+    window.steps = 1
+    assert (window.loss.item(), window.batches) == (3.0, 2)
+    assert window.images_per_sec(window.start + 0.5) == 20.0
+    window.restart(window.start + 0.5)
+    assert (window.loss.item(), window.batches, window.steps) == (0.0, 0, 0)
+    window.add_batch(torch.tensor(4.0))
+    assert window.total_loss().item() == 7.0
+
+
+def test_snapshot_policy():
+    from engine.config import TrainConfig
+
+    cfg = TrainConfig(epochs=5)
+    cfg.checkpoint.every_steps, cfg.checkpoint.every_epochs = 4, 2
+    policy = SnapshotPolicy(cfg, is_rank0=True)
+    assert [s for s in range(1, 13) if policy.due_at_step(s)] == [4, 8, 12]
+    assert [e for e in range(1, 6) if policy.due_at_epoch_end(e)] == [2, 4, 5]  # and last
+    assert not policy.due_by_time()  # every_minutes=0: never
+    cfg.checkpoint.every_minutes = 1e-9
+    assert SnapshotPolicy(cfg, is_rank0=True).due_by_time()
+    assert not SnapshotPolicy(cfg, is_rank0=False).due_by_time()  # rank 0's clock decides
+
+
+def early_stopping(mode="min", patience=2, min_delta=0.0, metric="val/loss"):
+    from engine.config import EarlyStoppingConfig
+    from engine.engine import TrainState
+
+    cfg = EarlyStoppingConfig(metric=metric, mode=mode, patience=patience,
+                              min_delta=min_delta)
+    return EarlyStopping(cfg, TrainState())
+
+
+@pytest.mark.parametrize("mode, values, stops_after", [
+    ("min", [1.0, 0.9, 0.95, 0.91], 4),  # best 0.9 at epoch 2, two epochs without
+    ("min", [1.0, 0.9, 0.8, 0.7], None),
+    ("max", [0.1, 0.2, 0.2, 0.3], None),  # equal is not better, but 0.3 is
+    ("max", [0.5, 0.4, 0.5], 3),
+])
+def test_early_stopping_counts_epochs_without_improvement(mode, values, stops_after):
+    stopping = early_stopping(mode)
+    stopped = [stopping.update({"val/loss": v}, epoch) for epoch, v in enumerate(values)]
+    assert (stopped.index(True) + 1 if True in stopped else None) == stops_after
+
+
+def test_early_stopping_min_delta_and_message():
+    stopping = early_stopping(min_delta=0.05)
+    for epoch, value in enumerate([1.0, 0.97, 0.96]):
+        stopping.update({"val/loss": value}, epoch)
+    assert stopping.state.stopped_early
+    assert stopping.message() == (
+        "early stopping: val/loss did not improve for 2 epochs; best 1 at epoch 1")
+
+
+def test_early_stopping_off_by_default_and_an_unknown_metric_names_the_key():
+    assert early_stopping(metric="").update({}, 0) is False
+    with pytest.raises(ConfigError, match=r"^config key 'early_stopping.metric': 'val/acc' "
+                                          r"is not a metric of this run; it has: val/loss$"):
+        early_stopping(metric="val/acc").update({"val/loss": 1.0}, 0)
+
+
+def test_metric_sums_add_tensors_and_numbers_and_divide_by_the_count():
+    sums = MetricSums(CPU)
+    sums.add({"loss": torch.tensor(3.0), "hits": 2, "count": 4})
+    sums.add({"loss": torch.tensor(1.0), "hits": torch.tensor(1), "count": 4})
+    assert sums.reduce() == {"val/loss": 0.5, "val/hits": 0.375}
+    assert MetricSums(CPU).reduce() == {}  # no batch at all
+    with pytest.raises(EngineError, match="eval_step must return a dict of metric sums "
+                                          "with a 'count'"):
+        MetricSums(CPU).add({"loss": torch.tensor(1.0)})
+
+
+def test_default_eval_step_reports_accuracy_for_class_indices_only():
+    class Ctx:
+        module = staticmethod(lambda x: x)
+        loss_fn = staticmethod(torch.nn.functional.mse_loss)
+
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 1.0]])
+    ctx = Ctx()
+    ctx.loss_fn = torch.nn.functional.cross_entropy
+    sums = classification_eval_step((logits, torch.tensor([0, 1, 1])), ctx)
+    assert list(sums) == ["loss", "accuracy", "count"] and sums["accuracy"].item() == 2
+    regression = classification_eval_step((logits[:, :1], torch.ones(3, 1)), Ctx())
+    assert list(regression) == ["loss", "count"]
