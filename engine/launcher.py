@@ -219,6 +219,34 @@ def is_local_address(host: str) -> bool:
 #: Signals the parent passes on to its workers: SIGUSR1 is SLURM's pre-emption warning
 #: (sbatch --signal=USR1@90), SIGTERM a polite stop. The workers decide what to do.
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+#: What a worker killed by a signal most likely met.
+SIGNAL_CAUSES = {
+    "SIGKILL": "the out-of-memory killer, or kill -9",
+    "SIGUSR1": "a pre-emption request it did not act on: sent before its handler was "
+               "installed, or a second request",
+    "SIGTERM": "a pre-emption or stop request it did not act on: sent before its "
+               "handler was installed, or a second request",
+    "SIGSEGV": "a crash in native code",
+    "SIGABRT": "a crash in native code",
+}
+
+
+def _start_resource_tracker_deaf_to(signals) -> None:
+    """multiprocessing's resource tracker (a helper process for shared memory and
+    semaphores) runs in our process group: a pre-emption signal sent to the group would
+    kill it (the default action), and it would come back printing tracebacks. Start it
+    now with those signals ignored; an ignored signal stays ignored across its exec."""
+    from multiprocessing import resource_tracker
+
+    try:
+        previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in signals}
+    except ValueError:  # not the main thread: leave it to multiprocessing
+        return
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def spawn_workers(worker: Callable[[World], object], worlds: list[World],
@@ -234,6 +262,7 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
 
     import torch.multiprocessing as mp
 
+    _start_resource_tracker_deaf_to(FORWARDED_SIGNALS)
     results = multiprocessing.get_context("spawn").SimpleQueue()
     context = mp.start_processes(_entry, args=(worker, worlds, dict(child_env or {}),
                                                results),
@@ -255,8 +284,8 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
             pass
     except mp.ProcessExitedException as exc:
         # A worker that raised printed its error itself; one that was killed could not.
-        how = (f"was killed by {exc.signal_name} (out of memory? killed by hand?)"
-               if exc.signal_name else
+        cause = SIGNAL_CAUSES.get(exc.signal_name, "killed by hand?")
+        how = (f"was killed by {exc.signal_name} ({cause})" if exc.signal_name else
                f"exited with code {exc.exit_code}; its error is printed above")
         raise WorkerFailed(
             f"worker with local rank {worlds[exc.error_index].local_rank} (rank "

@@ -15,6 +15,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+
+#: A second signal this soon after the first is the same request delivered twice: a
+#: signal sent to the whole process group (``scancel --signal``, ``kill -- -PGID``, the
+#: SLURM time limit) reaches each worker directly and again forwarded by its launcher.
+DUPLICATE_WINDOW_S = 5.0
 
 
 class PreemptionFlag:
@@ -22,6 +28,7 @@ class PreemptionFlag:
 
     def __init__(self):
         self.signal_name: str | None = None
+        self._first_at = 0.0
         self._previous = {}
 
     def __bool__(self) -> bool:
@@ -43,12 +50,13 @@ class PreemptionFlag:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
-        if self.signal_name is not None:
-            # A second signal: the user (or the scheduler) means it. Die as asked.
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+            self._first_at = time.monotonic()
+        elif time.monotonic() - self._first_at > DUPLICATE_WINDOW_S:
+            # A second request, later: the user (or the scheduler) means it. Die as asked.
             self.uninstall()
             os.kill(os.getpid(), signum)
-            return
-        self.signal_name = signal.Signals(signum).name
 
 
 def slurm_job_id(environ=os.environ) -> str | None:
