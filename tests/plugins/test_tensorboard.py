@@ -45,10 +45,10 @@ def test_a_resumed_run_replaces_the_points_after_its_snapshot(tmp_path):
     assert [step for step, _ in first] == [4, 8, 8, 12, 16, 16]
 
     # Go back to the end of epoch 1 (step 8), as after a crash in epoch 2, with another
-    # data order (seed) so that the new points differ from the old.
+    # data order (seed, hence --resume-anyway) so that the new points differ from the old.
     snapshot = next((out / "checkpoints").glob("snapshot-e0001-s00000008.pt"))
     run_cli(str(recipe), "epochs=2", "log_every=4", "seed=1", f"out_dir={out}",
-            "--resume", str(snapshot), "--nproc", "1", check=True)
+            "--resume", str(snapshot), "--resume-anyway", "--nproc", "1", check=True)
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 2
     second = scalars(out / "tensorboard")["train/loss"]
     assert [step for step, _ in second] == [4, 8, 8, 12, 16, 16]
