@@ -45,3 +45,27 @@ def test_a_hung_rank_is_named_within_the_collective_timeout(tmp_path):
     # ...and the whole run ends: the timeout, the 5 s roll call, the launcher's grace
     # period for the hung process, and start-up, but nowhere near "forever".
     assert elapsed < 8 + 5 + 30 + 60, elapsed
+
+
+RELEASE_PROBE = """
+import sys
+import torch.distributed as dist
+from engine import distributed, health
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+health.prepare()
+distributed.destroy()
+print(health._GLOO_GROUP is None, dist.is_initialized())
+"""
+
+
+def test_destroy_releases_the_side_group_before_the_world_group(tmp_path):
+    """Issue 10, defect 3: a side group still referenced at interpreter exit was torn
+    down in C++ finalisation, where gloo aborted the process (SIGABRT) after a finished
+    run. The loop that shows it is tools/exit_loop.py; this checks the teardown order's
+    outcome: nothing of the side group is left when destroy() returns."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", RELEASE_PROBE, str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout.split()) == (0, ["True", "False"]), proc.stderr
