@@ -26,11 +26,6 @@ import hashlib
 import pathlib
 from typing import ClassVar
 
-# The atomic file writes live in engine.atomic_io; these names stay importable from
-# here for the run summary (engine/engine.py, engine/api.py), tools/bench_checkpoint.py
-# and tests/tools/test_ckpt.py.
-from engine.atomic_io import (HashingWriter, atomic_write, atomic_write_text,  # noqa: F401
-                              file_sha256)
 from engine.errors import CheckpointError
 
 

@@ -210,7 +210,7 @@ class WorkerContext:
             return None  # a failing run's summary is written all the same
 
     def write_summary(self, summary: dict) -> None:
-        from engine.checkpoint import atomic_write_text
+        from engine.atomic_io import atomic_write_text
 
         self.out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")

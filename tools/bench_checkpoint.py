@@ -10,7 +10,7 @@ optimizer momentum, float32, random: nothing compresses) in three ways:
 - baseline: ``torch.save(state, path)``, the hand-written save (no fsync, no hash);
 - crash-consistent: the ``torch-file`` checkpointer's save: temp file, sha256 while
   writing, fsync, rename, fsync of the folder, then the manifest and ``latest`` pointer
-  written the same way (engine.checkpoint.atomic_write);
+  written the same way (engine.atomic_io.atomic_write);
 - async: how long the ``async`` checkpointer's save() blocks the caller (the copy into
   shared memory); its background write is waited for between rounds, untimed.
 
@@ -128,7 +128,7 @@ def breakdown(nbytes: int, repeat: int, tensors: int, folder: pathlib.Path) -> N
     """Where the crash-consistent save's extra time goes, one ingredient at a time."""
     import torch
 
-    from engine.checkpoint import HashingWriter, atomic_write
+    from engine.atomic_io import HashingWriter, atomic_write
 
     state = make_state(nbytes, tensors)
     folder.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from engine.checkpoint import add_module_prefix, file_sha256, model_digest
+from engine.atomic_io import file_sha256
+from engine.checkpoint import add_module_prefix, model_digest
 from engine.plugins.dcp import DCPCheckpointer
 from engine.plugins.torch_file import TorchFileCheckpointer
 from tests.conftest import REPO
