@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 
 from engine.context import WorkerContext
-from engine.errors import ConfigError, EngineError
+from engine.errors import ConfigError, EngineError, RunError
 
 
 @attrs.define
@@ -153,12 +153,12 @@ class Engine(WorkerContext):
         first_line = (str(exc).strip().splitlines() or [""])[0]
         hint = self.parallel.explain(exc) if self.parallel is not None else None
         if hint:
-            return EngineError(f"{type(exc).__name__}: {first_line}; hint: {hint}")
+            return RunError(f"{type(exc).__name__}: {first_line}; hint: {hint}")
         if distributed.is_initialized() and health.is_collective_failure(exc):
             missing = health.missing_ranks(timeout_s=5.0)
             who = (f"rank(s) {', '.join(map(str, missing))} stopped answering" if missing
                    else "another rank failed or stopped answering")
-            return EngineError(
+            return RunError(
                 f"rank {self.world.rank}: a collective operation failed at step "
                 f"{self.state.step}: {who} (timeout {self.cfg.timeout_s:g}s): {first_line}")
         return exc

@@ -84,9 +84,6 @@ def exit_code(exc: BaseException) -> int:
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED
     if isinstance(exc, EngineError):
-        if type(exc) is EngineError and isinstance(exc.__cause__, Exception) and not \
-                isinstance(exc.__cause__, EngineError):
-            return EXIT_FAILED  # an explanation of a crash (a hint, a failed collective)
         return exc.exit_code
     return EXIT_FAILED
 

@@ -321,18 +321,23 @@ def test_exit_code_of_each_kind_of_error(exc, code):
     assert exit_code(exc) == code
 
 
-def test_an_engine_error_that_explains_a_crash_is_a_run_failure():
-    try:
-        try:
-            raise RuntimeError("Expected to have finished reduction")
-        except RuntimeError as crash:
-            raise EngineError("RuntimeError: ...; hint: set ddp.x") from crash
-    except EngineError as explained:
-        assert exit_code(explained) == 1
-    try:
-        raise EngineError("bad input") from None
-    except EngineError as plain:
-        assert exit_code(plain) == 2
+def test_an_explained_crash_is_a_run_failure_and_bad_input_a_usage_error(tmp_path):
+    # The engine explains a crash with the parallel mode's hint: the run failed (1).
+    import types
+
+    from engine.config import TrainConfig, with_groups
+    from engine.engine import Engine
+    from engine.plugins.ddp import DDPConfig, DistributedDataParallel
+    from engine.world import World
+
+    cfg = with_groups(TrainConfig(out_dir=str(tmp_path)), {"ddp": DDPConfig})
+    world = World(rank=0, local_rank=0, world_size=1, local_world_size=1)
+    eng = Engine(None, types.SimpleNamespace(path=tmp_path / "recipe.py"), cfg, world)
+    eng.parallel = DistributedDataParallel(world, cfg)
+    explained = eng._explain(RuntimeError("Expected to have finished reduction"))
+    assert "; hint: " in str(explained)
+    assert exit_code(explained) == 1
+    assert exit_code(EngineError("bad input")) == 2
 
 
 def test_main_prints_a_usage_error_in_one_line(capsys, tmp_path):
