@@ -262,7 +262,9 @@ class Worker:
         path = os.path.join(self.exchange_dir, f"error-rank{world.rank:05d}.txt")
         with open(path, "w") as f:
             f.write(line + "\n")
-        raise SystemExit(2 if isinstance(exc, EngineError) else 1) from None
+        from engine.errors import exit_code
+
+        raise SystemExit(exit_code(exc)) from None
 
 
 class Context(WorkerContext):
