@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import pathlib
 import subprocess
@@ -11,6 +13,7 @@ import pytest
 
 from engine import testing
 from engine.testing import read_summary  # noqa: F401 (the tests import it from here)
+from tests import slurm_cluster
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
@@ -35,6 +38,33 @@ def run_cli(*args: str, cwd=None, env=None, timeout: float = 240, check: bool = 
                               timeout=timeout, check=check, program=[ENGINE_RUN])
 
 
+def run_cli_here(*args: str, env=None, check: bool = False) -> subprocess.CompletedProcess:
+    """``engine-run ARGS`` run in this process, with ``env`` as the whole environment, for
+    commands that start no worker: ``doctor``, ``plugins``, ``--help``, ``--dry-run`` and
+    bad input. The same ``engine.cli.main`` the script calls, minus a Python and torch
+    start (2-4 s) per call. Plugins must be importable here (not installed by the test)."""
+    from engine import cli
+
+    saved = dict(os.environ)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.environ.clear()
+        os.environ.update(env or engine_env())
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exc:  # argparse: --help and usage errors
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    proc = subprocess.CompletedProcess(["engine-run", *args], code, out.getvalue(),
+                                       err.getvalue())
+    if check:
+        proc.check_returncode()
+    return proc
+
+
 @pytest.fixture
 def cifar_recipe() -> str:
     return str(REPO / "recipes" / "cifar_ddp.py")
@@ -42,3 +72,51 @@ def cifar_recipe() -> str:
 
 #: Overrides for a CIFAR run that takes a few seconds: small synthetic data, 1 epoch.
 QUICK = ("data.source=synthetic", "data.synthetic_size=512", "epochs=1", "log_every=4")
+
+
+# ---------------------------------------------------------------- what may be skipped
+#
+# A skipped test is a test that did not run, and a green run must not hide that. The only
+# skips allowed: tests marked cuda on a machine without a CUDA device, and tests marked
+# slurm where the user opted out of SLURM (tests/slurm_cluster.py). Anything else skipped
+# fails the session, with the list in the summary.
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("slurm") is not None:
+        problem = slurm_cluster.problem()
+        if problem is not None:
+            if slurm_cluster.opted_out():
+                pytest.skip(f"{problem} ({slurm_cluster.OPT_OUT} is set)")
+            pytest.fail(f"{problem}; or set {slurm_cluster.OPT_OUT}=1 where SLURM is "
+                        "deliberately unavailable", pytrace=False)
+
+
+_MAY_SKIP: set[str] = set()
+_UNEXPECTED_SKIPS: list[str] = []
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("cuda") is not None or (
+                item.get_closest_marker("slurm") is not None and slurm_cluster.opted_out()):
+            _MAY_SKIP.add(item.nodeid)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail") and report.nodeid not in _MAY_SKIP:
+        _UNEXPECTED_SKIPS.append(report.nodeid)
+
+
+def pytest_sessionfinish(session):
+    if _UNEXPECTED_SKIPS and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _UNEXPECTED_SKIPS:
+        terminalreporter.section("skipped tests that must run", red=True)
+        for nodeid in _UNEXPECTED_SKIPS:
+            terminalreporter.line(f"{nodeid} was skipped: only tests marked cuda (without a "
+                                  f"CUDA device) or slurm (with {slurm_cluster.OPT_OUT}=1) "
+                                  "may skip; the reason is in the short summary above")

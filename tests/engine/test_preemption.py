@@ -52,6 +52,7 @@ def test_array_jobs_are_requeued_by_their_array_id():
 # A real scheduler round trip (submit, signal, requeue, start again) takes 2-3 minutes
 # on an idle 2-core machine; the suite's 300 s default is too close under load.
 @pytest.mark.timeout(600)
+@pytest.mark.slurm
 def test_slurm_job_signalled_mid_run_is_requeued_and_finishes_identically(tmp_path):
     """On the local cluster: the script `engine-run sbatch` writes, SIGUSR1 mid-run
     (what --signal=USR1@90 sends), requeue, resume, same weights as uninterrupted."""
@@ -59,10 +60,6 @@ def test_slurm_job_signalled_mid_run_is_requeued_and_finishes_identically(tmp_pa
     import subprocess
     import time
 
-    from tests.plugins.test_slurm import PROBLEM
-
-    if PROBLEM is not None:
-        pytest.skip(PROBLEM)
     train = (RECIPE, "epochs=12", "checkpoint.every_steps=0")
     reference = tmp_path / "reference"
     run_cli(*train, f"out_dir={reference}", "--launcher", "spawn", "--nproc", "2",

@@ -1,11 +1,10 @@
 """plugins/slurm.py: tasks started by srun, in both layouts, on the real two-node
-cluster of tools/slurm_cluster.sh (skipped with the reason when it is not running), and
+cluster of tools/slurm_cluster.sh (tests/slurm_cluster.py says whether it is up), and
 the variables checked before anything starts."""
 
 from __future__ import annotations
 
 import re
-import shutil
 import socket
 import subprocess
 
@@ -96,25 +95,9 @@ def test_variables_that_do_not_add_up(change, message, monkeypatch):
 # ---------------------------------------------------------------- the cluster
 
 
-def cluster_problem() -> str | None:
-    if shutil.which("sinfo") is None or shutil.which("srun") is None:
-        return "SLURM is not installed (sudo tools/slurm_cluster.sh start)"
-    try:
-        proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True,
-                              text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"sinfo does not answer ({exc})"
-    states = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
-    if proc.returncode != 0 or not all(states.get(n) in ("idle", "mix") for n in ("n1", "n2")):
-        seen = proc.stdout.strip() or proc.stderr.strip()
-        return (f"the local SLURM cluster is not up (sinfo: {seen}); start it with "
-                "tools/slurm_cluster.sh start")
-    return None
-
-
+# tests/conftest.py fails these when the cluster is down (or skips them with
+# ENGINE_TEST_NO_SLURM=1): tests/slurm_cluster.py.
 cluster = pytest.mark.slurm
-PROBLEM = cluster_problem()
-needs_cluster = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
 
 
 def srun(*args: str, timeout: float = 300, check: bool = True):
@@ -124,7 +107,6 @@ def srun(*args: str, timeout: float = 300, check: bool = True):
 
 
 @cluster
-@needs_cluster
 def test_one_task_per_node_on_two_nodes(tmp_path, tmp_path_factory):
     out = tmp_path / "run"
     srun("-N2", "-n2", "-c1", ENGINE_RUN, *train_args(out), "-v")
@@ -132,7 +114,6 @@ def test_one_task_per_node_on_two_nodes(tmp_path, tmp_path_factory):
 
 
 @cluster
-@needs_cluster
 def test_one_task_per_process_on_one_node(tmp_path, tmp_path_factory):
     out = tmp_path / "run"
     proc = srun("-N1", "-n2", "-c1", ENGINE_RUN, *train_args(out), "-v")
@@ -144,7 +125,6 @@ def test_one_task_per_process_on_one_node(tmp_path, tmp_path_factory):
 
 
 @cluster
-@needs_cluster
 def test_sbatch_script_runs_one_task_per_node_that_spawns(tmp_path, tmp_path_factory):
     out = tmp_path / "run"
     script = run_cli("sbatch", *train_args(out), "--nodes", "1", "--procs-per-node", "2",
@@ -161,7 +141,6 @@ def test_sbatch_script_runs_one_task_per_node_that_spawns(tmp_path, tmp_path_fac
 
 
 @cluster
-@needs_cluster
 def test_doctor_in_every_task():
     proc = srun("-N2", "-n2", ENGINE_RUN, "doctor", timeout=200)
     assert proc.stdout.count("ok      launcher slurm (detected)") == 2
@@ -169,7 +148,6 @@ def test_doctor_in_every_task():
 
 
 @cluster
-@needs_cluster
 def test_master_port_in_use_stops_the_step_early(tmp_path):
     with socket.socket() as busy:
         busy.bind(("", 0))
@@ -186,7 +164,6 @@ def test_master_port_in_use_stops_the_step_early(tmp_path):
 
 
 @cluster
-@needs_cluster
 def test_a_nodelist_that_does_not_parse_stops_every_task(tmp_path):
     proc = run(["srun", "-N1", "-n1", "env", "SLURM_STEP_NODELIST=n[1-", ENGINE_RUN,
                 *train_args(tmp_path / "run")], check=False, timeout=200)

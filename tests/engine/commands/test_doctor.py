@@ -1,13 +1,13 @@
 """``engine-run doctor``: versions, what each launcher rule makes of the environment,
 the world it computes, checks with a clear verdict, and the hints. Each case sets the
-variables a launcher would set and runs the real command."""
+variables a launcher would set and runs the real command (in this process)."""
 
 from __future__ import annotations
 
 import socket
 
 from engine.commands.doctor import HINTS
-from tests.conftest import engine_env, run_cli
+from tests.conftest import engine_env, run_cli_here
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "job7", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
             "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1",
@@ -15,7 +15,7 @@ TORCHRUN = {"TORCHELASTIC_RUN_ID": "job7", "RANK": "3", "LOCAL_RANK": "1", "WORL
 
 
 def doctor(*args: str, **env: str):
-    return run_cli("doctor", *args, env=engine_env(**env), timeout=120)
+    return run_cli_here("doctor", *args, env=engine_env(**env))
 
 
 def detection_rows(stdout: str) -> list[list[str]]:
