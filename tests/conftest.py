@@ -31,11 +31,15 @@ def engine_env(**extra: str) -> dict[str, str]:
         **extra})
 
 
-def run_cli(*args: str, cwd=None, env=None, timeout: float = 240, check: bool = False
-            ) -> subprocess.CompletedProcess:
-    """Run ``engine-run ARGS`` in a subprocess; stdout and stderr are captured as text."""
+def run_cli(*args: str, cwd=None, env=None, timeout: float = 240, check: bool = False,
+            script: bool = False) -> subprocess.CompletedProcess:
+    """Run ``engine-run ARGS`` in a new process forked from a warm one (engine.warm_start:
+    the same engine.cli.main, without paying for Python and torch to start again);
+    stdout and stderr are captured as text. ``script``: run the installed ``engine-run``
+    script in a plain subprocess instead, as a user would."""
     return testing.run_engine(args, env=env or engine_env(), cwd=cwd or REPO,
-                              timeout=timeout, check=check, program=[ENGINE_RUN])
+                              timeout=timeout, check=check,
+                              program=[ENGINE_RUN] if script else None)
 
 
 def run_cli_here(*args: str, env=None, check: bool = False) -> subprocess.CompletedProcess:

@@ -15,9 +15,11 @@ from tests.conftest import QUICK, read_summary, run_cli
 
 
 def test_two_process_ddp_run_agrees_on_weights(cifar_recipe, tmp_path):
+    # The README's main command, through the installed engine-run script.
     out = tmp_path / "run"
     proc = run_cli(cifar_recipe, *QUICK, "data.source=auto", f"data.root={tmp_path}",
-                   "data.download=false", f"out_dir={out}", "--nproc", "2", check=True)
+                   "data.download=false", f"out_dir={out}", "--nproc", "2", check=True,
+                   script=True)
     summary = read_summary(out)
     assert summary["status"] == "completed"
     assert (summary["world_size"], summary["launcher"], summary["parallel"]) == (

@@ -1,0 +1,190 @@
+"""``engine-run`` commands for test suites, each in a fresh process forked from a warm one.
+
+A test that runs ``engine-run`` in a subprocess pays a Python start, ``import torch`` and
+the ``torch._dynamo`` import that the first optimizer triggers (2-5 s on a 2-core machine)
+before its first line runs; a suite with a few hundred runs spends minutes there. The
+:class:`WarmStarter` pays it once: a server process imports torch, dynamo and the engine,
+then forks one child per command. The child is a new process with its own pid, session,
+environment, working directory, stdout and stderr, and it runs ``engine.cli.main``, the
+function the ``engine-run`` script calls, so exit codes, signals and workers started by
+``spawn`` are those of a real run. What differs: the interpreter did not start afresh
+(PYTHONPATH entries are put on ``sys.path`` by hand; variables read when a library loads,
+such as OMP_NUM_THREADS, are the server's).
+
+The server never runs a tensor operation or starts a thread before it forks (checked),
+so forking it is safe. Linux only; ``ENGINE_TEST_FORK=0`` runs real subprocesses instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Mapping, Sequence
+
+#: ``ENGINE_TEST_FORK=0``: every command in a real ``python -m engine`` subprocess.
+DISABLE_ENV = "ENGINE_TEST_FORK"
+
+
+def enabled() -> bool:
+    return sys.platform == "linux" and os.environ.get(DISABLE_ENV, "1") != "0"
+
+
+class WarmStarter:
+    """The client side: one server process, started on first use, one command at a time."""
+
+    def __init__(self) -> None:
+        self._server: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._pending = b""
+
+    def run(self, args: Sequence[str], *, env: Mapping[str, str], cwd, timeout: float
+            ) -> subprocess.CompletedProcess:
+        with self._lock, tempfile.TemporaryDirectory(prefix="engine-run-") as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            request = {"argv": [str(a) for a in args], "env": dict(env),
+                       "cwd": os.fspath(cwd or os.getcwd()), "out": out, "err": err}
+            server = self._started()
+            server.stdin.write(json.dumps(request) + "\n")
+            server.stdin.flush()
+            deadline = time.monotonic() + timeout
+            pid = int(self._reply(server, "pid", deadline))
+            try:
+                code = int(self._reply(server, "exit", deadline))
+            except subprocess.TimeoutExpired:
+                # The command's whole session (its spawned workers too), as the timeout
+                # of subprocess.run would kill the process.
+                _kill_session(pid)
+                self._reply(server, "exit", time.monotonic() + 30)
+                raise subprocess.TimeoutExpired(["engine-run", *request["argv"]], timeout,
+                                                _read(out), _read(err)) from None
+            return subprocess.CompletedProcess(["engine-run", *request["argv"]], code,
+                                               _read(out), _read(err))
+
+    def _started(self) -> subprocess.Popen:
+        if self._server is None or self._server.poll() is not None:
+            self._server = subprocess.Popen(
+                [sys.executable, "-c", "from engine.warm_start import serve; serve()"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            self._pending = b""
+            atexit.register(self.close)
+        return self._server
+
+    def _reply(self, server: subprocess.Popen, key: str, deadline: float) -> str:
+        # Raw reads and our own buffer: a buffered readline could swallow the next line,
+        # which select would then never report.
+        while b"\n" not in self._pending:
+            remaining = deadline - time.monotonic()
+            ready, _, _ = select.select([server.stdout], [], [], max(0.0, remaining))
+            if not ready:
+                raise subprocess.TimeoutExpired(key, remaining)
+            chunk = os.read(server.stdout.fileno(), 4096)
+            if not chunk:
+                self._server = None
+                raise RuntimeError(f"the warm-start server exited (code {server.wait()}); "
+                                   f"set {DISABLE_ENV}=0 to run real subprocesses")
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        found, _, value = line.decode().partition(" ")
+        if found != key:
+            raise RuntimeError(f"warm-start server: expected {key!r}, got {line!r}")
+        return value
+
+    def close(self) -> None:
+        if self._server is not None and self._server.poll() is None:
+            self._server.stdin.close()
+            try:
+                self._server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._server.kill()
+        self._server = None
+
+
+def _kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+# ----------------------------------------------------------------------------- server
+
+
+def serve() -> None:
+    """The server: import what every run imports, then fork one child per request line
+    on stdin; answer ``pid N`` when it started and ``exit CODE`` when it ended."""
+    import torch
+    import torch._dynamo  # noqa: F401 (what the first optimizer imports: seconds)
+
+    import engine.cli  # noqa: F401
+    import engine.engine  # noqa: F401
+    import engine.plugin_manager  # noqa: F401
+
+    del torch
+    if threading.active_count() != 1:  # forking a threaded process can deadlock the child
+        raise SystemExit(f"warm-start server: {threading.active_count()} threads after "
+                         "the imports; cannot fork safely")
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(request)  # never returns
+        print(f"pid {pid}", flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(f"exit {os.waitstatus_to_exitcode(status)}", flush=True)
+
+
+def _child(request: dict) -> None:
+    code = 1
+    try:
+        os.setsid()  # its own session and process group, as a subprocess would get
+        _redirect(0, os.devnull, os.O_RDONLY)
+        _redirect(1, request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        _redirect(2, request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:0] = [p for p in extra if p not in sys.path]
+        sys.argv = ["engine-run", *request["argv"]]
+        from engine.cli import main
+
+        try:
+            code = main(request["argv"])
+        except SystemExit as exc:  # argparse (--help, usage errors) and sys.exit
+            if isinstance(exc.code, str):
+                print(exc.code, file=sys.stderr)
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:  # noqa: BLE001 (the child must reach os._exit)
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()  # what a normal interpreter exit runs
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code if isinstance(code, int) else 1)
+
+
+def _redirect(fd: int, path: str, flags: int) -> None:
+    opened = os.open(path, flags, 0o644)
+    os.dup2(opened, fd)
+    os.close(opened)

@@ -1,0 +1,91 @@
+"""engine/warm_start.py: engine-run commands forked from a warm server behave as the
+same commands in a plain subprocess: output, exit code, environment, signals, timeout."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine.warm_start import WarmStarter
+from tests.conftest import REPO, engine_env
+
+
+@pytest.fixture(scope="module")
+def starter():
+    one = WarmStarter()
+    yield one
+    one.close()
+
+
+def plain(args, env, timeout=120):
+    return subprocess.run([sys.executable, "-m", "engine", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args", [("plugins",), ("recipes/cifar_ddp.py", "epochs=zero"),
+                                  ("--nproc",)])
+def test_output_and_exit_code_are_those_of_a_plain_subprocess(starter, args):
+    env = engine_env()
+    forked = starter.run(args, env=env, cwd=REPO, timeout=120)
+    expected = plain(args, env)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (
+        expected.returncode, expected.stdout, expected.stderr)
+
+
+def test_a_run_gets_the_environment_and_directory_it_was_given(starter, tmp_path):
+    # Its own PYTHONPATH entry, importable as a plugin (-p), and its own cwd: the
+    # recipe's relative out_dir lands there.
+    (tmp_path / "here_plugin.py").write_text(
+        "import os, engine\n"
+        "@engine.hookimpl\n"
+        "def engine_run_start(engine):\n"
+        "    print('MARK', os.environ['MARK'], os.getcwd(), flush=True)\n")
+    env = engine_env(MARK="42", PYTHONPATH=f"{tmp_path}:{REPO}")
+    proc = starter.run([str(REPO / "recipes" / "cifar_ddp.py"), "data.source=synthetic",
+                        "data.synthetic_size=64", "epochs=1", "out_dir=rel", "--nproc", "1",
+                        "-p", "here_plugin"], env=env, cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert f"MARK 42 {tmp_path}" in proc.stdout
+    assert (tmp_path / "rel" / "summary.json").exists()
+
+
+def test_a_run_killed_by_a_signal_reports_it_as_a_subprocess_would(starter, tmp_path):
+    env = engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP="1",
+                     PYTHONPATH=str(REPO))
+    proc = starter.run([str(REPO / "recipes" / "cifar_ddp.py"), "data.source=synthetic",
+                        "data.synthetic_size=64", "epochs=1", f"out_dir={tmp_path}",
+                        "--nproc", "1", "-p", "tests.fault_plugin"], env=env, cwd=REPO,
+                       timeout=240)
+    assert proc.returncode == -9
+
+
+def processes_with(marker: str) -> list[str]:
+    found = []
+    for environ in pathlib.Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append(environ.parent.name)
+        except OSError:  # gone, or not ours to read
+            pass
+    return found
+
+
+def test_a_command_past_its_timeout_is_killed_with_its_workers(starter, tmp_path):
+    marker = f"WARM_START_TEST={tmp_path.name}"
+    env = engine_env(ENGINE_FAULT_ACTION="hang", ENGINE_FAULT_STEP="1",
+                     PYTHONPATH=str(REPO), WARM_START_TEST=tmp_path.name)
+    args = [str(REPO / "recipes" / "cifar_ddp.py"), "data.source=synthetic",
+            "data.synthetic_size=64", "epochs=1", f"out_dir={tmp_path}", "--nproc", "2",
+            "-p", "tests.fault_plugin"]
+    with pytest.raises(subprocess.TimeoutExpired):
+        starter.run(args, env=env, cwd=REPO, timeout=20)
+    deadline = time.monotonic() + 10
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)  # SIGKILLed: gone as soon as the kernel reaps them
+    assert processes_with(marker) == []
+    # The starter goes on serving: the next command runs.
+    assert starter.run(["plugins"], env=engine_env(), cwd=REPO, timeout=60).returncode == 0
