@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import io
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -100,8 +103,49 @@ _MAY_SKIP: set[str] = set()
 _UNEXPECTED_SKIPS: list[str] = []
 
 
+# ---------------------------------------------------------------- the quick loop
+#
+# `pytest -m "not slow"` runs in about a minute: it leaves out every test that starts a
+# process (engine-run, workers, torchrun, srun, a script, the async checkpointer's
+# writer). Such a test is found by what
+# it calls (in its body, its fixtures, or a helper of its module it calls), so a new
+# test needs no marker to be placed right.
+
+STARTS_PROCESSES = re.compile(
+    r"\b(run_cli|run_recipe|run_engine|srun|torchrun_cmd|spawn_workers|start_processes|"
+    r"launch|mp\.spawn|AsyncFileCheckpointer|WarmStarter)\(|\bsubprocess\.|\bPopen\(")
+
+
+@functools.cache
+def _starts_processes(function) -> bool:
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    if STARTS_PROCESSES.search(source):
+        return True
+    module = inspect.getmodule(function)
+    helpers = (getattr(module, name, None) for name in re.findall(r"\b(\w+)\(", source))
+    return any(inspect.isfunction(h) and h is not function and _is_ours(h) and
+               STARTS_PROCESSES.search(inspect.getsource(h)) for h in helpers)
+
+
+def _is_ours(function) -> bool:
+    """A helper of the test suite or engine.testing (not torch's, not the engine's)."""
+    return (function.__module__ or "").startswith(("tests.", "engine.testing"))
+
+
+def _mark_slow(item) -> None:
+    functions = [getattr(item, "function", None)]
+    for name in item.fixturenames:
+        functions += [d.func for d in item._fixtureinfo.name2fixturedefs.get(name, ())]
+    if any(f is not None and _starts_processes(f) for f in functions):
+        item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
+        _mark_slow(item)
         if item.get_closest_marker("cuda") is not None or (
                 item.get_closest_marker("slurm") is not None and slurm_cluster.opted_out()):
             _MAY_SKIP.add(item.nodeid)

@@ -50,6 +50,8 @@ ClusterName=local
 SlurmctldHost=$HOST
 SlurmUser=root
 AuthType=auth/munge
+# A requeued job waits cred_expire seconds before it may start again (default 120).
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SwitchType=switch/none

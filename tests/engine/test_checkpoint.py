@@ -18,6 +18,10 @@ from engine.errors import CheckpointError
 from engine.plugin_manager import build_plugin_manager
 
 BUILT_IN = ("torch-file", "async", "dcp")
+#: As parameters: the async checkpointer starts a writer process (seconds): not in the
+#: quick loop.
+CHECKPOINTERS = [pytest.param(name, marks=pytest.mark.slow) if name == "async" else name
+                 for name in BUILT_IN]
 
 
 def built_in_checkpointers() -> dict[str, type]:
@@ -51,7 +55,7 @@ def corrupt(path: pathlib.Path) -> None:
     target.write_bytes(bytes(data))
 
 
-@pytest.fixture(params=BUILT_IN)
+@pytest.fixture(params=CHECKPOINTERS)
 def checkpointer(request, tmp_path):
     made = built_in_checkpointers()[request.param](tmp_path / "checkpoints", TrainConfig())
     yield made

@@ -34,11 +34,12 @@ def mid_epoch_step() -> int:
     return rng.choice(candidates)
 
 
+# Mid-epoch with 2 processes is covered with loader workers (2, 2, "mid"): the case
+# without them adds nothing the 1-process case does not show, at two 2-process runs.
 @pytest.mark.parametrize("nproc, workers, where", [
     (1, 0, "epoch"),
     (2, 0, "epoch"),
     (1, 0, "mid"),
-    (2, 0, "mid"),
     (1, 2, "mid"),
     (2, 2, "mid"),
 ])
