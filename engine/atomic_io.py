@@ -31,6 +31,7 @@ import hashlib
 import io
 import os
 import pathlib
+import sys
 from typing import Any, Callable
 
 #: The manifest key (and algorithm) of new checksums.
@@ -59,13 +60,38 @@ def fsync_directory(directory: pathlib.Path) -> None:
         os.close(fd)
 
 
-class ChecksumWriter(io.RawIOBase):
-    """A file wrapper that checksums and counts what is written through it."""
+def _writeback_starter() -> Callable[[int, int, int], None] | None:
+    """Linux's sync_file_range(SYNC_FILE_RANGE_WRITE): start writing a range of a file
+    to disk without waiting for it. None where there is no such call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
 
-    def __init__(self, raw, algorithm: str = CHECKSUM):
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return lambda fd, offset, nbytes: call(fd, offset, nbytes, 2)  # 2: _WRITE
+
+
+class ChecksumWriter(io.RawIOBase):
+    """A file wrapper that checksums and counts what is written through it.
+
+    With ``writeback``, it also asks the kernel to start writing each
+    :data:`WRITEBACK_BYTES` to disk as soon as they are written: the disk then works
+    while torch.save serializes the rest, and the final fsync waits for the tail only
+    (at ~650 MB/s of disk here, fsync was most of a crash-consistent save's cost)."""
+
+    WRITEBACK_BYTES = 16 << 20
+
+    def __init__(self, raw, algorithm: str = CHECKSUM, writeback: bool = False):
         self.raw = raw
         self.checksum = new_checksum(algorithm)
         self.size = 0
+        self._start_writeback = _writeback_starter() if writeback else None
+        self._written_back = 0
 
     def writable(self) -> bool:
         return True
@@ -79,6 +105,12 @@ class ChecksumWriter(io.RawIOBase):
             # we silently: the checksum would cover bytes that are not on disk.
             raise OSError(f"short write: {n} of {view.nbytes} bytes")
         self.size += view.nbytes
+        if (self._start_writeback is not None
+                and self.size - self._written_back >= self.WRITEBACK_BYTES):
+            self.raw.flush()
+            self._start_writeback(self.raw.fileno(), self._written_back,
+                                  self.size - self._written_back)
+            self._written_back = self.size
         return view.nbytes
 
     def flush(self) -> None:
@@ -124,7 +156,7 @@ def atomic_write(path: pathlib.Path, write: Callable[[Any], None]) -> tuple[int,
     tmp = temp_name(path)
     try:
         with open(tmp, "wb") as raw:
-            writer = ChecksumWriter(raw)
+            writer = ChecksumWriter(raw, writeback=True)
             write(writer)
             raw.flush()
             os.fsync(raw.fileno())
