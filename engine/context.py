@@ -220,10 +220,13 @@ class WorkerContext:
         except OSError as exc:
             # One line, not a traceback; and what the training produced is safe.
             kept = summary.get("final_checkpoint")
-            raise RunError(
+            error = RunError(
                 f"cannot write {path}: {exc.strerror or exc}; "
-                + (f"the last snapshot {kept} is intact" if kept else "no snapshot was saved")
-            ) from None
+                + (f"the last snapshot {kept} is intact" if kept else "no snapshot was saved"))
+            if summary.get("status") == "failed":
+                self.warn(str(error))  # the run's own error is the one to report
+                return
+            raise error from None
 
 
 def _path_or_none(path) -> str | None:

@@ -213,3 +213,21 @@ def test_saves_killed_at_random_moments_never_leave_latest_unloadable(tmp_path):
     assert report["unloadable"] == []
     # The test only means something if kills landed inside writes.
     assert report["mid_write"] >= 20, report
+
+
+def test_disk_full_while_writing_the_summary_is_one_line_naming_the_snapshot(tmp_path):
+    """The run's end: the snapshots are durable, then summary.json meets a full disk.
+    One line (a RunError, printed as such), naming the intact last snapshot."""
+    from engine.context import WorkerContext
+    from engine.errors import RunError
+
+    cfg = TrainConfig()
+    cfg.out_dir = str(tmp_path)
+    context = WorkerContext(None, cfg, None, None, None)
+    final = tmp_path / "checkpoints" / "snapshot-e0002-s00000016.pt"
+    (tmp_path / f".summary.json.tmp-{os.getpid()}").symlink_to("/dev/full")
+    with pytest.raises(RunError) as info:
+        context.write_summary({"status": "completed", "final_checkpoint": str(final)})
+    assert str(info.value) == (f"cannot write {tmp_path / 'summary.json'}: No space left "
+                               f"on device; the last snapshot {final} is intact")
+    assert not (tmp_path / "summary.json").exists()
