@@ -371,15 +371,23 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
         copy_into(self._buffer, tensors, layout)
         self._start_writer()
         path = self.directory / snapshot_name(epoch, step)
-        self._send({"path": str(path), "skeleton": skeleton, "layout": layout,
-                    "epoch": epoch, "step": step, "metrics": dict(metrics or {})})
+        job = {"path": str(path), "skeleton": skeleton, "layout": layout,
+               "epoch": epoch, "step": step, "metrics": dict(metrics or {})}
+        # Sent from a thread: a pipe takes 64 kB without a reader, a large model's job
+        # may be more, and a stopped writer must not block the loop (wait() watches it
+        # with a timeout). The writer's answer comes after it has read the whole job.
+        import threading
+
+        threading.Thread(target=self._send, args=(self._jobs, job), daemon=True,
+                         name="engine-checkpoint-job").start()
         self._pending = path
         return path  # durable once wait() returns
 
-    def _send(self, job) -> None:
+    @staticmethod
+    def _send(end, job) -> None:
         try:
-            self._jobs.send(job)
-        except OSError:  # a broken pipe: the writer is gone; wait() says how
+            end.send(job)
+        except OSError:  # a broken pipe or a closed end: the writer is gone; wait() says how
             pass
 
     def clean_up(self) -> None:
@@ -510,7 +518,7 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
         if self._process is None:
             return
         try:
-            self._send(None)
+            self._send(self._jobs, None)  # a few bytes: the writer has read every job
             self._process.join(timeout=30)
         finally:
             if self._process.is_alive():

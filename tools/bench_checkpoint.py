@@ -5,9 +5,11 @@
     python tools/bench_checkpoint.py --sizes 10M --repeat 2   # a quick look
 
 For each size it saves the same snapshot-shaped state (model weights plus as much
-optimizer momentum, float32, random: nothing compresses) in three ways:
+optimizer momentum, float32, random: nothing compresses) in four ways:
 
 - baseline: ``torch.save(state, path)``, the hand-written save (no fsync, no checksum);
+- durable baseline: ``torch.save`` to an open file, then fsync: what any save that
+  survives a power cut costs at least (the disk's write speed);
 - crash-consistent: the ``torch-file`` checkpointer's save: temp file, xxh3-128 while
   writing, fsync, rename, fsync of the folder, then the manifest and ``latest`` pointer
   written the same way (engine.atomic_io.atomic_write);
@@ -18,11 +20,11 @@ and loads it back two ways: ``torch.load(path)`` against what a resume does,
 ``latest()`` (which verifies size and checksum against the manifest) then ``load()``.
 
 Each round runs ``sync`` first (untimed), so that no save pays for the previous one's
-dirty pages, and the order of baseline and crash-consistent alternates. The ratios use
-medians over the rounds. Targets: crash-consistent save <= 1.10 x baseline; async
-blocking <= 0.05 x the crash-consistent (synchronous) save. The load ratio is reported
-(no target). The first async save (writer start, buffer allocation) is reported on its
-own: it happens once per run.
+dirty pages, and the three saves take turns going first. The ratios use medians over
+the rounds. Targets: crash-consistent save <= 1.10 x baseline; async blocking <= 0.05 x
+the crash-consistent (synchronous) save. Also printed: crash-consistent against the
+durable baseline, and the load ratio (no targets). The first async save (writer start,
+buffer allocation) is reported on its own: it happens once per run.
 
 Files go under --dir (default: runs/bench_checkpoint) and are removed at the end.
 """
@@ -98,13 +100,22 @@ def bench_size(nbytes: int, repeat: int, tensors: int, folder: pathlib.Path) -> 
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
     safe = TorchFileCheckpointer(safe_dir)  # no cfg: keeps everything, we clean up
-    bare_times, safe_times = [], []
+    def durable_save(path):
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    bare_times, safe_times, durable_times = [], [], []
     for r in range(repeat):
         bare_path = bare_dir / f"state-{r}.pt"
+        durable_path = bare_dir / f"durable-{r}.pt"
         runs = [(bare_times, lambda: torch.save(state, str(bare_path))),
-                (safe_times, lambda: safe.save(state, epoch=1, step=r))]
-        for times, fn in (runs if r % 2 == 0 else runs[::-1]):
+                (safe_times, lambda: safe.save(state, epoch=1, step=r)),
+                (durable_times, lambda: durable_save(durable_path))]
+        for times, fn in runs[r % 3:] + runs[:r % 3]:  # each goes first in turn
             times.append(timed(fn))
+        durable_path.unlink()
         if r == repeat - 1:
             break  # the last round's files are loaded below
         # Untimed: files of earlier rounds would only fill the page cache and disk.
@@ -138,7 +149,8 @@ def bench_size(nbytes: int, repeat: int, tensors: int, folder: pathlib.Path) -> 
     finally:
         writer.close()
     return {"bytes": state_bytes(state), "bare": bare_times, "safe": safe_times,
-            "async_first": first, "async": blocking, "bare_load": bare_loads,
+            "async_first": first, "async": blocking, "durable": durable_times,
+            "bare_load": bare_loads,
             "safe_load": safe_loads}
 
 
@@ -224,6 +236,12 @@ def main(argv=None) -> int:
               f"{bare:7.3f}s ({min(r['bare']):.3f})  {safe:7.3f}s ({min(r['safe']):.3f})  "
               f"{ratio:6.2f}  {blocking:6.3f}s ({min(r['async']):.3f})  {async_ratio:7.3f}  "
               f"{r['async_first']:10.3f}s")
+    print(f"{'size':>8}  {'torch.save+fsync':>16}  {'crash-consistent':>16}  {'ratio':>6}"
+          "   (what crash consistency adds to a durable save)")
+    for r in results:
+        durable, safe = med(r["durable"]), med(r["safe"])
+        print(f"{human(r['bytes']):>8}  {durable:7.3f}s ({min(r['durable']):.3f})  "
+              f"{safe:7.3f}s ({min(r['safe']):.3f})  {safe / durable:6.2f}")
     print(f"{'size':>8}  {'torch.load':>16}  {'latest()+load()':>16}  {'ratio':>6}")
     for r in results:
         bare, safe = med(r["bare_load"]), med(r["safe_load"])
