@@ -116,15 +116,6 @@ class TorchFileCheckpointer(Checkpointer):
     name = "torch-file"
     _cleaned = False
 
-    def write_snapshot(self, state: dict, path: pathlib.Path, *, epoch: int, step: int,
-                       metrics: dict | None) -> None:
-        """Write ``state`` to ``path`` with its manifest (no pointer updates)."""
-        size, checksum = atomic_write(path, lambda f: save_without_crc32(state, f))
-        manifest = {"file": path.name, **checksum_entry(size, checksum), "epoch": epoch,
-                    "step": step, "metrics": metrics or {}, "created": time.time(),
-                    "engine_version": engine.__version__}
-        atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1))
-
     def save(self, state, *, epoch, step, metrics=None):
         self.directory.mkdir(parents=True, exist_ok=True)
         self.clean_up_once()
@@ -140,12 +131,18 @@ class TorchFileCheckpointer(Checkpointer):
 
     def write_and_commit(self, state: dict, path: pathlib.Path, *, epoch: int, step: int,
                          metrics: dict | None) -> None:
-        """:meth:`write_snapshot`, then :meth:`commit`. When the commit fails (the disk
-        filled up while writing ``latest``), the new snapshot goes again: ``latest``
-        still names the previous one, which is what a resume takes, and what the error
-        says is intact; the new files would only take space."""
-        self.write_snapshot(state, path, epoch=epoch, step=step, metrics=metrics)
+        """Write ``state`` to ``path``, then its manifest, then :meth:`commit` it.
+
+        When the manifest or the commit fails (the disk filled up after the snapshot
+        itself), the new snapshot goes again: ``latest`` still names the previous one,
+        which is what a resume takes and what the error says is intact, and the new
+        files would only take space (and warnings at every start)."""
+        size, checksum = atomic_write(path, lambda f: save_without_crc32(state, f))
         try:
+            manifest = {"file": path.name, **checksum_entry(size, checksum), "epoch": epoch,
+                        "step": step, "metrics": metrics or {}, "created": time.time(),
+                        "engine_version": engine.__version__}
+            atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1))
             self.commit(path, metrics)
         except BaseException:
             if self._pointer("latest") != path:

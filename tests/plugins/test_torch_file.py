@@ -144,15 +144,16 @@ def test_leftovers_of_killed_writes_are_removed_at_start_and_at_close(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == ours
 
 
-def test_disk_full_while_writing_latest_keeps_the_previous_and_says_so(tmp_path):
-    """The snapshot and its manifest fit, ``latest`` does not: the error names the
+@pytest.mark.parametrize("full_at", ["latest", "snapshot-e0002-s00000002.pt.json"])
+def test_disk_full_after_the_snapshot_keeps_the_previous_and_says_so(tmp_path, full_at):
+    """The snapshot fits, its manifest or ``latest`` does not: the error names the
     previous snapshot as the intact one, and it is the one latest() gives (the new
     files, never committed, go)."""
     ckpt = TorchFileCheckpointer(tmp_path, TrainConfig())
     first = ckpt.save(state_for(1), epoch=1, step=1)
-    # atomic_write writes .latest.tmp-PID first: as a link to /dev/full, the kernel
+    # atomic_write writes .NAME.tmp-PID first: as a link to /dev/full, the kernel
     # answers every write to it with ENOSPC.
-    (tmp_path / f".latest.tmp-{os.getpid()}").symlink_to("/dev/full")
+    (tmp_path / f".{full_at}.tmp-{os.getpid()}").symlink_to("/dev/full")
     with pytest.raises(CheckpointError) as info:
         ckpt.save(state_for(2), epoch=2, step=2)
     assert str(info.value) == (
