@@ -136,14 +136,20 @@ def stale_temps(directory: pathlib.Path) -> list[pathlib.Path]:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this id runs (on this machine)."""
+    """Whether a process with this id runs (on this machine). A zombie does not: a
+    killed writer whose parent died too waits as one until init reaps it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True  # someone else's process
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # "pid (comm) state ...": comm may hold spaces and parentheses.
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): os.kill said it exists
 
 
 def atomic_write(path: pathlib.Path, write: Callable[[Any], None]) -> tuple[int, str]:

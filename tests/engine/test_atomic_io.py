@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -95,3 +96,15 @@ def test_a_process_killed_in_the_middle_of_a_write_leaves_the_old_file(tmp_path)
     live = tmp_path / f".other.tmp-{os.getppid()}"  # a running process's: kept
     live.touch()
     assert stale_temps(tmp_path) == [tmp_path / f".snapshot.bin.tmp-{proc.pid}"]
+    # A killed writer whose parent is gone too is a zombie until init reaps it: dead.
+    zombie = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 30
+    while pathlib.Path(f"/proc/{zombie.pid}/stat").read_bytes().rpartition(b")")[2].split()[
+            0] != b"Z":
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.01)
+    try:
+        (tmp_path / f".zombie.tmp-{zombie.pid}").touch()
+        assert tmp_path / f".zombie.tmp-{zombie.pid}" in stale_temps(tmp_path)
+    finally:
+        zombie.wait(timeout=30)
