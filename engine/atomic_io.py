@@ -1,12 +1,27 @@
-"""Crash-consistent file writes, shared by the checkpointers and the run summary.
+"""Crash-consistent file writes and file checksums, shared by the checkpointers and the
+run summary.
 
 - :func:`atomic_write`: temp file in the same directory, fsync, rename, fsync of the
   directory. A crash at any moment leaves either the old file or the new one.
-- :class:`HashingWriter`: counts and sha256-hashes the bytes on their way to the file,
-  so a manifest needs no second read.
-- :func:`file_sha256`: the sha256 of a file on disk, read in chunks.
+- :class:`ChecksumWriter`: counts and checksums the bytes on their way to the file, so
+  a manifest needs no second read.
+- :func:`file_checksum` / :func:`check_file`: the checksum of a file on disk, and
+  whether a file matches a manifest entry (``{"size": ..., "xxh3_128": ...}``, or
+  ``"sha256"`` in manifests written before xxh3).
 
-Standard library only: importing this costs nothing at start-up.
+Why xxh3-128 (the ``xxhash`` package) and not sha256: a manifest's checksum is there to
+catch torn writes, truncation and bit rot, not an attacker (whoever can rewrite the file
+can rewrite its manifest too), and sha256 cost as much CPU as the write itself
+(1.9x a bare torch.save at 100 MB, 2.6x at 1 GB). Measured on this project's machine
+(AMD EPYC, 256 MB in 4 MB chunks): xxh3-128 12.6 GB/s, crc32c (hardware, ``crc32c``)
+13.2 GB/s, google-crc32c 11.6 GB/s (and it refuses memoryviews: a copy per chunk),
+zlib.crc32 3.3 GB/s, sha256 well under 1 GB/s. xxh3 is as fast as a hardware crc32c
+without needing the instruction (its SIMD code runs on any x86 or ARM), and 128 bits
+leave no realistic chance of a corrupt file matching, where 32 bits of crc leave
+1 in 4 billion per corrupt file. At ~12 GB/s it is hashed inline: no helper thread.
+
+Importing this module costs nothing at start-up (xxhash is imported at the first
+checksum).
 """
 
 from __future__ import annotations
@@ -16,7 +31,25 @@ import hashlib
 import io
 import os
 import pathlib
+import sys
 from typing import Any, Callable
+
+#: The manifest key (and algorithm) of new checksums.
+CHECKSUM = "xxh3_128"
+#: Older manifests' key, still verified.
+LEGACY_CHECKSUMS = ("sha256",)
+
+
+def new_checksum(algorithm: str = CHECKSUM):
+    """A hasher with ``update(bytes-like)`` and ``hexdigest()``."""
+    if algorithm == CHECKSUM:
+        import xxhash
+
+        return xxhash.xxh3_128()
+    if algorithm in LEGACY_CHECKSUMS:
+        return hashlib.new(algorithm)
+    raise ValueError(f"unknown checksum {algorithm!r}; expected {CHECKSUM!r} or "
+                     f"{' or '.join(map(repr, LEGACY_CHECKSUMS))}")
 
 
 def fsync_directory(directory: pathlib.Path) -> None:
@@ -27,70 +60,110 @@ def fsync_directory(directory: pathlib.Path) -> None:
         os.close(fd)
 
 
-class HashingWriter(io.RawIOBase):
-    """A file wrapper that hashes and counts what is written through it.
+def _writeback_starter() -> Callable[[int, int, int], None] | None:
+    """Linux's sync_file_range(SYNC_FILE_RANGE_WRITE): start writing a range of a file
+    to disk without waiting for it. None where there is no such call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
 
-    sha256 costs about as much CPU as writing the bytes (``tools/bench_checkpoint.py
-    --breakdown``), so a large write is hashed on a helper thread while this thread
-    writes the same bytes to the file. Both release the GIL: with a core to spare, the
-    hash hides behind the write instead of adding to it. Call :meth:`stop` when done.
-    """
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return lambda fd, offset, nbytes: call(fd, offset, nbytes, 2)  # 2: _WRITE
 
-    #: Smaller writes are hashed inline: not worth a hand-off to the thread.
-    PARALLEL_BYTES = 1 << 20
 
-    def __init__(self, raw):
+class ChecksumWriter(io.RawIOBase):
+    """A file wrapper that checksums and counts what is written through it.
+
+    With ``writeback``, it also asks the kernel to start writing each
+    :data:`WRITEBACK_BYTES` to disk as soon as they are written: the disk then works
+    while torch.save serializes the rest, and the final fsync waits for the tail only
+    (at ~650 MB/s of disk here, fsync was most of a crash-consistent save's cost)."""
+
+    WRITEBACK_BYTES = 16 << 20
+
+    def __init__(self, raw, algorithm: str = CHECKSUM, writeback: bool = False):
         self.raw = raw
-        self.sha256 = hashlib.sha256()
+        self.checksum = new_checksum(algorithm)
         self.size = 0
-        self._helper = None  # a one-thread pool, started by the first large write
+        self._start_writeback = _writeback_starter() if writeback else None
+        self._written_back = 0
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        if view.nbytes >= self.PARALLEL_BYTES:
-            if self._helper is None:
-                from concurrent.futures import ThreadPoolExecutor  # 30 ms: not at import
-
-                self._helper = ThreadPoolExecutor(1, thread_name_prefix="sha256")
-            hashing = self._helper.submit(self.sha256.update, view)
-            try:
-                n = self.raw.write(view)
-            finally:
-                hashing.result()  # the caller may reuse its buffer once we return
-        else:
-            self.sha256.update(view)
-            n = self.raw.write(view)
+        self.checksum.update(view)
+        n = self.raw.write(view)
+        if n is not None and n != view.nbytes:
+            # A raw file may write less; torch's writer does not retry, so neither do
+            # we silently: the checksum would cover bytes that are not on disk.
+            raise OSError(f"short write: {n} of {view.nbytes} bytes")
         self.size += view.nbytes
-        return view.nbytes if n is None else n
+        if (self._start_writeback is not None
+                and self.size - self._written_back >= self.WRITEBACK_BYTES):
+            self.raw.flush()
+            self._start_writeback(self.raw.fileno(), self._written_back,
+                                  self.size - self._written_back)
+            self._written_back = self.size
+        return view.nbytes
 
     def flush(self) -> None:
         self.raw.flush()
 
-    def stop(self) -> None:
-        """End the helper thread (the writer stays usable, hashing inline)."""
-        if self._helper is not None:
-            self._helper.shutdown()
-            self._helper = None
+
+def temp_name(path: pathlib.Path) -> pathlib.Path:
+    """Where :func:`atomic_write` stages ``path``: hidden, and named after this process,
+    so a clean-up can tell the temp files of dead writers (see :func:`stale_temps`)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def stale_temps(directory: pathlib.Path) -> list[pathlib.Path]:
+    """Temp files in ``directory`` left by writers that are gone (killed half-way): the
+    pid in the name is not a running process, or is this one (nothing of ours is being
+    written while the caller cleans up)."""
+    stale = []
+    for temp in pathlib.Path(directory).glob(".*.tmp-*"):
+        pid = temp.name.rpartition(".tmp-")[2]
+        if not pid.isdigit() or int(pid) == os.getpid() or not pid_alive(int(pid)):
+            stale.append(temp)
+    return stale
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs (on this machine). A zombie does not: a
+    killed writer whose parent died too waits as one until init reaps it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # "pid (comm) state ...": comm may hold spaces and parentheses.
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): os.kill said it exists
 
 
 def atomic_write(path: pathlib.Path, write: Callable[[Any], None]) -> tuple[int, str]:
     """Write ``path`` through ``write(fileobj)`` crash-consistently.
 
-    Returns (size, sha256) of what was written. On any error (a full disk included) the
-    temp file is removed and the previous ``path``, if any, is untouched.
+    Returns (size, xxh3-128 hex) of what was written. On any error (a full disk
+    included) the temp file is removed and the previous ``path``, if any, is untouched.
     """
     path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_name(path)
     try:
         with open(tmp, "wb") as raw:
-            writer = HashingWriter(raw)
-            try:
-                write(writer)
-            finally:
-                writer.stop()
+            writer = ChecksumWriter(raw, writeback=True)
+            write(writer)
             raw.flush()
             os.fsync(raw.fileno())
         os.replace(tmp, path)
@@ -99,16 +172,46 @@ def atomic_write(path: pathlib.Path, write: Callable[[Any], None]) -> tuple[int,
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    return writer.size, writer.sha256.hexdigest()
+    return writer.size, writer.checksum.hexdigest()
 
 
 def atomic_write_text(path: pathlib.Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
-def file_sha256(path: pathlib.Path) -> str:
-    digest = hashlib.sha256()
+def file_checksum(path: pathlib.Path, algorithm: str = CHECKSUM) -> str:
+    """The checksum of the file at ``path``, read through a memory map (the page cache
+    is hashed in place: no copy into a buffer)."""
+    import mmap
+
+    digest = new_checksum(algorithm)
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
+        if os.fstat(f.fileno()).st_size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as memory:
+                with memoryview(memory) as view:
+                    step = 1 << 26  # sha256 holds the GIL per call: keep calls short
+                    for start in range(0, len(view), step):
+                        digest.update(view[start:start + step])
     return digest.hexdigest()
+
+
+def checksum_entry(size: int, checksum: str) -> dict:
+    """What a manifest records about one file."""
+    return {"size": size, CHECKSUM: checksum}
+
+
+def check_file(path: pathlib.Path, entry: dict) -> str | None:
+    """None when the file at ``path`` has the size and checksum that the manifest
+    ``entry`` records, else what is wrong (one phrase)."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return "the file is missing"
+    if size != entry.get("size"):
+        return f"size {size} differs from the manifest's {entry.get('size')} (truncated?)"
+    for algorithm in (CHECKSUM, *LEGACY_CHECKSUMS):
+        if algorithm in entry:
+            if file_checksum(path, algorithm) != entry[algorithm]:
+                return f"{algorithm} differs from the manifest (corrupt)"
+            return None
+    return f"the manifest records no checksum ({CHECKSUM} or sha256)"

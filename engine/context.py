@@ -27,6 +27,7 @@ from typing import Any
 
 import engine
 from engine import config as config_mod
+from engine.errors import RunError
 
 #: Summary keys taken from the latest metrics (``val/accuracy`` -> ``val_accuracy``).
 SUMMARY_METRICS = {"train/loss": "train_loss", "val/loss": "val_loss",
@@ -212,8 +213,20 @@ class WorkerContext:
     def write_summary(self, summary: dict) -> None:
         from engine.atomic_io import atomic_write_text
 
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
+        path = self.out_dir / "summary.json"
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps(summary, indent=1) + "\n")
+        except OSError as exc:
+            # One line, not a traceback; and what the training produced is safe.
+            kept = summary.get("final_checkpoint")
+            error = RunError(
+                f"cannot write {path}: {exc.strerror or exc}; "
+                + (f"the last snapshot {kept} is intact" if kept else "no snapshot was saved"))
+            if summary.get("status") == "failed":
+                self.warn(str(error))  # the run's own error is the one to report
+                return
+            raise error from None
 
 
 def _path_or_none(path) -> str | None:

@@ -3,45 +3,58 @@
 ``save()`` blocks the training loop only while the snapshot's tensors are copied into
 one shared-memory buffer (a memcpy; no serialization, no hashing, no disk). A writer
 process then serializes, hashes, fsyncs and commits them exactly as ``torch-file``
-does (it *is* a :class:`TorchFileCheckpointer` on the other side of a queue), so both
+does (it *is* a :class:`TorchFileCheckpointer` on the other side of a pipe), so both
 produce the same layout and a run can switch between them and resume.
 
 Why these choices:
 
 - A process, not a thread: ``torch.save`` pickles and sha256 hashes under the GIL for
   much of its time, and would steal it from the training loop.
-- Spawned once, on the first save, and fed through a ``torch.multiprocessing`` queue:
-  the buffer travels as a shared-memory handle, never as bytes through a pipe.
+- Spawned once, on the first save, and given the buffer's file descriptor at the spawn
+  (a bigger snapshot gets a new buffer and a new writer). Jobs and results travel
+  through two pipes as small pickles (where each tensor is, not its bytes). No
+  multiprocessing Queue: each one leaves three named semaphores (/dev/shm/sem.mp-*)
+  behind when the job is killed, and sending a tensor through one starts a
+  resource-sharer socket in /tmp/pymp-*: nothing of ours can be left there.
 - One buffer, reused: the first save allocates it (page faults), later saves only copy.
   That is only safe because a save waits for the previous write first, which is also
-  what keeps at most one snapshot in flight (memory stays bounded).
+  what keeps at most one snapshot in flight (memory stays bounded). The buffer is a
+  /dev/shm file named after this process and checkpoint folder and unlinked as soon as
+  it is open (see :func:`shared_buffer`): a kill leaves nothing there but in that
+  instant, and the next start removes such a leftover.
 - The writer rebuilds each tensor with ``torch.frombuffer`` at its offset: its own
   storage without a copy, so ``torch.save`` writes the same records as torch-file.
 
-Errors: a failed write (a full disk, say) is reported as a one-line
-:class:`~engine.errors.CheckpointError` by the next ``save()``, ``wait()`` or
-``close()``; the previous snapshot and the ``latest`` pointer are left as they were. A
-writer that dies is noticed within :data:`POLL_S` seconds instead of being waited for.
+Errors: a failed write (a full disk, say: named as such, not as torch's "unexpected
+pos") is reported as a one-line :class:`~engine.errors.CheckpointError` by the next
+``save()``, ``wait()`` or ``close()``; the previous snapshot and the ``latest`` pointer
+are left as they were. A writer that dies is noticed within :data:`POLL_S` seconds
+instead of being waited for.
 
 Exit: ``close()`` (the engine calls it at the end of every run, failed runs included)
-waits until the last write is durable. A checkpointer that is never closed is closed
-when its process exits, before multiprocessing stops its children.
+waits until the last write is durable, then removes what killed writers left in the
+checkpoint folder (as torch-file does at its first save, and so do we). A checkpointer
+that is never closed is closed when its process exits, before multiprocessing stops
+its children.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import errno
+import hashlib
 import os
 import pathlib
-import queue
 import sys
 import time
 import types
 
 import engine
+from engine.atomic_io import pid_alive
 from engine.errors import CheckpointError
-from engine.plugins.torch_file import TorchFileCheckpointer, snapshot_name, warn
+from engine.plugins.torch_file import (TorchFileCheckpointer, _os_error_in, snapshot_name,
+                                       warn)
 
 #: Seconds between checks that the writer (or, in the writer, the trainer) is alive.
 POLL_S = 0.5
@@ -148,11 +161,88 @@ def check_shared_memory(nbytes: int, folder: str = SHM) -> None:
             "--shm-size) or use --checkpointer torch-file")
 
 
+def _shm_prefix(directory: pathlib.Path) -> str:
+    """The start of this checkpoint folder's buffer names in /dev/shm (then the pid)."""
+    digest = hashlib.sha256(str(pathlib.Path(directory).resolve()).encode()).hexdigest()
+    return f"engine-ckpt-{digest[:12]}-"
+
+
+def shared_buffer(directory: pathlib.Path, nbytes: int, folder: str = SHM) -> int:
+    """A file descriptor of ``nbytes`` of shared memory, with no name left behind.
+
+    The name (``engine-ckpt-<folder hash>-<pid>``) exists only between the open and the
+    unlink; :func:`remove_stale_buffers` removes one that a kill left in between."""
+    check_shared_memory(nbytes, folder)
+    name = os.path.join(folder, f"{_shm_prefix(directory)}{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name)  # ours, from an earlier buffer killed in the same instant
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink(name)
+    try:
+        # Reserve it now: tmpfs pages are otherwise only taken when touched, and a full
+        # /dev/shm would kill the trainer with SIGBUS in the middle of the copy.
+        os.posix_fallocate(fd, 0, max(nbytes, 1))
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno != errno.ENOSPC:
+            raise
+        check_shared_memory(1 << 62, folder)  # raises, with the sizes
+    return fd
+
+
+def remove_stale_buffers(directory: pathlib.Path, folder: str = SHM) -> None:
+    """Buffer names of this checkpoint folder whose process is gone (see
+    :func:`shared_buffer`). Only names that carry this folder's hash: another run's or
+    another user's shared memory is never touched."""
+    prefix = _shm_prefix(directory)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):]
+        if name.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
+
+
+def map_buffer(fd: int, nbytes: int):
+    """The shared memory behind ``fd`` as a uint8 tensor (torch keeps the map alive)."""
+    import mmap
+
+    import torch
+
+    memory = mmap.mmap(fd, max(nbytes, 1))
+    return torch.frombuffer(memory, dtype=torch.uint8)
+
+
+class _SharedFd:
+    """A file descriptor handed to the writer at its spawn: multiprocessing duplicates
+    it into the child (no socket, no resource sharer, nothing named)."""
+
+    def __init__(self, fd: int, nbytes: int):
+        self.fd, self.nbytes = fd, nbytes
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return (_rebuild_buffer, (DupFd(self.fd), self.nbytes))
+
+
+def _rebuild_buffer(dup, nbytes: int):
+    fd = dup.detach()
+    try:
+        return map_buffer(fd, nbytes)
+    finally:
+        os.close(fd)  # the map keeps the memory
+
+
 # ----------------------------------------------------------------- the writer
 
 
-def writer_main(jobs, results, directory: str, checkpoint: dict | None) -> None:
-    """The writer process: one job at a time, until ``None`` or the trainer is gone."""
+def writer_main(jobs, results, buffer, directory: str, checkpoint: dict | None) -> None:
+    """The writer process: one job at a time, until ``None`` or the trainer is gone.
+    ``jobs`` and ``results`` are pipe ends; ``buffer`` the shared memory (a tensor)."""
     import torch
 
     torch.set_num_threads(1)  # serialization does not use them; the trainer does
@@ -172,26 +262,39 @@ def writer_main(jobs, results, directory: str, checkpoint: dict | None) -> None:
     trainer = multiprocessing.parent_process()
     while True:
         try:
-            job = jobs.get(timeout=POLL_S)
-        except queue.Empty:
-            if trainer is not None and not trainer.is_alive():
-                return  # the trainer died: nothing more will come
-            continue
+            if not jobs.poll(POLL_S):
+                if trainer is not None and not trainer.is_alive():
+                    return  # the trainer died: nothing more will come
+                continue
+            job = jobs.recv()
+        except (EOFError, OSError):
+            return  # the trainer's end is closed: it is gone
         if job is None:
             return
         path = pathlib.Path(job["path"])
         error = None
         try:
-            state = fill_slots(job["skeleton"], views_of(job["buffer"], job["layout"]))
+            state = fill_slots(job["skeleton"], views_of(buffer, job["layout"]))
             writer.directory.mkdir(parents=True, exist_ok=True)
-            writer.write_snapshot(state, path, epoch=job["epoch"], step=job["step"],
-                                  metrics=job["metrics"])
-            writer.commit(path, job["metrics"])
+            writer.write_and_commit(state, path, epoch=job["epoch"], step=job["step"],
+                                    metrics=job["metrics"])
         except Exception as exc:
-            error = f"{type(exc).__name__}: {_first_line(exc)}"
-        # Let go of the buffer before saying we are done: the trainer reuses it.
+            error = write_error(exc, writer.directory)
+        # Let go of the buffer's views before saying we are done: the trainer reuses it.
         job = state = None
-        results.put((str(path), error))
+        results.send((str(path), error))
+
+
+def write_error(exc: BaseException, directory: pathlib.Path) -> str:
+    """One line for a failed write. torch.save reports a failed write as a RuntimeError
+    ("unexpected pos ...") whose context is the OSError: that OSError is what to say."""
+    os_error = _os_error_in(exc)
+    if os_error is None:
+        return f"{type(exc).__name__}: {_first_line(exc)}"
+    line = f"{type(os_error).__name__}: {_first_line(os_error)}"
+    if os_error.errno == errno.ENOSPC:
+        line += f"; free space in {directory} or point out_dir elsewhere"
+    return line
 
 
 def _first_line(exc: BaseException) -> str:
@@ -243,8 +346,9 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
     def __init__(self, directory, cfg=None, world=None):
         super().__init__(directory, cfg, world)
         self._process = None
-        self._jobs = self._results = None
-        self._buffer = None  # shared memory, reused by every save
+        self._jobs = self._results = None  # our ends of the two pipes
+        self._buffer = None  # shared memory (a uint8 tensor), reused by every save
+        self._buffer_fd = None  # its file descriptor, handed to each writer
         self._pending: pathlib.Path | None = None  # the write in flight
         self._at_exit = None
 
@@ -258,17 +362,40 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
         skeleton = split_tensors(state, tensors)
         layout, nbytes = plan_layout(tensors)
         if self._buffer is None or self._buffer.numel() < nbytes:
-            self._buffer = None  # free the old one first: both may not fit
-            check_shared_memory(nbytes)
-            self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8).share_memory_()
+            # The writer maps the buffer it was started with: a new one, a new writer.
+            self._stop_writer()
+            self._free_buffer()  # first: both may not fit
+            self.clean_up_once()
+            self._buffer_fd = shared_buffer(self.directory, nbytes)
+            self._buffer = map_buffer(self._buffer_fd, nbytes)
         copy_into(self._buffer, tensors, layout)
         self._start_writer()
         path = self.directory / snapshot_name(epoch, step)
-        self._jobs.put({"path": str(path), "skeleton": skeleton, "layout": layout,
-                        "buffer": self._buffer, "epoch": epoch, "step": step,
-                        "metrics": dict(metrics or {})})
+        job = {"path": str(path), "skeleton": skeleton, "layout": layout,
+               "epoch": epoch, "step": step, "metrics": dict(metrics or {})}
+        # Sent from a thread: a pipe takes 64 kB without a reader, a large model's job
+        # may be more, and a stopped writer must not block the loop (wait() watches it
+        # with a timeout). The writer's answer comes after it has read the whole job.
+        import threading
+
+        threading.Thread(target=self._send, args=(self._jobs, job), daemon=True,
+                         name="engine-checkpoint-job").start()
         self._pending = path
         return path  # durable once wait() returns
+
+    @staticmethod
+    def _send(end, job) -> None:
+        try:
+            end.send(job)
+        except OSError:  # a broken pipe or a closed end: the writer is gone; wait() says how
+            pass
+
+    def clean_up(self) -> None:
+        """torch-file's clean-up, plus this folder's shared-memory names of dead
+        processes (see :func:`shared_buffer`)."""
+        super().clean_up()
+        if self.world is None or self.world.rank == 0:
+            remove_stale_buffers(self.directory)
 
     @property
     def writer_pid(self) -> int | None:
@@ -288,18 +415,25 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        self._jobs, self._results = ctx.Queue(), ctx.Queue()
+        jobs_out, self._jobs = ctx.Pipe(duplex=False)
+        self._results, results_in = ctx.Pipe(duplex=False)
         checkpoint = None
         if self.cfg is not None and getattr(self.cfg, "checkpoint", None) is not None:
             c = self.cfg.checkpoint
             checkpoint = {"keep_last": c.keep_last, "best_metric": c.best_metric,
                           "best_mode": c.best_mode}
         # daemon: never left behind; the exit hook below lets it finish first.
-        self._process = ctx.Process(target=writer_main, name="engine-checkpoint-writer",
-                                    args=(self._jobs, self._results, str(self.directory),
-                                          checkpoint), daemon=True)
-        with _main_module_hidden(), _job_signals_blocked():
-            self._process.start()
+        self._process = ctx.Process(
+            target=writer_main, name="engine-checkpoint-writer", daemon=True,
+            args=(jobs_out, results_in, _SharedFd(self._buffer_fd, self._buffer.numel()),
+                  str(self.directory), checkpoint))
+        try:
+            with _main_module_hidden(), _job_signals_blocked():
+                self._process.start()
+        finally:
+            # The child has its own copies: with ours closed, a dead writer is an EOF.
+            jobs_out.close()
+            results_in.close()
         # Runs at interpreter exit before multiprocessing terminates daemonic children
         # (priority >= 0), in the main process and in multiprocessing workers alike.
         self._at_exit = multiprocessing.util.Finalize(None, self._close_at_exit,
@@ -314,17 +448,12 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
             return
         deadline = time.monotonic() + self.write_timeout_s
         while True:
-            try:
-                done, error = self._results.get(timeout=POLL_S)
+            result = self._result(POLL_S)
+            if result is not None:
+                done, error = result
                 break
-            except queue.Empty:
-                pass
-            if not self._process.is_alive():
-                try:  # it may have reported just before it went
-                    done, error = self._results.get(timeout=POLL_S)
-                    break
-                except queue.Empty:
-                    pass
+            if not self._process.is_alive() or self._results is None:
+                self._process.join(timeout=POLL_S)
                 code = self._process.exitcode
                 self._forget_writer()
                 raise CheckpointError(
@@ -342,6 +471,16 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
         if error is not None:
             raise CheckpointError(f"writing {done} failed: {error}; the previous snapshot "
                                   f"is untouched: {self._latest_name()}")
+
+    def _result(self, timeout: float):
+        """(path, error) from the writer, or None: nothing within ``timeout``, or the
+        writer is gone (its end of the pipe closed)."""
+        try:
+            if self._results.poll(timeout):
+                return self._results.recv()
+        except (EOFError, OSError):
+            self._process.join(timeout=5)  # it is exiting: let is_alive() say so
+        return None
 
     def _latest_name(self) -> str:
         pointed = self._pointer("latest")
@@ -366,6 +505,8 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
             warn(str(exc))
         finally:
             self._stop_writer()
+            self._free_buffer()
+            self.clean_up()
 
     def _close_at_exit(self) -> None:
         try:
@@ -377,7 +518,7 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
         if self._process is None:
             return
         try:
-            self._jobs.put(None)
+            self._send(self._jobs, None)  # a few bytes: the writer has read every job
             self._process.join(timeout=30)
         finally:
             if self._process.is_alive():
@@ -388,14 +529,19 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
     def _forget_writer(self, keep_buffer: bool = False) -> None:
         if self._at_exit is not None:
             self._at_exit.cancel()
-        for q in (self._jobs, self._results):
-            if q is not None:
-                q.close()
-                q.cancel_join_thread()
+        for end in (self._jobs, self._results):
+            if end is not None:
+                end.close()
         self._process = self._jobs = self._results = self._at_exit = None
         self._pending = None
         if not keep_buffer:
-            self._buffer = None
+            self._free_buffer()
+
+    def _free_buffer(self) -> None:
+        self._buffer = None  # the map goes with the last view of it
+        if self._buffer_fd is not None:
+            os.close(self._buffer_fd)
+            self._buffer_fd = None
 
 
 @engine.hookimpl

@@ -6,7 +6,7 @@ Layout under ``<out_dir>/checkpoints/``::
         .metadata                        DCP's index: every tensor's shape, dtype, chunks
         __0_0.distcp  __1_0.distcp ...   tensor data, one file per rank that wrote some
         train_state.pt                   the rest of the snapshot, by rank 0 (see below)
-    snapshot-e0002-s00001564.dcp.json    manifest: size and sha256 of every file above
+    snapshot-e0002-s00001564.dcp.json    manifest: size and xxh3_128 of every file above
     latest, best                         the directory name, as with torch-file
 
 Model and optimizer go through DCP, as ``get_state_dict`` presents them (the core
@@ -38,7 +38,8 @@ import warnings
 
 import engine
 from engine import distributed
-from engine.atomic_io import atomic_write, atomic_write_text, file_sha256, fsync_directory
+from engine.atomic_io import (atomic_write, atomic_write_text, check_file, checksum_entry,
+                              file_checksum, fsync_directory)
 from engine.errors import CheckpointError
 from engine.plugins.torch_file import (PREFIX, TorchFileCheckpointer, manifest_path,
                                        read_manifest, warn)
@@ -71,8 +72,9 @@ def verify(path: pathlib.Path, deep: bool = True) -> str | None:
         if size != expected.get("size"):
             return (f"{name} has {size} bytes, the manifest says {expected.get('size')} "
                     "(truncated?)")
-        if deep and file_sha256(path / name) != expected.get("sha256"):
-            return f"{name}: sha256 differs from the manifest (corrupt)"
+        problem = check_file(path / name, expected) if deep else None
+        if problem is not None:
+            return f"{name}: {problem}"
     return None
 
 
@@ -153,8 +155,8 @@ class DCPCheckpointer(TorchFileCheckpointer):
 
         # Every rank hashes a share of the files (written by anyone), rank 0 collects.
         names = sorted(p.name for p in staging.iterdir() if p.is_file())
-        mine = {name: {"size": (staging / name).stat().st_size,
-                       "sha256": file_sha256(staging / name)}
+        mine = {name: checksum_entry((staging / name).stat().st_size,
+                                     file_checksum(staging / name))
                 for name in names[rank::world_size]}
         files = {}
         for share in distributed.all_gather_object(mine):

@@ -3,14 +3,21 @@
 Layout under ``<out_dir>/checkpoints/``::
 
     snapshot-e0002-s00001564.pt        the snapshot (torch.save, weights_only-loadable)
-    snapshot-e0002-s00001564.pt.json   its manifest: size, sha256, epoch, step, metrics
+    snapshot-e0002-s00001564.pt.json   its manifest: size, xxh3_128, epoch, step, metrics
     latest                             the file name of the newest good snapshot
     best                               the best one by cfg.checkpoint.best_metric, if set
 
-Every file is written through :func:`engine.atomic_io.atomic_write`. ``latest()``
-checks size and sha256 against the manifest; a snapshot that fails is reported and
-the previous good one is used. Storage only: the snapshot dict comes from and goes
-back to engine.snapshot.
+Every file is written through :func:`engine.atomic_io.atomic_write`, which checksums
+the bytes as they go (xxh3-128; manifests of older versions hold a sha256, still
+checked). ``latest()`` checks size and checksum against the manifest; a snapshot that
+fails is reported and the previous good one is used. ``load()`` checks too, unless
+this process has just verified the same unchanged file (``latest()`` then ``load()``
+hashes it once). Storage only: the snapshot dict comes from and goes back to
+engine.snapshot.
+
+Clean-up, on the first save or ``latest()`` and at ``close()``: temp files of writes
+that were killed half-way, and manifests whose snapshot is gone (a kill between the
+two unlinks of a prune).
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ import sys
 import time
 
 import engine
-from engine.atomic_io import atomic_write, atomic_write_text, file_sha256
+from engine.atomic_io import (atomic_write, atomic_write_text, check_file, checksum_entry,
+                              stale_temps)
 from engine.checkpoint import Checkpointer
 from engine.errors import CheckpointError
 
@@ -45,25 +53,36 @@ def read_manifest(path: pathlib.Path) -> dict | None:
         return None
 
 
+#: path -> identity (inode, size, mtime) of the file when verify() last passed it, so
+#: that load() right after latest() does not hash the same bytes again.
+_verified: dict[str, tuple] = {}
+
+
+def _identity(path: pathlib.Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def verify(path: pathlib.Path) -> str | None:
     """None when ``path`` matches its manifest, else what is wrong."""
+    path = pathlib.Path(path)
     manifest = read_manifest(path)
     if manifest is None:
         return "its manifest is missing or unreadable"
-    try:
-        size = path.stat().st_size
-    except OSError:
-        return "the file is missing"
-    if size != manifest.get("size"):
-        return f"size {size} differs from the manifest's {manifest.get('size')} (truncated?)"
-    if file_sha256(path) != manifest.get("sha256"):
-        return "sha256 differs from the manifest (corrupt)"
-    return None
+    identity = _identity(path)
+    problem = check_file(path, manifest)
+    if problem is None and identity is not None and identity == _identity(path):
+        _verified.clear()  # one entry is all load() needs: no growth over a long run
+        _verified[str(path)] = identity
+    return problem
 
 
 def save_without_crc32(state: dict, fileobj) -> None:
     """torch.save, minus the CRC32 of every record in its zip container: the manifest's
-    sha256 already covers the whole file, torch.load never checks the CRC, and on a
+    checksum already covers the whole file, torch.load never checks the CRC, and on a
     busy CPU computing both made a save ~1.5x slower than it needs to be."""
     import torch
     import torch.serialization as serialization
@@ -95,30 +114,41 @@ def warn(message: str) -> None:
 
 class TorchFileCheckpointer(Checkpointer):
     name = "torch-file"
-    _temps_checked = False
-
-    def write_snapshot(self, state: dict, path: pathlib.Path, *, epoch: int, step: int,
-                       metrics: dict | None) -> None:
-        """Write ``state`` to ``path`` with its manifest (no pointer updates)."""
-        size, sha256 = atomic_write(path, lambda f: save_without_crc32(state, f))
-        manifest = {"file": path.name, "size": size, "sha256": sha256, "epoch": epoch,
-                    "step": step, "metrics": metrics or {}, "created": time.time(),
-                    "engine_version": engine.__version__}
-        atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1))
+    _cleaned = False
 
     def save(self, state, *, epoch, step, metrics=None):
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.remove_stale_temps()
+        self.clean_up_once()
         path = self.directory / snapshot_name(epoch, step)
         try:
-            self.write_snapshot(state, path, epoch=epoch, step=step, metrics=metrics)
-            self.commit(path, metrics)
+            self.write_and_commit(state, path, epoch=epoch, step=step, metrics=metrics)
         except (OSError, RuntimeError) as exc:
             os_error = _os_error_in(exc)
             if os_error is None:
                 raise
             raise self.write_error(path, os_error) from exc
         return path
+
+    def write_and_commit(self, state: dict, path: pathlib.Path, *, epoch: int, step: int,
+                         metrics: dict | None) -> None:
+        """Write ``state`` to ``path``, then its manifest, then :meth:`commit` it.
+
+        When the manifest or the commit fails (the disk filled up after the snapshot
+        itself), the new snapshot goes again: ``latest`` still names the previous one,
+        which is what a resume takes and what the error says is intact, and the new
+        files would only take space (and warnings at every start)."""
+        size, checksum = atomic_write(path, lambda f: save_without_crc32(state, f))
+        try:
+            manifest = {"file": path.name, **checksum_entry(size, checksum), "epoch": epoch,
+                        "step": step, "metrics": metrics or {}, "created": time.time(),
+                        "engine_version": engine.__version__}
+            atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1))
+            self.commit(path, metrics)
+        except BaseException:
+            if self._pointer("latest") != path:
+                for victim in (manifest_path(path), path):  # the manifest first
+                    victim.unlink(missing_ok=True)
+            raise
 
     def write_error(self, path: pathlib.Path, exc: OSError) -> CheckpointError:
         previous = self._pointer("latest")
@@ -129,14 +159,28 @@ class TorchFileCheckpointer(Checkpointer):
             reason += f"; free space in {self.directory} or point out_dir elsewhere"
         return CheckpointError(f"cannot write snapshot {path}: {reason}; {kept}")
 
-    def remove_stale_temps(self) -> None:
-        """Temp files of writes that were killed half-way (only one process writes here,
-        so none of them can still be in progress)."""
-        if self._temps_checked:
+    def clean_up_once(self) -> None:
+        """:meth:`clean_up`, the first time this checkpointer touches its folder."""
+        if not self._cleaned:
+            self._cleaned = True
+            self.clean_up()
+
+    def clean_up(self) -> None:
+        """Remove what killed writes left here: temp files whose writer is gone (the pid
+        in their name), and manifests whose snapshot is gone. Only this folder's own
+        names: nothing else in it is touched. Rank 0 only: it is the one that writes
+        here, and another node would take its live writer's pid for a dead one."""
+        if (self.world is not None and self.world.rank != 0) or not self.directory.is_dir():
             return
-        self._temps_checked = True
-        for temp in self.directory.glob(".*.tmp-*"):
+        for temp in stale_temps(self.directory):
             temp.unlink(missing_ok=True)
+        for manifest in self.directory.glob(f"{PREFIX}*{SUFFIX}.json"):
+            if not manifest.with_name(manifest.name[:-len(".json")]).exists():
+                manifest.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        super().close()
+        self.clean_up()
 
     def commit(self, path: pathlib.Path, metrics: dict | None) -> None:
         """Point ``latest`` (and maybe ``best``) at ``path``, then prune old snapshots."""
@@ -180,6 +224,7 @@ class TorchFileCheckpointer(Checkpointer):
                 victim.unlink(missing_ok=True)
 
     def latest(self):
+        self.clean_up_once()
         candidates = self.snapshots()
         pointed = self._pointer("latest")
         if pointed is not None and pointed in candidates:
@@ -198,6 +243,13 @@ class TorchFileCheckpointer(Checkpointer):
         path = pathlib.Path(path)
         if not path.is_file():
             raise CheckpointError(f"snapshot {str(path)!r} not found")
+        # Checked unless verify() just passed this very file (latest() before load():
+        # hashing it again would cost a second read for nothing). A file without a
+        # manifest (an export, a hand-made torch.save) is loaded as it is.
+        if manifest_path(path).exists() and _verified.get(str(path)) != _identity(path):
+            problem = verify(path)
+            if problem is not None:
+                raise CheckpointError(f"snapshot {str(path)!r} is unusable: {problem}")
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except Exception as exc:

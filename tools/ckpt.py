@@ -6,6 +6,7 @@
     python tools/ckpt.py strip-prefix IN OUT         drop DDP's "module." from the keys
     python tools/ckpt.py add-prefix IN OUT           add "module." to every key
     python tools/ckpt.py export IN OUT               plain model weights for inference
+                                                     (OUT.safetensors: in safetensors)
 
 PATH/IN may be an engine snapshot (torch-file or async: ``snapshot-*.pt``), a dcp
 snapshot directory (``snapshot-*.dcp``), a checkpoints folder (the snapshot its
@@ -16,11 +17,17 @@ The seeds' "dict names" problem: a model saved from inside DDP has every key pre
 with ``module.``, and the plain model refuses it (and the other way round).
 strip-prefix/add-prefix rewrite the keys of the model weights only and keep everything
 else in the file; export writes just the weights, without the prefix, loadable with
-``model.load_state_dict(torch.load(OUT, weights_only=True))``.
+``model.load_state_dict(torch.load(OUT, weights_only=True))``; an OUT ending in
+``.safetensors`` is written in the safetensors format instead, which the ecosystem uses
+to share weights (no pickle at all), loadable with
+``safetensors.torch.load_file(OUT)``. We write that format ourselves (see
+:func:`write_safetensors`): it is a documented header and the raw bytes, and so the
+file is written crash-consistently like every other, with no run-time dependency.
 
 Only ``torch.load(weights_only=True)`` is used: a file that needs arbitrary pickled
 objects is refused, not executed. Output files are written crash-consistently
-(temp file, fsync, rename). Exit status: 0 ok, 1 ``inspect`` found a manifest
+(temp file, fsync, rename). The sha256 printed for a file is that of its bytes, as
+``sha256sum`` shows it. Exit status: 0 ok, 1 ``inspect`` found a manifest
 mismatch, 2 bad input (one line on stderr).
 """
 
@@ -31,7 +38,7 @@ import json
 import pathlib
 import sys
 
-from engine.atomic_io import atomic_write, file_sha256
+from engine.atomic_io import atomic_write, file_checksum
 from engine.checkpoint import add_module_prefix, model_digest, strip_module_prefix
 from engine.errors import CheckpointError
 
@@ -127,6 +134,12 @@ def read(path: pathlib.Path) -> Checkpoint:
 
 
 # -------------------------------------------------------------------- inspect
+
+
+def file_sha256(path: pathlib.Path) -> str:
+    """What ``sha256sum`` prints: the identity people compare a shared file by (the
+    manifests' faster checksum is for integrity, not for that)."""
+    return file_checksum(path, "sha256")
 
 
 def manifest_check(path: pathlib.Path) -> str:
@@ -227,8 +240,56 @@ def write_torch(obj, out: pathlib.Path) -> str:
     import torch
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    _, sha256 = atomic_write(out, lambda f: torch.save(obj, f))
-    return sha256
+    atomic_write(out, lambda f: torch.save(obj, f))
+    return file_sha256(out)
+
+
+#: torch dtype -> safetensors dtype name (the format's documented list).
+SAFETENSORS_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+    "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "uint16": "U16", "uint32": "U32", "uint64": "U64",
+}
+
+
+def write_safetensors(weights: dict, out: pathlib.Path, metadata: dict[str, str]) -> str:
+    """``weights`` in the safetensors format (https://huggingface.co/docs/safetensors):
+    8 bytes little-endian header length, a JSON header (each tensor's dtype, shape and
+    byte range; ``__metadata__`` strings), padded with spaces to 8 bytes, then the
+    tensors' bytes, little-endian, in header order. Every tensor gets bytes of its own
+    (tied weights are stored twice: the format has no aliasing)."""
+    import torch
+
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors files are little-endian; export on a "
+                              "little-endian machine or write a .pt file")
+    header: dict = {"__metadata__": metadata}
+    blobs, offset = [], 0
+    for name, tensor in weights.items():
+        dtype = str(tensor.dtype).replace("torch.", "")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{name}: dtype {dtype} has no safetensors name; write "
+                                  "a .pt file instead")
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        blob = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + blob.numel()]}
+        blobs.append(blob)
+        offset += blob.numel()
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+
+    def write(f):
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for blob in blobs:
+            if blob.numel():
+                f.write(memoryview(blob.numpy()))
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, write)
+    return file_sha256(out)
 
 
 def check_output(ckpt: Checkpoint, out: pathlib.Path) -> None:
@@ -284,7 +345,13 @@ def cmd_export(args) -> int:
     if any(k.startswith(PREFIX) for k in weights):
         raise CheckpointError(f"{ckpt.path}: only some keys start with {PREFIX!r}; fix "
                               "the file first (strip-prefix refuses to guess either)")
-    sha256 = write_torch(weights, out)
+    if out.suffix == ".safetensors":
+        # Strings only, as the format asks: where the weights came from.
+        metadata = {"format": "pt", "source": str(ckpt.path),
+                    "model_digest": model_digest(weights)}
+        sha256 = write_safetensors(weights, out, metadata)
+    else:
+        sha256 = write_torch(weights, out)
     print(f"wrote {out}: {len(weights)} tensors, model digest {model_digest(weights)}, "
           f"sha256 {sha256}")
     return 0
@@ -302,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(run=cmd_inspect)
     for name, run, text in (("strip-prefix", cmd_strip_prefix, "drop module. from keys"),
                             ("add-prefix", cmd_add_prefix, "add module. to keys"),
-                            ("export", cmd_export, "plain model weights for inference")):
+                            ("export", cmd_export, "plain model weights for inference "
+                                                   "(.safetensors: in that format)")):
         s = sub.add_parser(name, help=text)
         s.add_argument("input")
         s.add_argument("output")

@@ -1,10 +1,11 @@
 """engine.atomic_io: a file is either the old one or the new one, whatever happens
-during the write; the size and sha256 returned are those of the bytes on disk."""
+during the write; the size and checksum returned are those of the bytes on disk."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -12,19 +13,43 @@ import time
 
 import pytest
 
-from engine.atomic_io import (HashingWriter, atomic_write, atomic_write_text, file_sha256)
+import xxhash
+
+from engine.atomic_io import (atomic_write, atomic_write_text, check_file, checksum_entry,
+                              file_checksum, stale_temps)
 from tests.conftest import REPO
 
 
-def test_size_and_sha256_are_those_of_the_file_small_and_large_writes(tmp_path):
-    big = os.urandom(HashingWriter.PARALLEL_BYTES + 12345)  # hashed on the helper thread
+def test_size_and_checksum_are_those_of_the_file_small_and_large_writes(tmp_path):
+    big = os.urandom((1 << 20) + 12345)
     chunks = [b"head", big, b"", memoryview(big)[:100], b"tail"]
     path = tmp_path / "f.bin"
-    size, sha256 = atomic_write(path, lambda f: [f.write(c) for c in chunks])
+    size, checksum = atomic_write(path, lambda f: [f.write(c) for c in chunks])
     data = path.read_bytes()
     assert data == b"".join(bytes(c) for c in chunks)
-    assert (size, sha256) == (len(data), hashlib.sha256(data).hexdigest())
-    assert file_sha256(path) == sha256
+    assert (size, checksum) == (len(data), xxhash.xxh3_128(data).hexdigest())
+    assert file_checksum(path) == checksum
+    assert file_checksum(path, "sha256") == hashlib.sha256(data).hexdigest()
+    empty = tmp_path / "empty"
+    assert atomic_write(empty, lambda f: None) == (0, xxhash.xxh3_128(b"").hexdigest())
+    assert file_checksum(empty) == xxhash.xxh3_128(b"").hexdigest()
+
+
+def test_check_file_catches_a_flipped_byte_and_a_missing_one_old_manifests_too(tmp_path):
+    path = tmp_path / "f.bin"
+    size, checksum = atomic_write(path, lambda f: f.write(os.urandom(100_000)))
+    old_style = {"size": size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    for entry in (checksum_entry(size, checksum), old_style):
+        assert check_file(path, entry) is None
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit
+    path.write_bytes(bytes(data))
+    assert check_file(path, checksum_entry(size, checksum)) == (
+        "xxh3_128 differs from the manifest (corrupt)")
+    assert check_file(path, old_style) == "sha256 differs from the manifest (corrupt)"
+    path.write_bytes(bytes(data[:-1]))
+    assert check_file(path, old_style) == (
+        f"size {size - 1} differs from the manifest's {size} (truncated?)")
 
 
 def test_an_error_during_the_write_keeps_the_old_file_and_removes_the_temp(tmp_path):
@@ -64,6 +89,22 @@ def test_a_process_killed_in_the_middle_of_a_write_leaves_the_old_file(tmp_path)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     assert path.read_text() == "old"
-    # What is left is a hidden temp file, which is never taken for the real one.
+    # What is left is a hidden temp file, which is never taken for the real one, and
+    # which a clean-up can tell from a live writer's: its pid is gone.
     assert [p.name for p in tmp_path.glob(".snapshot.bin.tmp-*")] == [
         f".snapshot.bin.tmp-{proc.pid}"]
+    live = tmp_path / f".other.tmp-{os.getppid()}"  # a running process's: kept
+    live.touch()
+    assert stale_temps(tmp_path) == [tmp_path / f".snapshot.bin.tmp-{proc.pid}"]
+    # A killed writer whose parent is gone too is a zombie until init reaps it: dead.
+    zombie = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 30
+    while pathlib.Path(f"/proc/{zombie.pid}/stat").read_bytes().rpartition(b")")[2].split()[
+            0] != b"Z":
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.01)
+    try:
+        (tmp_path / f".zombie.tmp-{zombie.pid}").touch()
+        assert tmp_path / f".zombie.tmp-{zombie.pid}" in stale_temps(tmp_path)
+    finally:
+        zombie.wait(timeout=30)

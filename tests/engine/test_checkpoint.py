@@ -47,12 +47,13 @@ def assert_is(loaded: dict, step: int) -> None:
         assert torch.equal(loaded["model"][name], tensor), name
 
 
-def corrupt(path: pathlib.Path) -> None:
-    """Flip one byte in the middle of the snapshot (its largest file), size unchanged."""
+def corrupt(path: pathlib.Path, how: str = "flip") -> None:
+    """Flip one byte in the middle of the snapshot (its largest file), size unchanged,
+    or cut its last byte off."""
     target = max(path.iterdir(), key=lambda p: p.stat().st_size) if path.is_dir() else path
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF
-    target.write_bytes(bytes(data))
+    target.write_bytes(bytes(data) if how == "flip" else target.read_bytes()[:-1])
 
 
 @pytest.fixture(params=CHECKPOINTERS)
@@ -72,14 +73,17 @@ def test_save_latest_load_round_trip(checkpointer):
     assert_is(checkpointer.load(first, map_location="cpu"), 1)
 
 
+@pytest.mark.parametrize("how", ["flip", "truncate"])
 def test_a_corrupt_newest_snapshot_is_reported_and_the_previous_good_one_used(
-        checkpointer, capsys):
+        checkpointer, how, capsys):
     first = checkpointer.save(snapshot_for(1), epoch=1, step=1)
     second = checkpointer.save(snapshot_for(2), epoch=2, step=2)
     checkpointer.wait()
-    corrupt(second)
+    corrupt(second, how)
     assert checkpointer.latest() == first
-    assert f"snapshot {second} is unusable: " in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"snapshot {second} is unusable: " in err
+    assert ("differs from the manifest (corrupt)" if how == "flip" else "(truncated?)") in err
     assert_is(checkpointer.load(first), 1)
 
 

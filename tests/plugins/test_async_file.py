@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from engine.checkpoint import model_digest
 from engine.errors import CheckpointError
-from engine.plugins.async_file import AsyncFileCheckpointer, check_shared_memory
+from engine.plugins.async_file import AsyncFileCheckpointer, _shm_prefix, check_shared_memory
 from engine.plugins.torch_file import manifest_path, verify
+from tests.plugins.test_torch_file import small_disk
 from tests.conftest import QUICK, read_summary, run_cli
 
 MB = 1 << 20
@@ -113,8 +117,9 @@ def test_full_disk_is_reported_by_the_next_save_and_by_close(checkpointer):
     with pytest.raises(CheckpointError) as err:
         ck.save(big_state(3.0, megabytes=2), epoch=1, step=3)
     assert str(err.value) == (
-        f"writing {failed} failed: OSError: [Errno 28] No space left on device; the "
-        f"previous snapshot is untouched: {good}")
+        f"writing {failed} failed: OSError: [Errno 28] No space left on device; free "
+        f"space in {ck.directory} or point out_dir elsewhere; the previous snapshot is "
+        f"untouched: {good}")
     assert not failed.exists() and not manifest_path(failed).exists()
     assert not list(ck.directory.glob(".*tmp*"))  # the temp file (here: link) is gone
     assert ck.latest() == good and verify(good) is None
@@ -126,6 +131,64 @@ def test_full_disk_is_reported_by_the_next_save_and_by_close(checkpointer):
                                               r"\[Errno 28\] No space left on device"):
         ck.close()
     assert ck.latest() == good
+
+
+def test_a_really_full_disk_is_named_not_torchs_unexpected_pos(tmp_path):
+    """On a real full disk torch.save fails with "unexpected pos ..." (a RuntimeError
+    whose context is the OSError): the one line must say the disk is full."""
+    with small_disk(tmp_path / "small", "3m") as mount:
+        ck = AsyncFileCheckpointer(mount / "checkpoints")
+        try:
+            good = ck.save(big_state(1.0, megabytes=1), epoch=1, step=1)
+            failed = ck.save(big_state(2.0, megabytes=4), epoch=1, step=2)
+            with pytest.raises(CheckpointError) as err:
+                ck.wait()
+        finally:
+            ck._stop_writer()
+        assert str(err.value) == (
+            f"writing {failed} failed: OSError: [Errno 28] No space left on device; free "
+            f"space in {ck.directory} or point out_dir elsewhere; the previous snapshot "
+            f"is untouched: {good}")
+
+
+def sem_maps(pid: int) -> set[str]:
+    """The named POSIX semaphores (/dev/shm/sem.*) mapped by a process."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split()[-1] for line in maps if "/dev/shm/sem." in line}
+
+
+def test_no_named_semaphores_and_no_leftovers_of_killed_writers(checkpointer, tmp_path):
+    """A kill leaves what the processes held: named semaphores (each multiprocessing
+    Queue has three), the writer's temp file, the buffer's /dev/shm name if the kill
+    came between its open and unlink. None of the first are made; the others are
+    removed at the next start and at close, and only this folder's."""
+    ck = checkpointer
+    mine = sem_maps(os.getpid())
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    ck.directory.mkdir(parents=True)
+    temp = ck.directory / f".snapshot-e0001-s00000001.pt.tmp-{dead}"
+    shm = pathlib.Path("/dev/shm") / f"{_shm_prefix(ck.directory)}{dead}"
+    others = pathlib.Path("/dev/shm") / f"{_shm_prefix(tmp_path / 'other')}{dead}"
+
+    def leave_leftovers():
+        for path in (temp, shm, others):
+            path.write_bytes(b"x" * 100)
+
+    try:
+        leave_leftovers()
+        ck.save(big_state(1.0, megabytes=2), epoch=1, step=2)  # the start
+        assert not temp.exists() and not shm.exists() and others.exists()
+        assert sem_maps(ck.writer_pid) == set() and sem_maps(os.getpid()) == mine
+        ck.wait()
+        leave_leftovers()
+        ck.close()
+        assert not temp.exists() and not shm.exists() and others.exists()
+        assert sorted(p.name for p in ck.directory.iterdir()) == [
+            "latest", "snapshot-e0001-s00000002.pt", "snapshot-e0001-s00000002.pt.json"]
+    finally:
+        others.unlink(missing_ok=True)
+        shm.unlink(missing_ok=True)
 
 
 def test_a_dead_writer_is_reported_not_waited_for(checkpointer):

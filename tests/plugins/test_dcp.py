@@ -78,7 +78,7 @@ def test_latest_skips_corrupt_truncated_and_uncommitted_snapshots(tmp_path, caps
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
     assert ck.latest() == good
-    assert (f"warning: snapshot {corrupt} is unusable: __0_0.distcp: sha256 differs from "
+    assert (f"warning: snapshot {corrupt} is unusable: __0_0.distcp: xxh3_128 differs from "
             "the manifest (corrupt); trying the previous one") in capsys.readouterr().err
 
     truncated = ck.save(state, epoch=1, step=6)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import json
 import os
 import pathlib
@@ -14,7 +16,22 @@ import torch
 
 from engine.config import TrainConfig
 from engine.errors import CheckpointError
-from engine.plugins.torch_file import TorchFileCheckpointer, manifest_path
+from engine.plugins.torch_file import TorchFileCheckpointer, manifest_path, verify
+
+
+@contextlib.contextmanager
+def small_disk(folder: pathlib.Path, size: str):
+    """A tmpfs of ``size`` mounted on ``folder``: a real full disk (ENOSPC from the
+    kernel, mid-write, as torch.save meets it). Root only (CI runs tests as root)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                              str(folder)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def state_for(step: int, numel: int = 1000) -> dict:
@@ -33,7 +50,7 @@ def test_save_writes_snapshot_manifest_and_latest(tmp_path):
     path = ckpt.save(state_for(3), epoch=1, step=3, metrics={"val/loss": 0.5})
     assert path.name == "snapshot-e0001-s00000003.pt"
     manifest = json.loads(manifest_path(path).read_text())
-    assert manifest["size"] == path.stat().st_size and len(manifest["sha256"]) == 64
+    assert manifest["size"] == path.stat().st_size and len(manifest["xxh3_128"]) == 32
     assert manifest["metrics"] == {"val/loss": 0.5}
     assert (tmp_path / "latest").read_text().strip() == path.name
     assert ckpt.latest() == path
@@ -64,7 +81,31 @@ def test_corrupt_latest_falls_back_to_the_previous_with_a_warning(tmp_path, caps
     chosen = ckpt.latest()
     assert chosen.name == "snapshot-e0001-s00000001.pt"
     err = capsys.readouterr().err
-    assert f"snapshot {newest} is unusable: sha256 differs from the manifest (corrupt)" in err
+    assert f"snapshot {newest} is unusable: xxh3_128 differs from the manifest (corrupt)" in err
+    # Loaded by name (as --resume does), it is refused too, in one line.
+    with pytest.raises(CheckpointError, match=(
+            rf"^snapshot '{newest}' is unusable: xxh3_128 differs from the manifest "
+            r"\(corrupt\)$")):
+        ckpt.load(newest)
+
+
+def test_a_snapshot_with_an_old_sha256_manifest_loads_and_is_still_checked(tmp_path, capsys):
+    """Manifests written before xxh3 hold "sha256": they verify, load, and a flipped
+    byte in them is caught."""
+    ckpt = TorchFileCheckpointer(tmp_path, TrainConfig())
+    old = [ckpt.save(state_for(step), epoch=step, step=step) for step in (1, 2)]
+    for path in old:  # rewrite the manifests the way the previous version did
+        manifest = json.loads(manifest_path(path).read_text())
+        del manifest["xxh3_128"]
+        manifest["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        manifest_path(path).write_text(json.dumps(manifest, indent=1))
+    assert verify(old[1]) is None and ckpt.latest() == old[1]
+    assert consistent(ckpt.load(old[1]))
+    data = bytearray(old[1].read_bytes())
+    data[len(data) // 2] ^= 0x01
+    old[1].write_bytes(bytes(data))
+    assert ckpt.latest() == old[0]
+    assert "sha256 differs from the manifest (corrupt)" in capsys.readouterr().err
 
 
 def test_truncated_latest_falls_back(tmp_path, capsys):
@@ -72,9 +113,56 @@ def test_truncated_latest_falls_back(tmp_path, capsys):
     ckpt.save(state_for(1), epoch=1, step=1)
     newest = ckpt.save(state_for(2), epoch=2, step=2)
     with open(newest, "r+b") as f:
-        f.truncate(newest.stat().st_size // 3)
+        f.truncate(newest.stat().st_size - 1)  # one byte short
     assert ckpt.latest().name == "snapshot-e0001-s00000001.pt"
     assert "(truncated?)" in capsys.readouterr().err
+
+
+def test_leftovers_of_killed_writes_are_removed_at_start_and_at_close(tmp_path):
+    """Temp files whose writer is gone and manifests whose snapshot is gone (a kill
+    between a prune's two unlinks) go at the first latest() or save(), and at close();
+    a live process's temp file and anything not ours stay."""
+    ckpt = TorchFileCheckpointer(tmp_path, TrainConfig())
+    kept = ckpt.save(state_for(1), epoch=1, step=1)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+    def leave_leftovers():
+        (tmp_path / f".snapshot-e0002-s00000002.pt.tmp-{dead}").write_bytes(b"x" * 100)
+        (tmp_path / "snapshot-e0000-s00000000.pt.json").write_text("{}")
+        (tmp_path / f".latest.tmp-{os.getppid()}").write_text("live writer")
+        (tmp_path / "notes.txt").write_text("the user's")
+
+    ours = {"latest", kept.name, kept.name + ".json", f".latest.tmp-{os.getppid()}",
+            "notes.txt"}
+    leave_leftovers()
+    again = TorchFileCheckpointer(tmp_path, TrainConfig())  # the next start
+    assert again.latest() == kept
+    assert {p.name for p in tmp_path.iterdir()} == ours
+    leave_leftovers()
+    again.close()
+    assert {p.name for p in tmp_path.iterdir()} == ours
+
+
+@pytest.mark.parametrize("full_at", ["latest", "snapshot-e0002-s00000002.pt.json"])
+def test_disk_full_after_the_snapshot_keeps_the_previous_and_says_so(tmp_path, full_at):
+    """The snapshot fits, its manifest or ``latest`` does not: the error names the
+    previous snapshot as the intact one, and it is the one latest() gives (the new
+    files, never committed, go)."""
+    ckpt = TorchFileCheckpointer(tmp_path, TrainConfig())
+    first = ckpt.save(state_for(1), epoch=1, step=1)
+    # atomic_write writes .NAME.tmp-PID first: as a link to /dev/full, the kernel
+    # answers every write to it with ENOSPC.
+    (tmp_path / f".{full_at}.tmp-{os.getpid()}").symlink_to("/dev/full")
+    with pytest.raises(CheckpointError) as info:
+        ckpt.save(state_for(2), epoch=2, step=2)
+    assert str(info.value) == (
+        f"cannot write snapshot {tmp_path / 'snapshot-e0002-s00000002.pt'}: No space left "
+        f"on device; free space in {tmp_path} or point out_dir elsewhere; the previous "
+        f"snapshot {first} is intact")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest", first.name, first.name + ".json"]
+    assert ckpt.latest() == first
 
 
 def test_unloadable_file_is_a_one_line_error(tmp_path):
@@ -85,23 +173,16 @@ def test_unloadable_file_is_a_one_line_error(tmp_path):
 
 
 def test_full_disk_gives_a_clear_error_and_keeps_the_previous_snapshot(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (test_injected_enospc covers the logic)")
-    try:
+    with small_disk(tmp_path / "small", "256k") as mount:
         ckpt = TorchFileCheckpointer(mount / "checkpoints", TrainConfig())
         first = ckpt.save(state_for(1, numel=10_000), epoch=1, step=1)  # ~60 kB
         with pytest.raises(CheckpointError) as info:
             ckpt.save(state_for(2, numel=100_000), epoch=2, step=2)  # ~600 kB: too big
         message = str(info.value)
         assert "No space left on device" in message
-        assert f"the previous snapshot {first} is intact" in message
+        assert message.endswith(f"the previous snapshot {first} is intact")
         assert ckpt.latest() == first and consistent(ckpt.load(first))
         assert not list((mount / "checkpoints").glob(".*tmp*")), "temp file left behind"
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 def test_injected_enospc_during_fsync(tmp_path, monkeypatch):
@@ -133,3 +214,21 @@ def test_saves_killed_at_random_moments_never_leave_latest_unloadable(tmp_path):
     assert report["unloadable"] == []
     # The test only means something if kills landed inside writes.
     assert report["mid_write"] >= 20, report
+
+
+def test_disk_full_while_writing_the_summary_is_one_line_naming_the_snapshot(tmp_path):
+    """The run's end: the snapshots are durable, then summary.json meets a full disk.
+    One line (a RunError, printed as such), naming the intact last snapshot."""
+    from engine.context import WorkerContext
+    from engine.errors import RunError
+
+    cfg = TrainConfig()
+    cfg.out_dir = str(tmp_path)
+    context = WorkerContext(None, cfg, None, None, None)
+    final = tmp_path / "checkpoints" / "snapshot-e0002-s00000016.pt"
+    (tmp_path / f".summary.json.tmp-{os.getpid()}").symlink_to("/dev/full")
+    with pytest.raises(RunError) as info:
+        context.write_summary({"status": "completed", "final_checkpoint": str(final)})
+    assert str(info.value) == (f"cannot write {tmp_path / 'summary.json'}: No space left "
+                               f"on device; the last snapshot {final} is intact")
+    assert not (tmp_path / "summary.json").exists()

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib.util
 import io
 import json
+import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from engine.atomic_io import file_sha256
 from engine.checkpoint import add_module_prefix, model_digest
 from engine.plugins.dcp import DCPCheckpointer
 from engine.plugins.torch_file import TorchFileCheckpointer
@@ -53,6 +54,10 @@ def test_runs_as_a_script(snapshot, tmp_path):
     proc = script("export", tmp_path / "missing.pt", tmp_path / "out.pt")
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr == f"ckpt.py: error: {tmp_path / 'missing.pt'}: no such file or directory\n"
+
+
+def file_sha256(path) -> str:
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
 def make_model():
@@ -131,7 +136,7 @@ def test_inspect_finds_a_snapshot_that_no_longer_matches_its_manifest(snapshot, 
         (snapshot.parent / (snapshot.name + ".json")).read_bytes())
     proc = ckpt("inspect", copy, "--json")
     assert proc.returncode == 1
-    assert json.loads(proc.stdout)["manifest"] == "sha256 differs from the manifest (corrupt)"
+    assert json.loads(proc.stdout)["manifest"] == "xxh3_128 differs from the manifest (corrupt)"
 
 
 def test_strip_prefix_makes_ddp_weights_load_into_the_plain_model(ddp_file, trained, tmp_path):
@@ -176,6 +181,40 @@ def test_export_from_a_snapshot_and_from_ddp_weights(snapshot, ddp_file, trained
         weights = torch.load(out, weights_only=True)
         assert sorted(weights) == sorted(trained[0].state_dict())  # nothing but weights
         make_model().load_state_dict(weights)
+
+
+def test_export_to_safetensors_loads_with_the_safetensors_library(snapshot, trained,
+                                                                   tmp_path):
+    """Our own writer of the format, read by the real library: every dtype we map
+    (bf16, bool, int64 scalars, empty tensors) and tied weights."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    out = tmp_path / "model.safetensors"
+    proc = ckpt("export", snapshot, out)
+    assert proc.returncode == 0, proc.stderr
+    digest = model_digest(trained[0].state_dict())
+    assert proc.stdout == (f"wrote {out}: 9 tensors, model digest {digest}, sha256 "
+                           f"{file_sha256(out)}\n")
+    model = make_model()
+    model.load_state_dict(load_file(out))  # strict
+    assert model_digest(model.state_dict()) == digest
+    with safe_open(out, framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "source": str(snapshot),
+                                "model_digest": digest}
+
+    shared = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    odd = {"bf16": torch.linspace(-2, 2, 5, dtype=torch.bfloat16), "mask": torch.tensor(
+        [True, False, True]), "count": torch.tensor(7), "empty": torch.empty(0, 4),
+        "half": torch.ones(3, dtype=torch.float16), "tied.a": shared, "tied.b": shared,
+        "bytes": torch.arange(4, dtype=torch.uint8), "i8": torch.tensor([-1], dtype=torch.int8)}
+    source = tmp_path / "odd.pt"
+    torch.save(odd, source)
+    assert ckpt("export", source, tmp_path / "odd.safetensors").returncode == 0
+    loaded = load_file(tmp_path / "odd.safetensors")
+    assert sorted(loaded) == sorted(odd)
+    for name, tensor in odd.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
 
 
 def test_dcp_snapshot_inspect_and_export(trained, tmp_path):
