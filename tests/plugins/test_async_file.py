@@ -224,22 +224,6 @@ def test_too_little_shared_memory_is_an_error_before_any_copy(tmp_path):
 # ----------------------------------------------------------- through engine-run
 
 
-def test_two_process_run_exits_with_its_final_snapshot_durable(cifar_recipe, tmp_path):
-    out = tmp_path / "run"
-    run_cli(cifar_recipe, *QUICK, f"out_dir={out}", "--nproc", "2",
-            "--checkpointer", "async", check=True)
-    summary = read_summary(out)
-    checkpoints = out / "checkpoints"
-    final = checkpoints / (checkpoints / "latest").read_text().strip()
-    assert final.name == f"snapshot-e0001-s{summary['global_step']:08d}.pt"
-    assert verify(final) is None  # right after the process exited
-    snap = torch.load(final, weights_only=True)
-    assert (snap["epoch"], snap["step"], snap["world_size"]) == (1, summary["global_step"], 2)
-    assert model_digest(snap["model"]) == summary["weights_sha256"]
-    assert len(snap["rng"]) == 2
-    assert not list(checkpoints.glob(".*"))  # no temp files left
-
-
 def test_write_error_fails_the_run_with_one_line(cifar_recipe, tmp_path):
     out = tmp_path / "run"
     # A folder where the final snapshot must go: the rename onto it fails.
@@ -260,10 +244,22 @@ def test_write_error_fails_the_run_with_one_line(cifar_recipe, tmp_path):
 @pytest.mark.timeout(900)  # three runs
 def test_async_snapshot_resumes_like_an_uninterrupted_run(cifar_recipe, tmp_path):
     """One epoch with async, the second with torch-file from async's snapshot: the same
-    weights as two epochs in one go (model, momentum, RNG and position all restored)."""
+    weights as two epochs in one go (model, momentum, RNG and position all restored).
+    The first run's final snapshot is durable the moment the process has exited."""
     args = (cifar_recipe, *QUICK, "--nproc", "2", "--threads", "1")
     half = tmp_path / "half"
     run_cli(*args, f"out_dir={half}", "--checkpointer", "async", check=True)
+    summary = read_summary(half)
+    checkpoints = half / "checkpoints"
+    final = checkpoints / (checkpoints / "latest").read_text().strip()
+    assert final.name == f"snapshot-e0001-s{summary['global_step']:08d}.pt"
+    assert verify(final) is None  # right after the process exited
+    snap = torch.load(final, weights_only=True)
+    assert (snap["epoch"], snap["step"], snap["world_size"]) == (1, summary["global_step"], 2)
+    assert model_digest(snap["model"]) == summary["weights_sha256"]
+    assert len(snap["rng"]) == 2
+    assert not list(checkpoints.glob(".*"))  # no temp files left
+
     proc = run_cli(*args, "epochs=2", f"out_dir={half}", "--checkpointer", "torch-file",
                    check=True)
     assert (f"resuming from {half / 'checkpoints' / 'snapshot-e0001-s00000008.pt'}: "
