@@ -32,6 +32,7 @@ uses them all; see :func:`gpu_group`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from typing import ClassVar
@@ -63,8 +64,10 @@ class Parallel:
         """The torch devices this process computes on; the first is where the batch goes."""
         raise NotImplementedError
 
-    @property
+    @functools.cached_property
     def device(self):
+        # Asked for every batch: worked out once (devices counts the GPUs each time), as
+        # a process's device never changes during a run.
         return self.devices[0]
 
     @property

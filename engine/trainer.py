@@ -280,13 +280,15 @@ class Trainer:
                                  hook.engine_before_optimizer_step.get_hookimpls() else None)
         self.log_hook = hook.engine_log if engine.is_rank0 else None
         self.clip_norm = self.cfg.grad_clip_norm
-        device = engine.device
+        self.device = device = engine.device
         if self.cfg.precision == "32":
             self.autocast = contextlib.nullcontext
         else:
             dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
             self.autocast = lambda: torch.autocast(device.type, dtype=dtype)
         self.non_blocking = device.type == "cuda"
+        # The loaders yield CPU tensors: on the CPU there is nothing to move, every batch.
+        self.moves_batches = device.type != "cpu"
         # The recipe owns the step when it defines one; else the classification step.
         recipe = engine.recipe
         self.train_step = recipe.optional("train_step") or classification_train_step
@@ -390,7 +392,8 @@ class Trainer:
         """Forward and backward of one micro-batch; returns its loss, detached. DDP
         all-reduces the gradients only in the backward of a group's last micro-batch."""
         eng = self.engine
-        batch = data.to_device(batch, eng.device, non_blocking=self.non_blocking)
+        if self.moves_batches:
+            batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
         with (contextlib.nullcontext() if last_micro else eng.parallel.no_sync(eng.model)):
             with self.autocast():
                 loss = self.train_step(batch, eng)
@@ -511,7 +514,7 @@ class Trainer:
         module.eval()
         sums = MetricSums(eng.device)
         for batch in eng.val_loader:
-            batch = data.to_device(batch, eng.device, non_blocking=self.non_blocking)
+            batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
             with self.autocast():
                 sums.add(self.eval_step(batch, eng))
         module.train(was_training)
