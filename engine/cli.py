@@ -241,6 +241,7 @@ class WorkerJob:
         "preempted"). An error is printed here, by the rank it happened on, and the
         process exits with the error's code."""
         from engine.engine import Engine
+        from engine.launcher import exit_failed_worker
         from engine.plugin_manager import attribute, build_plugin_manager
 
         pm = None
@@ -253,7 +254,7 @@ class WorkerJob:
         except BaseException as exc:
             shown = attribute(pm, exc)
             report_worker_error(world.rank, shown)
-            raise SystemExit(exit_code(shown)) from None
+            exit_failed_worker(exit_code(shown))
         return summary.get("status") if isinstance(summary, dict) else None
 
 
