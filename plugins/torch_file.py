@@ -179,6 +179,12 @@ class TorchFileCheckpointer(Checkpointer):
             for victim in (path, manifest_path(path)):
                 victim.unlink(missing_ok=True)
 
+    def verify(self, path) -> str | None:
+        """What is wrong with the snapshot at ``path`` (None: nothing); --resume asks.
+        One without a manifest (saved by hand) cannot be checked and passes."""
+        path = pathlib.Path(path)
+        return verify(path) if manifest_path(path).exists() else None
+
     def latest(self):
         candidates = self.snapshots()
         pointed = self._pointer("latest")

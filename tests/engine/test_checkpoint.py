@@ -75,6 +75,8 @@ def test_a_corrupt_newest_snapshot_is_reported_and_the_previous_good_one_used(
     checkpointer.wait()
     corrupt(second)
     assert checkpointer.latest() == first
+    # What --resume PATH asks (engine.snapshot): the same check, by path.
+    assert (checkpointer.verify(first), "sha256" in checkpointer.verify(second)) == (None, True)
     assert f"snapshot {second} is unusable: " in capsys.readouterr().err
     assert_is(checkpointer.load(first), 1)
 
