@@ -297,8 +297,9 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
         message = (f"worker with local rank {worlds[index].local_rank} (rank "
                    f"{worlds[index].rank}) {how}")
         if lingering:
-            message += (f"; {_ranks_of(worlds, lingering)} did not stop within "
-                        f"{GRACE_S:g}s after that (hung?), so it was terminated")
+            # Hung, or waiting for the failed one (a rendezvous): it cannot tell which.
+            message += (f"; {_ranks_of(worlds, lingering)} was still running {GRACE_S:g}s "
+                        "after that and was terminated")
         if stopped:
             message += (f"; {_ranks_of(worlds, stopped)} stopped answering: its process "
                         "was stopped (SIGSTOP or a debugger), so it was killed")

@@ -24,7 +24,7 @@ import time
 import engine
 from engine.atomic_io import atomic_write, atomic_write_text, file_sha256
 from engine.checkpoint import Checkpointer
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, untrusted_pickle
 
 PREFIX = "snapshot-"
 SUFFIX = ".pt"
@@ -207,6 +207,9 @@ class TorchFileCheckpointer(Checkpointer):
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except Exception as exc:
+            untrusted = untrusted_pickle(f"snapshot {str(path)!r}", exc)
+            if untrusted:
+                raise CheckpointError(untrusted) from None
             raise CheckpointError(
                 f"snapshot {str(path)!r} cannot be loaded: {type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}"
