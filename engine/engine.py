@@ -137,7 +137,7 @@ class Engine(WorkerContext):
             raise error from exc
         finally:
             if self.preemption is not None:
-                self.preemption.uninstall()
+                self.preemption.uninstall(ignore_more=status == "preempted")
             summary = self.finish(status, error)
         if status == "preempted":
             self._after_preemption()
