@@ -263,8 +263,9 @@ class Worker:
         with open(path, "w") as f:
             f.write(line + "\n")
         from engine.errors import exit_code
+        from engine.launcher import exit_failed_worker
 
-        raise SystemExit(exit_code(exc)) from None
+        exit_failed_worker(exit_code(exc))
 
 
 class Context(WorkerContext):

@@ -126,7 +126,8 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     t.add_argument("--no-resume", action="store_true",
                    help="start fresh even if out_dir holds snapshots")
     t.add_argument("--resume-anyway", action="store_true",
-                   help="resume even if the config changed keys that break exact resume")
+                   help="resume even if the config changed keys that break exact resume, "
+                        "or the --resume snapshot fails its check")
     t.add_argument("--threads", type=int, help="torch threads per process (default: "
                    "the process's share of the CPUs)")
     p.add_argument("--dry-run", action="store_true",
@@ -241,6 +242,7 @@ class WorkerJob:
         "preempted"). An error is printed here, by the rank it happened on, and the
         process exits with the error's code."""
         from engine.engine import Engine
+        from engine.launcher import exit_failed_worker
         from engine.plugin_manager import attribute, build_plugin_manager
 
         pm = None
@@ -253,7 +255,7 @@ class WorkerJob:
         except BaseException as exc:
             shown = attribute(pm, exc)
             report_worker_error(world.rank, shown)
-            raise SystemExit(exit_code(shown)) from None
+            exit_failed_worker(exit_code(shown))
         return summary.get("status") if isinstance(summary, dict) else None
 
 

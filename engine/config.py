@@ -304,11 +304,26 @@ def check(cfg: TrainConfig) -> None:
     if stopping.min_delta < 0:
         raise ConfigError(f"config key 'early_stopping.min_delta': {stopping.min_delta!r} "
                           "must be >= 0")
+    _check_out_dir(str(cfg.out_dir))
     if not cfg.init_method.startswith(("env://", "tcp://", "file://")):
         raise ConfigError(
             f"config key 'init_method': {cfg.init_method!r} is not allowed; "
             "use env://, tcp://HOST:PORT or file:///shared/path"
         )
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """out_dir, or the first of its parents that exists, must be a folder: creating it
+    later failed with a FileExistsError traceback in every worker."""
+    path = pathlib.Path(out_dir).expanduser()
+    for existing in (path, *path.parents):
+        if existing.exists():
+            break
+    if not existing.is_dir():
+        where = "" if existing == path else f" ({existing} is not a folder)"
+        raise ConfigError(f"config key 'out_dir': {out_dir!r} cannot be the run's folder"
+                          f"{where or ': it is a file'}; give a folder (created when "
+                          "missing)")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -69,7 +69,7 @@ def start_worker(pm, cfg, world, options: dict[str, Any]):
     parallel.setup_device()
     if world.distributed:
         distributed.init(world, parallel.backend or "gloo", cfg.timeout_s)
-        health.prepare()
+        health.prepare(cfg.timeout_s)
     return parallel
 
 
@@ -137,7 +137,7 @@ class Engine(WorkerContext):
             raise error from exc
         finally:
             if self.preemption is not None:
-                self.preemption.uninstall()
+                self.preemption.uninstall(ignore_more=status == "preempted")
             summary = self.finish(status, error)
         if status == "preempted":
             self._after_preemption()
@@ -155,7 +155,7 @@ class Engine(WorkerContext):
         if hint:
             return RunError(f"{type(exc).__name__}: {first_line}; hint: {hint}")
         if distributed.is_initialized() and health.is_collective_failure(exc):
-            missing = health.missing_ranks(timeout_s=5.0)
+            missing = health.missing_ranks()
             who = (f"rank(s) {', '.join(map(str, missing))} stopped answering" if missing
                    else "another rank failed or stopped answering")
             return RunError(

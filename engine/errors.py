@@ -23,6 +23,7 @@ retry", so that a wrapper script can tell "run me again" from "done" and "broken
 from __future__ import annotations
 
 import os
+import re
 
 EXIT_COMPLETED = 0
 EXIT_FAILED = 1
@@ -90,3 +91,22 @@ def exit_code(exc: BaseException) -> int:
 
 def traceback_wanted() -> bool:
     return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
+
+
+#: The global a ``torch.load(weights_only=True)`` refused, in torch's wordings: "Unsupported
+#: global: GLOBAL os.system was not an allowed global by default" (torch 2.4-2.5),
+#: "Trying to load unsupported GLOBAL posix.system whose module posix is blocked" (2.6+).
+_REFUSED_GLOBAL = re.compile(r"\bGLOBAL ([\w.]+)")
+
+
+def untrusted_pickle(path, exc: BaseException) -> str | None:
+    """One line for a file that ``torch.load(weights_only=True)`` refused because it
+    holds a pickled Python object (a global to import and call: code, possibly
+    hostile), naming that global; None for any other load error. torch's own text
+    recommends weights_only=False, which would run it."""
+    match = _REFUSED_GLOBAL.search(str(exc))
+    if match is None:
+        return None
+    return (f"{path} is not trusted: it holds a pickled Python object ({match.group(1)}), "
+            "which torch.load(weights_only=True) refused to import; a snapshot or state_dict "
+            "holds only tensors and plain values, so the file was not loaded")

@@ -33,53 +33,68 @@ def is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in text for m in _COLLECTIVE_FAILURE_MARKERS)
 
 
-def _side_group():
+#: How long the roll call after a failed collective waits for the ranks to answer. It
+#: bounds a non-zero rank's wait for rank 0 too (the roll call group's own timeout), so
+#: a run whose rank 0 is stopped still ends within ``timeout_s`` plus this and the
+#: launcher's clean-up (issue 16: a group without a timeout waited torch's 30 minutes).
+ROLL_CALL_S = 2.0
+
+#: The gloo side groups: "epoch" (timeout ``timeout_s``) for the end-of-epoch barrier,
+#: "roll_call" (timeout ``ROLL_CALL_S``) for :func:`missing_ranks`.
+_GROUPS: dict = {}
+
+
+def _side_group(name: str):
     """A gloo group of its own for these checks: monitored_barrier exists on gloo only,
     and after a collective of the main group times out, gloo closes that group's
     connections ("Application timeout caused pair closure"), so only a separate group
-    can still ask who is there."""
+    can still ask who is there. monitored_barrier's ``timeout`` bounds rank 0's wait
+    only; the other ranks wait for rank 0's answer under the group's own timeout, hence
+    one group per bound."""
+    return _GROUPS[name]
+
+
+def prepare(timeout_s: float) -> None:
+    """Create the gloo side groups up front (collectives: every rank, right after init),
+    each with a finite timeout."""
     import torch.distributed as dist
 
-    global _GLOO_GROUP
-    if _GLOO_GROUP is None:
-        _GLOO_GROUP = dist.new_group(backend="gloo")
-    return _GLOO_GROUP
-
-
-_GLOO_GROUP = None
-
-
-def prepare() -> None:
-    """Create the gloo side group up front (a collective: every rank, right after init)."""
-    _side_group()
+    for name, seconds in (("epoch", timeout_s), ("roll_call", ROLL_CALL_S)):
+        if name not in _GROUPS:
+            _GROUPS[name] = dist.new_group(backend="gloo",
+                                           timeout=datetime.timedelta(seconds=seconds))
 
 
 def release() -> None:
-    """Destroy the side group and drop our reference to it, before the world group goes.
-    A group still referenced at interpreter exit is torn down during C++ finalisation,
-    where gloo's threads abort the process ("terminate called without an active
-    exception") after a run that finished."""
-    global _GLOO_GROUP
-    if _GLOO_GROUP is not None:
+    """Destroy the side groups and drop our references to them, before the world group
+    goes. A group still referenced at interpreter exit is torn down during C++
+    finalisation, where gloo's threads abort the process ("terminate called without an
+    active exception") after a run that finished."""
+    if _GROUPS:
         import torch.distributed as dist
 
-        group, _GLOO_GROUP = _GLOO_GROUP, None
-        dist.destroy_process_group(group)
+        groups = list(_GROUPS.values())
+        _GROUPS.clear()
+        for group in groups:
+            dist.destroy_process_group(group)
 
 
-def missing_ranks(timeout_s: float = 5.0) -> list[int] | None:
+def missing_ranks(timeout_s: float = ROLL_CALL_S) -> list[int] | None:
     """The ranks that do not reach a monitored barrier within ``timeout_s``; None when
-    that cannot be found out (not rank 0, or the check itself failed)."""
+    that cannot be found out (the check itself failed). On a rank other than 0, a rank 0
+    that does not answer is the one missing."""
     import torch.distributed as dist
 
     try:
-        dist.monitored_barrier(group=_side_group(),
+        dist.monitored_barrier(group=_side_group("roll_call"),
                                timeout=datetime.timedelta(seconds=timeout_s),
                                wait_all_ranks=True)
     except Exception as exc:  # the point of the exercise
         match = _MISSING.search(str(exc))
         if match:
             return [int(r) for r in match.group(1).replace(" ", "").split(",") if r]
+        if dist.get_rank() != 0 and "from rank 0" in str(exc):
+            return [0]
         return None
     return []
 
@@ -93,7 +108,7 @@ def epoch_barrier(timeout_s: float) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     try:
-        dist.monitored_barrier(group=_side_group(),
+        dist.monitored_barrier(group=_side_group("epoch"),
                                timeout=datetime.timedelta(seconds=timeout_s),
                                wait_all_ranks=True)
     except Exception as exc:

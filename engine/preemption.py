@@ -44,9 +44,14 @@ class PreemptionFlag:
             except ValueError:  # not the main thread (a library user's thread)
                 return
 
-    def uninstall(self) -> None:
+    def uninstall(self, ignore_more: bool = False) -> None:
+        """Put the previous handlers back; with ``ignore_more`` (the pre-emption snapshot
+        is written and the process is on its way out) ignore these signals instead:
+        the requeue that rank 0 asks for makes SLURM send SIGTERM to every task of the
+        step, and a worker killed by it while exiting turned a clean pre-emption into a
+        failed step ("killed by SIGTERM")."""
         for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
+            signal.signal(signum, signal.SIG_IGN if ignore_more else previous)
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:

@@ -131,12 +131,12 @@ def resume(eng) -> None:
     chosen = None
     if eng.is_rank0 or eng.checkpointer.all_ranks:
         if opts.get("resume"):
-            chosen = str(opts["resume"])
-            if not pathlib.Path(chosen).exists():
-                chosen = CheckpointError(f"--resume {chosen!r}: no such snapshot")
+            chosen = _checked_resume_path(eng, str(opts["resume"]))
         else:
             latest = eng.checkpointer.latest()
             chosen = str(latest) if latest is not None else None
+            if chosen is None and eng.is_rank0:
+                _say_when_every_snapshot_is_unusable(eng)
     chosen = distributed.broadcast_object(chosen)
     if isinstance(chosen, CheckpointError):
         raise chosen
@@ -150,6 +150,35 @@ def resume(eng) -> None:
         f", batch {s.batch_in_epoch} of the epoch" if s.batch_in_epoch else "")
     restarts = (f" (restart {eng.world.restart_count})" if eng.world.restart_count else "")
     eng.print(f"resuming from {chosen}: {where}{restarts}")
+
+
+def _checked_resume_path(eng, chosen: str) -> str | CheckpointError:
+    """``--resume PATH`` as given, once the checkpointer's own check (its manifest's
+    size and sha256) passes: a bit-flipped snapshot loaded without a word before, and
+    training went on from damaged weights. Rank 0 decides; the others get its answer."""
+    if not pathlib.Path(chosen).exists():
+        return CheckpointError(f"--resume {chosen!r}: no such snapshot")
+    verify = getattr(eng.checkpointer, "verify", None)
+    problem = verify(pathlib.Path(chosen)) if verify is not None and eng.is_rank0 else None
+    if problem is None:
+        return chosen
+    if not eng.options.get("resume_anyway"):
+        return CheckpointError(
+            f"--resume {chosen!r}: the snapshot fails its check ({problem}); resume from "
+            "another snapshot, or pass --resume-anyway to load it regardless")
+    eng.warn(f"--resume-anyway: loading {chosen} although it fails its check ({problem})")
+    return chosen
+
+
+def _say_when_every_snapshot_is_unusable(eng) -> None:
+    """No good snapshot among those in the checkpoint folder (each was reported as
+    unusable): the run starts over, and says so in one line rather than leaving it to
+    be inferred from the warnings. Not refused: a run killed during its first save
+    leaves a snapshot without its manifest, and must start again by itself."""
+    found = getattr(eng.checkpointer, "snapshots", lambda: [])()
+    if found:
+        eng.warn(f"none of the {len(found)} snapshot(s) in {eng.checkpointer.directory} is "
+                 "usable (see above): training restarts from step 0")
 
 
 def load_snapshot(eng, path: pathlib.Path) -> dict:

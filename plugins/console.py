@@ -42,8 +42,15 @@ class ConsoleLogger:
     def engine_run_start(self, engine):
         if not engine.is_rank0:
             return
+        import threading
+
         from tqdm import tqdm
 
+        if not hasattr(tqdm, "_lock"):
+            # tqdm's default lock includes a multiprocessing semaphore (for bars of
+            # several processes; ours is one): a killed rank 0 leaked it, and the
+            # resource tracker's warning about it became the job's last line.
+            tqdm.set_lock(threading.RLock())
         cfg = engine.cfg
         loader_batches = math.ceil(len(engine.train_loader.sampler.dataset) /
                                    engine.world.world_size / engine.micro_batch)

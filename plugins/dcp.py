@@ -227,6 +227,12 @@ class DCPCheckpointer(TorchFileCheckpointer):
         return sorted((p for p in self.directory.glob(f"{PREFIX}*{SUFFIX}") if p.is_dir()),
                       key=lambda p: (p.name.split("-s")[-1], p.name))
 
+    def verify(self, path) -> str | None:
+        """What is wrong with the snapshot at ``path`` (None: nothing); --resume asks.
+        One without a manifest (saved by hand) cannot be checked and passes."""
+        path = pathlib.Path(path)
+        return verify(path) if manifest_path(path).exists() else None
+
     def latest(self):
         candidates = self.snapshots()
         pointed = self._pointer("latest")

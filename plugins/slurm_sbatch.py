@@ -15,8 +15,10 @@ The seeds' two layouts:
 Both request the GPUs per node (``--gres=gpu:G``), send SIGUSR1 ``--signal-seconds``
 before the time limit (every rank snapshots and stops, and the job is requeued and
 resumes: engine/preemption.py), and log to ``OUT_DIR/slurm-<jobid>.out``. SLURM does not
-create the log folder, so this command does. ``engine-run`` is called by its absolute
-path, so the job uses the same installation as the command that wrote the script.
+create the log folder, and printing a script writes nothing: when the folder does not
+exist yet, the script's "Submit with" line creates it (``mkdir -p DIR && sbatch``) and a
+note on stderr says so. ``engine-run`` is called by its absolute path, so the job uses
+the same installation as the command that wrote the script.
 """
 
 from __future__ import annotations
@@ -102,7 +104,12 @@ def make_script(args: argparse.Namespace, argv_text: str = "") -> str:
     recipe, cfg = job.load(build_plugin_manager(plugins))
     out_dir = cfg.out_dir
     log_dir = pathlib.Path(args.output_dir or out_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
+    submit = "sbatch THIS_FILE"
+    if not log_dir.is_dir():
+        # SLURM opens the log before the script runs, so the script cannot create it.
+        submit = f"mkdir -p {shlex.quote(str(log_dir))} && {submit}"
+        print(f"note: the log folder {log_dir} does not exist yet and SLURM does not create "
+              f"it: submit with `{submit}`", file=sys.stderr)
     engine_run = args.engine_run or _this_engine_run()
 
     per_node = args.layout == "task-per-node"
@@ -114,7 +121,7 @@ def make_script(args: argparse.Namespace, argv_text: str = "") -> str:
         "#!/bin/bash",
         f"# {recipe.name}: {what}.",
         "# Written by: engine-run sbatch " + argv_text,
-        "# Submit with: sbatch THIS_FILE",
+        f"# Submit with: {submit}",
         f"#SBATCH --job-name={args.job_name or recipe.name}",
         f"#SBATCH --nodes={nodes}",
         f"#SBATCH --ntasks-per-node={tasks}",

@@ -32,7 +32,7 @@ import engine
 from engine.atomic_io import (atomic_write, atomic_write_text, check_file, checksum_entry,
                               stale_temps)
 from engine.checkpoint import Checkpointer
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, untrusted_pickle
 
 PREFIX = "snapshot-"
 SUFFIX = ".pt"
@@ -223,6 +223,12 @@ class TorchFileCheckpointer(Checkpointer):
             for victim in (path, manifest_path(path)):
                 victim.unlink(missing_ok=True)
 
+    def verify(self, path) -> str | None:
+        """What is wrong with the snapshot at ``path`` (None: nothing); --resume asks.
+        One without a manifest (saved by hand) cannot be checked and passes."""
+        path = pathlib.Path(path)
+        return verify(path) if manifest_path(path).exists() else None
+
     def latest(self):
         self.clean_up_once()
         candidates = self.snapshots()
@@ -253,6 +259,9 @@ class TorchFileCheckpointer(Checkpointer):
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except Exception as exc:
+            untrusted = untrusted_pickle(f"snapshot {str(path)!r}", exc)
+            if untrusted:
+                raise CheckpointError(untrusted) from None
             raise CheckpointError(
                 f"snapshot {str(path)!r} cannot be loaded: {type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}"

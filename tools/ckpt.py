@@ -40,7 +40,7 @@ import sys
 
 from engine.atomic_io import atomic_write, file_checksum
 from engine.checkpoint import add_module_prefix, model_digest, strip_module_prefix
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, untrusted_pickle
 
 PREFIX = "module."
 #: Where the model weights sit inside a container dict, in the order they are looked for.
@@ -94,12 +94,10 @@ def is_tensor_dict(obj) -> bool:
 
 def why_unloadable(path: pathlib.Path, exc: Exception) -> str:
     """torch.load's errors span many lines; the one that matters, in a sentence."""
+    untrusted = untrusted_pickle(path, exc)
+    if untrusted:
+        return untrusted
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    pickled = next((line for line in lines if "Unsupported global:" in line), None)
-    if pickled is not None:
-        name = pickled.split("Unsupported global:")[1].split(" was not")[0].strip()
-        return (f"{path} holds pickled Python objects ({name}) besides tensors; only files "
-                "that torch.load(weights_only=True) accepts are read")
     first = lines[0] if lines else type(exc).__name__
     if first.startswith("Weights only load failed"):
         first = "not a torch.save file"

@@ -84,6 +84,9 @@ def test_a_corrupt_newest_snapshot_is_reported_and_the_previous_good_one_used(
     err = capsys.readouterr().err
     assert f"snapshot {second} is unusable: " in err
     assert ("differs from the manifest (corrupt)" if how == "flip" else "(truncated?)") in err
+    # What --resume PATH asks (engine.snapshot): the same check, by path.
+    assert checkpointer.verify(first) is None
+    assert checkpointer.verify(second) is not None
     assert_is(checkpointer.load(first), 1)
 
 

@@ -76,3 +76,17 @@ def test_to_dict_is_plain_data():
     assert d["data"]["path"] == "/p"
     assert d["checkpoint"]["best_mode"] == "max"  # a nested group: a plain dict
     assert d["scales"] == [0.5, 1.0]
+
+
+def test_an_out_dir_that_is_a_file_is_one_clear_line(tmp_path):
+    """Issue 16, defect 6: a FileExistsError traceback in every worker before."""
+    from engine.config import check
+
+    afile = tmp_path / "notes.txt"
+    afile.write_text("")
+    with pytest.raises(ConfigError, match="^config key 'out_dir': '.*notes.txt' cannot be "
+                       "the run's folder: it is a file; give a folder"):
+        check(TrainConfig(out_dir=str(afile)))
+    with pytest.raises(ConfigError, match=r"\(.*notes.txt is not a folder\)"):
+        check(TrainConfig(out_dir=str(afile / "run")))
+    check(TrainConfig(out_dir=str(tmp_path / "new" / "run")))  # created later: fine

@@ -10,9 +10,10 @@ from tests.conftest import REPO, engine_env, read_summary, run_cli
 RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
 
 
-def run_with_fault(tmp_path, action: str, *extra: str, step: int = 3):
+def run_with_fault(tmp_path, action: str, *extra: str, step: int = 3, rank: int = 1,
+                   **env: str):
     env = engine_env(ENGINE_FAULT_ACTION=action, ENGINE_FAULT_STEP=str(step),
-                     ENGINE_FAULT_RANK="1")
+                     ENGINE_FAULT_RANK=str(rank), **env)
     started = time.monotonic()
     proc = run_cli(RECIPE, f"out_dir={tmp_path}", "--nproc", "2", "-p", "tests.fault_plugin",
                    *extra, env=env, timeout=200)
@@ -37,14 +38,36 @@ def test_a_rank_that_dies_is_named(tmp_path):
 
 
 def test_a_hung_rank_is_named_within_the_collective_timeout(tmp_path):
-    proc, elapsed = run_with_fault(tmp_path, "hang", "timeout_s=8")
+    proc, elapsed = run_with_fault(tmp_path, "hang", "timeout_s=4")
     assert proc.returncode != 0
-    # Rank 0 gives up after the 8 s collective timeout and names the silent rank...
+    # Rank 0 gives up after the 4 s collective timeout and names the silent rank...
     assert "[rank 0] error: rank 0: a collective operation failed at step" in proc.stderr
-    assert "rank(s) 1 stopped answering (timeout 8s)" in proc.stderr
-    # ...and the whole run ends: the timeout, the 5 s roll call, the launcher's grace
-    # period for the hung process, and start-up, but nowhere near "forever".
-    assert elapsed < 8 + 5 + 30 + 60, elapsed
+    assert "rank(s) 1 stopped answering (timeout 4s)" in proc.stderr
+    # ...the launcher's last line names it too, as the one it had to terminate...
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "worker with local rank 1 (rank 1) was still running 2s after that and was "
+        "terminated")
+    # ...and the whole run ends: start-up, the timeout, the roll call and the launcher's
+    # two grace periods (2 s each: SIGTERM, then SIGKILL), nowhere near "forever".
+    assert elapsed < 4 + 2 + 2 * 2 + 60, elapsed
+
+
+def test_a_stopped_rank_0_is_named_and_the_job_ends_within_the_timeout(tmp_path):
+    """Issue 16, defect 1: with rank 0 stopped (SIGSTOP), rank 1 waited 200 s+ in the
+    roll call (a side group without a timeout), and torch's launcher waited another 30 s
+    before killing the stopped process."""
+    marker = tmp_path / "stopped"
+    proc, _ = run_with_fault(tmp_path, "stop", "timeout_s=4", rank=0,
+                             ENGINE_FAULT_ONCE=str(marker))
+    ended = time.time()
+    assert proc.returncode == 1
+    assert "rank 1: a collective operation failed at step 3: rank(s) 0 stopped answering" \
+        in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "worker with local rank 0 (rank 0) stopped answering: its process was stopped "
+        "(SIGSTOP or a debugger), so it was killed"), proc.stderr
+    # The fault plugin wrote the marker just before stopping: timeout_s + 5 s from there.
+    assert ended - marker.stat().st_mtime < 4 + 5
 
 
 RELEASE_PROBE = """
@@ -52,9 +75,9 @@ import sys
 import torch.distributed as dist
 from engine import distributed, health
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
-health.prepare()
+health.prepare(30.0)
 distributed.destroy()
-print(health._GLOO_GROUP is None, dist.is_initialized())
+print(not health._GROUPS, dist.is_initialized())
 """
 
 

@@ -72,6 +72,7 @@ def test_slurm_job_signalled_mid_run_is_requeued_and_finishes_identically(tmp_pa
     assert "#SBATCH --signal=USR1@90" in script and "#SBATCH --requeue" in script
     job_file = tmp_path / "job.sh"
     job_file.write_text(script)
+    out.mkdir()  # what the script's "Submit with" line says: SLURM does not create it
     submitted = subprocess.run(["sbatch", str(job_file)], capture_output=True, text=True,
                                env=engine_env(), cwd=REPO, timeout=60, check=True)
     job = submitted.stdout.split()[-1]
@@ -92,6 +93,13 @@ def test_slurm_job_signalled_mid_run_is_requeued_and_finishes_identically(tmp_pa
     log = (out / f"slurm-{job}.out").read_text()
     assert "pre-empted by SIGUSR1" in log and f"job {job} requeued" in log, log
     assert "resuming from" in log, log
+    # scancel signals every process of the step: each worker got SIGUSR1 directly and
+    # forwarded by its task (issue 16, defect 2): one request, no worker killed by it.
+    # Then the requeue's SIGTERM to the step changes nothing: the task exits with 75.
+    # (Only the first run's part: the scancel below may catch the second one exiting.)
+    stopped = log.split("resuming from")[0]
+    assert log.count("pre-empted by SIGUSR1") == 1 and "killed by" not in stopped, log
+    assert "Traceback" not in stopped and "task 0: Exited with exit code 75" in stopped, log
     assert summary["weights_sha256"] == read_summary(reference)["weights_sha256"]
 
 
@@ -120,6 +128,13 @@ def test_a_signal_delivered_twice_at_once_is_one_request_and_a_later_one_kills()
     assert (same.returncode, same.stdout.strip()) == (0, "alive SIGUSR1"), same.stderr
     later = probe("-1")  # every second signal counts as "later": die as asked
     assert later.returncode == -signal.SIGUSR1, later
+    # Once the pre-emption snapshot is written, the SIGTERM of SLURM's requeue (sent to
+    # every task of the step while it exits) changes nothing.
+    saved = subprocess.run([sys.executable, "-c", HANDLER_PROBE.replace(
+        'print("alive"', 'flag.uninstall(ignore_more=True)\n'
+        'os.kill(os.getpid(), signal.SIGTERM)\nprint("alive"'), "5"],
+        capture_output=True, text=True, timeout=60)
+    assert (saved.returncode, saved.stdout.strip()) == (0, "alive SIGUSR1"), saved.stderr
 
 
 def test_sigusr1_to_the_whole_process_group_gives_one_snapshot_and_a_clean_stop(tmp_path):

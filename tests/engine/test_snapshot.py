@@ -210,6 +210,32 @@ def test_a_changed_lr_with_a_scheduler_refuses_the_resume(one_epoch, tmp_path):
     assert "the config changed lr 0.05 -> 0.5, which would mix two runs" in proc.stderr
 
 
+def test_a_corrupt_snapshot_is_refused_by_resume_and_skipped_by_latest(one_epoch, tmp_path):
+    """Issue 16, defect 3: ``--resume`` of a bit-flipped snapshot loaded without a word
+    and training went on from damaged weights. With every snapshot unusable, the run
+    says in one line that it starts over."""
+    from tests.engine.test_checkpoint import corrupt
+
+    out = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(one_epoch["plain"], out)
+    (only,) = (out / "checkpoints").glob("snapshot-*.pt")
+    corrupt(only)
+    refused = run_cli(TINY, "epochs=2", f"out_dir={out}", "--nproc", "1", "--resume",
+                      str(only))
+    assert refused.returncode == 2
+    assert error_lines(refused.stderr) == [
+        f"[rank 0] error: --resume {str(only)!r}: the snapshot fails its check (sha256 "
+        "differs from the manifest (corrupt)); resume from another snapshot, or pass "
+        "--resume-anyway to load it regardless"], refused.stderr
+
+    fresh = run_cli(TINY, "epochs=1", f"out_dir={out}", "--nproc", "1", check=True)
+    assert "resuming" not in fresh.stdout
+    assert (f"warning: none of the 1 snapshot(s) in {out / 'checkpoints'} is usable (see "
+            "above): training restarts from step 0") in fresh.stderr
+
+
 def test_keys_only_an_older_snapshot_or_this_config_has_do_not_matter(one_epoch, tmp_path):
     import torch
 

@@ -131,6 +131,7 @@ def test_sbatch_script_runs_one_task_per_node_that_spawns(tmp_path, tmp_path_fac
                      "--cpus-per-task", "2", "--layout", "task-per-node", check=True).stdout
     job = tmp_path / "job.sh"
     job.write_text(script)
+    out.mkdir()  # what the script's "Submit with" line says: SLURM does not create it
     submitted = run(["sbatch", "--wait", str(job)], timeout=400)
     job_id = submitted.stdout.split()[-1]
     log = (out / f"slurm-{job_id}.out").read_text()

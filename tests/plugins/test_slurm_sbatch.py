@@ -35,7 +35,7 @@ def srun_line(script: str) -> str:
 
 def test_one_task_per_gpu(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, script, _ = sbatch(capsys, RECIPE, "epochs=5", "--nodes", "2", "--gpus-per-node",
+    code, script, err = sbatch(capsys, RECIPE, "epochs=5", "--nodes", "2", "--gpus-per-node",
                              "4", "--cpus-per-task", "16", "--time", "04:00:00")
     assert code == 0
     assert directives(script) == {
@@ -47,7 +47,11 @@ def test_one_task_per_gpu(capsys, tmp_path, monkeypatch):
     assert engine_run.endswith("/engine-run") and engine_run.startswith("/")
     assert srun_line(script) == (f"srun --kill-on-bad-exit=1 {engine_run} {RECIPE} epochs=5 "
                                  "--launcher slurm")
-    assert (tmp_path / "runs" / "cifar_ddp").is_dir()  # SLURM would not create it
+    # Issue 16, defect 8: printing wrote the log folder; now the script says to create it.
+    assert not (tmp_path / "runs").exists()
+    assert "# Submit with: mkdir -p runs/cifar_ddp && sbatch THIS_FILE\n" in script
+    assert err == ("note: the log folder runs/cifar_ddp does not exist yet and SLURM does "
+                   "not create it: submit with `mkdir -p runs/cifar_ddp && sbatch THIS_FILE`\n")
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert script.startswith("#!/bin/bash\n# cifar_ddp: 2 node(s) x 4 process(es) = 8 ranks")
 
@@ -70,9 +74,11 @@ def test_one_task_per_node(capsys, tmp_path, monkeypatch):
 
 def test_cpu_only_and_no_signal(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, script, _ = sbatch(capsys, RECIPE, "--nodes", "3", "--signal-seconds", "0",
-                             "--procs-per-node", "2")
+    (tmp_path / "runs" / "cifar_ddp").mkdir(parents=True)
+    code, script, err = sbatch(capsys, RECIPE, "--nodes", "3", "--signal-seconds", "0",
+                               "--procs-per-node", "2")
     assert code == 0
+    assert "# Submit with: sbatch THIS_FILE\n" in script and err == ""  # the folder exists
     found = directives(script)
     assert "gres" not in found and "signal" not in found and "requeue" not in found
     assert found["ntasks-per-node"] == "2"

@@ -170,6 +170,14 @@ def test_unloadable_file_is_a_one_line_error(tmp_path):
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match=r"snapshot '.*x\.pt' cannot be loaded: "):
         TorchFileCheckpointer(tmp_path).load(bad)
+    # Issue 16, defect 6: a pickled global is named, the file called untrusted, and
+    # torch's advice to load it with weights_only=False (which would run it) is gone.
+    torch.save({"model": {}, "x": bad.stat}, bad)
+    with pytest.raises(CheckpointError) as refused:
+        TorchFileCheckpointer(tmp_path).load(bad)
+    assert str(refused.value).startswith(f"snapshot {str(bad)!r} is not trusted: it holds a "
+                                         "pickled Python object (")
+    assert "weights_only=False" not in str(refused.value)
 
 
 def test_full_disk_gives_a_clear_error_and_keeps_the_previous_snapshot(tmp_path):

@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import io
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -242,8 +243,15 @@ def test_dcp_snapshot_inspect_and_export(trained, tmp_path):
     assert model_digest(torch.load(out, weights_only=True)) == model_digest(model.state_dict())
 
 
-@pytest.mark.parametrize("case", ["missing", "garbage", "truncated", "pickled", "no-prefix",
-                                  "mixed-prefix", "over-input"])
+class Hostile:
+    """Unpickling it would run a shell command."""
+
+    def __reduce__(self):
+        return os.system, ("echo this should never run",)
+
+
+@pytest.mark.parametrize("case", ["missing", "garbage", "truncated", "pickled", "hostile",
+                                  "no-prefix", "mixed-prefix", "over-input"])
 def test_bad_input_is_one_line(case, snapshot, ddp_file, tmp_path):
     target = tmp_path / "input.pt"
     command = ("inspect", target)
@@ -261,9 +269,20 @@ def test_bad_input_is_one_line(case, snapshot, ddp_file, tmp_path):
     elif case == "pickled":
         # What the seeds' scripts did: torch.save({"model": ..., "args": args}).
         torch.save({"model": {"w": torch.ones(1)}, "args": argparse.Namespace(lr=0.1)}, target)
-        expected = (f"ckpt.py: error: {target} holds pickled Python objects (GLOBAL "
-                    "argparse.Namespace) besides tensors; only files that "
-                    "torch.load(weights_only=True) accepts are read")
+        expected = (f"ckpt.py: error: {target} is not trusted: it holds a pickled Python "
+                    "object (argparse.Namespace), which torch.load(weights_only=True) "
+                    "refused to import; a snapshot or state_dict holds only tensors and "
+                    "plain values, so the file was not loaded")
+    elif case == "hostile":
+        # Issue 16, defect 6: torch's wording for a blocked module has no "Unsupported
+        # global:"; the message was "not a torch.save file" (and torch's own advice,
+        # weights_only=False, would have run it).
+        torch.save({"model": {"w": torch.ones(1)}, "x": Hostile()}, target)
+        expected = (f"ckpt.py: error: {target} is not trusted: it holds a pickled Python "
+                    f"object ({os.system.__module__}.system), which "
+                    "torch.load(weights_only=True) refused to import; a snapshot or "
+                    "state_dict holds only tensors and plain values, so the file was not "
+                    "loaded")
     elif case == "no-prefix":
         command = ("strip-prefix", snapshot, tmp_path / "out.pt")
         expected = (f"ckpt.py: error: {snapshot}: no key starts with 'module.'; nothing to "
