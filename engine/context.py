@@ -76,6 +76,7 @@ class WorkerContext:
         self.epochs_requested: int | None = None
         self.resumed_from: str | None = None  # the snapshot a resume loaded
         self.best_checkpoint: str | None = None
+        self._weights: dict | None = None  # the weights digests, once gathered
         self._warned: set[str] = set()
         self._started = time.perf_counter()
         self._started_at = utc_now()
@@ -193,10 +194,18 @@ class WorkerContext:
             "weights_sha256_per_rank": None,
         }
         if self.model is not None and status == "completed":
-            # BatchNorm statistics equal on every rank (a no-op when they already are).
-            self.parallel.sync_buffers(self.model)
-            summary.update(weights_digests(self.module, self.warn))
+            if self._weights is None:
+                self.gather_weights()
+            summary.update(self._weights)
         return summary
+
+    def gather_weights(self) -> None:
+        """The closing collective of a completed run: every rank's weights digest. The
+        Engine calls it while its errors are still explained, so that a rank whose peer
+        failed at the very end says which rank stopped answering, not a traceback."""
+        # BatchNorm statistics equal on every rank (a no-op when they already are).
+        self.parallel.sync_buffers(self.model)
+        self._weights = weights_digests(self.module, self.warn)
 
     def _final_checkpoint(self, status: str) -> str | None:
         """The newest good snapshot, as rank 0 sees it (the rank that writes the

@@ -130,6 +130,8 @@ class Engine(WorkerContext):
             # The last snapshot is durable (or its write failed) before the run counts
             # as completed.
             self.checkpointer.close()
+            if not self.trainer.stop_requested:
+                self.gather_weights()
             status = "preempted" if self.trainer.stop_requested else "completed"
         except BaseException as exc:
             self.pm.hook.engine_exception(engine=self, exc=exc)

@@ -356,8 +356,6 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
 
     def save(self, state, *, epoch, step, metrics=None):
         self.wait()  # the previous write must be done: it reads the buffer we reuse
-        import torch
-
         tensors: list = []
         skeleton = split_tensors(state, tensors)
         layout, nbytes = plan_layout(tensors)
