@@ -255,8 +255,15 @@ class WorkerJob:
         except BaseException as exc:
             shown = attribute(pm, exc)
             report_worker_error(world.rank, shown)
-            exit_failed_worker(exit_code(shown))
+            exit_failed_worker(exit_code(shown), one_line(shown))
         return summary.get("status") if isinstance(summary, dict) else None
+
+
+def one_line(exc: BaseException) -> str:
+    """The error as the launcher's last line repeats it."""
+    if isinstance(exc, EngineError):
+        return f"{exc}{traceback_hint(exc)}"
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 def report_worker_error(rank: int, exc: BaseException) -> None:

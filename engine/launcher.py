@@ -28,6 +28,7 @@ launcher made of the environment.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import signal
@@ -292,7 +293,9 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
         code = context.processes[index].exitcode
         signal_name = _signal_name(code)
         cause = SIGNAL_CAUSES.get(signal_name or "", "killed by hand?")
+        error_line = _errors_sent(results).get(index)
         how = (f"was killed by {signal_name} ({cause})" if signal_name else
+               f"exited with code {code}: {error_line}" if error_line else
                f"exited with code {code}; its error is printed above")
         message = (f"worker with local rank {worlds[index].local_rank} (rank "
                    f"{worlds[index].rank}) {how}")
@@ -384,8 +387,10 @@ def _ranks_of(worlds: list[World], indices: list[int]) -> str:
                      for i in indices)
 
 
-def exit_failed_worker(code: int) -> NoReturn:
-    """End a worker whose error is printed already, with exit code ``code``.
+def exit_failed_worker(code: int, error_line: str | None = None) -> NoReturn:
+    """End a worker whose error is printed already, with exit code ``code``; in a
+    worker this module spawned, ``error_line`` goes to the launcher, whose last line
+    repeats it (the one line users read, issue 16).
 
     In a worker this module spawned, the exit handlers run (multiprocessing's
     finalizers, the checkpointers' at-exit closes, logging) and the interpreter's
@@ -398,14 +403,39 @@ def exit_failed_worker(code: int) -> NoReturn:
 
     if multiprocessing.parent_process() is None:
         raise SystemExit(code)
+    if error_line and _to_launcher is not None:
+        results, index = _to_launcher
+        with contextlib.suppress(Exception):  # the launcher is gone: nobody to tell
+            results.put((index, (ERROR, error_line[:MAX_ERROR_LINE])))
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
+#: In a worker spawn_workers started: the queue to the launcher and the worker's index.
+_to_launcher: tuple | None = None
+#: A failed worker's one-line error travels as (index, (ERROR, line)); short, so that
+#: the put never waits for a reader.
+ERROR = "error"
+MAX_ERROR_LINE = 1000
+
+
+def _errors_sent(results) -> dict[int, str]:
+    """The error lines failed workers sent (read once every worker has exited)."""
+    errors = {}
+    with contextlib.suppress(Exception):
+        while not results.empty():
+            index, sent = results.get()
+            if isinstance(sent, tuple) and sent[:1] == (ERROR,):
+                errors.setdefault(index, sent[1])
+    return errors
+
+
 def _entry(index: int, worker: Callable[[World], object], worlds: list[World],
            child_env: dict[str, str], results) -> None:
+    global _to_launcher
+    _to_launcher = (results, index)
     os.environ.update(child_env)
     status = worker(worlds[index])
     # Only a short string travels back: a large object could fill the pipe, and the

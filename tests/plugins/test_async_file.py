@@ -236,6 +236,11 @@ def test_write_error_fails_the_run_with_one_line(cifar_recipe, tmp_path):
     assert line.startswith(f"[rank 0] error: writing {blocker} failed: IsADirectoryError: "
                            "[Errno 21] Is a directory"), proc.stderr
     assert line.endswith("; the previous snapshot is untouched: there is none")
+    # The launcher's last line repeats it: the one line users read is the useful one.
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("engine-run: error: worker with local rank 0 (rank 0) exited "
+                           f"with code 2: writing {blocker} failed: "), proc.stderr
+    assert last.endswith("; the previous snapshot is untouched: there is none")
     assert "Traceback" not in proc.stderr
     assert read_summary(out)["status"] == "failed"
 
