@@ -29,6 +29,7 @@ def test_expand_nodelist(nodelist, hosts):
     assert slurm.expand_nodelist(nodelist) == hosts
 
 
+@pytest.mark.slurm  # with SLURM opted out (ENGINE_TEST_NO_SLURM=1) it may skip
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="SLURM's scontrol is not "
                     "installed (tools/slurm_cluster.sh install)")
 @pytest.mark.parametrize("nodelist, hosts", EXPANSIONS)

@@ -330,6 +330,8 @@ def test_a_truncated_jpeg_is_caught_before_it_reaches_the_device(tmp_path):
         dataset[0]
 
 
+# Marked cuda: it depends on the CUDA situation too (it skips where there is CUDA).
+@pytest.mark.cuda
 def test_augment_on_cuda_without_cuda_is_a_clear_error(oct_data, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
