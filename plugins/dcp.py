@@ -40,7 +40,7 @@ import engine
 from engine import distributed
 from engine.atomic_io import (atomic_write, atomic_write_text, check_file, checksum_entry,
                               file_checksum, fsync_directory)
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, untrusted_pickle
 from engine.plugins.torch_file import (PREFIX, TorchFileCheckpointer, manifest_path,
                                        read_manifest, warn)
 
@@ -269,6 +269,9 @@ def _train_state(path: pathlib.Path, required: bool = False) -> dict:
     try:
         return torch.load(path / TRAIN_STATE, map_location="cpu", weights_only=True)
     except Exception as exc:
+        untrusted = untrusted_pickle(path / TRAIN_STATE, exc)
+        if untrusted:
+            raise CheckpointError(untrusted) from None
         raise CheckpointError(f"{path / TRAIN_STATE} cannot be loaded: "
                               f"{type(exc).__name__}: {_first_line(exc)}") from None
 

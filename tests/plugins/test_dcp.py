@@ -117,6 +117,19 @@ def test_load_of_something_else_is_one_line(tmp_path):
         DCPCheckpointer(tmp_path).load(tmp_path)
 
 
+def test_a_pickled_global_in_the_train_state_is_named_and_not_trusted(tmp_path):
+    """Issue 16, defect 6, for dcp's own file: torch's advice to load it with
+    weights_only=False (which would run the pickled code) is replaced by a refusal."""
+    from engine.plugins.dcp import TRAIN_STATE, _train_state
+
+    torch.save({"epoch": 1, "x": shutil.rmtree}, tmp_path / TRAIN_STATE)
+    with pytest.raises(CheckpointError) as refused:
+        _train_state(tmp_path, required=True)
+    assert str(refused.value).startswith(f"{tmp_path / TRAIN_STATE} is not trusted: it holds "
+                                         "a pickled Python object (")
+    assert "weights_only=False" not in str(refused.value)
+
+
 # ----------------------------------------------------------- through engine-run
 
 
