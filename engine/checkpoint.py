@@ -133,6 +133,11 @@ class Checkpointer:
         """The newest snapshot that passes its integrity check, or None."""
         raise NotImplementedError
 
+    def verify(self, path: pathlib.Path) -> str | None:
+        """What is wrong with the snapshot at ``path`` (None: nothing, or a format that
+        cannot tell); ``--resume PATH`` asks before loading."""
+        return None
+
     def wait(self) -> None:
         """Block until every save started so far is durable."""
 

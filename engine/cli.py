@@ -126,8 +126,7 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     t.add_argument("--no-resume", action="store_true",
                    help="start fresh even if out_dir holds snapshots")
     t.add_argument("--resume-anyway", action="store_true",
-                   help="resume even if the config changed keys that break exact resume, "
-                        "or the --resume snapshot fails its check")
+                   help="resume even if the config changed keys that break exact resume")
     t.add_argument("--threads", type=int, help="torch threads per process (default: "
                    "the process's share of the CPUs)")
     p.add_argument("--dry-run", action="store_true",

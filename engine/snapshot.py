@@ -154,20 +154,16 @@ def resume(eng) -> None:
 
 def _checked_resume_path(eng, chosen: str) -> str | CheckpointError:
     """``--resume PATH`` as given, once the checkpointer's own check (its manifest's
-    size and sha256) passes: a bit-flipped snapshot loaded without a word before, and
-    training went on from damaged weights. Rank 0 decides; the others get its answer."""
+    size and checksum) passes: a bit-flipped snapshot loaded without a word before, and
+    training went on from damaged weights. Rank 0 decides; the others get its answer.
+    No way around it: the checkpointer's load refuses a damaged file too."""
     if not pathlib.Path(chosen).exists():
         return CheckpointError(f"--resume {chosen!r}: no such snapshot")
-    verify = getattr(eng.checkpointer, "verify", None)
-    problem = verify(pathlib.Path(chosen)) if verify is not None and eng.is_rank0 else None
+    problem = eng.checkpointer.verify(pathlib.Path(chosen)) if eng.is_rank0 else None
     if problem is None:
         return chosen
-    if not eng.options.get("resume_anyway"):
-        return CheckpointError(
-            f"--resume {chosen!r}: the snapshot fails its check ({problem}); resume from "
-            "another snapshot, or pass --resume-anyway to load it regardless")
-    eng.warn(f"--resume-anyway: loading {chosen} although it fails its check ({problem})")
-    return chosen
+    return CheckpointError(f"--resume {chosen!r}: the snapshot fails its check ({problem}); "
+                           "resume from another snapshot")
 
 
 def _say_when_every_snapshot_is_unusable(eng) -> None:
