@@ -144,12 +144,18 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # someone else's process
+    return process_state(pid) != "Z"  # "" without /proc: os.kill said it exists
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (R, S, T stopped, Z zombie...); "" when the
+    process is gone or there is no /proc."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             # "pid (comm) state ...": comm may hold spaces and parentheses.
-            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+            return f.read().rpartition(b")")[2].split()[0].decode()
     except (OSError, IndexError):
-        return True  # no /proc (not Linux): os.kill said it exists
+        return ""
 
 
 def atomic_write(path: pathlib.Path, write: Callable[[Any], None]) -> tuple[int, str]:

@@ -347,8 +347,10 @@ def _stop_the_others(processes) -> tuple[list[int], list[int]]:
     terminated."""
     import time
 
+    from engine.atomic_io import process_state
+
     stopped = [i for i, p in enumerate(processes)
-               if p.exitcode is None and _process_state(p.pid) in ("T", "t")]
+               if p.exitcode is None and process_state(p.pid) in ("T", "t")]
     for index in stopped:
         processes[index].kill()
     lingering = []
@@ -363,14 +365,6 @@ def _stop_the_others(processes) -> tuple[list[int], list[int]]:
         if step is None:
             lingering = [i for i, p in enumerate(processes) if p.exitcode is None]
     return stopped, lingering
-
-
-def _process_state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):  # gone, or not Linux
-        return ""
 
 
 def _signal_name(exit_code: int | None) -> str | None:
