@@ -99,8 +99,13 @@ def pytest_runtest_setup(item):
                         "deliberately unavailable", pytrace=False)
 
 
-_MAY_SKIP: set[str] = set()
 _UNEXPECTED_SKIPS: list[str] = []
+
+
+def _may_skip(keywords) -> bool:
+    # Markers are read from the report's keywords, not from the collected items: with
+    # pytest-xdist the reports reach a controller process that collected nothing.
+    return "cuda" in keywords or ("slurm" in keywords and slurm_cluster.opted_out())
 
 
 # ---------------------------------------------------------------- the quick loop
@@ -146,13 +151,10 @@ def _mark_slow(item) -> None:
 def pytest_collection_modifyitems(items):
     for item in items:
         _mark_slow(item)
-        if item.get_closest_marker("cuda") is not None or (
-                item.get_closest_marker("slurm") is not None and slurm_cluster.opted_out()):
-            _MAY_SKIP.add(item.nodeid)
 
 
 def pytest_runtest_logreport(report):
-    if report.skipped and not hasattr(report, "wasxfail") and report.nodeid not in _MAY_SKIP:
+    if report.skipped and not hasattr(report, "wasxfail") and not _may_skip(report.keywords):
         _UNEXPECTED_SKIPS.append(report.nodeid)
 
 
