@@ -26,9 +26,8 @@ CSV_NAME = "metrics.csv"
 TENSORBOARD_DIR = "tensorboard"
 INSTALL = 'pip install -e ".[report]"'
 
-#: name -> [(step, epoch or None, value)] in the order they were logged.
-Series = dict[str, list[tuple[int, "int | None", float]]]
-
+#: name -> [(step, value)] in the order they were logged.
+Series = dict[str, list[tuple[int, float]]]
 
 def main(argv) -> int:
     parser = argparse.ArgumentParser(
@@ -89,34 +88,24 @@ def read_csv(path: pathlib.Path) -> Series:
             raise EngineError(f"report: {path} is not a metrics file: it lacks the "
                               f"column(s) {', '.join(sorted(missing))} (expected the header "
                               "step,epoch,name,value)")
-        for line, row in enumerate(reader, start=2):
-            if row["value"] in ("", None):
-                continue  # a metric logged as None
+        for row in reader:
             try:
-                step = int(row["step"])
-                epoch = int(row["epoch"]) if row.get("epoch") not in ("", None) else None
-                value = float(row["value"])
+                step, value = int(row["step"]), float(row["value"])
             except (TypeError, ValueError):
-                raise EngineError(f"report: {path} line {line} is not step,epoch,name,value "
-                                  f"with numbers: {row}") from None
-            append(series.setdefault(row["name"], []), step, epoch, value)
+                continue  # a last line cut short by a kill, as the csv logger's reader
+            append(series.setdefault(row["name"], []), step, value)
     return series
 
 
-def append(points: list, step: int, epoch, value: float) -> None:
-    """A resumed run logs again from its snapshot: its points replace the interrupted
-    run's from that step on (what TensorBoard's purge_step does for the event files).
-    It shows as a step that goes back, or, with the epoch column, a (step, epoch) seen
-    again; the same step twice in one run is the window's loss and then the epoch's,
-    which the trainer logs after the epoch count moved on."""
-    def later(point) -> bool:
-        if epoch is None or point[1] is None:
-            return point[0] > step
-        return (point[0], point[1]) >= (step, epoch)
-
-    while points and later(points[-1]):
-        points.pop()
-    points.append((step, epoch, value))
+def append(points: list, step: int, value: float) -> None:
+    """A step that goes back is a resumed run logging again from its snapshot: its points
+    replace the interrupted run's from that step on (what TensorBoard's purge_step does
+    for the event files; the csv logger drops them itself, another writer may not). The
+    same step twice is no restart: the window's train/loss, then the epoch's."""
+    if points and points[-1][0] > step:
+        while points and points[-1][0] >= step:
+            points.pop()
+    points.append((step, value))
 
 
 def read_tensorboard(folder: pathlib.Path) -> Series:
@@ -126,7 +115,7 @@ def read_tensorboard(folder: pathlib.Path) -> Series:
     # reads every event file in the folder and applies the resumed runs' purge_step.
     events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     events.Reload()
-    return {tag: [(e.step, None, e.value) for e in events.Scalars(tag)]
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
             for tag in events.Tags()["scalars"]}
 
 
@@ -158,17 +147,19 @@ class Curves:
     def from_series(cls, series: Series) -> "Curves":
         train = series.get("train/loss", [])
         val = {name: points for name, points in series.items() if name.startswith("val/")}
-        # An epoch ends where validation logs; the trainer logs the epoch's metrics,
-        # the mean train/loss included, in one call at that step, after any window's
-        # train/loss of the same step.
-        epoch_of = epoch_numbers([p for points in val.values() for p in points])
+        # An epoch ends where validation logs (the trainer validates every epoch): the
+        # n-th step with val/* metrics ends epoch n, from either source. The trainer logs
+        # the epoch's metrics, its mean train/loss included, in one call at that step,
+        # after any window's train/loss of the same step.
+        ends = sorted({step for points in val.values() for step, _ in points})
+        epoch_of = {step: n for n, step in enumerate(ends, start=1)}
         first, last = {}, {}
-        for step, _, value in train:
+        for step, value in train:
             first.setdefault(step, value)
             last[step] = value
         window = sorted((s, v) for s, v in first.items())
         by_step = {"train/loss": unzip(window)} if window else {}
-        by_epoch = {name: unzip(sorted((epoch_of[s], v) for s, _, v in points))
+        by_epoch = {name: unzip(sorted((epoch_of[s], v) for s, v in points))
                     for name, points in sorted(val.items())}
         mean = sorted((epoch_of[s], v) for s, v in last.items() if s in epoch_of)
         if mean:
@@ -183,15 +174,6 @@ class Curves:
         if val:
             parts.append(f"{', '.join(val)} by epoch")
         return "; ".join(parts)
-
-
-def epoch_numbers(val_points) -> dict[int, int]:
-    """step -> epoch for the steps where validation logged: the csv logger's epoch
-    column where it has one, else the count of validations so far (one per epoch)."""
-    epochs = {step: epoch for step, epoch, _ in val_points}
-    if all(e is not None for e in epochs.values()):
-        return epochs
-    return {step: n for n, step in enumerate(sorted(epochs), start=1)}
 
 
 def unzip(pairs) -> tuple[list, list]:
