@@ -4,6 +4,8 @@
     engine-run plugins                              list loaded plugins
     engine-run doctor                               what this machine and launcher look like
     engine-run tune-workers RECIPE [options]        measure DataLoader num_workers
+    engine-run runs [DIR]                           a table of the runs under DIR
+    engine-run report RUN_DIR [-o FILE.png]         a PNG of a run's loss and metric curves
     engine-run sbatch RECIPE [options]              print an sbatch script (slurm plugin)
 
 Plugins add commands through the ``engine_register_commands`` hook.
@@ -28,6 +30,8 @@ COMMANDS = {
     "plugins": "engine.commands.plugins",
     "doctor": "engine.commands.doctor",
     "tune-workers": "engine.commands.tune_workers",
+    "runs": "engine.commands.runs",
+    "report": "engine.commands.report",
 }
 #: What a command name looks like (a recipe is a path: it has a '/' or a '.').
 COMMAND_NAME = re.compile(r"[a-z][a-z0-9-]*\Z")

@@ -1,0 +1,155 @@
+"""``engine-run runs [DIR]``: the runs under a folder, one row each, from their summary.json.
+
+    $ engine-run runs
+    RUN                       STATUS     EPOCHS  VAL/ACCURACY  VAL/LOSS  IMG/S  WALL   DIGEST
+    runs/cifar_ddp/version_0  completed  2/2     0.9940        0.1407    4098   13.2s  3f2a9c01d4e7
+    runs/cifar_ddp/version_1  preempted  1/5     0.4645        2.1668    2933   7.9s   -
+    runs/broken               unreadable summary.json: Expecting value: line 1 column 1 (char 0)
+
+A run is any folder under DIR (at any depth: ``runs/cifar_ddp/version_3``) holding a
+summary.json; rows are sorted by the run's start time. The val columns are whatever
+``val/*`` metrics the runs logged. A failed run's error is repeated below the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+
+from engine.errors import EngineError
+
+SUMMARY = "summary.json"
+DIGEST_CHARS = 12
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser(
+        prog="engine-run runs",
+        description="A table of the runs under DIR (any folder holding a summary.json), "
+                    "sorted by start time.")
+    parser.add_argument("dir", nargs="?", default="runs", metavar="DIR",
+                        help="the folder to look in, recursively (default: runs)")
+    args = parser.parse_args(argv)
+    root = require_folder(args.dir, "runs", "the folder that holds the runs' out_dirs: "
+                                           "engine-run runs DIR")
+    runs = [read_run(path) for path in find_summaries(root)]
+    if not runs:
+        print(f"no runs under {root}: no {SUMMARY} in it or its subfolders")
+        return 0
+    runs.sort(key=lambda run: (run["started"], run["path"]))
+    print(format_table(runs))
+    for run in runs:
+        if run["summary"] and run["summary"].get("error"):
+            print(f"{run['path']}: {run['summary']['status']}: {run['summary']['error']}")
+    return 0
+
+
+def require_folder(path: str, command: str, give: str) -> pathlib.Path:
+    """``path`` as a Path, or the one-line usage error of ``command`` saying what to give."""
+    folder = pathlib.Path(path)
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise EngineError(f"{command}: {folder} {what}; give {give}")
+    return folder
+
+
+def find_summaries(root: pathlib.Path) -> list[pathlib.Path]:
+    """Every summary.json under ``root``, ``root`` itself included (symlinks not followed)."""
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        if SUMMARY in files:
+            found.append(pathlib.Path(folder) / SUMMARY)
+    return found
+
+
+def read_run(path: pathlib.Path) -> dict:
+    """``{"path", "started", "summary", "problem"}``: the summary, or why it is unreadable
+    (a run killed while the file was being replaced, a hand edit)."""
+    run = {"path": str(path.parent), "summary": None, "problem": None}
+    try:
+        summary = json.loads(path.read_text())
+        if not isinstance(summary, dict):
+            raise ValueError(f"a JSON {type(summary).__name__}, not an object")
+        run["summary"] = summary
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        run["problem"] = f"unreadable {SUMMARY}: {exc}"
+    started = (run["summary"] or {}).get("started_at")
+    if not isinstance(started, str):
+        # Without a start time the file's own age places the row (ISO text compares
+        # like the timestamps the summary holds).
+        try:
+            started = datetime.datetime.fromtimestamp(
+                path.stat().st_mtime, datetime.timezone.utc).isoformat(timespec="seconds")
+        except OSError:
+            started = ""
+    run["started"] = started
+    return run
+
+
+def val_names(runs: list[dict]) -> list[str]:
+    """The ``val/*`` metrics any run has, sorted."""
+    names = set()
+    for run in runs:
+        metrics = (run["summary"] or {}).get("metrics")
+        if isinstance(metrics, dict):
+            names.update(n for n in metrics if n.startswith("val/"))
+    return sorted(names)
+
+
+def format_table(runs: list[dict]) -> str:
+    names = val_names(runs)
+    header = ["RUN", "STATUS", "EPOCHS", *(n.upper() for n in names), "IMG/S", "WALL",
+              "DIGEST"]
+    rows = [row(run, names) for run in runs]
+    full = [r for r in rows if len(r) == len(header)]
+    widths = [max(len(header[i]), *(len(r[i]) for r in (rows if i == 0 else full)))
+              for i in range(len(header))]
+    lines = []
+    for cells in [header, *rows]:
+        if len(cells) == 2:  # an unreadable summary: the path, then the problem
+            lines.append(f"{cells[0]:<{widths[0]}}  {cells[1]}")
+        else:
+            lines.append("  ".join(f"{c:<{w}}" for c, w in zip(cells, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def row(run: dict, names: list[str]) -> list[str]:
+    summary = run["summary"]
+    if summary is None:
+        return [run["path"], run["problem"]]
+    metrics = summary.get("metrics") if isinstance(summary.get("metrics"), dict) else {}
+    status = str(summary.get("status") or "-")
+    if summary.get("stopped_early"):
+        status += " (early stop)"
+    epochs = f"{text(summary.get('epochs_completed'))}/{text(summary.get('epochs_requested'))}"
+    digest = summary.get("weights_sha256")
+    return [run["path"], status, epochs, *(number(metrics.get(n)) for n in names),
+            number(summary.get("images_per_sec"), "{:.0f}"),
+            duration(summary.get("wall_time_s")),
+            digest[:DIGEST_CHARS] if isinstance(digest, str) else "-"]
+
+
+def text(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def number(value, fmt: str = "{:.4f}") -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-"
+    return fmt.format(value)
+
+
+def duration(seconds) -> str:
+    """``13.2s``, ``4m05s``, ``2h03m``."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    return f"{minutes // 60}h{minutes % 60:02d}m"
