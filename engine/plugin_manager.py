@@ -22,6 +22,8 @@ A run refuses to start with such a plugin. The commands that must keep working w
 plugin is broken (``engine-run --help``, ``doctor``, ``plugins``) build the manager with
 ``keep_going=True`` instead: the broken plugin is left out, and ``pm.broken`` names it,
 its distribution, the error and the ways to disable it (:meth:`BrokenPlugin.describe`).
+Such a manager also tries the hooks ``--help`` calls later (engine_register_commands,
+engine_addoption), so that a plugin failing there is left out too.
 """
 
 from __future__ import annotations
@@ -346,6 +348,17 @@ class EnginePluginManager(pluggy.PluginManager):
         self._commands = found
         return found
 
+    def try_options(self) -> None:
+        """Call each plugin's engine_addoption on a scratch ``engine-run`` parser, one
+        plugin at a time: one that raises, or adds an option already taken (by the
+        engine or an earlier plugin), is named (and left out with ``keep_going``)."""
+        from engine.cli import build_parser
+
+        parser = build_parser()
+        for impl in self.hook.engine_addoption.get_hookimpls():
+            self._call_registration(impl, "engine_addoption",
+                                    *[{"parser": parser}[a] for a in impl.argnames])
+
     # ---------------------------------------------------------------- queries
 
     def find(self, name: str) -> PluginInfo | None:
@@ -543,7 +556,10 @@ def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = N
     pm.fill_registries()
     pm.collect_config_groups()
     if keep_going:
-        pm.commands()  # a broken engine_register_commands is found now, not in --help
+        # What --help calls later is tried now, so that a plugin that fails there is
+        # left out and named too.
+        pm.commands()
+        pm.try_options()
     return pm
 
 

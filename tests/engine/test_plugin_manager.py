@@ -412,6 +412,21 @@ def test_a_broken_plugin_stops_a_run_or_is_left_out_and_named(site, write_module
     build_plugin_manager().commands()
 
 
+def test_a_plugin_whose_options_fail_is_left_out_before_help_needs_them(site,
+                                                                       write_module):
+    raises = write_module("def engine_addoption(parser):\n    raise ValueError('no')\n")
+    taken = write_module("def engine_addoption(parser):\n"
+                         "    parser.add_argument('--nproc')\n")
+    fine = write_module("def engine_addoption(parser):\n"
+                        "    parser.add_argument('--fine-every')\n")
+    pm = build_plugin_manager([raises, taken, fine], keep_going=True)
+    assert [b.error for b in pm.broken] == [
+        f'Plugin "{raises}" failed in engine_addoption: ValueError: no',
+        f'Plugin "{taken}" failed in engine_addoption: ArgumentError: argument --nproc: '
+        "conflicting option string: --nproc"]
+    assert fine in pm.infos and not {raises, taken} & set(pm.infos)
+
+
 def test_a_second_plugin_of_a_taken_name_is_left_out_not_the_first(site, write_module):
     write_distribution(site, "engine-console2", "1.0", {"console": write_module(LOGGER)})
     pm = build_plugin_manager(keep_going=True)
