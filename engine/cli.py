@@ -148,7 +148,12 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
 def run(argv: Sequence[str]) -> int:
     from engine.plugin_manager import attribute, build_plugin_manager
 
-    pm = build_plugin_manager(plugin_args(argv))
+    # --help works with a broken plugin installed: it is left out and named (a run
+    # refuses to start with it).
+    helping = "-h" in argv or "--help" in argv
+    pm = build_plugin_manager(plugin_args(argv), keep_going=helping)
+    for broken in pm.broken:
+        print(f"engine-run: warning: {broken.describe()}", file=sys.stderr)
     try:
         return train(pm, argv)
     except Exception as exc:

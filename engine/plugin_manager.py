@@ -14,8 +14,16 @@ Control, in pytest's words:
 - ``ENGINE_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry-point plugin unless ``-p`` names it.
 
 Every start-up problem is one :class:`~engine.errors.PluginError` line that names the
-plugin: an import error, a hook that does not exist, a hook argument the spec lacks, a
-component name registered twice.
+plugin: an import error, a hook that does not exist (a function marked
+``@engine.hookimpl`` or named ``engine_*`` that no hook spec names), a hook argument the
+spec lacks, a registration hook that raises, a component name registered twice.
+
+A run refuses to start with such a plugin. The commands that must keep working while a
+plugin is broken (``engine-run --help``, ``doctor``, ``plugins``) build the manager with
+``keep_going=True`` instead: the broken plugin is left out, and ``pm.broken`` names it,
+its distribution, the error and the ways to disable it (:meth:`BrokenPlugin.describe`).
+Such a manager also tries the hooks ``--help`` calls later (engine_register_commands,
+engine_addoption), so that a plugin failing there is left out too.
 """
 
 from __future__ import annotations
@@ -77,6 +85,29 @@ class PluginInfo:
 
 
 @attrs.frozen
+class BrokenPlugin:
+    """A plugin left out by a ``keep_going`` plugin manager, and why."""
+
+    info: PluginInfo
+    error: str  # the one-line PluginError a run would stop with
+
+    def describe(self) -> str:
+        """One line: who, the error, and how to disable it."""
+        name, dist = self.info.name, self.info.distribution
+        where = f" (distribution {dist} {self.info.version})" if dist else ""
+        if self.info.source == "entry point":
+            # Both controls of this module's docstring; uninstalling is the third way.
+            ways = (f"-p no:{name}, or {DISABLE_AUTOLOAD_ENV}=1 (no installed plugin "
+                    "loads)" + (f", or pip uninstall {dist}" if dist else ""))
+        elif self.info.source == "-p":
+            ways = f"leave out -p {name}"
+        else:
+            ways = f"-p no:{name}"
+        return f'plugin "{name}"{where} is broken and was left out: {self.error}; ' \
+               f"to disable it: {ways}"
+
+
+@attrs.frozen
 class EntryPoint:
     """One ``engine.plugins`` entry point of an installed distribution."""
 
@@ -95,7 +126,7 @@ class EnginePluginManager(pluggy.PluginManager):
     """pluggy's manager plus the engine's registries and a record of where each plugin
     came from."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_going: bool = False) -> None:
         super().__init__("engine")
         self.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
@@ -114,6 +145,12 @@ class EnginePluginManager(pluggy.PluginManager):
         #: order, and which plugin added each.
         self.config_groups: dict[str, type] = {}
         self.config_group_owners: dict[str, str] = {}
+        #: False (a run): a broken plugin is a PluginError. True (--help, doctor,
+        #: plugins): it is left out and listed in ``broken``, so that these commands
+        #: still work and can say which plugin is broken.
+        self.keep_going = keep_going
+        self.broken: list[BrokenPlugin] = []
+        self._commands: dict[str, object] | None = None
 
     def parse_hookimpl_opts(self, plugin, name):
         # Like pytest: a function named engine_* counts as a hook implementation even
@@ -133,16 +170,20 @@ class EnginePluginManager(pluggy.PluginManager):
         if self.is_blocked(name) or (distribution and self.is_blocked(distribution)):
             return
         new = PluginInfo(name, target, version, source, distribution)
-        if name in self.infos:
-            raise PluginError(
-                f'two plugins are named "{name}": {self.infos[name].describe()} and '
-                f"{new.describe()}; uninstall one, or disable a distribution with "
-                f"-p no:DISTRIBUTION"
-            )
-        plugin = import_plugin(name, target)
-        if self.is_registered(plugin):
-            return  # the same module asked for twice (entry point and -p): load it once
-        self._register_checked(plugin, name)
+        try:
+            if name in self.infos:
+                raise PluginError(
+                    f'two plugins are named "{name}": {self.infos[name].describe()} and '
+                    f"{new.describe()}; uninstall one, or disable a distribution with "
+                    f"-p no:DISTRIBUTION"
+                )
+            plugin = import_plugin(name, target)
+            if self.is_registered(plugin):
+                return  # the same module asked for twice (entry point and -p): load it once
+            self._register_checked(plugin, name)
+        except PluginError as exc:
+            self._leave_out(new, exc)
+            return
         self.infos[name] = new
 
     def load_entry_point(self, ep: EntryPoint, source: str = "entry point") -> None:
@@ -151,35 +192,69 @@ class EnginePluginManager(pluggy.PluginManager):
 
     def register_object(self, plugin: object, name: str, source: str = "object") -> None:
         """Register an already-imported plugin object (tests, the library API)."""
-        self._register_checked(plugin, name)
-        self.infos[name] = PluginInfo(name, getattr(plugin, "__name__", type(plugin).__name__),
-                                      engine.__version__, source)
+        info = PluginInfo(name, getattr(plugin, "__name__", type(plugin).__name__),
+                          engine.__version__, source)
+        try:
+            self._register_checked(plugin, name)
+        except PluginError as exc:
+            self._leave_out(info, exc)
+            return
+        self.infos[name] = info
+
+    def _leave_out(self, info: PluginInfo, error: EngineError, *,
+                   registered: bool = False) -> None:
+        """A run stops at a broken plugin (``error`` is raised); with ``keep_going`` it
+        is recorded in ``broken`` and, if it was ``registered`` already (a registration
+        hook failed), unregistered with its components and config groups."""
+        if not self.keep_going:
+            raise error
+        self.broken.append(BrokenPlugin(info, str(error)))
+        if not registered:
+            return  # nothing of it was kept (the name may be another plugin's)
+        del self.infos[info.name]
+        self.unregister(name=info.name)
+        for registry in (self.launchers, self.parallel_modes, self.checkpointers):
+            registry.discard_owner(info.name)
+        for group in [g for g, owner in self.config_group_owners.items()
+                      if owner == info.name]:
+            del self.config_groups[group], self.config_group_owners[group]
 
     def _register_checked(self, plugin: object, name: str) -> None:
-        self._check_arguments(plugin, name)
+        self._check_hooks(plugin, name)
         try:
             self.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
+            if self.get_plugin(name) is plugin:
+                self.unregister(name=name)  # pluggy stops half-way through the plugin
             detail = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
             raise PluginError(f'Plugin "{name}" is invalid: {detail}') from None
         except ValueError as exc:  # pluggy: name or object already registered
             raise PluginError(f'Plugin "{name}" cannot be registered: {exc}') from None
 
-    def _check_arguments(self, plugin: object, name: str) -> None:
-        """An implementation may take fewer arguments than its hook, never others.
+    def _check_hooks(self, plugin: object, name: str) -> None:
+        """Every hook implementation must name a hook spec, and may take fewer arguments
+        than its hook, never others.
 
-        pluggy checks this too, but its message spans several lines."""
+        pluggy checks arguments too, but its message spans several lines; and it
+        accepts an unknown hook silently when the name lacks the ``engine_`` prefix
+        (``@engine.hookimpl def egnine_run_end``), which would then never be called."""
         for attr in dir(plugin):
-            if not attr.startswith("engine_"):
-                continue
             opts = self.parse_hookimpl_opts(plugin, attr)
             if opts is None:
                 continue
             hook_name = opts.get("specname") or attr
-            spec = getattr(hookspecs, hook_name, None)
+            caller = getattr(self.hook, hook_name, None)
+            spec = caller.spec if isinstance(caller, pluggy.HookCaller) else None
             if spec is None:
-                continue  # an unknown hook: check_pending names it, with a suggestion
-            provided = argnames(spec)
+                if opts.get("optionalhook"):
+                    continue
+                specs = [n for n in dir(hookspecs) if n.startswith("engine_")]
+                close = difflib.get_close_matches(hook_name, specs, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                function = f" (function {attr})" if attr != hook_name else ""
+                raise PluginError(f'Plugin "{name}" implements unknown hook '
+                                  f'"{hook_name}"{function}{hint}')
+            provided = argnames(spec.function)
             extra = [a for a in argnames(getattr(plugin, attr)) if a not in provided]
             if extra:
                 raise PluginError(
@@ -188,24 +263,20 @@ class EnginePluginManager(pluggy.PluginManager):
                     f"{', '.join(provided) or 'no arguments'}"
                 )
 
-    def check_pending(self) -> None:
-        """Every engine_* function must match a hook spec; name the plugin and hook."""
-        specs = [n for n in dir(hookspecs) if n.startswith("engine_")]
-        for hook_name in dir(self.hook):
-            if not hook_name.startswith("engine_"):
-                continue
-            caller = getattr(self.hook, hook_name)
-            if caller.spec is not None:
-                continue
-            for impl in caller.get_hookimpls():
-                if impl.optionalhook:
-                    continue
-                close = difflib.get_close_matches(hook_name, specs, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise PluginError(
-                    f'Plugin "{impl.plugin_name}" implements unknown hook '
-                    f'"{hook_name}"{hint}'
-                )
+    def _call_registration(self, impl, hook_name: str, *args):
+        """(True, what ``impl.function(*args)`` of a registration hook returned), or
+        (False, None) when it raised and ``keep_going`` left the plugin out; without
+        ``keep_going`` the error is raised, naming the plugin."""
+        try:
+            return True, impl.function(*args)
+        except Exception as exc:
+            error = exc if isinstance(exc, EngineError) else PluginError(
+                f'Plugin "{impl.plugin_name}" failed in {hook_name}: '
+                f"{type(exc).__name__}: {first_line(exc)}")
+            if error is not exc:
+                error.__cause__ = exc
+            self._leave_out(self.infos[impl.plugin_name], error, registered=True)
+            return False, None
 
     def fill_registries(self) -> None:
         for registry, hook in (
@@ -217,19 +288,16 @@ class EnginePluginManager(pluggy.PluginManager):
             # registry knows who registered what: a duplicate name then names both
             # plugins, and the one that came first keeps it.
             for impl in hook.get_hookimpls():
-                if impl.hookwrapper or impl.wrapper:
-                    raise PluginError(f'Plugin "{impl.plugin_name}": the registration hook '
-                                      f'"{hook.name}" cannot be a wrapper')
+                if not self.has_plugin(impl.plugin_name):
+                    continue  # left out (keep_going) by an earlier registration hook
                 registry.current_plugin = impl.plugin_name
-                try:
-                    impl.function(*[{"registry": registry}[a] for a in impl.argnames])
-                except EngineError:
-                    raise
-                except Exception as exc:
-                    raise PluginError(
-                        f'Plugin "{impl.plugin_name}" failed in {hook.name}: '
-                        f"{type(exc).__name__}: {first_line(exc)}"
-                    ) from exc
+                if impl.hookwrapper or impl.wrapper:
+                    self._leave_out(self.infos[impl.plugin_name], PluginError(
+                        f'Plugin "{impl.plugin_name}": the registration hook '
+                        f'"{hook.name}" cannot be a wrapper'), registered=True)
+                    continue
+                self._call_registration(impl, hook.name,
+                                        *[{"registry": registry}[a] for a in impl.argnames])
             registry.current_plugin = "<unknown>"
 
     def collect_config_groups(self) -> None:
@@ -239,43 +307,57 @@ class EnginePluginManager(pluggy.PluginManager):
 
         for impl in self.hook.engine_register_config_groups.get_hookimpls():
             plugin = impl.plugin_name
+            ok, groups = self._call_registration(impl, "engine_register_config_groups")
+            if not ok:
+                continue
             try:
-                groups = impl.function()
-            except EngineError:
-                raise
-            except Exception as exc:
-                raise PluginError(f'Plugin "{plugin}" failed in engine_register_config_groups: '
-                                  f"{type(exc).__name__}: {first_line(exc)}") from exc
-            if not isinstance(groups, Mapping):
-                raise PluginError(
-                    f'Plugin "{plugin}": engine_register_config_groups must return a dict '
-                    f"of group name to attrs class, not {type(groups).__name__}")
-            for name, group in groups.items():
-                if not (isinstance(name, str) and NAME_PATTERN.match(name)
-                        and name.isidentifier()):
-                    raise PluginError(f'Plugin "{plugin}" adds a config group named '
-                                      f"{name!r}; a group name is a Python identifier")
-                if not attrs.has(group):
-                    raise PluginError(f'Plugin "{plugin}" adds config group {name!r} as '
-                                      f"{group!r}, which is not an attrs class")
-                if name in self.config_groups:
+                if not isinstance(groups, Mapping):
                     raise PluginError(
-                        f"config group {name!r} is added twice: by plugin "
-                        f"{self.config_group_owners[name]!r} and by plugin {plugin!r}; "
-                        "disable one with -p no:NAME")
-                self.config_groups[name] = group
-                self.config_group_owners[name] = plugin
+                        f'Plugin "{plugin}": engine_register_config_groups must return a '
+                        f"dict of group name to attrs class, not {type(groups).__name__}")
+                for name, group in groups.items():
+                    if not (isinstance(name, str) and NAME_PATTERN.match(name)
+                            and name.isidentifier()):
+                        raise PluginError(f'Plugin "{plugin}" adds a config group named '
+                                          f"{name!r}; a group name is a Python identifier")
+                    if not attrs.has(group):
+                        raise PluginError(f'Plugin "{plugin}" adds config group {name!r} '
+                                          f"as {group!r}, which is not an attrs class")
+                    if name in self.config_groups:
+                        raise PluginError(
+                            f"config group {name!r} is added twice: by plugin "
+                            f"{self.config_group_owners[name]!r} and by plugin {plugin!r}; "
+                            "disable one with -p no:NAME")
+                    self.config_groups[name] = group
+                    self.config_group_owners[name] = plugin
+            except PluginError as exc:
+                self._leave_out(self.infos[plugin], exc, registered=True)
 
     def commands(self) -> dict[str, object]:
         """The plugins' ``engine-run`` commands (engine_register_commands), by name."""
+        if self._commands is not None:
+            return self._commands
         found: dict[str, object] = {}
         for impl in self.hook.engine_register_commands.get_hookimpls():
-            for name, main in (impl.function() or {}).items():
+            ok, added = self._call_registration(impl, "engine_register_commands")
+            for name, main in (added or {}).items() if ok else ():
                 if name in found:
                     raise PluginError(f"engine-run command {name!r} is added twice; "
                                       "disable one plugin with -p no:NAME")
                 found[name] = main
+        self._commands = found
         return found
+
+    def try_options(self) -> None:
+        """Call each plugin's engine_addoption on a scratch ``engine-run`` parser, one
+        plugin at a time: one that raises, or adds an option already taken (by the
+        engine or an earlier plugin), is named (and left out with ``keep_going``)."""
+        from engine.cli import build_parser
+
+        parser = build_parser()
+        for impl in self.hook.engine_addoption.get_hookimpls():
+            self._call_registration(impl, "engine_addoption",
+                                    *[{"parser": parser}[a] for a in impl.argnames])
 
     # ---------------------------------------------------------------- queries
 
@@ -414,13 +496,16 @@ def installed_entry_points() -> list[EntryPoint]:
 
 
 def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = None,
-                         objects: Mapping[str, object] | None = None
-                         ) -> EnginePluginManager:
+                         objects: Mapping[str, object] | None = None,
+                         keep_going: bool = False) -> EnginePluginManager:
     """``extra`` holds the ``-p`` arguments: ``no:NAME`` blocks a plugin, anything else
     names an entry point or a module to import and register. ``autoload`` defaults to
     true unless ENGINE_DISABLE_PLUGIN_AUTOLOAD is set to something other than 0.
-    ``objects`` maps names to plugin objects already in hand (tests), registered last."""
-    pm = EnginePluginManager()
+    ``objects`` maps names to plugin objects already in hand (tests), registered last.
+    ``keep_going``: a broken plugin is left out and listed in ``pm.broken`` instead of
+    raising its PluginError (for ``--help``, ``doctor``, ``plugins``); a mistake on the
+    command line (``-p no:`` of an unknown or essential name) still raises."""
+    pm = EnginePluginManager(keep_going)
     extra = list(extra)
     disable = [spec[3:] for spec in extra if spec.startswith("no:")]
     add = [spec for spec in extra if not spec.startswith("no:")]
@@ -468,9 +553,13 @@ def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = N
                 + ", ".join(sorted({*pm.infos, *(ep.name for ep in pm.entry_points)}))
             )
 
-    pm.check_pending()
     pm.fill_registries()
     pm.collect_config_groups()
+    if keep_going:
+        # What --help calls later is tried now, so that a plugin that fails there is
+        # left out and named too.
+        pm.commands()
+        pm.try_options()
     return pm
 
 

@@ -92,6 +92,11 @@ class Registry:
     def items(self):
         return self._entries.items()
 
+    def discard_owner(self, plugin_name: str) -> None:
+        """Remove what ``plugin_name`` registered (a plugin left out as broken)."""
+        for name in self.by_owner(plugin_name):
+            del self._entries[name], self._owners[name]
+
     def by_owner(self, plugin_name: str) -> list[str]:
         return [n for n, owner in self._owners.items() if owner == plugin_name]
 

@@ -14,10 +14,10 @@ or on the command line: ``pytest -p engine.testing``. Fixtures:
     autoload is off unless asked for, so other installed plugins cannot interfere.
 ``make_engine(*overrides, recipe=None, plugins=(), autoload=False, options=None)``
     An :class:`engine.engine.Engine` as a rank-0 worker of a one-process world would
-    have it before training (plugin manager, recipe, config with ``out_dir`` in a
-    temporary folder, ``engine.options`` with every option's default, those the plugins
-    add included, updated by ``options``: ``{"csv_every": 5}``), for calling hooks
-    directly:
+    have it before training (plugin manager, recipe, config with the plugins' config
+    groups and ``out_dir`` in a temporary folder, ``engine.options`` with every option's
+    default, those the plugins add included, updated by ``options``:
+    ``{"csv_every": 5}``), for calling hooks directly:
     ``eng.pm.hook.engine_log(engine=eng, metrics={"train/loss": 1.0}, step=1)``, then
     ``engine.testing.fire_run_end(eng)`` for ``engine_run_end`` with a real summary.
 ``tiny_recipe``
@@ -227,7 +227,7 @@ def _object_name(plugin: object) -> str:
 
 @pytest.fixture
 def make_engine(make_plugin_manager, tiny_recipe, tmp_path) -> Callable[..., Any]:
-    from engine.config import apply_overrides
+    from engine.config import apply_overrides, with_groups
     from engine.engine import Engine
     from engine.recipe import load_recipe
     from engine.world import World
@@ -236,7 +236,8 @@ def make_engine(make_plugin_manager, tiny_recipe, tmp_path) -> Callable[..., Any
              options: Mapping[str, Any] | None = None):
         pm = make_plugin_manager(*plugins, autoload=autoload)
         loaded = load_recipe(recipe or tiny_recipe)
-        cfg = apply_overrides(loaded.make_config(),
+        # The plugins' config groups join the recipe's before the overrides, as in a run.
+        cfg = apply_overrides(with_groups(loaded.make_config(), pm.config_groups),
                               [f"out_dir={tmp_path / 'run'}", *overrides])
         world = World(rank=0, local_rank=0, world_size=1, local_world_size=1)
         return Engine(pm, loaded, cfg, world, plugin_options(pm, loaded.path, options))

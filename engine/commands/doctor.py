@@ -7,8 +7,8 @@
 Prints the versions (torch, CUDA, NCCL), the GPUs, which launcher each detection rule
 picks and why, the variables the chosen launcher read, the world it computes (rank,
 world size, master), a few checks (master resolves, port free, NCCL_SOCKET_IFNAME
-exists), and hints for the failures the seeds ran into. Exit status 1 when a check
-failed.
+exists), the plugins that are broken (left out, with how to disable them), and hints
+for the failures the seeds ran into. Exit status 1 when a check failed.
 """
 
 from __future__ import annotations
@@ -74,7 +74,12 @@ def main(argv) -> int:
     from engine.launcher import LaunchOptions, choose_launcher, detection_order, detects
     from engine.plugin_manager import build_plugin_manager
 
-    pm = build_plugin_manager(args.plugins)
+    # A broken plugin is one of the problems doctor is for: named, not fatal.
+    pm = build_plugin_manager(args.plugins, keep_going=True)
+    print("plugins:")
+    line(OK, f"{len(pm.infos)} loaded (engine-run plugins lists them)")
+    for broken in pm.broken:
+        line(PROBLEM, broken.describe())
     options = LaunchOptions(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                             master_addr=args.master_addr, master_port=args.master_port,
                             init_method=args.init_method, local_rank=args.local_rank)

@@ -1,6 +1,7 @@
 """``engine-run plugins``: every loaded plugin with its version and where it came from
 (built-in, an installed distribution's entry point, ``-p``), the hooks it implements and
-the components it registers; then what is disabled or installed but not loaded.
+the components it registers; then what is disabled or installed but not loaded, and
+each broken plugin (left out: its error and how to disable it; exit status 1).
 
     spawn 0.1.0 (built-in; module engine.plugins.spawn)
       hooks: engine_register_launchers
@@ -25,7 +26,7 @@ def main(argv) -> int:
                         help="-p module.path or -p NAME loads a plugin, -p no:NAME "
                              "disables one (as for a run)")
     parser.parse_args(argv)
-    pm = build_plugin_manager(plugin_args(argv))
+    pm = build_plugin_manager(plugin_args(argv), keep_going=True)
     for name, info in pm.infos.items():
         if info.distribution:
             origin = f"distribution {info.distribution}, {info.source}"
@@ -47,4 +48,6 @@ def main(argv) -> int:
         print("installed, not loaded: "
               + ", ".join(f"{ep.name} ({ep.distribution} {ep.version})" for ep in not_loaded)
               + "; load one with -p NAME")
-    return 0
+    for broken in pm.broken:
+        print(f"broken: {broken.describe()}")
+    return 1 if pm.broken else 0

@@ -239,6 +239,32 @@ def test_an_unknown_hook_names_plugin_hook_and_the_likely_one(site, write_module
                               "did you mean 'engine_log'?")
 
 
+def test_a_decorated_hook_with_a_misspelt_prefix_is_refused(site, write_module):
+    # pluggy validates only names with the project's prefix: egnine_run_end would be
+    # accepted and never called.
+    name = write_module("""
+import engine
+
+@engine.hookimpl
+def egnine_run_end(engine, summary):
+    pass
+""")
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager([name])
+    assert str(err.value) == (f'Plugin "{name}" implements unknown hook "egnine_run_end"; '
+                              "did you mean 'engine_run_end'?")
+
+    class Logger:
+        @engine.hookimpl(specname="engine_lg")
+        def write_row(self, engine, metrics, step):
+            pass
+
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager(objects={"rows": Logger()})
+    assert str(err.value) == ('Plugin "rows" implements unknown hook "engine_lg" (function '
+                              "write_row); did you mean 'engine_log'?")
+
+
 def test_an_argument_the_hook_lacks_names_plugin_hook_and_argument(site, write_module):
     name = write_module("def engine_log(engine, metrics, step, colour):\n    pass\n")
     with pytest.raises(PluginError) as err:
@@ -308,6 +334,113 @@ def engine_register_launchers(registry):
         build_plugin_manager([name])
     assert str(err.value) == (f'Plugin "{name}" failed in engine_register_launchers: '
                               "KeyError: 'SLURM_JOB_ID'")
+
+
+# ------------------------------------------------------------ broken plugins
+
+#: A plugin module broken in each way a run refuses, and the run's one-line error
+#: ({module}: the module's name).
+BROKEN = {
+    "missing import": ("import gone_module_xyz\n", 'Error importing plugin "bad": '
+                       "ModuleNotFoundError: No module named 'gone_module_xyz'"),
+    "syntax error": ("def engine_log(engine, metrics, step)\n    pass\n",
+                     'Error importing plugin "bad": SyntaxError: expected \':\' ({module}.py, '
+                     "line 1)"),
+    "raises at import": ("raise RuntimeError('no licence key')\n",
+                         'Error importing plugin "bad": RuntimeError: no licence key'),
+    "misspelt hook": ("import engine\n@engine.hookimpl\ndef egnine_log(engine):\n    pass\n",
+                      'Plugin "bad" implements unknown hook "egnine_log"; did you mean '
+                      "'engine_log'?"),
+    "bad argument": ("def engine_log(engine, colour):\n    pass\n",
+                     'Plugin "bad" implements hook "engine_log" with argument(s) colour that '
+                     "the hook does not provide; it provides: engine, metrics, step"),
+    # Its launcher is registered before engine_register_parallel raises: it goes too.
+    "registration raises": ("""
+from engine.launcher import Launcher
+
+class Mine(Launcher):
+    name = "mine"
+
+def engine_register_launchers(registry):
+    registry.add(Mine)
+
+def engine_register_parallel(registry):
+    raise KeyError("SLURM_JOB_ID")
+""", "Plugin \"bad\" failed in engine_register_parallel: KeyError: 'SLURM_JOB_ID'"),
+    "config group": ("""
+import attrs
+
+@attrs.define
+class Group:
+    every: int = 1
+
+def engine_register_config_groups():
+    return {"fine": Group, "not fine": Group}
+""", 'Plugin "bad" adds a config group named \'not fine\'; a group name is a Python '
+     "identifier"),
+    "commands raise": ("def engine_register_commands():\n    raise OSError('no sbatch')\n",
+                       'Plugin "bad" failed in engine_register_commands: OSError: no sbatch'),
+}
+
+
+@pytest.mark.parametrize("how", list(BROKEN))
+def test_a_broken_plugin_stops_a_run_or_is_left_out_and_named(site, write_module,
+                                                              monkeypatch, how):
+    source, error = BROKEN[how]
+    module = write_module(source)
+    error = error.format(module=module)
+    write_distribution(site, "engine-bad", "1.0", {"bad": module})
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager().commands()  # what a run does (commands: plugin commands)
+    assert str(err.value) == error
+
+    pm = build_plugin_manager(keep_going=True)  # --help, doctor, plugins
+    assert [b.error for b in pm.broken] == [error]
+    assert pm.broken[0].describe() == (
+        f'plugin "bad" (distribution engine-bad 1.0) is broken and was left out: {error}; '
+        f"to disable it: -p no:bad, or {DISABLE_AUTOLOAD_ENV}=1 (no installed plugin "
+        "loads), or pip uninstall engine-bad")
+    # Nothing of it stays behind; the built-ins are all there.
+    assert list(pm.infos) == [name for name, _ in BUILTIN_PLUGINS]
+    assert not pm.has_plugin("bad") and "bad" not in pm.commands()
+    assert not [r for r in (pm.launchers, pm.parallel_modes, pm.checkpointers)
+                if r.by_owner("bad")]
+    assert set(pm.config_groups) == set(build_plugin_manager(autoload=False).config_groups)
+    # Both ways the message offers let a run start.
+    build_plugin_manager(["no:bad"]).commands()
+    monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
+    build_plugin_manager().commands()
+
+
+def test_a_plugin_whose_options_fail_is_left_out_before_help_needs_them(site,
+                                                                       write_module):
+    raises = write_module("def engine_addoption(parser):\n    raise ValueError('no')\n")
+    taken = write_module("def engine_addoption(parser):\n"
+                         "    parser.add_argument('--nproc')\n")
+    fine = write_module("def engine_addoption(parser):\n"
+                        "    parser.add_argument('--fine-every')\n")
+    pm = build_plugin_manager([raises, taken, fine], keep_going=True)
+    assert [b.error for b in pm.broken] == [
+        f'Plugin "{raises}" failed in engine_addoption: ValueError: no',
+        f'Plugin "{taken}" failed in engine_addoption: ArgumentError: argument --nproc: '
+        "conflicting option string: --nproc"]
+    assert fine in pm.infos and not {raises, taken} & set(pm.infos)
+
+
+def test_a_second_plugin_of_a_taken_name_is_left_out_not_the_first(site, write_module):
+    write_distribution(site, "engine-console2", "1.0", {"console": write_module(LOGGER)})
+    pm = build_plugin_manager(keep_going=True)
+    assert [b.error for b in pm.broken] == [str(pytest.raises(
+        PluginError, build_plugin_manager).value)]
+    assert pm.infos["console"].source == "built-in" and pm.has_plugin("console")
+
+
+def test_a_broken_p_module_is_left_out_with_its_own_advice(site, write_module):
+    name = write_module("raise RuntimeError('no licence key')\n")
+    pm = build_plugin_manager([name], keep_going=True)
+    assert [b.describe() for b in pm.broken] == [
+        f'plugin "{name}" is broken and was left out: Error importing plugin "{name}": '
+        f"RuntimeError: no licence key; to disable it: leave out -p {name}"]
 
 
 # ------------------------------------------------------------ REQUIRED_PLUGINS

@@ -13,6 +13,7 @@ from engine.testing import write_distribution
 from tests.conftest import engine_env
 
 AUTHOR_TESTS = textwrap.dedent('''
+    import attrs
     import pytest
 
     import engine
@@ -43,16 +44,29 @@ AUTHOR_TESTS = textwrap.dedent('''
         assert recorder.calls == [("log", 2, {"train/loss": 1.5}), ("run_end", "failed")]
 
 
+    @attrs.define
+    class RecorderGroup:
+        flush: bool = False
+
+
     class EveryOption:
         @engine.hookimpl
         def engine_addoption(self, parser):
             parser.add_argument("--recorder-every", type=int, default=3)
 
+        @engine.hookimpl
+        def engine_register_config_groups(self):
+            return {"recorder": RecorderGroup}
+
 
     def test_make_engine_passes_plugin_options(make_engine):
-        assert make_engine(plugins=[EveryOption()]).options["recorder_every"] == 3
-        eng = make_engine(plugins=[EveryOption()], options={"recorder_every": 5})
+        eng = make_engine(plugins=[EveryOption()])
+        assert eng.options["recorder_every"] == 3
+        assert eng.cfg.recorder.flush is False and eng.cfg.ddp is not None
+        eng = make_engine("recorder.flush=true", plugins=[EveryOption()],
+                          options={"recorder_every": 5})
         assert eng.options["recorder_every"] == 5 and eng.options["no_resume"] is False
+        assert eng.cfg.recorder.flush is True
         with pytest.raises(ValueError, match="make_engine: 'recorder_evry' is not an "
                                              "option of engine-run or of a loaded plugin"):
             make_engine(plugins=[EveryOption()], options={"recorder_evry": 5})

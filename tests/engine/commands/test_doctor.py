@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from engine.commands.doctor import HINTS
-from tests.conftest import engine_env, run_cli_here
+from engine.plugin_manager import BUILTIN_PLUGINS, DISABLE_AUTOLOAD_ENV
+from engine.testing import write_distribution
+from tests.conftest import REPO, engine_env, run_cli_here
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "job7", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
             "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1",
@@ -78,3 +82,44 @@ def test_salloc_shell_is_explained():
     slurm_row = [line for line in proc.stdout.splitlines() if line.startswith("  slurm ")]
     assert slurm_row and "no   in a SLURM allocation but not in a job step" in slurm_row[0]
     assert "launcher spawn (detected)" in proc.stdout
+
+
+@pytest.fixture
+def broken_install(tmp_path, monkeypatch):
+    """An installed distribution whose plugin fails to import, found by
+    importlib.metadata like a pip-installed one (on sys.path: the commands run here)."""
+    monkeypatch.delenv(DISABLE_AUTOLOAD_ENV, raising=False)
+    write_distribution(tmp_path, "engine-bad", "1.0", {"bad": "bad_plugin_xyz"},
+                       files={"bad_plugin_xyz.py": "import gone_module_xyz\n"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_broken_plugin_is_named_by_help_doctor_and_plugins_and_stops_a_run(
+        broken_install):
+    error = ('Error importing plugin "bad": ModuleNotFoundError: No module named '
+             "'gone_module_xyz'")
+    named = (f'plugin "bad" (distribution engine-bad 1.0) is broken and was left out: '
+             f"{error}; to disable it: -p no:bad, or {DISABLE_AUTOLOAD_ENV}=1 (no "
+             "installed plugin loads), or pip uninstall engine-bad")
+    proc = doctor()
+    assert proc.returncode == 1
+    assert f"plugins:\n  ok      {len(BUILTIN_PLUGINS)} loaded (engine-run plugins lists " \
+           f"them)\n  PROBLEM {named}\nlauncher detection" in proc.stdout
+    assert "ok      launcher spawn (detected)" in proc.stdout  # the rest still runs
+
+    proc = run_cli_here("--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: engine-run")
+    assert proc.stderr == f"engine-run: warning: {named}\n"
+
+    proc = run_cli_here("plugins")
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines()[-1] == f"broken: {named}"
+    assert "spawn " in proc.stdout
+
+    # A run refuses, with the one line it always had.
+    recipe = str(REPO / "recipes" / "cifar_ddp.py")
+    proc = run_cli_here(recipe, "--dry-run")
+    assert (proc.returncode, proc.stderr) == (2, f"engine-run: error: {error}\n")
+
+    assert "PROBLEM" not in doctor("-p", "no:bad").stdout
+    assert run_cli_here("-p", "no:bad", "--help").stderr == ""
