@@ -151,7 +151,8 @@ def run(argv: Sequence[str]) -> int:
     # --help works with a broken plugin installed: it is left out and named (a run
     # refuses to start with it).
     helping = "-h" in argv or "--help" in argv
-    pm = build_plugin_manager(plugin_args(argv), keep_going=helping)
+    pm = build_plugin_manager(plugin_args(argv), keep_going=helping,
+                              scratch_parser=build_parser() if helping else None)
     for broken in pm.broken:
         print(f"engine-run: warning: {broken.describe()}", file=sys.stderr)
     try:

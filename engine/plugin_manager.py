@@ -348,13 +348,10 @@ class EnginePluginManager(pluggy.PluginManager):
         self._commands = found
         return found
 
-    def try_options(self) -> None:
-        """Call each plugin's engine_addoption on a scratch ``engine-run`` parser, one
-        plugin at a time: one that raises, or adds an option already taken (by the
-        engine or an earlier plugin), is named (and left out with ``keep_going``)."""
-        from engine.cli import build_parser
-
-        parser = build_parser()
+    def try_options(self, parser) -> None:
+        """Call each plugin's engine_addoption on ``parser``, a scratch ``engine-run``
+        parser, one plugin at a time: one that raises, or adds an option already taken (by
+        the engine or an earlier plugin), is named (and left out with ``keep_going``)."""
         for impl in self.hook.engine_addoption.get_hookimpls():
             self._call_registration(impl, "engine_addoption",
                                     *[{"parser": parser}[a] for a in impl.argnames])
@@ -497,14 +494,18 @@ def installed_entry_points() -> list[EntryPoint]:
 
 def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = None,
                          objects: Mapping[str, object] | None = None,
-                         keep_going: bool = False) -> EnginePluginManager:
+                         keep_going: bool = False,
+                         scratch_parser=None) -> EnginePluginManager:
     """``extra`` holds the ``-p`` arguments: ``no:NAME`` blocks a plugin, anything else
     names an entry point or a module to import and register. ``autoload`` defaults to
     true unless ENGINE_DISABLE_PLUGIN_AUTOLOAD is set to something other than 0.
     ``objects`` maps names to plugin objects already in hand (tests), registered last.
     ``keep_going``: a broken plugin is left out and listed in ``pm.broken`` instead of
     raising its PluginError (for ``--help``, ``doctor``, ``plugins``); a mistake on the
-    command line (``-p no:`` of an unknown or essential name) still raises."""
+    command line (``-p no:`` of an unknown or essential name) still raises.
+    ``scratch_parser``: with ``keep_going``, a fresh ``engine-run`` parser
+    (``engine.cli.build_parser()``, passed in: this module does not import the CLI) to try
+    the plugins' options on."""
     pm = EnginePluginManager(keep_going)
     extra = list(extra)
     disable = [spec[3:] for spec in extra if spec.startswith("no:")]
@@ -559,7 +560,8 @@ def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = N
         # What --help calls later is tried now, so that a plugin that fails there is
         # left out and named too.
         pm.commands()
-        pm.try_options()
+        if scratch_parser is not None:
+            pm.try_options(scratch_parser)
     return pm
 
 

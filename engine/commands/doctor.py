@@ -70,12 +70,14 @@ def main(argv) -> int:
           f"{socket.gethostname()} ({platform.system()} {platform.release()})")
     gpus = _torch_section()
 
+    from engine import cli
     from engine.errors import EngineError
     from engine.launcher import LaunchOptions, choose_launcher, detection_order, detects
     from engine.plugin_manager import build_plugin_manager
 
     # A broken plugin is one of the problems doctor is for: named, not fatal.
-    pm = build_plugin_manager(args.plugins, keep_going=True)
+    pm = build_plugin_manager(args.plugins, keep_going=True, 
+                              scratch_parser=cli.build_parser())
     print("plugins:")
     line(OK, f"{len(pm.infos)} loaded (engine-run plugins lists them)")
     for broken in pm.broken:

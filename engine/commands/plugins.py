@@ -16,7 +16,7 @@ import argparse
 
 
 def main(argv) -> int:
-    from engine.cli import plugin_args
+    from engine.cli import build_parser, plugin_args
     from engine.plugin_manager import DISABLE_AUTOLOAD_ENV, build_plugin_manager
 
     parser = argparse.ArgumentParser(
@@ -26,7 +26,8 @@ def main(argv) -> int:
                         help="-p module.path or -p NAME loads a plugin, -p no:NAME "
                              "disables one (as for a run)")
     parser.parse_args(argv)
-    pm = build_plugin_manager(plugin_args(argv), keep_going=True)
+    pm = build_plugin_manager(plugin_args(argv), keep_going=True,
+                              scratch_parser=build_parser())
     for name, info in pm.infos.items():
         if info.distribution:
             origin = f"distribution {info.distribution}, {info.source}"

@@ -15,6 +15,7 @@ import pytest
 
 import engine
 from tests.conftest import engine_env
+from engine.cli import build_parser
 from engine.errors import ConfigError, PluginError
 from engine.plugin_manager import (BUILTIN_PLUGINS, DISABLE_AUTOLOAD_ENV, ESSENTIAL_PLUGINS,
                                    build_plugin_manager, require_plugins)
@@ -419,7 +420,8 @@ def test_a_plugin_whose_options_fail_is_left_out_before_help_needs_them(site,
                          "    parser.add_argument('--nproc')\n")
     fine = write_module("def engine_addoption(parser):\n"
                         "    parser.add_argument('--fine-every')\n")
-    pm = build_plugin_manager([raises, taken, fine], keep_going=True)
+    pm = build_plugin_manager([raises, taken, fine], keep_going=True,
+                              scratch_parser=build_parser())
     assert [b.error for b in pm.broken] == [
         f'Plugin "{raises}" failed in engine_addoption: ValueError: no',
         f'Plugin "{taken}" failed in engine_addoption: ArgumentError: argument --nproc: '
