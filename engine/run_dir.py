@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import datetime
 import glob
+import itertools
 import os
 import pathlib
 import re
@@ -63,6 +64,14 @@ def placeholders(out_dir: str) -> list[str]:
 
 def is_pattern(out_dir: str) -> bool:
     return bool(placeholders(out_dir))
+
+
+def fixed_part(out_dir: str) -> str:
+    """The folders of ``out_dir`` before its first placeholder (``runs/cifar`` for
+    ``runs/cifar/version_{version}``): what exists before the run, for a SLURM log."""
+    parts = pathlib.PurePath(out_dir).parts
+    fixed = list(itertools.takewhile(lambda part: not _FIELD.search(part), parts))
+    return str(pathlib.PurePath(*fixed)) if fixed else "."
 
 
 def _regex(pattern: str) -> re.Pattern:

@@ -24,6 +24,8 @@ def test_version_is_one_more_than_the_highest_and_the_folder_is_claimed(tmp_path
     (tmp_path / "runs" / "version_x").mkdir()  # not of the pattern: ignored
     (tmp_path / "runs" / "notes.txt").write_text("")
     assert run_dir.resolve(pattern) == str(tmp_path / "runs" / "version_8")
+    assert run_dir.fixed_part(pattern) == str(tmp_path / "runs")
+    assert run_dir.fixed_part("v{version}/a") == "."
     # A path without a placeholder is the run's folder as it is.
     assert run_dir.resolve(str(tmp_path / "fixed")) == str(tmp_path / "fixed")
     assert not (tmp_path / "fixed").exists()
