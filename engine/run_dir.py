@@ -188,7 +188,10 @@ def settle(cfg, world, options: dict) -> None:
     decision: str | BaseException | None = None
     if world.rank == 0:
         try:
-            decision = resolve(cfg.out_dir, restarted=world.restart_count > 0,
+            # A restart continues its folder, unless it starts afresh anyway
+            # (--no-resume): then a new one, so that two runs never share a folder.
+            restarted = world.restart_count > 0 and not options.get("no_resume")
+            decision = resolve(cfg.out_dir, restarted=restarted,
                                resume=options.get("resume"))
             if options.get("no_resume") and options.get("overwrite") and \
                     not is_pattern(cfg.out_dir):

@@ -95,3 +95,6 @@ def test_settle_fills_the_pattern_on_rank_0(tmp_path):
     again = TrainConfig(out_dir=str(tmp_path / "v{version}"))
     run_dir.settle(again, World(0, 0, 1, 1, restart_count=1), {})
     assert again.out_dir == str(tmp_path / "v0")  # torchrun/SLURM restart: resumes
+    afresh = TrainConfig(out_dir=str(tmp_path / "v{version}"))
+    run_dir.settle(afresh, World(0, 0, 1, 1, restart_count=1), {"no_resume": True})
+    assert afresh.out_dir == str(tmp_path / "v1")  # a restart that starts afresh: new
