@@ -41,7 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--traceback" in argv:
         os.environ[TRACEBACK_ENV] = "1"  # the workers (spawned or adopted) see it too
-    if "--version" in argv:
+    # engine-run --version, or after a recipe; a command's own options are its own.
+    if "--version" in argv and not COMMAND_NAME.match(argv[0]):
         print(version_line())
         return EXIT_COMPLETED
     try:
