@@ -1,6 +1,7 @@
 """``engine-run``: the command line.
 
     engine-run RECIPE [key=value ...] [options]     train (see --help)
+    engine-run --version                            the engine's and torch's versions
     engine-run plugins                              list loaded plugins
     engine-run doctor                               what this machine and launcher look like
     engine-run tune-workers RECIPE [options]        measure DataLoader num_workers
@@ -24,7 +25,8 @@ from typing import Any, Sequence
 import attrs
 
 from engine.errors import (EXIT_COMPLETED, EXIT_INTERRUPTED, EXIT_PREEMPTED, TRACEBACK_ENV,
-                           EngineError, PluginCodeError, exit_code, traceback_wanted)
+                           ConfigError, EngineError, PluginCodeError, exit_code,
+                           traceback_wanted)
 
 COMMANDS = {
     "plugins": "engine.commands.plugins",
@@ -43,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--traceback" in argv:
         os.environ[TRACEBACK_ENV] = "1"  # the workers (spawned or adopted) see it too
+    # engine-run --version, or after a recipe; a command's own options are its own.
+    if "--version" in argv and not COMMAND_NAME.match(argv[0]):
+        print(version_line())
+        return EXIT_COMPLETED
     try:
         if argv and argv[0] in COMMANDS:
             return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
@@ -58,6 +64,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("engine-run: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def version_line() -> str:
+    """``engine-run 0.1.0 (torch 2.5.1, Python 3.11.7)``: torch's version from its
+    installed metadata, without importing it (seconds)."""
+    from importlib import metadata
+
+    import engine
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"engine-run {engine.__version__} (torch {torch_version}, Python {python})"
 
 
 def traceback_hint(exc: BaseException) -> str:
@@ -109,6 +130,9 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     p.add_argument("recipe", help="a recipe file, e.g. recipes/cifar_ddp.py")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides by dotted path, e.g. epochs=3 data.root=/data")
+    p.add_argument("--config", metavar="FILE",
+                   help="overrides from a .toml, .yaml or .json file (key=value given "
+                        "here wins); a run's config.json reproduces that run")
     g = p.add_argument_group("launch")
     g.add_argument("--launcher", **(choices(pm.launchers, "auto") if pm else
                                     {"help": "a registered launcher (default: detect)"}))
@@ -128,7 +152,11 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
                                         {"help": "a registered checkpointer"}))
     t.add_argument("--resume", metavar="PATH", help="resume from this snapshot")
     t.add_argument("--no-resume", action="store_true",
-                   help="start fresh even if out_dir holds snapshots")
+                   help="start fresh; refused where out_dir holds a run, unless "
+                        "--overwrite or out_dir has {version}/{time}")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start fresh, first deleting the run out_dir holds (snapshots, "
+                        "tensorboard, metrics.csv, summary.json, config.json)")
     t.add_argument("--resume-anyway", action="store_true",
                    help="resume even if the config changed keys that break exact resume")
     t.add_argument("--threads", type=int, help="torch threads per process (default: "
@@ -138,6 +166,8 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="print the world table")
     p.add_argument("--traceback", action="store_true",
                    help=f"print the traceback of every error (or set {TRACEBACK_ENV}=1)")
+    p.add_argument("--version", action="store_true",
+                   help="print the engine's and torch's versions and exit")
     loaded = f" (loaded: {', '.join(pm.infos)})" if pm else ""
     p.add_argument("-p", dest="plugins", action="append", default=[], metavar="NAME",
                    help=f"-p module.path loads a plugin, -p no:NAME disables one{loaded}; "
@@ -171,6 +201,10 @@ def train(pm, argv: Sequence[str]) -> int:
     args = parser.parse_intermixed_args(argv)
     job = WorkerJob.from_args(args)
     recipe, cfg = job.load(pm)
+    if job.options.get("no_resume") and not job.options.get("overwrite"):
+        from engine.run_dir import refuse_fresh_start
+
+        refuse_fresh_start(cfg.out_dir)  # before any process starts
 
     from engine.launcher import choose_launcher
 
@@ -198,9 +232,16 @@ class WorkerJob:
     overrides: tuple[str, ...]
     plugins: tuple[str, ...]
     options: dict[str, Any]
+    #: ``--config FILE`` and the overrides read from it (applied before ``overrides``).
+    config_file: str | None = None
+    file_overrides: tuple[str, ...] = ()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "WorkerJob":
+        from engine.config import load_config_file
+
+        # Read here, once: spawned workers get the overrides, not the file.
+        file_overrides = tuple(load_config_file(args.config)) if args.config else ()
         overrides = list(args.overrides)
         for key in ("launcher", "parallel", "checkpointer", "init_method"):
             value = getattr(args, key)
@@ -209,7 +250,9 @@ class WorkerJob:
         options = {k: v for k, v in vars(args).items()
                    if k not in ("recipe", "overrides", "plugins")
                    and isinstance(v, (str, int, float, bool, type(None), list))}
-        return cls(args.recipe, tuple(overrides), tuple(args.plugins), options)
+        options["no_resume"] = args.no_resume or args.overwrite  # --overwrite: afresh
+        return cls(args.recipe, tuple(overrides), tuple(args.plugins), options,
+                   args.config, file_overrides)
 
     def load(self, pm):
         from engine.config import apply_overrides, with_groups
@@ -218,9 +261,17 @@ class WorkerJob:
 
         recipe = load_recipe(self.recipe_path)
         require_plugins(pm, recipe.required_plugins)
-        # The plugins' config groups (ddp...) join the recipe's before the overrides.
-        cfg = apply_overrides(with_groups(recipe.make_config(), pm.config_groups),
-                              list(self.overrides))
+        # The plugins' config groups (ddp...) join the recipe's before the overrides;
+        # the config file's come first, so that key=value on the command line wins.
+        cfg = with_groups(recipe.make_config(), pm.config_groups)
+        try:
+            cfg = apply_overrides(cfg, list(self.file_overrides), checked=False)
+        except ConfigError as exc:
+            raise ConfigError(f"--config {self.config_file}: {exc}") from None
+        try:
+            cfg = apply_overrides(cfg, list(self.overrides))
+        except ConfigError as exc:
+            raise self._blame_the_file(exc) from None
         if cfg.out_dir == "runs/default":
             cfg.out_dir = f"runs/{recipe.name}"
         # Names are checked now, before any process starts.
@@ -230,6 +281,16 @@ class WorkerJob:
             pm.parallel_modes.get(cfg.parallel)
         pm.checkpointers.get(cfg.checkpointer)
         return recipe, cfg
+
+    def _blame_the_file(self, exc: ConfigError) -> ConfigError:
+        """A cross-field check's error about a key only the config file set names the
+        file (a bad value on the command line is the command line's)."""
+        key = re.match(r"config key '([^']+)'", str(exc))
+        given_here = {item.partition("=")[0].strip() for item in self.overrides}
+        from_file = {item.partition("=")[0] for item in self.file_overrides}
+        if key and key.group(1) in from_file - given_here:
+            return ConfigError(f"--config {self.config_file}: {exc}")
+        return exc
 
     def launch_options(self, cfg, pm=None):
         from engine.launcher import LaunchOptions

@@ -271,7 +271,8 @@ def apply_override(cfg: Any, key: str, text: str) -> None:
             raise ConfigError(f"config key {key!r}: {text!r} is not allowed: {exc}") from None
 
 
-def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
+def apply_overrides(cfg: Any, overrides: list[str], checked: bool = True) -> Any:
+    """Apply ``key=value`` items in order; then (``checked``) the cross-field checks."""
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
@@ -279,7 +280,8 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
                 f"override {item!r} is not of the form key=value (e.g. epochs=3, data.root=/data)"
             )
         apply_override(cfg, key.strip(), text)
-    check(cfg)
+    if checked:
+        check(cfg)
     return cfg
 
 
@@ -305,6 +307,9 @@ def check(cfg: TrainConfig) -> None:
         raise ConfigError(f"config key 'early_stopping.min_delta': {stopping.min_delta!r} "
                           "must be >= 0")
     _check_out_dir(str(cfg.out_dir))
+    from engine.run_dir import placeholders
+
+    placeholders(str(cfg.out_dir))  # an unknown {name} is refused now, not at the start
     if not cfg.init_method.startswith(("env://", "tcp://", "file://")):
         raise ConfigError(
             f"config key 'init_method': {cfg.init_method!r} is not allowed; "
@@ -324,6 +329,93 @@ def _check_out_dir(out_dir: str) -> None:
         raise ConfigError(f"config key 'out_dir': {out_dir!r} cannot be the run's folder"
                           f"{where or ': it is a file'}; give a folder (created when "
                           "missing)")
+
+
+# ------------------------------------------------------------------ config files
+
+#: Keys a run's own config.json does not set when it is given to --config: where the
+#: run wrote and how its processes started belong to that run, not to the experiment
+#: (its out_dir would resume or clobber the old run, its launcher may be torchrun's).
+NOT_REPRODUCED = ("out_dir", "launcher", "init_method")
+
+
+def load_config_file(path: str) -> list[str]:
+    """The overrides (``key=value``) a ``--config`` file holds: TOML, YAML or JSON, by
+    its suffix; nested tables and dotted keys both name a field. The parsers are
+    imported here, when a file is given (nothing at start-up). A run's own config.json
+    (its out_dir is the folder it sits in) leaves out :data:`NOT_REPRODUCED`."""
+    file = pathlib.Path(path).expanduser()
+    suffix = file.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml", ".json"):
+        raise ConfigError(f"--config {path}: use a .toml, .yaml/.yml or .json file")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        data = _parse(text, suffix, path)
+    except ConfigError:
+        raise
+    except Exception as exc:  # each parser has its own error class
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        kind = {".json": "JSON", ".toml": "TOML"}.get(suffix, "YAML")
+        raise ConfigError(f"--config {path}: not valid {kind}: {first}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: the file must hold a table of keys "
+                          f"(key = value), not a {type(data).__name__}")
+    if _is_runs_own(data, file):
+        data = {k: v for k, v in data.items() if k not in NOT_REPRODUCED}
+    return [f"{key}={text}" for key, text in _flatten(data)]
+
+
+def _parse(text: str, suffix: str, path: str) -> Any:
+    if suffix == ".json":
+        import json
+
+        return json.loads(text)
+    if suffix == ".toml":
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10: the same parser as a package
+            try:
+                import tomli as tomllib
+            except ImportError:
+                raise ConfigError(f"--config {path}: reading TOML on Python < 3.11 needs "
+                                  "tomli (pip install tomli); or give a .json file") from None
+        return tomllib.loads(text)
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError(f"--config {path}: reading YAML needs PyYAML (pip install "
+                          "pyyaml); or give a .toml or .json file") from None
+    return yaml.safe_load(text)
+
+
+def _is_runs_own(data: dict, file: pathlib.Path) -> bool:
+    out_dir = data.get("out_dir")
+    return isinstance(out_dir, str) and (
+        pathlib.Path(out_dir).expanduser().absolute() == file.parent.absolute())
+
+
+def _flatten(data: dict, prefix: str = ""):
+    """(dotted key, override text) pairs; the text converts back as the key's type does
+    (true/false, none, comma-separated lists)."""
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _flatten(value, name + ".")
+        else:
+            yield name, _as_text(value)
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_as_text(v) for v in value)
+    return str(value)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -62,7 +62,6 @@ class WorkerContext:
         self.cfg = cfg
         self.world = world
         self.options = dict(options or {})
-        self.out_dir = pathlib.Path(cfg.out_dir)
         self.state = state  # engine.engine.TrainState: epoch, step, epochs_completed...
         self.metrics: dict[str, float] = {}  # the latest reduced or logged values
         self.parallel = None  # the parallel mode (engine.parallel.Parallel)
@@ -80,6 +79,16 @@ class WorkerContext:
         self._warned: set[str] = set()
         self._started = time.perf_counter()
         self._started_at = utc_now()
+
+    @property
+    def out_dir(self) -> pathlib.Path:
+        """The run's folder: ``cfg.out_dir``, its pattern filled once the worker has
+        started (engine/run_dir.py)."""
+        return pathlib.Path(self.cfg.out_dir)
+
+    @out_dir.setter
+    def out_dir(self, value) -> None:
+        self.cfg.out_dir = str(value)
 
     # ------------------------------------------------------------- the world
 

@@ -51,10 +51,10 @@ def resolve_parallel_name(name: str, world, registry) -> str:
 def start_worker(pm, cfg, world, options: dict[str, Any]):
     """The first steps of every worker (a Trainer run or a library user's loop): seed
     every RNG, share the CPUs, choose the parallel mode and its devices, create the
-    process group. Returns the parallel mode."""
+    process group, settle the run's folder. Returns the parallel mode."""
     import torch
 
-    from engine import distributed, health
+    from engine import distributed, health, run_dir
     from engine.data import threads_per_process
 
     seed_everything(cfg.seed)
@@ -70,6 +70,8 @@ def start_worker(pm, cfg, world, options: dict[str, Any]):
     if world.distributed:
         distributed.init(world, parallel.backend or "gloo", cfg.timeout_s)
         health.prepare(cfg.timeout_s)
+    # out_dir's pattern filled by rank 0, the same for every rank (engine/run_dir.py).
+    run_dir.settle(cfg, world, options)
     return parallel
 
 
@@ -123,7 +125,7 @@ class Engine(WorkerContext):
                 self.preemption = preemption.PreemptionFlag()
                 self.preemption.install()
             self._setup()
-            self.report_if_complete(cfg.epochs, more="epochs={n}", over="--no-resume")
+            self.report_if_complete(cfg.epochs, more="epochs={n}", over="--no-resume --overwrite")
             self.pm.hook.engine_run_start(engine=self)
             self.trainer = Trainer(self)
             self.trainer.fit()

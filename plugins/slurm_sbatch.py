@@ -96,6 +96,7 @@ def make_script(args: argparse.Namespace, argv_text: str = "") -> str:
     from engine.cli import WorkerJob, plugin_args
     from engine.plugin_manager import build_plugin_manager
     from engine.plugins.slurm import SlurmLauncher
+    from engine.run_dir import fixed_part
 
     # A wrong path, override or component name fails here, not in the job; the plugins
     # the srun line loads (-p after --) may add config groups.
@@ -103,7 +104,8 @@ def make_script(args: argparse.Namespace, argv_text: str = "") -> str:
     job = WorkerJob(args.recipe, tuple(args.overrides), tuple(plugins), {})
     recipe, cfg = job.load(build_plugin_manager(plugins))
     out_dir = cfg.out_dir
-    log_dir = pathlib.Path(args.output_dir or out_dir)
+    # A pattern ({version}) is filled when the job starts: the log goes to its parent.
+    log_dir = pathlib.Path(args.output_dir or fixed_part(out_dir))
     submit = "sbatch THIS_FILE"
     if not log_dir.is_dir():
         # SLURM opens the log before the script runs, so the script cannot create it.

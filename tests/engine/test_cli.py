@@ -5,6 +5,8 @@ is what is tested)."""
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 
 import attrs
 import pytest
@@ -15,7 +17,7 @@ from engine.errors import (CheckpointError, ConfigError, EngineError, LaunchErro
                            PluginCodeError, PluginError, RunError, WorkerFailed, exit_code)
 from engine.parallel import Parallel
 from engine.testing import install_plugin, make_plugin_manager, tiny_recipe  # noqa: F401
-from tests.conftest import REPO, engine_env, run_cli
+from tests.conftest import REPO, engine_env, read_summary, run_cli
 
 
 class Sharded(Parallel):
@@ -82,6 +84,45 @@ def test_flags_become_overrides_that_win_over_the_recipe():
 
 
 # ------------------------------------------------------------ config groups
+
+
+def test_a_config_file_applies_checked_overrides_and_the_command_line_wins(
+        tiny_recipe, tmp_path, make_plugin_manager):
+    pm = make_plugin_manager()
+    config = tmp_path / "exp.toml"
+    config.write_text('epochs = 3\nlr = 0.5\n[checkpoint]\nkeep_last = 1\n')
+
+    def load(*argv):
+        args = build_parser().parse_intermixed_args([str(tiny_recipe), *argv])
+        return WorkerJob.from_args(args).load(pm)[1]
+
+    cfg = load("--config", str(config), "epochs=4")
+    assert (cfg.epochs, cfg.lr, cfg.checkpoint.keep_last) == (4, 0.5, 1)
+    # The same one-line errors as key=value, naming the file.
+    for text, message in [
+            ("epoch = 3", "unknown config key 'epoch'; did you mean 'epochs'?"),
+            ("samples = 'many'", "config key 'samples': 'many' is not an integer"),
+            ("epochs = 0", "config key 'epochs': 0 is not allowed; it must be >= 1")]:
+        config.write_text(text)
+        with pytest.raises(ConfigError) as info:
+            load("--config", str(config))
+        assert str(info.value).startswith(f"--config {config}: {message}")
+    assert load("--config", str(config), "epochs=2").epochs == 2  # the command line's
+    with pytest.raises(ConfigError, match="^config key 'epochs': -1 is not allowed"):
+        load("--config", str(config), "epochs=-1")  # not the file's fault
+
+
+def test_version_prints_the_engine_and_torch_versions_without_importing_torch():
+    from importlib import metadata
+
+    code = ("import sys; from engine.cli import main; code = main(['--version']); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=engine_env())
+    assert proc.returncode == 0, proc.stderr
+    python = ".".join(map(str, sys.version_info[:3]))
+    assert proc.stdout == (f"engine-run {engine.__version__} (torch "
+                           f"{metadata.version('torch')}, Python {python})\n")
 
 
 def test_the_ddp_options_are_the_ddp_plugins_config_group(cifar_recipe):
@@ -299,6 +340,30 @@ def test_a_preempted_run_exits_75_and_resumes(tiny_recipe, tmp_path):
     assert stopped.returncode == 75, stopped.stderr
     assert "pre-empted by SIGUSR1: snapshot written" in stopped.stderr
     assert run_cli(*args, env=env).returncode == 0
+
+
+def test_a_version_pattern_is_one_folder_for_all_ranks_and_overwrite_starts_clean(
+        tiny_recipe, tmp_path):
+    """Rank 0 fills out_dir's {version}, the other rank takes its answer: filling it
+    itself, rank 1 would find version_0 taken (rank 0 creates it) and use version_1."""
+    quick = (str(tiny_recipe), "epochs=1", "samples=64")
+    run_cli(*quick, f"out_dir={tmp_path / 'version_{version}'}", "--nproc", "2",
+            check=True)
+    run = tmp_path / "version_0"
+    assert [p.name for p in tmp_path.iterdir()] == ["version_0"]
+    assert read_summary(run)["world_size"] == 2
+    # --no-resume where a run is: refused before any process starts.
+    args = (*quick, f"out_dir={run}", "--nproc", "1", "--no-resume")
+    refused = run_cli(*args)
+    assert refused.returncode == 2 and refused.stderr == (
+        f"engine-run: error: --no-resume: {run} holds a run (snapshots and summary.json); "
+        "add --overwrite to delete it first, or give another out_dir "
+        "(out_dir=.../version_{version} makes a new folder each run)\n")
+    fresh = run_cli(*args, "--overwrite", check=True)
+    assert "resuming" not in fresh.stdout
+    assert read_summary(run)["world_size"] == 1
+    # The old run's event file went first: TensorBoard shows one run, not two mixed.
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1
 
 
 def test_a_diverged_run_is_a_run_failure(tiny_recipe, tmp_path):

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import json
 import pathlib
+import sys
 from typing import Literal
 
 import attrs
@@ -90,3 +92,87 @@ def test_an_out_dir_that_is_a_file_is_one_clear_line(tmp_path):
     with pytest.raises(ConfigError, match=r"\(.*notes.txt is not a folder\)"):
         check(TrainConfig(out_dir=str(afile / "run")))
     check(TrainConfig(out_dir=str(tmp_path / "new" / "run")))  # created later: fine
+
+
+# ------------------------------------------------------------------ config files
+
+TOML = """
+epochs = 3
+"data.root" = "/data"
+[data]
+source = "synthetic"
+path = "/x/y"
+[checkpoint]
+keep_last = 1
+"""
+YAML = """
+epochs: 3
+data.root: /data
+data: {source: synthetic, path: /x/y}
+checkpoint:
+  keep_last: 1
+"""
+JSON = ('{"epochs": 3, "data.root": "/data", "data": {"source": "synthetic", '
+        '"path": "/x/y"}, "checkpoint": {"keep_last": 1}}')
+
+
+@pytest.mark.parametrize("suffix, text", [(".toml", TOML), (".yaml", YAML), (".json", JSON)])
+def test_a_config_file_holds_the_same_overrides_nested_or_dotted(tmp_path, suffix, text):
+    from engine.config import load_config_file
+
+    path = tmp_path / f"exp{suffix}"
+    path.write_text(text)
+    cfg = apply_overrides(Config(), load_config_file(str(path)))
+    assert (cfg.epochs, cfg.data.root, cfg.data.source) == (3, "/data", "synthetic")
+    assert cfg.data.path == pathlib.Path("/x/y") and cfg.checkpoint.keep_last == 1
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("bad.toml", "epochs = [", "--config {path}: not valid TOML: "),
+    ("bad.json", "{", "--config {path}: not valid JSON: "),
+    ("list.json", "[1]", "--config {path}: the file must hold a table of keys (key = "
+                         "value), not a list"),
+    ("exp.ini", "", "--config {path}: use a .toml, .yaml/.yml or .json file"),
+    ("missing.toml", None, "--config {path}: cannot read it: No such file or directory"),
+])
+def test_a_bad_config_file_is_one_line_naming_it(tmp_path, name, text, message):
+    from engine.config import load_config_file
+
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config_file(str(path))
+    assert str(info.value).startswith(message.format(path=path))
+    assert "\n" not in str(info.value)
+
+
+def test_yaml_without_pyyaml_says_what_to_install(tmp_path, monkeypatch):
+    from engine.config import load_config_file
+
+    monkeypatch.setitem(sys.modules, "yaml", None)  # as if PyYAML were not installed
+    (tmp_path / "exp.yml").write_text("epochs: 3\n")
+    with pytest.raises(ConfigError, match=r"^--config .*exp.yml: reading YAML needs PyYAML "
+                       r"\(pip install pyyaml\); or give a .toml or .json file$"):
+        load_config_file(str(tmp_path / "exp.yml"))
+
+
+def test_a_runs_config_json_reproduces_it_elsewhere(tmp_path):
+    """config.json as the engine writes it (engine/context.py): every key comes back but
+    where the run wrote and how it was launched."""
+    from engine.config import NOT_REPRODUCED, load_config_file
+
+    run = tmp_path / "runs" / "version_3"
+    run.mkdir(parents=True)
+    old = apply_overrides(Config(), [f"out_dir={run}", "launcher=torchrun", "epochs=5",
+                                     "data.path=/p", "scales=2", "grad_clip_norm=1.5",
+                                     "num_workers=auto", "init_method=tcp://h:1"])
+    (run / "config.json").write_text(json.dumps(to_dict(old), indent=1))
+    overrides = load_config_file(str(run / "config.json"))
+    assert not {o.partition("=")[0] for o in overrides} & set(NOT_REPRODUCED)
+    again = apply_overrides(Config(), overrides)
+    assert again == attrs.evolve(old, out_dir="runs/default", launcher="auto",
+                                 init_method="env://")
+    # A hand-written JSON file's out_dir is applied like any key.
+    (tmp_path / "mine.json").write_text(json.dumps({"out_dir": str(run)}))
+    assert load_config_file(str(tmp_path / "mine.json")) == [f"out_dir={run}"]

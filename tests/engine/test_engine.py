@@ -43,7 +43,7 @@ def test_rerunning_a_finished_run_says_it_is_complete_and_what_to_do(tmp_path):
         again = run_cli(*args, f"epochs={asked}", check=True)
         assert (f"already complete: {tmp_path} holds a finished run of 2 epochs (asked for "
                 f"{asked}), nothing to train; to train on, ask for more (epochs=3 or "
-                "more); to start over, use --no-resume or another out_dir") in again.stdout
+                "more); to start over, use --no-resume --overwrite or another out_dir") in again.stdout
     more = run_cli(*args, "epochs=3", check=True)
     assert "already complete" not in more.stdout and read_summary(tmp_path)[
         "epochs_completed"] == 3

@@ -83,7 +83,7 @@ def test_no_resume_starts_fresh_and_resume_path_picks_a_snapshot(tmp_path, refer
     keep_all = (*BASE, "checkpoint.keep_last=0")
     run_cli(RECIPE, *keep_all, f"out_dir={out}", "--nproc", "1", check=True)
     fresh = run_cli(RECIPE, *keep_all, f"out_dir={out}", "--nproc", "1", "--no-resume",
-                    check=True)
+                    "--overwrite", check=True)
     assert "resuming" not in fresh.stdout
     assert read_summary(out)["weights_sha256"] == reference[1]
 

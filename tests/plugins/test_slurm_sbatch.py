@@ -100,3 +100,15 @@ def test_bad_input_is_one_line(capsys, tmp_path, monkeypatch, args, message):
     assert code == 2 and out == ""
     assert err.startswith(f"engine-run: error: {message}")
     assert err.count("\n") == 1
+
+
+def test_a_run_folder_pattern_logs_to_its_fixed_parent(capsys, tmp_path, monkeypatch):
+    """out_dir=runs/x/version_{version} is filled when the job starts (every requeue of
+    the job continues the newest version): SLURM's log cannot go there, nor into a folder
+    literally named version_{version}."""
+    monkeypatch.chdir(tmp_path)
+    code, script, _ = sbatch(capsys, RECIPE, "out_dir=runs/x/version_{version}",
+                             "--nodes", "1")
+    assert code == 0
+    assert directives(script)["output"] == "runs/x/slurm-%j.out"
+    assert "'out_dir=runs/x/version_{version}'" in srun_line(script)

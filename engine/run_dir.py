@@ -1,0 +1,208 @@
+"""Run folders: ``out_dir`` patterns, and a fresh start in a folder that holds a run.
+
+``out_dir`` may contain placeholders, so that a new run does not overwrite (or silently
+resume) an old one::
+
+    {version}   the next integer: one more than the highest among the existing folders
+                of the pattern, 0 for the first (out_dir=runs/cifar/version_{version}:
+                version_0, version_1, ...; a deleted folder's number is not reused)
+    {time}      the start time in UTC, sortable: 20261123-093012
+
+The pattern is filled ONCE per run, by rank 0, right after the process group exists;
+every other rank receives rank 0's answer in a broadcast (:func:`settle`). Every launcher
+(spawn on one or several nodes, torchrun, SLURM, ``engine.launch``) comes through there,
+and no rank's own clock or directory listing can disagree: two nodes reading the clock a
+second apart, or listing the folder while rank 0 creates version_3, would otherwise pick
+different folders. Rank 0 claims the folder by creating it, so two runs started at once
+under the same pattern never share one.
+
+What resume means with a pattern: a new ``engine-run`` is a new run (a new version).
+``--resume PATH`` to a snapshot inside a folder of the pattern continues that folder
+(``--resume runs/cifar/version_2/checkpoints/...``), as does giving the folder itself
+(``out_dir=runs/cifar/version_2``). A job that starts again by itself (torchrun
+``--max-restarts``, a SLURM requeue after pre-emption: the world's ``restart_count`` is
+above 0) continues the newest folder of the pattern, so it resumes where it stopped.
+
+Without a pattern, ``--no-resume`` in a folder that holds a run (snapshots or a
+summary.json) is refused unless ``--overwrite`` is given, which first removes the old
+run's files (:data:`RUN_FILES`): two runs' TensorBoard event files in one folder show
+duplicate steps.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import itertools
+import os
+import pathlib
+import re
+import shutil
+
+from engine.errors import ConfigError
+
+#: Each placeholder and what it is filled with (as a regular expression, to find the
+#: existing folders of a pattern).
+PLACEHOLDERS = {"version": r"\d+", "time": r"\d{8}-\d{6}"}
+TIME_FORMAT = "%Y%m%d-%H%M%S"
+_FIELD = re.compile(r"\{([^{}]*)\}")
+#: What a run writes into its out_dir; ``--overwrite`` removes these and nothing else
+#: (a data folder or notes the user keeps there stay).
+RUN_FILES = ("checkpoints", "tensorboard", "metrics.csv", "summary.json", "config.json")
+
+
+def placeholders(out_dir: str) -> list[str]:
+    """The placeholders ``out_dir`` contains; a ConfigError for an unknown one."""
+    names = _FIELD.findall(str(out_dir))
+    unknown = [n for n in names if n not in PLACEHOLDERS]
+    if unknown:
+        raise ConfigError(f"config key 'out_dir': {out_dir!r} has the unknown placeholder "
+                          f"{{{unknown[0]}}}; known: "
+                          + ", ".join(f"{{{n}}}" for n in PLACEHOLDERS))
+    return names
+
+
+def is_pattern(out_dir: str) -> bool:
+    return bool(placeholders(out_dir))
+
+
+def fixed_part(out_dir: str) -> str:
+    """The folders of ``out_dir`` before its first placeholder (``runs/cifar`` for
+    ``runs/cifar/version_{version}``): what exists before the run, for a SLURM log."""
+    parts = pathlib.PurePath(out_dir).parts
+    fixed = list(itertools.takewhile(lambda part: not _FIELD.search(part), parts))
+    return str(pathlib.PurePath(*fixed)) if fixed else "."
+
+
+def _regex(pattern: str) -> re.Pattern:
+    """``pattern`` (absolute) as a regular expression with one group per placeholder."""
+    parts, seen, last = [], set(), 0
+    for match in _FIELD.finditer(pattern):
+        parts.append(re.escape(pattern[last:match.start()]))
+        name = match.group(1)
+        parts.append(f"(?P={name})" if name in seen else f"(?P<{name}>{PLACEHOLDERS[name]})")
+        seen.add(name)
+        last = match.end()
+    parts.append(re.escape(pattern[last:]))
+    return re.compile("".join(parts))
+
+
+def existing(pattern: str) -> list[tuple[dict[str, str], pathlib.Path]]:
+    """The folders that match ``pattern``, oldest first (by version, then time)."""
+    absolute = str(pathlib.Path(pattern).expanduser().absolute())
+    wildcard = "".join(glob.escape(piece) if i % 2 == 0 else "*"
+                       for i, piece in enumerate(_FIELD.split(absolute)))
+    regex = _regex(absolute)
+    found = []
+    for path in glob.glob(wildcard):
+        match = regex.fullmatch(path)
+        if match and os.path.isdir(path):
+            found.append((match.groupdict(), pathlib.Path(path)))
+    return sorted(found, key=lambda item: (int(item[0].get("version") or -1),
+                                           item[0].get("time") or ""))
+
+
+def _fill(pattern: str, version: int, moment: datetime.datetime) -> str:
+    values = {"version": str(version), "time": moment.strftime(TIME_FORMAT)}
+    return _FIELD.sub(lambda m: values[m.group(1)], pattern)
+
+
+def resolve(out_dir: str, *, restarted: bool = False, resume: str | None = None,
+            now: datetime.datetime | None = None) -> str:
+    """The run's folder for ``out_dir`` (see the module docstring), created when new.
+    ``out_dir`` without placeholders is returned as it is. Call it on rank 0 only."""
+    if not is_pattern(out_dir):
+        return out_dir
+    found = existing(out_dir)
+    if resume:
+        resume_path = pathlib.Path(resume).expanduser().absolute()
+        for _, folder in found:
+            if folder == resume_path or folder in resume_path.parents:
+                return str(folder)
+    if restarted and found:
+        return str(found[-1][1])
+    version = 1 + max((int(v["version"]) for v, _ in found if v.get("version")),
+                      default=-1)
+    moment = now or datetime.datetime.now(datetime.timezone.utc)
+    for _ in range(100):
+        path = pathlib.Path(_fill(out_dir, version, moment)).expanduser()
+        try:
+            # Creating the folder claims it: a run started at the same moment (the same
+            # second, or the same next version) gets FileExistsError and takes the next.
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir()
+            return str(path)
+        except FileExistsError:
+            version += 1
+            moment += datetime.timedelta(seconds=1)
+    raise ConfigError(f"config key 'out_dir': no free folder for {out_dir!r} after 100 "
+                      "tries; clean up old runs or use another pattern")
+
+
+def holds_a_run(out_dir) -> list[str]:
+    """What in ``out_dir`` shows a run was there: snapshots, a summary.json."""
+    path = pathlib.Path(out_dir)
+    shown = []
+    checkpoints = path / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        shown.append("snapshots")
+    if (path / "summary.json").exists():
+        shown.append("summary.json")
+    return shown
+
+
+def refuse_fresh_start(out_dir: str) -> None:
+    """``--no-resume`` without ``--overwrite``: a ConfigError when ``out_dir`` holds a run."""
+    if is_pattern(out_dir):
+        return  # a new folder anyway
+    shown = holds_a_run(out_dir)
+    if shown:
+        raise ConfigError(
+            f"--no-resume: {out_dir} holds a run ({' and '.join(shown)}); add --overwrite "
+            "to delete it first, or give another out_dir (out_dir=.../version_{version} "
+            "makes a new folder each run)")
+
+
+def clear(out_dir) -> list[str]:
+    """Remove the run's files (:data:`RUN_FILES`) from ``out_dir``; returns their names."""
+    removed = []
+    for name in RUN_FILES:
+        path = pathlib.Path(out_dir) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+def settle(cfg, world, options: dict) -> None:
+    """Decide the run's folder once, on rank 0, and give every rank the same answer:
+    fill the pattern, or with ``--no-resume --overwrite`` clear the old run first (before
+    any rank writes: the others wait in the broadcast). Sets ``cfg.out_dir``. A
+    collective when the process group exists: every rank calls it."""
+    from engine import distributed
+
+    decision: str | BaseException | None = None
+    if world.rank == 0:
+        try:
+            # A restart continues its folder, unless it starts afresh anyway
+            # (--no-resume): then a new one, so that two runs never share a folder.
+            restarted = world.restart_count > 0 and not options.get("no_resume")
+            decision = resolve(cfg.out_dir, restarted=restarted,
+                               resume=options.get("resume"))
+            if options.get("no_resume") and options.get("overwrite") and \
+                    not is_pattern(cfg.out_dir):
+                removed = clear(decision)
+                if removed:
+                    print(f"--overwrite: removed {', '.join(removed)} from {decision}",
+                          flush=True)
+        except (ConfigError, OSError) as exc:
+            decision = exc if isinstance(exc, ConfigError) else ConfigError(
+                f"config key 'out_dir': cannot prepare {cfg.out_dir}: {exc}")
+    decision = distributed.broadcast_object(decision)
+    if isinstance(decision, BaseException):
+        raise decision
+    cfg.out_dir = decision

@@ -1,0 +1,100 @@
+"""Run folders (engine/run_dir.py): out_dir patterns filled once, and a fresh start in a
+folder that holds a run. In-process; the property that every rank of a 2-process run
+gets rank 0's folder is tested with a real run in tests/engine/test_cli.py."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from engine import run_dir
+from engine.config import TrainConfig, check
+from engine.errors import ConfigError
+from engine.world import World
+
+MOMENT = datetime.datetime(2026, 11, 23, 9, 30, 12, tzinfo=datetime.timezone.utc)
+
+
+def test_version_is_one_more_than_the_highest_and_the_folder_is_claimed(tmp_path):
+    pattern = str(tmp_path / "runs" / "version_{version}")
+    assert run_dir.resolve(pattern) == str(tmp_path / "runs" / "version_0")
+    assert run_dir.resolve(pattern) == str(tmp_path / "runs" / "version_1")
+    (tmp_path / "runs" / "version_7").mkdir()
+    (tmp_path / "runs" / "version_x").mkdir()  # not of the pattern: ignored
+    (tmp_path / "runs" / "notes.txt").write_text("")
+    assert run_dir.resolve(pattern) == str(tmp_path / "runs" / "version_8")
+    assert run_dir.fixed_part(pattern) == str(tmp_path / "runs")
+    assert run_dir.fixed_part("v{version}/a") == "."
+    # A path without a placeholder is the run's folder as it is.
+    assert run_dir.resolve(str(tmp_path / "fixed")) == str(tmp_path / "fixed")
+    assert not (tmp_path / "fixed").exists()
+
+
+def test_time_is_utc_and_sortable_and_two_runs_in_one_second_do_not_share(tmp_path):
+    pattern = str(tmp_path / "{time}")
+    first = run_dir.resolve(pattern, now=MOMENT)
+    assert first == str(tmp_path / "20261123-093012")
+    # Another run in the same second: the folder is taken, so the next second.
+    assert run_dir.resolve(pattern, now=MOMENT) == str(tmp_path / "20261123-093013")
+    nested = str(tmp_path / "{time}" / "v{version}")
+    assert run_dir.resolve(nested, now=MOMENT) == str(tmp_path / "20261123-093012" / "v0")
+    assert run_dir.resolve(nested, now=MOMENT) == str(tmp_path / "20261123-093012" / "v1")
+
+
+def test_a_restarted_job_continues_the_newest_folder_and_resume_picks_its_own(tmp_path):
+    pattern = str(tmp_path / "version_{version}")
+    for _ in range(3):
+        run_dir.resolve(pattern)
+    assert run_dir.resolve(pattern, restarted=True) == str(tmp_path / "version_2")
+    snapshot = tmp_path / "version_1" / "checkpoints" / "snapshot-e0001.pt"
+    assert run_dir.resolve(pattern, resume=str(snapshot)) == str(tmp_path / "version_1")
+    # A snapshot from elsewhere: a new version resumes from it.
+    assert run_dir.resolve(pattern, resume=str(tmp_path / "other.pt")) == str(
+        tmp_path / "version_3")
+
+
+def test_an_unknown_placeholder_is_one_clear_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^config key 'out_dir': '.*/run_\{n\}' has the "
+                       r"unknown placeholder \{n\}; known: \{version\}, \{time\}$"):
+        check(TrainConfig(out_dir=str(tmp_path / "run_{n}")))
+    check(TrainConfig(out_dir=str(tmp_path / "run_{version}")))
+
+
+def fill_with_a_run(out):
+    for name in ("checkpoints", "tensorboard"):
+        (out / name).mkdir(parents=True)
+    (out / "checkpoints" / "snapshot-e0001-s00000006.pt").write_bytes(b"x")
+    (out / "tensorboard" / "events.out.tfevents.1.host.1.0").write_bytes(b"x")
+    for name in ("metrics.csv", "summary.json", "config.json", "my-notes.txt"):
+        (out / name).write_text("{}")
+
+
+def test_no_resume_is_refused_where_a_run_is_and_overwrite_clears_only_its_files(tmp_path):
+    out = tmp_path / "run"
+    run_dir.refuse_fresh_start(str(out))  # nothing there: fine
+    fill_with_a_run(out)
+    with pytest.raises(ConfigError) as info:
+        run_dir.refuse_fresh_start(str(out))
+    assert str(info.value) == (
+        f"--no-resume: {out} holds a run (snapshots and summary.json); add --overwrite to "
+        "delete it first, or give another out_dir (out_dir=.../version_{version} makes a "
+        "new folder each run)")
+    run_dir.refuse_fresh_start(str(tmp_path / "version_{version}"))  # a new one anyway
+
+    cfg = TrainConfig(out_dir=str(out))
+    run_dir.settle(cfg, World(0, 0, 1, 1), {"no_resume": True, "overwrite": True})
+    assert sorted(p.name for p in out.iterdir()) == ["my-notes.txt"]
+    assert run_dir.holds_a_run(out) == []
+
+
+def test_settle_fills_the_pattern_on_rank_0(tmp_path):
+    cfg = TrainConfig(out_dir=str(tmp_path / "v{version}"))
+    run_dir.settle(cfg, World(0, 0, 1, 1), {})
+    assert cfg.out_dir == str(tmp_path / "v0")
+    again = TrainConfig(out_dir=str(tmp_path / "v{version}"))
+    run_dir.settle(again, World(0, 0, 1, 1, restart_count=1), {})
+    assert again.out_dir == str(tmp_path / "v0")  # torchrun/SLURM restart: resumes
+    afresh = TrainConfig(out_dir=str(tmp_path / "v{version}"))
+    run_dir.settle(afresh, World(0, 0, 1, 1, restart_count=1), {"no_resume": True})
+    assert afresh.out_dir == str(tmp_path / "v1")  # a restart that starts afresh: new
