@@ -32,6 +32,7 @@ import time
 import attrs
 
 import engine
+from engine.plugin_manager import first_line
 from engine.plugins.tracking import (enabled, experiment_name, flat_config, run_name,
                                      summary_scalars)
 
@@ -91,19 +92,27 @@ class MLflowLogger:
     def engine_run_end(self, engine, summary):
         if self.client is None:
             return
-        try:
-            from mlflow.entities import Metric
+        from mlflow.entities import Metric
 
-            now_ms = int(time.time() * 1000)
-            self.pending += [Metric(f"summary/{key}", value, now_ms, engine.state.step)
-                             for key, value in summary_scalars(summary).items()]
-            self._send()
-            self.client.log_dict(self.run_id, summary, "summary.json")
-        finally:
-            # The status is set even when sending failed: a run left RUNNING forever
-            # misleads more than one with a few metrics missing.
-            self.client.set_terminated(self.run_id, STATUSES.get(summary["status"], "FAILED"))
-            self.__init__()
+        now_ms = int(time.time() * 1000)
+        self.pending += [Metric(f"summary/{key}", value, now_ms, engine.state.step)
+                         for key, value in summary_scalars(summary).items()]
+        client, run_id = self.client, self.run_id
+        status = STATUSES.get(summary["status"], "FAILED")
+        # One step at a time: the status is set even when the metrics could not be sent
+        # (a run left RUNNING forever misleads more than one with metrics missing). A
+        # store failing now is a warning, not an exception: the run's outcome is decided,
+        # and the other plugins' engine_run_end (files to close) must still run.
+        for what, send in (("metrics", self._send),
+                           ("summary.json", lambda: client.log_dict(run_id, summary,
+                                                                    "summary.json")),
+                           ("status", lambda: client.set_terminated(run_id, status))):
+            try:
+                send()
+            except Exception as exc:
+                engine.warn(f"mlflow: could not record the run's {what} in MLflow run "
+                            f"{run_id}: {type(exc).__name__}: {first_line(exc)}")
+        self.__init__()  # the next run in this process (tests, engine.launch) starts clean
 
     def _start(self, engine) -> bool:
         """Create the MLflow run on rank 0 when enabled; True if there is one."""

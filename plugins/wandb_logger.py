@@ -32,6 +32,7 @@ from typing import Literal
 import attrs
 
 import engine
+from engine.plugin_manager import first_line
 from engine.plugins.tracking import (EXIT_CODES, enabled, experiment_name, run_name,
                                      summary_scalars)
 
@@ -76,14 +77,18 @@ class WandbLogger:
     def engine_run_end(self, engine, summary):
         if self.run is None:
             return
+        run, status = self.run, summary["status"]
+        self.__init__()  # the next run in this process (tests, engine.launch) starts clean
         try:
-            self.run.summary.update(summary_scalars(summary))
-            self.run.summary["status"] = summary["status"]
-            if summary["status"] == "preempted":
-                self.run.mark_preempting()
-        finally:
-            self.run.finish(exit_code=EXIT_CODES.get(summary["status"], 1))
-            self.__init__()
+            run.summary.update({**summary_scalars(summary), "status": status})
+            if status == "preempted":
+                run.mark_preempting()
+            run.finish(exit_code=EXIT_CODES.get(status, 1))
+        except Exception as exc:
+            # The run's outcome is decided; the other plugins' engine_run_end (files to
+            # close) must still run.
+            engine.warn(f"wandb: could not record the end of W&B run {run.id}: "
+                        f"{type(exc).__name__}: {first_line(exc)}")
 
     def _start(self, engine) -> bool:
         """Start (or, after a resume, continue) the W&B run on rank 0 when enabled."""

@@ -5,6 +5,7 @@ tests/engine/test_imports.py that a disabled one imports nothing."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import pytest
@@ -64,3 +65,19 @@ def test_enabled_without_the_package_is_one_line_naming_the_extra(make_engine, m
     assert str(info.value).startswith("mlflow.enabled=true needs the mlflow package (")
     assert 'install it with pip install -e ".[mlflow]"' in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_a_store_failing_at_the_end_is_a_warning_not_an_exception(make_engine, tmp_path,
+                                                                  monkeypatch, capsys):
+    # The other plugins' engine_run_end (files to close) must still run.
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = tmp_path / "mlruns"
+    eng = make_engine()
+    eng.cfg = enabled(eng, f"mlflow.tracking_uri={store.as_uri()}")
+    logger = MLflowLogger()
+    logger.engine_run_start(engine=eng)
+    shutil.rmtree(store)  # the store is gone: every call fails
+    logger.engine_run_end(engine=eng, summary=eng.summary("completed"))
+    err = capsys.readouterr().err
+    assert "mlflow: could not record the run's status in MLflow run" in err
+    assert logger.client is None
