@@ -28,7 +28,10 @@ columns="name", values="value")`` gives the wide table).
 Rows are buffered in the file object and flushed at the end of every epoch and of the
 run, so logging costs no system call per log interval and no host-device
 synchronisation (the engine hands Python floats). A run killed hard (SIGKILL, a lost
-node) loses the rows of its unfinished epoch; the last line may be cut short.
+node) loses the rows of its unfinished epoch, and the last line may be cut short; resumed
+from a snapshot taken inside that epoch (a time-based one), the file then lacks the rows
+between the epoch's start and the snapshot's step (no hook tells a logger that a
+snapshot was written).
 
 On resume the file is continued, not duplicated: at the start of a resumed run the
 rows logged after the snapshot's step (by the interrupted run, after the snapshot it

@@ -21,7 +21,10 @@ no network round trip in the training loop), the summary's numbers in the run su
 and the end: ``finish(exit_code=...)`` with engine-run's exit code (0 completed, 1
 failed, 75 pre-empted, after ``mark_preempting``). The run's id is kept in
 ``<out_dir>/wandb_run_id``, so a resumed run continues the same W&B run
-(``resume="allow"``) instead of starting a second one. W&B's capture of the console is
+(``resume="allow"``) instead of starting a second one. W&B keeps a run's steps
+increasing: the points the interrupted run logged after its snapshot stay, and the
+resumed run's points for those steps are dropped (with W&B's warning) until it passes
+them; an exact resume logs the same values there anyway. W&B's capture of the console is
 off (``console="off"``): the engine's output stays as it is.
 """
 
