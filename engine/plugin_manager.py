@@ -63,6 +63,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("dcp", "engine.plugins.dcp"),
     ("console", "engine.plugins.console"),
     ("tensorboard", "engine.plugins.tensorboard"),
+    ("csv", "engine.plugins.csv_logger"),
 )
 
 #: Plugins a run cannot do without (the fallback launcher, the one-process parallel

@@ -1,5 +1,5 @@
 """A third-party plugin package (tests/sample_plugin: distribution engine-csv-logger
-0.3.1, a CSV logger and the parallel mode ddp-fp16), installed with pip into a
+0.3.1, the CSV logger csv-rows and the parallel mode ddp-fp16), installed with pip into a
 throwaway folder and found through its entry points, with no change to the engine."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def plugin_lines(env: dict, *args: str) -> list[str]:
 
 def test_plugins_lists_both_with_version_and_distribution(sample):
     lines = plugin_lines(sample)
-    csv_at = lines.index("csv 0.3.1 (distribution engine-csv-logger, entry point; module "
+    csv_at = lines.index("csv-rows 0.3.1 (distribution engine-csv-logger, entry point; module "
                          "engine_csv_logger:plugin)")
     assert lines[csv_at + 1] == "  hooks: engine_addoption, engine_log, engine_run_end"
     fp16_at = lines.index("ddp-fp16 0.3.1 (distribution engine-csv-logger, entry point; "
@@ -47,7 +47,7 @@ def test_a_run_logs_to_csv_with_the_plugins_parallel_mode(sample, cifar_recipe, 
     summary = read_summary(out)
     assert summary["parallel"] == "ddp-fp16"
     assert len(set(summary["weights_sha256_per_rank"])) == 1
-    with open(out / "metrics.csv", newline="") as f:
+    with open(out / "rows.csv", newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "name", "value"]
     # 512 samples, global batch 64: 8 steps, logged every 4, then the epoch's metrics.
@@ -58,20 +58,21 @@ def test_a_run_logs_to_csv_with_the_plugins_parallel_mode(sample, cifar_recipe, 
 
 def test_autoload_off_and_disabling_by_distribution(sample):
     lines = plugin_lines({**sample, DISABLE_AUTOLOAD_ENV: "1"})
-    assert not any(line.startswith(("csv ", "ddp-fp16 ")) for line in lines)
-    assert lines[-1] == ("installed, not loaded: csv (engine-csv-logger 0.3.1), ddp-fp16 "
-                         "(engine-csv-logger 0.3.1); load one with -p NAME")
-    lines = plugin_lines({**sample, DISABLE_AUTOLOAD_ENV: "1"}, "-p", "csv")
-    assert ("csv 0.3.1 (distribution engine-csv-logger, -p; module "
+    assert not any(line.startswith(("csv-rows ", "ddp-fp16 ")) for line in lines)
+    assert lines[-1] == ("installed, not loaded: csv-rows (engine-csv-logger 0.3.1), ddp-fp16 "
+                         "(engine-csv-logger 0.3.1), mlflow (ddp-engine 0.1.0), wandb "
+                         "(ddp-engine 0.1.0); load one with -p NAME")
+    lines = plugin_lines({**sample, DISABLE_AUTOLOAD_ENV: "1"}, "-p", "csv-rows")
+    assert ("csv-rows 0.3.1 (distribution engine-csv-logger, -p; module "
             "engine_csv_logger:plugin)") in lines
     lines = plugin_lines(sample, "-p", "no:engine-csv-logger")
-    assert not any(line.startswith(("csv ", "ddp-fp16 ")) for line in lines)
+    assert not any(line.startswith(("csv-rows ", "ddp-fp16 ")) for line in lines)
     assert "disabled: engine-csv-logger (-p no:engine-csv-logger)" in lines
 
 
 @pytest.mark.parametrize("requirement, error", [
     ("engine-csv-logger>=0.3,<1", None),
-    ("csv==0.3.*", None),
+    ("csv-rows==0.3.*", None),
     ("engine-csv-logger>=0.4", "engine-csv-logger>=0.4 (have 0.3.1)"),
 ])
 def test_required_plugins_of_a_recipe(sample, tmp_path, requirement, error):

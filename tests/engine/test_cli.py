@@ -58,7 +58,7 @@ def test_help_lists_an_installed_plugins_components(install_plugin):
     proc = run_cli("--help", env=env, timeout=120, check=True)
     text = " ".join(proc.stdout.split())  # argparse wraps the help text
     assert "--parallel NAME one of: auto, ddp, ddp-fp16, ddp-multigpu, dp, single" in text
-    assert "csv" in text.split("(loaded: ")[1].split(")")[0].split(", ")
+    assert "csv-rows" in text.split("(loaded: ")[1].split(")")[0].split(", ")
     proc = run_cli("--help", "-p", "no:engine-csv-logger", env=env, timeout=120,
                    check=True)
     assert "ddp-fp16" not in proc.stdout

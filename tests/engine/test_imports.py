@@ -1,11 +1,17 @@
 """No import cycles inside engine/: every ``import engine...`` and ``from engine...
 import`` statement of every module, function-local ones included (a lazy import hides
-a cycle from Python, not from the design), read with ast."""
+a cycle from Python, not from the design), read with ast. And no optional package
+imported by a plain run: the optional loggers import theirs only when enabled."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import engine_env
 
 ENGINE = pathlib.Path(__file__).resolve().parents[2] / "engine"
 
@@ -128,3 +134,29 @@ def test_engine_has_no_import_cycle():
     assert not found, "import cycles in engine/:\n" + "\n".join(
         f"{' -> '.join(cycle_in(graph, c))}   (all of {', '.join(sorted(c))} import each "
         "other, directly or not)" for c in found)
+
+
+def test_the_optional_loggers_are_not_imported_unless_enabled():
+    # mlflow and wandb are entry-point plugins every run loads (their config groups are
+    # part of every config): loading them and firing their hooks with the defaults
+    # (enabled=false), as a plain run does, must import neither package. In a new
+    # process: this one may have imported them for their own tests.
+    code = textwrap.dedent("""
+        import sys, types
+        from engine.config import TrainConfig, with_groups
+        from engine.plugin_manager import build_plugin_manager
+        pm = build_plugin_manager(autoload=True)
+        assert {"mlflow", "wandb"} <= set(pm.infos), sorted(pm.infos)
+        eng = types.SimpleNamespace(is_rank0=True, cfg=with_groups(TrainConfig(),
+                                                                   pm.config_groups))
+        for name in ("mlflow", "wandb"):
+            plugin = pm.get_plugin(name)
+            plugin.engine_run_start(engine=eng)
+            plugin.engine_log(engine=eng, metrics={"train/loss": 1.0}, step=1)
+            plugin.engine_run_end(engine=eng, summary={"status": "completed"})
+        print(sorted(m for m in ("mlflow", "wandb") if m in sys.modules))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env=engine_env(), text=True,
+                         capture_output=True, timeout=120, cwd=ENGINE.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

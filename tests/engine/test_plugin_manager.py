@@ -128,7 +128,9 @@ class Mine(Parallel):
 def engine_register_parallel(registry):
     registry.add(Mine)
 """)
-    pm = build_plugin_manager(["no:console", "no:tensorboard", name])
+    # No other logger (autoload off: the repository's own mlflow and wandb loggers too).
+    pm = build_plugin_manager(["no:console", "no:tensorboard", "no:csv", name],
+                              autoload=False)
     info = pm.infos[name]
     assert (info.source, info.version, info.module) == ("-p", "2.5", name)
     assert pm.parallel_modes.owner("mine") == name
@@ -173,7 +175,7 @@ def test_entry_points_autoload_unless_the_environment_turns_it_off(site, write_m
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
     pm = build_plugin_manager()
     assert "fancy" not in pm.infos and not pm.autoload
-    assert [ep.name for ep in pm.entry_points] == ["fancy"]
+    assert [ep.name for ep in pm.entry_points if ep.distribution != "ddp-engine"] == ["fancy"]
     # -p NAME loads one entry point by its name, with its distribution and version.
     pm = build_plugin_manager(["fancy"])
     assert (pm.infos["fancy"].source, pm.infos["fancy"].version) == ("-p", "1.2.0")
@@ -296,7 +298,7 @@ def test_an_implementation_may_take_fewer_arguments(site):
         def engine_log(self, step):
             seen.append(step)
 
-    pm = build_plugin_manager(["no:console", "no:tensorboard"],
+    pm = build_plugin_manager(["no:console", "no:tensorboard", "no:csv"], autoload=False,
                               objects={"steps": StepsOnly()})
     pm.hook.engine_log(engine=None, metrics={}, step=3)
     assert seen == [3]

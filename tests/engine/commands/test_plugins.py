@@ -58,7 +58,9 @@ def test_disabled_and_not_autoloaded_plugins_are_reported(site):
     assert lines[-3:] == [
         "disabled: tensorboard (-p no:tensorboard)",
         f"entry-point autoload: off ({DISABLE_AUTOLOAD_ENV} is set)",
-        "installed, not loaded: shout (engine-shout 4.1.0); load one with -p NAME"]
+        # mlflow and wandb: this repository's own optional loggers (its entry points).
+        f"installed, not loaded: shout (engine-shout 4.1.0), mlflow (ddp-engine {V}), "
+        f"wandb (ddp-engine {V}); load one with -p NAME"]
     lines = plugins("-p", "shout", PYTHONPATH=str(site), **{DISABLE_AUTOLOAD_ENV: "1"})
     assert "shout 4.1.0 (distribution engine-shout, -p; module shout_logger)" in lines
 

@@ -1,4 +1,7 @@
-"""Plugin ``csv``: every logged metric as a row of ``<out_dir>/metrics.csv``.
+"""Plugin ``csv-rows``: every logged metric as a row of ``<out_dir>/rows.csv``.
+
+(The engine has a built-in ``csv`` logger writing ``metrics.csv``; this one shows how a
+logger plugin is written, so it takes a name and a file of its own.)
 
 A logger needs two hooks, and so would a W&B or MLflow plugin: ``engine_log`` (rank 0
 only: a dict of floats and the global step; open the file or the remote run on the
@@ -23,13 +26,13 @@ class CsvLogger:
 
     @engine.hookimpl
     def engine_addoption(self, parser):
-        parser.add_argument("--csv-file", default="metrics.csv", metavar="NAME",
-                            help="CSV logger: the file under out_dir (default metrics.csv)")
+        parser.add_argument("--csv-file", default="rows.csv", metavar="NAME",
+                            help="CSV logger: the file under out_dir (default rows.csv)")
 
     @engine.hookimpl
     def engine_log(self, engine, metrics, step):
         if self.file is None:
-            self._open(engine.out_dir / (engine.options.get("csv_file") or "metrics.csv"))
+            self._open(engine.out_dir / (engine.options.get("csv_file") or "rows.csv"))
         for name in sorted(metrics):
             if metrics[name] is not None:
                 self.writer.writerow([step, name, repr(float(metrics[name]))])

@@ -1,0 +1,150 @@
+"""Logger ``csv``: every logged scalar as a row of ``<out_dir>/metrics.csv``, rank 0 only.
+
+The file is in long format, one row per metric and logged event, with a header::
+
+    step,epoch,name,value
+    4,0,train/loss,2.2931
+    4,0,train/images_per_sec,1523.4
+    4,0,lr,0.1
+    8,0,train/loss,2.1187
+    ...
+    8,0,val/loss,2.0456
+    8,0,val/accuracy,0.25
+
+- ``step``: the global optimizer step the metric was logged at (``engine_log``'s
+  ``step``), an integer;
+- ``epoch``: the epoch the row belongs to, counted from 0 as the hooks count (the
+  epoch's own metrics, logged after validation, carry the epoch they summarise);
+- ``name``: the metric's name as the engine logs it (``train/loss``, ``lr``,
+  ``val/accuracy``, a recipe's own ``val/...``);
+- ``value``: a float, written with ``repr`` so that it reads back exactly.
+
+Long format because the metric names are not known in advance: validation metrics
+appear only at the end of an epoch, a recipe or a custom loop logs its own names, and a
+wide file would need its header rewritten each time a new one appears. To plot one
+curve, keep the rows of one ``name`` (pandas: ``df.pivot_table(index="step",
+columns="name", values="value")`` gives the wide table).
+
+Rows are buffered in the file object and flushed at the end of every epoch and of the
+run, so logging costs no system call per log interval and no host-device
+synchronisation (the engine hands Python floats). A run killed hard (SIGKILL, a lost
+node) loses the rows of its unfinished epoch, and the last line may be cut short; resumed
+from a snapshot taken inside that epoch (a time-based one), the file then lacks the rows
+between the epoch's start and the snapshot's step (no hook tells a logger that a
+snapshot was written).
+
+On resume the file is continued, not duplicated: at the start of a resumed run the
+rows logged after the snapshot's step (by the interrupted run, after the snapshot it
+resumes from) are dropped, a cut-short last line too, and the header is kept once; then
+the new rows are appended. A run that does not resume (a new run in an old out_dir)
+starts the file afresh. In a custom loop (``engine.launch``), which fires no
+``engine_run_start``, the file is opened at the first ``ctx.log`` and, after a resume,
+keeps the rows logged before that call's step. ``-p no:csv`` turns the logger off.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import engine
+
+FILE_NAME = "metrics.csv"
+HEADER = ["step", "epoch", "name", "value"]
+#: A custom loop has no epoch ends: write pending rows out once this many have piled up.
+MAX_PENDING = 10_000
+
+
+def read_rows(path) -> list[tuple[int, int, str, float]]:
+    """The complete rows of a metrics.csv as ``(step, epoch, name, value)``; a line that
+    is not a complete row (the header, a last line cut short by a kill) is skipped."""
+    rows = []
+    with open(path, newline="") as f:
+        for row in csv.reader(f):
+            try:
+                step, epoch, name, value = row
+                rows.append((int(step), int(epoch), name, float(value)))
+            except ValueError:  # the header, a wrong field count, a cut-short number
+                continue
+    return rows
+
+
+class CsvLogger:
+    def __init__(self):
+        self.file = None
+        self.writer = None
+        self.started = False  # engine_run_start fired (engine-run, not a custom loop)
+        self.start_step = 0  # the step the run started or resumed from
+        self.resumed = False
+        # Rows of the epoch in progress, as [step, epoch, name, value]: the epoch of the
+        # epoch's own metrics is only known for certain at engine_epoch_end.
+        self.pending: list[list] = []
+
+    @engine.hookimpl
+    def engine_run_start(self, engine):
+        if not engine.is_rank0:
+            return
+        self.started = True
+        self.start_step = engine.state.step
+        self.resumed = engine.resumed_from is not None
+        self._open(engine, keep_below=self.start_step + 1)
+
+    @engine.hookimpl
+    def engine_log(self, engine, metrics, step):
+        if self.file is None:
+            # A custom loop: keep what an interrupted run logged before this step.
+            self.resumed = engine.resumed_from is not None
+            self._open(engine, keep_below=step)
+        epoch = engine.state.epoch
+        self.pending.extend([step, epoch, name, repr(float(value))]
+                            for name, value in metrics.items() if value is not None)
+        if not self.started and len(self.pending) >= MAX_PENDING:
+            self._write()
+
+    @engine.hookimpl
+    def engine_epoch_end(self, engine, epoch, metrics):
+        if self.file is None:
+            return
+        # Everything logged since the last epoch end belongs to this epoch, the epoch's
+        # metrics too (state.epoch already counts the next epoch when they are logged).
+        for row in self.pending:
+            row[1] = epoch
+        self._write()
+        self.file.flush()  # whole epochs on disk: what a reader or a resume can rely on
+
+    @engine.hookimpl
+    def engine_run_end(self, engine, summary):
+        if self.file is not None:
+            self._write()
+            self.file.close()
+        self.__init__()  # the next run in this process (tests, engine.launch) starts clean
+
+    def _write(self) -> None:
+        self.writer.writerows(self.pending)
+        self.pending = []
+
+    def _open(self, engine, keep_below: int) -> None:
+        path = engine.out_dir / FILE_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = ([row for row in read_rows(path) if row[0] < keep_below]
+                if self.resumed and path.exists() else [])
+        # Rewrite rather than append: the interrupted run may have logged past the
+        # snapshot, or died in the middle of a line. Through a temporary file, so that a
+        # kill now leaves the old file or the new one, never half of one.
+        temporary = path.with_name(f".{FILE_NAME}.tmp")
+        with open(temporary, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(HEADER)
+            writer.writerows([step, epoch, name, repr(value)]
+                             for step, epoch, name, value in kept)
+        os.replace(temporary, path)
+        self.file = open(path, "a", newline="", buffering=1 << 20)
+        self.writer = csv.writer(self.file)
+
+
+# One logger per process; its hooks are the module's hooks.
+_logger = CsvLogger()
+engine_run_start = _logger.engine_run_start
+engine_log = _logger.engine_log
+engine_epoch_end = _logger.engine_epoch_end
+engine_run_end = _logger.engine_run_end

@@ -1,0 +1,129 @@
+"""The built-in CSV logger, through its hooks on an engine as ``make_engine`` makes it (no
+process): the header, the epoch column, writes at epoch ends only, resume without
+duplicates, rank 0 only. tests/plugins/test_loggers_run.py checks a real run's file."""
+
+from __future__ import annotations
+
+import csv
+import re
+import sys
+import types
+
+from engine.plugins.csv_logger import HEADER, CsvLogger
+from engine.testing import make_engine, make_plugin_manager, tiny_recipe  # noqa: F401 (fixtures)
+from engine.world import World
+from tests.conftest import REPO
+
+
+def read(path) -> list[list[str]]:
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def train(logger, eng, first_step: int, epochs: int, steps_per_epoch: int = 8) -> None:
+    """Fire the hooks as the Trainer does: a log every 4 steps, then the epoch's metrics
+    (after the Trainer moved state.epoch on), then engine_epoch_end."""
+    step = first_step
+    for epoch in range(eng.state.epoch, eng.state.epoch + epochs):
+        eng.state.epoch = epoch
+        for _ in range(steps_per_epoch // 4):
+            step += 4
+            logger.engine_log(engine=eng, metrics={"train/loss": step / 100}, step=step)
+        eng.state.epoch = epoch + 1
+        logger.engine_log(engine=eng, step=step,
+                          metrics={"train/loss": step / 100, "val/accuracy": 0.5})
+        logger.engine_epoch_end(engine=eng, epoch=epoch, metrics={})
+    eng.state.step = step
+
+
+def test_header_epoch_column_and_writes_at_epoch_end_only(make_engine):
+    eng, logger = make_engine(), CsvLogger()
+    path = eng.out_dir / "metrics.csv"
+    logger.engine_run_start(engine=eng)
+    logger.engine_log(engine=eng, metrics={"train/loss": 0.5, "lr": 0.1, "x": None}, step=4)
+    assert read(path) == [HEADER]  # nothing written per log interval
+    eng.state.epoch = 1  # the Trainer counts the next epoch when it logs the epoch's metrics
+    logger.engine_log(engine=eng, metrics={"train/loss": 0.25, "val/acc": 0.75}, step=8)
+    logger.engine_epoch_end(engine=eng, epoch=0, metrics={})
+    assert read(path) == [["step", "epoch", "name", "value"],
+                          ["4", "0", "train/loss", "0.5"], ["4", "0", "lr", "0.1"],
+                          ["8", "0", "train/loss", "0.25"], ["8", "0", "val/acc", "0.75"]]
+    logger.engine_log(engine=eng, metrics={"train/loss": 0.125}, step=12)
+    logger.engine_run_end(engine=eng, summary={"status": "preempted"})
+    assert read(path)[-1] == ["12", "1", "train/loss", "0.125"]  # the run's end writes
+
+
+def test_a_resume_drops_the_rows_after_the_snapshot_and_a_cut_short_line(make_engine):
+    eng = make_engine()
+    path = eng.out_dir / "metrics.csv"
+    first = CsvLogger()
+    first.engine_run_start(engine=eng)
+    train(first, eng, first_step=0, epochs=2)  # steps 4, 8 (epoch 0), 12, 16 (epoch 1)
+    first.engine_log(engine=eng, metrics={"train/loss": 0.2}, step=20)
+    first.engine_epoch_end(engine=eng, epoch=2, metrics={})
+    with open(path, "a") as f:
+        f.write("24,2,train/lo")  # killed in the middle of a line
+    before = read(path)
+
+    # Resume from the snapshot at the end of epoch 1 (step 8).
+    eng.state.step, eng.state.epoch, eng.resumed_from = 8, 1, "snapshot-e0001-s00000008.pt"
+    second = CsvLogger()
+    second.engine_run_start(engine=eng)
+    assert read(path) == before[:5]  # header, 4, 8, 8, 8: what the snapshot had seen
+    train(second, eng, first_step=8, epochs=1)
+    second.engine_run_end(engine=eng, summary={"status": "completed"})
+    rows = read(path)
+    assert rows.count(HEADER) == 1
+    assert [(r[0], r[1], r[2]) for r in rows[1:]] == [
+        ("4", "0", "train/loss"), ("8", "0", "train/loss"), ("8", "0", "train/loss"),
+        ("8", "0", "val/accuracy"), ("12", "1", "train/loss"), ("16", "1", "train/loss"),
+        ("16", "1", "train/loss"), ("16", "1", "val/accuracy")]
+
+
+def test_a_new_run_in_an_old_out_dir_starts_the_file_afresh(make_engine):
+    eng = make_engine()
+    (eng.out_dir).mkdir(parents=True)
+    (eng.out_dir / "metrics.csv").write_text("step,epoch,name,value\n4,0,train/loss,9.0\n")
+    logger = CsvLogger()
+    logger.engine_run_start(engine=eng)
+    logger.engine_run_end(engine=eng, summary={"status": "completed"})
+    assert read(eng.out_dir / "metrics.csv") == [HEADER]
+
+
+def test_a_custom_loop_opens_at_its_first_log_and_keeps_the_earlier_rows(make_engine):
+    # engine.launch fires no engine_run_start: the first ctx.log opens the file.
+    eng = make_engine()
+    (eng.out_dir).mkdir(parents=True)
+    (eng.out_dir / "metrics.csv").write_text(
+        "step,epoch,name,value\n5,0,loss,1.0\n10,1,loss,0.5\n15,1,loss,0.25\n")
+    eng.resumed_from, eng.state.epoch = "snapshot", 1
+    logger = CsvLogger()
+    logger.engine_log(engine=eng, metrics={"loss": 0.4}, step=10)
+    logger.engine_run_end(engine=eng, summary={"status": "completed"})
+    assert read(eng.out_dir / "metrics.csv") == [
+        HEADER, ["5", "0", "loss", "1.0"], ["10", "1", "loss", "0.4"]]
+
+
+def test_other_ranks_write_nothing(make_engine):
+    eng = make_engine()
+    eng.world = World(rank=1, local_rank=1, world_size=2, local_world_size=2)
+    logger = CsvLogger()
+    logger.engine_run_start(engine=eng)
+    logger.engine_epoch_end(engine=eng, epoch=0, metrics={"train/loss": 1.0})
+    logger.engine_run_end(engine=eng, summary={"status": "completed"})
+    assert not (eng.out_dir / "metrics.csv").exists()
+
+
+def test_the_docs_example_logger_passes_the_docs_example_test(make_engine, monkeypatch):
+    # docs/plugins.md shows a CSV logger plugin and, further down, its test: the two
+    # must agree (the example once wrote no header while its test expected one).
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "plugins.md").read_text(),
+                        re.S)
+    (plugin_source,) = [b for b in blocks if b.startswith("# engine_csv_logger/__init__")]
+    (test_source,) = [b for b in blocks if "def test_one_row_per_metric" in b]
+    plugin = types.ModuleType("engine_csv_logger")
+    exec(compile(plugin_source, "docs/plugins.md (plugin)", "exec"), plugin.__dict__)
+    monkeypatch.setitem(sys.modules, "engine_csv_logger", plugin)
+    tests: dict = {}
+    exec(compile(test_source, "docs/plugins.md (test)", "exec"), tests)
+    tests["test_one_row_per_metric"](make_engine)
