@@ -24,8 +24,20 @@ import attrs
 from engine.errors import ConfigError
 
 
+def resume_safe(cfg, key: str) -> bool:
+    """Whether the dotted ``key`` of a config group may change between a run and its
+    resume. A group class says so in its attribute ``RESUME_SAFE``: True for every key
+    (when snapshots are kept, where a run is tracked), or the set of its keys that may
+    (``ddp``'s bucket size, but not ``sync_batchnorm``, which changes the arithmetic).
+    Top-level keys are the snapshot module's (engine.snapshot.MAY_CHANGE)."""
+    group, _, rest = key.partition(".")
+    safe = getattr(type(getattr(cfg, group, None)), "RESUME_SAFE", ()) if rest else ()
+    return safe is True or rest in safe
+
+
 @attrs.define
 class CheckpointConfig:
+    RESUME_SAFE = True  # when and how many snapshots are kept
     every_epochs: int = 1  # 0: only at the end
     every_steps: int = 0  # 0: never by step count
     every_minutes: float = 0.0  # 0: never by wall time
@@ -37,6 +49,8 @@ class CheckpointConfig:
 @attrs.define
 class EarlyStoppingConfig:
     """Stop when a validation metric stops improving (off while ``metric`` is empty)."""
+
+    RESUME_SAFE = True  # when to stop is not what a step computes
 
     metric: str = ""  # e.g. "val/loss": a metric of the epoch (see the console line)
     mode: Literal["min", "max"] = "min"

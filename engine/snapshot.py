@@ -32,15 +32,13 @@ from engine.errors import CheckpointError, ConfigError
 #: engine cannot judge those, and refusing is the side that never mixes two runs
 #: silently. ``lr`` has its own rule (:func:`_apply_lr`). The world size is not a config
 #: key: a different one resumes with a warning (the RNG states cannot be restored).
+#: A config group (the engine's or a plugin's) says which of its keys may change in the
+#: class attribute ``RESUME_SAFE`` (:func:`engine.config.resume_safe`), so the core
+#: names none of a plugin's keys.
 MAY_CHANGE = frozenset({
     "epochs", "log_every", "num_workers", "timeout_s", "out_dir", "launcher", "init_method",
     "parallel", "checkpointer", "preemption", "requeue", "deterministic", "on_nonfinite",
-    "ddp.bucket_cap_mb", "ddp.gradient_as_bucket_view", "ddp.static_graph",
-    "ddp.find_unused_parameters", "ddp.gpus_per_process",
 })
-#: Groups whose every key may change (when and how many snapshots are kept; when to
-#: stop early).
-MAY_CHANGE_GROUPS = ("checkpoint.", "early_stopping.")
 
 
 def rng_state() -> dict:
@@ -245,8 +243,8 @@ def flatten(config: dict, prefix: str = "") -> dict:
     return flat
 
 
-def may_change(key: str) -> bool:
-    return key in MAY_CHANGE or key.startswith(MAY_CHANGE_GROUPS)
+def may_change(key: str, cfg) -> bool:
+    return key in MAY_CHANGE or config_mod.resume_safe(cfg, key)
 
 
 def config_changes(saved: dict, current: dict) -> dict[str, tuple]:
@@ -270,7 +268,7 @@ def check_config(eng, saved: dict | None, source: str) -> tuple | None:
     # that breaks the resume. Without one, the new lr is applied (_apply_lr).
     if lr is not None and eng.scheduler is not None:
         changes["lr"], lr = lr, None
-    refused = {k: v for k, v in sorted(changes.items()) if not may_change(k)}
+    refused = {k: v for k, v in sorted(changes.items()) if not may_change(k, eng.cfg)}
     if refused:
         listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in refused.items())
         if not eng.options.get("resume_anyway"):

@@ -43,6 +43,11 @@ from engine.parallel import Parallel, gpu_group, visible_gpus
 class DDPConfig:
     """Options passed to torch's DistributedDataParallel. The defaults suit most models."""
 
+    #: Keys a resume may change (engine.config.resume_safe): how gradients travel, not
+    #: what they are. broadcast_buffers and sync_batchnorm change the arithmetic.
+    RESUME_SAFE = frozenset({"bucket_cap_mb", "gradient_as_bucket_view", "static_graph",
+                             "find_unused_parameters", "gpus_per_process"})
+
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = True  # saves one copy of the gradients
     static_graph: bool = False

@@ -48,6 +48,8 @@ STATUSES = {"completed": "FINISHED", "preempted": "KILLED", "failed": "FAILED"}
 class MLflowConfig:
     """Where and whether to log the run to MLflow (see the module docstring)."""
 
+    RESUME_SAFE = True  # where a run is tracked is not what it computes
+
     enabled: bool = False
     tracking_uri: str | None = None
     experiment: str | None = None

@@ -47,6 +47,8 @@ RUN_ID_FILE = "wandb_run_id"
 class WandbConfig:
     """Where and whether to log the run to W&B (see the module docstring)."""
 
+    RESUME_SAFE = True  # where a run is tracked is not what it computes
+
     enabled: bool = False
     project: str | None = None
     entity: str | None = None

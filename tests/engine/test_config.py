@@ -176,3 +176,15 @@ def test_a_runs_config_json_reproduces_it_elsewhere(tmp_path):
     # A hand-written JSON file's out_dir is applied like any key.
     (tmp_path / "mine.json").write_text(json.dumps({"out_dir": str(run)}))
     assert load_config_file(str(tmp_path / "mine.json")) == [f"out_dir={run}"]
+
+
+def test_groups_say_which_of_their_keys_a_resume_may_change():
+    from engine.config import resume_safe, with_groups
+    from engine.plugin_manager import build_plugin_manager
+
+    cfg = with_groups(TrainConfig(), build_plugin_manager().config_groups)
+    assert resume_safe(cfg, "checkpoint.keep_last") and resume_safe(cfg, "early_stopping.metric")
+    assert resume_safe(cfg, "ddp.bucket_cap_mb")  # the plugin's RESUME_SAFE set...
+    assert not resume_safe(cfg, "ddp.sync_batchnorm")  # ...leaves out the arithmetic
+    assert resume_safe(cfg, "mlflow.experiment") and resume_safe(cfg, "wandb.project")
+    assert not resume_safe(cfg, "batch_size") and not resume_safe(cfg, "nosuch.key")

@@ -186,7 +186,8 @@ def test_resume_anyway_loads_and_warns_listing_the_changed_keys(one_epoch, tmp_p
 def test_keys_that_may_change_resume_without_a_word(one_epoch, tmp_path):
     out, proc = resume_changed(one_epoch, tmp_path, "plain", "epochs=2", "log_every=1",
                                "num_workers=1", "timeout_s=120", "checkpoint.keep_last=5",
-                               "checkpoint.every_steps=3")
+                               "checkpoint.every_steps=3", "ddp.bucket_cap_mb=30",
+                               "mlflow.experiment=other", "wandb.project=other")
     assert proc.returncode == 0, proc.stderr
     assert "warning" not in proc.stderr, proc.stderr
     assert read_summary(out)["global_step"] == 16
