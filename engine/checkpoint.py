@@ -133,6 +133,11 @@ class Checkpointer:
         """The newest snapshot that passes its integrity check, or None."""
         raise NotImplementedError
 
+    def best(self) -> pathlib.Path | None:
+        """The best snapshot by ``cfg.checkpoint.best_metric``, or None (no metric set,
+        none saved yet, or a format that does not keep one)."""
+        return None
+
     def verify(self, path: pathlib.Path) -> str | None:
         """What is wrong with the snapshot at ``path`` (None: nothing, or a format that
         cannot tell); ``--resume PATH`` asks before loading."""

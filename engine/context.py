@@ -74,7 +74,6 @@ class WorkerContext:
         self.recipe_path: str | None = None  # the recipe file, or the custom loop's script
         self.epochs_requested: int | None = None
         self.resumed_from: str | None = None  # the snapshot a resume loaded
-        self.best_checkpoint: str | None = None
         self._weights: dict | None = None  # the weights digests, once gathered
         self._warned: set[str] = set()
         self._started = time.perf_counter()
@@ -195,8 +194,9 @@ class WorkerContext:
             **{short: self.metrics.get(long) for long, short in SUMMARY_METRICS.items()},
             "metrics": dict(self.metrics),
             "resumed_from": _path_or_none(self.resumed_from),
-            "final_checkpoint": self._final_checkpoint(status),
-            "best_checkpoint": _path_or_none(self.best_checkpoint),
+            "final_checkpoint": self._checkpoint(status, "latest"),
+            # checkpoint.best_metric set: the snapshot best by it (kept past keep_last).
+            "best_checkpoint": self._checkpoint(status, "best"),
             "torch_version": torch.__version__,
             "engine_version": engine.__version__,
             "weights_sha256": None,
@@ -216,13 +216,14 @@ class WorkerContext:
         self.parallel.sync_buffers(self.model)
         self._weights = weights_digests(self.module, self.warn)
 
-    def _final_checkpoint(self, status: str) -> str | None:
-        """The newest good snapshot, as rank 0 sees it (the rank that writes the
-        summary; the others say None rather than read the disk)."""
+    def _checkpoint(self, status: str, which: str) -> str | None:
+        """The checkpointer's ``latest()`` (the newest good snapshot) or ``best()``, as
+        rank 0 sees it (the rank that writes the summary; the others say None rather
+        than read the disk)."""
         if self.checkpointer is None or not self.is_rank0:
             return None
         try:
-            return _path_or_none(self.checkpointer.latest())
+            return _path_or_none(getattr(self.checkpointer, which)())
         except Exception:
             if status != "failed":
                 raise

@@ -488,6 +488,10 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
         self.wait()
         return super().latest()
 
+    def best(self):
+        self.wait()  # the writer moves the pointer
+        return super().best()
+
     # -------------------------------------------------------------- closing
 
     def close(self) -> None:

@@ -229,6 +229,10 @@ class TorchFileCheckpointer(Checkpointer):
         path = pathlib.Path(path)
         return verify(path) if manifest_path(path).exists() else None
 
+    def best(self):
+        pointed = self._pointer("best")
+        return pointed if pointed is not None and pointed.exists() else None
+
     def latest(self):
         self.clean_up_once()
         candidates = self.snapshots()

@@ -75,6 +75,7 @@ def test_both_loops_are_one_worker_context():
 
 def test_engine_run_and_a_custom_loop_write_the_same_summary_keys(tmp_path, probe):
     run_cli(RECIPE, "epochs=1", f"out_dir={tmp_path / 'cli'}", "--nproc", "1", "-p", probe,
+            "checkpoint.best_metric=val/accuracy",
             env=engine_env(PYTHONPATH=f"{tmp_path}:{REPO}"), check=True)
     cli = read_summary(tmp_path / "cli")
     lib = library_run(tmp_path / "lib", plugins=[probe])
@@ -94,10 +95,11 @@ def test_engine_run_and_a_custom_loop_write_the_same_summary_keys(tmp_path, prob
         assert started.utcoffset() == datetime.timedelta(0) and started <= ended
         assert summary["torch_version"] == torch.__version__
         assert summary["engine_version"] == engine.__version__
-        assert (summary["resumed_from"], summary["best_checkpoint"],
-                summary["stopped_early"]) == (None, None, False)
+        assert (summary["resumed_from"], summary["stopped_early"]) == (None, False)
         assert summary["final_checkpoint"].endswith(".pt")
         assert summary["weights_sha256"] == summary["weights_sha256_per_rank"][0]
+    # The best snapshot is the checkpointer's, where a metric picks one.
+    assert cli["best_checkpoint"] == cli["final_checkpoint"] and lib["best_checkpoint"] is None
     assert lib["train_loss"] == 0.5 == lib["metrics"]["train/loss"]
     assert cli["metrics"]["train/loss"] == cli["train_loss"]
     # Library mode records its config too, as engine-run does; both contexts give the

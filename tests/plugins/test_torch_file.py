@@ -69,6 +69,8 @@ def test_keeps_the_last_k_and_the_best(tmp_path):
     assert names == ["snapshot-e0002-s00000002.pt", "snapshot-e0004-s00000004.pt",
                      "snapshot-e0005-s00000005.pt"]
     assert (tmp_path / "best").read_text().strip() == "snapshot-e0002-s00000002.pt"
+    assert ckpt.best() == tmp_path / "snapshot-e0002-s00000002.pt"  # summary.json's
+    assert TorchFileCheckpointer(tmp_path / "other", TrainConfig()).best() is None
 
 
 def test_corrupt_latest_falls_back_to_the_previous_with_a_warning(tmp_path, capsys):
