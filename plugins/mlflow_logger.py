@@ -22,7 +22,8 @@ run's status: FINISHED (completed), KILLED (pre-empted) or FAILED. Metrics are s
 batches at the end of each epoch, or after :data:`FLUSH_EVERY_S` seconds at the
 next log interval, so a remote server costs no round trip per log interval. A resumed
 run (``engine-run`` resuming a snapshot) is a new MLflow run tagged with the snapshot
-it resumed from.
+it resumed from: MLflow refuses to change a logged parameter, and a resume may change
+some (``epochs``, ``lr``: engine/snapshot.py says which).
 """
 
 from __future__ import annotations
