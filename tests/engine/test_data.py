@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from engine import data
-from engine.errors import ConfigError
+from engine.errors import CheckpointError, ConfigError
 from engine.world import World
 
 Pair = collections.namedtuple("Pair", "inputs targets")
@@ -105,3 +105,59 @@ def test_start_epoch_reseeds_the_loader_and_skips_what_was_consumed():
 def test_batches_per_epoch():
     assert data.batches_per_epoch(10, 4, drop_last=False) == 3
     assert data.batches_per_epoch(10, 4, drop_last=True) == 2
+
+
+def shares(dataset, world_size: int, epoch: int, start_sample: int, weights=None):
+    samplers = [data.ResumableDistributedSampler(dataset, num_replicas=world_size, rank=r,
+                                                 seed=3, weights=weights)
+                for r in range(world_size)]
+    for s in samplers:
+        s.set_epoch(epoch, start_sample=start_sample)
+    return [list(s) for s in samplers]
+
+
+@pytest.mark.parametrize("size", [36, 37])
+def test_a_resume_at_another_world_size_continues_the_same_global_order(size):
+    """Stopped after 2 global batches of 6 at 2 processes, resumed at 1, 2 and 3: the
+    samples consumed before plus those after are the epoch's samples, each once (the
+    padding to equal shares, as in an uninterrupted run, aside)."""
+    dataset = TensorDataset(torch.arange(size))
+    full = shares(dataset, 2, epoch=4, start_sample=0)
+    before = [i for share in full for i in share[:6]]  # 6 per rank: position 12
+    assert len(set(before)) == 12
+    for world_size in (1, 2, 3):
+        after = [i for share in shares(dataset, world_size, 4, start_sample=12)
+                 for i in share]
+        padding = -(-(size - 12) // world_size) * world_size - (size - 12)
+        assert len(after) == size - 12 + padding
+        assert sorted(set(before + after)) == list(range(size))
+        assert len(set(before + after)) == len(before + after) - padding
+    # The same world size: exactly the uninterrupted run's rest, rank by rank.
+    assert shares(dataset, 2, 4, start_sample=12) == [share[6:] for share in full]
+
+
+def test_a_position_converts_to_batches_of_another_world_size_or_says_why_not():
+    assert data.samples_consumed(4, 3, 2, dataset_size=36) == 24
+    assert data.samples_consumed(7, 3, 2, dataset_size=37) == 37  # the padded end
+    assert data.batches_at(24, micro_batch=2, world_size=3, dataset_size=36) == 4
+    assert data.batches_at(37, micro_batch=2, world_size=3, dataset_size=37) == 7  # past it
+    with pytest.raises(CheckpointError, match="stopped 24 samples into the epoch, which is "
+                                              "not a whole number of global batches of 10"):
+        data.batches_at(24, micro_batch=5, world_size=2, dataset_size=36)
+
+
+def test_position_loader_counts_the_batches_it_hands_out():
+    from engine.engine import TrainState
+
+    world = World(rank=0, local_rank=0, world_size=1, local_world_size=1)
+    loader = data.train_loader(TensorDataset(torch.arange(10)), micro_batch=4, world=world,
+                               seed=0, num_workers=0, pin_memory=False, drop_last=False)
+    loader.__class__, loader.state = data.PositionLoader, TrainState()
+    data.start_epoch(loader, 0)
+    whole = [b[0].tolist() for b in loader]
+    assert loader.state.batch_in_epoch == 3
+    loader.state.batch_in_epoch = 0
+    next(iter(loader))
+    assert loader.state.batch_in_epoch == 1  # handed out: the loop body may save now
+    data.start_epoch(loader, 0, start_sample=4)
+    assert [b[0].tolist() for b in loader] == whole[1:]

@@ -248,3 +248,53 @@ def test_keys_only_an_older_snapshot_or_this_config_has_do_not_matter(one_epoch,
     proc = run_cli(TINY, "epochs=2", f"out_dir={out}", "--nproc", "1", "--resume", str(old))
     assert proc.returncode == 0, proc.stderr
     assert f"resuming from {old}" in proc.stdout and "warning" not in proc.stderr
+
+
+# ------------------------------------------------- another number of processes
+
+ELASTIC = str(REPO / "tests" / "recipes" / "tiny_elastic.py")
+
+
+def batches_seen(out) -> list[tuple[float, list[int]]]:
+    """(mean loss, sample indices) of every micro-batch the runs in ``out`` trained on."""
+    seen = []
+    for record in sorted(out.glob("batches-rank*.txt")):
+        for line in record.read_text().splitlines():
+            _epoch, loss, indices = line.split()
+            seen.append((float(loss), [int(i) for i in indices.split(",")]))
+    return seen
+
+
+def test_a_run_stopped_mid_epoch_at_2_processes_resumes_at_1_and_3_seeing_each_sample_once(
+        tmp_path):
+    """36 samples, global batch 6: pre-empted after step 2 with 2 processes (12 samples
+    consumed), resumed with 1 and with 3. Over the epoch every sample is trained on
+    exactly once; the epoch's loss is the mean over all its batches, the stopped run's
+    included; the data wait is the slowest rank's (rank 2 loads slowly)."""
+    import shutil
+
+    stopped = tmp_path / "stopped"
+    base = (ELASTIC, "slow_rank=2", "slow_s=0.05", "-p", "tests.fault_plugin")
+    fault = engine_env(ENGINE_FAULT_ACTION="signal", ENGINE_FAULT_STEP="2",
+                       ENGINE_FAULT_RANK="1")
+    first = run_cli(*base, f"out_dir={stopped}", "--nproc", "2", env=fault)
+    assert read_summary(stopped)["status"] == "preempted", first.stderr
+    assert sum(len(i) for _, i in batches_seen(stopped)) == 12
+    for nproc in (1, 3):
+        out = tmp_path / f"resumed{nproc}"
+        shutil.copytree(stopped, out)
+        resumed = run_cli(*base, f"out_dir={out}", "--nproc", str(nproc), check=True)
+        assert "resuming from " in resumed.stdout
+        seen = batches_seen(out)
+        indices = [i for _, batch in seen for i in batch]
+        assert sorted(indices) == list(range(36)), (nproc, sorted(indices))
+        summary = read_summary(out)
+        assert summary["global_step"] == 6
+        # Every micro-batch holds 6 / nproc samples: weigh the stopped run's (3 each).
+        weighted = sum(loss * len(batch) for loss, batch in seen) / 36
+        assert summary["train_loss"] == pytest.approx(weighted, rel=1e-5)
+        wait = summary["metrics"]["train/data_wait_fraction"]
+        if nproc == 3:  # rank 2 slept 0.05 s for each of its 8 samples
+            assert wait > 0.1, wait
+        else:
+            assert wait < 0.1, wait
