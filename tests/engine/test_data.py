@@ -107,33 +107,38 @@ def test_batches_per_epoch():
     assert data.batches_per_epoch(10, 4, drop_last=True) == 2
 
 
-def shares(dataset, world_size: int, epoch: int, start_sample: int, weights=None):
-    samplers = [data.ResumableDistributedSampler(dataset, num_replicas=world_size, rank=r,
-                                                 seed=3, weights=weights)
-                for r in range(world_size)]
-    for s in samplers:
-        s.set_epoch(epoch, start_sample=start_sample)
-    return [list(s) for s in samplers]
+def global_stream(dataset, world_size: int, epoch: int, start_sample: int, weights=None):
+    """What the ranks of ``world_size`` take from ``start_sample`` on, put back in the
+    global order (rank r's j-th sample is entry j * world_size + r)."""
+    shares = []
+    for rank in range(world_size):
+        sampler = data.ResumableDistributedSampler(dataset, num_replicas=world_size,
+                                                   rank=rank, seed=3, weights=weights)
+        sampler.set_epoch(epoch, start_sample=start_sample)
+        shares.append(list(sampler))
+        assert len(sampler) == len(shares[-1])
+    return [share[j] for j in range(len(shares[0])) for share in shares]
 
 
 @pytest.mark.parametrize("size", [36, 37])
-def test_a_resume_at_another_world_size_continues_the_same_global_order(size):
-    """Stopped after 2 global batches of 6 at 2 processes, resumed at 1, 2 and 3: the
-    samples consumed before plus those after are the epoch's samples, each once (the
-    padding to equal shares, as in an uninterrupted run, aside)."""
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_resume_at_another_world_size_continues_the_same_global_order(size, weighted):
+    """Stopped 12 samples into the epoch with 2 processes, resumed with 1, 2 or 3: the
+    ranks go on with the same global order (a permutation, or a weighted draw) from
+    sample 12, padded to equal shares as an uninterrupted run is. Unweighted, every
+    sample of the epoch is seen once, padding aside."""
     dataset = TensorDataset(torch.arange(size))
-    full = shares(dataset, 2, epoch=4, start_sample=0)
-    before = [i for share in full for i in share[:6]]  # 6 per rank: position 12
-    assert len(set(before)) == 12
+    weights = [1.0] * (size - 10) + [5.0] * 10 if weighted else None
+    order = global_stream(dataset, 1, epoch=4, start_sample=0, weights=weights)
+    assert len(order) == size
+    assert global_stream(dataset, 2, 4, 0, weights)[:12] == order[:12]
     for world_size in (1, 2, 3):
-        after = [i for share in shares(dataset, world_size, 4, start_sample=12)
-                 for i in share]
-        padding = -(-(size - 12) // world_size) * world_size - (size - 12)
-        assert len(after) == size - 12 + padding
-        assert sorted(set(before + after)) == list(range(size))
-        assert len(set(before + after)) == len(before + after) - padding
-    # The same world size: exactly the uninterrupted run's rest, rank by rank.
-    assert shares(dataset, 2, 4, start_sample=12) == [share[6:] for share in full]
+        rest = global_stream(dataset, world_size, 4, start_sample=12, weights=weights)
+        padding = -(size - 12) % world_size
+        assert len(rest) == size - 12 + padding
+        assert rest[:size - 12] == order[12:]
+        if not weighted:
+            assert sorted(order[:12] + rest[:size - 12]) == list(range(size))
 
 
 def test_a_position_converts_to_batches_of_another_world_size_or_says_why_not():

@@ -298,3 +298,54 @@ def test_a_run_stopped_mid_epoch_at_2_processes_resumes_at_1_and_3_seeing_each_s
             assert wait > 0.1, wait
         else:
             assert wait < 0.1, wait
+
+
+# ------------------------------------------------- library mode: ctx.save() mid-epoch
+
+
+def step_loop(ctx, total_steps: int, stop_at: int | None = None):
+    """The step-based loop of docs/library.md: a snapshot every 3 steps, mid-epoch (5
+    steps per epoch); ``stop_at`` leaves right after that step's snapshot, as a killed
+    run would have left it. Returns the sample indices trained on and the weights."""
+    import torch
+
+    from engine.checkpoint import model_digest
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(8, 2))
+    model, optimizer = ctx.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                       momentum=0.9))
+    inputs = torch.randn(40, 4, generator=torch.Generator().manual_seed(1))
+    dataset = torch.utils.data.TensorDataset(inputs, (inputs[:, 0] > 0).long(),
+                                             torch.arange(40))
+    loader = ctx.loader(dataset, batch_size=8)
+    ctx.resume()
+    seen, epoch = [], ctx.state.epoch
+    while ctx.state.step < total_steps:
+        ctx.set_epoch(epoch)  # the snapshot's epoch starts where it stopped
+        for x, y, index in loader:
+            seen += [(epoch, i) for i in index.tolist()]
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            if ctx.state.step % 3 == 0:
+                ctx.save()
+            if ctx.state.step in (total_steps, stop_at):
+                return {"seen": seen, "weights": model_digest(ctx.module.state_dict())}
+        epoch += 1
+
+
+def test_a_mid_epoch_ctx_save_resumes_a_step_loop_at_that_position(tmp_path):
+    import engine
+
+    def cfg(name):
+        return engine.TrainConfig(out_dir=str(tmp_path / name))
+
+    straight = engine.launch(step_loop, 12, nproc=1, config=cfg("straight"))
+    stopped = engine.launch(step_loop, 12, 6, nproc=1, config=cfg("stopped"))
+    resumed = engine.launch(step_loop, 12, nproc=1, config=cfg("stopped"))
+    # Step 6 is the first batch of epoch 1: the resumed run starts at its second.
+    assert resumed["seen"][0] == straight["seen"][6 * 8]
+    assert stopped["seen"] + resumed["seen"] == straight["seen"]
+    assert resumed["weights"] == straight["weights"]
