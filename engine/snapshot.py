@@ -26,8 +26,9 @@ from engine.errors import CheckpointError, ConfigError
 #: is launched, watched and stored, not what an optimizer step computes, so the run
 #: stays the one the snapshot belongs to. Any OTHER key that differs refuses the resume
 #: (unless --resume-anyway), notably: batch_size and grad_accum_steps (the batches and
-#: their split over processes and micro-steps; the global batch also makes the epoch's
-#: sample position a whole number of batches at any number of processes), seed, drop_last and per_sample_seed (the data order and the augmentation
+#: their split over processes and micro-steps; the global batch also keeps the epoch's
+#: sample position a whole number of micro-steps at any number of processes), seed,
+#: drop_last and per_sample_seed (the data order and the augmentation
 #: randomness), precision and scheduler_interval, ddp.sync_batchnorm and
 #: ddp.broadcast_buffers (the arithmetic), and a recipe's own keys (data, model): the
 #: engine cannot judge those, and refusing is the side that never mixes two runs
@@ -233,7 +234,7 @@ def restore(eng, snap: dict, source: str) -> None:
     s.batch_in_epoch = int(snap.get("batch_in_epoch", 0))
     s.epochs_completed = int(snap.get("epochs_completed", s.epoch))
     eng.metrics.update(snap.get("metrics") or {})
-    # The Trainer adds them to the resumed epoch's loss (trainer.LossSums).
+    # The Trainer adds them to the resumed epoch's loss (LogWindow.add_resumed).
     setattr(eng, "resumed_epoch_loss", snap.get("epoch_loss"))
     same_world = snap.get("world_size") == eng.world.world_size
     if not same_world:
@@ -251,17 +252,15 @@ def restore(eng, snap: dict, source: str) -> None:
 def _place_in_epoch(eng, snap: dict, source: str) -> None:
     """Another number of processes: the batches per rank that bring this run to the
     snapshot's global sample position, so the rest of the epoch's order is split over
-    the new ranks and every sample is still seen once. (At the same number, the saved
-    batch_in_epoch is that position already.)"""
+    the new ranks and every sample is still seen once. With the global batch unchanged
+    that is the saved count, but for the epoch's end (the last batches are short) and a
+    library loop's loader (its batch size is the loop's, not a config key): there it
+    differs, or cannot be reached and the resume is refused. A snapshot written before
+    the position was recorded keeps its count (right when the global batch is the same)."""
     s = eng.state
     position = snap.get("samples_in_epoch")
-    if not s.batch_in_epoch:
-        return  # at an epoch boundary: nothing to place
-    if position is None:
-        eng.warn(f"{source} was written before snapshots recorded the global sample "
-                 f"position: the epoch resumes at batch {s.batch_in_epoch} of each rank's "
-                 "share, which with another number of processes repeats or skips samples")
-        return
+    if not s.batch_in_epoch or position is None:
+        return  # at an epoch boundary, or an older snapshot
     loader = getattr(eng, "train_loader", None)
     if loader is None:
         raise ConfigError(

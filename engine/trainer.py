@@ -508,9 +508,9 @@ class Trainer:
                             torch.tensor(batches + window.resumed_batches, dtype=torch.float64,
                                          device=eng.device),
                             torch.tensor(data_wait, dtype=torch.float64, device=eng.device)])
-        ranks = distributed.all_gather_tensor(mine)
-        loss_sum, batch_count = ranks[:, :2].sum(dim=0).tolist()
-        wait = ranks[:, 2].max().item()
+        ranks = distributed.all_gather_tensor(mine).tolist()  # one read-back
+        loss_sum, batch_count = sum(r[0] for r in ranks), sum(r[1] for r in ranks)
+        wait = max(r[2] for r in ranks)
         elapsed = time.perf_counter() - epoch_start  # after .tolist(): the device is done
         mean_loss = loss_sum / max(batch_count, 1)
         self.nonfinite.check_epoch(mean_loss, epoch, eng.state.step)
