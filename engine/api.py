@@ -31,8 +31,10 @@ Resume: ``ctx.epochs(n)`` first loads the latest good snapshot in
 ``<out_dir>/checkpoints`` (model, optimizer, scheduler, scaler, epoch, step, every
 rank's RNG states) and then yields the epochs still to run; after each epoch whose body
 completes it writes a snapshot (every ``cfg.checkpoint.every_epochs`` epochs, and after
-the last). A snapshot taken mid-epoch with ``ctx.save()`` resumes at the start of the
-epoch it was taken in. ``launch(..., resume=False)`` starts fresh; ``resume=PATH`` loads
+the last). A snapshot taken mid-epoch with ``ctx.save()`` resumes at that position: the
+first training loader (``ctx.loader``) counts the batches it hands out, and the
+resumed epoch's loaders yield only the rest of the epoch (at any number of processes:
+docs/library.md). ``launch(..., resume=False)`` starts fresh; ``resume=PATH`` loads
 that snapshot.
 """
 
@@ -281,7 +283,7 @@ class Context(WorkerContext):
         from engine.engine import TrainState
 
         super().__init__(pm, cfg, world, options, TrainState())
-        self._train_samplers: list = []
+        self._train_loaders: list = []
         self._resumed = False
 
     # ---------------------------------------------------------------- set-up
@@ -350,13 +352,28 @@ class Context(WorkerContext):
             raise ConfigError(
                 f"the training set has {len(dataset)} samples, fewer than one batch of "
                 f"{micro_batch} per process; use a smaller batch_size or drop_last=False")
-        self._train_samplers.append(loader.sampler)
+        if not self._train_loaders:  # the first one tells where the epoch stands
+            loader.__class__ = data.PositionLoader
+            loader.state = self.state
+        self._train_loaders.append(loader)
         return loader
 
+    @property
+    def train_loader(self):
+        """The first training loader (its position is the one snapshots record), or None."""
+        return self._train_loaders[0] if self._train_loaders else None
+
     def set_epoch(self, epoch: int) -> None:
-        """Reshuffle every training loader for ``epoch`` (``ctx.epochs`` does this)."""
-        for sampler in self._train_samplers:
-            sampler.set_epoch(epoch)
+        """Reshuffle every training loader for ``epoch`` (``ctx.epochs`` does this).
+        For the epoch a snapshot stopped in (``ctx.state.epoch``) the loaders start
+        where it stopped; ``ctx.state`` then follows this epoch."""
+        from engine import data
+
+        batches = self.state.batch_in_epoch if epoch == self.state.epoch else 0
+        self.state.epoch, self.state.batch_in_epoch = epoch, batches
+        for loader in self._train_loaders:
+            data.start_epoch(loader, epoch, start_sample=data.samples_consumed(
+                batches, loader.batch_size, self.world_size, len(loader.dataset)))
 
     # --------------------------------------------------------------- epochs
 

@@ -26,37 +26,67 @@ from torch.utils.data.distributed import DistributedSampler
 
 
 class ResumableDistributedSampler(DistributedSampler):
+    """torch's DistributedSampler order, resumable at a global position.
+
+    The epoch's global order is one list of the dataset's indices (a permutation from
+    (seed, epoch), or a weighted draw), the same whatever the number of processes; rank
+    r of W takes every W-th entry from r. After k samples per rank, the W ranks
+    together consumed the first k*W entries: that global position is what a snapshot
+    records, so a resume with another number of processes splits the rest of the same
+    order over its own ranks, and every sample is still seen once per epoch.
+    """
+
     def __init__(self, dataset, num_replicas: int, rank: int, seed: int, shuffle: bool = True,
                  drop_last: bool = False, weights=None):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
                          seed=seed, drop_last=drop_last)
-        self.start_index = 0  # samples of this rank's share to skip in the current epoch
+        self.start_sample = 0  # entries of the epoch's global order already consumed
         self.with_epoch = False  # yield (epoch, index) keys for SeededSamples
         self.weights = None if weights is None else torch.as_tensor(weights, dtype=torch.double)
 
-    def set_epoch(self, epoch: int, start_index: int = 0) -> None:
+    def set_epoch(self, epoch: int, start_index: int = 0, *,
+                  start_sample: int | None = None) -> None:
+        """Start ``epoch`` at global position ``start_sample`` (samples consumed by all
+        ranks together), or after ``start_index`` samples of each rank's share."""
         super().set_epoch(epoch)
-        self.start_index = start_index
+        self.start_sample = start_index * self.num_replicas if start_sample is None \
+            else start_sample
+
+    def global_order(self) -> list[int]:
+        """The epoch's order over all ranks (before the padding), from (seed, epoch)."""
+        n = len(self.dataset)
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        if self.weights is not None:
+            return torch.multinomial(self.weights, n, replacement=True, generator=g).tolist()
+        if self.shuffle:
+            return torch.randperm(n, generator=g).tolist()
+        return list(range(n))
+
+    def _remaining(self) -> int:
+        """Global entries left from start_sample, padded to a multiple of the ranks."""
+        left = max(0, len(self.dataset) - self.start_sample)
+        if self.drop_last:
+            return left - left % self.num_replicas
+        return -(-left // self.num_replicas) * self.num_replicas
 
     def __iter__(self):
-        if self.weights is None:
-            indices = super().__iter__()
-        else:
-            # Every rank draws the same global order from (seed, epoch), then takes its
-            # own share of it, as DistributedSampler does with a permutation.
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.multinomial(self.weights, self.total_size, replacement=True,
-                                      generator=g).tolist()
-            indices = iter(order[self.rank:self.total_size:self.num_replicas])
-        if self.start_index:
-            indices = iter(list(indices)[self.start_index:])
+        order = self.global_order()
+        # The rest of the order, then (like DistributedSampler) entries from the epoch's
+        # start until every rank has as many: at the same number of processes this is
+        # exactly the uninterrupted run's padded order from the same position. Nothing
+        # skipped is loaded: only indices are sliced.
+        rest = order[self.start_sample:]
+        total = self._remaining()
+        if total > len(rest):
+            rest += (order * -(-(total - len(rest)) // len(order)))[:total - len(rest)]
+        indices = iter(rest[self.rank:total:self.num_replicas])
         if self.with_epoch:
             epoch = self.epoch
             indices = ((epoch, i) for i in indices)
         return indices
 
     def __len__(self) -> int:
-        return self.num_samples - self.start_index
+        return self._remaining() // self.num_replicas
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -192,12 +222,28 @@ def train_loader(dataset, *, micro_batch: int, world, seed: int, num_workers: in
                       collate_fn=getattr(dataset, "collate_fn", None))
 
 
-def start_epoch(loader: DataLoader, epoch: int, start_index: int = 0) -> None:
-    """Before iterating an epoch: the sampler's order, the position to resume from, and
-    the workers' seeds, all derived from (seed, epoch)."""
+def start_epoch(loader: DataLoader, epoch: int, start_index: int = 0, *,
+                start_sample: int | None = None) -> None:
+    """Before iterating an epoch: the sampler's order, the position to resume from (the
+    global ``start_sample``, or ``start_index`` samples of each rank's share), and the
+    workers' seeds, all derived from (seed, epoch)."""
     sampler = loader.sampler
-    sampler.set_epoch(epoch, start_index=start_index)
+    sampler.set_epoch(epoch, start_index=start_index, start_sample=start_sample)
     loader.generator.manual_seed(sampler.seed * 1_000_003 + epoch)
+
+
+class PositionLoader(DataLoader):
+    """A training DataLoader that counts the batches it hands out in
+    ``state.batch_in_epoch`` (a TrainState): a library loop's ``ctx.save()`` between two
+    batches records the epoch's position, whatever loop was written around the loader.
+    Counted when a batch is handed out: the loop body trains on it, then may save."""
+
+    state = None  # set by engine.api.Context.loader
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            self.state.batch_in_epoch += 1
+            yield batch
 
 
 def val_loader(dataset, *, batch: int, world, num_workers: int, pin_memory: bool,
@@ -215,6 +261,31 @@ def val_loader(dataset, *, batch: int, world, num_workers: int, pin_memory: bool
                                           else persistent_workers),
                       prefetch_factor=prefetch_factor, timeout=timeout,
                       collate_fn=getattr(dataset, "collate_fn", None))
+
+
+def samples_consumed(batches: int, micro_batch: int, world_size: int, dataset_size: int
+                     ) -> int:
+    """The global position in the epoch after ``batches`` micro-batches per rank: the
+    samples all ranks consumed together (capped at the epoch's end: the last batches
+    may be short, or padded)."""
+    return min(batches * micro_batch * world_size, dataset_size)
+
+
+def batches_at(position: int, micro_batch: int, world_size: int, dataset_size: int) -> int:
+    """The inverse of :func:`samples_consumed` for another number of processes: the
+    micro-batches per rank that bring the epoch to global ``position``. A position
+    between two global batches cannot be reached: an error that says so."""
+    from engine.errors import CheckpointError
+
+    per_batch = micro_batch * world_size
+    if position >= dataset_size:  # the epoch was consumed: start past its end
+        return -(-dataset_size // per_batch)
+    if position % per_batch:
+        raise CheckpointError(
+            f"the snapshot stopped {position} samples into the epoch, which is not a whole "
+            f"number of global batches of {per_batch} ({world_size} processes x "
+            f"{micro_batch}); resume with the batch size it was written with")
+    return position // per_batch
 
 
 def batches_per_epoch(num_samples: int, micro_batch: int, drop_last: bool) -> int:

@@ -319,6 +319,19 @@ def all_reduce_sum(tensor):
     return tensor
 
 
+def all_gather_tensor(tensor):
+    """Every rank's ``tensor``, stacked along a new first dimension, in one collective:
+    for sums and maxima taken from the same small tensor."""
+    if not is_initialized():
+        return tensor.unsqueeze(0)
+    import torch
+    import torch.distributed as dist
+
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor)
+    return torch.stack(out)
+
+
 def broadcast_object(obj, src: int = 0):
     if not is_initialized():
         return obj

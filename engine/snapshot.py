@@ -2,8 +2,9 @@
 
 A snapshot is a dict of tensors and plain values (``torch.load(weights_only=True)``):
 the unwrapped model, optimizer, scheduler, grad scaler, train state (epoch, step,
-position inside the epoch), sampler seed, the RNG states of every rank, the resolved
-config and the engine version. This module is the only one that knows the Engine's
+position inside the epoch, per rank and as a global sample position), sampler seed,
+the epoch's partial loss sums, the RNG states of every rank, the resolved config and
+the engine version. This module is the only one that knows the Engine's
 side of it; the checkpointer (:class:`engine.checkpoint.Checkpointer`) only stores
 the dict and gives it back.
 """
@@ -17,7 +18,7 @@ import attrs
 
 import engine
 from engine import config as config_mod
-from engine import distributed
+from engine import data, distributed
 from engine.checkpoint import load_model_state
 from engine.errors import CheckpointError, ConfigError
 
@@ -25,13 +26,15 @@ from engine.errors import CheckpointError, ConfigError
 #: is launched, watched and stored, not what an optimizer step computes, so the run
 #: stays the one the snapshot belongs to. Any OTHER key that differs refuses the resume
 #: (unless --resume-anyway), notably: batch_size and grad_accum_steps (the batches and
-#: their split over processes and micro-steps; the position inside the epoch is counted
-#: in batches), seed, drop_last and per_sample_seed (the data order and the augmentation
+#: their split over processes and micro-steps; the global batch also keeps the epoch's
+#: sample position a whole number of micro-steps at any number of processes), seed,
+#: drop_last and per_sample_seed (the data order and the augmentation
 #: randomness), precision and scheduler_interval, ddp.sync_batchnorm and
 #: ddp.broadcast_buffers (the arithmetic), and a recipe's own keys (data, model): the
 #: engine cannot judge those, and refusing is the side that never mixes two runs
 #: silently. ``lr`` has its own rule (:func:`_apply_lr`). The world size is not a config
-#: key: a different one resumes with a warning (the RNG states cannot be restored).
+#: key: a different one continues the epoch's data order at its global sample position
+#: (:func:`_place_in_epoch`), with a warning (the RNG states cannot be restored).
 #: A config group (the engine's or a plugin's) says which of its keys may change in the
 #: class attribute ``RESUME_SAFE`` (:func:`engine.config.resume_safe`), so the core
 #: names none of a plugin's keys.
@@ -77,6 +80,8 @@ def capture(eng) -> dict:
     """The snapshot dict. Collective: every rank must call it (RNG states are gathered)."""
     rngs = distributed.all_gather_object(rng_state())
     state = eng.state
+    loader = getattr(eng, "train_loader", None)  # Context: its first training loader
+    trainer = getattr(eng, "trainer", None)
     model, optimizer = _model_and_optimizer_state(eng)
     return {
         "engine_version": engine.__version__,
@@ -87,6 +92,13 @@ def capture(eng) -> dict:
         "epoch": state.epoch,
         "step": state.step,
         "batch_in_epoch": state.batch_in_epoch,
+        # Where the epoch stands whatever the number of processes: samples consumed by
+        # all ranks together in the (seed, epoch) order (engine/data.py).
+        "samples_in_epoch": None if loader is None else data.samples_consumed(
+            state.batch_in_epoch, loader.batch_size, eng.world.world_size,
+            len(loader.dataset)),
+        # The epoch's training loss so far, so a resumed epoch reports the whole epoch's.
+        "epoch_loss": None if trainer is None else trainer.epoch_loss_so_far(),
         "epochs_completed": state.epochs_completed,
         "train_state": attrs.asdict(state),  # every field, those added later included
         "sampler_seed": eng.cfg.seed,
@@ -220,13 +232,41 @@ def restore(eng, snap: dict, source: str) -> None:
     s.batch_in_epoch = int(snap.get("batch_in_epoch", 0))
     s.epochs_completed = int(snap.get("epochs_completed", s.epoch))
     eng.metrics.update(snap.get("metrics") or {})
+    # The Trainer adds them to the resumed epoch's loss (LogWindow.add_resumed).
+    setattr(eng, "resumed_epoch_loss", snap.get("epoch_loss"))
+    same_world = snap.get("world_size") == eng.world.world_size
+    if not same_world:
+        _place_in_epoch(eng, snap, source)
     rngs = snap.get("rng") or []
-    if snap.get("world_size") == eng.world.world_size and eng.world.rank < len(rngs):
+    if same_world and eng.world.rank < len(rngs):
         set_rng_state(rngs[eng.world.rank])
     elif rngs:
         eng.warn(f"{source} was written by {snap.get('world_size')} processes, this run has "
                  f"{eng.world.world_size}: RNG states are not restored, so the run will not "
-                 "be bit-identical to an uninterrupted one")
+                 "be bit-identical to an uninterrupted one (the data order is: see "
+                 "docs/checkpoints.md, Changing the number of processes)")
+
+
+def _place_in_epoch(eng, snap: dict, source: str) -> None:
+    """Another number of processes: the batches per rank that bring this run to the
+    snapshot's global sample position, so the rest of the epoch's order is split over
+    the new ranks and every sample is still seen once. With the global batch unchanged
+    that is the saved count, but for the epoch's end (the last batches are short) and a
+    library loop's loader (its batch size is the loop's, not a config key): there it
+    differs, or cannot be reached and the resume is refused. A snapshot written before
+    the position was recorded keeps its count (right when the global batch is the same)."""
+    s = eng.state
+    position = snap.get("samples_in_epoch")
+    if not s.batch_in_epoch or position is None:
+        return  # at an epoch boundary, or an older snapshot
+    loader = getattr(eng, "train_loader", None)
+    if loader is None:
+        raise ConfigError(
+            f"{source} stopped mid-epoch with {snap.get('world_size')} processes; to resume "
+            f"it with {eng.world.world_size}, create the training loader (ctx.loader) "
+            "before ctx.epochs() or ctx.resume()")
+    s.batch_in_epoch = data.batches_at(int(position), loader.batch_size,
+                                       eng.world.world_size, len(loader.dataset))
 
 
 # ------------------------------------------------------------ a changed config

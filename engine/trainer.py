@@ -5,7 +5,8 @@
 
     [engine_run_start]                                  (fired by Engine.run)
     for epoch in epochs not yet completed:                          run_epoch
-        sampler.set_epoch(epoch, skip the batches a resumed snapshot already consumed)
+        sampler.set_epoch(epoch, from the global sample position a resumed snapshot
+                          reached: the rest of the order split over these ranks)
         [engine_epoch_start]
         for each micro-batch:                                       train_epoch
             batch to the device; forward and loss (the recipe's     run_batch
@@ -21,7 +22,8 @@
                 every log_every steps: one all-reduce for the       check_point
                     window's loss, pre-emption and time-based snapshot; [engine_log] (rank 0)
                 snapshot if every_steps is due
-        the epoch's loss reduced over all ranks                     epoch_metrics
+        the epoch's loss (a resumed epoch's included) and the slowest
+        rank's data wait, gathered from all ranks                   epoch_metrics
         the recipe's eval_step (or the classification one), reduced validate
         [engine_log] [engine_epoch_end]; scheduler if per epoch
         early stopping, pre-emption, snapshot if due
@@ -104,12 +106,27 @@ class LogWindow:
     device in one tensor (one add per micro-batch); at each check point the window is
     folded into the epoch's sum and starts again."""
 
-    def __init__(self, device, samples_per_step: int):
+    def __init__(self, device, samples_per_step: int, first_batch: int = 0):
         self.samples_per_step = samples_per_step
         self.loss = torch.zeros((), device=device)
         self.epoch_loss = torch.zeros((), device=device)
         self.batches = self.steps = 0
+        self.first_batch = first_batch  # where this epoch (re)started, per rank
+        # A resumed epoch's loss before the snapshot, in this run's micro-batches: the
+        # epoch's metric covers the whole epoch. Rank 0 carries it (the sums are global).
+        self.resumed_loss = 0.0
+        self.resumed_batches = 0.0
         self.start = time.perf_counter()
+
+    def add_resumed(self, saved: dict | None, micro_batch: int) -> None:
+        """The snapshot's ``epoch_loss`` (Trainer.epoch_loss_so_far), converted to this
+        run's micro-batch size when the number of processes changed: the mean weighs
+        every sample alike."""
+        if not saved:
+            return
+        scale = saved["micro_batch"] / micro_batch
+        self.resumed_loss = saved["sum"] * scale
+        self.resumed_batches = saved["batches"] * scale
 
     def add_batch(self, loss) -> None:
         self.loss += loss
@@ -125,9 +142,9 @@ class LogWindow:
         self.start = now
 
     def total_loss(self):
-        """The epoch's loss sum, this window's included (at the end of the epoch)."""
-        self.epoch_loss += self.loss
-        return self.epoch_loss
+        """The epoch's loss sum on this rank so far, this window's included; the
+        resumed part (rank 0's) too."""
+        return (self.epoch_loss + self.loss).double() + self.resumed_loss
 
 
 class SnapshotPolicy:
@@ -298,6 +315,7 @@ class Trainer:
         self.snapshots = SnapshotPolicy(self.cfg, engine.is_rank0)
         self.early_stopping = EarlyStopping(self.cfg.early_stopping, engine.state)
         self.stop_requested = False  # the ranks agreed to stop (see engine/preemption.py)
+        self.window = None  # the epoch's LogWindow while it trains (snapshots read it)
         engine.stopped_early = False  # for the summary: the run ended by early stopping
         engine.stopped_epoch = None  # ... after this many epochs
 
@@ -318,13 +336,16 @@ class Trainer:
     def run_epoch(self, epoch: int) -> bool:
         """Train one epoch, validate, log, snapshot if due. False when the run stops."""
         eng, cfg = self.engine, self.cfg
-        data.start_epoch(eng.train_loader, epoch,
-                         start_index=eng.state.batch_in_epoch * eng.micro_batch)
+        # The global position (samples all ranks consumed): a snapshot written by another
+        # number of processes was converted to batches of this run (snapshot.restore).
+        data.start_epoch(eng.train_loader, epoch, start_sample=eng.state.batch_in_epoch
+                         * eng.micro_batch * eng.world.world_size)
         eng.pm.hook.engine_epoch_start(engine=eng, epoch=epoch)
         train_metrics = self.train_epoch(epoch)
         if self.stop_requested:  # pre-empted half-way through the epoch
             self.save_snapshot()
             return False
+        self.window = None  # the epoch is complete: a snapshot has no partial loss
         # DDP syncs buffers at the start of each forward; after the last one every
         # rank's BatchNorm statistics moved on their own. Equalise before validating.
         eng.parallel.sync_buffers(eng.model)
@@ -366,7 +387,11 @@ class Trainer:
         eng.model.train()
         first_batch = eng.state.batch_in_epoch
         end_batch = first_batch + len(eng.train_loader)  # the loader holds what is left
-        window = LogWindow(eng.device, eng.micro_batch * accum * eng.world.world_size)
+        window = self.window = LogWindow(eng.device, eng.micro_batch * accum
+                                         * eng.world.world_size, first_batch)
+        if eng.is_rank0:
+            window.add_resumed(getattr(eng, "resumed_epoch_loss", None), eng.micro_batch)
+        eng.resumed_epoch_loss = None  # the first epoch after a resume only
         steps_at_start = eng.state.step
         data_wait = 0.0
         epoch_start = fetch_start = time.perf_counter()
@@ -475,19 +500,38 @@ class Trainer:
 
     def epoch_metrics(self, epoch: int, window: LogWindow, *, batches: int, steps: int,
                       epoch_start: float, data_wait: float) -> dict:
-        """One reduction per epoch: the loss of every rank, and how many batches it saw."""
+        """One collective per epoch: every rank's loss sum, batch count and data wait,
+        gathered; the loss is the mean over all ranks' batches, the data wait the
+        slowest rank's (one rank starved of data holds every other at the next step)."""
         eng = self.engine
-        totals = torch.stack([window.total_loss().float(),
-                              torch.tensor(float(batches), device=eng.device)])
-        distributed.all_reduce_sum(totals)
-        mean_loss = (totals[0] / totals[1].clamp(min=1)).item()
-        elapsed = time.perf_counter() - epoch_start  # after .item(): the device is done
+        mine = torch.stack([window.total_loss(),
+                            torch.tensor(batches + window.resumed_batches, dtype=torch.float64,
+                                         device=eng.device),
+                            torch.tensor(data_wait, dtype=torch.float64, device=eng.device)])
+        ranks = distributed.all_gather_tensor(mine).tolist()  # one read-back
+        loss_sum, batch_count = sum(r[0] for r in ranks), sum(r[1] for r in ranks)
+        wait = max(r[2] for r in ranks)
+        elapsed = time.perf_counter() - epoch_start  # after .tolist(): the device is done
+        mean_loss = loss_sum / max(batch_count, 1)
         self.nonfinite.check_epoch(mean_loss, epoch, eng.state.step)
         return {
             "train/loss": mean_loss,
             "train/images_per_sec": window.samples_per_step * steps / max(elapsed, 1e-9),
-            "train/data_wait_fraction": data_wait / max(elapsed, 1e-9),
+            "train/data_wait_fraction": wait / max(elapsed, 1e-9),
         }
+
+    def epoch_loss_so_far(self) -> dict | None:
+        """For a snapshot (collective, like snapshot.capture): the epoch's loss sum and
+        micro-batch count over all ranks so far, with the micro-batch size they are in;
+        None between epochs."""
+        window, eng = self.window, self.engine
+        if window is None:
+            return None
+        batches = eng.state.batch_in_epoch - window.first_batch + window.resumed_batches
+        totals = torch.stack([window.total_loss(), torch.tensor(
+            batches, dtype=torch.float64, device=eng.device)])
+        loss_sum, batch_count = distributed.all_reduce_sum(totals).tolist()
+        return {"sum": loss_sum, "batches": batch_count, "micro_batch": eng.micro_batch}
 
     def agree_to_stop(self) -> bool:
         """At an epoch boundary: did a pre-emption signal reach any rank?"""

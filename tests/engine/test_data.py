@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from engine import data
-from engine.errors import ConfigError
+from engine.errors import CheckpointError, ConfigError
 from engine.world import World
 
 Pair = collections.namedtuple("Pair", "inputs targets")
@@ -105,3 +105,64 @@ def test_start_epoch_reseeds_the_loader_and_skips_what_was_consumed():
 def test_batches_per_epoch():
     assert data.batches_per_epoch(10, 4, drop_last=False) == 3
     assert data.batches_per_epoch(10, 4, drop_last=True) == 2
+
+
+def global_stream(dataset, world_size: int, epoch: int, start_sample: int, weights=None):
+    """What the ranks of ``world_size`` take from ``start_sample`` on, put back in the
+    global order (rank r's j-th sample is entry j * world_size + r)."""
+    shares = []
+    for rank in range(world_size):
+        sampler = data.ResumableDistributedSampler(dataset, num_replicas=world_size,
+                                                   rank=rank, seed=3, weights=weights)
+        sampler.set_epoch(epoch, start_sample=start_sample)
+        shares.append(list(sampler))
+        assert len(sampler) == len(shares[-1])
+    return [share[j] for j in range(len(shares[0])) for share in shares]
+
+
+@pytest.mark.parametrize("size", [36, 37])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_resume_at_another_world_size_continues_the_same_global_order(size, weighted):
+    """Stopped 12 samples into the epoch with 2 processes, resumed with 1, 2 or 3: the
+    ranks go on with the same global order (a permutation, or a weighted draw) from
+    sample 12, padded to equal shares as an uninterrupted run is. Unweighted, every
+    sample of the epoch is seen once, padding aside."""
+    dataset = TensorDataset(torch.arange(size))
+    weights = [1.0] * (size - 10) + [5.0] * 10 if weighted else None
+    order = global_stream(dataset, 1, epoch=4, start_sample=0, weights=weights)
+    assert len(order) == size
+    assert global_stream(dataset, 2, 4, 0, weights)[:12] == order[:12]
+    for world_size in (1, 2, 3):
+        rest = global_stream(dataset, world_size, 4, start_sample=12, weights=weights)
+        padding = -(size - 12) % world_size
+        assert len(rest) == size - 12 + padding
+        assert rest[:size - 12] == order[12:]
+        if not weighted:
+            assert sorted(order[:12] + rest[:size - 12]) == list(range(size))
+
+
+def test_a_position_converts_to_batches_of_another_world_size_or_says_why_not():
+    assert data.samples_consumed(4, 3, 2, dataset_size=36) == 24
+    assert data.samples_consumed(7, 3, 2, dataset_size=37) == 37  # the padded end
+    assert data.batches_at(24, micro_batch=2, world_size=3, dataset_size=36) == 4
+    assert data.batches_at(37, micro_batch=2, world_size=3, dataset_size=37) == 7  # past it
+    with pytest.raises(CheckpointError, match="stopped 24 samples into the epoch, which is "
+                                              "not a whole number of global batches of 10"):
+        data.batches_at(24, micro_batch=5, world_size=2, dataset_size=36)
+
+
+def test_position_loader_counts_the_batches_it_hands_out():
+    from engine.engine import TrainState
+
+    world = World(rank=0, local_rank=0, world_size=1, local_world_size=1)
+    loader = data.train_loader(TensorDataset(torch.arange(10)), micro_batch=4, world=world,
+                               seed=0, num_workers=0, pin_memory=False, drop_last=False)
+    loader.__class__, loader.state = data.PositionLoader, TrainState()
+    data.start_epoch(loader, 0)
+    whole = [b[0].tolist() for b in loader]
+    assert loader.state.batch_in_epoch == 3
+    loader.state.batch_in_epoch = 0
+    next(iter(loader))
+    assert loader.state.batch_in_epoch == 1  # handed out: the loop body may save now
+    data.start_epoch(loader, 0, start_sample=4)
+    assert [b[0].tolist() for b in loader] == whole[1:]

@@ -249,3 +249,226 @@ def test_keys_only_an_older_snapshot_or_this_config_has_do_not_matter(one_epoch,
     proc = run_cli(TINY, "epochs=2", f"out_dir={out}", "--nproc", "1", "--resume", str(old))
     assert proc.returncode == 0, proc.stderr
     assert f"resuming from {old}" in proc.stdout and "warning" not in proc.stderr
+
+
+# ------------------------------------------------- another number of processes
+
+ELASTIC = str(REPO / "tests" / "recipes" / "tiny_elastic.py")
+
+
+def batches_seen(out) -> list[tuple[float, list[int]]]:
+    """(mean loss, sample indices) of every micro-batch the runs in ``out`` trained on."""
+    seen = []
+    for record in sorted(out.glob("batches-rank*.txt")):
+        for line in record.read_text().splitlines():
+            _start, _step, _epoch, loss, indices = line.split()
+            seen.append((float(loss), [int(i) for i in indices.split(",")]))
+    return seen
+
+
+def test_a_run_stopped_mid_epoch_at_2_processes_resumes_at_1_and_3_seeing_each_sample_once(
+        tmp_path):
+    """36 samples, global batch 6: pre-empted after step 2 with 2 processes (12 samples
+    consumed), resumed with 1 and with 3. Over the epoch every sample is trained on
+    exactly once; the epoch's loss is the mean over all its batches, the stopped run's
+    included; the data wait is the slowest rank's (rank 2 loads slowly)."""
+    import shutil
+
+    stopped = tmp_path / "stopped"
+    base = (ELASTIC, "slow_rank=2", "slow_s=0.05", "-p", "tests.fault_plugin")
+    fault = engine_env(ENGINE_FAULT_ACTION="signal", ENGINE_FAULT_STEP="2",
+                       ENGINE_FAULT_RANK="1")
+    first = run_cli(*base, f"out_dir={stopped}", "--nproc", "2", env=fault)
+    assert read_summary(stopped)["status"] == "preempted", first.stderr
+    assert sum(len(i) for _, i in batches_seen(stopped)) == 12
+    for nproc in (1, 3):
+        out = tmp_path / f"resumed{nproc}"
+        shutil.copytree(stopped, out)
+        resumed = run_cli(*base, f"out_dir={out}", "--nproc", str(nproc), check=True)
+        assert "resuming from " in resumed.stdout
+        seen = batches_seen(out)
+        indices = [i for _, batch in seen for i in batch]
+        assert sorted(indices) == list(range(36)), (nproc, sorted(indices))
+        summary = read_summary(out)
+        assert summary["global_step"] == 6
+        # Every micro-batch holds 6 / nproc samples: weigh the stopped run's (3 each).
+        weighted = sum(loss * len(batch) for loss, batch in seen) / 36
+        assert summary["train_loss"] == pytest.approx(weighted, rel=1e-5)
+        if nproc == 3:  # rank 2 slept 0.05 s for each of its 8 samples; rank 0 did not
+            metrics = summary["metrics"]
+            elapsed = 6 * 4 / metrics["train/images_per_sec"]  # 4 steps of 6 samples
+            assert metrics["train/data_wait_fraction"] * elapsed >= 0.4, metrics
+
+
+# ------------------------------------------------- library mode: ctx.save() mid-epoch
+
+
+def step_loop(ctx, total_steps: int, stop_at: int | None = None):
+    """The step-based loop of docs/library.md: a snapshot every 3 steps, mid-epoch (5
+    steps per epoch); ``stop_at`` leaves right after that step's snapshot, as a killed
+    run would have left it. Returns the sample indices trained on and the weights."""
+    import torch
+
+    from engine.checkpoint import model_digest
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(8, 2))
+    model, optimizer = ctx.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                       momentum=0.9))
+    inputs = torch.randn(40, 4, generator=torch.Generator().manual_seed(1))
+    dataset = torch.utils.data.TensorDataset(inputs, (inputs[:, 0] > 0).long(),
+                                             torch.arange(40))
+    loader = ctx.loader(dataset, batch_size=8)
+    ctx.resume()
+    seen, epoch = [], ctx.state.epoch
+    while ctx.state.step < total_steps:
+        ctx.set_epoch(epoch)  # the snapshot's epoch starts where it stopped
+        for x, y, index in loader:
+            seen += [(epoch, i) for i in index.tolist()]
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            if ctx.state.step % 3 == 0:
+                ctx.save()
+            if ctx.state.step in (total_steps, stop_at):
+                return {"seen": seen, "weights": model_digest(ctx.module.state_dict())}
+        epoch += 1
+
+
+def test_a_mid_epoch_ctx_save_resumes_a_step_loop_at_that_position(tmp_path):
+    import engine
+
+    def cfg(name):
+        return engine.TrainConfig(out_dir=str(tmp_path / name))
+
+    straight = engine.launch(step_loop, 12, nproc=1, config=cfg("straight"))
+    stopped = engine.launch(step_loop, 12, 6, nproc=1, config=cfg("stopped"))
+    resumed = engine.launch(step_loop, 12, nproc=1, config=cfg("stopped"))
+    # Step 6 is the first batch of epoch 1: the resumed run starts at its second.
+    assert resumed["seen"][0] == straight["seen"][6 * 8]
+    assert stopped["seen"] + resumed["seen"] == straight["seen"]
+    assert resumed["weights"] == straight["weights"]
+
+
+# ------------------------------------------------- torchrun elastic: agents leave and join
+
+
+def wait_for(condition, what: str, timeout: float = 240):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.2)
+
+
+def children(pid: int) -> list[int]:
+    from pathlib import Path
+
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def winning_batches(out) -> dict[int, list[int]]:
+    """Epoch -> the sample indices of every step that counts: a step trained again
+    after a resume counts from the latest process that trained it (the largest start
+    step), the lost ones' work is discarded as the resume discarded it."""
+    by_step: dict[int, dict[int, list]] = {}
+    for record in out.glob("batches-rank*.txt"):
+        for line in record.read_text().splitlines():
+            start, step, epoch, _loss, indices = line.split()
+            by_step.setdefault(int(step), {}).setdefault(int(start), []).append(
+                (int(epoch), [int(i) for i in indices.split(",")]))
+    epochs: dict[int, list[int]] = {}
+    for starts in by_step.values():
+        for epoch, indices in starts[max(starts)]:
+            epochs.setdefault(epoch, []).extend(indices)
+    return epochs
+
+
+def test_torchrun_elastic_goes_on_after_an_agent_dies_and_grows_when_one_joins(tmp_path):
+    """Two torchrun agents on loopback (--nnodes 1:2); one is killed with its worker
+    mid-epoch: the other restarts at 1 process from the last snapshot; a new agent
+    joins: both restart at 2 processes from the snapshot the SIGTERM wrote. The run
+    finishes, every sample of every epoch is trained on once, and the log says each
+    change of the world size. ``<out_dir>/hold`` (tiny_elastic) paces the phases."""
+    import os
+    import shutil
+    import signal
+    import socket
+    import subprocess
+
+    from tests.conftest import ENGINE_RUN
+
+    torchrun = shutil.which("torchrun", path=str(REPO / ".venv" / "bin")) or shutil.which(
+        "torchrun")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "hold").write_text("8")  # wait before step 8: the step-5 snapshot is written
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # torch's shared rendezvous store gives a node that joins in a later round no
+    # MASTER_ADDR (the round's rank 0 cached it from round 0): the opt-out builds it
+    # every round.
+    env = engine_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    agents, logs = {}, {}
+
+    def start(name: str, is_host: int):
+        logs[name] = tmp_path / f"{name}.log"
+        agents[name] = subprocess.Popen(
+            [torchrun, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--rdzv-id", "elastic", "--monitor-interval", "1", "--rdzv-conf",
+             f"is_host={is_host},last_call_timeout=1,join_timeout=120",
+             ENGINE_RUN, ELASTIC, f"out_dir={out}", "epochs=2", "size=60",
+             "checkpoint.every_steps=5"],
+            env=env, cwd=REPO, stdout=open(logs[name], "w"), stderr=subprocess.STDOUT,
+            start_new_session=True)
+
+    def said() -> str:
+        return "".join(path.read_text() for path in logs.values())
+
+    def holding() -> set:
+        return {p.name for p in out.glob("holding-*")}
+
+    try:
+        start("a", 1)
+        start("b", 0)
+        wait_for(lambda: len(holding()) == 2, "2 processes to reach step 8")
+        first = holding()
+        workers = children(agents["b"].pid)
+        agents["b"].kill()  # the "node" goes: its agent, then its worker
+        agents["b"].wait(timeout=30)
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        (out / "hold").write_text("13")  # a's worker steps on, finds b gone
+        wait_for(lambda: holding() - first and "this run has 1" in said(),
+                 "agent a to go on alone")
+        start("c", 0)
+        wait_for(lambda: "this run has 2" in said(), "agent c to join")
+        (out / "hold").unlink()
+        for name in ("a", "c"):
+            assert agents[name].wait(timeout=300) == 0, said()
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                for pid in children(agent.pid):
+                    os.kill(pid, signal.SIGKILL)
+                agent.kill()
+    log = said()
+    assert "was written by 2 processes, this run has 1" in log, log
+    assert "was written by 1 processes, this run has 2" in log, log
+    summary = read_summary(out)
+    assert (summary["status"], summary["world_size"], summary["global_step"]) == (
+        "completed", 2, 20)
+    for epoch, indices in winning_batches(out).items():
+        assert sorted(indices) == list(range(60)), (epoch, sorted(indices))
