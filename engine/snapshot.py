@@ -167,6 +167,7 @@ def _checked_resume_path(eng, chosen: str) -> str | CheckpointError:
     size and checksum) passes: a bit-flipped snapshot loaded without a word before, and
     training went on from damaged weights. Rank 0 decides; the others get its answer.
     No way around it: the checkpointer's load refuses a damaged file too."""
+    chosen = resume_target(chosen)
     if not pathlib.Path(chosen).exists():
         return CheckpointError(f"--resume {chosen!r}: no such snapshot")
     problem = eng.checkpointer.verify(pathlib.Path(chosen)) if eng.is_rank0 else None
@@ -174,6 +175,27 @@ def _checked_resume_path(eng, chosen: str) -> str | CheckpointError:
         return chosen
     return CheckpointError(f"--resume {chosen!r}: the snapshot fails its check ({problem}); "
                            "resume from another snapshot")
+
+
+#: The pointer files a checkpoint folder keeps (plugins/torch_file.py): each holds the
+#: name of a snapshot in the same folder.
+POINTERS = ("latest", "best")
+
+
+def resume_target(given: str) -> str:
+    """What ``--resume`` names: a snapshot; or a pointer file (``checkpoints/latest``,
+    ``checkpoints/best``), or a checkpoint folder or a run folder holding ``latest``,
+    taken as the snapshot the pointer names (a user copies the path they see)."""
+    path = pathlib.Path(given)
+    for pointer in (path, path / "latest", path / "checkpoints" / "latest"):
+        if pointer.name in POINTERS and pointer.is_file():
+            try:
+                name = pointer.read_text().strip()
+            except (OSError, UnicodeDecodeError):
+                return given  # not a pointer after all: checked as a snapshot
+            if name and "/" not in name:
+                return str(pointer.parent / name)
+    return given
 
 
 def _say_when_every_snapshot_is_unusable(eng) -> None:
@@ -315,7 +337,7 @@ def check_config(eng, saved: dict | None, source: str) -> tuple | None:
             raise ConfigError(
                 f"cannot resume {source}: the config changed {listed}, which would mix two "
                 "runs; put the values back, pass --resume-anyway to load the snapshot "
-                "with the new values, or --no-resume to start fresh")
+                "with the new values, or --no-resume --overwrite to start fresh")
         eng.warn(f"--resume-anyway: resuming {source} although the config changed "
                  f"{listed}; the run is no longer an exact continuation"
                  + ("; the learning rate stays the scheduler's" if "lr" in refused else ""))
