@@ -69,7 +69,9 @@ SlurmdLogFile=$STATE_DIR/slurmd-%n.log
 SlurmctldPort=16817
 SlurmdTimeout=60
 InactiveLimit=0
-KillWait=10
+# A pre-empted task writes its snapshot and exits 75; on a loaded machine that can take
+# longer than 10 s, and srun then SIGKILLs it (the requeue test saw "task 0: Killed").
+KillWait=30
 MinJobAge=300
 JobCompType=jobcomp/none
 EOF
