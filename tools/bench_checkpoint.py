@@ -17,7 +17,7 @@ optimizer momentum, float32, random: nothing compresses) in four ways:
   shared memory); its background write is waited for between rounds, untimed. Next to
   it, the copy floor: the same tensors copied into an already allocated private buffer
   (the least any snapshot of tensors that training goes on changing must wait for,
-  whatever it does next), taking turns with the async save.
+  whatever it does next), timed before the async save or after its write, in turns.
 
 and loads it back two ways: ``torch.load(path)`` against what a resume does,
 ``latest()`` (which verifies size and checksum against the manifest) then ``load()``.
@@ -149,11 +149,14 @@ def bench_size(nbytes: int, repeat: int, tensors: int, folder: pathlib.Path) -> 
         writer.wait()
         blocking, floor = [], []
         for r in range(1, repeat + 1):
-            runs = [(blocking, lambda: writer.save(state, epoch=1, step=r)),
-                    (floor, lambda: copy_into(floor_buffer, tensors, layout))]
-            for times, fn in (runs if r % 2 else runs[::-1]):
-                times.append(timed(fn))
+            # The floor goes before the save or after its write: never next to the
+            # writer process, which would take its CPU and memory bandwidth.
+            if r % 2 == 0:
+                floor.append(timed(lambda: copy_into(floor_buffer, tensors, layout)))
+            blocking.append(timed(lambda: writer.save(state, epoch=1, step=r)))
             writer.wait()
+            if r % 2 == 1:
+                floor.append(timed(lambda: copy_into(floor_buffer, tensors, layout)))
             for p in async_dir.glob("snapshot-*"):
                 if not p.name.endswith(f"s{r:08d}.pt") and not p.name.endswith(
                         f"s{r:08d}.pt.json"):
