@@ -2,7 +2,9 @@
 run summary.
 
 - :func:`atomic_write`: temp file in the same directory, fsync, rename, fsync of the
-  directory. A crash at any moment leaves either the old file or the new one.
+  directory. A crash at any moment leaves either the old file or the new one. Writers
+  of several files (a snapshot, its manifest, the ``latest`` pointer) may skip the
+  directory fsync of each and do one at the end (``sync_directory=False``).
 - :class:`ChecksumWriter`: counts and checksums the bytes on their way to the file, so
   a manifest needs no second read.
 - :func:`file_checksum` / :func:`check_file`: the checksum of a file on disk, and
@@ -27,6 +29,7 @@ checksum).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import os
@@ -60,6 +63,7 @@ def fsync_directory(directory: pathlib.Path) -> None:
         os.close(fd)
 
 
+@functools.lru_cache(maxsize=None)  # one dlopen per process, not one per file
 def _writeback_starter() -> Callable[[int, int, int], None] | None:
     """Linux's sync_file_range(SYNC_FILE_RANGE_WRITE): start writing a range of a file
     to disk without waiting for it. None where there is no such call."""
@@ -158,11 +162,16 @@ def process_state(pid: int) -> str:
         return ""
 
 
-def atomic_write(path: pathlib.Path, write: Callable[[Any], None]) -> tuple[int, str]:
+def atomic_write(path: pathlib.Path, write: Callable[[Any], None], *,
+                 sync_directory: bool = True) -> tuple[int, str]:
     """Write ``path`` through ``write(fileobj)`` crash-consistently.
 
     Returns (size, xxh3-128 hex) of what was written. On any error (a full disk
     included) the temp file is removed and the previous ``path``, if any, is untouched.
+    With ``sync_directory=False`` the rename is not yet durable: the caller fsyncs the
+    directory (:func:`fsync_directory`) before anything relies on it; until then a
+    crash may leave the old ``path`` (never a partial new one: the data was fsynced
+    before the rename).
     """
     path = pathlib.Path(path)
     tmp = temp_name(path)
@@ -173,7 +182,8 @@ def atomic_write(path: pathlib.Path, write: Callable[[Any], None]) -> tuple[int,
             raw.flush()
             os.fsync(raw.fileno())
         os.replace(tmp, path)
-        fsync_directory(path.parent)
+        if sync_directory:
+            fsync_directory(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -181,8 +191,8 @@ def atomic_write(path: pathlib.Path, write: Callable[[Any], None]) -> tuple[int,
     return writer.size, writer.checksum.hexdigest()
 
 
-def atomic_write_text(path: pathlib.Path, text: str) -> None:
-    atomic_write(path, lambda f: f.write(text.encode()))
+def atomic_write_text(path: pathlib.Path, text: str, *, sync_directory: bool = True) -> None:
+    atomic_write(path, lambda f: f.write(text.encode()), sync_directory=sync_directory)
 
 
 def file_checksum(path: pathlib.Path, algorithm: str = CHECKSUM) -> str:

@@ -9,7 +9,11 @@ Layout under ``<out_dir>/checkpoints/``::
 
 Every file is written through :func:`engine.atomic_io.atomic_write`, which checksums
 the bytes as they go (xxh3-128; manifests of older versions hold a sha256, still
-checked). ``latest()`` checks size and checksum against the manifest; a snapshot that
+checked) and fsyncs each file before its rename. The folder is fsynced once per save,
+after the last rename and before the prune: a crash before it may lose any of the
+renames, and ``latest()`` copes with each (a pointer naming a snapshot that is not
+there, or one without its manifest, falls back to the newest snapshot that verifies;
+nothing older is gone yet). ``latest()`` checks size and checksum against the manifest; a snapshot that
 fails is reported and the previous good one is used. ``load()`` checks too, unless
 this process has just verified the same unchanged file (``latest()`` then ``load()``
 hashes it once). Storage only: the snapshot dict comes from and goes back to
@@ -30,7 +34,7 @@ import time
 
 import engine
 from engine.atomic_io import (atomic_write, atomic_write_text, check_file, checksum_entry,
-                              stale_temps)
+                              fsync_directory, stale_temps)
 from engine.checkpoint import Checkpointer
 from engine.errors import CheckpointError, untrusted_pickle
 
@@ -137,12 +141,14 @@ class TorchFileCheckpointer(Checkpointer):
         itself), the new snapshot goes again: ``latest`` still names the previous one,
         which is what a resume takes and what the error says is intact, and the new
         files would only take space (and warnings at every start)."""
-        size, checksum = atomic_write(path, lambda f: save_without_crc32(state, f))
+        size, checksum = atomic_write(path, lambda f: save_without_crc32(state, f),
+                                      sync_directory=False)  # commit() does it once
         try:
             manifest = {"file": path.name, **checksum_entry(size, checksum), "epoch": epoch,
                         "step": step, "metrics": metrics or {}, "created": time.time(),
                         "engine_version": engine.__version__}
-            atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1))
+            atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1),
+                              sync_directory=False)
             self.commit(path, metrics)
         except BaseException:
             if self._pointer("latest") != path:
@@ -183,12 +189,16 @@ class TorchFileCheckpointer(Checkpointer):
         self.clean_up()
 
     def commit(self, path: pathlib.Path, metrics: dict | None) -> None:
-        """Point ``latest`` (and maybe ``best``) at ``path``, then prune old snapshots."""
-        atomic_write_text(self.directory / "latest", path.name + "\n")
+        """Point ``latest`` (and maybe ``best``) at ``path``, make every rename of this
+        save durable with one fsync of the folder, then prune old snapshots (only
+        then: a crash must not find the old ones gone and the new one not there)."""
+        atomic_write_text(self.directory / "latest", path.name + "\n", sync_directory=False)
         cfg = self.cfg.checkpoint if self.cfg is not None else None
         if cfg is not None and cfg.best_metric and metrics and cfg.best_metric in metrics:
             if self._is_better(metrics[cfg.best_metric], cfg):
-                atomic_write_text(self.directory / "best", path.name + "\n")
+                atomic_write_text(self.directory / "best", path.name + "\n",
+                                  sync_directory=False)
+        fsync_directory(self.directory)
         self._prune(keep=cfg.keep_last if cfg is not None else 0)
 
     def _is_better(self, value: float, cfg) -> bool:

@@ -211,6 +211,33 @@ def test_injected_enospc_during_fsync(tmp_path, monkeypatch):
         "latest", first.name, first.name + ".json"]
 
 
+def test_one_folder_fsync_per_save_after_the_pointer_and_before_the_prune(tmp_path,
+                                                                          monkeypatch):
+    """Each file is fsynced before its rename; the folder once, when ``latest`` names
+    the new snapshot and the old one is still there (a crash before it may lose any
+    rename: the pointer then names a missing file and latest() falls back)."""
+    cfg = TrainConfig()
+    cfg.checkpoint.keep_last = 1
+    ckpt = TorchFileCheckpointer(tmp_path, cfg)
+    first = ckpt.save(state_for(1), epoch=1, step=1)
+    real_fsync, folder_syncs = os.fsync, []
+
+    def recording_fsync(fd):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            folder_syncs.append((sorted(p.name for p in tmp_path.glob("*.pt")),
+                                 (tmp_path / "latest").read_text().strip()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    second = ckpt.save(state_for(2), epoch=2, step=2)
+    monkeypatch.undo()
+    assert folder_syncs == [([first.name, second.name], second.name)]
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == [second.name]
+    # A pointer whose snapshot's rename was lost: the newest one that verifies wins.
+    (tmp_path / "latest").write_text("snapshot-e0003-s00000003.pt\n")
+    assert ckpt.latest() == second
+
+
 @pytest.mark.slow
 def test_saves_killed_at_random_moments_never_leave_latest_unloadable(tmp_path):
     """200 SIGKILLs at random moments of back-to-back saves (about 2 MB each): after
