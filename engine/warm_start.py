@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Mapping, Sequence
 
+from engine.launcher import exit_process
+
 #: ``ENGINE_TEST_FORK=0``: every command in a real ``python -m engine`` subprocess.
 DISABLE_ENV = "ENGINE_TEST_FORK"
 
@@ -176,12 +178,7 @@ def _child(request: dict) -> None:
 
         traceback.print_exc()
     finally:
-        try:
-            atexit._run_exitfuncs()  # what a normal interpreter exit runs
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code if isinstance(code, int) else 1)
+        exit_process(code if isinstance(code, int) else 1)
 
 
 def _redirect(fd: int, path: str, flags: int) -> None:
