@@ -46,6 +46,8 @@ class WarmStarter:
         self._server: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._pending = b""
+        # Once: close() stops whichever server runs at exit (one after a restart too).
+        atexit.register(self.close)
 
     def run(self, args: Sequence[str], *, env: Mapping[str, str], cwd, timeout: float
             ) -> subprocess.CompletedProcess:
@@ -77,7 +79,6 @@ class WarmStarter:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
             self._pending = b""
-            atexit.register(self.close)
         return self._server
 
     def _reply(self, server: subprocess.Popen, key: str, deadline: float) -> str:
