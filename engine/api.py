@@ -46,13 +46,12 @@ import pathlib
 import pickle
 import sys
 import tempfile
-import traceback
 from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 
 from engine.context import WorkerContext
-from engine.errors import ConfigError, EngineError, LaunchError
+from engine.errors import ConfigError
 
 
 def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
@@ -108,14 +107,8 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
                         options=options, parent_pid=os.getpid(), exchange_dir=tmp)
         if launcher.spawns and len(launcher.worlds()) > 1:
             _check_spawnable(worker)  # one process runs in this one: anything goes
-        try:
-            launcher.launch(worker)
-        except LaunchError as exc:
-            failures = sorted(pathlib.Path(tmp).glob("error-rank*.txt"))
-            if not failures:
-                raise
-            # The first failed rank's own one-line error, then the launcher's.
-            raise LaunchError(f"{failures[0].read_text().strip()}; {exc}") from None
+        # A failed worker raises WorkerFailed here, naming the rank and its error line.
+        launcher.launch(worker)
         if worker.result:
             return worker.result[0]  # ran in this process
         result_file = pathlib.Path(tmp) / "result.pickle"
@@ -210,7 +203,7 @@ class Worker:
     plugins: tuple[str, ...]
     options: dict
     parent_pid: int
-    exchange_dir: str  # the launching process reads results and errors from here
+    exchange_dir: str  # the launching process reads rank 0's result from here
     result: list = attrs.field(factory=list, eq=False)  # filled when run in-process
 
     def __call__(self, world) -> None:
@@ -250,24 +243,16 @@ class Worker:
             ctx.finish(status, error)
 
     def _report(self, world, exc: BaseException):
-        """In a spawned worker: one line for the launching process, then exit."""
+        """In a spawned worker, as engine-run's: the error printed with the rank, its
+        one line sent to the launcher (which repeats it on its last line), then exit."""
         if isinstance(exc, SystemExit):
             raise exc
-        if isinstance(exc, EngineError):
-            line = f"rank {world.rank}: {exc}"
-            print(f"[rank {world.rank}] error: {exc}", file=sys.stderr, flush=True)
-        else:
-            line = f"rank {world.rank}: {type(exc).__name__}: {exc}".splitlines()[0]
-            text = traceback.format_exc()
-            print("".join(f"[rank {world.rank}] {row}\n" for row in text.splitlines()),
-                  file=sys.stderr, end="", flush=True)
-        path = os.path.join(self.exchange_dir, f"error-rank{world.rank:05d}.txt")
-        with open(path, "w") as f:
-            f.write(line + "\n")
-        from engine.errors import exit_code
+        from engine.cli import report_worker_error
+        from engine.errors import error_line, exit_code
         from engine.launcher import exit_failed_worker
 
-        exit_failed_worker(exit_code(exc))
+        report_worker_error(world.rank, exc)
+        exit_failed_worker(exit_code(exc), error_line(exc))
 
 
 class Context(WorkerContext):

@@ -355,7 +355,6 @@ def test_two_processes_ddp_sharding_reduction_and_rank0_output(tmp_path, recorde
     error = next(line for line in lines if line.startswith("ERROR "))
     # On a loaded machine rank 0 may still be finding out about rank 1 when its 2 s of
     # grace end; the line then adds that it was terminated, which is also true.
-    assert error.startswith("ERROR LaunchError: rank 1: ValueError: boom on rank 1; worker "
-                            "with local rank 1 (rank 1) exited with code 1; its error is "
-                            "printed above"), error
+    assert error.startswith("ERROR WorkerFailed: worker with local rank 1 (rank 1) exited "
+                            "with code 1: ValueError: boom on rank 1"), error
     assert "[rank 1] Traceback" in proc.stderr
