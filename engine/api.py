@@ -40,6 +40,7 @@ that snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pathlib
@@ -230,6 +231,7 @@ class Worker:
         try:
             ctx.setup()
             value = self.fn(ctx, *self.args)
+            ctx.write_config_unless_resumed()
             # The last snapshot is durable (or its write failed) before the run counts
             # as completed.
             ctx.checkpointer.close()
@@ -237,6 +239,9 @@ class Worker:
             return value
         except BaseException as exc:
             error = exc
+            if ctx.checkpointer is not None:  # set up: the config is known
+                with contextlib.suppress(OSError):  # the run's own error is the one reported
+                    ctx.write_config_unless_resumed()
             pm.hook.engine_exception(engine=ctx, exc=exc)
             raise
         finally:
@@ -274,15 +279,22 @@ class Context(WorkerContext):
     # ---------------------------------------------------------------- set-up
 
     def setup(self) -> None:
-        """Seed, threads, parallel mode, process group, checkpointer, config.json (as
-        Engine.run)."""
+        """Seed, threads, parallel mode, process group, checkpointer (as Engine.run).
+        config.json waits for the resume decision (:meth:`resume`)."""
         from engine.engine import start_worker
 
         cfg, world = self.cfg, self.world
         self.parallel = start_worker(self.pm, cfg, world, self.options)
+        if self.is_rank0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)  # the loop may write there
         self.checkpointer = self.pm.checkpointers.get(cfg.checkpointer)(
             self.out_dir / "checkpoints", cfg, world)
-        self.write_config()
+
+    def write_config_unless_resumed(self) -> None:
+        """config.json for a loop that never called ``ctx.epochs`` or ``ctx.resume``
+        (their resume writes it): there was no resume decision to wait for."""
+        if not self._resumed:
+            self.write_config()
 
     @property
     def module(self):
@@ -392,6 +404,9 @@ class Context(WorkerContext):
             return
         self._resumed = True
         snapshot.resume(self)
+        # After the resume's config check (as Engine._setup): a resume refused because
+        # the config changed leaves the run's own config.json.
+        self.write_config()
 
     def save(self):
         """Write a snapshot through the checkpoint plugin. Collective: every rank calls

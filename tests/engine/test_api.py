@@ -146,6 +146,11 @@ def test_epochs_resume_from_the_last_snapshot_bit_identically(tmp_path):
     picked = engine.launch(train, 3, nproc=1, resume=str(snapshot),
                            config=config(tmp_path / "b"))
     assert (picked["ran"], picked["weights"]) == ([1, 2], straight["weights"])
+    # A resume refused because the config changed leaves the run's config.json as it was.
+    recorded = (tmp_path / "b" / "run" / "config.json").read_text()
+    with pytest.raises(ConfigError, match="seed"):
+        engine.launch(train, 3, nproc=1, config=config(tmp_path / "b", seed=12345))
+    assert (tmp_path / "b" / "run" / "config.json").read_text() == recorded
 
 
 def test_a_finished_run_says_it_is_complete_and_what_to_do(tmp_path, capsys):
