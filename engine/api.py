@@ -40,19 +40,19 @@ that snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pathlib
 import pickle
 import sys
 import tempfile
-import traceback
 from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 
 from engine.context import WorkerContext
-from engine.errors import ConfigError, EngineError, LaunchError
+from engine.errors import ConfigError
 
 
 def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
@@ -108,14 +108,8 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
                         options=options, parent_pid=os.getpid(), exchange_dir=tmp)
         if launcher.spawns and len(launcher.worlds()) > 1:
             _check_spawnable(worker)  # one process runs in this one: anything goes
-        try:
-            launcher.launch(worker)
-        except LaunchError as exc:
-            failures = sorted(pathlib.Path(tmp).glob("error-rank*.txt"))
-            if not failures:
-                raise
-            # The first failed rank's own one-line error, then the launcher's.
-            raise LaunchError(f"{failures[0].read_text().strip()}; {exc}") from None
+        # A failed worker raises WorkerFailed here, naming the rank and its error line.
+        launcher.launch(worker)
         if worker.result:
             return worker.result[0]  # ran in this process
         result_file = pathlib.Path(tmp) / "result.pickle"
@@ -210,7 +204,7 @@ class Worker:
     plugins: tuple[str, ...]
     options: dict
     parent_pid: int
-    exchange_dir: str  # the launching process reads results and errors from here
+    exchange_dir: str  # the launching process reads rank 0's result from here
     result: list = attrs.field(factory=list, eq=False)  # filled when run in-process
 
     def __call__(self, world) -> None:
@@ -237,6 +231,7 @@ class Worker:
         try:
             ctx.setup()
             value = self.fn(ctx, *self.args)
+            ctx.write_config_unless_resumed()
             # The last snapshot is durable (or its write failed) before the run counts
             # as completed.
             ctx.checkpointer.close()
@@ -244,30 +239,25 @@ class Worker:
             return value
         except BaseException as exc:
             error = exc
+            if ctx.checkpointer is not None:  # set up: the config is known
+                with contextlib.suppress(OSError):  # the run's own error is the one reported
+                    ctx.write_config_unless_resumed()
             pm.hook.engine_exception(engine=ctx, exc=exc)
             raise
         finally:
             ctx.finish(status, error)
 
     def _report(self, world, exc: BaseException):
-        """In a spawned worker: one line for the launching process, then exit."""
+        """In a spawned worker, as engine-run's: the error printed with the rank, its
+        one line sent to the launcher (which repeats it on its last line), then exit."""
         if isinstance(exc, SystemExit):
             raise exc
-        if isinstance(exc, EngineError):
-            line = f"rank {world.rank}: {exc}"
-            print(f"[rank {world.rank}] error: {exc}", file=sys.stderr, flush=True)
-        else:
-            line = f"rank {world.rank}: {type(exc).__name__}: {exc}".splitlines()[0]
-            text = traceback.format_exc()
-            print("".join(f"[rank {world.rank}] {row}\n" for row in text.splitlines()),
-                  file=sys.stderr, end="", flush=True)
-        path = os.path.join(self.exchange_dir, f"error-rank{world.rank:05d}.txt")
-        with open(path, "w") as f:
-            f.write(line + "\n")
-        from engine.errors import exit_code
+        from engine.cli import report_worker_error
+        from engine.errors import error_line, exit_code
         from engine.launcher import exit_failed_worker
 
-        exit_failed_worker(exit_code(exc))
+        report_worker_error(world.rank, exc)
+        exit_failed_worker(exit_code(exc), error_line(exc))
 
 
 class Context(WorkerContext):
@@ -289,15 +279,22 @@ class Context(WorkerContext):
     # ---------------------------------------------------------------- set-up
 
     def setup(self) -> None:
-        """Seed, threads, parallel mode, process group, checkpointer, config.json (as
-        Engine.run)."""
+        """Seed, threads, parallel mode, process group, checkpointer (as Engine.run).
+        config.json waits for the resume decision (:meth:`resume`)."""
         from engine.engine import start_worker
 
         cfg, world = self.cfg, self.world
         self.parallel = start_worker(self.pm, cfg, world, self.options)
+        if self.is_rank0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)  # the loop may write there
         self.checkpointer = self.pm.checkpointers.get(cfg.checkpointer)(
             self.out_dir / "checkpoints", cfg, world)
-        self.write_config()
+
+    def write_config_unless_resumed(self) -> None:
+        """config.json for a loop that never called ``ctx.epochs`` or ``ctx.resume``
+        (their resume writes it): there was no resume decision to wait for."""
+        if not self._resumed:
+            self.write_config()
 
     @property
     def module(self):
@@ -407,6 +404,9 @@ class Context(WorkerContext):
             return
         self._resumed = True
         snapshot.resume(self)
+        # After the resume's config check (as Engine._setup): a resume refused because
+        # the config changed leaves the run's own config.json.
+        self.write_config()
 
     def save(self):
         """Write a snapshot through the checkpoint plugin. Collective: every rank calls

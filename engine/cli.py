@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import attrs
 
 from engine.errors import (EXIT_COMPLETED, EXIT_INTERRUPTED, EXIT_PREEMPTED, TRACEBACK_ENV,
-                           ConfigError, EngineError, PluginCodeError, exit_code,
+                           ConfigError, EngineError, PluginCodeError, error_line, exit_code,
                            traceback_wanted)
 
 COMMANDS = {
@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EngineError as exc:
         if traceback_wanted():
             traceback.print_exc()
-        print(f"engine-run: error: {exc}{traceback_hint(exc)}", file=sys.stderr)
+        print(f"engine-run: error: {error_line(exc)}", file=sys.stderr)
         return exit_code(exc)
     except KeyboardInterrupt:
         print("engine-run: interrupted", file=sys.stderr)
@@ -79,13 +79,6 @@ def version_line() -> str:
         torch_version = "not installed"
     python = ".".join(map(str, sys.version_info[:3]))
     return f"engine-run {engine.__version__} (torch {torch_version}, Python {python})"
-
-
-def traceback_hint(exc: BaseException) -> str:
-    """For an error in plugin code, how to see where it came from."""
-    if isinstance(exc, PluginCodeError) and not traceback_wanted():
-        return f"; {TRACEBACK_ENV}=1 or --traceback shows the traceback"
-    return ""
 
 
 def plugin_command(argv: Sequence[str]):
@@ -325,15 +318,8 @@ class WorkerJob:
         except BaseException as exc:
             shown = attribute(pm, exc)
             report_worker_error(world.rank, shown)
-            exit_failed_worker(exit_code(shown), one_line(shown))
+            exit_failed_worker(exit_code(shown), error_line(shown))
         return summary.get("status") if isinstance(summary, dict) else None
-
-
-def one_line(exc: BaseException) -> str:
-    """The error as the launcher's last line repeats it."""
-    if isinstance(exc, EngineError):
-        return f"{exc}{traceback_hint(exc)}"
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 def report_worker_error(rank: int, exc: BaseException) -> None:
@@ -345,7 +331,7 @@ def report_worker_error(rank: int, exc: BaseException) -> None:
         text = "".join(traceback.format_exception(exc.__cause__ or exc)
                        if isinstance(exc, PluginCodeError) else traceback.format_exc())
     if isinstance(exc, EngineError):
-        text += f"error: {exc}{traceback_hint(exc)}\n"
+        text += f"error: {error_line(exc)}\n"
     print("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()),
           file=sys.stderr, end="", flush=True)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import engine
 from engine import config as config_mod
-from engine.errors import RunError
+from engine.errors import RunError, one_line
 
 #: Summary keys taken from the latest metrics (``val/accuracy`` -> ``val_accuracy``).
 SUMMARY_METRICS = {"train/loss": "train_loss", "val/loss": "val_loss",
@@ -178,7 +178,7 @@ class WorkerContext:
 
         summary = {
             "status": status,
-            "error": _one_line(error),
+            "error": None if error is None else one_line(error),
             "recipe": self.recipe_path,
             "world_size": self.world.world_size,
             "launcher": self.world.launcher,
@@ -250,10 +250,3 @@ class WorkerContext:
 
 def _path_or_none(path) -> str | None:
     return None if path is None else str(path)
-
-
-def _one_line(error: BaseException | None) -> str | None:
-    if error is None:
-        return None
-    first = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first}" if first else type(error).__name__

@@ -93,6 +93,28 @@ def traceback_wanted() -> bool:
     return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
 
 
+def traceback_hint(exc: BaseException) -> str:
+    """For an error in plugin code, how to see where it came from."""
+    if isinstance(exc, PluginCodeError) and not traceback_wanted():
+        return f"; {TRACEBACK_ENV}=1 or --traceback shows the traceback"
+    return ""
+
+
+def one_line(exc: BaseException) -> str:
+    """``ValueError: the first line of its message`` (summary.json's ``error``)."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def error_line(exc: BaseException) -> str:
+    """The error as the user reads it, on the launcher's last line and after
+    ``error:``: an EngineError's own message (it says what is wrong and what would be
+    right), anything else as :func:`one_line`."""
+    if isinstance(exc, EngineError):
+        return f"{exc}{traceback_hint(exc)}"
+    return one_line(exc)
+
+
 #: The global a ``torch.load(weights_only=True)`` refused, in torch's wordings: "Unsupported
 #: global: GLOBAL os.system was not an allowed global by default" (torch 2.4-2.5),
 #: "Trying to load unsupported GLOBAL posix.system whose module posix is blocked" (2.6+).

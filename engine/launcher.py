@@ -381,18 +381,32 @@ def _ranks_of(worlds: list[World], indices: list[int]) -> str:
                      for i in indices)
 
 
+def exit_process(code: int) -> NoReturn:
+    """End this process with exit code ``code`` as a normal exit would, minus the
+    interpreter's teardown: the exit handlers run (multiprocessing's finalizers, the
+    checkpointers' at-exit closes, logging), stdout and stderr are flushed, then
+    ``os._exit``, whatever those raise. For a child process (a spawned worker, a
+    warm-started command): freeing every module of a torch program took 1.8 s of CPU
+    on an idle machine, for nothing when the process ends."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
 def exit_failed_worker(code: int, error_line: str | None = None) -> NoReturn:
     """End a worker whose error is printed already, with exit code ``code``; in a
     worker this module spawned, ``error_line`` goes to the launcher, whose last line
     repeats it (the one line users read, issue 16).
 
-    In a worker this module spawned, the exit handlers run (multiprocessing's
-    finalizers, the checkpointers' at-exit closes, logging) and the interpreter's
-    teardown is skipped: freeing every module of a torch program took 1.8 s of CPU on
-    an idle machine, all of it between a rank's error and the launcher's last line
-    (issue 16: with a rank stopped, the job must end within timeout_s + 5 s). Anywhere
-    else (the worker is the launching process itself) it raises SystemExit."""
-    import atexit
+    In a worker this module spawned, :func:`exit_process` ends it: the teardown it skips
+    came between a rank's error and the launcher's last line (issue 16: with a rank
+    stopped, the job must end within timeout_s + 5 s). Anywhere else (the worker is the
+    launching process itself) it raises SystemExit."""
     import multiprocessing
 
     if multiprocessing.parent_process() is None:
@@ -401,10 +415,7 @@ def exit_failed_worker(code: int, error_line: str | None = None) -> NoReturn:
         results, index = _to_launcher
         with contextlib.suppress(Exception):  # the launcher is gone: nobody to tell
             results.put((index, (ERROR, error_line[:MAX_ERROR_LINE])))
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_process(code)
 
 
 #: In a worker spawn_workers started: the queue to the launcher and the worker's index.

@@ -43,6 +43,7 @@ or on the command line: ``pytest -p engine.testing``. Fixtures:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -161,12 +162,12 @@ def run_engine(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd
     return proc
 
 
-def _warm_starter(_one=[]):  # noqa: B006 (one server per test session, on purpose)
-    if not _one:
-        from engine.warm_start import WarmStarter
+@functools.cache
+def _warm_starter():
+    """One warm-start server per test session (started on its first command)."""
+    from engine.warm_start import WarmStarter
 
-        _one.append(WarmStarter())
-    return _one[0]
+    return WarmStarter()
 
 
 def plugin_options(pm, recipe, given: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -104,7 +104,9 @@ class NonFinitePolicy:
 class LogWindow:
     """The micro-batches and steps since the last check point. Losses add up on the
     device in one tensor (one add per micro-batch); at each check point the window is
-    folded into the epoch's sum and starts again."""
+    folded into the epoch's sum and starts again. Under ``on_nonfinite=skip`` a skipped
+    step's micro-batches leave the sums (:meth:`settle`): the logged losses are those
+    of the steps taken, not NaN."""
 
     def __init__(self, device, samples_per_step: int, first_batch: int = 0):
         self.samples_per_step = samples_per_step
@@ -112,6 +114,10 @@ class LogWindow:
         self.epoch_loss = torch.zeros((), device=device)
         self.batches = self.steps = 0
         self.first_batch = first_batch  # where this epoch (re)started, per rank
+        # on_nonfinite=skip: the window after the last step taken, and the epoch's
+        # micro-batches in skipped steps (the same on every rank: the ranks agree).
+        self.kept_loss = torch.zeros((), device=device)
+        self.kept_batches = self.skipped_batches = 0
         # A resumed epoch's loss before the snapshot, in this run's micro-batches: the
         # epoch's metric covers the whole epoch. Rank 0 carries it (the sums are global).
         self.resumed_loss = 0.0
@@ -132,13 +138,25 @@ class LogWindow:
         self.loss += loss
         self.batches += 1
 
+    def settle(self, taken: bool) -> None:
+        """``on_nonfinite=skip``, after each optimizer step: keep its micro-batches'
+        losses, or drop them when the step was skipped."""
+        if taken:
+            self.kept_loss.copy_(self.loss)
+            self.kept_batches = self.batches
+        else:
+            self.skipped_batches += self.batches - self.kept_batches
+            self.loss.copy_(self.kept_loss)
+            self.batches = self.kept_batches
+
     def images_per_sec(self, now: float) -> float:
         return self.samples_per_step * self.steps / (now - self.start)
 
     def restart(self, now: float) -> None:
         self.epoch_loss += self.loss
         self.loss.zero_()
-        self.steps = self.batches = 0
+        self.kept_loss.zero_()
+        self.steps = self.batches = self.kept_batches = 0
         self.start = now
 
     def total_loss(self):
@@ -409,7 +427,8 @@ class Trainer:
             if last_micro and self.optimizer_step(loss, window):
                 break
             fetch_start = time.perf_counter()
-        return self.epoch_metrics(epoch, window, batches=eng.state.batch_in_epoch - first_batch,
+        return self.epoch_metrics(epoch, window, batches=eng.state.batch_in_epoch - first_batch
+                                  - window.skipped_batches,
                                   steps=eng.state.step - steps_at_start,
                                   epoch_start=epoch_start, data_wait=data_wait)
 
@@ -436,7 +455,10 @@ class Trainer:
         Returns True when the epoch must stop here (the ranks agreed on a pre-emption)."""
         eng = self.engine
         optimizer, scaler, state = eng.optimizer, eng.scaler, eng.state
-        if self.nonfinite.allow_step(state.step + 1):
+        taken = self.nonfinite.allow_step(state.step + 1)
+        if self.nonfinite.skip:
+            window.settle(taken)
+        if taken:
             if self.clip_norm is not None or self.before_step_hook is not None:
                 self.before_optimizer_step(state.step + 1)
             if scaler is not None:
@@ -482,8 +504,10 @@ class Trainer:
         values = torch.stack([window.loss.float(), window.loss.new_tensor(float(preempted)),
                               window.loss.new_tensor(float(due_by_time))])
         loss_sum, preempted, due_by_time = distributed.all_reduce_sum(values).tolist()
-        # The mean over micro-batches (with accumulation, a step has several).
-        loss = loss_sum / max(window.batches, 1) / eng.world.world_size
+        # The mean over micro-batches (with accumulation, a step has several); NaN when
+        # on_nonfinite=skip skipped every step of the window.
+        loss = (loss_sum / window.batches / eng.world.world_size if window.batches
+                else math.nan)
         self.nonfinite.check_window(loss, first=eng.state.step - window.steps + 1,
                                     last=eng.state.step, epoch=eng.state.epoch)
         if self.log_hook is not None:
@@ -512,7 +536,7 @@ class Trainer:
         loss_sum, batch_count = sum(r[0] for r in ranks), sum(r[1] for r in ranks)
         wait = max(r[2] for r in ranks)
         elapsed = time.perf_counter() - epoch_start  # after .tolist(): the device is done
-        mean_loss = loss_sum / max(batch_count, 1)
+        mean_loss = loss_sum / batch_count if batch_count else math.nan  # all skipped
         self.nonfinite.check_epoch(mean_loss, epoch, eng.state.step)
         return {
             "train/loss": mean_loss,
@@ -527,7 +551,8 @@ class Trainer:
         window, eng = self.window, self.engine
         if window is None:
             return None
-        batches = eng.state.batch_in_epoch - window.first_batch + window.resumed_batches
+        batches = (eng.state.batch_in_epoch - window.first_batch - window.skipped_batches
+                   + window.resumed_batches)
         totals = torch.stack([window.total_loss(), torch.tensor(
             batches, dtype=torch.float64, device=eng.device)])
         loss_sum, batch_count = distributed.all_reduce_sum(totals).tolist()

@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Mapping, Sequence
 
+from engine.launcher import exit_process
+
 #: ``ENGINE_TEST_FORK=0``: every command in a real ``python -m engine`` subprocess.
 DISABLE_ENV = "ENGINE_TEST_FORK"
 
@@ -44,6 +46,8 @@ class WarmStarter:
         self._server: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._pending = b""
+        # Once: close() stops whichever server runs at exit (one after a restart too).
+        atexit.register(self.close)
 
     def run(self, args: Sequence[str], *, env: Mapping[str, str], cwd, timeout: float
             ) -> subprocess.CompletedProcess:
@@ -75,7 +79,6 @@ class WarmStarter:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
             self._pending = b""
-            atexit.register(self.close)
         return self._server
 
     def _reply(self, server: subprocess.Popen, key: str, deadline: float) -> str:
@@ -176,12 +179,7 @@ def _child(request: dict) -> None:
 
         traceback.print_exc()
     finally:
-        try:
-            atexit._run_exitfuncs()  # what a normal interpreter exit runs
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code if isinstance(code, int) else 1)
+        exit_process(code if isinstance(code, int) else 1)
 
 
 def _redirect(fd: int, path: str, flags: int) -> None:

@@ -146,6 +146,11 @@ def test_epochs_resume_from_the_last_snapshot_bit_identically(tmp_path):
     picked = engine.launch(train, 3, nproc=1, resume=str(snapshot),
                            config=config(tmp_path / "b"))
     assert (picked["ran"], picked["weights"]) == ([1, 2], straight["weights"])
+    # A resume refused because the config changed leaves the run's config.json as it was.
+    recorded = (tmp_path / "b" / "run" / "config.json").read_text()
+    with pytest.raises(ConfigError, match="seed"):
+        engine.launch(train, 3, nproc=1, config=config(tmp_path / "b", seed=12345))
+    assert (tmp_path / "b" / "run" / "config.json").read_text() == recorded
 
 
 def test_a_finished_run_says_it_is_complete_and_what_to_do(tmp_path, capsys):
@@ -355,7 +360,6 @@ def test_two_processes_ddp_sharding_reduction_and_rank0_output(tmp_path, recorde
     error = next(line for line in lines if line.startswith("ERROR "))
     # On a loaded machine rank 0 may still be finding out about rank 1 when its 2 s of
     # grace end; the line then adds that it was terminated, which is also true.
-    assert error.startswith("ERROR LaunchError: rank 1: ValueError: boom on rank 1; worker "
-                            "with local rank 1 (rank 1) exited with code 1; its error is "
-                            "printed above"), error
+    assert error.startswith("ERROR WorkerFailed: worker with local rank 1 (rank 1) exited "
+                            "with code 1: ValueError: boom on rank 1"), error
     assert "[rank 1] Traceback" in proc.stderr

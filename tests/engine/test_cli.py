@@ -14,7 +14,8 @@ import pytest
 import engine
 from engine.cli import WorkerJob, build_parser, main, plugin_args, plugin_command
 from engine.errors import (CheckpointError, ConfigError, EngineError, LaunchError,
-                           PluginCodeError, PluginError, RunError, WorkerFailed, exit_code)
+                           PluginCodeError, PluginError, RunError, WorkerFailed, error_line,
+                           exit_code, one_line)
 from engine.parallel import Parallel
 from engine.testing import install_plugin, make_plugin_manager, tiny_recipe  # noqa: F401
 from tests.conftest import REPO, engine_env, read_summary, run_cli
@@ -384,6 +385,18 @@ def test_a_diverged_run_is_a_run_failure(tiny_recipe, tmp_path):
 ])
 def test_exit_code_of_each_kind_of_error(exc, code):
     assert exit_code(exc) == code
+
+
+def test_the_one_line_of_an_error_for_the_summary_and_for_the_user(monkeypatch):
+    monkeypatch.delenv("ENGINE_TRACEBACK", raising=False)
+    crash, bad = ValueError("boom\n  more detail"), ConfigError("config key 'lr': -1")
+    # summary.json: the type and the first line, whatever the error.
+    assert (one_line(crash), one_line(bad), one_line(KeyboardInterrupt())) == (
+        "ValueError: boom", "ConfigError: config key 'lr': -1", "KeyboardInterrupt")
+    # The user's line: an EngineError's own message; plugin code adds the traceback hint.
+    assert (error_line(crash), error_line(bad)) == ("ValueError: boom", "config key 'lr': -1")
+    assert error_line(PluginCodeError("plugin p raised")) == (
+        "plugin p raised; ENGINE_TRACEBACK=1 or --traceback shows the traceback")
 
 
 def test_an_explained_crash_is_a_run_failure_and_bad_input_a_usage_error(tmp_path):

@@ -38,6 +38,12 @@ def test_skip_counts_a_nan_in_any_micro_batch_not_only_the_last(tmp_path):
     summary = read_summary(out)
     assert summary["status"] == "completed"
     assert math.isfinite(summary["val_loss"]), "the optimizer stepped on NaN gradients"
+    # The logged losses leave the skipped step out: the first window's (steps 1-2) and
+    # the epoch's are the losses of the steps taken, not NaN.
+    rows = [line.split(",") for line in (out / "metrics.csv").read_text().splitlines()]
+    logged = [float(value) for _, _, name, value in rows[1:] if name == "train/loss"]
+    assert len(logged) == 5 and all(map(math.isfinite, logged)), logged
+    assert math.isfinite(summary["train_loss"]) and "train loss nan" not in proc.stdout
 
 
 # ------------------------------------------------------------ recipes that own the step
@@ -310,6 +316,21 @@ def test_log_window_folds_each_window_into_the_epoch_sum():
     assert (window.loss.item(), window.batches, window.steps) == (0.0, 0, 0)
     window.add_batch(torch.tensor(4.0))
     assert window.total_loss().item() == 7.0
+
+
+def test_a_skipped_step_leaves_the_window_and_the_epoch_loss():
+    window = LogWindow(CPU, samples_per_step=8)
+    for losses, taken in (((1.0, 3.0), True), ((float("nan"), 5.0), False),
+                          ((2.0, 2.0), True)):
+        for loss in losses:
+            window.add_batch(torch.tensor(loss))
+        window.settle(taken)
+    assert (window.loss.item(), window.batches, window.skipped_batches) == (8.0, 4, 2)
+    window.restart(window.start + 1)
+    window.add_batch(torch.tensor(float("inf")))
+    window.settle(False)
+    assert (window.loss.item(), window.batches, window.skipped_batches) == (0.0, 0, 3)
+    assert window.total_loss().item() == 8.0
 
 
 def test_snapshot_policy():
