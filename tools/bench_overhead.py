@@ -2,9 +2,16 @@
 
     python tools/bench_overhead.py                       # every CPU mode, 5 repetitions
     python tools/bench_overhead.py --reps 9 --size 8192 --modes ddp
+    python tools/bench_overhead.py --workload tiny --reps 15 --modes single,ddp \
+        --import-reps 0 --threads 1                     # the per-step cost in microseconds
 
-The workload is recipes/cifar_ddp.py's: its Net, SGD (lr 0.001, momentum 0.9), its
-synthetic CIFAR-shaped set, seed 0, global batch 64, one epoch. The hand-written side
+Two workloads (``--workload``). ``cifar`` (the default) is recipes/cifar_ddp.py's: its
+Net, SGD (lr 0.001, momentum 0.9), its synthetic CIFAR-shaped set, seed 0, global batch
+64, one epoch: a realistic step of milliseconds. ``tiny`` is tools/bench_tiny_recipe.py:
+a Linear 8 -> 8 classifier, global batch 2, 4000 samples, so thousands of steps of a few
+microseconds of arithmetic each: what the framework adds per step dominates, and the
+difference engine - hand-written divided by the steps is that cost, in microseconds
+(the project's budget: 50 us per step). The hand-written side
 is the PyTorch DDP tutorial's loop (init_process_group, DDP(model),
 DistributedSampler + set_epoch, zero_grad / forward / loss / backward / step), plain
 without DDP for one process. It gets one line the tutorial lacks: the same
@@ -27,7 +34,12 @@ Printed per mode: median loop seconds of both sides, the ratio engine / hand-wri
 process CPU time (measured on the engine side by a plugin that stands in for the
 training DataLoader; on a machine shared with other jobs it is far steadier than wall
 time), and whether the final weights are bit-identical (the engine's weights_sha256
-against engine.checkpoint.model_digest of the hand-written model).
+against engine.checkpoint.model_digest of the hand-written model). Then the per-step
+overhead in microseconds, of wall and of process CPU time: each run's loop is cut into
+windows of 20 steps (the engine's log_every, so each window holds one check point, the
+engine's periodic work) and the median window / 20 is that run's time per step, which
+a job elsewhere taking the CPU for a moment barely moves; engine - hand-written, paired
+by round, its median over the rounds, quartiles and extremes.
 
 Then the start-up cost: ``python -X importtime`` of what a run imports (``engine.cli``,
 ``engine.engine``, ``engine.trainer`` and the built-in plugins) against ``import torch``
@@ -50,6 +62,15 @@ from engine import hookimpl
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cifar_ddp.py"
+TINY_RECIPE = REPO / "tools" / "bench_tiny_recipe.py"
+#: workload: (recipe, its config overrides for --size, its training set for --size,
+#: default --size, default --batch)
+WORKLOADS = {
+    "cifar": (RECIPE, lambda size: ["data.source=synthetic", f"data.synthetic_size={size}"],
+              lambda module, size: module.synthetic_cifar(size, seed=1234)[0], 4096, 64),
+    "tiny": (TINY_RECIPE, lambda size: [f"train_size={size}"],
+             lambda module, size: module.make_data(size), 4000, 2),
+}
 SESSIONS = {1: ("single", "dp"), 2: ("ddp", "ddp-multigpu")}
 HAND = "hand-written"
 
@@ -57,8 +78,10 @@ HAND = "hand-written"
 # --------------------------------------------------------------------- the two sides
 
 
-def hand_written(rank: int, world_size: int, port: int, args) -> tuple[float, str]:
-    """The PyTorch DDP tutorial's loop. Returns (loop seconds, weights digest)."""
+def hand_written(rank: int, world_size: int, port: int, args
+                 ) -> tuple[float, float, str, int, tuple[float, float]]:
+    """The PyTorch DDP tutorial's loop. Returns (loop seconds, loop CPU seconds, weights
+    digest, steps, the median window's wall and CPU seconds per step)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -69,25 +92,28 @@ def hand_written(rank: int, world_size: int, port: int, args) -> tuple[float, st
     from engine.checkpoint import model_digest
     from engine.recipe import load_recipe
 
-    cifar = load_recipe(RECIPE).module
-    train_set, _ = cifar.synthetic_cifar(args.size, seed=1234)
+    recipe_path, _, make_train_set, _, _ = WORKLOADS[args.workload]
+    recipe = load_recipe(recipe_path)
+    cfg = recipe.make_config()  # for the recipe's model and optimizer (lr, momentum)
+    train_set = make_train_set(recipe.module, args.size)
     torch.set_num_threads(args.threads)
     if world_size > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=world_size)
     torch.manual_seed(args.seed)
-    model = cifar.Net()
+    model = recipe.module.build_model(cfg)
     if world_size > 1:
         model = DDP(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
+    optimizer = recipe.module.build_optimizer(cfg, model)
     criterion = nn.CrossEntropyLoss()
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
                                  shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch // world_size, sampler=sampler)
 
+    clock = LoopCPUClock(loader)  # what the engine's loop is measured with, too
     sampler.set_epoch(0)
     start, cpu_start = time.perf_counter(), time.process_time()
-    for inputs, labels in loader:
+    for inputs, labels in clock:
         optimizer.zero_grad()
         loss = criterion(model(inputs), labels)
         loss.backward()
@@ -97,17 +123,26 @@ def hand_written(rank: int, world_size: int, port: int, args) -> tuple[float, st
     digest = model_digest(getattr(model, "module", model).state_dict())
     if world_size > 1:
         dist.destroy_process_group()
-    return elapsed, cpu, digest
+    return elapsed, cpu, digest, len(loader), clock.step_seconds()
+
+
+#: Steps per window of the per-step timing: the engine's default log_every, so that
+#: every window holds one check point.
+WINDOW = 20
 
 
 class LoopCPUClock:
-    """Stands in for the engine's training DataLoader and measures the process CPU time
-    of the loop over it: from the first request for a batch to the request that finds
-    none left, which comes after the last step. Everything else is delegated."""
+    """Stands in for a training DataLoader (the engine's, through a plugin; the
+    hand-written loop's, directly) and measures the loop over it: the process CPU time
+    from the first request for a batch to the request that finds none left, which comes
+    after the last step; and the wall and CPU time of every ``WINDOW`` consecutive
+    steps (request to request), whose median over a run is barely moved by other jobs
+    that take the CPU away now and then. Everything else is delegated."""
 
     def __init__(self, loader):
         self.loader = loader
         self.cpu_seconds = None
+        self.windows = []  # (wall seconds, CPU seconds) of each whole window of steps
 
     def __len__(self):
         return len(self.loader)
@@ -117,8 +152,18 @@ class LoopCPUClock:
 
     def __iter__(self):
         start = time.process_time()
-        yield from self.loader
+        marks = [(time.perf_counter(), start)]
+        for i, batch in enumerate(self.loader, 1):
+            yield batch
+            if i % WINDOW == 0:
+                marks.append((time.perf_counter(), time.process_time()))
         self.cpu_seconds = time.process_time() - start
+        self.windows = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
+
+    def step_seconds(self) -> tuple[float, float]:
+        """The median window's wall and CPU seconds per step."""
+        return (statistics.median(w for w, _ in self.windows) / WINDOW,
+                statistics.median(c for _, c in self.windows) / WINDOW)
 
 
 class CPUClockPlugin:
@@ -131,7 +176,7 @@ class CPUClockPlugin:
 
 
 def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: str,
-                   args) -> tuple[float, str]:
+                   args) -> tuple[float, float, str, int, tuple[float, float]]:
     """The same workload through engine.engine.Engine, as engine-run's workers run it."""
     from engine.config import apply_overrides
     from engine.engine import Engine
@@ -139,20 +184,24 @@ def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: st
     from engine.recipe import load_recipe
     from engine.world import World
 
-    pm = build_plugin_manager(autoload=False)
+    pm = build_plugin_manager(args.plugin, autoload=False)
     cpu_clock = CPUClockPlugin()
     pm.register_object(cpu_clock, "bench-cpu-clock")
-    recipe = load_recipe(RECIPE)
+    recipe_path, size_overrides, _, _, _ = WORKLOADS[args.workload]
+    recipe = load_recipe(recipe_path)
     cfg = apply_overrides(recipe.make_config(), [
-        f"parallel={mode}", "data.source=synthetic", f"data.synthetic_size={args.size}",
+        f"parallel={mode}", *size_overrides(args.size),
         "epochs=1", f"batch_size={args.batch}", f"seed={args.seed}", f"out_dir={out_dir}",
+        *getattr(args, "set", []),
     ])
     world = World(rank=rank, local_rank=rank, world_size=world_size,
                   local_world_size=world_size, master_port=port)
     summary = Engine(pm, recipe, cfg, world, {"threads": args.threads}).run()
     # The wall time is the engine's own measurement of its loop.
-    loop_seconds = summary["global_step"] * cfg.batch_size / summary["images_per_sec"]
-    return loop_seconds, cpu_clock.clock.cpu_seconds, summary["weights_sha256"]
+    steps = summary["global_step"]
+    loop_seconds = steps * cfg.batch_size / summary["images_per_sec"]
+    return (loop_seconds, cpu_clock.clock.cpu_seconds, summary["weights_sha256"], steps,
+            cpu_clock.clock.step_seconds())
 
 
 # ------------------------------------------------------------------------ sessions
@@ -167,15 +216,17 @@ def session_worker(rank: int, world_size: int, schedule: list, ports: list, args
     for (round_index, variant), port in zip(schedule, ports):
         with tempfile.TemporaryDirectory() as out_dir:
             if variant == HAND:
-                seconds, cpu, digest = hand_written(rank, world_size, port, args)
+                seconds, cpu, digest, steps, per_step = hand_written(rank, world_size,
+                                                                     port, args)
             else:
-                seconds, cpu, digest = through_engine(variant, rank, world_size, port,
-                                                      out_dir, args)
+                seconds, cpu, digest, steps, per_step = through_engine(
+                    variant, rank, world_size, port, out_dir, args)
         if rank == 0:  # every rank times the same loop; rank 0 speaks for the session
             with open(results_path, "a") as f:
                 f.write(json.dumps({"round": round_index, "variant": variant,
                                     "seconds": seconds, "cpu_seconds": cpu,
-                                    "digest": digest}) + "\n")
+                                    "steps": steps, "step_s": per_step[0],
+                                    "step_cpu_s": per_step[1], "digest": digest}) + "\n")
 
 
 def run_session(world_size: int, modes: list[str], args, log_path: str) -> list[dict]:
@@ -216,8 +267,15 @@ def summarize(world_size: int, results: list[dict]) -> list[dict]:
         fastest = min(r["seconds"] for r in runs)
         cpu = statistics.median(r["cpu_seconds"] for r in runs)
         hand_cpu = statistics.median(r["cpu_seconds"] for r in hand)
+        hand_step = {r["round"]: (r["step_s"], r["step_cpu_s"]) for r in hand}
+        step_us = [(r["step_s"] - hand_step[r["round"]][0]) * 1e6 for r in runs]
+        step_cpu_us = [(r["step_cpu_s"] - hand_step[r["round"]][1]) * 1e6 for r in runs]
         rows.append({
             "processes": world_size, "mode": mode, "reps": len(runs),
+            "steps": runs[0]["steps"],
+            "hand_step_us": statistics.median(r["step_s"] for r in hand) * 1e6,
+            "engine_step_us": statistics.median(r["step_s"] for r in runs) * 1e6,
+            "step_us": spread(step_us), "step_cpu_us": spread(step_cpu_us),
             "hand_s": hand_median, "engine_s": median, "ratio": median / hand_median,
             "min_ratio": fastest / min(r["seconds"] for r in hand),
             "paired_ratio": statistics.median(paired),
@@ -225,6 +283,16 @@ def summarize(world_size: int, results: list[dict]) -> list[dict]:
             "bit_identical": len(hand_digests) == 1 and digests == hand_digests,
         })
     return rows
+
+
+def spread(values: list[float]) -> dict:
+    """Median, quartiles and extremes of per-round values."""
+    if len(values) < 2:
+        q1 = q3 = values[0]
+    else:
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return {"median": statistics.median(values), "q1": q1, "q3": q3,
+            "min": min(values), "max": max(values)}
 
 
 # ---------------------------------------------------------------------- imports
@@ -288,8 +356,12 @@ def measure_imports(reps: int) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=5, help="counted rounds (plus 1 warm-up)")
-    p.add_argument("--size", type=int, default=4096, help="training samples (one epoch)")
-    p.add_argument("--batch", type=int, default=64, help="global batch")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="cifar",
+                   help="cifar: the CIFAR net, steps of milliseconds; tiny: a Linear 8->8, "
+                        "steps of microseconds (the framework's per-step cost)")
+    p.add_argument("--size", type=int,
+                   help="training samples, one epoch (default: cifar 4096, tiny 4000)")
+    p.add_argument("--batch", type=int, help="global batch (default: cifar 64, tiny 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="single,dp,ddp,ddp-multigpu",
                    help="comma-separated engine modes to compare")
@@ -299,8 +371,17 @@ def parse_args(argv=None):
                    help="torch threads per process on both sides (default: the engine's "
                         "choice, the process's share of the CPUs); 1 steadies the numbers "
                         "on a machine that other jobs load")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for the engine side, e.g. log_every=100 "
+                        "(repeatable); the hand-written loop has no such knobs")
+    p.add_argument("-p", "--plugin", action="append", default=[], metavar="SPEC",
+                   help="engine-run's -p for the engine side, e.g. -p no:tensorboard "
+                        "(repeatable): what the built-in loggers cost per step")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
     args = p.parse_args(argv)
+    *_, default_size, default_batch = WORKLOADS[args.workload]
+    args.size = default_size if args.size is None else args.size
+    args.batch = default_batch if args.batch is None else args.batch
     args.threads_option = args.threads
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if not any(m in ms for ms in SESSIONS.values())]
@@ -331,7 +412,8 @@ def main(argv=None) -> int:
         runs += [{"processes": world_size, **r} for r in results]
 
     threads = args.threads_option or "the engine's default"
-    print(f"training loop, {args.size} samples x 1 epoch, global batch {args.batch}, "
+    print(f"{args.workload} training loop, {args.size} samples x 1 epoch, global batch "
+          f"{args.batch}, "
           f"threads per process: {threads}, {args.reps} interleaved rounds (engine "
           f"output: {log_path}.rank*)")
     print("wall: loop seconds (medians); ratio = engine / hand-written; min: ratio of the "
@@ -345,6 +427,16 @@ def main(argv=None) -> int:
         print(f"{r['processes']:>5}  {r['mode']:<13} {r['hand_s']:>9.3f}s "
               f"{r['engine_s']:>11.3f}s {r['ratio']:>6.3f} {r['min_ratio']:>6.3f} "
               f"{r['paired_ratio']:>6.3f} {r['cpu_ratio']:>6.3f}  {same}")
+    print(f"per-step overhead, microseconds: per run, the median over its windows of "
+          f"{WINDOW} steps (each holds one of the engine's check points) of the window's "
+          f"time / {WINDOW}; engine - hand-written, paired by round: median over the rounds "
+          f"[quartiles] (extremes); of wall time and of process CPU time")
+    for r in rows:
+        cells = [f"{r[key]['median']:7.1f} [{r[key]['q1']:6.1f} {r[key]['q3']:6.1f}] "
+                 f"({r[key]['min']:.1f} .. {r[key]['max']:.1f})"
+                 for key in ("step_us", "step_cpu_us")]
+        print(f"{r['processes']:>5}  {r['mode']:<13} {r['steps']:>6} steps of "
+              f"{r['hand_step_us']:.0f} us (hand-written)  wall {cells[0]}  cpu {cells[1]}")
     imports = measure_imports(args.import_reps) if args.import_reps else None
     if imports:
         print(f"imports: what a run imports {imports['run_s']:.3f}s vs import torch "
