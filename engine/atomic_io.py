@@ -86,7 +86,7 @@ class ChecksumWriter(io.RawIOBase):
     With ``writeback``, it also asks the kernel to start writing each
     :data:`WRITEBACK_BYTES` to disk as soon as they are written: the disk then works
     while torch.save serializes the rest, and the final fsync waits for the tail only
-    (at ~650 MB/s of disk here, fsync was most of a crash-consistent save's cost)."""
+    (at 300-650 MB/s of disk here, fsync was most of a crash-consistent save's cost)."""
 
     WRITEBACK_BYTES = 16 << 20
 

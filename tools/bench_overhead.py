@@ -161,7 +161,10 @@ class LoopCPUClock:
         self.windows = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
 
     def step_seconds(self) -> tuple[float, float]:
-        """The median window's wall and CPU seconds per step."""
+        """The median window's wall and CPU seconds per step (NaN for a run shorter than
+        one window: the smoke test's)."""
+        if not self.windows:
+            return float("nan"), float("nan")
         return (statistics.median(w for w, _ in self.windows) / WINDOW,
                 statistics.median(c for _, c in self.windows) / WINDOW)
 
