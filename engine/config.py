@@ -379,7 +379,7 @@ def load_config_file(path: str) -> list[str]:
                           f"(key = value), not a {type(data).__name__}")
     if _is_runs_own(data, file):
         data = {k: v for k, v in data.items() if k not in NOT_REPRODUCED}
-    return [f"{key}={text}" for key, text in _flatten(data)]
+    return [f"{key}={_as_text(value)}" for key, value in flatten(data).items()]
 
 
 def _parse(text: str, suffix: str, path: str) -> Any:
@@ -411,15 +411,16 @@ def _is_runs_own(data: dict, file: pathlib.Path) -> bool:
         pathlib.Path(out_dir).expanduser().absolute() == file.parent.absolute())
 
 
-def _flatten(data: dict, prefix: str = ""):
-    """(dotted key, override text) pairs; the text converts back as the key's type does
-    (true/false, none, comma-separated lists)."""
-    for key, value in data.items():
-        name = f"{prefix}{key}"
+def flatten(config: dict, prefix: str = "") -> dict:
+    """``{"checkpoint": {"keep_last": 3}}`` -> ``{"checkpoint.keep_last": 3}``: the
+    dotted keys of overrides, of the resume check and of the trackers' parameters."""
+    flat = {}
+    for key, value in config.items():
         if isinstance(value, dict):
-            yield from _flatten(value, name + ".")
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
-            yield name, _as_text(value)
+            flat[prefix + key] = value
+    return flat
 
 
 def _as_text(value: Any) -> str:

@@ -294,17 +294,6 @@ def _place_in_epoch(eng, snap: dict, source: str) -> None:
 # ------------------------------------------------------------ a changed config
 
 
-def flatten(config: dict, prefix: str = "") -> dict:
-    """``{"checkpoint": {"keep_last": 3}}`` -> ``{"checkpoint.keep_last": 3}``."""
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat
-
-
 def may_change(key: str, cfg) -> bool:
     return key in MAY_CHANGE or config_mod.resume_safe(cfg, key)
 
@@ -313,7 +302,7 @@ def config_changes(saved: dict, current: dict) -> dict[str, tuple]:
     """``{key: (saved value, current value)}`` for the keys both configs have and that
     differ. A key only one of them has (a snapshot from an older engine or recipe) is no
     change: there is nothing to compare it with."""
-    old, new = flatten(saved), flatten(current)
+    old, new = config_mod.flatten(saved), config_mod.flatten(current)
     return {k: (old[k], new[k]) for k in old.keys() & new.keys() if old[k] != new[k]}
 
 

@@ -40,19 +40,9 @@ def enabled(engine, group: str, extra: str) -> tuple[Any, Any] | None:
 
 def flat_config(cfg) -> dict[str, Any]:
     """The resolved config as ``{"lr": 0.1, "ddp.bucket_cap_mb": 25.0, ...}``."""
-    from engine.config import to_dict
+    from engine.config import flatten, to_dict
 
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}{key}.", item)
-        else:
-            flat[prefix[:-1]] = value
-
-    walk("", to_dict(cfg))
-    return flat
+    return flatten(to_dict(cfg))
 
 
 def summary_scalars(summary: dict) -> dict[str, float]:
