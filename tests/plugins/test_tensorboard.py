@@ -3,9 +3,13 @@ by rank 0 only, read back with TensorBoard's own EventAccumulator."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from engine.plugins.tensorboard import TensorBoardLogger
 from engine.testing import TINY_RECIPE
+from engine.testing import make_engine, make_plugin_manager, tiny_recipe  # noqa: F401
 from tests.conftest import QUICK, read_summary, run_cli
 
 
@@ -16,6 +20,20 @@ def scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
             for tag in acc.Tags()["scalars"]}
+
+
+def test_each_metric_of_a_log_call_is_its_own_scalar_at_the_step(make_engine):
+    eng, logger = make_engine(), TensorBoardLogger()
+    logger.engine_run_start(engine=eng)
+    logger.engine_log(engine=eng, metrics={"train/loss": 0.5, "lr": 0.1, "x": None}, step=4)
+    logger.engine_log(engine=eng, metrics={"train/loss": math.nan, "val/acc": 0.75}, step=8)
+    logger.engine_log(engine=eng, metrics={"x": None}, step=9)  # nothing to write
+    logger.engine_run_end(engine=eng, summary={"status": "completed"})
+    found = scalars(eng.out_dir / "tensorboard")
+    assert set(found) == {"train/loss", "lr", "val/acc"}
+    assert found["lr"] == [(4, pytest.approx(0.1))] and found["val/acc"] == [(8, 0.75)]
+    assert found["train/loss"][0] == (4, 0.5) and found["train/loss"][1][0] == 8
+    assert math.isnan(found["train/loss"][1][1])
 
 
 def test_rank0_writes_the_run_metrics_as_scalars(cifar_recipe, tmp_path):
