@@ -250,6 +250,50 @@ def _start_resource_tracker_deaf_to(signals) -> None:
             signal.signal(signum, handler)
 
 
+#: ``ENGINE_START_METHOD=fork``: the local workers are forked from the launching process
+#: instead of started as new interpreters (spawn, the default). A forked worker starts in
+#: milliseconds where a spawned one imports torch again (2-5 s on a small machine); the
+#: price is that it inherits the launcher's state, which is why spawn stays the default.
+START_METHOD_ENV = "ENGINE_START_METHOD"
+START_METHODS = ("spawn", "fork")
+
+
+def start_method(environ: Mapping[str, str] = os.environ) -> str:
+    """How :func:`spawn_workers` starts processes: ``spawn`` unless ``ENGINE_START_METHOD``
+    says ``fork``. A fork is only safe from a process that runs no other Python thread
+    (a lock another thread held stays locked in the child: a worker could hang at its
+    first tensor operation) and has not initialised CUDA; otherwise this warns and
+    spawns."""
+    chosen = environ.get(START_METHOD_ENV, "").strip() or "spawn"
+    if chosen not in START_METHODS:
+        raise LaunchError(f"{START_METHOD_ENV}={chosen!r} is not a start method; expected "
+                          f"{' or '.join(START_METHODS)} (the default: spawn)")
+    if chosen == "fork":
+        reason = _fork_unsafe()
+        if reason:
+            warn_once(f"{START_METHOD_ENV}=fork: {reason}, and a forked worker could hang; "
+                      "starting the workers with spawn")
+            return "spawn"
+    return chosen
+
+
+def _fork_unsafe() -> str | None:
+    """Why this process cannot be forked safely, or None."""
+    if not hasattr(os, "fork"):
+        return "this platform cannot fork"
+    import threading
+
+    # Python threads. import torch itself starts one native thread, idle in a futex, as
+    # DataLoader workers (forked on Linux) meet it too; the launching process does no
+    # tensor work, so no OpenMP pool or gloo thread runs in it.
+    if threading.active_count() > 1:
+        return f"this process runs {threading.active_count()} threads"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "this process has initialised CUDA"
+    return None
+
+
 def spawn_workers(worker: Callable[[World], object], worlds: list[World],
                   child_env: Mapping[str, str] | None = None) -> list:
     """Start one process per world on this machine, run ``worker`` in each, wait.
@@ -263,11 +307,12 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
 
     import torch.multiprocessing as mp
 
+    method = start_method()
     _start_resource_tracker_deaf_to(FORWARDED_SIGNALS)
-    results = multiprocessing.get_context("spawn").SimpleQueue()
+    results = multiprocessing.get_context(method).SimpleQueue()
     context = mp.start_processes(_entry, args=(worker, worlds, dict(child_env or {}),
                                                results),
-                                 nprocs=len(worlds), join=False, start_method="spawn")
+                                 nprocs=len(worlds), join=False, start_method=method)
 
     def forward(signum, frame):
         for process in context.processes:

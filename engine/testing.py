@@ -30,7 +30,8 @@ or on the command line: ``pytest -p engine.testing``. Fixtures:
 ``run_engine(args, env=None, cwd=None, timeout=300, check=False)`` (a function)
     ``engine-run ARGS`` in a new process, forked from a server that has torch imported
     (seconds saved per run: :mod:`engine.warm_start`; ``ENGINE_TEST_FORK=0`` runs a plain
-    subprocess instead); ``read_summary(out_dir)``: a run's
+    subprocess instead), whose spawn launcher forks its workers from it as well
+    (``ENGINE_START_METHOD=fork`` unless ``env`` says otherwise); ``read_summary(out_dir)``: a run's
     summary.json; ``engine_env(extra)``: the environment for a test run (CPU only, no
     launcher variables).
 ``write_distribution(site, name, version, entry_points, files)`` (a function)
@@ -54,6 +55,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 import pytest
+
+from engine.launcher import START_METHOD_ENV
 
 #: Variables of launchers and schedulers that would make a run adopt them; a test run
 #: starts its own workers, so they are removed.
@@ -151,6 +154,9 @@ def run_engine(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd
 
     env = dict(env) if env is not None else engine_env()
     if program is None and warm_start.enabled():
+        # The server has torch imported: its spawn launchers fork their workers from it
+        # too, unless the test chose (2-5 s saved per run; engine.launcher.start_method).
+        env.setdefault(START_METHOD_ENV, "fork")
         proc = _warm_starter().run(args, env=env, cwd=cwd, timeout=timeout)
     else:
         command = [*(program or (sys.executable, "-m", "engine")), *map(str, args)]

@@ -7,16 +7,20 @@ import os
 import pathlib
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from engine.errors import LaunchError
-from engine.launcher import (Launcher, LaunchOptions, check_port_free, choose_launcher,
-                             detection_order, require_variables, spawn_workers)
+from engine.launcher import (START_METHOD_ENV, Launcher, LaunchOptions, check_port_free,
+                             choose_launcher, detection_order, require_variables,
+                             spawn_workers, start_method)
 from engine.plugin_manager import build_plugin_manager
 from engine.world import World
+from tests.conftest import REPO, engine_env
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "abc", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
             "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -196,3 +200,54 @@ class Status:
 
 def test_local_workers_send_back_their_status():
     assert spawn_workers(Status(), worlds(2)) == ["preempted", None]
+
+
+# ------------------------------------------------------------------ start method
+
+FORK_PROBE = '''\
+import sys
+import threading
+
+from engine.launcher import spawn_workers
+from engine.world import World
+
+import forkprobe
+
+if __name__ == "__main__":
+    sys.forkprobe_parent = True  # set at run time: only a forked child can see it
+    if sys.argv[1:] == ["thread"]:
+        threading.Thread(target=threading.Event().wait, args=(60,), daemon=True).start()
+    worlds = [World(rank=r, local_rank=r, world_size=2, local_world_size=2) for r in (0, 1)]
+    print(spawn_workers(forkprobe.worker, worlds))
+'''
+
+
+def test_start_method_is_spawn_unless_the_variable_says_fork():
+    assert start_method({}) == "spawn"
+    assert start_method({START_METHOD_ENV: " "}) == "spawn"
+    with pytest.raises(LaunchError) as err:
+        start_method({START_METHOD_ENV: "forkserver"})
+    assert str(err.value) == ("ENGINE_START_METHOD='forkserver' is not a start method; "
+                              "expected spawn or fork (the default: spawn)")
+
+
+@pytest.mark.parametrize("variable, parent, expected", [
+    (None, "", "spawned"),
+    ("fork", "", "forked"),
+    ("fork", "thread", "spawned"),  # a second thread: forking could hang the child
+])
+def test_workers_are_forked_only_when_asked_and_safe(tmp_path, variable, parent, expected):
+    (tmp_path / "forkprobe.py").write_text(
+        "import sys\n\n\ndef worker(world):\n"
+        "    return 'forked' if getattr(sys, 'forkprobe_parent', False) else 'spawned'\n")
+    (tmp_path / "probe.py").write_text(FORK_PROBE)
+    env = engine_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    env.pop(START_METHOD_ENV, None)
+    if variable:
+        env[START_METHOD_ENV] = variable
+    proc = subprocess.run([sys.executable, str(tmp_path / "probe.py"), parent], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str([expected, expected])
+    warned = "ENGINE_START_METHOD=fork: this process runs" in proc.stderr
+    assert warned == (parent == "thread"), proc.stderr
