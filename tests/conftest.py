@@ -108,6 +108,42 @@ def _may_skip(keywords) -> bool:
     return "cuda" in keywords or ("slurm" in keywords and slurm_cluster.opted_out())
 
 
+# ------------------------------------------------------------- parallel workers
+#
+# `pytest` runs on two pytest-xdist workers (addopts: -n 2 --dist loadscope): most
+# tests wait on worker processes, sockets and timeouts rather than on the CPU. loadscope
+# gives each test module to one worker, so that a module's shared reference runs
+# (module-scoped fixtures) run once. The modules with tests on the local SLURM cluster
+# share one scope, so they run one after another on one worker: two jobs at once would
+# queue for the cluster's two nodes and could run into each other's timeouts.
+
+SLURM_SCOPE = "the local SLURM cluster"
+
+
+@functools.cache
+def _uses_the_slurm_cluster(path: pathlib.Path) -> bool:
+    try:
+        return "mark.slurm" in path.read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent without it
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneScopeForSlurm(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            if _uses_the_slurm_cluster(config.rootpath / module):
+                return SLURM_SCOPE
+            return super()._split_scope(nodeid)
+
+    return OneScopeForSlurm(config, log)
+
+
 # ---------------------------------------------------------------- the quick loop
 #
 # `pytest -m "not slow"` runs in about a minute: it leaves out every test that starts a
