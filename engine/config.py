@@ -87,7 +87,7 @@ class TrainConfig:
     checkpointer: str = "torch-file"
     init_method: str = "env://"  # env://, tcp://HOST:PORT or file:///shared/path
     timeout_s: float = 300.0  # process-group init and collective timeout
-    # SIGUSR1/SIGTERM: snapshot at the next check point and stop; under a SLURM batch
+    # SIGUSR1/SIGTERM: snapshot within two check points and stop; under a SLURM batch
     # job, rank 0 then requeues it (see engine/preemption.py).
     preemption: bool = True
     requeue: bool = True

@@ -319,6 +319,33 @@ def all_reduce_sum(tensor):
     return tensor
 
 
+class Reduction:
+    """An all-reduce (sum) started without waiting for it. ``values()`` waits (bounded by
+    the process group's timeout, like any collective) and reads the sums back; read one
+    log window after it started, it is long done and the wait costs nothing."""
+
+    __slots__ = ("tensor", "work")
+
+    def __init__(self, tensor, work):
+        self.tensor, self.work = tensor, work
+
+    def values(self) -> list[float]:
+        if self.work is not None:
+            self.work.wait()
+        return self.tensor.tolist()
+
+
+def start_all_reduce_sum(tensor) -> Reduction:
+    """Start summing ``tensor`` (in place) over all ranks; every rank must start the same
+    reductions in the same order, as with any collective."""
+    work = None
+    if is_initialized():
+        import torch.distributed as dist
+
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+    return Reduction(tensor, work)
+
+
 def all_gather_tensor(tensor):
     """Every rank's ``tensor``, stacked along a new first dimension, in one collective:
     for sums and maxima taken from the same small tensor."""

@@ -3,9 +3,10 @@ scheduler taking the node back) means "save and stop soon".
 
 The signal handler only sets a flag: nothing else is safe inside a handler, and a
 snapshot needs every rank. The Trainer looks at the flag at its next check point (every
-``log_every`` steps); the ranks agree with one small all-reduce (a signal that reached
-any rank counts for all), a snapshot is written, and rank 0 asks SLURM to requeue the
-job. The requeued job starts again with the same out_dir and resumes from that snapshot.
+``log_every`` steps) and starts one small all-reduce that tells every rank (a signal
+that reached any rank counts for all); at the check point after that, where the sums
+have long arrived, the ranks stop together, a snapshot is written, and rank 0 asks SLURM
+to requeue the job. The requeued job starts again with the same out_dir and resumes from that snapshot.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ class CPUClockPlugin:
 def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: str,
                    args) -> tuple[float, float, str, int, tuple[float, float]]:
     """The same workload through engine.engine.Engine, as engine-run's workers run it."""
-    from engine.config import apply_overrides
+    from engine.config import apply_overrides, with_groups
     from engine.engine import Engine
     from engine.plugin_manager import build_plugin_manager
     from engine.recipe import load_recipe
@@ -192,7 +192,9 @@ def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: st
     pm.register_object(cpu_clock, "bench-cpu-clock")
     recipe_path, size_overrides, _, _, _ = WORKLOADS[args.workload]
     recipe = load_recipe(recipe_path)
-    cfg = apply_overrides(recipe.make_config(), [
+    # The plugins' config groups (ddp.*) join the recipe's before the overrides, as in
+    # engine-run, so that --set can reach them.
+    cfg = apply_overrides(with_groups(recipe.make_config(), pm.config_groups), [
         f"parallel={mode}", *size_overrides(args.size),
         "epochs=1", f"batch_size={args.batch}", f"seed={args.seed}", f"out_dir={out_dir}",
         *getattr(args, "set", []),

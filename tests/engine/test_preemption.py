@@ -1,5 +1,6 @@
-"""Pre-emption: a signal makes every rank stop at the next check point, with a snapshot
-from which the run resumes to the same weights as an uninterrupted one."""
+"""Pre-emption: a signal makes every rank stop at a check point (the one after the check
+point that saw it), with a snapshot from which the run resumes to the same weights as an
+uninterrupted one."""
 
 from __future__ import annotations
 
@@ -23,15 +24,17 @@ def test_sigusr1_on_one_rank_snapshots_all_and_the_rerun_finishes_identically(tm
             "-p", "tests.fault_plugin")
     stopped = run_cli(*args, env=env)
     assert stopped.returncode == 75, stopped.stderr  # EXIT_PREEMPTED: run me again
-    # Rank 1 got the signal after step 7; both stopped at the next check point (step 8).
-    assert ("pre-empted: snapshot written at epoch 1, step 8; not a SLURM job: not "
+    # Rank 1 got the signal after step 7 (epoch 1's first). The check point at step 8
+    # carries its flag to every rank; they act on it at the next one (step 10), where
+    # the sums have long arrived.
+    assert ("pre-empted: snapshot written at epoch 1, step 10; not a SLURM job: not "
             "requeued") in stopped.stderr
     summary = read_summary(out)
-    assert summary["status"] == "preempted" and summary["global_step"] == 8
-    assert (out / "checkpoints" / "snapshot-e0001-s00000008.pt").is_file()
+    assert summary["status"] == "preempted" and summary["global_step"] == 10
+    assert (out / "checkpoints" / "snapshot-e0001-s00000010.pt").is_file()
 
     resumed = run_cli(*args, env=env, check=True)
-    assert "resuming from" in resumed.stdout and "epoch 1, step 8, batch 2" in resumed.stdout
+    assert "resuming from" in resumed.stdout and "epoch 1, step 10, batch 4" in resumed.stdout
     assert read_summary(out)["weights_sha256"] == read_summary(reference)["weights_sha256"]
 
 

@@ -268,7 +268,8 @@ def batches_seen(out) -> list[tuple[float, list[int]]]:
 
 def test_a_run_stopped_mid_epoch_at_2_processes_resumes_at_1_and_3_seeing_each_sample_once(
         tmp_path):
-    """36 samples, global batch 6: pre-empted after step 2 with 2 processes (12 samples
+    """36 samples, global batch 6: pre-empted with 2 processes (signalled after step 1;
+    the ranks stop at the check point after the one that saw it: step 2, 12 samples
     consumed), resumed with 1 and with 3. Over the epoch every sample is trained on
     exactly once; the epoch's loss is the mean over all its batches, the stopped run's
     included; the data wait is the slowest rank's (rank 2 loads slowly)."""
@@ -276,7 +277,7 @@ def test_a_run_stopped_mid_epoch_at_2_processes_resumes_at_1_and_3_seeing_each_s
 
     stopped = tmp_path / "stopped"
     base = (ELASTIC, "slow_rank=2", "slow_s=0.05", "-p", "tests.fault_plugin")
-    fault = engine_env(ENGINE_FAULT_ACTION="signal", ENGINE_FAULT_STEP="2",
+    fault = engine_env(ENGINE_FAULT_ACTION="signal", ENGINE_FAULT_STEP="1",
                        ENGINE_FAULT_RANK="1")
     first = run_cli(*base, f"out_dir={stopped}", "--nproc", "2", env=fault)
     assert read_summary(stopped)["status"] == "preempted", first.stderr
