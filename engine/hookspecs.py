@@ -271,8 +271,10 @@ def engine_log(engine, metrics, step):
     ``step``. Logger plugins (console, TensorBoard, CSV, W&B...) implement this.
 
     Kind: notification. Fires on rank 0 only: every ``log_every`` steps during training
-    and once per epoch with the epoch's metrics after validation; in a custom loop,
-    whenever it calls ``ctx.log``.
+    (the window before: the mean over all ranks arrives one window after its check
+    point, so the window ending at step 20 is logged at step 40 or at the epoch's end,
+    with ``step=20``) and once per epoch with the epoch's metrics after validation; in a
+    custom loop, whenever it calls ``ctx.log``.
 
     Since 0.1.
     """

@@ -89,12 +89,17 @@ def expected_calls(rank: int, epochs: int, steps_per_epoch: int, log_every: int)
     step = 0
     for epoch in range(epochs):
         calls.append(["epoch_start", epoch])
+        window = None  # a check point's window is logged at the next one (or epoch end)
         for _ in range(steps_per_epoch):
             step += 1
             calls.append(["train_step_end", step, "Tensor", []])
-            if rank == 0 and step % log_every == 0:
-                calls.append(["log", step])
+            if step % log_every == 0:
+                if rank == 0 and window is not None:
+                    calls.append(["log", window])
+                window = step
         if rank == 0:
+            if window is not None:
+                calls.append(["log", window])
             calls.append(["log", step])  # the epoch's metrics, after validation
         calls.append(["epoch_end", epoch])
     calls.append(["run_end", "completed"])
@@ -125,12 +130,13 @@ def test_hooks_fire_in_the_documented_order_on_the_documented_ranks(recorder):
 
 def test_a_failing_run_fires_exception_then_run_end(recorder):
     proc = run(recorder, "epochs=1", "--nproc", "1", "--recorder-tag", "hello",
-               RECORDER_FAIL_AT_STEP="3")
+               RECORDER_FAIL_AT_STEP="5")
     assert proc.returncode != 0
-    assert "RuntimeError: recorder fails at step 3" in proc.stderr
+    assert "RuntimeError: recorder fails at step 5" in proc.stderr
     calls = read(recorder / "calls" / "rank0.jsonl")
+    # Step 2's window is logged at the check point of step 4; step 4's was in flight.
     assert calls == [
         ["run_start", 0, "hello"], ["epoch_start", 0],
-        ["train_step_end", 1, "Tensor", []], ["train_step_end", 2, "Tensor", []],
-        ["log", 2, calls[4][2]], ["train_step_end", 3, "Tensor", []],
-        ["exception", "RuntimeError", "recorder fails at step 3"], ["run_end", "failed"]]
+        *[["train_step_end", step, "Tensor", []] for step in (1, 2, 3, 4)],
+        ["log", 2, calls[6][2]], ["train_step_end", 5, "Tensor", []],
+        ["exception", "RuntimeError", "recorder fails at step 5"], ["run_end", "failed"]]
