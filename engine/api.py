@@ -34,8 +34,9 @@ completes it writes a snapshot (every ``cfg.checkpoint.every_epochs`` epochs, an
 the last). A snapshot taken mid-epoch with ``ctx.save()`` resumes at that position: the
 first training loader (``ctx.loader``) counts the batches it hands out, and the
 resumed epoch's loaders yield only the rest of the epoch (at any number of processes:
-docs/library.md). ``launch(..., resume=False)`` starts fresh; ``resume=PATH`` loads
-that snapshot.
+docs/library.md). ``launch(..., resume=False)`` starts fresh: refused where out_dir
+holds a run, unless ``overwrite=True`` removes that run's files first; ``resume=PATH``
+loads that snapshot.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from engine.errors import ConfigError
 
 def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
            config=None, plugins: Sequence[str] = (), resume: bool | str = True,
-           threads: int | None = None, nnodes: int = 1, node_rank: int = 0,
+           overwrite: bool = False, threads: int | None = None, nnodes: int = 1, node_rank: int = 0,
            master_addr: str | None = None, master_port: int | None = None) -> Any:
     """Run ``fn(ctx, *args)`` in every worker process and return its result.
 
@@ -101,7 +102,14 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
         master_port=master_port, init_method=cfg.init_method, timeout_s=cfg.timeout_s,
         **({"local_rank": local_rank} if local_rank is not None else {})))
 
-    options = {"no_resume": resume is False, "threads": threads,
+    if resume is False and not overwrite:
+        from engine.run_dir import refuse_fresh_start
+
+        # Before any process starts; what the user had is never removed unasked.
+        refuse_fresh_start(cfg.out_dir, asked="engine.launch(resume=False)",
+                           overwrite="pass overwrite=True")
+    options = {"no_resume": resume is False, "overwrite": resume is False and overwrite,
+               "threads": threads,
                "resume": resume if isinstance(resume, (str, os.PathLike)) else None}
     with tempfile.TemporaryDirectory(prefix="engine-launch-") as tmp:
         worker = Worker(fn=fn, args=tuple(args), cfg=cfg, plugins=tuple(plugins),
@@ -383,7 +391,7 @@ class Context(WorkerContext):
         self.epochs_requested = total
         self.resume()
         self.report_if_complete(total, more="ctx.epochs({n})",
-                                over="engine.launch(..., resume=False)")
+                                over="engine.launch(..., resume=False, overwrite=True)")
         every = self.cfg.checkpoint.every_epochs
         while self.state.epoch < total:
             epoch = self.state.epoch

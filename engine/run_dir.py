@@ -151,14 +151,17 @@ def holds_a_run(out_dir) -> list[str]:
     return shown
 
 
-def refuse_fresh_start(out_dir: str) -> None:
-    """``--no-resume`` without ``--overwrite``: a ConfigError when ``out_dir`` holds a run."""
+def refuse_fresh_start(out_dir: str, asked: str = "--no-resume",
+                       overwrite: str = "add --overwrite") -> None:
+    """A fresh start (``--no-resume``, or ``resume=False`` in engine.launch) without
+    permission to overwrite: a ConfigError when ``out_dir`` holds a run. ``asked`` and
+    ``overwrite`` name the caller's spelling of both."""
     if is_pattern(out_dir):
         return  # a new folder anyway
     shown = holds_a_run(out_dir)
     if shown:
         raise ConfigError(
-            f"--no-resume: {out_dir} holds a run ({' and '.join(shown)}); add --overwrite "
+            f"{asked}: {out_dir} holds a run ({' and '.join(shown)}); {overwrite} "
             "to delete it first, or give another out_dir (out_dir=.../version_{version} "
             "makes a new folder each run)")
 
@@ -197,7 +200,7 @@ def settle(cfg, world, options: dict) -> None:
                     not is_pattern(cfg.out_dir):
                 removed = clear(decision)
                 if removed:
-                    print(f"--overwrite: removed {', '.join(removed)} from {decision}",
+                    print(f"overwrite: removed {', '.join(removed)} from {decision}",
                           flush=True)
         except (ConfigError, OSError) as exc:
             decision = exc if isinstance(exc, ConfigError) else ConfigError(

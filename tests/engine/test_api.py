@@ -138,8 +138,18 @@ def test_epochs_resume_from_the_last_snapshot_bit_identically(tmp_path):
     assert resumed["weights"] == straight["weights"]
     assert read_summary(tmp_path / "b" / "run")["weights_sha256"] == straight["weights"]
 
-    # resume=False starts over (and, with the same seed, ends where the first did).
-    again = engine.launch(train, 3, nproc=1, resume=False, config=config(tmp_path / "b"))
+    # resume=False is refused where a run is, and removes nothing...
+    before = sorted(p.name for p in (tmp_path / "b" / "run" / "checkpoints").iterdir())
+    with pytest.raises(ConfigError) as refused:
+        engine.launch(train, 3, nproc=1, resume=False, config=config(tmp_path / "b"))
+    assert str(refused.value).startswith(
+        f"engine.launch(resume=False): {tmp_path / 'b' / 'run'} holds a run (snapshots "
+        "and summary.json); pass overwrite=True to delete it first")
+    assert sorted(p.name for p in (tmp_path / "b" / "run" / "checkpoints").iterdir()) == before
+    # ...with overwrite=True it starts over (with the same seed, it ends where the first
+    # did).
+    again = engine.launch(train, 3, nproc=1, resume=False, overwrite=True,
+                          config=config(tmp_path / "b"))
     assert again["ran"] == [0, 1, 2] and again["weights"] == straight["weights"]
     # resume=PATH takes that snapshot.
     snapshot = next((tmp_path / "b" / "run" / "checkpoints").glob("snapshot-e0001-*.pt"))
@@ -161,7 +171,7 @@ def test_a_finished_run_says_it_is_complete_and_what_to_do(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[1] == (
         f"already complete: {tmp_path / 'run'} holds a finished run of 2 epochs (asked for "
         "2), nothing to train; to train on, ask for more (ctx.epochs(3) or more); to start "
-        "over, use engine.launch(..., resume=False) or another out_dir")
+        "over, use engine.launch(..., resume=False, overwrite=True) or another out_dir")
 
 
 def test_checkpoint_every_epochs_is_respected(tmp_path):
