@@ -25,8 +25,8 @@ def code_lines(path: pathlib.Path) -> list[str]:
     return [line for line in text.splitlines()[docstring_end:] if line.strip()]
 
 
-def run(*args: str, cwd, launcher: tuple[str, ...] = (sys.executable,)):
-    proc = subprocess.run([*launcher, *args], cwd=cwd, env=engine_env(), text=True,
+def run(*args: str, cwd, launcher: tuple[str, ...] = (sys.executable,), **env: str):
+    proc = subprocess.run([*launcher, *args], cwd=cwd, env=engine_env(**env), text=True,
                           capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -58,14 +58,17 @@ def test_after_two_processes_resume_and_torchrun_give_the_same_weights(tmp_path)
         2, "ddp", 32)  # 2048 samples, global batch 64
     assert len(set(one_epoch["weights_sha256_per_rank"])) == 1
 
-    # The same command with more epochs continues from the snapshot...
-    second = run(str(AFTER), "--epochs", "2", cwd=tmp_path / "a")
+    # The same command with more epochs continues from the snapshot (its workers forked
+    # rather than spawned, to save their start: the weights must not tell)...
+    second = run(str(AFTER), "--epochs", "2", cwd=tmp_path / "a",
+                 ENGINE_START_METHOD="fork")
+    assert "ENGINE_START_METHOD" not in second.stderr  # forked: no fall-back warning
     assert second.stdout.splitlines()[0] == (
         "resuming from runs/custom_loop/checkpoints/snapshot-e0001-s00000032.pt: "
         "epoch 1, step 32")
     assert "epoch 0:" not in second.stdout and "epoch 1: loss" in second.stdout
     # ...and ends exactly where an uninterrupted run does.
-    run(str(AFTER), "--epochs", "2", cwd=tmp_path / "b")
+    run(str(AFTER), "--epochs", "2", cwd=tmp_path / "b", ENGINE_START_METHOD="fork")
     assert (read_summary(out)["weights_sha256"] ==
             read_summary(tmp_path / "b" / "runs" / "custom_loop")["weights_sha256"])
 
