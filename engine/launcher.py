@@ -283,11 +283,19 @@ def _fork_unsafe() -> str | None:
         return "this platform cannot fork"
     import threading
 
-    # Python threads. import torch itself starts one native thread, idle in a futex, as
-    # DataLoader workers (forked on Linux) meet it too; the launching process does no
-    # tensor work, so no OpenMP pool or gloo thread runs in it.
     if threading.active_count() > 1:
-        return f"this process runs {threading.active_count()} threads"
+        return f"this process runs {threading.active_count()} Python threads"
+    # Native threads: import torch starts one, idle in a futex, which DataLoader's forked
+    # workers meet too. More means a pool is running, typically OpenMP's after a tensor
+    # operation here: a forked worker that uses more than one thread then hangs in it.
+    try:
+        native = {int(tid) for tid in os.listdir("/proc/self/task")}
+    except OSError:  # no /proc: nothing to count
+        native = set()
+    pools = native - {t.native_id for t in threading.enumerate()}
+    if len(pools) > 1:
+        return (f"this process runs {len(pools)} native threads (a thread pool: tensor "
+                "operations ran here before the launch)")
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "this process has initialised CUDA"
