@@ -260,10 +260,8 @@ START_METHODS = ("spawn", "fork")
 
 def start_method(environ: Mapping[str, str] = os.environ) -> str:
     """How :func:`spawn_workers` starts processes: ``spawn`` unless ``ENGINE_START_METHOD``
-    says ``fork``. A fork is only safe from a process that runs no other Python thread
-    (a lock another thread held stays locked in the child: a worker could hang at its
-    first tensor operation) and has not initialised CUDA; otherwise this warns and
-    spawns."""
+    says ``fork``, and only where :func:`_fork_unsafe` finds no reason against it (another
+    thread, a thread pool, CUDA); otherwise this warns once and spawns."""
     chosen = environ.get(START_METHOD_ENV, "").strip() or "spawn"
     if chosen not in START_METHODS:
         raise LaunchError(f"{START_METHOD_ENV}={chosen!r} is not a start method; expected "

@@ -20,6 +20,7 @@ from engine.errors import PluginError
 class TensorBoardLogger:
     def __init__(self):
         self.writer = None
+        self.summary_type = None  # tensorboard's Summary protobuf, imported with the writer
         self.resumed_step = 0  # the step the run started (or resumed) from
 
     @engine.hookimpl
@@ -38,8 +39,7 @@ class TensorBoardLogger:
         # one queue hand-off to the writer thread, two pure-Python CRC32Cs) per metric:
         # 70-120 us of CPU per call of three metrics instead of 265-280 us. TensorBoard
         # reads each value as its own scalar, exactly as add_scalar writes it.
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
+        Summary = self.summary_type
         values = [Summary.Value(tag=name, simple_value=float(value))
                   for name, value in metrics.items() if value is not None]
         if values:
@@ -65,6 +65,9 @@ class TensorBoardLogger:
                 f"the tensorboard logger needs the tensorboard package ({exc}); install "
                 "it with pip install tensorboard, or turn the logger off with "
                 "-p no:tensorboard") from None
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        self.summary_type = Summary
         purge = {"purge_step": self.resumed_step + 1} if self.resumed_step else {}
         return SummaryWriter(log_dir=str(engine.out_dir / "tensorboard"), **purge)
 
