@@ -51,7 +51,10 @@ SlurmctldHost=$HOST
 SlurmUser=root
 AuthType=auth/munge
 # A requeued job waits cred_expire seconds before it may start again (default 120).
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
+# A pending job (a requeued one once cred_expire has passed) starts at the next scheduling
+# pass: every second here, not every 30 s (backfill) or 60 s (main loop) as by default.
+SchedulerParameters=bf_interval=1,sched_interval=1
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SwitchType=switch/none
@@ -72,7 +75,10 @@ InactiveLimit=0
 # A pre-empted task writes its snapshot and exits 75; on a loaded machine that can take
 # longer than 10 s, and srun then SIGKILLs it (the requeue test saw "task 0: Killed").
 KillWait=30
-MinJobAge=300
+# sbatch --wait polls a job at 2 s, then 8 s, then 32 s intervals while the interval is
+# under MinJobAge/2: a 12 s job was seen as done after 42 s. MinJobAge=4 keeps it at 2 s
+# (a finished job's record stays at least 4 s, past sbatch's next look).
+MinJobAge=4
 JobCompType=jobcomp/none
 EOF
     local i
