@@ -429,7 +429,11 @@ def test_torchrun_elastic_goes_on_after_an_agent_dies_and_grows_when_one_joins(t
             [torchrun, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
              "--rdzv-id", "elastic", "--monitor-interval", "1", "--rdzv-conf",
-             f"is_host={is_host},last_call_timeout=1,join_timeout=120",
+             f"is_host={is_host},last_call_timeout=1,join_timeout=120,"
+             # A dead agent leaves the rendezvous after 8 s without a heartbeat, not 3 x 5 s.
+             # A live agent's heartbeats can be 3 s apart (sent when the last one is an
+             # interval old, seen through a 1 s cache): 2 s expelled agent a (seen here).
+             "keep_alive_interval=1,keep_alive_max_attempt=8",
              ENGINE_RUN, ELASTIC, f"out_dir={out}", "epochs=2", "size=60",
              "checkpoint.every_steps=5"],
             env=env, cwd=REPO, stdout=open(logs[name], "w"), stderr=subprocess.STDOUT,
