@@ -354,13 +354,14 @@ def run_session(processes: int, schedule: list, args) -> list[dict]:
     """Runs ``schedule`` in ``processes`` spawned processes; returns rank 0's results."""
     import torch.multiprocessing as mp
 
-    from engine.launcher import free_port
+    from engine.launcher import free_port, start_method
 
     ports = [free_port() for _ in schedule]
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
         results_path = f.name
     try:
-        mp.start_processes(session_worker, nprocs=processes, start_method="spawn",
+        # spawn, as engine-run's launcher; ENGINE_START_METHOD=fork forks (the smoke test)
+        mp.start_processes(session_worker, nprocs=processes, start_method=start_method(),
                            args=(processes, schedule, ports, args, results_path))
         return [json.loads(line) for line in
                 pathlib.Path(results_path).read_text().splitlines()]

@@ -237,7 +237,7 @@ def session_worker(rank: int, world_size: int, schedule: list, ports: list, args
 def run_session(world_size: int, modes: list[str], args, log_path: str) -> list[dict]:
     import torch.multiprocessing as mp
 
-    from engine.launcher import free_port
+    from engine.launcher import free_port, start_method
 
     variants = [HAND, *modes]
     schedule = []
@@ -248,7 +248,8 @@ def run_session(world_size: int, modes: list[str], args, log_path: str) -> list[
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
         results_path = f.name
     try:
-        mp.start_processes(session_worker, nprocs=world_size, start_method="spawn",
+        # spawn, as engine-run's launcher; ENGINE_START_METHOD=fork forks (the smoke test)
+        mp.start_processes(session_worker, nprocs=world_size, start_method=start_method(),
                            args=(world_size, schedule, ports, args, results_path,
                                  log_path))
         lines = pathlib.Path(results_path).read_text().splitlines()

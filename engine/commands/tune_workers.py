@@ -156,7 +156,10 @@ def _run_sweep(job, worlds, settings: list[Setting], budget_s: float, full_step:
                out=None) -> list[Measurement]:
     import multiprocessing
 
-    ctx = multiprocessing.get_context("spawn")
+    from engine.launcher import start_method
+
+    # As engine-run's launcher starts its workers: spawn, or fork with ENGINE_START_METHOD.
+    ctx = multiprocessing.get_context(start_method())
     results = ctx.Queue()
     barrier = ctx.Barrier(len(worlds))
     procs = [ctx.Process(target=_measure_process,

@@ -24,35 +24,26 @@ def test_without_cuda_it_exits_with_a_clear_message():
 
 
 @pytest.mark.slow
-def test_cpu_smoke_runs_both_sides_of_two_variants(tmp_path):
+def test_cpu_smoke_runs_both_tables_each_mode_at_its_process_count(tmp_path):
+    # Both tables in one run (one start of the tool); its sessions' processes forked
+    # rather than spawned, to save their start (ENGINE_START_METHOD, as engine-run's).
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, BENCH, "--cpu-smoke", "--variants", "fp32,channels_last+bf16",
-         "--image-size", "16", "--batch", "4", "--steps", "1", "--workers", "0",
-         "--reps", "1", "--json", str(out)],
-        cwd=REPO, env=engine_env(), capture_output=True, text=True, timeout=600)
+         "--modes", "single,dp,ddp", "--nproc", "2", "--image-size", "16", "--batch", "4",
+         "--steps", "1", "--workers", "0", "--reps", "1", "--json", str(out)],
+        cwd=REPO, env=engine_env(ENGINE_START_METHOD="fork"), capture_output=True,
+        text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ENGINE_START_METHOD" not in proc.stderr  # forked: no fall-back warning
     rows = json.loads(out.read_text())
-    assert [r["variant"] for r in rows] == ["fp32", "channels_last+bf16"]
+    # The variants run at the default mode of 2 processes (ddp), each mode at its own.
+    assert [(r.get("variant"), r.get("mode"), r["processes"]) for r in rows] == [
+        ("fp32", None, 2), ("channels_last+bf16", None, 2),
+        (None, "single", 1), (None, "dp", 1), (None, "ddp", 2)]
     assert all(r["hand"] > 0 and r["engine"] > 0 for r in rows)
-    assert rows[0]["gain"] == 1.0
+    assert rows[0]["gain"] == 1.0 and rows[2]["vs_single"] == 1.0
     assert "CPU smoke test (not a measurement)" in proc.stdout
-
-
-@pytest.mark.slow
-def test_cpu_smoke_modes_table_runs_each_mode_at_its_process_count(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, BENCH, "--cpu-smoke", "--variants", "", "--modes", "single,dp,ddp",
-         "--nproc", "2", "--image-size", "16", "--batch", "4", "--steps", "1",
-         "--workers", "0", "--reps", "1", "--json", str(out)],
-        cwd=REPO, env=engine_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(out.read_text())
-    assert [(r["mode"], r["processes"]) for r in rows] == [("single", 1), ("dp", 1),
-                                                          ("ddp", 2)]
-    assert all(r["hand"] > 0 and r["engine"] > 0 for r in rows)
-    assert rows[0]["vs_single"] == 1.0
 
 
 def test_nothing_to_measure_is_an_error():
