@@ -317,7 +317,7 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
     _start_resource_tracker_deaf_to(FORWARDED_SIGNALS)
     results = multiprocessing.get_context(method).SimpleQueue()
     context = mp.start_processes(_entry, args=(worker, worlds, dict(child_env or {}),
-                                               results),
+                                               results, method == "fork"),
                                  nprocs=len(worlds), join=False, start_method=method)
 
     def forward(signum, frame):
@@ -432,17 +432,26 @@ def _ranks_of(worlds: list[World], indices: list[int]) -> str:
                      for i in indices)
 
 
-def exit_process(code: int) -> NoReturn:
+def exit_process(code: int, *, forked: bool = False) -> NoReturn:
     """End this process with exit code ``code`` as a normal exit would, minus the
     interpreter's teardown: the exit handlers run (multiprocessing's finalizers, the
     checkpointers' at-exit closes, logging), stdout and stderr are flushed, then
     ``os._exit``, whatever those raise. For a child process (a spawned worker, a
     warm-started command): freeing every module of a torch program took 1.8 s of CPU
-    on an idle machine, for nothing when the process ends."""
+    on an idle machine, for nothing when the process ends.
+
+    ``forked``: a worker forked by multiprocessing, which holds copies of the launching
+    process's atexit handlers (its TemporaryDirectory removals among them: a failed
+    forked worker removed the folder ``engine.launch`` reads rank 0's result from). Only
+    its own multiprocessing finalizers run, as when such a worker returns normally."""
     import atexit
+    import multiprocessing.util
 
     try:
-        atexit._run_exitfuncs()
+        if forked:
+            multiprocessing.util._exit_function()
+        else:
+            atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
@@ -462,14 +471,15 @@ def exit_failed_worker(code: int, error_line: str | None = None) -> NoReturn:
 
     if multiprocessing.parent_process() is None:
         raise SystemExit(code)
-    if error_line and _to_launcher is not None:
-        results, index = _to_launcher
+    results, index, forked = _to_launcher or (None, None, False)
+    if error_line and results is not None:
         with contextlib.suppress(Exception):  # the launcher is gone: nobody to tell
             results.put((index, (ERROR, error_line[:MAX_ERROR_LINE])))
-    exit_process(code)
+    exit_process(code, forked=forked)
 
 
-#: In a worker spawn_workers started: the queue to the launcher and the worker's index.
+#: In a worker spawn_workers started: the queue to the launcher, the worker's index and
+#: whether it was forked.
 _to_launcher: tuple | None = None
 #: A failed worker's one-line error travels as (index, (ERROR, line)); short, so that
 #: the put never waits for a reader.
@@ -489,9 +499,9 @@ def _errors_sent(results) -> dict[int, str]:
 
 
 def _entry(index: int, worker: Callable[[World], object], worlds: list[World],
-           child_env: dict[str, str], results) -> None:
+           child_env: dict[str, str], results, forked: bool) -> None:
     global _to_launcher
-    _to_launcher = (results, index)
+    _to_launcher = (results, index, forked)
     os.environ.update(child_env)
     status = worker(worlds[index])
     # Only a short string travels back: a large object could fill the pipe, and the

@@ -338,9 +338,14 @@ def test_two_processes_ddp_sharding_reduction_and_rank0_output(tmp_path, recorde
     script = tmp_path / "two.py"
     script.write_text(SCRIPT)
     out = tmp_path / "run"
+    # The workers are forked rather than spawned, to save their start (examples/
+    # custom_loop.py's test spawns them, as a user's script does). The failing launch
+    # below also checks that a failed forked worker leaves the launching process's
+    # exchange folder alone (it ran that process's atexit handlers, which removed it).
     proc = subprocess.run([sys.executable, str(script), str(out), recorder], cwd=tmp_path,
-                          env=engine_env(PYTHONPATH=str(tmp_path)),
+                          env=engine_env(PYTHONPATH=str(tmp_path), ENGINE_START_METHOD="fork"),
                           capture_output=True, text=True, timeout=300)
+    assert "ENGINE_START_METHOD" not in proc.stderr  # forked: no fall-back warning
     lines = proc.stdout.splitlines()
     result = json.loads(next(line for line in lines if line.startswith("RESULT "))[7:])
     # rank 0's return value; 64 samples, global batch 16: 8 per rank, 4 steps an epoch.
