@@ -34,6 +34,9 @@ or on the command line: ``pytest -p engine.testing``. Fixtures:
     (``ENGINE_START_METHOD=fork`` unless ``env`` says otherwise); ``read_summary(out_dir)``: a run's
     summary.json; ``engine_env(extra)``: the environment for a test run (CPU only, no
     launcher variables).
+``run_python(args, env=None, cwd=None, timeout=300, check=False)`` (a function)
+    ``python ARGS`` (a script, ``-m MODULE`` or ``-c CODE``) forked from the same warm
+    server, for tools and example scripts.
 ``write_distribution(site, name, version, entry_points, files)`` (a function)
     A minimal installed distribution in a folder, without pip: for tests of discovery.
 ``install_plugin(path)``
@@ -162,8 +165,30 @@ def run_engine(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd
         command = [*(program or (sys.executable, "-m", "engine")), *map(str, args)]
         proc = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True,
                               timeout=timeout)
+    return _checked(proc, check, "engine-run")
+
+
+def run_python(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd=None,
+               timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess:
+    """``python ARGS`` (``SCRIPT ...``, ``-m MODULE ...`` or ``-c CODE ...``) in a new
+    process forked from the same warm server, as :func:`run_engine` runs engine-run:
+    for a tool or an example script, without a Python and torch start per call. Not
+    for what a fresh interpreter imports (the server has torch imported)."""
+    from engine import warm_start
+
+    env = dict(env) if env is not None else engine_env()
+    if warm_start.enabled():
+        proc = _warm_starter().run(args, env=env, cwd=cwd, timeout=timeout, python=True)
+    else:
+        proc = subprocess.run([sys.executable, *map(str, args)], env=env, cwd=cwd,
+                              capture_output=True, text=True, timeout=timeout)
+    return _checked(proc, check, "python")
+
+
+def _checked(proc: subprocess.CompletedProcess, check: bool,
+             what: str) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
-        raise AssertionError(f"engine-run failed with code {proc.returncode}:\n"
+        raise AssertionError(f"{what} failed with code {proc.returncode}:\n"
                              f"{' '.join(map(str, proc.args))}\n{proc.stdout}\n{proc.stderr}")
     return proc
 

@@ -1,4 +1,5 @@
-"""``engine-run`` commands for test suites, each in a fresh process forked from a warm one.
+"""``engine-run`` commands (and Python scripts) for test suites, each in a fresh process
+forked from a warm one.
 
 A test that runs ``engine-run`` in a subprocess pays a Python start, ``import torch`` and
 the ``torch._dynamo`` import that the first optimizer triggers (2-5 s on a 2-core machine)
@@ -10,6 +11,13 @@ function the ``engine-run`` script calls, so exit codes, signals and workers sta
 ``spawn`` are those of a real run. What differs: the interpreter did not start afresh
 (PYTHONPATH entries are put on ``sys.path`` by hand; variables read when a library loads,
 such as OMP_NUM_THREADS, are the server's).
+
+The same server runs Python command lines (``run(..., python=True)``: ``SCRIPT ARGS``,
+``-m MODULE ARGS`` or ``-c CODE ARGS``, as after ``python``) through :mod:`runpy`, for the
+tools and example scripts a suite runs: ``__name__ == "__main__"``, ``sys.argv`` and the
+script's folder first on ``sys.path`` as in a new interpreter, and workers it spawns find
+the script as they would. Not for what a new interpreter itself is under test (what
+``import engine`` imports: the server has torch imported).
 
 The server never runs a tensor operation or starts a thread before it forks (checked),
 so forking it is safe. Linux only; ``ENGINE_TEST_FORK=0`` runs real subprocesses instead.
@@ -49,11 +57,13 @@ class WarmStarter:
         # Once: close() stops whichever server runs at exit (one after a restart too).
         atexit.register(self.close)
 
-    def run(self, args: Sequence[str], *, env: Mapping[str, str], cwd, timeout: float
-            ) -> subprocess.CompletedProcess:
+    def run(self, args: Sequence[str], *, env: Mapping[str, str], cwd, timeout: float,
+            python: bool = False) -> subprocess.CompletedProcess:
+        """``engine-run ARGS``, or with ``python``, ``python ARGS``."""
+        program = "python" if python else "engine-run"
         with self._lock, tempfile.TemporaryDirectory(prefix="engine-run-") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            request = {"argv": [str(a) for a in args], "env": dict(env),
+            request = {"argv": [str(a) for a in args], "env": dict(env), "python": python,
                        "cwd": os.fspath(cwd or os.getcwd()), "out": out, "err": err}
             server = self._started()
             server.stdin.write(json.dumps(request) + "\n")
@@ -67,9 +77,9 @@ class WarmStarter:
                 # of subprocess.run would kill the process.
                 _kill_session(pid)
                 self._reply(server, "exit", time.monotonic() + 30)
-                raise subprocess.TimeoutExpired(["engine-run", *request["argv"]], timeout,
+                raise subprocess.TimeoutExpired([program, *request["argv"]], timeout,
                                                 _read(out), _read(err)) from None
-            return subprocess.CompletedProcess(["engine-run", *request["argv"]], code,
+            return subprocess.CompletedProcess([program, *request["argv"]], code,
                                                _read(out), _read(err))
 
     def _started(self) -> subprocess.Popen:
@@ -165,11 +175,14 @@ def _child(request: dict) -> None:
         os.environ.update(request["env"])
         extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:0] = [p for p in extra if p not in sys.path]
-        sys.argv = ["engine-run", *request["argv"]]
-        from engine.cli import main
-
         try:
-            code = main(request["argv"])
+            if request.get("python"):
+                code = _run_python(request["argv"])
+            else:
+                from engine.cli import main
+
+                sys.argv = ["engine-run", *request["argv"]]
+                code = main(request["argv"])
         except SystemExit as exc:  # argparse (--help, usage errors) and sys.exit
             if isinstance(exc.code, str):
                 print(exc.code, file=sys.stderr)
@@ -180,6 +193,27 @@ def _child(request: dict) -> None:
         traceback.print_exc()
     finally:
         exit_process(code if isinstance(code, int) else 1)
+
+
+def _run_python(argv: list[str]) -> int:
+    """What ``python ARGV`` does after its start: a script, ``-m MODULE`` or ``-c CODE``,
+    run as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as that command sets them."""
+    import runpy
+
+    if argv[:1] == ["-c"]:
+        sys.argv = ["-c", *argv[2:]]
+        sys.path.insert(0, "")
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__",
+                                                    "__builtins__": __builtins__})
+    elif argv[:1] == ["-m"]:
+        sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's path in sys.argv[0]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+    return 0
 
 
 def _redirect(fd: int, path: str, flags: int) -> None:

@@ -89,3 +89,43 @@ def test_a_command_past_its_timeout_is_killed_with_its_workers(starter, tmp_path
     assert processes_with(marker) == []
     # The starter goes on serving: the next command runs.
     assert starter.run(["plugins"], env=engine_env(), cwd=REPO, timeout=60).returncode == 0
+
+
+# ------------------------------------------------------------------ python ARGS
+
+SCRIPT = """\
+import multiprocessing
+import os
+import sys
+
+
+def child(queue):
+    queue.put(os.getpid())
+
+
+if __name__ == "__main__":
+    print(__name__, sys.argv[1:], sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
+    context = multiprocessing.get_context("spawn")  # finds this script again, as __mp_main__
+    queue = context.Queue()
+    worker = context.Process(target=child, args=(queue,))
+    worker.start()
+    print(queue.get(timeout=60) != os.getpid(), flush=True)
+    worker.join(60)
+    sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("how", ["script", "-m", "-c"])
+def test_python_command_lines_run_as_in_a_new_interpreter(starter, tmp_path, how):
+    (tmp_path / "probe_script.py").write_text(SCRIPT)
+    args = {"script": [str(tmp_path / "probe_script.py")], "-m": ["-m", "probe_script"],
+            "-c": ["-c", "import sys; print(__name__, sys.argv[1:], sys.path[0] == '')"
+                   "; sys.exit(int(sys.argv[1]))"]}[how]
+    env = engine_env(PYTHONPATH=str(REPO))
+    forked = starter.run([*args, "3", "x"], env=env, cwd=tmp_path, timeout=120, python=True)
+    expected = subprocess.run([sys.executable, *args, "3", "x"], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (
+        expected.returncode, expected.stdout, expected.stderr) == (
+        3, expected.stdout, "")
+    assert expected.stdout.startswith("__main__ ['3', 'x'] True\n")
