@@ -17,6 +17,7 @@ import torch
 import engine
 from engine.checkpoint import model_digest
 from engine.errors import ConfigError, PluginError
+from engine.testing import run_python
 from tests.conftest import engine_env, read_summary
 
 RECORDER = textwrap.dedent("""
@@ -268,8 +269,7 @@ UNGUARDED = textwrap.dedent("""
 def test_a_script_without_the_main_guard_gets_one_clear_error(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=engine_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_python([str(script)], cwd=tmp_path, env=engine_env(), timeout=300)
     assert proc.returncode == 1
     # No worker started: no multiprocessing "bootstrapping phase" traceback from them.
     assert "bootstrapping" not in proc.stderr and proc.stderr.count("Traceback") == 1
@@ -342,9 +342,8 @@ def test_two_processes_ddp_sharding_reduction_and_rank0_output(tmp_path, recorde
     # custom_loop.py's test spawns them, as a user's script does). The failing launch
     # below also checks that a failed forked worker leaves the launching process's
     # exchange folder alone (it ran that process's atexit handlers, which removed it).
-    proc = subprocess.run([sys.executable, str(script), str(out), recorder], cwd=tmp_path,
-                          env=engine_env(PYTHONPATH=str(tmp_path), ENGINE_START_METHOD="fork"),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_python([str(script), str(out), recorder], cwd=tmp_path, timeout=300,
+                      env=engine_env(PYTHONPATH=str(tmp_path), ENGINE_START_METHOD="fork"))
     assert "ENGINE_START_METHOD" not in proc.stderr  # forked: no fall-back warning
     lines = proc.stdout.splitlines()
     result = json.loads(next(line for line in lines if line.startswith("RESULT "))[7:])

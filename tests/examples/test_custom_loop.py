@@ -8,10 +8,10 @@ import difflib
 import pathlib
 import re
 import subprocess
-import sys
 
 import pytest
 
+from engine.testing import run_python
 from tests.conftest import BIN, REPO, engine_env, read_summary
 
 BEFORE = REPO / "examples" / "custom_loop_before.py"
@@ -25,9 +25,14 @@ def code_lines(path: pathlib.Path) -> list[str]:
     return [line for line in text.splitlines()[docstring_end:] if line.strip()]
 
 
-def run(*args: str, cwd, launcher: tuple[str, ...] = (sys.executable,), **env: str):
-    proc = subprocess.run([*launcher, *args], cwd=cwd, env=engine_env(**env), text=True,
-                          capture_output=True, timeout=300)
+def run(*args: str, cwd, launcher: tuple[str, ...] = (), **env: str):
+    """``python ARGS`` forked from a warm interpreter (engine.testing.run_python: the
+    script runs as it would in a new one, minus the start), or ``LAUNCHER ARGS``."""
+    if launcher:
+        proc = subprocess.run([*launcher, *args], cwd=cwd, env=engine_env(**env), text=True,
+                              capture_output=True, timeout=300)
+    else:
+        proc = run_python(args, cwd=cwd, env=engine_env(**env), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 

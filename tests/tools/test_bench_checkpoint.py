@@ -4,18 +4,17 @@ belong to the benchmark, not to a test) and cleans up after itself."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
-from tests.conftest import REPO
+from engine.testing import run_python
+from tests.conftest import REPO, engine_env
 
 
 def test_prints_save_load_and_async_ratios_and_removes_its_files(tmp_path):
     folder = tmp_path / "bench"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_checkpoint.py"), "--sizes", "2M",
-         "--repeat", "2", "--tensors", "4", "--dir", str(folder), "--breakdown"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_python(
+        [str(REPO / "tools" / "bench_checkpoint.py"), "--sizes", "2M", "--repeat", "2",
+         "--tensors", "4", "--dir", str(folder), "--breakdown"],
+        cwd=REPO, env=engine_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr
     save_row, durable_row, floor_row, load_row = [line for line in proc.stdout.splitlines()
                                        if line.strip().startswith("2 MB")]

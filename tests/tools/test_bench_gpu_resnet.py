@@ -4,19 +4,17 @@ engine timer plugin, hand-written loop, variants) runs as a tiny CPU smoke test.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from engine.testing import run_python
 from tests.conftest import REPO, engine_env
 
 BENCH = str(REPO / "tools" / "bench_gpu_resnet.py")
 
 
 def test_without_cuda_it_exits_with_a_clear_message():
-    proc = subprocess.run([sys.executable, BENCH], cwd=REPO, env=engine_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = run_python([BENCH], cwd=REPO, env=engine_env(), timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "bench_gpu_resnet: no CUDA device visible (torch.cuda.is_available() is False); "
@@ -28,12 +26,11 @@ def test_cpu_smoke_runs_both_tables_each_mode_at_its_process_count(tmp_path):
     # Both tables in one run (one start of the tool); its sessions' processes forked
     # rather than spawned, to save their start (ENGINE_START_METHOD, as engine-run's).
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, BENCH, "--cpu-smoke", "--variants", "fp32,channels_last+bf16",
-         "--modes", "single,dp,ddp", "--nproc", "2", "--image-size", "16", "--batch", "4",
-         "--steps", "1", "--workers", "0", "--reps", "1", "--json", str(out)],
-        cwd=REPO, env=engine_env(ENGINE_START_METHOD="fork"), capture_output=True,
-        text=True, timeout=600)
+    proc = run_python(
+        [BENCH, "--cpu-smoke", "--variants", "fp32,channels_last+bf16", "--modes",
+         "single,dp,ddp", "--nproc", "2", "--image-size", "16", "--batch", "4", "--steps",
+         "1", "--workers", "0", "--reps", "1", "--json", str(out)],
+        cwd=REPO, env=engine_env(ENGINE_START_METHOD="fork"), timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ENGINE_START_METHOD" not in proc.stderr  # forked: no fall-back warning
     rows = json.loads(out.read_text())
@@ -47,8 +44,7 @@ def test_cpu_smoke_runs_both_tables_each_mode_at_its_process_count(tmp_path):
 
 
 def test_nothing_to_measure_is_an_error():
-    proc = subprocess.run([sys.executable, BENCH, "--cpu-smoke", "--variants", ""],
-                          cwd=REPO, env=engine_env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = run_python([BENCH, "--cpu-smoke", "--variants", ""], cwd=REPO, env=engine_env(),
+                      timeout=120)
     assert proc.returncode == 2
     assert "nothing to measure: give --variants or --modes" in proc.stderr

@@ -5,24 +5,22 @@ are the benchmark's business, not a test's.)"""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from engine.testing import run_python
 from tests.conftest import REPO, engine_env
 
 
 @pytest.mark.slow
 def test_bench_overhead_reports_ratios_and_identical_weights(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_overhead.py"), "--reps", "1",
-         "--size", "128", "--batch", "32", "--import-reps", "1", "--json", str(out)],
+    proc = run_python(
+        [str(REPO / "tools" / "bench_overhead.py"), "--reps", "1", "--size", "128",
+         "--batch", "32", "--import-reps", "1", "--json", str(out)],
         # The sessions' processes forked rather than spawned, to save their start
         # (ENGINE_START_METHOD, as engine-run's); the weights must not tell.
-        cwd=REPO, env=engine_env(ENGINE_START_METHOD="fork"), capture_output=True,
-        text=True, timeout=600)
+        cwd=REPO, env=engine_env(ENGINE_START_METHOD="fork"), timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ENGINE_START_METHOD" not in proc.stderr  # forked: no fall-back warning
     result = json.loads(out.read_text())
@@ -40,9 +38,8 @@ def test_bench_overhead_reports_ratios_and_identical_weights(tmp_path):
 
 
 def test_bench_overhead_rejects_an_unknown_mode():
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "bench_overhead.py"),
-                           "--modes", "ddp,fsdp"], cwd=REPO, env=engine_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = run_python([str(REPO / "tools" / "bench_overhead.py"), "--modes", "ddp,fsdp"],
+                      cwd=REPO, env=engine_env(), timeout=120)
     assert proc.returncode == 2
     assert ("error: unknown mode(s) fsdp; choose from single, dp, ddp, ddp-multigpu"
             in proc.stderr)
