@@ -2,8 +2,9 @@
 killed with SIGKILL at a random moment; after every kill, the newest good snapshot must
 verify, load and be whole. Prints a JSON report.
 
-A fresh interpreter with one torch thread: forking a process whose OpenMP pool is
-running (pytest's, after other tests) deadlocks the child.
+A process that has run no tensor operation before (a new interpreter, or one forked
+from the tests' warm server), with one torch thread: forking a process whose OpenMP pool
+is running (pytest's, after other tests) deadlocks the child.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch
 from engine.config import TrainConfig
 from engine.errors import CheckpointError
 from engine.plugins.torch_file import TorchFileCheckpointer, manifest_path, verify
+from engine.testing import run_python
 
 
 @contextlib.contextmanager
@@ -240,17 +241,17 @@ def test_one_folder_fsync_per_save_after_the_pointer_and_before_the_prune(tmp_pa
 
 @pytest.mark.slow
 def test_saves_killed_at_random_moments_never_leave_latest_unloadable(tmp_path):
-    """200 SIGKILLs at random moments of back-to-back saves (about 2 MB each): after
-    every one, the newest good snapshot verifies, loads and is whole."""
+    """100 SIGKILLs at random moments of back-to-back saves (about 2 MB each): after
+    every one, the newest good snapshot verifies, loads and is whole. (About half of
+    them land inside a write; tools/attack_loop.py repeats such attacks at length.)"""
     script = pathlib.Path(__file__).with_name("save_killer.py")
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "checkpoints"), "200"],
-                          capture_output=True, text=True, timeout=600)
+    proc = run_python([str(script), str(tmp_path / "checkpoints"), "100"], timeout=600)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["kills"] == 200
+    assert report["kills"] == 100
     assert report["unloadable"] == []
     # The test only means something if kills landed inside writes.
-    assert report["mid_write"] >= 20, report
+    assert report["mid_write"] >= 10, report
 
 
 def test_disk_full_while_writing_the_summary_is_one_line_naming_the_snapshot(tmp_path):
