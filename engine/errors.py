@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 EXIT_COMPLETED = 0
 EXIT_FAILED = 1
@@ -100,10 +101,27 @@ def traceback_hint(exc: BaseException) -> str:
     return ""
 
 
+def first_line(exc: BaseException, default: str = "") -> str:
+    """The first line of an exception's message (``default`` when it has none): the
+    one helper for it, so that every one-line report cuts a message the same way."""
+    return (str(exc).strip().splitlines() or [default])[0]
+
+
 def one_line(exc: BaseException) -> str:
     """``ValueError: the first line of its message`` (summary.json's ``error``)."""
-    first = (str(exc).strip().splitlines() or [""])[0]
+    first = first_line(exc)
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """``warning: MESSAGE`` on stderr, once per message in this process (a warning
+    repeated every epoch or every save would bury the output)."""
+    if message not in _warned:
+        _warned.add(message)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def error_line(exc: BaseException) -> str:
