@@ -327,6 +327,8 @@ class Context(WorkerContext):
                               "optimizer")
         self.model = self.parallel.wrap(model.to(self.device))
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        # What snapshots hold (engine/stateful.py); the loop's own parts: ctx.add_state.
+        self.add_core_parts(self.state, lambda: self.train_loader)
         # Counted on the host by a post-step hook: no device synchronisation.
         optimizer.register_step_post_hook(self._count_step)
         return self.model, optimizer

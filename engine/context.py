@@ -28,6 +28,7 @@ from typing import Any
 import engine
 from engine import config as config_mod
 from engine.errors import RunError, one_line
+from engine.stateful import SnapshotParts
 
 #: Summary keys taken from the latest metrics (``val/accuracy`` -> ``val_accuracy``).
 SUMMARY_METRICS = {"train/loss": "train_loss", "val/loss": "val_loss",
@@ -71,6 +72,8 @@ class WorkerContext:
         self.scaler = None
         self.checkpointer = None
         self.preemption = None  # engine.preemption.PreemptionFlag while training
+        # Everything a snapshot holds, part by part (engine/stateful.py).
+        self.snapshot_parts = SnapshotParts()
         self.recipe_path: str | None = None  # the recipe file, or the custom loop's script
         self.epochs_requested: int | None = None
         self.resumed_from: str | None = None  # the snapshot a resume loaded
@@ -116,6 +119,39 @@ class WorkerContext:
     def module(self):
         """The model without its parallel wrapper (what snapshots hold)."""
         return self.parallel.unwrap(self.model)
+
+    # ----------------------------------------------------------- state parts
+
+    def add_state(self, name: str, part) -> None:
+        """Save ``part`` (anything with ``state_dict()`` and ``load_state_dict()``: an
+        EMA of the weights, a curriculum, a custom sampler) in every snapshot under
+        ``name``, and restore it on resume. Before the resume, so that it is restored."""
+        self.snapshot_parts.current_owner = "the training loop"
+        try:
+            self.snapshot_parts.add(name, part)
+        finally:
+            self.snapshot_parts.current_owner = "the engine"
+
+    def add_core_parts(self, progress, loader, recipe_parts=None) -> None:
+        """The parts every run has, in the order of engine/stateful.py, once the model,
+        optimizer, scheduler, scaler and checkpointer exist: ``progress`` is the loop's
+        own (the TrainState, or the Trainer that owns it), ``loader`` returns the first
+        training loader (or None); then the recipe's and the plugins' parts."""
+        from engine import stateful
+
+        parts = self.snapshot_parts
+        sharded = self.checkpointer.distributed_state_dict
+        parts.add("model", stateful.ModelState(self.module, sharded))
+        parts.add("optimizer", stateful.OptimizerState(self.module, self.optimizer, sharded))
+        if self.scheduler is not None:
+            parts.add("scheduler", self.scheduler)
+        if self.scaler is not None:
+            parts.add("scaler", self.scaler)
+        parts.add("progress", progress)
+        parts.add("loader", stateful.LoaderPosition(self.state, loader, self.world_size))
+        parts.add("metrics", stateful.Metrics(self.metrics))
+        stateful.add_extra_parts(parts, self.pm, self, recipe_parts)
+        parts.add("rng", stateful.RngStates(self.world, self.warn))
 
     # --------------------------------------------------------- rank-0 output
 

@@ -39,6 +39,19 @@ class TrainState:
     epochs_without_improvement: int = 0
     stopped_early: bool = False
 
+    # A stateful part (engine/stateful.py). The position in the epoch is the loader
+    # part's (stateful.LoaderPosition), which converts it to another number of processes.
+    def state_dict(self) -> dict:
+        state = attrs.asdict(self)
+        del state["batch_in_epoch"]
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Fields a snapshot written before they existed lacks keep their defaults.
+        for field in attrs.fields(type(self)):
+            if field.name != "batch_in_epoch" and field.name in state_dict:
+                setattr(self, field.name, state_dict[field.name])
+
 
 def resolve_parallel_name(name: str, world, registry) -> str:
     """The parallel mode to run: ``name``, or for ``auto`` the one the registered modes'
@@ -109,13 +122,11 @@ class Engine(WorkerContext):
         self.epochs_requested = cfg.epochs
         self.train_loader = None
         self.val_loader = None
-        self.trainer = None
 
     # ------------------------------------------------------------------- run
 
     def run(self) -> dict:
         from engine import preemption
-        from engine.trainer import Trainer
 
         cfg = self.cfg
         status, error = "failed", None
@@ -124,17 +135,16 @@ class Engine(WorkerContext):
             if cfg.preemption:
                 self.preemption = preemption.PreemptionFlag()
                 self.preemption.install()
-            self._setup()
+            trainer = self._setup()
             self.report_if_complete(cfg.epochs, more="epochs={n}", over="--no-resume --overwrite")
             self.pm.hook.engine_run_start(engine=self)
-            self.trainer = Trainer(self)
-            self.trainer.fit()
+            outcome = trainer.fit()
             # The last snapshot is durable (or its write failed) before the run counts
             # as completed.
             self.checkpointer.close()
-            if not self.trainer.stop_requested:
+            if outcome == "completed":
                 self.gather_weights()
-            status = "preempted" if self.trainer.stop_requested else "completed"
+            status = outcome
         except BaseException as exc:
             self.pm.hook.engine_exception(engine=self, exc=exc)
             error = self._explain(exc)
@@ -179,7 +189,9 @@ class Engine(WorkerContext):
                 message += "; " + preemption.requeue()
             preemption.report(message)
 
-    def _setup(self) -> None:
+    def _setup(self):
+        """Data, model, optimizer and their companions, the snapshot parts, the resume;
+        returns the Trainer that will train them."""
         import torch
 
         from engine import data, distributed
@@ -231,7 +243,12 @@ class Engine(WorkerContext):
         self.checkpointer = self.pm.checkpointers.get(cfg.checkpointer)(
             self.out_dir / "checkpoints", cfg, world)
         from engine import snapshot
+        from engine.trainer import Trainer
 
+        trainer = Trainer(self)  # before the resume: its progress is a snapshot part
+        self.add_core_parts(trainer, lambda: self.train_loader,
+                            recipe_parts=recipe.optional("state_parts"))
         snapshot.resume(self)
         # After the resume's config check: a refused resume leaves the old config.json.
         self.write_config()
+        return trainer

@@ -24,6 +24,7 @@ may use on either; anything else (``recipe``, ``train_loader``...) is ``Engine``
     engine_register_launchers / _parallel / _checkpointers     (start-up, every process)
     engine_register_config_groups                                        (start-up, every process)
     engine_addoption                                            (CLI start-up, historic)
+    engine_register_state                                       (each worker, set-up)
     engine_run_start                                            (each worker)
       for each epoch:
         engine_epoch_start
@@ -31,12 +32,14 @@ may use on either; anything else (``recipe``, ``train_loader``...) is ``Engine``
             engine_before_optimizer_step   (skipped entirely when nobody implements it)
             engine_train_step_end          (skipped entirely when nobody implements it)
             engine_log                     (rank 0, every ``log_every`` steps)
+        engine_validation_start / _end     (when there is a validation set)
         engine_log                         (rank 0, the epoch's metrics after validation)
         engine_epoch_end
     engine_exception                       (only when the run raised, before run_end)
     engine_run_end                         (always, last; summary["status"] says how)
 
-A custom loop (:func:`engine.launch`) fires the registration hooks, ``engine_log`` (on
+A custom loop (:func:`engine.launch`) fires the registration hooks (``engine_register_state``
+in ``ctx.wrap``), ``engine_log`` (on
 rank 0, from ``ctx.log``), ``engine_exception`` and ``engine_run_end``.
 
 Signatures only ever grow, by arguments that implementations may leave out (pluggy
@@ -210,6 +213,26 @@ def engine_addoption(parser):
 
 
 @hookspec
+def engine_register_state(engine, parts):
+    """Add stateful parts to the run's snapshots: ``parts.add("ema", obj)`` where
+    ``obj`` has ``state_dict()`` and ``load_state_dict(state_dict)`` (the protocol of
+    torch.distributed.checkpoint's ``Stateful``). Every snapshot then holds
+    ``obj.state_dict()`` under that name, and a resume calls ``obj.load_state_dict``
+    with it before training goes on, so that an EMA of the weights, a curriculum or a
+    custom sampler resumes exactly. Use it only for what every rank can save alike:
+    ``state_dict`` runs on every rank, and a checkpointer that writes on rank 0 keeps
+    rank 0's. A name another plugin (or the recipe's ``state_parts``) took is an error
+    naming both.
+
+    Kind: registration. Fires on every rank, once per run, one plugin at a time, after
+    the model (``engine.module``), optimizer, scheduler and scaler exist and before the
+    resume: under ``engine-run`` in set-up, in a custom loop in ``ctx.wrap``.
+
+    Since 0.2.
+    """
+
+
+@hookspec
 def engine_run_start(engine):
     """The worker is set up (process group, model, optimizer, data, resumed state) and
     about to train; ``engine.state`` already holds the resumed epoch and step.
@@ -277,6 +300,31 @@ def engine_log(engine, metrics, step):
     custom loop, whenever it calls ``ctx.log``.
 
     Since 0.1.
+    """
+
+
+@hookspec
+def engine_validation_start(engine, epoch):
+    """Validation of epoch ``epoch`` (from 0) is about to run, on the model in eval
+    mode: a plugin may put other weights in place for it (the ema plugin's
+    ``ema.evaluate=true``) and put them back in :func:`engine_validation_end`.
+
+    Kind: notification. Fires on every rank, after the epoch's training and before its
+    validation (when the recipe has a validation set), under ``engine-run`` only.
+
+    Since 0.2.
+    """
+
+
+@hookspec
+def engine_validation_end(engine, epoch, metrics):
+    """Validation of epoch ``epoch`` ended; ``metrics`` holds its reduced ``val/*``
+    values (identical on every rank). The model is back in training mode afterwards.
+
+    Kind: notification. Fires on every rank, right after validation, before the
+    epoch's ``engine_log``, under ``engine-run`` only.
+
+    Since 0.2.
     """
 
 

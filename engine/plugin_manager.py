@@ -61,6 +61,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("torch-file", "engine.plugins.torch_file"),
     ("async", "engine.plugins.async_file"),
     ("dcp", "engine.plugins.dcp"),
+    ("ema", "engine.plugins.ema"),
     ("console", "engine.plugins.console"),
     ("tensorboard", "engine.plugins.tensorboard"),
     ("csv", "engine.plugins.csv_logger"),

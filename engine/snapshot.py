@@ -1,25 +1,21 @@
 """Snapshots: capturing the training state, saving it, and resuming from one.
 
 A snapshot is a dict of tensors and plain values (``torch.load(weights_only=True)``):
-the unwrapped model, optimizer, scheduler, grad scaler, train state (epoch, step,
-position inside the epoch, per rank and as a global sample position), sampler seed,
-the epoch's partial loss sums, the RNG states of every rank, the resolved config and
-the engine version. This module is the only one that knows the Engine's
-side of it; the checkpointer (:class:`engine.checkpoint.Checkpointer`) only stores
-the dict and gives it back.
+a header (engine version, resolved config, number of processes, where training
+stands) and the state of every part the run registered (engine/stateful.py: model,
+optimizer, scheduler, scaler, progress, loader position, metrics, the recipe's and
+plugins' parts, RNG states). This module walks the parts and decides what may be
+resumed (the config check); the checkpointer (:class:`engine.checkpoint.Checkpointer`)
+only stores the dict and gives it back.
 """
 
 from __future__ import annotations
 
 import pathlib
-import random
-
-import attrs
 
 import engine
 from engine import config as config_mod
-from engine import data, distributed
-from engine.checkpoint import load_model_state
+from engine import distributed
 from engine.errors import CheckpointError, ConfigError
 
 #: Config keys a resumed run may change: they decide how long the run goes and how it
@@ -34,7 +30,7 @@ from engine.errors import CheckpointError, ConfigError
 #: engine cannot judge those, and refusing is the side that never mixes two runs
 #: silently. ``lr`` has its own rule (:func:`_apply_lr`). The world size is not a config
 #: key: a different one continues the epoch's data order at its global sample position
-#: (:func:`_place_in_epoch`), with a warning (the RNG states cannot be restored).
+#: (:class:`engine.stateful.LoaderPosition`), with a warning (the RNG states cannot be restored).
 #: A config group (the engine's or a plugin's) says which of its keys may change in the
 #: class attribute ``RESUME_SAFE`` (:func:`engine.config.resume_safe`), so the core
 #: names none of a plugin's keys.
@@ -44,79 +40,43 @@ MAY_CHANGE = frozenset({
 })
 
 
-def rng_state() -> dict:
-    import numpy as np
-    import torch
-
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    import numpy as np
-    import torch
-
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    # CPU tensors only (numpy's and torch's setters refuse others): snapshots are loaded
-    # onto the CPU for this (load_snapshot).
-    np.random.set_state(("MT19937", n["keys"].numpy().astype("uint32"), n["pos"],
-                         n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def capture(eng) -> dict:
-    """The snapshot dict. Collective: every rank must call it (RNG states are gathered)."""
-    rngs = distributed.all_gather_object(rng_state())
+    """The snapshot dict: a header, then every registered part's state
+    (engine/stateful.py). Collective: every rank walks the parts (some gather)."""
     state = eng.state
-    loader = getattr(eng, "train_loader", None)  # Context: its first training loader
-    trainer = getattr(eng, "trainer", None)
-    model, optimizer = _model_and_optimizer_state(eng)
     return {
         "engine_version": engine.__version__,
-        "model": model,
-        "optimizer": optimizer,
-        "scheduler": eng.scheduler.state_dict() if eng.scheduler is not None else None,
-        "scaler": eng.scaler.state_dict() if eng.scaler is not None else None,
+        "config": config_mod.to_dict(eng.cfg),
+        "world_size": eng.world.world_size,
+        # Where training stands, for tools that read a snapshot without the engine
+        # (tools/ckpt.py inspect); a resume reads the parts, never these.
         "epoch": state.epoch,
         "step": state.step,
         "batch_in_epoch": state.batch_in_epoch,
-        # Where the epoch stands whatever the number of processes: samples consumed by
-        # all ranks together in the (seed, epoch) order (engine/data.py).
-        "samples_in_epoch": None if loader is None else data.samples_consumed(
-            state.batch_in_epoch, loader.batch_size, eng.world.world_size,
-            len(loader.dataset)),
-        # The epoch's training loss so far, so a resumed epoch reports the whole epoch's.
-        "epoch_loss": None if trainer is None else trainer.epoch_loss_so_far(),
         "epochs_completed": state.epochs_completed,
-        "train_state": attrs.asdict(state),  # every field, those added later included
-        "sampler_seed": eng.cfg.seed,
-        "world_size": eng.world.world_size,
-        "rng": rngs,
-        "config": config_mod.to_dict(eng.cfg),
-        "metrics": dict(eng.metrics),
+        **eng.snapshot_parts.state_dict(),
     }
 
 
-def _model_and_optimizer_state(eng) -> tuple[dict, dict]:
-    """In the form the checkpointer stores (Checkpointer.distributed_state_dict): a
-    sharded format gets get_state_dict's, keyed by parameter name, shards unmerged."""
-    if eng.checkpointer.distributed_state_dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        return get_state_dict(eng.module, eng.optimizer)
-    return eng.module.state_dict(), eng.optimizer.state_dict()
+def upgrade(snap: dict) -> dict:
+    """A snapshot written before the state was kept in parts (flat keys: train_state,
+    epoch_loss, samples_in_epoch, a list of RNG states), in the parts' form."""
+    if "progress" in snap:
+        return snap
+    snap = dict(snap)
+    progress = dict(snap.pop("train_state", None) or {})
+    progress.update(epoch=int(snap["epoch"]), step=int(snap["step"]),
+                    epochs_completed=int(snap.get("epochs_completed", snap["epoch"])),
+                    epoch_loss=snap.pop("epoch_loss", None))
+    progress.pop("batch_in_epoch", None)
+    snap["progress"] = progress
+    snap["loader"] = {"batch_in_epoch": int(snap.get("batch_in_epoch", 0)),
+                      "samples_in_epoch": snap.pop("samples_in_epoch", None),
+                      "world_size": snap.get("world_size")}
+    if isinstance(snap.get("rng"), list):
+        snap["rng"] = {"ranks": snap["rng"], "world_size": snap.get("world_size")}
+    snap.pop("sampler_seed", None)
+    return snap
 
 
 def save(eng) -> pathlib.Path | None:
@@ -215,80 +175,22 @@ def load_snapshot(eng, path: pathlib.Path) -> dict:
         # A sharded format loads in place: this model's and optimizer's own state dicts
         # say what to read and where (get_state_dict creates the optimizer state if it
         # has none yet).
-        model, optimizer = _model_and_optimizer_state(eng)
-        return eng.checkpointer.load(path, template={"model": model, "optimizer": optimizer})
+        parts = eng.snapshot_parts
+        return eng.checkpointer.load(path, template={
+            "model": parts["model"].state_dict(), "optimizer": parts["optimizer"].state_dict()})
     # Onto the CPU: load_state_dict copies into the model's and optimizer's devices,
     # and the RNG states must stay CPU tensors (a GPU resume crashed restoring them).
     return eng.checkpointer.load(path, map_location="cpu")
 
 
 def restore(eng, snap: dict, source: str) -> None:
-    """Put ``snap`` (from :func:`load_snapshot`) into the model, optimizer, scheduler,
-    scaler, train state and RNGs, after checking its config against this run's."""
+    """Put ``snap`` (from :func:`load_snapshot`) into every registered part, after
+    checking its config against this run's."""
+    snap = upgrade(snap)
     lr_change = check_config(eng, snap.get("config"), source)
-    if eng.checkpointer.distributed_state_dict:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(eng.module, eng.optimizer, model_state_dict=snap["model"],
-                       optim_state_dict=snap["optimizer"])
-    else:
-        load_model_state(eng.module, snap["model"], source=source)
-        try:
-            eng.optimizer.load_state_dict(snap["optimizer"])
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError(f"{source}: optimizer state does not match: {exc}"
-                                  ) from None
+    eng.snapshot_parts.load_state_dict(snap, source=source, warn=eng.warn)
     if lr_change is not None:
         _apply_lr(eng, *lr_change, source)
-    if eng.scheduler is not None and snap.get("scheduler") is not None:
-        eng.scheduler.load_state_dict(snap["scheduler"])
-    if eng.scaler is not None and snap.get("scaler") is not None:
-        eng.scaler.load_state_dict(snap["scaler"])
-    s = eng.state
-    # Fields a snapshot written before they existed lacks keep their defaults.
-    for name, value in (snap.get("train_state") or {}).items():
-        if hasattr(s, name):
-            setattr(s, name, value)
-    s.epoch = int(snap["epoch"])
-    s.step = int(snap["step"])
-    s.batch_in_epoch = int(snap.get("batch_in_epoch", 0))
-    s.epochs_completed = int(snap.get("epochs_completed", s.epoch))
-    eng.metrics.update(snap.get("metrics") or {})
-    # The Trainer adds them to the resumed epoch's loss (LogWindow.add_resumed).
-    setattr(eng, "resumed_epoch_loss", snap.get("epoch_loss"))
-    same_world = snap.get("world_size") == eng.world.world_size
-    if not same_world:
-        _place_in_epoch(eng, snap, source)
-    rngs = snap.get("rng") or []
-    if same_world and eng.world.rank < len(rngs):
-        set_rng_state(rngs[eng.world.rank])
-    elif rngs:
-        eng.warn(f"{source} was written by {snap.get('world_size')} processes, this run has "
-                 f"{eng.world.world_size}: RNG states are not restored, so the run will not "
-                 "be bit-identical to an uninterrupted one (the data order is: see "
-                 "docs/checkpoints.md, Changing the number of processes)")
-
-
-def _place_in_epoch(eng, snap: dict, source: str) -> None:
-    """Another number of processes: the batches per rank that bring this run to the
-    snapshot's global sample position, so the rest of the epoch's order is split over
-    the new ranks and every sample is still seen once. With the global batch unchanged
-    that is the saved count, but for the epoch's end (the last batches are short) and a
-    library loop's loader (its batch size is the loop's, not a config key): there it
-    differs, or cannot be reached and the resume is refused. A snapshot written before
-    the position was recorded keeps its count (right when the global batch is the same)."""
-    s = eng.state
-    position = snap.get("samples_in_epoch")
-    if not s.batch_in_epoch or position is None:
-        return  # at an epoch boundary, or an older snapshot
-    loader = getattr(eng, "train_loader", None)
-    if loader is None:
-        raise ConfigError(
-            f"{source} stopped mid-epoch with {snap.get('world_size')} processes; to resume "
-            f"it with {eng.world.world_size}, create the training loader (ctx.loader) "
-            "before ctx.epochs() or ctx.resume()")
-    s.batch_in_epoch = data.batches_at(int(position), loader.batch_size,
-                                       eng.world.world_size, len(loader.dataset))
 
 
 # ------------------------------------------------------------ a changed config

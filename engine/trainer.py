@@ -27,7 +27,8 @@
         the last check point's result                               finish_check
         the epoch's loss (a resumed epoch's included) and the slowest
         rank's data wait, gathered from all ranks                   epoch_metrics
-        the recipe's eval_step (or the classification one), reduced validate
+        [engine_validation_start] the recipe's eval_step (or the
+        classification one), reduced [engine_validation_end]        validate
         [engine_log] [engine_epoch_end]; scheduler if per epoch
         early stopping, pre-emption, snapshot if due
 
@@ -142,7 +143,7 @@ class LogWindow:
         self.start = time.perf_counter()
 
     def add_resumed(self, saved: dict | None, micro_batch: int) -> None:
-        """The snapshot's ``epoch_loss`` (Trainer.epoch_loss_so_far), converted to this
+        """A snapshot's ``epoch_loss`` (Trainer.epoch_loss_so_far), converted to this
         run's micro-batch size when the number of processes changed: the mean weighs
         every sample alike."""
         if not saved:
@@ -352,22 +353,35 @@ class Trainer:
         self.stop_requested = False  # the ranks agreed to stop (see engine/preemption.py)
         self.window = None  # the epoch's LogWindow while it trains (snapshots read it)
         self.pending = None  # the check point whose all-reduce is in flight
-        engine.stopped_early = False  # for the summary: the run ended by early stopping
-        engine.stopped_epoch = None  # ... after this many epochs
+        # The epoch's loss before the snapshot a resume loaded (see load_state_dict).
+        self.resumed_epoch_loss = None
 
-    @property
-    def skipped_steps(self) -> int:
-        return self.nonfinite.skipped_steps
+    # ------------------------------------------------------- the progress part
+
+    def state_dict(self) -> dict:
+        """The snapshot part ``progress`` (engine/stateful.py): where training stands
+        (the TrainState: epoch, step, early-stopping count) and the epoch's loss sums so
+        far, so that a resumed epoch reports the whole epoch's. Collective (the sums are
+        gathered from every rank)."""
+        return {**self.engine.state.state_dict(), "epoch_loss": self.epoch_loss_so_far()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.engine.state.load_state_dict(state_dict)
+        # Added to the first epoch after the resume (LogWindow.add_resumed).
+        self.resumed_epoch_loss = state_dict.get("epoch_loss")
 
     # ------------------------------------------------------------------- fit
 
-    def fit(self) -> None:
+    def fit(self) -> str:
+        """Train the epochs not yet completed; returns how the run ended: "completed"
+        (every epoch, or early stopping) or "preempted" (a snapshot was written)."""
         if self.engine.state.stopped_early:  # resumed from the end of an early-stopped run
             self.stop_early(again=True)
-            return
+            return "completed"
         while self.engine.state.epoch < self.cfg.epochs:
             if not self.run_epoch(self.engine.state.epoch):
-                return
+                break
+        return "preempted" if self.stop_requested else "completed"
 
     def run_epoch(self, epoch: int) -> bool:
         """Train one epoch, validate, log, snapshot if due. False when the run stops."""
@@ -385,7 +399,7 @@ class Trainer:
         # DDP syncs buffers at the start of each forward; after the last one every
         # rank's BatchNorm statistics moved on their own. Equalise before validating.
         eng.parallel.sync_buffers(eng.model)
-        metrics = {**train_metrics, **self.validate()}
+        metrics = {**train_metrics, **self.validate(epoch)}
         metrics["lr"] = self.current_lr()
         health.epoch_barrier(cfg.timeout_s)
         eng.metrics.update(metrics)
@@ -409,11 +423,9 @@ class Trainer:
 
     def stop_early(self, again: bool = False) -> None:
         eng = self.engine
-        eng.stopped_early = True
-        eng.stopped_epoch = eng.state.epochs_completed
         eng.print(self.early_stopping.message() + (
-            f" (this run already stopped early after epoch {eng.stopped_epoch}; start a "
-            "new one with --no-resume or another out_dir)" if again else ""))
+            f" (this run already stopped early after epoch {eng.state.epochs_completed}; "
+            "start a new one with --no-resume or another out_dir)" if again else ""))
 
     # ----------------------------------------------------------------- epoch
 
@@ -426,8 +438,8 @@ class Trainer:
         window = self.window = LogWindow(eng.device, eng.micro_batch * accum
                                          * eng.world.world_size, first_batch)
         if eng.is_rank0:
-            window.add_resumed(getattr(eng, "resumed_epoch_loss", None), eng.micro_batch)
-        eng.resumed_epoch_loss = None  # the first epoch after a resume only
+            window.add_resumed(self.resumed_epoch_loss, eng.micro_batch)
+        self.resumed_epoch_loss = None  # the first epoch after a resume only
         steps_at_start = eng.state.step
         data_wait = 0.0
         epoch_start = fetch_start = time.perf_counter()
@@ -514,9 +526,8 @@ class Trainer:
     def check_point(self, window: LogWindow) -> bool:
         """Every ``log_every`` steps, on every rank: start one small all-reduce of the
         window's loss and the ranks' pre-emption and time-based snapshot flags, then act
-        on the previous check point's. Waiting for the sums here cost a DDP step's
-        worth of latency every window (1.4-1.8 ms on 2 CPU processes: 70-90 us a step at
-        tiny steps); a window later they have long arrived. A pre-emption therefore stops
+        on the previous check point's. Waiting for the sums here would cost a DDP
+        step's worth of latency every window; a window later they have long arrived. A pre-emption therefore stops
         the run one window after the ranks saw it. Returns True when the epoch must stop
         here."""
         eng = self.engine
@@ -588,7 +599,7 @@ class Trainer:
         }
 
     def epoch_loss_so_far(self) -> dict | None:
-        """For a snapshot (collective, like snapshot.capture): the epoch's loss sum and
+        """For a snapshot (collective: every rank takes part): the epoch's loss sum and
         micro-batch count over all ranks so far, with the micro-batch size they are in;
         None between epochs."""
         window, eng = self.window, self.engine
@@ -613,12 +624,13 @@ class Trainer:
     # ------------------------------------------------------------ validation
 
     @torch.no_grad()
-    def validate(self) -> dict:
+    def validate(self, epoch: int) -> dict:
         """The recipe's ``eval_step`` (or the classification one) over this rank's shard
         of the validation set; the sums reduced over the ranks in one all-reduce."""
         eng = self.engine
         if eng.val_loader is None:
             return {}
+        eng.pm.hook.engine_validation_start(engine=eng, epoch=epoch)
         # The unwrapped module: no DDP collectives in forward, so ranks whose shard is
         # one batch shorter do not hang the others.
         module = eng.module
@@ -630,7 +642,9 @@ class Trainer:
             with self.autocast():
                 sums.add(self.eval_step(batch, eng))
         module.train(was_training)
-        return sums.reduce()
+        metrics = sums.reduce()
+        eng.pm.hook.engine_validation_end(engine=eng, epoch=epoch, metrics=metrics)
+        return metrics
 
     # --------------------------------------------------------------- helpers
 

@@ -39,6 +39,9 @@ RELEASED = {
         "engine_register_config_groups": (),
         "engine_register_commands": (),
         "engine_before_optimizer_step": ("engine", "step", "optimizer"),
+        "engine_register_state": ("engine", "parts"),
+        "engine_validation_start": ("engine", "epoch"),
+        "engine_validation_end": ("engine", "epoch", "metrics"),
     },
 }
 FIRST_RELEASE = {name: (version, args) for version, hooks in RELEASED.items()

@@ -1,0 +1,310 @@
+"""Stateful parts: everything an exact resume needs, each behind ``state_dict()`` and
+``load_state_dict()``.
+
+The protocol is torch.distributed.checkpoint's ``Stateful``: any object with those two
+methods is a part (a module, an optimizer, a scheduler, a GradScaler are already). A
+snapshot is the walk over a run's registered parts (:meth:`SnapshotParts.state_dict`)
+plus a small header, and a resume is the walk back
+(:meth:`SnapshotParts.load_state_dict`); no module reaches into another's attributes to
+save or restore it. The core registers, in this order::
+
+    model       the unwrapped module (a sharded checkpointer gets the sharded form)
+    optimizer
+    scheduler   when there is one
+    scaler      when there is one (fp16)
+    progress    the loop's: epoch, step, early-stopping count (under engine-run the
+                Trainer, which adds the epoch's partial loss sums)
+    loader      where the epoch stands: the batches consumed per rank and the global
+                sample position, at which another number of processes resumes
+    metrics     the latest reduced values (what the summary reports after a resume)
+    ...         the recipe's ``state_parts(cfg, engine)`` and the plugins'
+                ``engine_register_state(engine, parts)``
+    rng         every rank's RNG states (gathered: a collective)
+
+``state_dict`` of a part may be a collective (rng, progress): every rank walks the
+parts in the same order, so every rank calls them alike.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from engine.errors import CheckpointError, ConfigError, EngineError, first_line
+
+#: Snapshot keys that are the header, not parts: a part may not take these names.
+HEADER = frozenset({"engine_version", "config", "world_size", "epoch", "step",
+                    "batch_in_epoch", "epochs_completed"})
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """What a part is (torch.distributed.checkpoint.stateful.Stateful's protocol)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class SnapshotParts:
+    """The parts of one run, by name, in registration order (the order of the walk)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, Stateful] = {}
+        self._owners: dict[str, str] = {}
+        #: Who is adding parts now (a plugin's name, "the recipe"): named in the error
+        #: when two owners take one name.
+        self.current_owner = "the engine"
+
+    def add(self, name: str, part: Stateful) -> None:
+        """Register ``part`` under ``name``; its state goes into every snapshot under
+        that key and comes back into it on resume."""
+        owner = self.current_owner
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(f"{owner} adds a state part named {name!r}; a part's name is a "
+                              "Python identifier, e.g. 'ema'")
+        if name in HEADER:
+            raise ConfigError(f"{owner} adds a state part named {name!r}, which snapshots use "
+                              f"for their header; choose another name")
+        if name in self._parts:
+            raise ConfigError(f"state part {name!r} is added twice: by {self._owners[name]} "
+                              f"and by {owner}; each part needs its own name")
+        if not isinstance(part, Stateful):
+            raise ConfigError(f"{owner} adds state part {name!r} as {type(part).__name__}, "
+                              "which has no state_dict() and load_state_dict(state_dict)")
+        self._parts[name] = part
+        self._owners[name] = owner
+
+    def names(self) -> list[str]:
+        return list(self._parts)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._parts
+
+    def __getitem__(self, name: str) -> Stateful:
+        return self._parts[name]
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{name: part.state_dict()}``. Collective: every rank calls it."""
+        return {name: part.state_dict() for name, part in self._parts.items()}
+
+    def load_state_dict(self, snap: dict[str, Any], *, source: str, warn) -> None:
+        """Each part's state from ``snap`` (a snapshot read from ``source``). A part the
+        snapshot has no state for keeps its initial state, with a warning; state the
+        snapshot holds for a part this run does not have is left, with a warning."""
+        for name, part in self._parts.items():
+            if snap.get(name) is None:
+                warn(f"{source} holds no state for part {name!r} (added by "
+                     f"{self._owners[name]}): it starts from this run's initial state")
+                continue
+            try:
+                part.load_state_dict(snap[name])
+            except EngineError as exc:
+                raise type(exc)(f"{source}: {exc}") from None
+            except Exception as exc:
+                raise CheckpointError(
+                    f"{source}: its {name!r} state does not load into this run's "
+                    f"({type(exc).__name__}: {first_line(exc)})") from None
+        unknown = sorted(k for k, v in snap.items()
+                         if k not in self._parts and k not in HEADER and v is not None)
+        if unknown:
+            warn(f"{source} holds state for part(s) {', '.join(unknown)} that this run does "
+                 "not have (a plugin or recipe part no longer added?): left unused")
+
+
+# ------------------------------------------------------------- the core's parts
+
+
+class ModelState:
+    """The unwrapped module. ``sharded``: torch.distributed.checkpoint's form (keyed by
+    parameter name, sharded tensors left sharded), for a checkpointer that stores it."""
+
+    def __init__(self, module, sharded: bool = False):
+        self.module = module
+        self.sharded = sharded
+
+    def state_dict(self) -> dict:
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            return get_model_state_dict(self.module)
+        return self.module.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(self.module, state_dict)
+            return
+        from engine.checkpoint import load_model_state
+
+        # DDP's "module." prefix or not: load_model_state accepts both, and names the
+        # missing and unexpected keys.
+        load_model_state(self.module, state_dict, source="its model state")
+
+
+class OptimizerState:
+    """The optimizer; ``sharded`` as for :class:`ModelState`."""
+
+    def __init__(self, module, optimizer, sharded: bool = False):
+        self.module = module
+        self.optimizer = optimizer
+        self.sharded = sharded
+
+    def state_dict(self) -> dict:
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            return get_optimizer_state_dict(self.module, self.optimizer)
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.module, self.optimizer, state_dict)
+            return
+        try:
+            self.optimizer.load_state_dict(state_dict)
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"optimizer state does not match: {first_line(exc)}"
+                                  ) from None
+
+
+class LoaderPosition:
+    """Where the epoch stands: the micro-batches each rank consumed (``state``'s
+    ``batch_in_epoch``) and, whatever the number of processes, the samples all ranks
+    consumed together in the epoch's (seed, epoch) order (engine/data.py). A snapshot
+    of another number of processes resumes at that global position: the rest of the
+    order is split over the new ranks, so every sample is still seen once."""
+
+    def __init__(self, state, loader: Callable[[], Any], world_size: int):
+        self.state = state  # the TrainState whose batch_in_epoch this part owns
+        self.loader = loader  # the first training loader, once it exists (or None)
+        self.world_size = world_size
+
+    def state_dict(self) -> dict:
+        from engine import data
+
+        loader = self.loader()
+        return {
+            "batch_in_epoch": self.state.batch_in_epoch,
+            "samples_in_epoch": None if loader is None else data.samples_consumed(
+                self.state.batch_in_epoch, loader.batch_size, self.world_size,
+                len(loader.dataset)),
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        from engine import data
+
+        batches = int(state_dict.get("batch_in_epoch") or 0)
+        position = state_dict.get("samples_in_epoch")
+        saved_world = state_dict.get("world_size", self.world_size)
+        # At an epoch boundary, with as many processes, or from a snapshot that did not
+        # record the position (right when the global batch is the same): the count.
+        if not batches or position is None or saved_world == self.world_size:
+            self.state.batch_in_epoch = batches
+            return
+        loader = self.loader()
+        if loader is None:
+            raise ConfigError(
+                f"the snapshot stopped mid-epoch with {saved_world} processes; to resume it "
+                f"with {self.world_size}, create the training loader (ctx.loader) before "
+                "ctx.epochs() or ctx.resume()")
+        # The last batches of an epoch are short, and a library loop's batch size is
+        # its own: the batches that reach the position at this number of processes.
+        self.state.batch_in_epoch = data.batches_at(int(position), loader.batch_size,
+                                                    self.world_size, len(loader.dataset))
+
+
+class Metrics:
+    """The latest reduced or logged values (a dict the run keeps updating)."""
+
+    def __init__(self, metrics: dict):
+        self.metrics = metrics
+
+    def state_dict(self) -> dict:
+        return dict(self.metrics)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.metrics.update(state_dict)
+
+
+def rng_state() -> dict:
+    """This process's Python, numpy, torch (and CUDA) RNG states, as tensors and plain
+    values (``torch.load(weights_only=True)`` reads them)."""
+    import numpy as np
+    import torch
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    # CPU tensors only (numpy's and torch's setters refuse others): snapshots are loaded
+    # onto the CPU for this (snapshot.load_snapshot).
+    np.random.set_state(("MT19937", n["keys"].numpy().astype("uint32"), n["pos"],
+                         n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RngStates:
+    """Every rank's RNG states, gathered into the snapshot (so a rank-0 write holds
+    them all); each rank restores its own, when the number of processes is the same."""
+
+    def __init__(self, world, warn):
+        self.world = world
+        self.warn = warn
+
+    def state_dict(self) -> dict:
+        from engine import distributed
+
+        return {"ranks": distributed.all_gather_object(rng_state()),
+                "world_size": self.world.world_size}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        ranks = state_dict.get("ranks") or []
+        saved_world = state_dict.get("world_size", len(ranks))
+        if saved_world == self.world.world_size and self.world.rank < len(ranks):
+            set_rng_state(ranks[self.world.rank])
+        elif ranks:
+            self.warn(f"the snapshot was written by {saved_world} processes, this run has "
+                      f"{self.world.world_size}: RNG states are not restored, so the run "
+                      "will not be bit-identical to an uninterrupted one (the data order "
+                      "is: see docs/checkpoints.md, Changing the number of processes)")
+
+
+def add_extra_parts(parts: SnapshotParts, pm, engine, recipe_parts=None) -> None:
+    """The recipe's parts (``state_parts(cfg, engine)``: a dict of name to part), then
+    each plugin's ``engine_register_state(engine, parts)``, one plugin at a time so that
+    a name taken twice names both owners."""
+    if recipe_parts is not None:
+        parts.current_owner = "the recipe (state_parts)"
+        found = recipe_parts(engine.cfg, engine)
+        if not isinstance(found, dict):
+            raise ConfigError("the recipe's state_parts(cfg, engine) must return a dict of "
+                              f"name to part, not {type(found).__name__}")
+        for name, part in found.items():
+            parts.add(name, part)
+    for impl in pm.hook.engine_register_state.get_hookimpls():
+        parts.current_owner = f"plugin {impl.plugin_name!r}"
+        given = {"engine": engine, "parts": parts}
+        impl.function(*[given[a] for a in impl.argnames])
+    parts.current_owner = "the engine"
