@@ -276,13 +276,14 @@ def apply_override(cfg: Any, key: str, text: str) -> None:
         raise ConfigError(
             f"config key {key!r}: {text!r} is not {_describe(tp)}"
         ) from None
-    setattr(target, name, value)
     field = attrs.fields_dict(type(target))[name]
-    if field.validator is not None:
-        try:
+    try:
+        # attrs classes run a field's validator on setattr too (attrs.define's default).
+        setattr(target, name, value)
+        if field.validator is not None:
             field.validator(target, field, value)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"config key {key!r}: {text!r} is not allowed: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"config key {key!r}: {text!r} is not allowed: {exc}") from None
 
 
 def apply_overrides(cfg: Any, overrides: list[str], checked: bool = True) -> Any:

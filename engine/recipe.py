@@ -14,6 +14,7 @@ and may define::
     def loss_fn(outputs, targets)       # default: cross-entropy
     def train_step(batch, ctx) -> loss  # own the forward and the loss (below)
     def eval_step(batch, ctx) -> dict   # own the validation metrics (below)
+    def state_parts(cfg, ctx) -> dict   # more state that snapshots carry: {name: part}
     REQUIRED_PLUGINS = ["name>=1.0"]    # plugins the recipe cannot run without
 
 ``ctx`` is the worker's :class:`engine.engine.Engine` (``ctx.world``, ``ctx.is_rank0``,

@@ -1,0 +1,201 @@
+"""engine/stateful.py: a snapshot is the walk over the run's parts, and nothing outside
+the Trainer reaches into it."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+import torch
+
+import engine
+
+from engine.errors import CheckpointError, ConfigError
+from engine.stateful import SnapshotParts
+from tests import conftest
+from tests.conftest import REPO, read_summary, run_cli
+
+PARTS_RECIPE = str(REPO / "tests" / "recipes" / "tiny_parts.py")
+# 64 samples, global batch 8: 8 steps an epoch; the kill after step 11 is mid-epoch 1,
+# after the snapshot of step 10.
+RUN = ("epochs=3", "checkpoint.every_steps=5", "checkpoint.keep_last=2", "ema.enabled=true",
+       "ema.decay=0.8", "ema.every_steps=2")
+KILL_STEP = 11
+
+
+class Counter:
+    def __init__(self, count: int = 0):
+        self.count = count
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.count = state_dict["count"]
+
+
+def test_the_walk_saves_and_restores_every_part_in_order():
+    parts = SnapshotParts()
+    parts.add("a", Counter(1))
+    parts.add("b", Counter(2))
+    assert parts.names() == ["a", "b"]
+    snap = parts.state_dict()
+    assert snap == {"a": {"count": 1}, "b": {"count": 2}}
+    fresh = SnapshotParts()
+    fresh.add("a", Counter())
+    fresh.add("b", Counter())
+    fresh.load_state_dict(snap, source="snap.pt", warn=pytest.fail)
+    assert (fresh["a"].count, fresh["b"].count) == (1, 2)
+
+
+def test_a_missing_or_an_unknown_part_is_a_warning_not_a_failure():
+    parts = SnapshotParts()
+    parts.current_owner = "plugin 'x'"
+    parts.add("new", Counter(5))
+    warnings = []
+    parts.load_state_dict({"gone": {"count": 1}, "epoch": 3}, source="snap.pt",
+                          warn=warnings.append)
+    assert parts["new"].count == 5  # kept its initial state
+    assert warnings == [
+        "snap.pt holds no state for part 'new' (added by plugin 'x'): it starts from this "
+        "run's initial state",
+        "snap.pt holds state for part(s) gone that this run does not have (a plugin or "
+        "recipe part no longer added?): left unused"]
+
+
+@pytest.mark.parametrize("name, part, message", [
+    ("step", Counter(), "the recipe adds a state part named 'step', which snapshots use for "
+     "their header; choose another name"),
+    ("my part", Counter(), "the recipe adds a state part named 'my part'; a part's name is "
+     "a Python identifier, e.g. 'ema'"),
+    ("thing", object(), "the recipe adds state part 'thing' as object, which has no "
+     "state_dict() and load_state_dict(state_dict)"),
+    ("taken", Counter(), "state part 'taken' is added twice: by plugin 'p' and by the "
+     "recipe; each part needs its own name"),
+])
+def test_a_bad_part_is_one_line_naming_its_owner(name, part, message):
+    parts = SnapshotParts()
+    parts.current_owner = "plugin 'p'"
+    parts.add("taken", Counter())
+    parts.current_owner = "the recipe"
+    with pytest.raises(ConfigError) as info:
+        parts.add(name, part)
+    assert str(info.value) == message
+
+
+def test_a_part_that_does_not_load_names_the_snapshot_and_the_part():
+    parts = SnapshotParts()
+    parts.add("counter", Counter())
+    with pytest.raises(CheckpointError) as info:
+        parts.load_state_dict({"counter": {"other": 1}}, source="snap.pt", warn=print)
+    assert str(info.value) == ("snap.pt: its 'counter' state does not load into this run's "
+                               "(KeyError: 'count')")
+
+
+def trainer_uses_outside_it() -> list[str]:
+    """Every place in engine/ outside engine/trainer.py that touches a Trainer other
+    than by making one and calling its ``fit()``: an attribute named ``trainer``, or any
+    attribute of a name bound to ``Trainer(...)`` but ``fit``."""
+    found = []
+    for path in sorted((REPO / "engine").rglob("*.py")):
+        if path.name == "trainer.py":
+            continue
+        tree = ast.parse(path.read_text())
+        trainers = {node.targets[0].id for node in ast.walk(tree)
+                    if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                    and getattr(node.value.func, "id", None) == "Trainer"
+                    and isinstance(node.targets[0], ast.Name)}
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Attribute) and node.attr == "trainer":
+                found.append(f"{where}: .trainer")
+            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id in trainers and node.attr != "fit"):
+                found.append(f"{where}: {node.value.id}.{node.attr}")
+            elif isinstance(node, ast.Constant) and node.value == "trainer":
+                found.append(f"{where}: 'trainer' (getattr?)")
+    return found
+
+
+def test_no_engine_module_reads_or_writes_attributes_of_the_trainer():
+    assert trainer_uses_outside_it() == []
+
+
+def final_parts(out) -> dict:
+    snap = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip(),
+                      weights_only=True)
+    return {"curriculum": snap["curriculum"], "ema": snap["ema"]}
+
+
+def assert_same_tensors(a, b, where=""):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_tensors(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{where} differs"
+    else:
+        assert a == b, where
+
+
+def test_a_recipe_part_and_the_ema_resume_bit_identically_after_a_kill_mid_epoch(tmp_path):
+    reference = tmp_path / "reference"
+    run_cli(PARTS_RECIPE, *RUN, f"out_dir={reference}", "--nproc", "2", check=True)
+
+    out = tmp_path / "resumed"
+    fault = conftest.engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP=str(KILL_STEP),
+                       ENGINE_FAULT_RANK="1", ENGINE_FAULT_ONCE=str(tmp_path / "fault-done"))
+    args = (PARTS_RECIPE, *RUN, f"out_dir={out}", "--nproc", "2", "-p", "tests.fault_plugin")
+    killed = run_cli(*args, env=fault)
+    assert killed.returncode != 0, f"the fault was not injected\n{killed.stderr}"
+    resumed = run_cli(*args, env=fault, check=True)
+    assert "epoch 1, step 10, batch 2 of the epoch" in resumed.stdout, resumed.stdout
+
+    assert read_summary(out)["weights_sha256"] == read_summary(reference)["weights_sha256"]
+    expected, got = final_parts(reference), final_parts(out)
+    assert expected["curriculum"] == {"seen": 3 * 64 // 2}  # every sample once an epoch
+    assert expected["ema"]["steps"] == 24
+    assert_same_tensors(got, expected)
+
+
+# This module is also a plugin (-p tests.engine.test_stateful): it adds a part named by
+# ENGINE_TEST_PART.
+@engine.hookimpl
+def engine_register_state(engine, parts):
+    name = os.environ.get("ENGINE_TEST_PART")
+    if name:
+        parts.add(name, Counter(7))
+
+
+def test_a_plugin_part_is_saved_and_a_name_taken_twice_names_both_owners(tmp_path):
+    args = (PARTS_RECIPE, "epochs=1", "--nproc", "1", "-p", "tests.engine.test_stateful")
+    run_cli(*args, f"out_dir={tmp_path / 'ok'}", check=True,
+            env=conftest.engine_env(ENGINE_TEST_PART="marker"))
+    snap = torch.load(next((tmp_path / "ok" / "checkpoints").glob("snapshot-*.pt")),
+                      weights_only=True)
+    assert snap["marker"] == {"count": 7}
+    assert list(snap)[-2:] == ["marker", "rng"]  # after the recipe's, before the RNG states
+
+    taken = run_cli(*args, f"out_dir={tmp_path / 'taken'}",
+                    env=conftest.engine_env(ENGINE_TEST_PART="curriculum"))
+    assert taken.returncode == 2
+    assert ("state part 'curriculum' is added twice: by the recipe (state_parts) and by "
+            "plugin 'tests.engine.test_stateful'; each part needs its own name") in taken.stderr
+
+
+def loop_with_a_part(ctx, epochs):
+    model = torch.nn.Linear(2, 1)
+    ctx.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    counter = Counter()
+    ctx.add_state("counter", counter)
+    for _ in ctx.epochs(epochs):
+        counter.count += 1
+    return counter.count
+
+
+def test_a_custom_loop_part_resumes_with_its_run(tmp_path):
+    config = engine.TrainConfig(out_dir=str(tmp_path / "loop"))
+    assert engine.launch(loop_with_a_part, 2, nproc=1, config=config) == 2
+    # Resumed after epoch 2: the counter goes on from its saved count.
+    assert engine.launch(loop_with_a_part, 3, nproc=1, config=config) == 3
