@@ -51,7 +51,7 @@ import time
 import attrs
 import torch
 
-from engine import data, distributed, health, snapshot
+from engine import classification, data, distributed, health, snapshot
 from engine.errors import ConfigError, EngineError, RunError
 
 
@@ -210,26 +210,6 @@ class SnapshotPolicy:
         self.last_time = time.monotonic()
 
 
-def classification_train_step(batch, ctx):
-    """The default ``train_step``: ``(inputs, targets)`` batches and the recipe's
-    ``loss_fn`` (cross-entropy unless the recipe defines one) on the model as trained."""
-    inputs, targets = batch
-    return ctx.loss_fn(ctx.model(inputs), targets)
-
-
-def classification_eval_step(batch, ctx):
-    """The default ``eval_step``: the summed loss and, when the targets are class
-    indices, the number of correct argmax predictions, over ``count`` samples."""
-    inputs, targets = batch
-    outputs = ctx.module(inputs)
-    count = targets.shape[0]
-    sums = {"loss": ctx.loss_fn(outputs, targets).double() * count}  # loss_fn: a mean
-    if not targets.is_floating_point() and outputs.dim() == targets.dim() + 1:
-        sums["accuracy"] = (outputs.argmax(dim=1) == targets).sum()
-    sums["count"] = count
-    return sums
-
-
 class MetricSums:
     """What ``eval_step`` returns, summed over the batches of a rank; then one
     all-reduce over the ranks, and every sum divided by the ``count`` sum.
@@ -342,10 +322,11 @@ class Trainer:
         self.non_blocking = device.type == "cuda"
         # The loaders yield CPU tensors: on the CPU there is nothing to move, every batch.
         self.moves_batches = device.type != "cpu"
-        # The recipe owns the step when it defines one; else the classification step.
+        # The recipe owns the step when it defines one; else the classification step,
+        # which the loop itself knows nothing about (engine/classification.py).
         recipe = engine.recipe
-        self.train_step = recipe.optional("train_step") or classification_train_step
-        self.eval_step = recipe.optional("eval_step") or classification_eval_step
+        self.train_step = recipe.optional("train_step") or classification.train_step
+        self.eval_step = recipe.optional("eval_step") or classification.eval_step
         self.nonfinite = NonFinitePolicy(self.cfg.on_nonfinite, device,
                                          engine.world.world_size, engine.warn)
         self.snapshots = SnapshotPolicy(self.cfg, engine.is_rank0)

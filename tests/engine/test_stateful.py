@@ -199,3 +199,35 @@ def test_a_custom_loop_part_resumes_with_its_run(tmp_path):
     assert engine.launch(loop_with_a_part, 2, nproc=1, config=config) == 2
     # Resumed after epoch 2: the counter goes on from its saved count.
     assert engine.launch(loop_with_a_part, 3, nproc=1, config=config) == 3
+
+
+def python_block_after(text: str, heading: str) -> str:
+    """The first ```python block after ``heading`` in a doc."""
+    after = text.split(heading, 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_plugin_guides_state_part_example_runs_and_resumes(tmp_path):
+    guide = (REPO / "docs" / "plugins.md").read_text()
+    (tmp_path / "steps_seen.py").write_text(
+        python_block_after(guide, "### `engine_register_state(engine, parts)`"))
+    env = conftest.engine_env(PYTHONPATH=f"{tmp_path}:{REPO}")
+    args = (str(REPO / "tests" / "recipes" / "tiny_regression.py"), f"out_dir={tmp_path / 'r'}",
+            "--nproc", "1", "-p", "steps_seen")
+    run_cli(*args, "epochs=1", env=env, check=True)
+    run_cli(*args, "epochs=2", env=env, check=True)  # resumed: counts on from 8
+    latest = tmp_path / "r" / "checkpoints" / "latest"
+    snap = torch.load(latest.parent / latest.read_text().strip(), weights_only=True)
+    assert snap["steps_seen"] == {"count": 16}
+
+
+def test_the_checkpoint_guides_recipe_part_example_is_saved(tmp_path):
+    guide = (REPO / "docs" / "checkpoints.md").read_text()
+    recipe = tmp_path / "curriculum_recipe.py"
+    recipe.write_text("from tests.recipes.tiny_regression import *  # noqa\n"
+                      "from tests.recipes.tiny_regression import Config  # noqa\n\n"
+                      + python_block_after(guide, "## What a snapshot holds"))
+    run_cli(str(recipe), "epochs=1", f"out_dir={tmp_path / 'r'}", "--nproc", "1", check=True)
+    snap = torch.load(next((tmp_path / "r" / "checkpoints").glob("snapshot-*.pt")),
+                      weights_only=True)
+    assert snap["curriculum"] == {"level": 0}

@@ -14,7 +14,7 @@ import torch
 import engine
 from engine.errors import ConfigError, EngineError
 from engine.trainer import (EarlyStopping, LogWindow, MetricSums, NonFiniteLoss,
-                            NonFinitePolicy, SnapshotPolicy, classification_eval_step)
+                            NonFinitePolicy, SnapshotPolicy)
 from tests.conftest import REPO, read_summary, run_cli
 
 REGRESSION = str(REPO / "tests" / "recipes" / "tiny_regression.py")
@@ -400,17 +400,3 @@ def test_metric_sums_add_tensors_and_numbers_and_divide_by_the_count():
     with pytest.raises(EngineError, match="eval_step must return a dict of metric sums "
                                           "with a 'count'"):
         MetricSums(CPU).add({"loss": torch.tensor(1.0)})
-
-
-def test_default_eval_step_reports_accuracy_for_class_indices_only():
-    class Ctx:
-        module = staticmethod(lambda x: x)
-        loss_fn = staticmethod(torch.nn.functional.mse_loss)
-
-    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 1.0]])
-    ctx = Ctx()
-    ctx.loss_fn = torch.nn.functional.cross_entropy
-    sums = classification_eval_step((logits, torch.tensor([0, 1, 1])), ctx)
-    assert list(sums) == ["loss", "accuracy", "count"] and sums["accuracy"].item() == 2
-    regression = classification_eval_step((logits[:, :1], torch.ones(3, 1)), Ctx())
-    assert list(regression) == ["loss", "count"]
