@@ -229,7 +229,11 @@ class Engine(WorkerContext):
         # The model is built right after seeding, as a hand-written loop would, so the
         # initial weights are the same as there.
         torch.manual_seed(cfg.seed)
-        model = recipe.module.build_model(cfg).to(self.device)
+        model = recipe.module.build_model(cfg)
+        if not any(True for _ in model.parameters()):
+            raise ConfigError(f"the recipe's build_model returned a model without parameters "
+                              f"({type(model).__name__}): there is nothing to train")
+        model = model.to(self.device)
         self.model = self.parallel.wrap(model)
         self.optimizer = recipe.module.build_optimizer(cfg, self.module)
         build_scheduler = recipe.optional("build_scheduler")

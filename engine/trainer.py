@@ -325,7 +325,8 @@ class Trainer:
         # The recipe owns the step when it defines one; else the classification step,
         # which the loop itself knows nothing about (engine/classification.py).
         recipe = engine.recipe
-        self.train_step = recipe.optional("train_step") or classification.train_step
+        self.train_step = self.first_train_step
+        self.checked_train_step = recipe.optional("train_step") or classification.train_step
         self.eval_step = recipe.optional("eval_step") or classification.eval_step
         self.nonfinite = NonFinitePolicy(self.cfg.on_nonfinite, device,
                                          engine.world.world_size, engine.warn)
@@ -443,6 +444,18 @@ class Trainer:
                                   - window.skipped_batches,
                                   steps=eng.state.step - steps_at_start,
                                   epoch_start=epoch_start, data_wait=data_wait)
+
+    def first_train_step(self, batch, ctx):
+        """The run's first micro-batch: the step's loss checked once (a loss of another
+        shape failed deep in autograd), then the step itself for every later batch."""
+        loss = self.checked_train_step(batch, ctx)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                    else f"a {type(loss).__name__}")
+            raise ConfigError(f"train_step must return the micro-batch's loss as a scalar "
+                              f"tensor (shape ()), not {what}; reduce it, e.g. with .mean()")
+        self.train_step = self.checked_train_step
+        return loss
 
     def run_batch(self, batch, group_size: int, last_micro: bool):
         """Forward and backward of one micro-batch; returns its loss, detached. DDP

@@ -47,3 +47,16 @@ def test_rerunning_a_finished_run_says_it_is_complete_and_what_to_do(tmp_path):
     more = run_cli(*args, "epochs=3", check=True)
     assert "already complete" not in more.stdout and read_summary(tmp_path)[
         "epochs_completed"] == 3
+
+
+def test_a_model_without_parameters_is_named_as_the_problem(tmp_path):
+    recipe = tmp_path / "no_parameters.py"
+    recipe.write_text("import torch\n"
+                      "from tests.recipes.tiny_regression import *  # noqa\n"
+                      "from tests.recipes.tiny_regression import Config  # noqa\n\n"
+                      "def build_model(cfg):\n    return torch.nn.Identity()\n\n"
+                      "def build_optimizer(cfg, model):\n    return None\n")
+    proc = run_cli(str(recipe), "epochs=1", f"out_dir={tmp_path / 'run'}", "--nproc", "2")
+    assert proc.returncode == 2
+    assert ("error: the recipe's build_model returned a model without parameters "
+            "(Identity): there is nothing to train") in proc.stderr, proc.stderr

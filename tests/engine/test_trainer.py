@@ -400,3 +400,19 @@ def test_metric_sums_add_tensors_and_numbers_and_divide_by_the_count():
     with pytest.raises(EngineError, match="eval_step must return a dict of metric sums "
                                           "with a 'count'"):
         MetricSums(CPU).add({"loss": torch.tensor(1.0)})
+
+
+@pytest.mark.parametrize("step, shape", [
+    ("return F.mse_loss(ctx.model(inputs), targets, reduction='none')", "a tensor of shape (8, 1)"),
+    ("return 0.5", "a float"),
+])
+def test_a_train_step_that_returns_no_scalar_loss_is_one_line(tmp_path, step, shape):
+    recipe = tmp_path / "bad_step.py"
+    recipe.write_text("from torch.nn import functional as F\n"
+                      "from tests.recipes.tiny_regression import *  # noqa\n"
+                      "from tests.recipes.tiny_regression import Config  # noqa\n\n"
+                      f"def train_step(batch, ctx):\n    inputs, targets = batch\n    {step}\n")
+    proc = run_cli(str(recipe), "epochs=1", f"out_dir={tmp_path / 'run'}", "--nproc", "1")
+    assert proc.returncode == 2
+    assert ("error: train_step must return the micro-batch's loss as a scalar tensor (shape "
+            f"()), not {shape}; reduce it, e.g. with .mean()") in proc.stderr, proc.stderr
