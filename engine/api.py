@@ -235,25 +235,15 @@ class Worker:
         pm = build_plugin_manager(self.plugins)
         ctx = Context(pm, self.cfg, world, self.options)
         ctx.recipe_path = _script_path(self.fn)
-        status, error = "failed", None
-        try:
+        with ctx.lifecycle() as run:
             ctx.setup()
             value = self.fn(ctx, *self.args)
             ctx.write_config_unless_resumed()
             # The last snapshot is durable (or its write failed) before the run counts
             # as completed.
             ctx.checkpointer.close()
-            status = "completed"
-            return value
-        except BaseException as exc:
-            error = exc
-            if ctx.checkpointer is not None:  # set up: the config is known
-                with contextlib.suppress(OSError):  # the run's own error is the one reported
-                    ctx.write_config_unless_resumed()
-            pm.hook.engine_exception(engine=ctx, exc=exc)
-            raise
-        finally:
-            ctx.finish(status, error)
+            run.status = "completed"
+        return value
 
     def _report(self, world, exc: BaseException):
         """In a spawned worker, as engine-run's: the error printed with the rank, its
@@ -278,7 +268,7 @@ class Context(WorkerContext):
     """
 
     def __init__(self, pm, cfg, world, options: dict | None = None):
-        from engine.engine import TrainState
+        from engine.stateful import TrainState
 
         super().__init__(pm, cfg, world, options, TrainState())
         self._train_loaders: list = []
@@ -289,7 +279,7 @@ class Context(WorkerContext):
     def setup(self) -> None:
         """Seed, threads, parallel mode, process group, checkpointer (as Engine.run).
         config.json waits for the resume decision (:meth:`resume`)."""
-        from engine.engine import start_worker
+        from engine.context import start_worker
 
         cfg, world = self.cfg, self.world
         self.parallel = start_worker(self.pm, cfg, world, self.options)
@@ -297,6 +287,12 @@ class Context(WorkerContext):
             self.out_dir.mkdir(parents=True, exist_ok=True)  # the loop may write there
         self.checkpointer = self.pm.checkpointers.get(cfg.checkpointer)(
             self.out_dir / "checkpoints", cfg, world)
+
+    def finish(self, status: str, error: BaseException | None = None) -> dict:
+        if status == "failed" and self.checkpointer is not None:  # the config is known
+            with contextlib.suppress(OSError):  # the run's own error is the one reported
+                self.write_config_unless_resumed()
+        return super().finish(status, error)
 
     def write_config_unless_resumed(self) -> None:
         """config.json for a loop that never called ``ctx.epochs`` or ``ctx.resume``

@@ -20,10 +20,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import os
 import pathlib
+import random
 import sys
 import time
 from typing import Any
+
+import attrs
 
 import engine
 from engine import config as config_mod
@@ -52,6 +56,56 @@ def weights_digests(module, warn) -> dict:
         warn("the ranks finished with different weights: "
              + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)))
     return {"weights_sha256": digests[0], "weights_sha256_per_rank": digests}
+
+
+def start_worker(pm, cfg, world, options: dict[str, Any]):
+    """The first steps of every worker (a Trainer run or a library user's loop): seed
+    every RNG, share the CPUs, choose the parallel mode and its devices, create the
+    process group, settle the run's folder. Returns the parallel mode."""
+    import torch
+
+    from engine import distributed, health, run_dir
+    from engine.data import threads_per_process
+
+    seed_everything(cfg.seed)
+    if cfg.deterministic:
+        use_deterministic_kernels()
+    torch.set_num_threads(options.get("threads") or
+                          threads_per_process(world.local_world_size))
+    from engine.parallel import choose_parallel
+
+    parallel = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg)
+    parallel.check()
+    parallel.setup_device()
+    if world.distributed:
+        distributed.init(world, parallel.backend or "gloo", cfg.timeout_s)
+        health.prepare(cfg.timeout_s)
+    # out_dir's pattern filled by rank 0, the same for every rank (engine/run_dir.py).
+    run_dir.settle(cfg, world, options)
+    return parallel
+
+
+def use_deterministic_kernels() -> None:
+    """Deterministic cuDNN and cuBLAS kernels (``deterministic=true``). Must run before
+    the process's first CUDA matrix product: cuBLAS reads its workspace setting when it
+    starts."""
+    import torch
+
+    # cuBLAS is deterministic only with a fixed workspace (CUDA >= 10.2); a user's own
+    # setting wins.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True)
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # seeds CUDA too
 
 
 class WorkerContext:
@@ -187,6 +241,35 @@ class WorkerContext:
 
     # ------------------------------------------------------------------ end
 
+    @contextlib.contextmanager
+    def lifecycle(self):
+        """The one run lifecycle of both loops (the Engine's and a custom loop's), around
+        the body that sets up and trains. A failure fires ``engine_exception`` and is
+        replaced by the error the user should read (:meth:`explain`); however the body
+        ends, :meth:`finish` follows. The body sets ``run.status`` when it succeeded;
+        after the block ``run.summary`` holds the summary::
+
+            with ctx.lifecycle() as run:
+                ...                       # set up, train
+                run.status = "completed"  # or "preempted"
+            return run.summary
+        """
+        run = RunOutcome()
+        try:
+            yield run
+        except BaseException as exc:
+            self.pm.hook.engine_exception(engine=self, exc=exc)
+            run.error = self.explain(exc)
+            if run.error is exc:
+                raise
+            raise run.error from exc
+        finally:
+            run.summary = self.finish(run.status, run.error)
+
+    def explain(self, exc: BaseException) -> BaseException:
+        """The error the user should see for ``exc`` (the Engine adds hints)."""
+        return exc
+
     def finish(self, status: str, error: BaseException | None = None) -> dict:
         """The end of the run (see the module docstring); returns the summary.
 
@@ -194,6 +277,9 @@ class WorkerContext:
         its checkpointer already (a failed final write then fails the run)."""
         from engine import distributed
 
+        if self.preemption is not None:
+            # A second signal during the teardown of a pre-empted run changes nothing.
+            self.preemption.uninstall(ignore_more=status == "preempted")
         if status == "failed" and self.checkpointer is not None:
             # Earlier snapshots still in flight finish; the first error is the one
             # reported, so a second one here is not.
@@ -282,6 +368,15 @@ class WorkerContext:
                 self.warn(str(error))  # the run's own error is the one to report
                 return
             raise error from None
+
+
+@attrs.define
+class RunOutcome:
+    """How a run's :meth:`WorkerContext.lifecycle` ended."""
+
+    status: str = "failed"  # the body sets "completed" or "preempted" when it succeeds
+    error: BaseException | None = None
+    summary: dict | None = None
 
 
 def _path_or_none(path) -> str | None:

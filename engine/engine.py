@@ -14,101 +14,11 @@
 
 from __future__ import annotations
 
-import os
-import random
 from typing import Any
 
-import attrs
-
-from engine.context import WorkerContext
-from engine.errors import ConfigError, EngineError, RunError
-
-
-@attrs.define
-class TrainState:
-    """Where training stands; saved in every snapshot."""
-
-    epoch: int = 0  # the epoch in progress (or the next one, at a boundary)
-    step: int = 0  # optimizer steps taken since the start of training
-    batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed
-    epochs_completed: int = 0
-    # Early stopping (early_stopping.*): the best value of its metric so far, the epoch
-    # (counted from 1) that reached it, the epochs since, and whether the run stopped.
-    best_metric: float | None = None
-    best_epoch: int = 0
-    epochs_without_improvement: int = 0
-    stopped_early: bool = False
-
-    # A stateful part (engine/stateful.py). The position in the epoch is the loader
-    # part's (stateful.LoaderPosition), which converts it to another number of processes.
-    def state_dict(self) -> dict:
-        state = attrs.asdict(self)
-        del state["batch_in_epoch"]
-        return state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        # Fields a snapshot written before they existed lacks keep their defaults.
-        for field in attrs.fields(type(self)):
-            if field.name != "batch_in_epoch" and field.name in state_dict:
-                setattr(self, field.name, state_dict[field.name])
-
-
-def resolve_parallel_name(name: str, world, registry) -> str:
-    """The parallel mode to run: ``name``, or for ``auto`` the one the registered modes'
-    own ``detect`` picks (engine.parallel.choose_parallel)."""
-    from engine.parallel import choose_parallel
-
-    return choose_parallel(registry, name, world).name
-
-
-def start_worker(pm, cfg, world, options: dict[str, Any]):
-    """The first steps of every worker (a Trainer run or a library user's loop): seed
-    every RNG, share the CPUs, choose the parallel mode and its devices, create the
-    process group, settle the run's folder. Returns the parallel mode."""
-    import torch
-
-    from engine import distributed, health, run_dir
-    from engine.data import threads_per_process
-
-    seed_everything(cfg.seed)
-    if cfg.deterministic:
-        use_deterministic_kernels()
-    torch.set_num_threads(options.get("threads") or
-                          threads_per_process(world.local_world_size))
-    from engine.parallel import choose_parallel
-
-    parallel = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg)
-    parallel.check()
-    parallel.setup_device()
-    if world.distributed:
-        distributed.init(world, parallel.backend or "gloo", cfg.timeout_s)
-        health.prepare(cfg.timeout_s)
-    # out_dir's pattern filled by rank 0, the same for every rank (engine/run_dir.py).
-    run_dir.settle(cfg, world, options)
-    return parallel
-
-
-def use_deterministic_kernels() -> None:
-    """Deterministic cuDNN and cuBLAS kernels (``deterministic=true``). Must run before
-    the process's first CUDA matrix product: cuBLAS reads its workspace setting when it
-    starts."""
-    import torch
-
-    # cuBLAS is deterministic only with a fixed workspace (CUDA >= 10.2); a user's own
-    # setting wins.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.use_deterministic_algorithms(True)
-
-
-def seed_everything(seed: int) -> None:
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # seeds CUDA too
+from engine.context import WorkerContext, start_worker
+from engine.errors import ConfigError, EngineError, RunError, first_line
+from engine.stateful import TrainState
 
 
 class Engine(WorkerContext):
@@ -129,8 +39,7 @@ class Engine(WorkerContext):
         from engine import preemption
 
         cfg = self.cfg
-        status, error = "failed", None
-        try:
+        with self.lifecycle() as run:
             self.parallel = start_worker(self.pm, cfg, self.world, self.options)
             if cfg.preemption:
                 self.preemption = preemption.PreemptionFlag()
@@ -144,37 +53,29 @@ class Engine(WorkerContext):
             self.checkpointer.close()
             if outcome == "completed":
                 self.gather_weights()
-            status = outcome
-        except BaseException as exc:
-            self.pm.hook.engine_exception(engine=self, exc=exc)
-            error = self._explain(exc)
-            raise error from exc
-        finally:
-            if self.preemption is not None:
-                self.preemption.uninstall(ignore_more=status == "preempted")
-            summary = self.finish(status, error)
-        if status == "preempted":
+            run.status = outcome
+        if run.status == "preempted":
             self._after_preemption()
-        return summary
+        return run.summary
 
-    def _explain(self, exc: BaseException) -> BaseException:
+    def explain(self, exc: BaseException) -> BaseException:
         """The error a user should see: a hint from the parallel mode, or, when a
         collective failed, which ranks stopped answering."""
         from engine import distributed, health
 
         if isinstance(exc, EngineError) or not isinstance(exc, Exception):
             return exc
-        first_line = (str(exc).strip().splitlines() or [""])[0]
+        line = first_line(exc)
         hint = self.parallel.explain(exc) if self.parallel is not None else None
         if hint:
-            return RunError(f"{type(exc).__name__}: {first_line}; hint: {hint}")
+            return RunError(f"{type(exc).__name__}: {line}; hint: {hint}")
         if distributed.is_initialized() and health.is_collective_failure(exc):
             missing = health.missing_ranks()
             who = (f"rank(s) {', '.join(map(str, missing))} stopped answering" if missing
                    else "another rank failed or stopped answering")
             return RunError(
                 f"rank {self.world.rank}: a collective operation failed at step "
-                f"{self.state.step}: {who} (timeout {self.cfg.timeout_s:g}s): {first_line}")
+                f"{self.state.step}: {who} (timeout {self.cfg.timeout_s:g}s): {line}")
         return exc
 
     def _after_preemption(self) -> None:

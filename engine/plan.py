@@ -6,7 +6,6 @@ from typing import Any
 
 from engine import config as config_mod
 from engine.data import split_batch, threads_per_process
-from engine.engine import resolve_parallel_name
 from engine.world import format_world_table
 
 
@@ -88,3 +87,11 @@ def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True) -> str:
                  format_world_table(plan.get("all_worlds") or worlds, {
                      w.local_rank: d for w, d in zip(worlds, plan["devices"])}).splitlines())
     return "\n".join(lines)
+
+
+def resolve_parallel_name(name: str, world, registry) -> str:
+    """The parallel mode to run: ``name``, or for ``auto`` the one the registered modes'
+    own ``detect`` picks (engine.parallel.choose_parallel)."""
+    from engine.parallel import choose_parallel
+
+    return choose_parallel(registry, name, world).name

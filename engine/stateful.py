@@ -30,6 +30,8 @@ from __future__ import annotations
 import random
 from typing import Any, Callable, Protocol, runtime_checkable
 
+import attrs
+
 from engine.errors import CheckpointError, ConfigError, EngineError, first_line
 
 #: Snapshot keys that are the header, not parts: a part may not take these names.
@@ -113,6 +115,36 @@ class SnapshotParts:
 
 
 # ------------------------------------------------------------- the core's parts
+
+
+@attrs.define
+class TrainState:
+    """Where training stands: the loop's progress (``engine.state``), a part of every
+    snapshot (the Trainer adds its epoch's loss sums to it)."""
+
+    epoch: int = 0  # the epoch in progress (or the next one, at a boundary)
+    step: int = 0  # optimizer steps taken since the start of training
+    batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed
+    epochs_completed: int = 0
+    # Early stopping (early_stopping.*): the best value of its metric so far, the epoch
+    # (counted from 1) that reached it, the epochs since, and whether the run stopped.
+    best_metric: float | None = None
+    best_epoch: int = 0
+    epochs_without_improvement: int = 0
+    stopped_early: bool = False
+
+    # A stateful part (engine/stateful.py). The position in the epoch is the loader
+    # part's (stateful.LoaderPosition), which converts it to another number of processes.
+    def state_dict(self) -> dict:
+        state = attrs.asdict(self)
+        del state["batch_in_epoch"]
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Fields a snapshot written before they existed lacks keep their defaults.
+        for field in attrs.fields(type(self)):
+            if field.name != "batch_in_epoch" and field.name in state_dict:
+                setattr(self, field.name, state_dict[field.name])
 
 
 class ModelState:

@@ -242,7 +242,8 @@ def _measure_settings(job, world, settings, budget_s, full_step, results, barrie
     import torch
 
     from engine import data, loader_settings
-    from engine.engine import Engine, seed_everything
+    from engine.context import seed_everything
+    from engine.engine import Engine
     from engine.parallel import choose_parallel
     from engine.plugin_manager import build_plugin_manager
 

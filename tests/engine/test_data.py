@@ -152,7 +152,7 @@ def test_a_position_converts_to_batches_of_another_world_size_or_says_why_not():
 
 
 def test_position_loader_counts_the_batches_it_hands_out():
-    from engine.engine import TrainState
+    from engine.stateful import TrainState
 
     world = World(rank=0, local_rank=0, world_size=1, local_world_size=1)
     loader = data.train_loader(TensorDataset(torch.arange(10)), micro_batch=4, world=world,

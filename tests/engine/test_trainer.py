@@ -356,7 +356,7 @@ def test_snapshot_policy():
 
 def early_stopping(mode="min", patience=2, min_delta=0.0, metric="val/loss"):
     from engine.config import EarlyStoppingConfig
-    from engine.engine import TrainState
+    from engine.stateful import TrainState
 
     cfg = EarlyStoppingConfig(metric=metric, mode=mode, patience=patience,
                               min_delta=min_delta)
