@@ -22,6 +22,7 @@ _LAZY = {
     "Checkpointer": "engine.checkpoint",
     "EngineError": "engine.errors",
     "launch": "engine.api",
+    "fit": "engine.launching",
     "Context": "engine.api",
 }
 

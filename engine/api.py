@@ -43,17 +43,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import pathlib
-import pickle
 import sys
-import tempfile
 from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 
 from engine.context import WorkerContext
 from engine.errors import ConfigError
+from engine.launching import Worker
 
 
 def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
@@ -74,6 +72,8 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
     """
     from engine.config import TrainConfig, check, with_groups
     from engine.launcher import LaunchOptions, choose_launcher
+    from engine.launching import (finish_config, launch_and_collect,
+                                  refuse_fresh_start_unless_asked, resume_options)
     from engine.plugin_manager import build_plugin_manager
 
     if not callable(fn):
@@ -84,16 +84,12 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
         raise ConfigError(f"engine.launch: config must be an engine.TrainConfig (or a "
                           f"subclass), not {type(cfg).__name__}")
     check(cfg)
-    if cfg.out_dir == "runs/default":
-        cfg.out_dir = f"runs/{_script_name(fn)}"
-
     pm = build_plugin_manager(plugins)
     # The plugins' config groups (cfg.ddp from the ddp plugin), as engine-run adds them.
-    cfg = with_groups(cfg, pm.config_groups)
-    # Names are checked now, before any process starts.
-    if cfg.parallel != "auto":
-        pm.parallel_modes.get(cfg.parallel)
-    pm.checkpointers.get(cfg.checkpointer)
+    cfg = finish_config(pm, with_groups(cfg, pm.config_groups), _script_name(fn))
+    options = {"threads": threads, **resume_options(resume, overwrite)}
+    refuse_fresh_start_unless_asked(cfg, options, asked="engine.launch(resume=False)",
+                                    overwrite="pass overwrite=True")
     # torch.distributed.launch passes --local-rank=N to the script: the legacy launcher
     # adopts the process by it (as it does by LOCAL_RANK).
     local_rank = _local_rank_argument(sys.argv[1:])
@@ -101,30 +97,9 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
         nproc=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
         master_port=master_port, init_method=cfg.init_method, timeout_s=cfg.timeout_s,
         **({"local_rank": local_rank} if local_rank is not None else {})))
-
-    if resume is False and not overwrite:
-        from engine.run_dir import refuse_fresh_start
-
-        # Before any process starts; what the user had is never removed unasked.
-        refuse_fresh_start(cfg.out_dir, asked="engine.launch(resume=False)",
-                           overwrite="pass overwrite=True")
-    options = {"no_resume": resume is False, "overwrite": resume is False and overwrite,
-               "threads": threads,
-               "resume": resume if isinstance(resume, (str, os.PathLike)) else None}
-    with tempfile.TemporaryDirectory(prefix="engine-launch-") as tmp:
-        worker = Worker(fn=fn, args=tuple(args), cfg=cfg, plugins=tuple(plugins),
-                        options=options, parent_pid=os.getpid(), exchange_dir=tmp)
-        if launcher.spawns and len(launcher.worlds()) > 1:
-            _check_spawnable(worker)  # one process runs in this one: anything goes
-        # A failed worker raises WorkerFailed here, naming the rank and its error line.
-        launcher.launch(worker)
-        if worker.result:
-            return worker.result[0]  # ran in this process
-        result_file = pathlib.Path(tmp) / "result.pickle"
-        if result_file.exists():
-            with open(result_file, "rb") as f:
-                return pickle.load(f)
-    return None
+    job = LoopJob(tuple(plugins), options, raise_in_process=True, fn=fn, args=tuple(args),
+                  cfg=cfg)
+    return launch_and_collect(launcher, job, "engine.launch")
 
 
 def _local_rank_argument(argv: Sequence[str]) -> int | None:
@@ -137,104 +112,33 @@ def _local_rank_argument(argv: Sequence[str]) -> int | None:
     return None
 
 
-def _script_path(fn) -> str | None:
+def script_path(fn) -> str | None:
     """The file that defines ``fn`` (the user's script, usually), if any."""
     module = sys.modules.get(getattr(fn, "__module__", ""), None)
     return getattr(module, "__file__", None)
 
 
 def _script_name(fn) -> str:
-    path = _script_path(fn)
+    path = script_path(fn)
     if path:
         return pathlib.Path(path).stem
     return getattr(fn, "__name__", "custom_loop").strip("<>") or "custom_loop"
 
 
-def _check_spawnable(worker: "Worker") -> None:
-    import multiprocessing
-
-    if multiprocessing.parent_process() is not None:
-        raise ConfigError(
-            "engine.launch ran again inside a spawned worker: the workers import your "
-            "script, so guard the call with `if __name__ == \"__main__\":`")
-    script = _unguarded_main_script()
-    if script is not None:
-        raise ConfigError(
-            f"engine.launch: {script} starts workers at import time; spawned workers "
-            f"import {script.name} again, so put the call under "
-            "`if __name__ == \"__main__\":`")
-    try:
-        pickle.dumps(worker)
-    except Exception as exc:
-        raise ConfigError(
-            f"engine.launch: cannot send {worker.fn!r} and its arguments to the worker "
-            f"processes ({type(exc).__name__}: {exc}); use a module-level function, not a "
-            "lambda or a nested function, and picklable arguments") from None
-
-
-def _unguarded_main_script() -> pathlib.Path | None:
-    """The main script, when the code that called engine.launch runs at its top level
-    outside an ``if __name__ ...`` block; else None.
-
-    A spawned worker imports the main script before it runs anything: an unguarded
-    call would launch again there, and multiprocessing would fail in every worker with
-    a traceback about "bootstrapping". Checked here, before any process starts."""
-    import ast
-
-    frame = sys._getframe(1)
-    while frame is not None:  # the main module's top-level frame, if it is a caller
-        code, name = frame.f_code.co_name, frame.f_globals.get("__name__")
-        if code == "<module>" and name == "__main__":
-            break
-        frame = frame.f_back
-    path = frame and frame.f_globals.get("__file__")
-    if not path or not os.path.isfile(path):
-        return None  # python -c, an interactive session, a notebook: nothing to import
-    try:
-        tree = ast.parse(pathlib.Path(path).read_text(), path)
-    except (OSError, SyntaxError, ValueError):
-        return None
-    line = frame.f_lineno
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.If) and "__name__" in ast.unparse(node.test)
-                and node.lineno <= line <= (node.end_lineno or node.lineno)):
-            return None
-    return pathlib.Path(path)
-
-
 @attrs.frozen
-class Worker:
-    """What every worker process runs: picklable, like the CLI's WorkerJob."""
+class LoopJob(Worker):
+    """``fn(ctx, *args)`` with an engine.api.Context in every worker (engine.launch)."""
 
-    fn: Callable[..., Any]
-    args: tuple
-    cfg: Any
-    plugins: tuple[str, ...]
-    options: dict
-    parent_pid: int
-    exchange_dir: str  # the launching process reads rank 0's result from here
-    result: list = attrs.field(factory=list, eq=False)  # filled when run in-process
+    fn: Callable[..., Any] = None
+    args: tuple = ()
+    cfg: Any = None
 
-    def __call__(self, world) -> None:
-        spawned = os.getpid() != self.parent_pid
-        try:
-            value = self.run(world)
-        except BaseException as exc:
-            if not spawned:
-                raise  # in-process: the caller gets the exception itself
-            self._report(world, exc)
-        if not spawned:
-            self.result.append(value)
-        elif world.rank == 0 or (world.local_rank == 0 and world.node_rank != 0):
-            with open(os.path.join(self.exchange_dir, "result.pickle"), "wb") as f:
-                pickle.dump(value, f)
+    def describe(self) -> str:
+        return f"{self.fn!r} and its arguments"
 
-    def run(self, world) -> Any:
-        from engine.plugin_manager import build_plugin_manager
-
-        pm = build_plugin_manager(self.plugins)
+    def run(self, pm, world) -> Any:
         ctx = Context(pm, self.cfg, world, self.options)
-        ctx.recipe_path = _script_path(self.fn)
+        ctx.recipe_path = script_path(self.fn)
         with ctx.lifecycle() as run:
             ctx.setup()
             value = self.fn(ctx, *self.args)
@@ -244,18 +148,6 @@ class Worker:
             ctx.checkpointer.close()
             run.status = "completed"
         return value
-
-    def _report(self, world, exc: BaseException):
-        """In a spawned worker, as engine-run's: the error printed with the rank, its
-        one line sent to the launcher (which repeats it on its last line), then exit."""
-        if isinstance(exc, SystemExit):
-            raise exc
-        from engine.cli import report_worker_error
-        from engine.errors import error_line, exit_code
-        from engine.launcher import exit_failed_worker
-
-        report_worker_error(world.rank, exc)
-        exit_failed_worker(exit_code(exc), error_line(exc))
 
 
 class Context(WorkerContext):

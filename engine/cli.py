@@ -20,13 +20,11 @@ import os
 import re
 import sys
 import traceback
-from typing import Any, Sequence
-
-import attrs
+from typing import Sequence
 
 from engine.errors import (EXIT_COMPLETED, EXIT_INTERRUPTED, EXIT_PREEMPTED, TRACEBACK_ENV,
-                           ConfigError, EngineError, PluginCodeError, error_line, exit_code,
-                           traceback_wanted)
+                           EngineError, error_line, exit_code, traceback_wanted)
+from engine.launching import RecipeJob, refuse_fresh_start_unless_asked
 
 COMMANDS = {
     "plugins": "engine.commands.plugins",
@@ -192,13 +190,10 @@ def train(pm, argv: Sequence[str]) -> int:
     parser = build_parser(pm)
     pm.hook.engine_addoption.call_historic(kwargs={"parser": parser})
     args = parser.parse_intermixed_args(argv)
-    job = WorkerJob.from_args(args)
+    job = RecipeJob.from_args(args)
     recipe, cfg = job.load(pm)
-    if job.options.get("no_resume") and not job.options.get("overwrite"):
-        from engine.run_dir import refuse_fresh_start
-
-        refuse_fresh_start(cfg.out_dir)  # before any process starts
-
+    refuse_fresh_start_unless_asked(cfg, job.options, asked="--no-resume",
+                                    overwrite="add --overwrite")
     from engine.launcher import choose_launcher
 
     launcher = choose_launcher(pm.launchers, cfg.launcher, job.launch_options(cfg, pm))
@@ -215,125 +210,6 @@ def train(pm, argv: Sequence[str]) -> int:
         print(plan.format_plan(cfg, the_plan, worlds, config=False))
     statuses = launcher.launch(job) or []
     return EXIT_PREEMPTED if "preempted" in statuses else EXIT_COMPLETED
-
-
-@attrs.frozen
-class WorkerJob:
-    """Everything a worker needs to rebuild the run, picklable for spawned processes."""
-
-    recipe_path: str
-    overrides: tuple[str, ...]
-    plugins: tuple[str, ...]
-    options: dict[str, Any]
-    #: ``--config FILE`` and the overrides read from it (applied before ``overrides``).
-    config_file: str | None = None
-    file_overrides: tuple[str, ...] = ()
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "WorkerJob":
-        from engine.config import load_config_file
-
-        # Read here, once: spawned workers get the overrides, not the file.
-        file_overrides = tuple(load_config_file(args.config)) if args.config else ()
-        overrides = list(args.overrides)
-        for key in ("launcher", "parallel", "checkpointer", "init_method"):
-            value = getattr(args, key)
-            if value is not None:
-                overrides.append(f"{key}={value}")  # the flag wins over the recipe
-        options = {k: v for k, v in vars(args).items()
-                   if k not in ("recipe", "overrides", "plugins")
-                   and isinstance(v, (str, int, float, bool, type(None), list))}
-        options["no_resume"] = args.no_resume or args.overwrite  # --overwrite: afresh
-        return cls(args.recipe, tuple(overrides), tuple(args.plugins), options,
-                   args.config, file_overrides)
-
-    def load(self, pm):
-        from engine.config import apply_overrides, with_groups
-        from engine.plugin_manager import require_plugins
-        from engine.recipe import load_recipe
-
-        recipe = load_recipe(self.recipe_path)
-        require_plugins(pm, recipe.required_plugins)
-        # The plugins' config groups (ddp...) join the recipe's before the overrides;
-        # the config file's come first, so that key=value on the command line wins.
-        cfg = with_groups(recipe.make_config(), pm.config_groups)
-        try:
-            cfg = apply_overrides(cfg, list(self.file_overrides), checked=False)
-        except ConfigError as exc:
-            raise ConfigError(f"--config {self.config_file}: {exc}") from None
-        try:
-            cfg = apply_overrides(cfg, list(self.overrides))
-        except ConfigError as exc:
-            raise self._blame_the_file(exc) from None
-        if cfg.out_dir == "runs/default":
-            cfg.out_dir = f"runs/{recipe.name}"
-        # Names are checked now, before any process starts.
-        if cfg.launcher != "auto":
-            pm.launchers.get(cfg.launcher)
-        if cfg.parallel != "auto":
-            pm.parallel_modes.get(cfg.parallel)
-        pm.checkpointers.get(cfg.checkpointer)
-        return recipe, cfg
-
-    def _blame_the_file(self, exc: ConfigError) -> ConfigError:
-        """A cross-field check's error about a key only the config file set names the
-        file (a bad value on the command line is the command line's)."""
-        key = re.match(r"config key '([^']+)'", str(exc))
-        given_here = {item.partition("=")[0].strip() for item in self.overrides}
-        from_file = {item.partition("=")[0] for item in self.file_overrides}
-        if key and key.group(1) in from_file - given_here:
-            return ConfigError(f"--config {self.config_file}: {exc}")
-        return exc
-
-    def launch_options(self, cfg, pm=None):
-        from engine.launcher import LaunchOptions
-
-        o = self.options
-        nproc = o.get("nproc")
-        if nproc is None and pm is not None and cfg.parallel != "auto" and getattr(
-                pm.parallel_modes.get(cfg.parallel), "single_process", False):
-            nproc = 1  # --parallel single or dp: one process, not one per GPU
-        return LaunchOptions(nproc=nproc, nnodes=o.get("nnodes") or 1,
-                             node_rank=o.get("node_rank") or 0,
-                             master_addr=o.get("master_addr"),
-                             master_port=o.get("master_port"),
-                             init_method=cfg.init_method, timeout_s=cfg.timeout_s,
-                             local_rank=o.get("local_rank"))
-
-    def __call__(self, world) -> str | None:
-        """Run in every worker process; returns the run's status ("completed",
-        "preempted"). An error is printed here, by the rank it happened on, and the
-        process exits with the error's code."""
-        from engine.engine import Engine
-        from engine.launcher import exit_failed_worker
-        from engine.plugin_manager import attribute, build_plugin_manager
-
-        pm = None
-        try:
-            pm = build_plugin_manager(self.plugins)
-            recipe, cfg = self.load(pm)
-            summary = Engine(pm, recipe, cfg, world, self.options).run()
-        except SystemExit:
-            raise
-        except BaseException as exc:
-            shown = attribute(pm, exc)
-            report_worker_error(world.rank, shown)
-            exit_failed_worker(exit_code(shown), error_line(shown))
-        return summary.get("status") if isinstance(summary, dict) else None
-
-
-def report_worker_error(rank: int, exc: BaseException) -> None:
-    """One line for an error the user can act on and for an error in a plugin's code
-    (with ENGINE_TRACEBACK=1 the traceback first); the traceback for anything else (the
-    recipe's own code needs it), every line marked with the rank."""
-    text = ""
-    if traceback_wanted() or not isinstance(exc, EngineError):
-        text = "".join(traceback.format_exception(exc.__cause__ or exc)
-                       if isinstance(exc, PluginCodeError) else traceback.format_exc())
-    if isinstance(exc, EngineError):
-        text += f"error: {error_line(exc)}\n"
-    print("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()),
-          file=sys.stderr, end="", flush=True)
 
 
 if __name__ == "__main__":

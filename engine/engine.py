@@ -28,7 +28,7 @@ class Engine(WorkerContext):
     def __init__(self, pm, recipe, cfg, world, options: dict[str, Any] | None = None):
         super().__init__(pm, cfg, world, options, TrainState())
         self.recipe = recipe
-        self.recipe_path = str(recipe.path)
+        self.recipe_path = str(recipe.path) if recipe.path else recipe.name
         self.epochs_requested = cfg.epochs
         self.train_loader = None
         self.val_loader = None

@@ -20,7 +20,7 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
         devices.append(",".join(str(d) for d in mode.devices))
     micro = split_batch(cfg.batch_size, world.world_size, cfg.grad_accum_steps)
     return {
-        "recipe": str(recipe.path),
+        "recipe": str(recipe.path) if recipe.path else recipe.name,
         "launcher": launcher.name,
         "parallel": parallel_name,
         "world_size": world.world_size,

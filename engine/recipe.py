@@ -46,7 +46,6 @@ import importlib.util
 import pathlib
 import sys
 import traceback
-from types import ModuleType
 from typing import Any, Callable
 
 import attrs
@@ -59,12 +58,13 @@ REQUIRED = ("Config", "build_model", "build_datasets", "build_optimizer")
 
 @attrs.frozen
 class Recipe:
-    path: pathlib.Path
-    module: ModuleType
+    path: pathlib.Path | None  # the recipe file (None: an object given to engine.fit)
+    module: Any  # the recipe's namespace: a module, or any object with its attributes
+    title: str | None = None  # the name of a recipe without a file
 
     @property
     def name(self) -> str:
-        return self.path.stem
+        return self.title or self.path.stem
 
     def make_config(self) -> TrainConfig:
         return self.module.Config()
@@ -110,20 +110,33 @@ def load_recipe(path: str | pathlib.Path) -> Recipe:
         raise ConfigError(
             f"recipe {str(path)!r} line {line}: {type(exc).__name__}: {exc}"
         ) from exc
+    _check_recipe(repr(str(path)), module)
+    return Recipe(path, module)
+
+
+def recipe_from_object(obj: Any) -> Recipe:
+    """A recipe given as an object with the recipe's attributes (engine.fit): a class,
+    an instance, a SimpleNamespace... Its name is the object's ``__name__`` or its
+    class's."""
+    title = getattr(obj, "__name__", None) or type(obj).__name__
+    _check_recipe(repr(title), obj)
+    return Recipe(None, obj, title=title)
+
+
+def _check_recipe(named: str, module: Any) -> None:
     missing = [name for name in REQUIRED if not hasattr(module, name)]
     if missing:
         raise ConfigError(
-            f"recipe {str(path)!r} does not define {', '.join(missing)} "
+            f"recipe {named} does not define {', '.join(missing)} "
             f"(a recipe needs {', '.join(REQUIRED)})"
         )
     config_cls = module.Config
     if not (isinstance(config_cls, type) and attrs.has(config_cls)
             and issubclass(config_cls, TrainConfig)):
         raise ConfigError(
-            f"recipe {str(path)!r}: Config must be an attrs class that subclasses "
+            f"recipe {named}: Config must be an attrs class that subclasses "
             "engine.TrainConfig"
         )
-    return Recipe(path, module)
 
 
 def _module_name(path: pathlib.Path) -> str:

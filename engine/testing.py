@@ -205,11 +205,12 @@ def plugin_options(pm, recipe, given: Mapping[str, Any] | None = None) -> dict[s
     """``engine.options`` as a worker of ``engine-run RECIPE`` gets it: the defaults of
     every command-line option, those the plugins add included (``engine_addoption``),
     then ``given`` (keyed by ``dest``, as ``engine.options`` is)."""
-    from engine.cli import WorkerJob, build_parser
+    from engine.cli import build_parser
+    from engine.launching import RecipeJob
 
     parser = build_parser()
     pm.hook.engine_addoption.call_historic(kwargs={"parser": parser})
-    options = WorkerJob.from_args(parser.parse_args([str(recipe)])).options
+    options = RecipeJob.from_args(parser.parse_args([str(recipe)])).options
     unknown = sorted(set(given or {}) - set(options))
     if unknown:
         raise ValueError(f"make_engine: {', '.join(map(repr, unknown))} is not an option "

@@ -93,7 +93,8 @@ def make_script(args: argparse.Namespace, argv_text: str = "") -> str:
     if args.signal_seconds < 0:
         raise ConfigError(f"--signal-seconds {args.signal_seconds} must be >= 0")
 
-    from engine.cli import WorkerJob, plugin_args
+    from engine.cli import plugin_args
+    from engine.launching import RecipeJob
     from engine.plugin_manager import build_plugin_manager
     from engine.plugins.slurm import SlurmLauncher
     from engine.run_dir import fixed_part
@@ -101,7 +102,7 @@ def make_script(args: argparse.Namespace, argv_text: str = "") -> str:
     # A wrong path, override or component name fails here, not in the job; the plugins
     # the srun line loads (-p after --) may add config groups.
     plugins = plugin_args(args.extra)
-    job = WorkerJob(args.recipe, tuple(args.overrides), tuple(plugins), {})
+    job = RecipeJob(tuple(plugins), {}, recipe=args.recipe, overrides=tuple(args.overrides))
     recipe, cfg = job.load(build_plugin_manager(plugins))
     out_dir = cfg.out_dir
     # A pattern ({version}) is filled when the job starts: the log goes to its parent.

@@ -118,13 +118,13 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
     """Measure every setting (``rounds`` times, cycling, medians); returns the
     measurements and what the engine would choose."""
     from engine import data, loader_settings
-    from engine.cli import WorkerJob
+    from engine.launching import RecipeJob
     from engine.launcher import LaunchOptions, choose_launcher
     from engine.parallel import choose_parallel
     from engine.plugin_manager import build_plugin_manager
 
     pm = build_plugin_manager(list(plugins))
-    job = WorkerJob(str(recipe_path), tuple(overrides), tuple(plugins), {})
+    job = RecipeJob(tuple(plugins), {}, recipe=str(recipe_path), overrides=tuple(overrides))
     recipe, cfg = job.load(pm)
     launcher = choose_launcher(pm.launchers, cfg.launcher,
                                LaunchOptions(nproc=nproc, init_method=cfg.init_method))

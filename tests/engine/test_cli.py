@@ -12,7 +12,8 @@ import attrs
 import pytest
 
 import engine
-from engine.cli import WorkerJob, build_parser, main, plugin_args, plugin_command
+from engine.cli import build_parser, main, plugin_args, plugin_command
+from engine.launching import RecipeJob
 from engine.errors import (CheckpointError, ConfigError, EngineError, LaunchError,
                            PluginCodeError, PluginError, RunError, WorkerFailed, error_line,
                            exit_code, one_line)
@@ -77,7 +78,7 @@ def test_flags_become_overrides_that_win_over_the_recipe():
     args = build_parser().parse_intermixed_args(
         ["r.py", "epochs=3", "--parallel", "dp", "lr=0.5", "--checkpointer", "dcp",
          "--nproc", "3", "-p", "no:console"])
-    job = WorkerJob.from_args(args)
+    job = RecipeJob.from_args(args)
     assert job.recipe_path == "r.py"
     assert job.overrides == ("epochs=3", "lr=0.5", "parallel=dp", "checkpointer=dcp")
     assert job.plugins == ("no:console",)
@@ -95,7 +96,7 @@ def test_a_config_file_applies_checked_overrides_and_the_command_line_wins(
 
     def load(*argv):
         args = build_parser().parse_intermixed_args([str(tiny_recipe), *argv])
-        return WorkerJob.from_args(args).load(pm)[1]
+        return RecipeJob.from_args(args).load(pm)[1]
 
     cfg = load("--config", str(config), "epochs=4")
     assert (cfg.epochs, cfg.lr, cfg.checkpoint.keep_last) == (4, 0.5, 1)
@@ -412,7 +413,7 @@ def test_an_explained_crash_is_a_run_failure_and_bad_input_a_usage_error(tmp_pat
     world = World(rank=0, local_rank=0, world_size=1, local_world_size=1)
     eng = Engine(None, types.SimpleNamespace(path=tmp_path / "recipe.py"), cfg, world)
     eng.parallel = DistributedDataParallel(world, cfg)
-    explained = eng._explain(RuntimeError("Expected to have finished reduction"))
+    explained = eng.explain(RuntimeError("Expected to have finished reduction"))
     assert "; hint: " in str(explained)
     assert exit_code(explained) == 1
     assert exit_code(EngineError("bad input")) == 2
@@ -439,10 +440,10 @@ def test_a_single_process_mode_starts_one_process(make_plugin_manager):
     from engine.config import TrainConfig
 
     pm = make_plugin_manager()
-    job = WorkerJob("r.py", (), (), {})
+    job = RecipeJob((), {}, recipe="r.py")
     assert job.launch_options(TrainConfig(parallel="dp"), pm).nproc == 1
     assert job.launch_options(TrainConfig(parallel="ddp"), pm).nproc is None
-    assert WorkerJob("r.py", (), (), {"nproc": 3}).launch_options(
+    assert RecipeJob((), {"nproc": 3}, recipe="r.py").launch_options(
         TrainConfig(parallel="single"), pm).nproc == 3  # what the user asked for
 
 
