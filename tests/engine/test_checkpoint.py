@@ -2,7 +2,8 @@
 built-in checkpointer (save / latest / load round trip, a corrupt newest snapshot
 skipped for the previous good one, no Engine anywhere), the snapshot store they are
 built on (pointer resolution for --resume, the one place that knows the layout), and
-the state-dict helpers."""
+the state-dict helpers. engine.testing's checkpointer contract runs against each
+built-in in tests/plugins/test_checkpointer_contract.py."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from engine.config import TrainConfig
 from engine.errors import CheckpointError
 from engine.plugin_manager import build_plugin_manager
 from engine.plugins.torch_file import TorchFileCheckpointer
+from engine.testing import corrupt_snapshot as corrupt
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -33,15 +35,6 @@ CHECKPOINTERS = [pytest.param(name, marks=pytest.mark.slow) if name == "async" e
 def built_in_checkpointers() -> dict[str, type]:
     registry = build_plugin_manager([]).checkpointers
     return {name: registry.get(name) for name in BUILT_IN}
-
-
-def corrupt(path: pathlib.Path, how: str = "flip") -> None:
-    """Flip one byte in the middle of the snapshot (its largest file), size unchanged,
-    or cut its last byte off."""
-    target = max(path.iterdir(), key=lambda p: p.stat().st_size) if path.is_dir() else path
-    data = bytearray(target.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    target.write_bytes(bytes(data) if how == "flip" else target.read_bytes()[:-1])
 
 
 def snapshot_for(step: int) -> dict:
