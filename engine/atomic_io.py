@@ -10,6 +10,8 @@ run summary.
 - :func:`file_checksum` / :func:`check_file`: the checksum of a file on disk, and
   whether a file matches a manifest entry (``{"size": ..., "xxh3_128": ...}``, or
   ``"sha256"`` in manifests written before xxh3).
+- :func:`os_error_in`: the OSError behind a failed write, however torch wrapped it.
+- :func:`file_identity`: what tells that a file was rewritten, without reading it.
 
 Why xxh3-128 (the ``xxhash`` package) and not sha256: a manifest's checksum is there to
 catch torn writes, truncation and bit rot, not an attacker (whoever can rewrite the file
@@ -191,6 +193,16 @@ def atomic_write(path: pathlib.Path, write: Callable[[Any], None], *,
     return writer.size, writer.checksum.hexdigest()
 
 
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed write: torch.save reports one (a full disk) as a
+    RuntimeError ("unexpected pos ...") whose context is the OSError."""
+    while exc is not None:
+        if isinstance(exc, OSError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def atomic_write_text(path: pathlib.Path, text: str, *, sync_directory: bool = True) -> None:
     atomic_write(path, lambda f: f.write(text.encode()), sync_directory=sync_directory)
 
@@ -216,18 +228,35 @@ def checksum_entry(size: int, checksum: str) -> dict:
     return {"size": size, CHECKSUM: checksum}
 
 
-def check_file(path: pathlib.Path, entry: dict) -> str | None:
+def check_file(path: pathlib.Path, entry: dict, *, deep: bool = True) -> str | None:
     """None when the file at ``path`` has the size and checksum that the manifest
-    ``entry`` records, else what is wrong (one phrase)."""
+    ``entry`` records, else what is wrong (one phrase). ``deep=False``: the size only
+    (no read of the data)."""
     try:
         size = path.stat().st_size
     except OSError:
         return "the file is missing"
     if size != entry.get("size"):
         return f"size {size} differs from the manifest's {entry.get('size')} (truncated?)"
+    if not deep:
+        return None
     for algorithm in (CHECKSUM, *LEGACY_CHECKSUMS):
         if algorithm in entry:
             if file_checksum(path, algorithm) != entry[algorithm]:
                 return f"{algorithm} differs from the manifest (corrupt)"
             return None
     return f"the manifest records no checksum ({CHECKSUM} or sha256)"
+
+
+def file_identity(path: pathlib.Path) -> tuple | None:
+    """What changes when a file, or any file in a folder, is replaced or rewritten
+    (device, inode, size, modification time of each), without reading it; None when
+    ``path`` is gone. Lets a reader skip hashing again what it has just verified."""
+    path = pathlib.Path(path)
+    try:
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        stats = [(str(p.relative_to(path)) if p != path else "", p.stat()) for p in files]
+    except OSError:
+        return None
+    return tuple((name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                 for name, st in stats)

@@ -127,7 +127,7 @@ def _checked_resume_path(eng, chosen: str) -> str | CheckpointError:
     size and checksum) passes: a bit-flipped snapshot loaded without a word before, and
     training went on from damaged weights. Rank 0 decides; the others get its answer.
     No way around it: the checkpointer's load refuses a damaged file too."""
-    chosen = resume_target(chosen)
+    chosen = str(eng.checkpointer.resolve(chosen))
     if not pathlib.Path(chosen).exists():
         return CheckpointError(f"--resume {chosen!r}: no such snapshot")
     problem = eng.checkpointer.verify(pathlib.Path(chosen)) if eng.is_rank0 else None
@@ -137,33 +137,12 @@ def _checked_resume_path(eng, chosen: str) -> str | CheckpointError:
                            "resume from another snapshot")
 
 
-#: The pointer files a checkpoint folder keeps (plugins/torch_file.py): each holds the
-#: name of a snapshot in the same folder.
-POINTERS = ("latest", "best")
-
-
-def resume_target(given: str) -> str:
-    """What ``--resume`` names: a snapshot; or a pointer file (``checkpoints/latest``,
-    ``checkpoints/best``), or a checkpoint folder or a run folder holding ``latest``,
-    taken as the snapshot the pointer names (a user copies the path they see)."""
-    path = pathlib.Path(given)
-    for pointer in (path, path / "latest", path / "checkpoints" / "latest"):
-        if pointer.name in POINTERS and pointer.is_file():
-            try:
-                name = pointer.read_text().strip()
-            except (OSError, UnicodeDecodeError):
-                return given  # not a pointer after all: checked as a snapshot
-            if name and "/" not in name:
-                return str(pointer.parent / name)
-    return given
-
-
 def _say_when_every_snapshot_is_unusable(eng) -> None:
     """No good snapshot among those in the checkpoint folder (each was reported as
     unusable): the run starts over, and says so in one line rather than leaving it to
     be inferred from the warnings. Not refused: a run killed during its first save
     leaves a snapshot without its manifest, and must start again by itself."""
-    found = getattr(eng.checkpointer, "snapshots", lambda: [])()
+    found = eng.checkpointer.snapshots()
     if found:
         eng.warn(f"none of the {len(found)} snapshot(s) in {eng.checkpointer.directory} is "
                  "usable (see above): training restarts from step 0")

@@ -51,10 +51,10 @@ import time
 import types
 
 import engine
-from engine.atomic_io import pid_alive
-from engine.errors import CheckpointError
-from engine.plugins.torch_file import (TorchFileCheckpointer, _os_error_in, snapshot_name,
-                                       warn)
+from engine.atomic_io import os_error_in, pid_alive
+from engine.checkpoint import disk_full_hint, warn
+from engine.errors import CheckpointError, first_line
+from engine.plugins.torch_file import TorchFileCheckpointer
 
 #: Seconds between checks that the writer (or, in the writer, the trainer) is alive.
 POLL_S = 0.5
@@ -288,18 +288,11 @@ def writer_main(jobs, results, buffer, directory: str, checkpoint: dict | None) 
 def write_error(exc: BaseException, directory: pathlib.Path) -> str:
     """One line for a failed write. torch.save reports a failed write as a RuntimeError
     ("unexpected pos ...") whose context is the OSError: that OSError is what to say."""
-    os_error = _os_error_in(exc)
+    os_error = os_error_in(exc)
     if os_error is None:
-        return f"{type(exc).__name__}: {_first_line(exc)}"
-    line = f"{type(os_error).__name__}: {_first_line(os_error)}"
-    if os_error.errno == errno.ENOSPC:
-        line += f"; free space in {directory} or point out_dir elsewhere"
-    return line
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+        return f"{type(exc).__name__}: {first_line(exc, type(exc).__name__)}"
+    return (f"{type(os_error).__name__}: {first_line(os_error, type(os_error).__name__)}"
+            + disk_full_hint(os_error, directory))
 
 
 def job_signals() -> set:
@@ -368,7 +361,7 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
             self._buffer = map_buffer(self._buffer_fd, nbytes)
         copy_into(self._buffer, tensors, layout)
         self._start_writer()
-        path = self.directory / snapshot_name(epoch, step)
+        path = self.directory / self.snapshot_name(epoch, step)
         job = {"path": str(path), "skeleton": skeleton, "layout": layout,
                "epoch": epoch, "step": step, "metrics": dict(metrics or {})}
         # Sent from a thread: a pipe takes 64 kB without a reader, a large model's job
@@ -389,10 +382,10 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
             pass
 
     def clean_up(self) -> None:
-        """torch-file's clean-up, plus this folder's shared-memory names of dead
+        """The store's clean-up, plus this folder's shared-memory names of dead
         processes (see :func:`shared_buffer`)."""
         super().clean_up()
-        if self.world is None or self.world.rank == 0:
+        if self.rank == 0:
             remove_stale_buffers(self.directory)
 
     @property
@@ -481,7 +474,7 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
         return None
 
     def _latest_name(self) -> str:
-        pointed = self._pointer("latest")
+        pointed = self.pointer("latest")
         return str(pointed) if pointed is not None else "there is none"
 
     def latest(self):

@@ -7,7 +7,7 @@ Layout under ``<out_dir>/checkpoints/``::
         __0_0.distcp  __1_0.distcp ...   tensor data, one file per rank that wrote some
         train_state.pt                   the rest of the snapshot, by rank 0 (see below)
     snapshot-e0002-s00001564.dcp.json    manifest: size and xxh3_128 of every file above
-    latest, best                         the directory name, as with torch-file
+    latest, best                         the directory name (engine.checkpoint.SnapshotStore)
 
 Model and optimizer go through DCP, as ``get_state_dict`` presents them (the core
 captures them in that form for this checkpointer: ``distributed_state_dict``): keys are the
@@ -22,60 +22,29 @@ engine.snapshot.capture) is small and goes into ``train_state.pt``
 (``torch.load(weights_only=True)``), written by rank 0.
 
 A save is crash-consistent: every rank writes into a hidden staging directory, rank 0
-moves it into place after a barrier, then writes the manifest and the ``latest``
-pointer atomically. ``latest()`` checks the manifest and falls back to the previous
-good snapshot, like torch-file.
+moves it into place after a barrier; the store then writes the manifest and the
+``latest`` pointer atomically. ``latest()`` checks the manifest and falls back to the
+previous good snapshot (rank 0 reads the files; the others compare sizes), as every
+store does. A crashed save's staging directory goes at the next start.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import pathlib
 import shutil
-import time
 import warnings
 
 import engine
 from engine import distributed
-from engine.atomic_io import (atomic_write, atomic_write_text, check_file, checksum_entry,
-                              file_checksum, fsync_directory)
-from engine.errors import CheckpointError, untrusted_pickle
-from engine.plugins.torch_file import (PREFIX, TorchFileCheckpointer, manifest_path,
-                                       read_manifest, warn)
+from engine.atomic_io import atomic_write, checksum_entry, file_checksum, fsync_directory
+from engine.checkpoint import SnapshotStore
+from engine.errors import CheckpointError, first_line, untrusted_pickle
 
-SUFFIX = ".dcp"
 STAGING = ".staging-"  # prefix of a directory being written (never resumed from)
 TRAIN_STATE = "train_state.pt"
 #: The parts of a snapshot dict that DCP stores; the rest goes to TRAIN_STATE.
 DCP_PARTS = ("model", "optimizer")
-
-
-def snapshot_name(epoch: int, step: int) -> str:
-    return f"{PREFIX}e{epoch:04d}-s{step:08d}{SUFFIX}"
-
-
-def verify(path: pathlib.Path, deep: bool = True) -> str | None:
-    """None when the snapshot directory matches its manifest, else what is wrong.
-    ``deep=False`` checks sizes only (no reading of the data)."""
-    manifest = read_manifest(path)
-    if manifest is None:
-        return "its manifest is missing or unreadable"
-    files = manifest.get("files") or {}
-    if ".metadata" not in files:
-        return "its manifest lists no DCP .metadata"
-    for name, expected in sorted(files.items()):
-        try:
-            size = (path / name).stat().st_size
-        except OSError:
-            return f"{name} is missing"
-        if size != expected.get("size"):
-            return (f"{name} has {size} bytes, the manifest says {expected.get('size')} "
-                    "(truncated?)")
-        problem = check_file(path / name, expected) if deep else None
-        if problem is not None:
-            return f"{name}: {problem}"
-    return None
 
 
 def load_everything(path: pathlib.Path) -> dict:
@@ -113,34 +82,37 @@ def _rank_and_size(world) -> tuple[int, int]:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return first_line(exc, type(exc).__name__)
 
 
-class DCPCheckpointer(TorchFileCheckpointer):
-    """Reuses torch-file's pointers (``latest``, ``best``) and manifest reading; a
-    snapshot is a directory here instead of a file."""
+class DCPCheckpointer(SnapshotStore):
+    """A snapshot is a directory of DCP files here; manifest, pointers, pruning and the
+    choice of the latest good one are the store's."""
 
     name = "dcp"
+    suffix = ".dcp"
+    folder = True
     all_ranks = True
     distributed_state_dict = True  # save() gets, load() fills, get_state_dict's form
+    check_on_load = False  # every rank loads: rank 0 checked the snapshot already
+
+    @property
+    def rank(self) -> int:
+        return _rank_and_size(self.world)[0]
 
     # --------------------------------------------------------------- saving
 
-    def save(self, state, *, epoch, step, metrics=None):
+    def write(self, path, state):
         """Collective: every rank calls it with its own ``state`` (model and optimizer
-        state dicts under "model" and "optimizer"; the rest as rank 0 has it)."""
+        state dicts under "model" and "optimizer"; the rest as rank 0 has it). Every
+        rank writes into a hidden staging directory; rank 0 moves it into place once
+        every file is there and hashed."""
         import torch
         import torch.distributed.checkpoint as dcp
 
         rank, world_size = _rank_and_size(self.world)
-        path = self.directory / snapshot_name(epoch, step)
         staging = self.directory / f"{STAGING}{path.name}"
-        if rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            for stale in self.directory.glob(f"{STAGING}*"):  # saves that crashed
-                shutil.rmtree(stale, ignore_errors=True)
-        distributed.barrier()
+        distributed.barrier()  # rank 0 has made the folder and cleared old staging
         try:
             with _single_process_is_intended():
                 dcp.save({k: state[k] for k in DCP_PARTS if state.get(k) is not None},
@@ -164,12 +136,11 @@ class DCPCheckpointer(TorchFileCheckpointer):
         if rank == 0:
             fsync_directory(staging)
             self._move_into_place(staging, path)
-            manifest = {"dir": path.name, "files": dict(sorted(files.items())),
-                        "epoch": epoch, "step": step,
-                        "world_size": world_size, "metrics": dict(metrics or {}),
-                        "created": time.time(), "engine_version": engine.__version__}
-            atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1))
-            self.commit(path, metrics)
+        return {"dir": path.name, "files": dict(sorted(files.items())),
+                "world_size": world_size}
+
+    def save(self, state, *, epoch, step, metrics=None):
+        path = super().save(state, epoch=epoch, step=step, metrics=metrics)
         distributed.barrier()  # no rank goes on before ``latest`` names this snapshot
         return path
 
@@ -186,15 +157,26 @@ class DCPCheckpointer(TorchFileCheckpointer):
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
+    def clean_up(self) -> None:
+        """The store's clean-up, plus the staging directories of saves that crashed."""
+        super().clean_up()
+        if self.rank == 0 and self.directory.is_dir():
+            for stale in self.directory.glob(f"{STAGING}*"):
+                shutil.rmtree(stale, ignore_errors=True)
+
     # -------------------------------------------------------------- loading
 
-    def load(self, path, *, map_location=None, template=None):
+    def check(self, path, manifest):
+        if ".metadata" not in (manifest.get("files") or {}):
+            return "its manifest lists no DCP .metadata"
+        return None
+
+    def read(self, path, *, map_location=None, template=None):
         """The snapshot at ``path``. With ``template`` (what engine.snapshot passes: the
         model's and optimizer's state dicts as ``get_state_dict`` gives them), every
         rank reads its part of "model" and "optimizer" in place into those tensors.
         Without one (tools), the whole snapshot comes into this process: "model" as
         saved, "optimizer" keyed by parameter names. The train state is added to both."""
-        path = pathlib.Path(path)
         if not (path / ".metadata").is_file():
             raise CheckpointError(f"{path} is not a dcp snapshot (no .metadata in it)")
         if template is not None:
@@ -218,46 +200,6 @@ class DCPCheckpointer(TorchFileCheckpointer):
         if map_location is not None:
             state = _to(state, map_location)
         return state
-
-    # ------------------------------------------------------------- choosing
-
-    def snapshots(self):
-        if not self.directory.is_dir():
-            return []
-        return sorted((p for p in self.directory.glob(f"{PREFIX}*{SUFFIX}") if p.is_dir()),
-                      key=lambda p: (p.name.split("-s")[-1], p.name))
-
-    def verify(self, path) -> str | None:
-        """What is wrong with the snapshot at ``path`` (None: nothing); --resume asks.
-        One without a manifest (saved by hand) cannot be checked and passes."""
-        path = pathlib.Path(path)
-        return verify(path) if manifest_path(path).exists() else None
-
-    def latest(self):
-        candidates = self.snapshots()
-        pointed = self._pointer("latest")
-        if pointed is not None and pointed in candidates:
-            # The pointer wins; anything newer than it was never committed.
-            candidates = candidates[: candidates.index(pointed) + 1]
-        # Every rank is asked (all_ranks) but rank 0's answer is the one that counts
-        # (engine.snapshot.resume broadcasts it): the others skip reading the data.
-        rank, _ = _rank_and_size(self.world)
-        for path in reversed(candidates):
-            problem = verify(path, deep=rank == 0)
-            if problem is None:
-                return path
-            if rank == 0:
-                warn(f"snapshot {path} is unusable: {problem}; trying the previous one")
-        return None
-
-    def _prune(self, keep: int) -> None:
-        if keep <= 0:
-            return
-        protected = {self._pointer("latest"), self._pointer("best")}
-        old = [p for p in self.snapshots() if p not in protected]
-        for path in old[: max(0, len(old) - (keep - 1))]:
-            manifest_path(path).unlink(missing_ok=True)  # first: it is what makes it valid
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _train_state(path: pathlib.Path, required: bool = False) -> dict:

@@ -142,11 +142,14 @@ def file_sha256(path: pathlib.Path) -> str:
 
 def manifest_check(path: pathlib.Path) -> str:
     """"ok", "none" or what is wrong, from the engine's manifest next to ``path``."""
-    from engine.plugins import dcp, torch_file
+    from engine.checkpoint import manifest_path
+    from engine.plugins.dcp import DCPCheckpointer
+    from engine.plugins.torch_file import TorchFileCheckpointer
 
-    if not torch_file.manifest_path(path).exists():
+    if not manifest_path(path).exists():
         return "none"
-    problem = dcp.verify(path) if path.is_dir() else torch_file.verify(path)
+    store = DCPCheckpointer if path.is_dir() else TorchFileCheckpointer
+    problem = store(path.parent).problem(path)
     return "ok" if problem is None else problem
 
 

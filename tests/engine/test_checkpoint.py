@@ -1,9 +1,13 @@
 """engine/checkpoint.py: the storage-only checkpointer interface, held by every
 built-in checkpointer (save / latest / load round trip, a corrupt newest snapshot
-skipped for the previous good one, no Engine anywhere), and the state-dict helpers."""
+skipped for the previous good one, no Engine anywhere), the snapshot store they are
+built on (pointer resolution for --resume, the one place that knows the layout), and
+the state-dict helpers. engine.testing's checkpointer contract runs against each
+built-in in tests/plugins/test_checkpointer_contract.py."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import pathlib
 
@@ -11,11 +15,15 @@ import pytest
 import torch
 from torch import nn
 
-from engine.checkpoint import (Checkpointer, add_module_prefix, load_model_state,
-                               model_digest, strip_module_prefix)
+from engine.checkpoint import (Checkpointer, SnapshotStore, add_module_prefix,
+                               load_model_state, model_digest, strip_module_prefix)
 from engine.config import TrainConfig
 from engine.errors import CheckpointError
 from engine.plugin_manager import build_plugin_manager
+from engine.plugins.torch_file import TorchFileCheckpointer
+from engine.testing import corrupt_snapshot as corrupt
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 BUILT_IN = ("torch-file", "async", "dcp")
 #: As parameters: the async checkpointer starts a writer process (seconds): not in the
@@ -45,15 +53,6 @@ def assert_is(loaded: dict, step: int) -> None:
     assert (loaded["epoch"], loaded["step"], loaded["config"]) == (step, step, {"lr": 0.1})
     for name, tensor in snapshot_for(step)["model"].items():
         assert torch.equal(loaded["model"][name], tensor), name
-
-
-def corrupt(path: pathlib.Path, how: str = "flip") -> None:
-    """Flip one byte in the middle of the snapshot (its largest file), size unchanged,
-    or cut its last byte off."""
-    target = max(path.iterdir(), key=lambda p: p.stat().st_size) if path.is_dir() else path
-    data = bytearray(target.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    target.write_bytes(bytes(data) if how == "flip" else target.read_bytes()[:-1])
 
 
 @pytest.fixture(params=CHECKPOINTERS)
@@ -108,6 +107,47 @@ def test_the_interface_is_storage_only():
             params = set(inspect.signature(getattr(cls, member)).parameters)
             assert params <= allowed, f"{cls.__name__}.{member} takes {params - allowed}"
         assert not hasattr(cls, "save_snapshot") and not hasattr(cls, "restore_snapshot")
+
+
+def test_listing_and_resume_resolution_are_the_interface_not_duck_typing():
+    """The core calls snapshots() and resolve() on any checkpointer: the interface has
+    them (a checkpointer without pointers answers with the path given), and
+    engine.snapshot neither probes for them nor knows the pointer files."""
+    bare = Checkpointer(pathlib.Path("nowhere"))
+    assert bare.snapshots() == [] and bare.resolve("runs/x") == pathlib.Path("runs/x")
+    assert bare.verify(pathlib.Path("x.pt")) is None and bare.best() is None
+    source = (REPO / "engine" / "snapshot.py").read_text()
+    assert "getattr(eng.checkpointer" not in source and "POINTERS" not in source
+
+
+def test_the_file_checkpointers_are_stores_importing_nothing_private_from_each_other():
+    for cls in built_in_checkpointers().values():
+        assert issubclass(cls, SnapshotStore), cls
+    for name in ("torch_file", "async_file", "dcp"):
+        tree = ast.parse((REPO / "plugins" / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "engine.plugins."):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"plugins/{name}.py imports {private} from {node.module}"
+
+
+def test_resume_takes_a_pointer_file_or_a_run_folder_as_the_snapshot_it_names(tmp_path):
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    snapshot = folder / "snapshot-e0002-s00000012.pt"
+    snapshot.write_bytes(b"x")
+    (folder / "latest").write_text(snapshot.name + "\n")
+    (folder / "best").write_text("snapshot-e0001-s00000006.pt\n")
+    store = TorchFileCheckpointer(folder)
+    for given in (folder / "latest", folder, tmp_path / "run"):
+        assert store.resolve(str(given)) == snapshot
+    assert store.resolve(str(folder / "best")) == folder / "snapshot-e0001-s00000006.pt"
+    assert store.resolve(str(snapshot)) == snapshot  # a snapshot is itself
+    assert store.resolve(str(tmp_path / "nope")) == tmp_path / "nope"
+    # A file that merely has a pointer's name but is not one: taken as given.
+    (tmp_path / "latest").write_bytes(b"\xff\xfe")
+    assert store.resolve(str(tmp_path / "latest")) == tmp_path / "latest"
 
 
 # ------------------------------------------------------------- state dicts

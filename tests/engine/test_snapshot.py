@@ -477,19 +477,3 @@ def test_torchrun_elastic_goes_on_after_an_agent_dies_and_grows_when_one_joins(t
         "completed", 2, 20)
     for epoch, indices in winning_batches(out).items():
         assert sorted(indices) == list(range(60)), (epoch, sorted(indices))
-
-
-def test_resume_takes_a_pointer_file_or_a_run_folder_as_the_snapshot_it_names(tmp_path):
-    from engine.snapshot import resume_target
-
-    folder = tmp_path / "run" / "checkpoints"
-    folder.mkdir(parents=True)
-    snapshot = folder / "snapshot-e0002-s00000012.pt"
-    snapshot.write_bytes(b"x")
-    (folder / "latest").write_text(snapshot.name + "\n")
-    (folder / "best").write_text("snapshot-e0001-s00000006.pt\n")
-    for given in (folder / "latest", folder, tmp_path / "run"):
-        assert resume_target(str(given)) == str(snapshot)
-    assert resume_target(str(folder / "best")) == str(folder / "snapshot-e0001-s00000006.pt")
-    assert resume_target(str(snapshot)) == str(snapshot)  # a snapshot is itself
-    assert resume_target(str(tmp_path / "nope")) == str(tmp_path / "nope")

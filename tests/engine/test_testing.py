@@ -131,3 +131,51 @@ def test_opting_in_with_pytest_plugins_in_conftest(tmp_path):
     proc = run_pytest(project, "-k", "not two_processes")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "3 passed" in proc.stdout
+
+
+CARELESS_STORE = textwrap.dedent('''
+    import torch
+
+    from engine.checkpoint import SnapshotStore
+    from engine.testing import CheckpointerContract
+
+
+    class CarelessStore(SnapshotStore):
+        """Writes in place, trusts every file and takes the newest one: what the
+        contract is there to catch."""
+
+        name = "careless"
+        suffix = ".pt"
+
+        def write(self, path, state):
+            torch.save(state, path)
+            return {"file": path.name}
+
+        def read(self, path, *, map_location=None, template=None):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+        def problem(self, path, *, deep=True):
+            return None
+
+        def latest(self):
+            return (self.snapshots() or [None])[-1]
+
+
+    class TestCarelessStore(CheckpointerContract):
+        checkpointer_class = CarelessStore
+''')
+
+
+def test_the_checkpointer_contract_catches_a_careless_store(tmp_path):
+    """The contract run as an author runs it (a project of their own, no conftest):
+    every check that a careless store fails, fails, and only those."""
+    (tmp_path / "test_store.py").write_text(CARELESS_STORE)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    proc = run_pytest(tmp_path, "-rf")
+    failed = sorted(line.split("::")[-1].split(" ")[0] for line in proc.stdout.splitlines()
+                    if line.startswith("FAILED"))
+    assert failed == [
+        "test_a_write_killed_half_way_leaves_the_previous_snapshot_usable",
+        "test_verify_reports_a_damaged_snapshot_and_latest_skips_it[flip]",
+        "test_verify_reports_a_damaged_snapshot_and_latest_skips_it[truncate]"], proc.stdout
+    assert "3 failed, 7 passed" in proc.stdout, proc.stdout

@@ -16,10 +16,10 @@ import sys
 import pytest
 import torch
 
-from engine.checkpoint import model_digest
+from engine.checkpoint import manifest_path, model_digest
 from engine.errors import CheckpointError
 from engine.plugins.async_file import AsyncFileCheckpointer, _shm_prefix, check_shared_memory
-from engine.plugins.torch_file import manifest_path, verify
+from engine.plugins.torch_file import TorchFileCheckpointer
 from tests.plugins.test_torch_file import small_disk
 from tests.conftest import QUICK, read_summary, run_cli
 
@@ -52,9 +52,9 @@ def test_snapshot_holds_the_values_of_save_time_and_a_second_save_waits(checkpoi
     second = ck.save(state, epoch=1, step=20)
     # save() returned, so the first write must be complete: it waited for it (and only
     # then reused the shared buffer that the first write was reading).
-    assert verify(first) is None
+    assert ck.problem(first) is None
     ck.wait()
-    assert verify(second) is None
+    assert ck.problem(second) is None
     assert (ck.directory / "latest").read_text().strip() == second.name
     a = torch.load(first, weights_only=True)
     b = torch.load(second, weights_only=True)
@@ -94,7 +94,7 @@ def test_close_returns_only_when_the_last_write_is_durable(checkpointer):
     for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM):
         os.kill(pid, sig)
     checkpointer.close()
-    assert verify(path) is None
+    assert checkpointer.problem(path) is None
     assert (checkpointer.directory / "latest").read_text().strip() == path.name
     with pytest.raises(ProcessLookupError):  # the writer has exited and been reaped
         os.kill(pid, 0)
@@ -122,7 +122,7 @@ def test_full_disk_is_reported_by_the_next_save_and_by_close(checkpointer):
         f"untouched: {good}")
     assert not failed.exists() and not manifest_path(failed).exists()
     assert not list(ck.directory.glob(".*tmp*"))  # the temp file (here: link) is gone
-    assert ck.latest() == good and verify(good) is None
+    assert ck.latest() == good and ck.problem(good) is None
 
     # The writer survived the error; the next failure is reported by close().
     failed = fill_disk_for(1, 4)
@@ -207,7 +207,7 @@ def test_a_dead_writer_is_reported_not_waited_for(checkpointer):
     again = ck.save(big_state(5.0, megabytes=2), epoch=1, step=3)
     ck.close()
     assert ck.writer_pid is None
-    assert verify(again) is None and ck.latest() == again
+    assert ck.problem(again) is None and ck.latest() == again
 
 
 def test_too_little_shared_memory_is_an_error_before_any_copy(tmp_path):
@@ -258,7 +258,7 @@ def test_async_snapshot_resumes_like_an_uninterrupted_run(cifar_recipe, tmp_path
     checkpoints = half / "checkpoints"
     final = checkpoints / (checkpoints / "latest").read_text().strip()
     assert final.name == f"snapshot-e0001-s{summary['global_step']:08d}.pt"
-    assert verify(final) is None  # right after the process exited
+    assert TorchFileCheckpointer(checkpoints).problem(final) is None  # right after the process exited
     snap = torch.load(final, weights_only=True)
     assert (snap["epoch"], snap["step"], snap["world_size"]) == (1, summary["global_step"], 2)
     assert model_digest(snap["model"]) == summary["weights_sha256"]

@@ -13,11 +13,10 @@ import shutil
 import pytest
 import torch
 
-from engine.checkpoint import model_digest
+from engine.checkpoint import manifest_path, model_digest
 from engine.config import CheckpointConfig, TrainConfig
 from engine.errors import CheckpointError
-from engine.plugins.dcp import DCPCheckpointer, verify
-from engine.plugins.torch_file import manifest_path
+from engine.plugins.dcp import DCPCheckpointer
 from tests.conftest import QUICK, read_summary, run_cli
 
 ONE_THREAD = ("--threads", "1")  # the thread count changes a convolution's last bits
@@ -51,7 +50,7 @@ def test_save_writes_a_verified_directory_and_load_reads_it_back(tmp_path):
     manifest = json.loads(manifest_path(path).read_text())
     assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "train_state.pt"]
     assert (manifest["epoch"], manifest["step"], manifest["world_size"]) == (1, 2, 1)
-    assert verify(path) is None and ck.latest() == path
+    assert ck.problem(path) is None and ck.latest() == path
     assert (tmp_path / "latest").read_text().strip() == path.name
     # The small parts are one weights_only file; the tensors are DCP's.
     rest = torch.load(path / "train_state.pt", weights_only=True)
@@ -109,7 +108,7 @@ def test_keep_last_prunes_directories_and_a_crashed_staging_one(tmp_path):
         "snapshot-e0001-s00000003.dcp", "snapshot-e0001-s00000003.dcp.json"]
     # Saving under an existing name (same epoch and step) replaces it whole.
     again = ck.save(state, epoch=1, step=3)
-    assert verify(again) is None and ck.latest() == again
+    assert ck.problem(again) is None and ck.latest() == again
 
 
 def test_load_of_something_else_is_one_line(tmp_path):
@@ -161,7 +160,7 @@ def test_two_processes_save_shards_that_both_wrote(two_then_one):
     assert min((snap / n).stat().st_size for n in ("__0_0.distcp", "__1_0.distcp")) > 10_000
     manifest = json.loads(manifest_path(snap).read_text())
     assert manifest["world_size"] == 2 and sorted(manifest["files"]) == names
-    assert verify(snap) is None
+    assert DCPCheckpointer(snap.parent).problem(snap) is None
     loaded = DCPCheckpointer(snap.parent).load(snap)
     assert model_digest(loaded["model"]) == first["weights_sha256"]
     assert len(loaded["rng"]) == 2 and loaded["step"] == 8

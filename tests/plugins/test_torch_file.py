@@ -16,7 +16,8 @@ import torch
 
 from engine.config import TrainConfig
 from engine.errors import CheckpointError
-from engine.plugins.torch_file import TorchFileCheckpointer, manifest_path, verify
+from engine.checkpoint import manifest_path
+from engine.plugins.torch_file import TorchFileCheckpointer
 from engine.testing import run_python
 
 
@@ -102,7 +103,7 @@ def test_a_snapshot_with_an_old_sha256_manifest_loads_and_is_still_checked(tmp_p
         del manifest["xxh3_128"]
         manifest["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
         manifest_path(path).write_text(json.dumps(manifest, indent=1))
-    assert verify(old[1]) is None and ckpt.latest() == old[1]
+    assert ckpt.problem(old[1]) is None and ckpt.latest() == old[1]
     assert consistent(ckpt.load(old[1]))
     data = bytearray(old[1].read_bytes())
     data[len(data) // 2] ^= 0x01
