@@ -20,6 +20,7 @@ _LAZY = {
     "World": "engine.world",
     "Parallel": "engine.parallel",
     "Checkpointer": "engine.checkpoint",
+    "SnapshotStore": "engine.checkpoint",
     "EngineError": "engine.errors",
     "launch": "engine.api",
     "fit": "engine.launching",
