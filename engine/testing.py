@@ -73,7 +73,7 @@ from typing import Any, Callable, Mapping, Sequence
 import attrs
 import pytest
 
-from engine.launcher import START_METHOD_ENV
+from engine.launch_env import START_METHOD_ENV
 
 #: Variables of launchers and schedulers that would make a run adopt them; a test run
 #: starts its own workers, so they are removed.
@@ -172,7 +172,7 @@ def run_engine(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd
     env = dict(env) if env is not None else engine_env()
     if program is None and warm_start.enabled():
         # The server has torch imported: its spawn launchers fork their workers from it
-        # too, unless the test chose (2-5 s saved per run; engine.launcher.start_method).
+        # too, unless the test chose (2-5 s saved per run; engine.launch_env.start_method).
         env.setdefault(START_METHOD_ENV, "fork")
         proc = _warm_starter().run(args, env=env, cwd=cwd, timeout=timeout)
     else:

@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Mapping, Sequence
 
-from engine.launcher import exit_process
+from engine.processes import exit_process
 
 #: ``ENGINE_TEST_FORK=0``: every command in a real ``python -m engine`` subprocess.
 DISABLE_ENV = "ENGINE_TEST_FORK"

@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Callable
 
 import engine
-from engine.errors import LaunchError
-from engine.launcher import (Launcher, int_variable, parent_cmdline, require_variables,
-                             warn_once)
+from engine.errors import LaunchError, warn_once
+from engine.launch_env import int_variable, parent_cmdline, require_variables
+from engine.launcher import Launcher
 from engine.world import World
 
 REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

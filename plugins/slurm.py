@@ -26,8 +26,9 @@ from typing import Callable
 import engine
 from engine.plugins import slurm_hostlist as slurm
 from engine.errors import LaunchError
-from engine.launcher import (Launcher, check_port_free, int_variable, is_local_address,
-                             require_variables, spawn_workers)
+from engine.launch_env import check_port_free, int_variable, is_local_address, require_variables
+from engine.launcher import Launcher
+from engine.processes import spawn_workers
 from engine.world import World
 
 #: Step ids that are shells or bookkeeping, not tasks: SLURM's interactive step,

@@ -15,8 +15,9 @@ from typing import Callable
 
 import engine
 from engine.errors import LaunchError
-from engine.launcher import (Launcher, check_port_free, free_port, is_local_address,
-                             spawn_workers)
+from engine.launch_env import check_port_free, free_port, is_local_address
+from engine.launcher import Launcher
+from engine.processes import spawn_workers
 from engine.world import World, tcp_endpoint
 
 

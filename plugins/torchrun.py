@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import engine
 from engine.errors import LaunchError
-from engine.launcher import Launcher, int_variable, require_variables
+from engine.launch_env import int_variable, require_variables
+from engine.launcher import Launcher
 from engine.world import World
 
 REQUIRED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",

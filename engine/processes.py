@@ -1,0 +1,265 @@
+"""Local worker processes: started, watched, stopped and ended.
+
+:func:`spawn_workers` starts one process per world on this machine (the ``spawn``
+launcher, and ``slurm`` with one task per node), passes pre-emption signals on to them
+and, when one fails, stops the others and raises one :class:`~engine.errors.WorkerFailed`
+that names it. Inside a worker, :func:`exit_failed_worker` ends it after its error is
+printed and sends that error's line to the launcher; :func:`exit_process` ends a child
+process without the interpreter's teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from typing import Callable, Mapping, NoReturn
+
+from engine.errors import WorkerFailed
+from engine.launch_env import start_method
+from engine.world import World
+
+
+#: Signals the parent passes on to its workers: SIGUSR1 is SLURM's pre-emption warning
+#: (sbatch --signal=USR1@90), SIGTERM a polite stop. The workers decide what to do.
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+#: What a worker killed by a signal most likely met.
+SIGNAL_CAUSES = {
+    "SIGKILL": "the out-of-memory killer, or kill -9",
+    "SIGUSR1": "a pre-emption request it did not act on: sent before its handler was "
+               "installed, or a second request",
+    "SIGTERM": "a pre-emption or stop request it did not act on: sent before its "
+               "handler was installed, or a second request",
+    "SIGSEGV": "a crash in native code",
+    "SIGABRT": "a crash in native code",
+}
+
+
+def _start_resource_tracker_deaf_to(signals) -> None:
+    """multiprocessing's resource tracker (a helper process for shared memory and
+    semaphores) runs in our process group: a pre-emption signal sent to the group would
+    kill it (the default action), and it would come back printing tracebacks. Start it
+    now with those signals ignored; an ignored signal stays ignored across its exec."""
+    from multiprocessing import resource_tracker
+
+    try:
+        previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in signals}
+    except ValueError:  # not the main thread: leave it to multiprocessing
+        return
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+
+def spawn_workers(worker: Callable[[World], object], worlds: list[World],
+                  child_env: Mapping[str, str] | None = None) -> list:
+    """Start one process per world on this machine, run ``worker`` in each, wait.
+
+    ``child_env`` is set in every child before ``worker`` runs. A worker that fails
+    stops the others (torch does that) and becomes one :class:`WorkerFailed` here,
+    with the worker's exit code. Returns each worker's return value where it is a short
+    string (a run's status), else None.
+    """
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    method = start_method()
+    _start_resource_tracker_deaf_to(FORWARDED_SIGNALS)
+    results = multiprocessing.get_context(method).SimpleQueue()
+    context = mp.start_processes(_entry, args=(worker, worlds, dict(child_env or {}),
+                                               results, method == "fork"),
+                                 nprocs=len(worlds), join=False, start_method=method)
+
+    def forward(signum, frame):
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    previous = {}
+    try:
+        for signum in FORWARDED_SIGNALS:
+            previous[signum] = signal.signal(signum, forward)
+    except ValueError:  # not the main thread: the workers get signals from their group
+        pass
+    failed, stopped, lingering = None, [], []
+    try:
+        while not context.join(timeout=0, grace_period=GRACE_S):
+            failed = _wait_for_a_failure(context.processes, timeout=1.0)
+            if failed is not None:
+                stopped, lingering = _stop_the_others(context.processes)
+    except mp.ProcessExitedException as exc:
+        # A worker that raised printed its error itself; one that was killed could not.
+        # The one that stopped answering goes last: that line is the one users read.
+        index = failed if failed is not None else exc.error_index
+        code = context.processes[index].exitcode
+        signal_name = _signal_name(code)
+        cause = SIGNAL_CAUSES.get(signal_name or "", "killed by hand?")
+        error_line = _errors_sent(results).get(index)
+        how = (f"was killed by {signal_name} ({cause})" if signal_name else
+               f"exited with code {code}: {error_line}" if error_line else
+               f"exited with code {code}; its error is printed above")
+        message = (f"worker with local rank {worlds[index].local_rank} (rank "
+                   f"{worlds[index].rank}) {how}")
+        if lingering:
+            # Hung, or waiting for the failed one (a rendezvous): it cannot tell which.
+            message += (f"; {_ranks_of(worlds, lingering)} was still running {GRACE_S:g}s "
+                        "after that and was terminated")
+        if stopped:
+            message += (f"; {_ranks_of(worlds, stopped)} stopped answering: its process "
+                        "was stopped (SIGSTOP or a debugger), so it was killed")
+        raise WorkerFailed(message, exit_code=0 if signal_name else code) from None
+    except mp.ProcessRaisedException as exc:
+        raise WorkerFailed(f"a worker failed:\n{exc}") from None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    statuses: list = [None] * len(worlds)
+    while not results.empty():  # every child has exited: what they sent is there
+        index, status = results.get()
+        statuses[index] = status
+    return statuses
+
+
+#: After a worker fails, how long the others get to stop by themselves, and then to
+#: act on SIGTERM, before SIGKILL: a job whose rank failed must end within timeout_s
+#: plus a few seconds (torch's own waits are far longer).
+GRACE_S = 2.0
+
+
+def _wait_for_a_failure(processes, timeout: float) -> int | None:
+    """Wait up to ``timeout`` for a worker to exit; the index of one that failed."""
+    from multiprocessing.connection import wait
+
+    alive = {p.sentinel: i for i, p in enumerate(processes) if p.exitcode is None}
+    for sentinel in wait(list(alive), timeout=timeout):
+        process = processes[alive[sentinel]]
+        # The sentinel closes as the process exits, a moment before it can be reaped.
+        process.join(GRACE_S)
+        if process.exitcode not in (None, 0):
+            return alive[sentinel]
+    return None
+
+
+def _stop_the_others(processes) -> tuple[list[int], list[int]]:
+    """After a worker failed: SIGKILL the stopped workers at once (state "T" in
+    /proc/PID/stat: SIGSTOP, a debugger; they can neither notice the failure nor act on
+    SIGTERM), give the others ``GRACE_S`` to stop by themselves, then SIGTERM, then
+    SIGKILL. Returns the indices of the stopped ones and of those that had to be
+    terminated."""
+    import time
+
+    from engine.atomic_io import process_state
+
+    stopped = [i for i, p in enumerate(processes)
+               if p.exitcode is None and process_state(p.pid) in ("T", "t")]
+    for index in stopped:
+        processes[index].kill()
+    lingering = []
+    for step in (None, "terminate", "kill"):
+        if step is not None:
+            for process in processes:
+                if process.exitcode is None:
+                    getattr(process, step)()
+        deadline = time.monotonic() + GRACE_S
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        if step is None:
+            lingering = [i for i, p in enumerate(processes) if p.exitcode is None]
+    return stopped, lingering
+
+
+def _signal_name(exit_code: int | None) -> str | None:
+    if exit_code is None or exit_code >= 0:
+        return None
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"
+
+
+def _ranks_of(worlds: list[World], indices: list[int]) -> str:
+    return ", ".join(f"worker with local rank {worlds[i].local_rank} (rank {worlds[i].rank})"
+                     for i in indices)
+
+
+def exit_process(code: int, *, forked: bool = False) -> NoReturn:
+    """End this process with exit code ``code`` as a normal exit would, minus the
+    interpreter's teardown: the exit handlers run (multiprocessing's finalizers, the
+    checkpointers' at-exit closes, logging), stdout and stderr are flushed, then
+    ``os._exit``, whatever those raise. For a child process (a spawned worker, a
+    warm-started command): freeing every module of a torch program costs seconds of
+    CPU (docs/launchers.md), for nothing when the process ends.
+
+    ``forked``: a worker forked by multiprocessing, which holds copies of the launching
+    process's atexit handlers (its TemporaryDirectory removals among them: a failed
+    forked worker removed the folder ``engine.launch`` reads rank 0's result from). Only
+    its own multiprocessing finalizers run, as when such a worker returns normally."""
+    import atexit
+    import multiprocessing.util
+
+    try:
+        if forked:
+            multiprocessing.util._exit_function()
+        else:
+            atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def exit_failed_worker(code: int, error_line: str | None = None) -> NoReturn:
+    """End a worker whose error is printed already, with exit code ``code``; in a
+    worker this module spawned, ``error_line`` goes to the launcher, whose last line
+    repeats it (the one line users read).
+
+    In a worker this module spawned, :func:`exit_process` ends it: the teardown it skips
+    came between a rank's error and the launcher's last line (with a rank stopped, the
+    job must end within timeout_s plus a few seconds). Anywhere else (the worker is the
+    launching process itself) it raises SystemExit."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None:
+        raise SystemExit(code)
+    results, index, forked = _to_launcher or (None, None, False)
+    if error_line and results is not None:
+        with contextlib.suppress(Exception):  # the launcher is gone: nobody to tell
+            results.put((index, (ERROR, error_line[:MAX_ERROR_LINE])))
+    exit_process(code, forked=forked)
+
+
+#: In a worker spawn_workers started: the queue to the launcher, the worker's index and
+#: whether it was forked.
+_to_launcher: tuple | None = None
+#: A failed worker's one-line error travels as (index, (ERROR, line)); short, so that
+#: the put never waits for a reader.
+ERROR = "error"
+MAX_ERROR_LINE = 1000
+
+
+def _errors_sent(results) -> dict[int, str]:
+    """The error lines failed workers sent (read once every worker has exited)."""
+    errors = {}
+    with contextlib.suppress(Exception):
+        while not results.empty():
+            index, sent = results.get()
+            if isinstance(sent, tuple) and sent[:1] == (ERROR,):
+                errors.setdefault(index, sent[1])
+    return errors
+
+
+def _entry(index: int, worker: Callable[[World], object], worlds: list[World],
+           child_env: dict[str, str], results, forked: bool) -> None:
+    global _to_launcher
+    _to_launcher = (results, index, forked)
+    os.environ.update(child_env)
+    status = worker(worlds[index])
+    # Only a short string travels back: a large object could fill the pipe, and the
+    # child would then wait for a reader that only reads after every child has exited.
+    results.put((index, status if isinstance(status, str) and len(status) <= 64
+                 else None))

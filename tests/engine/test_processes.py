@@ -1,0 +1,77 @@
+"""engine/processes.py: local worker processes get their environment and the
+launcher's signals, send back their status, and a failed one is named."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import threading
+import time
+
+import pytest
+
+from engine.errors import LaunchError
+from engine.processes import spawn_workers
+from engine.world import World
+
+# --------------------------------------------------------------- local workers
+
+
+def worlds(n: int) -> list[World]:
+    return [World(rank=r, local_rank=r, world_size=n, local_world_size=n) for r in range(n)]
+
+
+class Worker:
+    """Worker: record the environment it was given, say ready, wait (bounded) for
+    SIGUSR1 and record it; then rank 1 fails with exit code 3."""
+
+    def __init__(self, folder):
+        self.folder = pathlib.Path(folder)
+
+    def __call__(self, world):
+        got = []
+        signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
+        (self.folder / f"env{world.rank}").write_text(os.environ["ENGINE_TEST_VALUE"])
+        (self.folder / f"ready{world.rank}").touch()
+        deadline = time.monotonic() + 60
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if got:
+            (self.folder / f"usr1-{world.rank}").touch()
+        if world.rank == 1:
+            raise SystemExit(3)
+
+
+def test_local_workers_get_their_environment_and_signals_and_failures_are_named(tmp_path):
+    # One run for three things, because starting worker processes is the slow part.
+    def send_when_ready():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if all((tmp_path / f"ready{r}").exists() for r in range(2)):
+                os.kill(os.getpid(), signal.SIGUSR1)  # as SLURM's --signal=USR1@90 would
+                return
+            time.sleep(0.05)
+
+    sender = threading.Thread(target=send_when_ready, daemon=True)
+    sender.start()
+    with pytest.raises(LaunchError) as err:
+        spawn_workers(Worker(tmp_path), worlds(2), {"ENGINE_TEST_VALUE": "share"})
+    sender.join(timeout=5)
+    assert [(tmp_path / f"env{r}").read_text() for r in range(2)] == ["share", "share"]
+    # The parent passed the pre-emption signal on to both workers.
+    assert (tmp_path / "usr1-0").exists() and (tmp_path / "usr1-1").exists()
+    assert str(err.value) == ("worker with local rank 1 (rank 1) exited with code 3; its "
+                              "error is printed above")
+    assert err.value.exit_code == 1  # a code that is not one of engine-run's: a failure
+
+
+class Status:
+    """Worker: return a short status, or an object too large to send back."""
+
+    def __call__(self, world):
+        return "preempted" if world.rank == 0 else "x" * 100_000
+
+
+def test_local_workers_send_back_their_status():
+    assert spawn_workers(Status(), worlds(2)) == ["preempted", None]
