@@ -114,7 +114,7 @@ class Worker:
         raise NotImplementedError
 
     def __call__(self, world) -> str | None:
-        from engine.launcher import exit_failed_worker
+        from engine.processes import exit_failed_worker
         from engine.plugin_manager import attribute, build_plugin_manager
 
         in_process = os.getpid() == self.parent_pid
