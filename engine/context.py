@@ -65,13 +65,11 @@ def start_worker(pm, cfg, world, options: dict[str, Any]):
     import torch
 
     from engine import distributed, health, run_dir
-    from engine.data import threads_per_process
 
     seed_everything(cfg.seed)
     if cfg.deterministic:
         use_deterministic_kernels()
-    torch.set_num_threads(options.get("threads") or
-                          threads_per_process(world.local_world_size))
+    torch.set_num_threads(options.get("threads") or world.cpu_share().count)
     from engine.parallel import choose_parallel
 
     parallel = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg)

@@ -114,8 +114,8 @@ class Engine(WorkerContext):
 
         # num_workers, persistence, prefetch, pinning, timeout: engine/loader_settings.py
         self.loader_settings = loader_settings.choose(
-            cfg.num_workers, local_world_size=world.local_world_size,
-            device_type=self.device.type, timeout_s=cfg.timeout_s)
+            cfg.num_workers, cpus=world.cpu_share(), device_type=self.device.type,
+            timeout_s=cfg.timeout_s)
         loader_kwargs = self.loader_settings.loader_kwargs()
         self.train_loader = data.train_loader(
             train_set, micro_batch=self.micro_batch, world=world, seed=cfg.seed,

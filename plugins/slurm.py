@@ -11,8 +11,10 @@ and the ranks are task * G + i. Either way:
   (SLURM_STEP_NODELIST; SLURM_JOB_NODELIST outside a step variable), where task 0 runs;
   expanded in Python (plugins/slurm_hostlist.py) and cross-checked with ``scontrol``;
 - master port: MASTER_PORT if set, else 15000 + the last four digits of SLURM_JOB_ID;
-- SLURM_CPUS_PER_TASK sets the threads (engine/data.py); a task that starts G
-  processes gives each of them a G-th of its CPUs.
+- CPUs: each task has SLURM_CPUS_PER_TASK of its own; a task that starts G processes
+  gives each of them a G-th (the world's ``cpus``, which sets the torch threads and
+  ``num_workers=auto``). Without the variable, the default rule of
+  :meth:`engine.world.World.cpu_share`.
 
 The step's own variables are read rather than the job's: inside ``sbatch -N2
 --ntasks-per-node=2``, ``srun -N1 -n1`` still sees SLURM_NTASKS_PER_NODE=2 and the job's
@@ -29,7 +31,7 @@ from engine.errors import LaunchError
 from engine.launch_env import check_port_free, int_variable, is_local_address, require_variables
 from engine.launcher import Launcher
 from engine.processes import spawn_workers
-from engine.world import World
+from engine.world import CpuShare, World, share_cpus
 
 #: Step ids that are shells or bookkeeping, not tasks: SLURM's interactive step,
 #: batch script and external step, by name and by number.
@@ -193,6 +195,15 @@ class SlurmLauncher(Launcher):
         job = env["SLURM_JOB_ID"]
         return addr, slurm.master_port_for_job(job), f"derived from SLURM_JOB_ID={job}"
 
+    def cpus_per_process(self) -> CpuShare | None:
+        """SLURM gives each task SLURM_CPUS_PER_TASK CPUs of its own: all of them for a
+        task that is one process, shared by the processes a task starts. None (the
+        default rule) when the step did not ask for CPUs per task."""
+        allocated = self.environ.get("SLURM_CPUS_PER_TASK", "")
+        if not (allocated.isdigit() and int(allocated) > 0):
+            return None
+        return share_cpus(int(allocated), "SLURM_CPUS_PER_TASK", self.processes_per_task)
+
     def worlds(self) -> list[World]:
         n = self._numbers()
         per_task = self.processes_per_task
@@ -222,6 +233,7 @@ class SlurmLauncher(Launcher):
                 run_id=run_id,
                 host=host,
                 layout=layout,
+                cpus=self.cpus_per_process(),
             )
             for i in range(per_task)
         ]
@@ -241,13 +253,7 @@ class SlurmLauncher(Launcher):
                                             f"(the port was {source})")
         if len(worlds) == 1:
             return [worker(first)]
-        child_env = {}
-        cpus = self.environ.get("SLURM_CPUS_PER_TASK", "")
-        if cpus.isdigit():
-            # The task's CPUs are shared by the processes it starts: each child sees
-            # its share where engine/data.py looks for it.
-            child_env["SLURM_CPUS_PER_TASK"] = str(max(1, int(cpus) // len(worlds)))
-        return spawn_workers(worker, worlds, child_env)
+        return spawn_workers(worker, worlds)  # each world carries its share of the CPUs
 
 
 @engine.hookimpl

@@ -59,6 +59,23 @@ def test_gpus_of_a_lone_task_decide_its_processes():
     assert len(worlds_of(env)) == 1  # two tasks on the node: one process each
 
 
+def test_each_task_has_its_cpus_and_a_task_shares_them_among_its_processes():
+    """The CPU rule of slurm: SLURM_CPUS_PER_TASK is one task's, whole for a task that
+    is one process, shared by the processes a task starts; the world carries it (the
+    children of a task see the task's variables)."""
+    (w,) = worlds_of({**STEP, "SLURM_CPUS_PER_TASK": "6"})
+    assert (w.cpu_share().count, w.cpu_share().reason) == (
+        6, "6 CPUs (SLURM_CPUS_PER_TASK) for this process")
+    spawned = worlds_of({**UNEVEN, "SLURM_CPUS_PER_TASK": "8"}, nproc=4)
+    assert {(w.cpu_share().count, w.cpu_share().reason) for w in spawned} == {
+        (2, "8 CPUs (SLURM_CPUS_PER_TASK) shared by 4 local processes = 2 each")}
+    # Without the variable, the default rule: the machine's CPUs shared by this node's
+    # processes (both tasks of STEP run here).
+    (w,) = worlds_of({k: v for k, v in STEP.items() if k != "SLURM_CPUS_PER_TASK"})
+    assert w.cpus is None and w.cpu_share().reason.endswith("shared by 2 local processes "
+                                                            f"= {w.cpu_share().count} each")
+
+
 def test_master_variables_win():
     (w,) = worlds_of({**STEP, "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "23456"})
     assert (w.master_addr, w.master_port) == ("10.1.1.1", 23456)

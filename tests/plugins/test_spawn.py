@@ -29,6 +29,20 @@ def test_every_node_style_ranks():
         socket.gethostname()] * 2 + ["?"] * 2
 
 
+def test_the_machines_cpus_are_shared_by_the_processes_it_starts():
+    """The CPU rule of spawn: this machine's usable CPUs divided by --nproc, the same
+    answer in every world (it sets the torch threads and num_workers=auto)."""
+    shares = {w.cpu_share() for w in SpawnLauncher(
+        LaunchOptions(nproc=3), {"SLURM_CPUS_PER_TASK": "12"}).worlds()}
+    assert [(s.count, s.reason) for s in shares] == [
+        (4, "12 CPUs (SLURM_CPUS_PER_TASK) shared by 3 local processes = 4 each")]
+    import os
+
+    affinity = len(os.sched_getaffinity(0))
+    (alone,) = SpawnLauncher(LaunchOptions(nproc=1), {}).worlds()
+    assert alone.cpu_share().reason == f"{affinity} CPUs (affinity) for this process"
+
+
 def test_one_machine_picks_a_free_port_once():
     launcher = SpawnLauncher(LaunchOptions(nproc=2), {})
     first, second = launcher.worlds(), launcher.worlds()
