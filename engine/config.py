@@ -87,8 +87,8 @@ class TrainConfig:
     checkpointer: str = "torch-file"
     init_method: str = "env://"  # env://, tcp://HOST:PORT or file:///shared/path
     timeout_s: float = 300.0  # process-group init and collective timeout
-    # SIGUSR1/SIGTERM: snapshot within two check points and stop; under a SLURM batch
-    # job, rank 0 then requeues it (see engine/preemption.py).
+    # SIGUSR1/SIGTERM: snapshot within two check points and stop; rank 0 then asks the
+    # job's scheduler to requeue it (engine/preemption.py; SLURM: the slurm plugin).
     preemption: bool = True
     requeue: bool = True
     on_nonfinite: Literal["stop", "skip"] = "stop"  # skip: one host sync per step

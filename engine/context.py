@@ -79,7 +79,7 @@ def start_worker(pm, cfg, world, options: dict[str, Any]):
         distributed.init(world, parallel.backend or "gloo", cfg.timeout_s)
         health.prepare(cfg.timeout_s)
     # out_dir's pattern filled by rank 0, the same for every rank (engine/run_dir.py).
-    run_dir.settle(cfg, world, options)
+    run_dir.settle(cfg, world, options, run_dir.run_files(pm))
     return parallel
 
 

@@ -87,7 +87,9 @@ class Engine(WorkerContext):
                    f"written at epoch {s.epoch}, step {s.step}")
         if self.is_rank0:
             if self.cfg.requeue:
-                message += "; " + preemption.requeue()
+                # The scheduler's plugin answers (slurm: scontrol requeue).
+                message += "; " + (self.pm.hook.engine_requeue(engine=self)
+                                   or preemption.NOT_REQUEUED)
             preemption.report(message)
 
     def _setup(self):

@@ -147,6 +147,9 @@ class EnginePluginManager(pluggy.PluginManager):
         #: order, and which plugin added each.
         self.config_groups: dict[str, type] = {}
         self.config_group_owners: dict[str, str] = {}
+        #: The files and folders the plugins write in a run's out_dir
+        #: (engine_register_run_files), and which plugin declared each first.
+        self.run_files: dict[str, str] = {}
         #: False (a run): a broken plugin is a PluginError. True (--help, doctor,
         #: plugins): it is left out and listed in ``broken``, so that these commands
         #: still work and can say which plugin is broken.
@@ -220,6 +223,8 @@ class EnginePluginManager(pluggy.PluginManager):
         for group in [g for g, owner in self.config_group_owners.items()
                       if owner == info.name]:
             del self.config_groups[group], self.config_group_owners[group]
+        for name in [n for n, owner in self.run_files.items() if owner == info.name]:
+            del self.run_files[name]
 
     def _register_checked(self, plugin: object, name: str) -> None:
         self._check_hooks(plugin, name)
@@ -335,6 +340,29 @@ class EnginePluginManager(pluggy.PluginManager):
             except PluginError as exc:
                 self._leave_out(self.infos[plugin], exc, registered=True)
 
+    def collect_run_files(self) -> None:
+        """Call engine_register_run_files one plugin at a time: what each writes in a
+        run's out_dir, as plain names (no folders above or below)."""
+        for impl in self.hook.engine_register_run_files.get_hookimpls():
+            plugin = impl.plugin_name
+            ok, names = self._call_registration(impl, "engine_register_run_files")
+            if not ok:
+                continue
+            try:
+                if not isinstance(names, (list, tuple)) or not all(
+                        isinstance(n, str) for n in names):
+                    raise PluginError(
+                        f'Plugin "{plugin}": engine_register_run_files must return a list '
+                        f"of file or folder names, not {names!r}")
+                for name in names:
+                    if name in ("", ".", "..") or "/" in name or "\\" in name:
+                        raise PluginError(
+                            f'Plugin "{plugin}" declares the run file {name!r}; a run file '
+                            "is the name of a file or folder directly inside out_dir")
+                    self.run_files.setdefault(name, plugin)
+            except PluginError as exc:
+                self._leave_out(self.infos[plugin], exc, registered=True)
+
     def commands(self) -> dict[str, object]:
         """The plugins' ``engine-run`` commands (engine_register_commands), by name."""
         if self._commands is not None:
@@ -389,6 +417,9 @@ class EnginePluginManager(pluggy.PluginManager):
         groups = [n for n, owner in self.config_group_owners.items() if owner == plugin_name]
         if groups:
             found["config group"] = groups
+        files = [n for n, owner in self.run_files.items() if owner == plugin_name]
+        if files:
+            found["run file"] = files
         return found
 
     def blame(self, exc: BaseException) -> tuple[str, str] | None:
@@ -558,6 +589,7 @@ def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = N
 
     pm.fill_registries()
     pm.collect_config_groups()
+    pm.collect_run_files()
     if keep_going:
         # What --help calls later is tried now, so that a plugin that fails there is
         # left out and named too.

@@ -16,6 +16,10 @@ and the ranks are task * G + i. Either way:
   ``num_workers=auto``). Without the variable, the default rule of
   :meth:`engine.world.World.cpu_share`.
 
+After a pre-emption snapshot, rank 0 of a SLURM job (whatever launched it: srun tasks,
+or a batch script running engine-run with spawn) runs ``scontrol requeue`` on the job
+(``engine_requeue``).
+
 The step's own variables are read rather than the job's: inside ``sbatch -N2
 --ntasks-per-node=2``, ``srun -N1 -n1`` still sees SLURM_NTASKS_PER_NODE=2 and the job's
 two-node list. Numbers that do not add up are an error before any process starts.
@@ -23,7 +27,10 @@ two-node list. Numbers that do not add up are an error before any process starts
 
 from __future__ import annotations
 
-from typing import Callable
+import os
+import shutil
+import subprocess
+from typing import Callable, Mapping
 
 import engine
 from engine.plugins import slurm_hostlist as slurm
@@ -259,6 +266,43 @@ class SlurmLauncher(Launcher):
 @engine.hookimpl
 def engine_register_launchers(registry):
     registry.add(SlurmLauncher)
+
+
+# ------------------------------------------------------------------ requeue
+
+
+def job_to_requeue(environ: Mapping[str, str]) -> str | None:
+    """The id that ``scontrol requeue`` wants: ARRAYJOB_TASK for array jobs."""
+    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get(
+        "SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    return environ.get("SLURM_JOB_ID")
+
+
+def requeue(environ: Mapping[str, str]) -> str | None:
+    """Ask SLURM to requeue this job. Returns what happened, for the log, or None
+    outside a SLURM job; never raises."""
+    job = job_to_requeue(environ)
+    if not job:
+        return None
+    scontrol = shutil.which("scontrol", path=environ.get("PATH", os.defpath))
+    if scontrol is None:
+        return (f"scontrol not found on PATH: job {job} was not requeued; resubmit it to "
+                "resume from the snapshot")
+    try:
+        proc = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"scontrol requeue {job} failed: {exc}"
+    if proc.returncode != 0:
+        return f"scontrol requeue {job} failed: {(proc.stderr or proc.stdout).strip()}"
+    return f"job {job} requeued"
+
+
+@engine.hookimpl
+def engine_requeue(engine):
+    return requeue(os.environ)
 
 
 def sbatch_command(argv) -> int:

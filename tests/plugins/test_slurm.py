@@ -12,7 +12,8 @@ import pytest
 
 from engine.errors import LaunchError
 from engine.launcher import LaunchOptions
-from engine.plugins.slurm import SlurmLauncher
+from engine.plugin_manager import build_plugin_manager
+from engine.plugins.slurm import SlurmLauncher, job_to_requeue, requeue
 from tests.conftest import ENGINE_RUN, REPO, engine_env, run_cli
 from tests.plugins.launch_runs import finished, reference_digest, run, train_args
 
@@ -107,6 +108,43 @@ def test_variables_that_do_not_add_up(change, message, monkeypatch):
     with pytest.raises(LaunchError) as err:
         worlds_of(env)
     assert str(err.value).startswith(message)
+
+
+# ---------------------------------------------------------------- requeue
+
+
+def test_requeue_reports_a_missing_scontrol(tmp_path):
+    message = requeue({"SLURM_JOB_ID": "4242", "PATH": str(tmp_path)})
+    assert message == ("scontrol not found on PATH: job 4242 was not requeued; resubmit it "
+                       "to resume from the snapshot")
+
+
+def test_array_jobs_are_requeued_by_their_array_id():
+    env = {"SLURM_JOB_ID": "100", "SLURM_ARRAY_JOB_ID": "90", "SLURM_ARRAY_TASK_ID": "3"}
+    assert job_to_requeue(env) == "90_3"
+    assert job_to_requeue({"SLURM_JOB_ID": "100"}) == "100"
+    assert requeue({}) is None  # not a SLURM job: another scheduler's plugin may answer
+
+
+def test_the_requeue_hook_answers_for_slurm_jobs_only(tmp_path, monkeypatch):
+    """engine_requeue is first-result: the slurm plugin answers inside a SLURM job
+    (whatever launched the processes) and leaves other jobs to other plugins."""
+    class Scheduler:
+        @staticmethod
+        def engine_requeue(engine):
+            return "requeued by another scheduler"
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    assert build_plugin_manager().hook.engine_requeue(engine=None) is None
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol here
+    assert build_plugin_manager().hook.engine_requeue(engine=None) == (
+        "scontrol not found on PATH: job 4242 was not requeued; resubmit it to resume "
+        "from the snapshot")
+    monkeypatch.delenv("SLURM_JOB_ID")
+    pm = build_plugin_manager(objects={"scheduler": Scheduler()})
+    assert pm.hook.engine_requeue(engine=None) == "requeued by another scheduler"
 
 
 # ---------------------------------------------------------------- the cluster
