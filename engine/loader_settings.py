@@ -1,8 +1,8 @@
 """DataLoader settings: what the engine chooses when a recipe says ``num_workers=auto``.
 
-In the seeds' OCT-A runs the CPU side decided the time: 10 epochs took 55,000 s with a
-few CPUs and ``num_workers=0``, and 1,700 s with 60 CPUs and workers to use them. The
-rule here is the one their table points to:
+In the seeds' OCT-A runs the CPU side decided the time, by more than an order of
+magnitude (docs/data.md has their figures). The rule here is the one their table points
+to:
 
 - the CPUs this process may use, as its world says (:meth:`engine.world.World.cpu_share`:
   the launcher's answer, such as SLURM's CPUs per task, else this machine's usable CPUs

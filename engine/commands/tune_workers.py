@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from engine.errors import ConfigError, EngineError
+from engine.errors import ConfigError, EngineError, first_line, one_line
 
 #: Seconds a setting may take beyond its budget (process start, dataset, warm-up).
 STARTUP_ALLOWANCE_S = 180.0
@@ -232,9 +232,7 @@ def _measure_process(job, world, settings, budget_s, full_step, results, barrier
     try:
         _measure_settings(job, world, settings, budget_s, full_step, results, barrier)
     except BaseException as exc:  # reported to the parent as one line, never a hang
-        message = (str(exc).strip().splitlines() or [""])[0]
-        if not isinstance(exc, EngineError):
-            message = f"{type(exc).__name__}: {message}"
+        message = first_line(exc) if isinstance(exc, EngineError) else one_line(exc)
         results.put(("error", world.rank, message))
         barrier.abort()
 
