@@ -393,8 +393,9 @@ def engine_register_run_files():
     ``out_dir`` (the csv logger: ``["metrics.csv"]``; tensorboard:
     ``["tensorboard"]``): names directly inside ``out_dir``, no paths. ``--overwrite``
     removes them with the engine's own (checkpoints, summary.json, config.json) and
-    nothing else, a fresh start (``--no-resume``) refuses a folder that holds one of
-    them, and ``engine-run runs`` / ``report`` recognise run folders by them.
+    nothing else (a data folder or notes the user keeps there stay); ``engine-run
+    plugins`` lists them. A name with a ``/``, or anything but a list of names, is a
+    PluginError naming the plugin.
 
     Kind: registration. Fires when the plugin manager is built, in every process.
 

@@ -111,7 +111,9 @@ class World:
 class CpuShare:
     """The CPUs one process may count on, and where that number comes from."""
 
-    count: int
+    #: At least one: it becomes torch.set_num_threads.
+    count: int = attrs.field(validator=[attrs.validators.instance_of(int),
+                                        attrs.validators.ge(1)])
     reason: str  # for the plan and tune-workers: "8 CPUs (affinity) shared by 2 ..."
 
 
@@ -119,10 +121,10 @@ def share_cpus(cpus: int, source: str, processes: int) -> CpuShare:
     """``cpus`` (found in ``source``) shared by ``processes`` processes, at least one each."""
     processes = max(1, processes)
     count = max(1, cpus // processes)
+    found = f"{cpus} CPU{'s' if cpus != 1 else ''} ({source})"
     if processes == 1:
-        return CpuShare(count, f"{cpus} CPUs ({source}) for this process")
-    return CpuShare(count, f"{cpus} CPUs ({source}) shared by {processes} local processes "
-                           f"= {count} each")
+        return CpuShare(count, f"{found} for this process")
+    return CpuShare(count, f"{found} shared by {processes} local processes = {count} each")
 
 
 def usable_cpus(environ: Mapping[str, str] | None = None) -> tuple[int, str]:

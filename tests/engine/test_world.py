@@ -9,7 +9,7 @@ import pytest
 
 from engine.errors import LaunchError
 from engine.world import (CpuShare, World, check_init_method, format_world_table,
-                          usable_cpus, whole_world)
+                          share_cpus, usable_cpus, whole_world)
 
 
 def world(**kw) -> World:
@@ -110,6 +110,16 @@ def test_the_default_rule_shares_this_machines_cpus_among_the_local_processes(mo
 def test_the_launchers_answer_wins_over_the_default():
     mine = CpuShare(7, "7 CPUs (my scheduler) for this process")
     assert world(cpus=mine).cpu_share() is mine
+
+
+def test_a_share_is_at_least_one_cpu_and_says_where_it_comes_from():
+    assert share_cpus(1, "SLURM_CPUS_PER_TASK", 1) == CpuShare(
+        1, "1 CPU (SLURM_CPUS_PER_TASK) for this process")
+    # More processes than CPUs: each still gets one thread.
+    assert share_cpus(2, "affinity", 3) == CpuShare(
+        1, "2 CPUs (affinity) shared by 3 local processes = 1 each")
+    with pytest.raises(ValueError, match="'count' must be >= 1: 0"):
+        CpuShare(0, "a launcher that counted nothing")
 
 
 def test_usable_cpus_reads_the_given_environment():

@@ -15,7 +15,7 @@ from engine.launcher import LaunchOptions
 from engine.plugin_manager import build_plugin_manager
 from engine.plugins.slurm import SlurmLauncher, job_to_requeue, requeue
 from tests.conftest import ENGINE_RUN, REPO, engine_env, run_cli
-from tests.plugins.launch_runs import finished, reference_digest, run, train_args
+from tests.plugins.launch_runs import RECIPE, finished, reference_digest, run, train_args
 
 # srun -N1 -n2 -c1: two tasks on node n2 (tasks 0 and 1).
 STEP = {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1",
@@ -194,6 +194,25 @@ def test_sbatch_script_runs_one_task_per_node_that_spawns(tmp_path, tmp_path_fac
     summary = finished(out, "slurm")
     # Two processes started by one task: the task's 2 CPUs shared, one thread each.
     assert summary["weights_sha256"] == reference_digest(tmp_path_factory)
+
+
+@cluster
+def test_both_layouts_give_each_process_its_share_of_the_tasks_cpus():
+    """The CPU rule on a real step: one task of 2 CPUs that starts 2 processes, and 2
+    tasks of 1 CPU, give each process 1 thread, and num_workers=auto counts the same
+    share (the plan rank 0 prints is what each worker sets)."""
+    def plan(srun_args: list[str], engine_args: list[str]) -> dict[str, str]:
+        proc = srun("-N1", *srun_args, ENGINE_RUN, RECIPE, "data.source=synthetic",
+                    "num_workers=auto", *engine_args, "--dry-run", timeout=200)
+        section = proc.stdout.split("plan:\n")[1].split("world:\n")[0]
+        return dict(row.split(None, 1) for row in section.splitlines())
+
+    spawning = plan(["-n1", "-c2"], ["--nproc", "2"])
+    per_process = plan(["-n2", "-c1"], [])
+    assert spawning["threads"] == per_process["threads"] == "1 per process"
+    assert "auto: 2 CPUs (SLURM_CPUS_PER_TASK) shared by 2 local processes = 1 each" in \
+        spawning["num_workers"]
+    assert "auto: 1 CPU (SLURM_CPUS_PER_TASK) for this process" in per_process["num_workers"]
 
 
 @cluster
