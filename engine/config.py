@@ -21,7 +21,7 @@ from typing import Any, Literal, Mapping
 
 import attrs
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, first_line
 
 
 def resume_safe(cfg, key: str) -> bool:
@@ -78,8 +78,8 @@ class TrainConfig:
     num_workers: int | Literal["auto"] = 0  # DataLoader workers per process
     drop_last: bool = False  # drop the last incomplete training batch
     # Seed the RNGs from (seed, epoch, sample index) before loading each training sample,
-    # so that random augmentation survives a resume exactly. Costs ~10 us per sample;
-    # recipes with random transforms turn it on.
+    # so that random augmentation survives a resume exactly. Costs a few RNG reseeds per
+    # sample (docs/checkpoints.md); recipes with random transforms turn it on.
     per_sample_seed: bool = False
     log_every: int = 20  # optimizer steps between progress/log refreshes
     launcher: str = "auto"
@@ -87,8 +87,8 @@ class TrainConfig:
     checkpointer: str = "torch-file"
     init_method: str = "env://"  # env://, tcp://HOST:PORT or file:///shared/path
     timeout_s: float = 300.0  # process-group init and collective timeout
-    # SIGUSR1/SIGTERM: snapshot within two check points and stop; under a SLURM batch
-    # job, rank 0 then requeues it (see engine/preemption.py).
+    # SIGUSR1/SIGTERM: snapshot within two check points and stop; rank 0 then asks the
+    # job's scheduler to requeue it (engine/preemption.py; SLURM: the slurm plugin).
     preemption: bool = True
     requeue: bool = True
     on_nonfinite: Literal["stop", "skip"] = "stop"  # skip: one host sync per step
@@ -372,7 +372,7 @@ def load_config_file(path: str) -> list[str]:
     except ConfigError:
         raise
     except Exception as exc:  # each parser has its own error class
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first_line(exc, type(exc).__name__)
         kind = {".json": "JSON", ".toml": "TOML"}.get(suffix, "YAML")
         raise ConfigError(f"--config {path}: not valid {kind}: {first}") from None
     if not isinstance(data, dict):

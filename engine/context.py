@@ -65,13 +65,11 @@ def start_worker(pm, cfg, world, options: dict[str, Any]):
     import torch
 
     from engine import distributed, health, run_dir
-    from engine.data import threads_per_process
 
     seed_everything(cfg.seed)
     if cfg.deterministic:
         use_deterministic_kernels()
-    torch.set_num_threads(options.get("threads") or
-                          threads_per_process(world.local_world_size))
+    torch.set_num_threads(options.get("threads") or world.cpu_share().count)
     from engine.parallel import choose_parallel
 
     parallel = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg)
@@ -81,7 +79,7 @@ def start_worker(pm, cfg, world, options: dict[str, Any]):
         distributed.init(world, parallel.backend or "gloo", cfg.timeout_s)
         health.prepare(cfg.timeout_s)
     # out_dir's pattern filled by rank 0, the same for every rank (engine/run_dir.py).
-    run_dir.settle(cfg, world, options)
+    run_dir.settle(cfg, world, options, run_dir.run_files(pm))
     return parallel
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import random
 import sys
 
@@ -147,25 +146,6 @@ class ShardSampler(Sampler):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.length, self.num_replicas))
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on: SLURM's allocation, else the affinity mask."""
-    slurm = os.environ.get("SLURM_CPUS_PER_TASK")
-    if slurm and slurm.isdigit() and int(slurm) > 0:
-        return int(slurm)
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def threads_per_process(local_world_size: int) -> int:
-    """Share the node's CPUs among its processes so that they do not oversubscribe."""
-    cpus = usable_cpus()
-    if os.environ.get("SLURM_CPUS_PER_TASK"):
-        return max(1, cpus)  # SLURM already gave each task its own CPUs
-    return max(1, cpus // max(1, local_world_size))
 
 
 def split_batch(global_batch: int, world_size: int, accum: int) -> int:

@@ -37,7 +37,7 @@ import sys
 import time
 import uuid
 
-from engine.errors import LaunchError
+from engine.errors import LaunchError, first_line, one_line
 from engine.world import World, format_world_table, tcp_endpoint, whole_world
 
 #: How often a waiting rank re-reads the session id (a stale file's is replaced).
@@ -71,7 +71,7 @@ def init(world: World, backend: str, timeout_s: float) -> None:
         print_failure_table(world, backend)
         raise LaunchError(
             f"rank {world.rank}: process group init ({backend}) via {world.rendezvous} "
-            f"failed within {timeout_s:g}s ({type(exc).__name__}: {_first_line(exc)}); "
+            f"failed within {timeout_s:g}s ({one_line(exc)}); "
             f"all {world.world_size} ranks had checked in, so look at the network between "
             "the hosts (NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME)"
         ) from None
@@ -109,7 +109,7 @@ def open_store(world: World, timeout_s: float):
             return dist.TCPStore(host, port, world.world_size, is_master=True,
                                  timeout=timeout, wait_for_workers=False, multi_tenant=True)
         except Exception as exc:
-            text = _first_line(exc)
+            text = first_line(exc)
             if "in use" in text.lower():
                 raise LaunchError(
                     f"rank 0: master port {port} on {world.host} is already in use; choose "
@@ -126,7 +126,7 @@ def open_store(world: World, timeout_s: float):
     except Exception as exc:
         raise LaunchError(
             f"rank {world.rank}: cannot reach the master at {host}:{port} within "
-            f"{timeout_s:g}s ({type(exc).__name__}: {_first_line(exc)}); check that rank 0 "
+            f"{timeout_s:g}s ({one_line(exc)}); check that rank 0 "
             "runs there, that the address resolves and the port is open from this host "
             "(--master-addr/MASTER_ADDR, --master-port/MASTER_PORT)"
         ) from None
@@ -188,7 +188,7 @@ def roll_call(store, world: World, timeout_s: float) -> str:
     except Exception as exc:  # the store went away: rank 0 stopped (and says why)
         raise LaunchError(
             f"rank {world.rank}: lost the rendezvous at {world.rendezvous} "
-            f"({type(exc).__name__}: {_first_line(exc)}); rank 0 stopped, see its error"
+            f"({one_line(exc)}); rank 0 stopped, see its error"
         ) from None
 
 
@@ -278,11 +278,6 @@ def _ranks(ranks: list[int]) -> str:
     if len(ranks) > 8:
         return f"ranks {', '.join(map(str, ranks[:8]))}... ({len(ranks)} ranks)"
     return f"ranks {', '.join(map(str, ranks))}"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # ---------------------------------------------------------------- collectives

@@ -87,7 +87,9 @@ class Engine(WorkerContext):
                    f"written at epoch {s.epoch}, step {s.step}")
         if self.is_rank0:
             if self.cfg.requeue:
-                message += "; " + preemption.requeue()
+                # The scheduler's plugin answers (slurm: scontrol requeue).
+                message += "; " + (self.pm.hook.engine_requeue(engine=self)
+                                   or preemption.NOT_REQUEUED)
             preemption.report(message)
 
     def _setup(self):
@@ -114,8 +116,8 @@ class Engine(WorkerContext):
 
         # num_workers, persistence, prefetch, pinning, timeout: engine/loader_settings.py
         self.loader_settings = loader_settings.choose(
-            cfg.num_workers, local_world_size=world.local_world_size,
-            device_type=self.device.type, timeout_s=cfg.timeout_s)
+            cfg.num_workers, cpus=world.cpu_share(), device_type=self.device.type,
+            timeout_s=cfg.timeout_s)
         loader_kwargs = self.loader_settings.loader_kwargs()
         self.train_loader = data.train_loader(
             train_set, micro_batch=self.micro_batch, world=world, seed=cfg.seed,

@@ -36,7 +36,7 @@ def is_collective_failure(exc: BaseException) -> bool:
 #: How long the roll call after a failed collective waits for the ranks to answer. It
 #: bounds a non-zero rank's wait for rank 0 too (the roll call group's own timeout), so
 #: a run whose rank 0 is stopped still ends within ``timeout_s`` plus this and the
-#: launcher's clean-up (issue 16: a group without a timeout waited torch's 30 minutes).
+#: launcher's clean-up (a group without a timeout would wait torch's default 30 minutes).
 ROLL_CALL_S = 2.0
 
 #: The gloo side groups: "epoch" (timeout ``timeout_s``) for the end-of-epoch barrier,
@@ -103,7 +103,7 @@ def epoch_barrier(timeout_s: float) -> None:
     """All ranks meet at the end of an epoch; a rank that does not come is named."""
     import torch.distributed as dist
 
-    from engine.errors import RunError
+    from engine.errors import RunError, first_line
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
@@ -115,5 +115,5 @@ def epoch_barrier(timeout_s: float) -> None:
         match = _MISSING.search(str(exc))
         who = f"rank(s) {match.group(1)}" if match else "some rank"
         raise RunError(f"{who} did not reach the end of the epoch within {timeout_s:g}s "
-                          f"(rank {dist.get_rank()} waited): {str(exc).splitlines()[0]}"
+                          f"(rank {dist.get_rank()} waited): {first_line(exc)}"
                           ) from None

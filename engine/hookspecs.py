@@ -12,7 +12,7 @@ Each docstring states the hook's *kind* on a line ``Kind: ...``:
   notification hook may be implemented as a wrapper (``@engine.hookimpl(wrapper=True)``,
   a generator that yields once) to run code around the other implementations.
 - **first result**: implementations are called until one returns something other than
-  ``None``; that value is the answer. (No hook is of this kind yet.)
+  ``None``; that value is the answer (``engine_requeue``).
 
 The ``engine`` argument is the worker's :class:`engine.engine.Engine` under
 ``engine-run``, or the :class:`engine.api.Context` of a custom loop: both are an
@@ -37,6 +37,7 @@ may use on either; anything else (``recipe``, ``train_loader``...) is ``Engine``
         engine_epoch_end
     engine_exception                       (only when the run raised, before run_end)
     engine_run_end                         (always, last; summary["status"] says how)
+    engine_requeue                         (rank 0, after a pre-emption snapshot)
 
 A custom loop (:func:`engine.launch`) fires the registration hooks (``engine_register_state``
 in ``ctx.wrap``), ``engine_log`` (on
@@ -362,4 +363,41 @@ def engine_exception(engine, exc):
     ``engine_run_end``.
 
     Since 0.1.
+    """
+
+
+# ------------------------------------------------------ the scheduler, the run's files
+
+
+@hookspec(firstresult=True)
+def engine_requeue(engine):
+    """The run stopped for a pre-emption (SIGUSR1/SIGTERM) and its snapshot is written:
+    ask the scheduler that runs this job to start it again, so that it resumes. Return
+    one line for the log saying what happened (``"job 42 requeued"``, or why not), or
+    None when this job is not the plugin's scheduler's: the next plugin is asked. Do
+    not raise: the run is stopping either way. The slurm plugin answers for SLURM jobs
+    (``scontrol requeue``); when no plugin answers the engine says the job was not
+    requeued. The scheduler, not the launcher: a batch script that runs ``engine-run``
+    with the spawn launcher is still a SLURM job.
+
+    Kind: first result. Fires on rank 0 only, once, after ``engine_run_end`` of a run
+    that ended ``"preempted"`` with ``requeue=true``, under ``engine-run`` only.
+
+    Since 0.2.
+    """
+
+
+@hookspec
+def engine_register_run_files():
+    """Return the names of the files and folders this plugin writes in a run's
+    ``out_dir`` (the csv logger: ``["metrics.csv"]``; tensorboard:
+    ``["tensorboard"]``): names directly inside ``out_dir``, no paths. ``--overwrite``
+    removes them with the engine's own (checkpoints, summary.json, config.json) and
+    nothing else (a data folder or notes the user keeps there stay); ``engine-run
+    plugins`` lists them. A name with a ``/``, or anything but a list of names, is a
+    PluginError naming the plugin.
+
+    Kind: registration. Fires when the plugin manager is built, in every process.
+
+    Since 0.2.
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine import config as config_mod
-from engine.data import split_batch, threads_per_process
+from engine.data import split_batch
 from engine.world import format_world_table
 
 
@@ -35,8 +35,7 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
         "per_process_batch": micro * cfg.grad_accum_steps,
         "micro_batch": micro,
         "grad_accum_steps": cfg.grad_accum_steps,
-        "threads_per_process": options.get("threads") or threads_per_process(
-            world.local_world_size),
+        "threads_per_process": options.get("threads") or world.cpu_share().count,
         **_loader_plan(cfg, world, parallel_cls),
         "precision": cfg.precision,
         "checkpointer": cfg.checkpointer,
@@ -49,7 +48,7 @@ def _loader_plan(cfg, world, parallel_cls) -> dict[str, Any]:
 
     device = parallel_cls(world, cfg).devices[0]
     settings = loader_settings.choose(
-        cfg.num_workers, local_world_size=world.local_world_size,
+        cfg.num_workers, cpus=world.cpu_share(),
         device_type=getattr(device, "type", str(device)), timeout_s=cfg.timeout_s)
     return {"num_workers": settings.num_workers, "loader": settings.describe()}
 

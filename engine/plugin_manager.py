@@ -24,6 +24,10 @@ plugin is broken (``engine-run --help``, ``doctor``, ``plugins``) build the mana
 its distribution, the error and the ways to disable it (:meth:`BrokenPlugin.describe`).
 Such a manager also tries the hooks ``--help`` calls later (engine_register_commands,
 engine_addoption), so that a plugin failing there is left out too.
+
+This module loads the plugins; what their registration hooks add (registries, config
+groups, run files, commands) is kept by engine/registrations.py, and which plugin's
+code raised an error is found by engine/blame.py.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import importlib
 import inspect
 import os
 import re
-import traceback
 from typing import Iterable, Mapping
 
 import attrs
@@ -41,8 +44,9 @@ import pluggy
 
 import engine
 from engine import hookspecs
-from engine.errors import ConfigError, EngineError, PluginCodeError, PluginError
-from engine.registry import Registry
+from engine.blame import attribute  # noqa: F401 (where engine.cli imports it from)
+from engine.errors import ConfigError, EngineError, PluginError, first_line
+from engine.registrations import Registrations
 
 ENTRY_POINT_GROUP = "engine.plugins"
 #: Set to 1 to skip entry-point plugins (built-ins and ``-p`` extras still load).
@@ -124,35 +128,25 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-class EnginePluginManager(pluggy.PluginManager):
-    """pluggy's manager plus the engine's registries and a record of where each plugin
-    came from."""
+class EnginePluginManager(Registrations, pluggy.PluginManager):
+    """pluggy's manager plus a record of where each plugin came from (here) and what
+    the plugins registered (engine/registrations.py: the registries ``launchers``,
+    ``parallel_modes``, ``checkpointers``, ``config_groups``, ``run_files``,
+    :meth:`commands`)."""
 
     def __init__(self, keep_going: bool = False) -> None:
         super().__init__("engine")
         self.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
-        # The base modules import no torch, so the registries can check subclasses.
-        from engine.checkpoint import Checkpointer
-        from engine.launcher import Launcher
-        from engine.parallel import Parallel
-
-        self.launchers = Registry("launcher", Launcher)
-        self.parallel_modes = Registry("parallel mode", Parallel)
-        self.checkpointers = Registry("checkpointer", Checkpointer)
+        self._init_registrations()
         self.autoload = True
         self.disabled: list[str] = []  # the NAMEs of -p no:NAME
         self.entry_points: list[EntryPoint] = []  # installed, loaded or not
-        #: The plugins' config groups by name (engine_register_config_groups), in registration
-        #: order, and which plugin added each.
-        self.config_groups: dict[str, type] = {}
-        self.config_group_owners: dict[str, str] = {}
         #: False (a run): a broken plugin is a PluginError. True (--help, doctor,
         #: plugins): it is left out and listed in ``broken``, so that these commands
         #: still work and can say which plugin is broken.
         self.keep_going = keep_going
         self.broken: list[BrokenPlugin] = []
-        self._commands: dict[str, object] | None = None
 
     def parse_hookimpl_opts(self, plugin, name):
         # Like pytest: a function named engine_* counts as a hook implementation even
@@ -215,11 +209,7 @@ class EnginePluginManager(pluggy.PluginManager):
             return  # nothing of it was kept (the name may be another plugin's)
         del self.infos[info.name]
         self.unregister(name=info.name)
-        for registry in (self.launchers, self.parallel_modes, self.checkpointers):
-            registry.discard_owner(info.name)
-        for group in [g for g, owner in self.config_group_owners.items()
-                      if owner == info.name]:
-            del self.config_groups[group], self.config_group_owners[group]
+        self.discard_registrations(info.name)
 
     def _register_checked(self, plugin: object, name: str) -> None:
         self._check_hooks(plugin, name)
@@ -265,99 +255,6 @@ class EnginePluginManager(pluggy.PluginManager):
                     f"{', '.join(provided) or 'no arguments'}"
                 )
 
-    def _call_registration(self, impl, hook_name: str, *args):
-        """(True, what ``impl.function(*args)`` of a registration hook returned), or
-        (False, None) when it raised and ``keep_going`` left the plugin out; without
-        ``keep_going`` the error is raised, naming the plugin."""
-        try:
-            return True, impl.function(*args)
-        except Exception as exc:
-            error = exc if isinstance(exc, EngineError) else PluginError(
-                f'Plugin "{impl.plugin_name}" failed in {hook_name}: '
-                f"{type(exc).__name__}: {first_line(exc)}")
-            if error is not exc:
-                error.__cause__ = exc
-            self._leave_out(self.infos[impl.plugin_name], error, registered=True)
-            return False, None
-
-    def fill_registries(self) -> None:
-        for registry, hook in (
-            (self.launchers, self.hook.engine_register_launchers),
-            (self.parallel_modes, self.hook.engine_register_parallel),
-            (self.checkpointers, self.hook.engine_register_checkpointers),
-        ):
-            # One plugin at a time, in registration order (built-ins first), so that the
-            # registry knows who registered what: a duplicate name then names both
-            # plugins, and the one that came first keeps it.
-            for impl in hook.get_hookimpls():
-                if not self.has_plugin(impl.plugin_name):
-                    continue  # left out (keep_going) by an earlier registration hook
-                registry.current_plugin = impl.plugin_name
-                if impl.hookwrapper or impl.wrapper:
-                    self._leave_out(self.infos[impl.plugin_name], PluginError(
-                        f'Plugin "{impl.plugin_name}": the registration hook '
-                        f'"{hook.name}" cannot be a wrapper'), registered=True)
-                    continue
-                self._call_registration(impl, hook.name,
-                                        *[{"registry": registry}[a] for a in impl.argnames])
-            registry.current_plugin = "<unknown>"
-
-    def collect_config_groups(self) -> None:
-        """Call engine_register_config_groups one plugin at a time (registration order), so
-        that a problem names the plugin."""
-        from engine.registry import NAME_PATTERN
-
-        for impl in self.hook.engine_register_config_groups.get_hookimpls():
-            plugin = impl.plugin_name
-            ok, groups = self._call_registration(impl, "engine_register_config_groups")
-            if not ok:
-                continue
-            try:
-                if not isinstance(groups, Mapping):
-                    raise PluginError(
-                        f'Plugin "{plugin}": engine_register_config_groups must return a '
-                        f"dict of group name to attrs class, not {type(groups).__name__}")
-                for name, group in groups.items():
-                    if not (isinstance(name, str) and NAME_PATTERN.match(name)
-                            and name.isidentifier()):
-                        raise PluginError(f'Plugin "{plugin}" adds a config group named '
-                                          f"{name!r}; a group name is a Python identifier")
-                    if not attrs.has(group):
-                        raise PluginError(f'Plugin "{plugin}" adds config group {name!r} '
-                                          f"as {group!r}, which is not an attrs class")
-                    if name in self.config_groups:
-                        raise PluginError(
-                            f"config group {name!r} is added twice: by plugin "
-                            f"{self.config_group_owners[name]!r} and by plugin {plugin!r}; "
-                            "disable one with -p no:NAME")
-                    self.config_groups[name] = group
-                    self.config_group_owners[name] = plugin
-            except PluginError as exc:
-                self._leave_out(self.infos[plugin], exc, registered=True)
-
-    def commands(self) -> dict[str, object]:
-        """The plugins' ``engine-run`` commands (engine_register_commands), by name."""
-        if self._commands is not None:
-            return self._commands
-        found: dict[str, object] = {}
-        for impl in self.hook.engine_register_commands.get_hookimpls():
-            ok, added = self._call_registration(impl, "engine_register_commands")
-            for name, main in (added or {}).items() if ok else ():
-                if name in found:
-                    raise PluginError(f"engine-run command {name!r} is added twice; "
-                                      "disable one plugin with -p no:NAME")
-                found[name] = main
-        self._commands = found
-        return found
-
-    def try_options(self, parser) -> None:
-        """Call each plugin's engine_addoption on ``parser``, a scratch ``engine-run``
-        parser, one plugin at a time: one that raises, or adds an option already taken (by
-        the engine or an earlier plugin), is named (and left out with ``keep_going``)."""
-        for impl in self.hook.engine_addoption.get_hookimpls():
-            self._call_registration(impl, "engine_addoption",
-                                    *[{"parser": parser}[a] for a in impl.argnames])
-
     # ---------------------------------------------------------------- queries
 
     def find(self, name: str) -> PluginInfo | None:
@@ -380,56 +277,6 @@ class EnginePluginManager(pluggy.PluginManager):
                         f"{DISABLE_AUTOLOAD_ENV} is set; add -p {ep.name}")
         return "not installed"
 
-    def components_of(self, plugin_name: str) -> dict[str, list[str]]:
-        found = {
-            registry.kind: registry.by_owner(plugin_name)
-            for registry in (self.launchers, self.parallel_modes, self.checkpointers)
-            if registry.by_owner(plugin_name)
-        }
-        groups = [n for n, owner in self.config_group_owners.items() if owner == plugin_name]
-        if groups:
-            found["config group"] = groups
-        return found
-
-    def blame(self, exc: BaseException) -> tuple[str, str] | None:
-        """Whose code raised ``exc``: ("plugin 'x' (parallel mode 'y')", "file:line"),
-        or ("plugin 'x' (hook engine_log)", ...), or None when no plugin code is on the
-        traceback. The innermost frame that is a registered component's method (its
-        ``self`` or ``cls``) or lies in a plugin's module wins: code the plugin called
-        (torch, engine helpers) is the plugin's doing."""
-        components = {}
-        for registry in (self.launchers, self.parallel_modes, self.checkpointers):
-            for name, cls in registry.items():
-                components[cls] = (registry.owner(name), f"{registry.kind} {name!r}")
-        files = {}
-        for name, plugin in self.list_name_plugin():
-            module = plugin if inspect.ismodule(plugin) else inspect.getmodule(type(plugin))
-            path = getattr(module, "__file__", None)
-            if path and name is not None:
-                files[os.path.realpath(path)] = name
-        found = None  # (plugin, what, where) of the innermost frame in plugin code
-        for frame, lineno in reversed(list(traceback.walk_tb(exc.__traceback__))):
-            owner = frame.f_locals.get("self", frame.f_locals.get("cls"))
-            cls = owner if isinstance(owner, type) else type(owner)
-            component = components.get(cls) if owner is not None else None
-            if component is not None and (found is None or found[0] == component[0]):
-                # The component whose method ran (or called) the failing code.
-                where = found[2] if found else f"{frame.f_code.co_filename}:{lineno}"
-                return f"plugin {component[0]!r} ({component[1]})", where
-            plugin = files.get(os.path.realpath(frame.f_code.co_filename))
-            function = frame.f_code.co_name
-            hook = f"hook {function}" if function.startswith("engine_") else ""
-            if plugin is not None and found is None:
-                found = (plugin, hook, f"{frame.f_code.co_filename}:{lineno}")
-            elif found is not None and plugin == found[0] and hook and not found[1]:
-                found = (plugin, hook, found[2])  # the hook that called the helper
-            if found is not None and found[1]:
-                break  # a hook: its caller is the engine
-        if found is None:
-            return None
-        plugin, what, where = found
-        return f"plugin {plugin!r}" + (f" ({what})" if what else ""), where
-
     def hooks_of(self, plugin_name: str) -> list[str]:
         plugin = self.get_plugin(plugin_name)
         return sorted(caller.name for caller in self.get_hookcallers(plugin) or [])
@@ -444,28 +291,6 @@ def argnames(function) -> list[str]:
     if names and names[0] in ("self", "cls") and "." in getattr(function, "__qualname__", ""):
         names = names[1:]
     return names
-
-
-def attribute(pm: EnginePluginManager | None, exc: BaseException) -> BaseException:
-    """``exc`` as the user should see it: an unexpected exception raised in a plugin's
-    code becomes a :class:`PluginCodeError` that names the plugin, the component or
-    hook, and the line; anything else (engine errors, the recipe's own code) is
-    returned as it is."""
-    if pm is None or isinstance(exc, EngineError) or not isinstance(exc, Exception):
-        return exc
-    found = pm.blame(exc)
-    if found is None:
-        return exc
-    who, where = found
-    blamed = PluginCodeError(f"{who}: {type(exc).__name__}: {first_line(exc)} "
-                             f"(raised at {where})")
-    blamed.__cause__ = exc
-    return blamed
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def import_plugin(name: str, target: str) -> object:
@@ -558,6 +383,7 @@ def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = N
 
     pm.fill_registries()
     pm.collect_config_groups()
+    pm.collect_run_files()
     if keep_going:
         # What --help calls later is tried now, so that a plugin that fails there is
         # left out and named too.

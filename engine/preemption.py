@@ -5,16 +5,16 @@ The signal handler only sets a flag: nothing else is safe inside a handler, and 
 snapshot needs every rank. The Trainer looks at the flag at its next check point (every
 ``log_every`` steps) and starts one small all-reduce that tells every rank (a signal
 that reached any rank counts for all); at the check point after that, where the sums
-have long arrived, the ranks stop together, a snapshot is written, and rank 0 asks SLURM
-to requeue the job. The requeued job starts again with the same out_dir and resumes from that snapshot.
+have long arrived, the ranks stop together, a snapshot is written, and rank 0 asks the
+scheduler to requeue the job: the ``engine_requeue`` hook, which the slurm plugin
+answers with ``scontrol requeue``. The requeued job starts again with the same out_dir
+and resumes from that snapshot.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
 
@@ -65,32 +65,8 @@ class PreemptionFlag:
             os.kill(os.getpid(), signum)
 
 
-def slurm_job_id(environ=os.environ) -> str | None:
-    """The id that ``scontrol requeue`` wants: ARRAYJOB_TASK for array jobs."""
-    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get(
-        "SLURM_ARRAY_TASK_ID")
-    if array_job and array_task:
-        return f"{array_job}_{array_task}"
-    return environ.get("SLURM_JOB_ID")
-
-
-def requeue(environ=os.environ) -> str:
-    """Ask SLURM to requeue this job. Returns what happened, for the log; never raises."""
-    job = slurm_job_id(environ)
-    if not job:
-        return "not a SLURM job: not requeued (start the run again to resume)"
-    scontrol = shutil.which("scontrol", path=environ.get("PATH", os.defpath))
-    if scontrol is None:
-        return (f"scontrol not found on PATH: job {job} was not requeued; resubmit it to "
-                "resume from the snapshot")
-    try:
-        proc = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True,
-                              timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"scontrol requeue {job} failed: {exc}"
-    if proc.returncode != 0:
-        return f"scontrol requeue {job} failed: {(proc.stderr or proc.stdout).strip()}"
-    return f"job {job} requeued"
+#: What the log says when no plugin's scheduler runs this job (engine_requeue).
+NOT_REQUEUED = "not requeued (start the run again to resume)"
 
 
 def report(message: str) -> None:

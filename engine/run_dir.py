@@ -25,8 +25,9 @@ above 0) continues the newest folder of the pattern, so it resumes where it stop
 
 Without a pattern, ``--no-resume`` in a folder that holds a run (snapshots or a
 summary.json) is refused unless ``--overwrite`` is given, which first removes the old
-run's files (:data:`RUN_FILES`): two runs' TensorBoard event files in one folder show
-duplicate steps.
+run's files (:func:`run_files`: the engine's own, :data:`ENGINE_FILES`, and those each
+plugin declares with ``engine_register_run_files``, such as the loggers' metrics.csv and
+tensorboard/): two runs' TensorBoard event files in one folder show duplicate steps.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import os
 import pathlib
 import re
 import shutil
+from typing import Iterable
 
 from engine.errors import ConfigError
 
@@ -46,9 +48,15 @@ from engine.errors import ConfigError
 PLACEHOLDERS = {"version": r"\d+", "time": r"\d{8}-\d{6}"}
 TIME_FORMAT = "%Y%m%d-%H%M%S"
 _FIELD = re.compile(r"\{([^{}]*)\}")
-#: What a run writes into its out_dir; ``--overwrite`` removes these and nothing else
-#: (a data folder or notes the user keeps there stay).
-RUN_FILES = ("checkpoints", "tensorboard", "metrics.csv", "summary.json", "config.json")
+#: What the engine itself writes into a run's out_dir (the plugins declare theirs).
+ENGINE_FILES = ("checkpoints", "summary.json", "config.json")
+
+
+def run_files(pm) -> tuple[str, ...]:
+    """What a run writes into its out_dir: the engine's files and the plugins' (the
+    loggers'...). ``--overwrite`` removes these and nothing else (a data folder or notes
+    the user keeps there stay)."""
+    return ENGINE_FILES + tuple(name for name in pm.run_files if name not in ENGINE_FILES)
 
 
 def placeholders(out_dir: str) -> list[str]:
@@ -166,10 +174,11 @@ def refuse_fresh_start(out_dir: str, asked: str = "--no-resume",
             "makes a new folder each run)")
 
 
-def clear(out_dir) -> list[str]:
-    """Remove the run's files (:data:`RUN_FILES`) from ``out_dir``; returns their names."""
+def clear(out_dir, files: Iterable[str]) -> list[str]:
+    """Remove the run's ``files`` (:func:`run_files`) from ``out_dir``; returns the names
+    of those that were there."""
     removed = []
-    for name in RUN_FILES:
+    for name in files:
         path = pathlib.Path(out_dir) / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
@@ -181,11 +190,12 @@ def clear(out_dir) -> list[str]:
     return removed
 
 
-def settle(cfg, world, options: dict) -> None:
+def settle(cfg, world, options: dict, files: Iterable[str]) -> None:
     """Decide the run's folder once, on rank 0, and give every rank the same answer:
-    fill the pattern, or with ``--no-resume --overwrite`` clear the old run first (before
-    any rank writes: the others wait in the broadcast). Sets ``cfg.out_dir``. A
-    collective when the process group exists: every rank calls it."""
+    fill the pattern, or with ``--no-resume --overwrite`` clear the old run's ``files``
+    (:func:`run_files`) first (before any rank writes: the others wait in the
+    broadcast). Sets ``cfg.out_dir``. A collective when the process group exists: every
+    rank calls it."""
     from engine import distributed
 
     decision: str | BaseException | None = None
@@ -198,7 +208,7 @@ def settle(cfg, world, options: dict) -> None:
                                resume=options.get("resume"))
             if options.get("no_resume") and options.get("overwrite") and \
                     not is_pattern(cfg.out_dir):
-                removed = clear(decision)
+                removed = clear(decision, files)
                 if removed:
                     print(f"overwrite: removed {', '.join(removed)} from {decision}",
                           flush=True)

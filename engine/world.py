@@ -1,7 +1,9 @@
-"""Where one worker process stands: its ranks, its node and how to reach the master."""
+"""Where one worker process stands: its ranks, its node, how to reach the master, and
+the CPUs it may use."""
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Mapping, Sequence
 
@@ -34,6 +36,18 @@ class World:
     #: CUDA_VISIBLE_DEVICES (spawn), so that the variable says nothing about which GPUs
     #: are a process's own; see engine.parallel.gpus_bound_by_launcher.
     shared_devices: bool = False
+    #: The CPUs of each local process where the launcher knows better than the default
+    #: rule of :meth:`cpu_share` (the slurm launcher: SLURM_CPUS_PER_TASK per task);
+    #: None: the default rule.
+    cpus: CpuShare | None = None
+
+    def cpu_share(self) -> CpuShare:
+        """The CPUs this process may use, for its torch threads and its DataLoader
+        workers alike: the launcher's answer (:attr:`cpus`), else the CPUs this process
+        may run on (:func:`usable_cpus`) shared by the processes of this node."""
+        if self.cpus is not None:
+            return self.cpus
+        return machine_share(self.local_world_size)
 
     @property
     def is_rank0(self) -> bool:
@@ -91,6 +105,49 @@ class World:
             return self.init_method
         host, port = tcp_endpoint(self)
         return f"{host}:{port}"
+
+
+@attrs.frozen
+class CpuShare:
+    """The CPUs one process may count on, and where that number comes from."""
+
+    #: At least one: it becomes torch.set_num_threads.
+    count: int = attrs.field(validator=[attrs.validators.instance_of(int),
+                                        attrs.validators.ge(1)])
+    reason: str  # for the plan and tune-workers: "8 CPUs (affinity) shared by 2 ..."
+
+
+def share_cpus(cpus: int, source: str, processes: int) -> CpuShare:
+    """``cpus`` (found in ``source``) shared by ``processes`` processes, at least one each."""
+    processes = max(1, processes)
+    count = max(1, cpus // processes)
+    found = f"{cpus} CPU{'s' if cpus != 1 else ''} ({source})"
+    if processes == 1:
+        return CpuShare(count, f"{found} for this process")
+    return CpuShare(count, f"{found} shared by {processes} local processes = {count} each")
+
+
+def usable_cpus(environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """The CPUs this process may run on, and where that comes from: the allocation
+    SLURM made (SLURM_CPUS_PER_TASK, set for every process of the allocation, the batch
+    script and what it starts included) where there is one, since a cluster that does
+    not bind tasks to their CPUs leaves the affinity mask at the whole node; else the
+    affinity mask."""
+    environ = os.environ if environ is None else environ
+    allocated = environ.get("SLURM_CPUS_PER_TASK", "")
+    if allocated.isdigit() and int(allocated) > 0:
+        return int(allocated), "SLURM_CPUS_PER_TASK"
+    try:
+        return len(os.sched_getaffinity(0)), "affinity"
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1, "affinity"
+
+
+def machine_share(processes: int, environ: Mapping[str, str] | None = None) -> CpuShare:
+    """The default rule: this machine's usable CPUs shared by its ``processes`` local
+    processes (what spawn and torchrun answer, and a launcher that does not say)."""
+    cpus, source = usable_cpus(environ)
+    return share_cpus(cpus, source, processes)
 
 
 INIT_METHODS = ("env://", "tcp://HOST:PORT", "file:///shared/path")

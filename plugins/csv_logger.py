@@ -40,14 +40,18 @@ the new rows are appended. A run that does not resume (a new run in an old out_d
 starts the file afresh. In a custom loop (``engine.launch``), which fires no
 ``engine_run_start``, the file is opened at the first ``ctx.log`` and, after a resume,
 keeps the rows logged before that call's step. ``-p no:csv`` turns the logger off.
+
+:func:`read_metrics` reads the file back as curves (``engine-run report`` uses it).
 """
 
 from __future__ import annotations
 
 import csv
 import os
+import pathlib
 
 import engine
+from engine.errors import EngineError
 
 FILE_NAME = "metrics.csv"
 HEADER = ["step", "epoch", "name", "value"]
@@ -67,6 +71,35 @@ def read_rows(path) -> list[tuple[int, int, str, float]]:
             except ValueError:  # the header, a wrong field count, a cut-short number
                 continue
     return rows
+
+
+def read_metrics(run_dir) -> tuple[dict[str, list[tuple[int, float]]], pathlib.Path] | None:
+    """The scalars of a run's metrics.csv, ``{name: [(step, value), ...]}`` in the order
+    they were logged, and the file's path; None when the run has no metrics.csv. A file
+    with another header is an EngineError naming the missing columns."""
+    path = pathlib.Path(run_dir) / FILE_NAME
+    if not path.is_file():
+        return None
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), [])
+    if header != HEADER:
+        missing = [column for column in HEADER if column not in header]
+        what = (f"it lacks the column(s) {', '.join(missing)}" if missing
+                else f"its columns are {','.join(header)}")
+        raise EngineError(f"{path} is not a metrics file: {what} (expected the header "
+                          f"{','.join(HEADER)})")
+    series: dict[str, list[tuple[int, float]]] = {}
+    for step, _, name, value in read_rows(path):
+        points = series.setdefault(name, [])
+        # A step that goes back is a resumed run logging again from its snapshot: its
+        # points replace the interrupted run's from that step on (this logger drops them
+        # itself when it resumes; a writer that only appends does not). The same step
+        # twice is no restart: the window's train/loss, then the epoch's.
+        if points and points[-1][0] > step:
+            while points and points[-1][0] >= step:
+                points.pop()
+        points.append((step, value))
+    return series, path
 
 
 class CsvLogger:
@@ -140,6 +173,11 @@ class CsvLogger:
         os.replace(temporary, path)
         self.file = open(path, "a", newline="", buffering=1 << 20)
         self.writer = csv.writer(self.file)
+
+
+@engine.hookimpl
+def engine_register_run_files():
+    return [FILE_NAME]
 
 
 # One logger per process; its hooks are the module's hooks.

@@ -11,8 +11,14 @@ and the ranks are task * G + i. Either way:
   (SLURM_STEP_NODELIST; SLURM_JOB_NODELIST outside a step variable), where task 0 runs;
   expanded in Python (plugins/slurm_hostlist.py) and cross-checked with ``scontrol``;
 - master port: MASTER_PORT if set, else 15000 + the last four digits of SLURM_JOB_ID;
-- SLURM_CPUS_PER_TASK sets the threads (engine/data.py); a task that starts G
-  processes gives each of them a G-th of its CPUs.
+- CPUs: each task has SLURM_CPUS_PER_TASK of its own; a task that starts G processes
+  gives each of them a G-th (the world's ``cpus``, which sets the torch threads and
+  ``num_workers=auto``). Without the variable, the default rule of
+  :meth:`engine.world.World.cpu_share`.
+
+After a pre-emption snapshot, rank 0 of a SLURM job (whatever launched it: srun tasks,
+or a batch script running engine-run with spawn) runs ``scontrol requeue`` on the job
+(``engine_requeue``).
 
 The step's own variables are read rather than the job's: inside ``sbatch -N2
 --ntasks-per-node=2``, ``srun -N1 -n1`` still sees SLURM_NTASKS_PER_NODE=2 and the job's
@@ -21,7 +27,10 @@ two-node list. Numbers that do not add up are an error before any process starts
 
 from __future__ import annotations
 
-from typing import Callable
+import os
+import shutil
+import subprocess
+from typing import Callable, Mapping
 
 import engine
 from engine.plugins import slurm_hostlist as slurm
@@ -29,7 +38,7 @@ from engine.errors import LaunchError
 from engine.launch_env import check_port_free, int_variable, is_local_address, require_variables
 from engine.launcher import Launcher
 from engine.processes import spawn_workers
-from engine.world import World
+from engine.world import CpuShare, World, share_cpus
 
 #: Step ids that are shells or bookkeeping, not tasks: SLURM's interactive step,
 #: batch script and external step, by name and by number.
@@ -193,6 +202,15 @@ class SlurmLauncher(Launcher):
         job = env["SLURM_JOB_ID"]
         return addr, slurm.master_port_for_job(job), f"derived from SLURM_JOB_ID={job}"
 
+    def cpus_per_process(self) -> CpuShare | None:
+        """SLURM gives each task SLURM_CPUS_PER_TASK CPUs of its own: all of them for a
+        task that is one process, shared by the processes a task starts. None (the
+        default rule) when the step did not ask for CPUs per task."""
+        allocated = self.environ.get("SLURM_CPUS_PER_TASK", "")
+        if not (allocated.isdigit() and int(allocated) > 0):
+            return None
+        return share_cpus(int(allocated), "SLURM_CPUS_PER_TASK", self.processes_per_task)
+
     def worlds(self) -> list[World]:
         n = self._numbers()
         per_task = self.processes_per_task
@@ -222,6 +240,7 @@ class SlurmLauncher(Launcher):
                 run_id=run_id,
                 host=host,
                 layout=layout,
+                cpus=self.cpus_per_process(),
             )
             for i in range(per_task)
         ]
@@ -241,18 +260,49 @@ class SlurmLauncher(Launcher):
                                             f"(the port was {source})")
         if len(worlds) == 1:
             return [worker(first)]
-        child_env = {}
-        cpus = self.environ.get("SLURM_CPUS_PER_TASK", "")
-        if cpus.isdigit():
-            # The task's CPUs are shared by the processes it starts: each child sees
-            # its share where engine/data.py looks for it.
-            child_env["SLURM_CPUS_PER_TASK"] = str(max(1, int(cpus) // len(worlds)))
-        return spawn_workers(worker, worlds, child_env)
+        return spawn_workers(worker, worlds)  # each world carries its share of the CPUs
 
 
 @engine.hookimpl
 def engine_register_launchers(registry):
     registry.add(SlurmLauncher)
+
+
+# ------------------------------------------------------------------ requeue
+
+
+def job_to_requeue(environ: Mapping[str, str]) -> str | None:
+    """The id that ``scontrol requeue`` wants: ARRAYJOB_TASK for array jobs."""
+    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get(
+        "SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    return environ.get("SLURM_JOB_ID")
+
+
+def requeue(environ: Mapping[str, str]) -> str | None:
+    """Ask SLURM to requeue this job. Returns what happened, for the log, or None
+    outside a SLURM job; never raises."""
+    job = job_to_requeue(environ)
+    if not job:
+        return None
+    scontrol = shutil.which("scontrol", path=environ.get("PATH", os.defpath))
+    if scontrol is None:
+        return (f"scontrol not found on PATH: job {job} was not requeued; resubmit it to "
+                "resume from the snapshot")
+    try:
+        proc = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"scontrol requeue {job} failed: {exc}"
+    if proc.returncode != 0:
+        return f"scontrol requeue {job} failed: {(proc.stderr or proc.stdout).strip()}"
+    return f"job {job} requeued"
+
+
+@engine.hookimpl
+def engine_requeue(engine):
+    return requeue(os.environ)
 
 
 def sbatch_command(argv) -> int:

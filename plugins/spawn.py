@@ -4,6 +4,8 @@ One machine: ``engine-run RECIPE`` starts one process per visible GPU, or 2 on a
 CPU-only machine (``--nproc N`` to choose). Several machines, the seeds' "run it on
 every node" style: the same command on each node with ``--nnodes N --node-rank R
 --master-addr HOST --master-port P``; global rank = node_rank * nproc + local_rank.
+Each process gets an equal share of this machine's usable CPUs (the SLURM allocation
+when engine-run runs in a batch script, else the affinity mask): the world's ``cpus``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from engine.errors import LaunchError
 from engine.launch_env import check_port_free, free_port, is_local_address
 from engine.launcher import Launcher
 from engine.processes import spawn_workers
-from engine.world import World, tcp_endpoint
+from engine.world import World, machine_share, tcp_endpoint
 
 
 def default_nproc() -> int:
@@ -34,7 +36,7 @@ class SpawnLauncher(Launcher):
     name = "spawn"
     priority = 1000  # the fallback: nothing else claimed the process
     spawns = True
-    reads = ("CUDA_VISIBLE_DEVICES", "ENGINE_RUN_ID")
+    reads = ("CUDA_VISIBLE_DEVICES", "ENGINE_RUN_ID", "SLURM_CPUS_PER_TASK")
 
     @classmethod
     def detect(cls, environ, options) -> bool:
@@ -68,6 +70,7 @@ class SpawnLauncher(Launcher):
         host = socket.gethostname()
         layout = tuple((host if node == opts.node_rank else (addr if node == 0 else "?"),
                         nproc) for node in range(opts.nnodes))
+        cpus = machine_share(nproc, self.environ)  # this machine's CPUs, shared by all
         worlds = [
             World(
                 rank=opts.node_rank * nproc + local_rank,
@@ -84,6 +87,7 @@ class SpawnLauncher(Launcher):
                 run_id=self._run_id,
                 host=host,
                 layout=layout,
+                cpus=cpus,
             )
             for local_rank in range(nproc)
         ]

@@ -9,12 +9,18 @@ turns the logger off.
 A resumed run writes a new event file into the same folder; it tells TensorBoard to
 drop the points the interrupted run had written after the snapshot it resumes from
 (``purge_step``), so the curves do not fold back on themselves.
+
+:func:`read_metrics` reads the event files back as curves (``engine-run report``).
 """
 
 from __future__ import annotations
 
+import pathlib
+
 import engine
 from engine.errors import PluginError
+
+FOLDER = "tensorboard"
 
 
 class TensorBoardLogger:
@@ -37,7 +43,7 @@ class TensorBoardLogger:
             self.writer = self._open(engine)
         # One event holding every metric of the call, not one add_scalar (one event,
         # one queue hand-off to the writer thread, two pure-Python CRC32Cs) per metric:
-        # 70-120 us of CPU per call of three metrics instead of 265-280 us. TensorBoard
+        # far less CPU per call (docs/plugins.md has the measurement). TensorBoard
         # reads each value as its own scalar, exactly as add_scalar writes it.
         Summary = self.summary_type
         values = [Summary.Value(tag=name, simple_value=float(value))
@@ -69,7 +75,29 @@ class TensorBoardLogger:
 
         self.summary_type = Summary
         purge = {"purge_step": self.resumed_step + 1} if self.resumed_step else {}
-        return SummaryWriter(log_dir=str(engine.out_dir / "tensorboard"), **purge)
+        return SummaryWriter(log_dir=str(engine.out_dir / FOLDER), **purge)
+
+
+def read_metrics(run_dir) -> tuple[dict[str, list[tuple[int, float]]], pathlib.Path] | None:
+    """The scalars of a run's event files, ``{tag: [(step, value), ...]}``, and their
+    folder; None when the run has none. A resumed run's ``purge_step`` is applied: the
+    points the interrupted run wrote after its snapshot are gone."""
+    folder = pathlib.Path(run_dir) / FOLDER
+    if not (folder.is_dir() and any(folder.glob("events.out.tfevents.*"))):
+        return None
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    # size_guidance 0: every point, not TensorBoard's default sample of 1000. Reload
+    # reads every event file in the folder.
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    return ({tag: [(e.step, e.value) for e in events.Scalars(tag)]
+             for tag in events.Tags()["scalars"]}, folder)
+
+
+@engine.hookimpl
+def engine_register_run_files():
+    return [FOLDER]
 
 
 # One logger per process; its hooks are the module's hooks.

@@ -10,7 +10,8 @@ torchrun runs a Python file (``$(which engine-run)`` is one) or, with ``-m``, a 
 (``-m engine``). It sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK
 (the node rank), MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT and
 TORCHELASTIC_RUN_ID; its agent already hosts the rendezvous store at
-MASTER_ADDR:MASTER_PORT, so there is no port to check here.
+MASTER_ADDR:MASTER_PORT, so there is no port to check here. Each process gets an equal
+share of the machine's usable CPUs: LOCAL_WORLD_SIZE processes share them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import engine
 from engine.errors import LaunchError
 from engine.launch_env import int_variable, require_variables
 from engine.launcher import Launcher
-from engine.world import World
+from engine.world import World, machine_share
 
 REQUIRED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
             "MASTER_PORT")
@@ -30,7 +31,8 @@ class TorchrunLauncher(Launcher):
     priority = 20
     port_held_by_starter = True  # the agent's rendezvous store
     reads = REQUIRED + ("GROUP_RANK", "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
-                        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
+                        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                        "SLURM_CPUS_PER_TASK")
 
     @classmethod
     def detect(cls, environ, options) -> bool:
@@ -86,6 +88,8 @@ class TorchrunLauncher(Launcher):
             restart_count=int_variable(env, "TORCHELASTIC_RESTART_COUNT", self.name,
                                        default=0),
             run_id="" if run_id == "none" else run_id,  # torchrun's default --rdzv-id
+            # The machine's CPUs, shared by the --nproc-per-node processes torchrun started.
+            cpus=machine_share(local_world_size, env),
         )
         world.check()
         return [world]

@@ -42,6 +42,8 @@ RELEASED = {
         "engine_register_state": ("engine", "parts"),
         "engine_validation_start": ("engine", "epoch"),
         "engine_validation_end": ("engine", "epoch", "metrics"),
+        "engine_requeue": ("engine",),
+        "engine_register_run_files": (),
     },
 }
 FIRST_RELEASE = {name: (version, args) for version, hooks in RELEASED.items()

@@ -410,9 +410,11 @@ def main(argv=None) -> int:
         modes = [m for m in session_modes if m in args.modes]
         if not modes:
             continue
-        from engine.data import threads_per_process
+        from engine.world import World
 
-        args.threads = args.threads_option or threads_per_process(world_size)
+        # The engine's default: what a spawn worker of this many processes gets.
+        args.threads = args.threads_option or World(0, 0, world_size,
+                                                    world_size).cpu_share().count
         results = run_session(world_size, modes, args, log_path)
         rows += summarize(world_size, results)
         runs += [{"processes": world_size, **r} for r in results]

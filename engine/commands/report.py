@@ -4,17 +4,16 @@
     wrote runs/cifar_ddp/report.png (train/loss by step; val/accuracy, val/loss by epoch; from runs/cifar_ddp/tensorboard)
 
 Panels: the training loss by optimizer step; the loss by epoch (val/loss and the epoch's
-mean train/loss); then every other ``val/*`` metric by epoch. The scalars come from
-RUN_DIR/metrics.csv (the csv logger: ``step,epoch,name,value``, one row per metric) when
-it exists, else from the TensorBoard event files in RUN_DIR/tensorboard, so runs made
-before the csv logger existed have reports too. matplotlib is the optional extra
+mean train/loss); then every other ``val/*`` metric by epoch. The scalars are read by
+the loggers' own readers: the csv logger's metrics.csv when the run has one, else the
+tensorboard logger's event files, so runs made before the csv logger existed have
+reports too. matplotlib is the optional extra
 ``report`` (``pip install -e ".[report]"``); it and tensorboard are imported here only.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import io
 import json
 import math
@@ -22,8 +21,6 @@ import pathlib
 
 from engine.errors import EngineError
 
-CSV_NAME = "metrics.csv"
-TENSORBOARD_DIR = "tensorboard"
 INSTALL = 'pip install -e ".[report]"'
 
 #: name -> [(step, value)] in the order they were logged.
@@ -67,56 +64,21 @@ def main(argv) -> int:
 
 
 def read_scalars(run_dir: pathlib.Path) -> tuple[Series, str]:
-    """The run's scalars and where they came from: metrics.csv, else TensorBoard's."""
-    path = run_dir / CSV_NAME
-    if path.is_file():
-        return read_csv(path), str(path)
-    events = run_dir / TENSORBOARD_DIR
-    if events.is_dir() and any(events.glob("events.out.tfevents.*")):
-        return read_tensorboard(events), str(events)
-    raise EngineError(f"report: no metrics in {run_dir}: neither {CSV_NAME} nor TensorBoard "
-                      f"event files in {events} (was the run made with its loggers "
-                      "turned off, -p no:tensorboard?)")
+    """The run's scalars and where they came from, read by the loggers' own readers:
+    the csv logger's metrics.csv, else the TensorBoard event files."""
+    from engine.plugins import csv_logger, tensorboard
 
-
-def read_csv(path: pathlib.Path) -> Series:
-    series: Series = {}
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        missing = {"step", "name", "value"} - set(reader.fieldnames or ())
-        if missing:
-            raise EngineError(f"report: {path} is not a metrics file: it lacks the "
-                              f"column(s) {', '.join(sorted(missing))} (expected the header "
-                              "step,epoch,name,value)")
-        for row in reader:
-            try:
-                step, value = int(row["step"]), float(row["value"])
-            except (TypeError, ValueError):
-                continue  # a last line cut short by a kill, as the csv logger's reader
-            append(series.setdefault(row["name"], []), step, value)
-    return series
-
-
-def append(points: list, step: int, value: float) -> None:
-    """A step that goes back is a resumed run logging again from its snapshot: its points
-    replace the interrupted run's from that step on (what TensorBoard's purge_step does
-    for the event files; the csv logger drops them itself, another writer may not). The
-    same step twice is no restart: the window's train/loss, then the epoch's."""
-    if points and points[-1][0] > step:
-        while points and points[-1][0] >= step:
-            points.pop()
-    points.append((step, value))
-
-
-def read_tensorboard(folder: pathlib.Path) -> Series:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    # size_guidance 0: every point, not TensorBoard's default sample of 1000. Reload
-    # reads every event file in the folder and applies the resumed runs' purge_step.
-    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
-            for tag in events.Tags()["scalars"]}
+    for logger in (csv_logger, tensorboard):
+        try:
+            found = logger.read_metrics(run_dir)
+        except EngineError as exc:
+            raise EngineError(f"report: {exc}") from None
+        if found is not None:
+            series, source = found
+            return series, str(source)
+    raise EngineError(f"report: no metrics in {run_dir}: neither {csv_logger.FILE_NAME} nor "
+                      f"TensorBoard event files in {run_dir / tensorboard.FOLDER} (was the "
+                      "run made with its loggers turned off, -p no:tensorboard?)")
 
 
 def heading(run_dir: pathlib.Path) -> str:

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from engine.errors import ConfigError, EngineError
+from engine.errors import ConfigError, EngineError, first_line, one_line
 
 #: Seconds a setting may take beyond its budget (process start, dataset, warm-up).
 STARTUP_ALLOWANCE_S = 180.0
@@ -132,9 +132,10 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
     world = worlds[0]
     parallel = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg)
     device_type = parallel.devices[0].type
-    per_process, where = loader_settings.cpus_per_process(world.local_world_size)
-    auto = loader_settings.choose("auto", local_world_size=world.local_world_size,
-                                  device_type=device_type, timeout_s=cfg.timeout_s)
+    cpus = world.cpu_share()
+    per_process, where = cpus.count, cpus.reason
+    auto = loader_settings.choose("auto", cpus=cpus, device_type=device_type,
+                                  timeout_s=cfg.timeout_s)
     batch_sizes = list(batch_sizes or [cfg.batch_size])
     for batch in batch_sizes:  # every batch size must split, before anything starts
         data.split_batch(batch, world.world_size, cfg.grad_accum_steps)
@@ -231,9 +232,7 @@ def _measure_process(job, world, settings, budget_s, full_step, results, barrier
     try:
         _measure_settings(job, world, settings, budget_s, full_step, results, barrier)
     except BaseException as exc:  # reported to the parent as one line, never a hang
-        message = (str(exc).strip().splitlines() or [""])[0]
-        if not isinstance(exc, EngineError):
-            message = f"{type(exc).__name__}: {message}"
+        message = first_line(exc) if isinstance(exc, EngineError) else one_line(exc)
         results.put(("error", world.rank, message))
         barrier.abort()
 
@@ -250,7 +249,7 @@ def _measure_settings(job, world, settings, budget_s, full_step, results, barrie
     pm = build_plugin_manager(list(job.plugins))
     recipe, cfg = job.load(pm)
     seed_everything(cfg.seed)
-    torch.set_num_threads(data.threads_per_process(world.local_world_size))
+    torch.set_num_threads(world.cpu_share().count)
     ctx = Engine(pm, recipe, cfg, world, {})  # what build_datasets sees as ctx in a run
     ctx.parallel = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg)
     ctx.parallel.setup_device()
@@ -278,8 +277,7 @@ def _measure_settings(job, world, settings, budget_s, full_step, results, barrie
 
     for setting in settings:
         micro = data.split_batch(setting.batch_size, world.world_size, cfg.grad_accum_steps)
-        chosen = loader_settings.choose(setting.num_workers,
-                                        local_world_size=world.local_world_size,
+        chosen = loader_settings.choose(setting.num_workers, cpus=world.cpu_share(),
                                         device_type=device.type, timeout_s=cfg.timeout_s)
         loader = data.train_loader(train_set, micro_batch=micro, world=world, seed=cfg.seed,
                                    drop_last=cfg.drop_last, per_sample_seed=cfg.per_sample_seed,

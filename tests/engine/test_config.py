@@ -81,7 +81,7 @@ def test_to_dict_is_plain_data():
 
 
 def test_an_out_dir_that_is_a_file_is_one_clear_line(tmp_path):
-    """Issue 16, defect 6: a FileExistsError traceback in every worker before."""
+    """Not a FileExistsError traceback in every worker."""
     from engine.config import check
 
     afile = tmp_path / "notes.txt"

@@ -53,9 +53,9 @@ def test_a_hung_rank_is_named_within_the_collective_timeout(tmp_path):
 
 
 def test_a_stopped_rank_0_is_named_and_the_job_ends_within_the_timeout(tmp_path):
-    """Issue 16, defect 1: with rank 0 stopped (SIGSTOP), rank 1 waited 200 s+ in the
-    roll call (a side group without a timeout), and torch's launcher waited another 30 s
-    before killing the stopped process."""
+    """With rank 0 stopped (SIGSTOP), rank 1 must not wait in the roll call (a side
+    group without a timeout waits torch's default), nor the launcher for the stopped
+    process: the job ends within the timeout."""
     marker = tmp_path / "stopped"
     proc, _ = run_with_fault(tmp_path, "stop", "timeout_s=4", rank=0,
                              ENGINE_FAULT_ONCE=str(marker))
@@ -82,8 +82,8 @@ print(not health._GROUPS, dist.is_initialized())
 
 
 def test_destroy_releases_the_side_group_before_the_world_group(tmp_path):
-    """Issue 10, defect 3: a side group still referenced at interpreter exit was torn
-    down in C++ finalisation, where gloo aborted the process (SIGABRT) after a finished
+    """A side group still referenced at interpreter exit was torn down in C++
+    finalisation, where gloo aborted the process (SIGABRT) after a finished
     run. The loop that shows it is tools/exit_loop.py; this checks the teardown order's
     outcome: nothing of the side group is left when destroy() returns."""
     import subprocess

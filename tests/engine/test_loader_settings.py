@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 from engine import data, loader_settings
-from engine.loader_settings import choose, cpus_per_process, slurm_tasks_on_this_node
-from engine.world import World
+from engine.launcher import LaunchOptions
+from engine.loader_settings import choose
+from engine.plugins.slurm import SlurmLauncher
+from engine.world import World, share_cpus
 
-NO_SLURM: dict[str, str] = {}
+
+def shared(cpus, local):
+    """What the default rule answers on a machine with ``cpus`` CPUs (affinity)."""
+    return share_cpus(cpus, "affinity", local)
 
 
-def auto(cpus, local, device="cpu", environ=NO_SLURM, timeout_s=300.0):
-    return choose("auto", local_world_size=local, device_type=device, timeout_s=timeout_s,
-                  environ=environ, cpus=cpus)
+def auto(cpus, local, device="cpu", timeout_s=300.0):
+    return choose("auto", cpus=shared(cpus, local), device_type=device, timeout_s=timeout_s)
 
 
 def test_this_machine_one_cpu_per_process_still_gets_a_worker():
@@ -34,8 +36,7 @@ def test_this_machine_one_cpu_per_process_still_gets_a_worker():
 
 def test_no_workers_means_no_worker_options():
     """torch refuses prefetch_factor and timeout without workers."""
-    settings = choose(0, local_world_size=2, device_type="cpu", timeout_s=300,
-                      environ=NO_SLURM, cpus=2)
+    settings = choose(0, cpus=shared(2, 2), device_type="cpu", timeout_s=300)
     assert (settings.num_workers, settings.persistent_workers, settings.prefetch_factor,
             settings.timeout_s) == (0, False, None, 0.0)
     assert settings.describe() == (
@@ -66,47 +67,33 @@ def test_pinned_memory_only_for_cuda():
 
 def test_the_seeds_oct_node_both_slurm_layouts_give_the_same_answer():
     """60 CPUs and 4 GPUs per node, as in the seeds' best OCT-A run: one task per node
-    that starts 4 processes, or one task per GPU with 15 CPUs each."""
-    per_node = {"SLURM_CPUS_PER_TASK": "60", "SLURM_STEP_ID": "0",
-                "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "1"}
-    per_gpu = {"SLURM_CPUS_PER_TASK": "15", "SLURM_STEP_ID": "0",
-               "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1"}
-    a = auto(cpus=60, local=4, device="cuda", environ=per_node)
-    b = auto(cpus=15, local=4, device="cuda", environ=per_gpu)
+    that starts 4 processes, or one task per GPU with 15 CPUs each. The slurm launcher's
+    worlds carry the share, as they do in a real step."""
+    step = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NODEID": "1",
+            "SLURM_STEP_NODELIST": "gpu[01-02]", "SLURM_STEP_NUM_NODES": "2",
+            "SLURM_JOB_NAME": "train", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    per_node = {**step, "SLURM_CPUS_PER_TASK": "60", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+                "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+    per_gpu = {**step, "SLURM_CPUS_PER_TASK": "15", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+               "SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
+               "CUDA_VISIBLE_DEVICES": "1"}
+    a = SlurmLauncher(LaunchOptions(), per_node).worlds()
+    b = SlurmLauncher(LaunchOptions(), per_gpu).worlds()
+    assert (len(a), len(b)) == (4, 1)  # the lone task starts one process per GPU
+    a, b = (choose("auto", cpus=w.cpu_share(), device_type="cuda", timeout_s=300)
+            for w in (a[0], b[0]))
     assert a.num_workers == b.num_workers == 14
     assert "60 CPUs (SLURM_CPUS_PER_TASK) shared by 4 local processes = 15 each" in a.reason
     assert "15 CPUs (SLURM_CPUS_PER_TASK) for this process" in b.reason
 
 
-def test_slurm_tasks_per_node_are_read_for_this_node():
-    step = {"SLURM_STEP_ID": "3", "SLURM_STEP_TASKS_PER_NODE": "2(x3),1"}
-    assert [slurm_tasks_on_this_node({**step, "SLURM_NODEID": str(n)})
-            for n in range(4)] == [2, 2, 2, 1]
-    assert slurm_tasks_on_this_node({"SLURM_STEP_TASKS_PER_NODE": "2"}) is None  # no step
-    assert slurm_tasks_on_this_node({"SLURM_STEP_ID": "0"}) is None
-    assert slurm_tasks_on_this_node({**step, "SLURM_STEP_TASKS_PER_NODE": "junk"}) is None
-
-
-def test_slurm_cpus_are_read_from_the_environment(monkeypatch):
-    """The real lookup: SLURM_CPUS_PER_TASK wins over the affinity mask."""
-    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")
-    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
-    assert cpus_per_process(2) == (3, "6 CPUs (SLURM_CPUS_PER_TASK) shared by 2 local "
-                                      "processes = 3 each")
-    monkeypatch.delenv("SLURM_CPUS_PER_TASK")
-    affinity = len(os.sched_getaffinity(0))
-    assert cpus_per_process(1) == (affinity, f"{affinity} CPUs (affinity) for this process")
-
-
 def test_an_explicit_value_is_kept_and_compared_with_auto():
-    settings = choose(3, local_world_size=2, device_type="cpu", timeout_s=60,
-                      environ=NO_SLURM, cpus=8)
+    settings = choose(3, cpus=shared(8, 2), device_type="cpu", timeout_s=60)
     assert (settings.num_workers, settings.persistent_workers, settings.timeout_s) == (
         3, True, 60.0)
     assert settings.reason == ("as configured; auto would choose 3 from 8 CPUs (affinity) "
                                "shared by 2 local processes = 4 each")
-    crowded = choose(8, local_world_size=2, device_type="cpu", timeout_s=60,
-                     environ=NO_SLURM, cpus=8)
+    crowded = choose(8, cpus=shared(8, 2), device_type="cpu", timeout_s=60)
     assert crowded.reason.endswith("= 4 each; 8 workers compete for 4 CPUs")
 
 
@@ -122,8 +109,7 @@ def test_describe_is_what_the_plan_prints():
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_settings_build_a_working_loader(workers):
     """torch refuses prefetch_factor or timeout without workers: the kwargs must fit."""
-    settings = choose(workers, local_world_size=1, device_type="cpu", timeout_s=60,
-                      environ=NO_SLURM, cpus=4)
+    settings = choose(workers, cpus=shared(4, 1), device_type="cpu", timeout_s=60)
     dataset = TensorDataset(torch.arange(10.0), torch.arange(10))
     world = World(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
                   num_nodes=1, master_addr="127.0.0.1", master_port=29500,

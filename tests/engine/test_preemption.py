@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from engine import preemption
 from tests.conftest import REPO, engine_env, read_summary, run_cli
 
 RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
@@ -27,8 +26,8 @@ def test_sigusr1_on_one_rank_snapshots_all_and_the_rerun_finishes_identically(tm
     # Rank 1 got the signal after step 7 (epoch 1's first). The check point at step 8
     # carries its flag to every rank; they act on it at the next one (step 10), where
     # the sums have long arrived.
-    assert ("pre-empted: snapshot written at epoch 1, step 10; not a SLURM job: not "
-            "requeued") in stopped.stderr
+    assert ("pre-empted: snapshot written at epoch 1, step 10; not requeued (start the "
+            "run again to resume)") in stopped.stderr
     summary = read_summary(out)
     assert summary["status"] == "preempted" and summary["global_step"] == 10
     assert (out / "checkpoints" / "snapshot-e0001-s00000010.pt").is_file()
@@ -38,18 +37,28 @@ def test_sigusr1_on_one_rank_snapshots_all_and_the_rerun_finishes_identically(tm
     assert read_summary(out)["weights_sha256"] == read_summary(reference)["weights_sha256"]
 
 
-def test_requeue_reports_a_missing_scontrol(tmp_path):
-    message = preemption.requeue({"SLURM_JOB_ID": "4242", "PATH": str(tmp_path)})
-    assert message == ("scontrol not found on PATH: job 4242 was not requeued; resubmit it "
-                       "to resume from the snapshot")
+SCHEDULER_PLUGIN = """
+def engine_requeue(engine):
+    return f"requeued by the test scheduler (rank {engine.rank}, step {engine.state.step})"
+"""
 
 
-def test_array_jobs_are_requeued_by_their_array_id():
-    env = {"SLURM_JOB_ID": "100", "SLURM_ARRAY_JOB_ID": "90", "SLURM_ARRAY_TASK_ID": "3"}
-    assert preemption.slurm_job_id(env) == "90_3"
-    assert preemption.slurm_job_id({"SLURM_JOB_ID": "100"}) == "100"
-    assert preemption.requeue({}) == ("not a SLURM job: not requeued (start the run again "
-                                      "to resume)")
+def test_the_schedulers_plugin_requeues_and_says_so(tmp_path):
+    """engine_requeue: the first plugin that answers (here a third-party scheduler's;
+    the slurm plugin answers None outside a SLURM job) requeues, rank 0 logs its line."""
+    (tmp_path / "scheduler_plugin.py").write_text(SCHEDULER_PLUGIN)
+    env = engine_env(ENGINE_FAULT_ACTION="signal", ENGINE_FAULT_STEP="3",
+                     PYTHONPATH=f"{REPO}:{tmp_path}")
+    stopped = run_cli(RECIPE, *ARGS, f"out_dir={tmp_path / 'run'}", "--nproc", "1",
+                      "-p", "tests.fault_plugin", "-p", "scheduler_plugin", env=env)
+    assert stopped.returncode == 75, stopped.stderr
+    assert ("pre-empted by SIGUSR1: snapshot written at epoch 0, step 6; requeued by the "
+            "test scheduler (rank 0, step 6)") in stopped.stderr
+    # requeue=false: nobody is asked.
+    again = run_cli(RECIPE, *ARGS, f"out_dir={tmp_path / 'run2'}", "--nproc", "1",
+                    "requeue=false", "-p", "tests.fault_plugin", "-p", "scheduler_plugin",
+                    env=env)
+    assert again.returncode == 75 and "requeued" not in again.stderr, again.stderr
 
 
 # A real scheduler round trip (submit, signal, requeue, start again) takes 2-3 minutes
@@ -97,7 +106,7 @@ def test_slurm_job_signalled_mid_run_is_requeued_and_finishes_identically(tmp_pa
     assert "pre-empted by SIGUSR1" in log and f"job {job} requeued" in log, log
     assert "resuming from" in log, log
     # scancel signals every process of the step: each worker got SIGUSR1 directly and
-    # forwarded by its task (issue 16, defect 2): one request, no worker killed by it.
+    # forwarded by its task: one request, no worker killed by it.
     # Then the requeue's SIGTERM to the step changes nothing: the task exits with 75.
     # (Only the first run's part: the scancel below may catch the second one exiting.)
     stopped = log.split("resuming from")[0]

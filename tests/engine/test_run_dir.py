@@ -11,6 +11,7 @@ import pytest
 from engine import run_dir
 from engine.config import TrainConfig, check
 from engine.errors import ConfigError
+from engine.plugin_manager import build_plugin_manager
 from engine.world import World
 
 MOMENT = datetime.datetime(2026, 11, 23, 9, 30, 12, tzinfo=datetime.timezone.utc)
@@ -83,18 +84,43 @@ def test_no_resume_is_refused_where_a_run_is_and_overwrite_clears_only_its_files
     run_dir.refuse_fresh_start(str(tmp_path / "version_{version}"))  # a new one anyway
 
     cfg = TrainConfig(out_dir=str(out))
-    run_dir.settle(cfg, World(0, 0, 1, 1), {"no_resume": True, "overwrite": True})
+    files = run_dir.run_files(build_plugin_manager())
+    run_dir.settle(cfg, World(0, 0, 1, 1), {"no_resume": True, "overwrite": True}, files)
     assert sorted(p.name for p in out.iterdir()) == ["my-notes.txt"]
     assert run_dir.holds_a_run(out) == []
 
 
+class JsonLinesLogger:
+    """A third-party logger that writes metrics.jsonl and declares it."""
+
+    @staticmethod
+    def engine_register_run_files():
+        return ["metrics.jsonl"]
+
+
+def test_overwrite_removes_the_files_the_loaded_plugins_declare(tmp_path):
+    """The engine's files and each plugin's (engine_register_run_files): a logger turned
+    off leaves its file, a third-party logger's is removed with the rest."""
+    out = tmp_path / "run"
+    fill_with_a_run(out)
+    (out / "metrics.jsonl").write_text("{}")
+    pm = build_plugin_manager(["no:csv"], objects={"jsonl": JsonLinesLogger()})
+    assert run_dir.run_files(pm) == ("checkpoints", "summary.json", "config.json",
+                                     "tensorboard", "metrics.jsonl")
+    assert pm.components_of("jsonl") == {"run file": ["metrics.jsonl"]}
+    assert run_dir.clear(out, run_dir.run_files(pm)) == [
+        "checkpoints", "summary.json", "config.json", "tensorboard", "metrics.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.csv", "my-notes.txt"]
+
+
 def test_settle_fills_the_pattern_on_rank_0(tmp_path):
     cfg = TrainConfig(out_dir=str(tmp_path / "v{version}"))
-    run_dir.settle(cfg, World(0, 0, 1, 1), {})
+    run_dir.settle(cfg, World(0, 0, 1, 1), {}, run_dir.ENGINE_FILES)
     assert cfg.out_dir == str(tmp_path / "v0")
     again = TrainConfig(out_dir=str(tmp_path / "v{version}"))
-    run_dir.settle(again, World(0, 0, 1, 1, restart_count=1), {})
+    run_dir.settle(again, World(0, 0, 1, 1, restart_count=1), {}, run_dir.ENGINE_FILES)
     assert again.out_dir == str(tmp_path / "v0")  # torchrun/SLURM restart: resumes
     afresh = TrainConfig(out_dir=str(tmp_path / "v{version}"))
-    run_dir.settle(afresh, World(0, 0, 1, 1, restart_count=1), {"no_resume": True})
+    run_dir.settle(afresh, World(0, 0, 1, 1, restart_count=1), {"no_resume": True},
+                   run_dir.ENGINE_FILES)
     assert afresh.out_dir == str(tmp_path / "v1")  # a restart that starts afresh: new

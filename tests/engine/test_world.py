@@ -3,10 +3,13 @@ world table."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from engine.errors import LaunchError
-from engine.world import World, check_init_method, format_world_table, whole_world
+from engine.world import (CpuShare, World, check_init_method, format_world_table,
+                          share_cpus, usable_cpus, whole_world)
 
 
 def world(**kw) -> World:
@@ -81,3 +84,46 @@ def test_world_table_columns():
     assert lines == [["rank", "local", "node", "host", "device", "master"],
                      ["0", "0", "0", "h0", "cuda:0", "n1:15000"],
                      ["1", "1", "0", "h0", "cuda:1", "n1:15000"]]
+
+
+# ------------------------------------------------------------------- the CPU rule
+
+
+def test_the_default_rule_shares_this_machines_cpus_among_the_local_processes(monkeypatch):
+    """A launcher that does not say (a third-party one) gets the default: the CPUs this
+    process may run on, shared by the processes of its node."""
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    affinity = len(os.sched_getaffinity(0))
+    assert world(local_world_size=1, world_size=1).cpu_share() == CpuShare(
+        affinity, f"{affinity} CPUs (affinity) for this process")
+    two = world(world_size=4, local_world_size=2).cpu_share()
+    assert two.count == max(1, affinity // 2)
+    assert two.reason == (f"{affinity} CPUs (affinity) shared by 2 local processes = "
+                          f"{max(1, affinity // 2)} each")
+    # Inside a SLURM allocation (a batch script that runs engine-run, or torchrun under
+    # srun), the allocation counts, not a mask a cluster without binding leaves whole.
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")
+    assert world().cpu_share() == CpuShare(3, "6 CPUs (SLURM_CPUS_PER_TASK) shared by 2 "
+                                              "local processes = 3 each")
+
+
+def test_the_launchers_answer_wins_over_the_default():
+    mine = CpuShare(7, "7 CPUs (my scheduler) for this process")
+    assert world(cpus=mine).cpu_share() is mine
+
+
+def test_a_share_is_at_least_one_cpu_and_says_where_it_comes_from():
+    assert share_cpus(1, "SLURM_CPUS_PER_TASK", 1) == CpuShare(
+        1, "1 CPU (SLURM_CPUS_PER_TASK) for this process")
+    # More processes than CPUs: each still gets one thread.
+    assert share_cpus(2, "affinity", 3) == CpuShare(
+        1, "2 CPUs (affinity) shared by 3 local processes = 1 each")
+    with pytest.raises(ValueError, match="'count' must be >= 1: 0"):
+        CpuShare(0, "a launcher that counted nothing")
+
+
+def test_usable_cpus_reads_the_given_environment():
+    assert usable_cpus({"SLURM_CPUS_PER_TASK": "12"}) == (12, "SLURM_CPUS_PER_TASK")
+    affinity = len(os.sched_getaffinity(0))
+    for unusable in ({}, {"SLURM_CPUS_PER_TASK": ""}, {"SLURM_CPUS_PER_TASK": "0"}):
+        assert usable_cpus(unusable) == (affinity, "affinity")

@@ -9,7 +9,7 @@ import re
 import sys
 import types
 
-from engine.plugins.csv_logger import HEADER, CsvLogger
+from engine.plugins.csv_logger import HEADER, CsvLogger, read_metrics
 from engine.testing import make_engine, make_plugin_manager, tiny_recipe  # noqa: F401 (fixtures)
 from engine.world import World
 from tests.conftest import REPO
@@ -78,6 +78,23 @@ def test_a_resume_drops_the_rows_after_the_snapshot_and_a_cut_short_line(make_en
         ("4", "0", "train/loss"), ("8", "0", "train/loss"), ("8", "0", "train/loss"),
         ("8", "0", "val/accuracy"), ("12", "1", "train/loss"), ("16", "1", "train/loss"),
         ("16", "1", "train/loss"), ("16", "1", "val/accuracy")]
+
+
+def test_the_reader_gives_the_curves_the_logger_wrote(make_engine):
+    """read_metrics (what engine-run report reads): by name, (step, value) in logged
+    order, the resumed run's points in place of the interrupted run's."""
+    eng = make_engine()
+    assert read_metrics(eng.out_dir) is None  # no metrics.csv: another reader's turn
+    logger = CsvLogger()
+    logger.engine_run_start(engine=eng)
+    train(logger, eng, first_step=0, epochs=2)
+    logger.engine_run_end(engine=eng, summary={"status": "completed"})
+    with open(eng.out_dir / "metrics.csv", "a") as f:
+        f.write("12,1,train/loss,9.0\n")  # a writer that only appends, resumed at 12
+    series, path = read_metrics(eng.out_dir)
+    assert path == eng.out_dir / "metrics.csv"
+    assert series == {"train/loss": [(4, 0.04), (8, 0.08), (8, 0.08), (12, 9.0)],
+                      "val/accuracy": [(8, 0.5), (16, 0.5)]}
 
 
 def test_a_new_run_in_an_old_out_dir_starts_the_file_afresh(make_engine):

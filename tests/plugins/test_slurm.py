@@ -12,9 +12,10 @@ import pytest
 
 from engine.errors import LaunchError
 from engine.launcher import LaunchOptions
-from engine.plugins.slurm import SlurmLauncher
+from engine.plugin_manager import build_plugin_manager
+from engine.plugins.slurm import SlurmLauncher, job_to_requeue, requeue
 from tests.conftest import ENGINE_RUN, REPO, engine_env, run_cli
-from tests.plugins.launch_runs import finished, reference_digest, run, train_args
+from tests.plugins.launch_runs import RECIPE, finished, reference_digest, run, train_args
 
 # srun -N1 -n2 -c1: two tasks on node n2 (tasks 0 and 1).
 STEP = {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1",
@@ -59,6 +60,23 @@ def test_gpus_of_a_lone_task_decide_its_processes():
     assert len(worlds_of(env)) == 1  # two tasks on the node: one process each
 
 
+def test_each_task_has_its_cpus_and_a_task_shares_them_among_its_processes():
+    """The CPU rule of slurm: SLURM_CPUS_PER_TASK is one task's, whole for a task that
+    is one process, shared by the processes a task starts; the world carries it (the
+    children of a task see the task's variables)."""
+    (w,) = worlds_of({**STEP, "SLURM_CPUS_PER_TASK": "6"})
+    assert (w.cpu_share().count, w.cpu_share().reason) == (
+        6, "6 CPUs (SLURM_CPUS_PER_TASK) for this process")
+    spawned = worlds_of({**UNEVEN, "SLURM_CPUS_PER_TASK": "8"}, nproc=4)
+    assert {(w.cpu_share().count, w.cpu_share().reason) for w in spawned} == {
+        (2, "8 CPUs (SLURM_CPUS_PER_TASK) shared by 4 local processes = 2 each")}
+    # Without the variable, the default rule: the machine's CPUs shared by this node's
+    # processes (both tasks of STEP run here).
+    (w,) = worlds_of({k: v for k, v in STEP.items() if k != "SLURM_CPUS_PER_TASK"})
+    assert w.cpus is None and w.cpu_share().reason.endswith("shared by 2 local processes "
+                                                            f"= {w.cpu_share().count} each")
+
+
 def test_master_variables_win():
     (w,) = worlds_of({**STEP, "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "23456"})
     assert (w.master_addr, w.master_port) == ("10.1.1.1", 23456)
@@ -90,6 +108,43 @@ def test_variables_that_do_not_add_up(change, message, monkeypatch):
     with pytest.raises(LaunchError) as err:
         worlds_of(env)
     assert str(err.value).startswith(message)
+
+
+# ---------------------------------------------------------------- requeue
+
+
+def test_requeue_reports_a_missing_scontrol(tmp_path):
+    message = requeue({"SLURM_JOB_ID": "4242", "PATH": str(tmp_path)})
+    assert message == ("scontrol not found on PATH: job 4242 was not requeued; resubmit it "
+                       "to resume from the snapshot")
+
+
+def test_array_jobs_are_requeued_by_their_array_id():
+    env = {"SLURM_JOB_ID": "100", "SLURM_ARRAY_JOB_ID": "90", "SLURM_ARRAY_TASK_ID": "3"}
+    assert job_to_requeue(env) == "90_3"
+    assert job_to_requeue({"SLURM_JOB_ID": "100"}) == "100"
+    assert requeue({}) is None  # not a SLURM job: another scheduler's plugin may answer
+
+
+def test_the_requeue_hook_answers_for_slurm_jobs_only(tmp_path, monkeypatch):
+    """engine_requeue is first-result: the slurm plugin answers inside a SLURM job
+    (whatever launched the processes) and leaves other jobs to other plugins."""
+    class Scheduler:
+        @staticmethod
+        def engine_requeue(engine):
+            return "requeued by another scheduler"
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    assert build_plugin_manager().hook.engine_requeue(engine=None) is None
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol here
+    assert build_plugin_manager().hook.engine_requeue(engine=None) == (
+        "scontrol not found on PATH: job 4242 was not requeued; resubmit it to resume "
+        "from the snapshot")
+    monkeypatch.delenv("SLURM_JOB_ID")
+    pm = build_plugin_manager(objects={"scheduler": Scheduler()})
+    assert pm.hook.engine_requeue(engine=None) == "requeued by another scheduler"
 
 
 # ---------------------------------------------------------------- the cluster
@@ -139,6 +194,25 @@ def test_sbatch_script_runs_one_task_per_node_that_spawns(tmp_path, tmp_path_fac
     summary = finished(out, "slurm")
     # Two processes started by one task: the task's 2 CPUs shared, one thread each.
     assert summary["weights_sha256"] == reference_digest(tmp_path_factory)
+
+
+@cluster
+def test_both_layouts_give_each_process_its_share_of_the_tasks_cpus():
+    """The CPU rule on a real step: one task of 2 CPUs that starts 2 processes, and 2
+    tasks of 1 CPU, give each process 1 thread, and num_workers=auto counts the same
+    share (the plan rank 0 prints is what each worker sets)."""
+    def plan(srun_args: list[str], engine_args: list[str]) -> dict[str, str]:
+        proc = srun("-N1", *srun_args, ENGINE_RUN, RECIPE, "data.source=synthetic",
+                    "num_workers=auto", *engine_args, "--dry-run", timeout=200)
+        section = proc.stdout.split("plan:\n")[1].split("world:\n")[0]
+        return dict(row.split(None, 1) for row in section.splitlines())
+
+    spawning = plan(["-n1", "-c2"], ["--nproc", "2"])
+    per_process = plan(["-n2", "-c1"], [])
+    assert spawning["threads"] == per_process["threads"] == "1 per process"
+    assert "auto: 2 CPUs (SLURM_CPUS_PER_TASK) shared by 2 local processes = 1 each" in \
+        spawning["num_workers"]
+    assert "auto: 1 CPU (SLURM_CPUS_PER_TASK) for this process" in per_process["num_workers"]
 
 
 @cluster

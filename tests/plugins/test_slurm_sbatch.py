@@ -47,7 +47,7 @@ def test_one_task_per_gpu(capsys, tmp_path, monkeypatch):
     assert engine_run.endswith("/engine-run") and engine_run.startswith("/")
     assert srun_line(script) == (f"srun --kill-on-bad-exit=1 {engine_run} {RECIPE} epochs=5 "
                                  "--launcher slurm")
-    # Issue 16, defect 8: printing wrote the log folder; now the script says to create it.
+    # Printing writes nothing, not even the log folder: the script says to create it.
     assert not (tmp_path / "runs").exists()
     assert "# Submit with: mkdir -p runs/cifar_ddp && sbatch THIS_FILE\n" in script
     assert err == ("note: the log folder runs/cifar_ddp does not exist yet and SLURM does "

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from engine.errors import LaunchError
 from engine.launcher import LaunchOptions, free_port
 from engine.plugins.spawn import SpawnLauncher
-from tests.conftest import ENGINE_RUN, run_cli
+from tests.conftest import ENGINE_RUN, REPO, engine_env, run_cli
 from tests.plugins.launch_runs import (ONE_THREAD, finished, reference_digest, run_together,
                                        train_args)
 
@@ -27,6 +28,42 @@ def test_every_node_style_ranks():
     # The table knows node 0's address, this node, and nothing about node 2.
     assert [w.host for w in launcher.all_worlds()] == ["10.0.0.1"] * 2 + [
         socket.gethostname()] * 2 + ["?"] * 2
+
+
+def test_the_machines_cpus_are_shared_by_the_processes_it_starts():
+    """The CPU rule of spawn: this machine's usable CPUs divided by --nproc, the same
+    answer in every world (it sets the torch threads and num_workers=auto)."""
+    shares = {w.cpu_share() for w in SpawnLauncher(
+        LaunchOptions(nproc=3), {"SLURM_CPUS_PER_TASK": "12"}).worlds()}
+    assert [(s.count, s.reason) for s in shares] == [
+        (4, "12 CPUs (SLURM_CPUS_PER_TASK) shared by 3 local processes = 4 each")]
+    affinity = len(os.sched_getaffinity(0))
+    (alone,) = SpawnLauncher(LaunchOptions(nproc=1), {}).worlds()
+    assert alone.cpu_share().reason == f"{affinity} CPUs (affinity) for this process"
+
+
+CPU_REPORTER = """
+import torch
+
+
+def engine_run_start(engine):
+    print(f"rank {engine.rank}: {torch.get_num_threads()} threads, "
+          f"{engine.loader_settings.num_workers} loader workers", flush=True)
+"""
+
+
+def test_each_workers_threads_and_auto_workers_come_from_its_one_share(tmp_path):
+    """A real run: the share spawn's world carries into each worker sets both its torch
+    threads and what num_workers=auto chooses (6 CPUs for 2 processes: 3 threads, and 3
+    CPUs less the training process's: 2 workers)."""
+    (tmp_path / "cpu_reporter.py").write_text(CPU_REPORTER)
+    env = engine_env(SLURM_CPUS_PER_TASK="6", PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}")
+    proc = run_cli(str(REPO / "tests" / "recipes" / "tiny_resume.py"), "epochs=1",
+                   "size=32", "num_workers=auto", f"out_dir={tmp_path / 'run'}",
+                   "--launcher", "spawn", "--nproc", "2", "-p", "cpu_reporter", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank ")) == [
+        "rank 0: 3 threads, 2 loader workers", "rank 1: 3 threads, 2 loader workers"]
 
 
 def test_one_machine_picks_a_free_port_once():

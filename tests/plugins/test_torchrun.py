@@ -30,6 +30,12 @@ def test_variables_become_the_world():
             w.launcher) == (3, 1, 4, 2, 1, 2, "node0", 29400, 1, "job7", "torchrun")
 
 
+def test_local_world_size_processes_share_the_machines_cpus():
+    w = world_of({**ENV, "SLURM_CPUS_PER_TASK": "16"})  # torchrun under srun, -c 16
+    assert (w.cpu_share().count, w.cpu_share().reason) == (
+        8, "16 CPUs (SLURM_CPUS_PER_TASK) shared by 2 local processes = 8 each")
+
+
 def test_default_rdzv_id_is_not_a_run_id():
     assert world_of({**ENV, "TORCHELASTIC_RUN_ID": "none"}).run_id == ""
 

@@ -120,7 +120,7 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path, monkeypatch):
         (str(empty),): f"report: no metrics in {empty}: neither metrics.csv nor "
                        f"TensorBoard event files in {empty / 'tensorboard'}",
         (str(no_columns),): f"{no_columns / 'metrics.csv'} is not a metrics file: it lacks "
-                            "the column(s) name",
+                            "the column(s) epoch, name",
         (str(only_lr),): f"{only_lr / 'metrics.csv'} holds no train/loss and no val/* "
                          "metric; logged: lr",
         (str(only_lr), "-o", str(tmp_path / "no" / "r.png")):

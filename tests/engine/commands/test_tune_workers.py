@@ -10,6 +10,7 @@ import pytest
 from engine.commands.tune_workers import (Measurement, Setting, default_workers,
                                           format_result)
 from engine.loader_settings import choose
+from engine.world import share_cpus
 from tests.conftest import REPO, run_cli
 
 OCT_DDP = str(REPO / "recipes" / "oct_ddp.py")
@@ -102,8 +103,8 @@ def test_default_sweep_spans_the_cpus_and_includes_auto():
 
 
 def test_the_override_replaces_the_one_given():
-    auto = choose("auto", local_world_size=2, device_type="cpu", timeout_s=60,
-                  environ={}, cpus=2)
+    auto = choose("auto", cpus=share_cpus(2, "affinity", 2), device_type="cpu",
+                  timeout_s=60)
     result = {"measurements": [Measurement(Setting(0, 12), 10.0, (5.0, 5.0)),
                                Measurement(Setting(1, 12), 15.0, (7.5, 7.5)),
                                Measurement(Setting(2, 12), 20.0, (10.0, 10.0))],
