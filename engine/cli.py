@@ -147,7 +147,7 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
                         "--overwrite or out_dir has {version}/{time}")
     t.add_argument("--overwrite", action="store_true",
                    help="start fresh, first deleting the run out_dir holds (snapshots, "
-                        "tensorboard, metrics.csv, summary.json, config.json)")
+                        "summary.json, config.json and the files its loggers declare)")
     t.add_argument("--resume-anyway", action="store_true",
                    help="resume even if the config changed keys that break exact resume")
     t.add_argument("--threads", type=int, help="torch threads per process (default: "

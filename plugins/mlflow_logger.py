@@ -33,7 +33,7 @@ import time
 import attrs
 
 import engine
-from engine.plugin_manager import first_line
+from engine.errors import first_line
 from engine.plugins.tracking import (enabled, experiment_name, flat_config, run_name,
                                      summary_scalars)
 

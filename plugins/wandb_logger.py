@@ -35,7 +35,7 @@ from typing import Literal
 import attrs
 
 import engine
-from engine.plugin_manager import first_line
+from engine.errors import first_line
 from engine.plugins.tracking import (EXIT_CODES, enabled, experiment_name, run_name,
                                      summary_scalars)
 
