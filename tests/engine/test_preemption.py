@@ -37,28 +37,37 @@ def test_sigusr1_on_one_rank_snapshots_all_and_the_rerun_finishes_identically(tm
     assert read_summary(out)["weights_sha256"] == read_summary(reference)["weights_sha256"]
 
 
-SCHEDULER_PLUGIN = """
-def engine_requeue(engine):
-    return f"requeued by the test scheduler (rank {engine.rank}, step {engine.state.step})"
-"""
+def python_block_after(text: str, heading: str) -> str:
+    """The first ```python block after ``heading`` in a doc."""
+    return text.split(heading, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_the_schedulers_plugin_requeues_and_says_so(tmp_path):
-    """engine_requeue: the first plugin that answers (here a third-party scheduler's;
-    the slurm plugin answers None outside a SLURM job) requeues, rank 0 logs its line."""
-    (tmp_path / "scheduler_plugin.py").write_text(SCHEDULER_PLUGIN)
+def test_the_plugin_guides_scheduler_requeues_and_the_log_says_so(tmp_path):
+    """engine_requeue, as docs/plugins.md shows it: the first plugin that answers (a
+    third-party scheduler's; the slurm plugin answers None outside a SLURM job) runs its
+    scheduler's requeue, and rank 0 logs its line."""
+    guide = (REPO / "docs" / "plugins.md").read_text()
+    (tmp_path / "scheduler_plugin.py").write_text(
+        python_block_after(guide, "### `engine_requeue(engine)`"))
+    bin_dir, asked = tmp_path / "bin", tmp_path / "asked"
+    bin_dir.mkdir()
+    scheduler = bin_dir / "my-scheduler"  # a real program on PATH, as the example runs
+    scheduler.write_text(f'#!/bin/sh\necho "$@" >> {asked}\n')
+    scheduler.chmod(0o755)
     env = engine_env(ENGINE_FAULT_ACTION="signal", ENGINE_FAULT_STEP="3",
-                     PYTHONPATH=f"{REPO}:{tmp_path}")
-    stopped = run_cli(RECIPE, *ARGS, f"out_dir={tmp_path / 'run'}", "--nproc", "1",
-                      "-p", "tests.fault_plugin", "-p", "scheduler_plugin", env=env)
+                     MY_SCHEDULER_JOB="42", PYTHONPATH=f"{REPO}:{tmp_path}")
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    plugins = ("-p", "tests.fault_plugin", "-p", "scheduler_plugin")
+    stopped = run_cli(RECIPE, *ARGS, f"out_dir={tmp_path / 'run'}", "--nproc", "2",
+                      *plugins, env=env)
     assert stopped.returncode == 75, stopped.stderr
-    assert ("pre-empted by SIGUSR1: snapshot written at epoch 0, step 6; requeued by the "
-            "test scheduler (rank 0, step 6)") in stopped.stderr
+    assert "; job 42 requeued" in stopped.stderr, stopped.stderr
+    assert asked.read_text() == "requeue 42\n"  # once: rank 0 only
     # requeue=false: nobody is asked.
     again = run_cli(RECIPE, *ARGS, f"out_dir={tmp_path / 'run2'}", "--nproc", "1",
-                    "requeue=false", "-p", "tests.fault_plugin", "-p", "scheduler_plugin",
-                    env=env)
+                    "requeue=false", *plugins, env=env)
     assert again.returncode == 75 and "requeued" not in again.stderr, again.stderr
+    assert asked.read_text() == "requeue 42\n"
 
 
 # A real scheduler round trip (submit, signal, requeue, start again) takes 2-3 minutes
