@@ -1,5 +1,3 @@
-import sys
+from engine.cli import console_main
 
-from engine.cli import main
-
-sys.exit(main())
+console_main()

@@ -212,5 +212,15 @@ def train(pm, argv: Sequence[str]) -> int:
     return EXIT_PREEMPTED if "preempted" in statuses else EXIT_COMPLETED
 
 
+def console_main() -> None:
+    """The ``engine-run`` command: :func:`main`, then the process ends as a spawned
+    worker does (engine.processes.exit_process: exit handlers, flushed output, no
+    interpreter teardown, which costs a torch program seconds after its work is done).
+    Library callers use :func:`main`, which returns the exit code."""
+    from engine.processes import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

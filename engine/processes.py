@@ -263,3 +263,8 @@ def _entry(index: int, worker: Callable[[World], object], worlds: list[World],
     # child would then wait for a reader that only reads after every child has exited.
     results.put((index, status if isinstance(status, str) and len(status) <= 64
                  else None))
+    # A worker that finished ends as a failed one does (exit_process): the exit handlers
+    # run (the status above reaches the launcher, the checkpointers close), then the
+    # process ends without the interpreter freeing every module of a torch program,
+    # which took seconds per worker and held the command's end back.
+    exit_process(0, forked=forked)
