@@ -4,6 +4,7 @@ engine.fit trains a recipe from Python, in this process or in spawned workers.""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import textwrap
 import types
@@ -44,7 +45,16 @@ def as_object():
 @pytest.mark.parametrize("given", ["path", "module", "object"])
 def test_fit_trains_in_this_process_as_engine_run_does(tmp_path, engine_run_summary, given):
     recipe = {"path": str(RECIPE), "module": tiny_regression, "object": as_object()}[given]
+    built_in = []
+    if given == "object":
+        def build_model(cfg):
+            built_in.append(os.getpid())
+            return tiny_regression.build_model(cfg)
+
+        recipe.build_model = build_model
     summary = engine.fit(recipe, nproc=1, out_dir=str(tmp_path / "run"), **RUN)
+    if given == "object":
+        assert built_in == [os.getpid()]  # the Trainer ran here: no process was started
     assert summary == read_summary(tmp_path / "run")  # what summary.json holds
     assert summary.keys() == engine_run_summary.keys()
     assert summary["status"] == "completed" and summary["epochs_completed"] == 2
