@@ -51,7 +51,7 @@ import attrs
 
 from engine.context import WorkerContext
 from engine.errors import ConfigError
-from engine.launching import Worker
+from engine.launching import LAUNCH, Worker
 
 
 def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
@@ -70,11 +70,8 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
     then be picklable), or in this process when the launcher adopted it (torchrun,
     SLURM, or a single process). A failed worker raises an EngineError naming it.
     """
-    from engine.config import TrainConfig, check, with_groups
-    from engine.launcher import LaunchOptions, choose_launcher
-    from engine.launching import (finish_config, launch_and_collect,
-                                  refuse_fresh_start_unless_asked, resume_options)
-    from engine.plugin_manager import build_plugin_manager
+    from engine.config import TrainConfig, check
+    from engine.launching import Launch, library_options
 
     if not callable(fn):
         raise ConfigError(f"engine.launch needs a function to run in every worker, "
@@ -84,25 +81,17 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
         raise ConfigError(f"engine.launch: config must be an engine.TrainConfig (or a "
                           f"subclass), not {type(cfg).__name__}")
     check(cfg)
-    pm = build_plugin_manager(plugins)
-    # The plugins' config groups (cfg.ddp from the ddp plugin), as engine-run adds them.
-    cfg = finish_config(pm, with_groups(cfg, pm.config_groups), _script_name(fn))
-    options = {"threads": threads, **resume_options(resume, overwrite)}
-    refuse_fresh_start_unless_asked(cfg, options, asked="engine.launch(resume=False)",
-                                    overwrite="pass overwrite=True")
-    # torch.distributed.launch passes --local-rank=N to the script: the legacy launcher
-    # adopts the process by it (as it does by LOCAL_RANK).
-    local_rank = _local_rank_argument(sys.argv[1:])
-    launcher = choose_launcher(pm.launchers, cfg.launcher, LaunchOptions(
-        nproc=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-        master_port=master_port, init_method=cfg.init_method, timeout_s=cfg.timeout_s,
-        **({"local_rank": local_rank} if local_rank is not None else {})))
-    job = LoopJob(tuple(plugins), options, raise_in_process=True, fn=fn, args=tuple(args),
-                  cfg=cfg)
-    return launch_and_collect(launcher, job, "engine.launch")
+    options = library_options(resume, overwrite, threads, nproc=nproc, nnodes=nnodes,
+                              node_rank=node_rank, master_addr=master_addr,
+                              master_port=master_port,
+                              local_rank=_local_rank_argument(sys.argv[1:]))
+    job = LoopJob(tuple(plugins), options, door=LAUNCH, fn=fn, args=tuple(args), cfg=cfg)
+    return Launch(job).start().result
 
 
 def _local_rank_argument(argv: Sequence[str]) -> int | None:
+    """torch.distributed.launch passes ``--local-rank=N`` to the script: the legacy
+    launcher adopts the process by it (as it does by LOCAL_RANK)."""
     for i, arg in enumerate(argv):
         for flag in ("--local-rank", "--local_rank"):
             text = arg[len(flag) + 1:] if arg.startswith(flag + "=") else (
@@ -127,7 +116,8 @@ def _script_name(fn) -> str:
 
 @attrs.frozen
 class LoopJob(Worker):
-    """``fn(ctx, *args)`` with an engine.api.Context in every worker (engine.launch)."""
+    """``fn(ctx, *args)`` with an engine.api.Context in every worker (engine.launch).
+    ``cfg`` is the caller's config, before the plugins' groups join it."""
 
     fn: Callable[..., Any] = None
     args: tuple = ()
@@ -136,8 +126,17 @@ class LoopJob(Worker):
     def describe(self) -> str:
         return f"{self.fn!r} and its arguments"
 
-    def run(self, pm, world) -> Any:
-        ctx = Context(pm, self.cfg, world, self.options)
+    def configure(self, pm):
+        from engine.config import with_groups
+        from engine.launching import finish_config
+
+        # The plugins' config groups (cfg.ddp from the ddp plugin), as engine-run adds
+        # them; to a copy: every process makes its own from the caller's.
+        return finish_config(pm, with_groups(copy.deepcopy(self.cfg), pm.config_groups),
+                             _script_name(self.fn))
+
+    def run(self, pm, cfg, world) -> tuple[str, Any]:
+        ctx = Context(pm, cfg, world, self.options)
         ctx.recipe_path = script_path(self.fn)
         with ctx.lifecycle() as run:
             ctx.setup()
@@ -147,7 +146,7 @@ class LoopJob(Worker):
             # as completed.
             ctx.checkpointer.close()
             run.status = "completed"
-        return value
+        return run.status, value
 
 
 class Context(WorkerContext):

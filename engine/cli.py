@@ -24,7 +24,7 @@ from typing import Sequence
 
 from engine.errors import (EXIT_COMPLETED, EXIT_INTERRUPTED, EXIT_PREEMPTED, TRACEBACK_ENV,
                            EngineError, error_line, exit_code, traceback_wanted)
-from engine.launching import RecipeJob, refuse_fresh_start_unless_asked
+from engine.launching import RecipeJob, blaming_plugins
 
 COMMANDS = {
     "plugins": "engine.commands.plugins",
@@ -167,7 +167,7 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
 
 
 def run(argv: Sequence[str]) -> int:
-    from engine.plugin_manager import attribute, build_plugin_manager
+    from engine.plugin_manager import build_plugin_manager
 
     # --help works with a broken plugin installed: it is left out and named (a run
     # refuses to start with it).
@@ -176,39 +176,29 @@ def run(argv: Sequence[str]) -> int:
                               scratch_parser=build_parser() if helping else None)
     for broken in pm.broken:
         print(f"engine-run: warning: {broken.describe()}", file=sys.stderr)
-    try:
+    with blaming_plugins(pm):  # the plugins' options and hooks run here too
         return train(pm, argv)
-    except Exception as exc:
-        # Launcher and hook code of plugins runs here too: name the plugin.
-        blamed = attribute(pm, exc)
-        if blamed is exc:
-            raise
-        raise blamed from exc
 
 
 def train(pm, argv: Sequence[str]) -> int:
+    from engine import plan
+    from engine.launching import Launch
+
     parser = build_parser(pm)
     pm.hook.engine_addoption.call_historic(kwargs={"parser": parser})
     args = parser.parse_intermixed_args(argv)
-    job = RecipeJob.from_args(args)
-    recipe, cfg = job.load(pm)
-    refuse_fresh_start_unless_asked(cfg, job.options, asked="--no-resume",
-                                    overwrite="add --overwrite")
-    from engine.launcher import choose_launcher
-
-    launcher = choose_launcher(pm.launchers, cfg.launcher, job.launch_options(cfg, pm))
-    worlds = launcher.worlds()
-    from engine import plan
-
-    the_plan = plan.make_plan(pm, recipe, cfg, launcher, worlds, job.options)
-    show = worlds[0].is_rank0 or launcher.spawns
+    launch = Launch(RecipeJob.from_args(args), pm)
+    worlds = launch.worlds
+    the_plan = plan.make_plan(pm, launch.job.loaded_recipe(), launch.cfg, launch.launcher,
+                              worlds, launch.job.options)
+    show = worlds[0].is_rank0 or launch.launcher.spawns
     if args.dry_run:
         if show:
-            print(plan.format_plan(cfg, the_plan, worlds))
+            print(plan.format_plan(launch.cfg, the_plan, worlds))
         return EXIT_COMPLETED
     if args.verbose and show:
-        print(plan.format_plan(cfg, the_plan, worlds, config=False))
-    statuses = launcher.launch(job) or []
+        print(plan.format_plan(launch.cfg, the_plan, worlds, config=False))
+    statuses = launch.start().statuses
     return EXIT_PREEMPTED if "preempted" in statuses else EXIT_COMPLETED
 
 

@@ -25,9 +25,11 @@ class Engine(WorkerContext):
     """A worker under ``engine-run``: the recipe's model and data, trained by the
     Trainer. What it shares with a custom loop's Context is in engine/context.py."""
 
-    def __init__(self, pm, recipe, cfg, world, options: dict[str, Any] | None = None):
+    def __init__(self, pm, recipe, cfg, world, options: dict[str, Any] | None = None,
+                 start_over: str = "--no-resume --overwrite"):
         super().__init__(pm, cfg, world, options, TrainState())
         self.recipe = recipe
+        self.start_over = start_over  # how the door that launched the run starts afresh
         self.recipe_path = str(recipe.path) if recipe.path else recipe.name
         self.epochs_requested = cfg.epochs
         self.train_loader = None
@@ -45,7 +47,7 @@ class Engine(WorkerContext):
                 self.preemption = preemption.PreemptionFlag()
                 self.preemption.install()
             trainer = self._setup()
-            self.report_if_complete(cfg.epochs, more="epochs={n}", over="--no-resume --overwrite")
+            self.report_if_complete(cfg.epochs, more="epochs={n}", over=self.start_over)
             self.pm.hook.engine_run_start(engine=self)
             outcome = trainer.fit()
             # The last snapshot is durable (or its write failed) before the run counts

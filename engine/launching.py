@@ -2,26 +2,38 @@
 ``engine.launch`` (engine/api.py, a loop you write) and ``engine.fit`` (below, a recipe
 from Python).
 
-Every door does the same, in this order::
+A door describes the run as a *job*: what every worker runs, a :class:`Worker`
+(:class:`RecipeJob` trains a recipe with the Trainer, ``engine.api.LoopJob`` calls the
+caller's function with an ``engine.api.Context``). :class:`Launch` sets the job up once,
+in the launching process, whichever door it came through::
 
-    plugin manager (built-ins, entry points, the caller's -p plugins)
-    the config: the recipe's (or the caller's) with the plugins' groups and the overrides
-    finish_config: the out_dir default, every component name checked        (here)
-    refuse a fresh start where out_dir holds a run, unless asked to overwrite
-    choose_launcher, then launcher.launch(job): in every worker, job(world)
-        Worker.__call__: the plugin manager again, job.run(pm, world), and on an
-        error the rank's report and exit (or, run in the caller's own process, the
-        exception itself)
+    plugin manager (built-ins, entry points, the job's -p plugins)
+    job.configure: the recipe's (or the caller's) config with the plugins' groups and
+                   the overrides; finish_config: out_dir's default, every component
+                   name checked
+    a fresh start refused where out_dir holds a run, unless asked to overwrite
+    choose_launcher, its worlds
+    Launch.start: a library door's spawned workers checked (the script guarded, the
+                  job picklable); launcher.launch(job)
 
-``job.run`` is where the doors differ: :class:`RecipeJob` runs the Trainer
-(engine.engine.Engine), ``engine.api.LoopJob`` the caller's function with an
-``engine.api.Context``. Either way the run's own lifecycle (hooks, summary,
-teardown) is engine/context.py's ``WorkerContext.lifecycle``.
+and the launcher calls the job once in every worker (``Worker.__call__``)::
+
+    the plugin manager and the config again (a spawned process has neither)
+    job.run: the worker's run, whose lifecycle (hooks, summary, teardown) is
+             engine/context.py's WorkerContext.lifecycle
+    an error: blamed on the plugin whose code raised it; printed with the rank and the
+              process exits with the error's code (the launcher names it), or, in the
+              launching process of a library door, raised to the caller
+    rank 0's value back to the launching process (the library doors return it)
+
+Errors raised by plugin code in the launching process (a launcher's, a hook's) name
+the plugin, through every door.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import pickle
@@ -29,22 +41,44 @@ import re
 import sys
 import tempfile
 import traceback
-from typing import Any, Callable
+from typing import Any, Sequence
 
 import attrs
 
 from engine.errors import (ConfigError, EngineError, PluginCodeError, error_line, exit_code,
                            traceback_wanted)
 
-#: What a worker's result file is called in the exchange folder of the launching process.
+#: What rank 0's value is called in the exchange folder of a library door.
 RESULT_FILE = "result.pickle"
 
 
-# ------------------------------------------------------------- shared set-up
+@attrs.frozen
+class Door:
+    """A front door: its name in error lines, and how its user asks for things."""
+
+    name: str  # engine-run, engine.fit, engine.launch
+    fresh_start: str  # how a fresh start is asked for
+    overwrite: str  # how to allow removing the run out_dir holds
+    start_over: str  # both together, to start a finished run over
+    #: A library door (Python): an error in the launching process reaches the caller as
+    #: the exception itself, rank 0's value comes back, and spawned workers need a
+    #: guarded script and a picklable job.
+    library: bool = True
+
+
+ENGINE_RUN = Door("engine-run", "--no-resume", "add --overwrite",
+                  "--no-resume --overwrite", library=False)
+FIT = Door("engine.fit", "engine.fit(resume=False)", "pass overwrite=True",
+           "engine.fit(..., resume=False, overwrite=True)")
+LAUNCH = Door("engine.launch", "engine.launch(resume=False)", "pass overwrite=True",
+              "engine.launch(..., resume=False, overwrite=True)")
+
+
+# ------------------------------------------------------- the launching process
 
 
 def finish_config(pm, cfg, run_name: str):
-    """The steps every door takes once the config is complete: ``out_dir`` defaults to
+    """The last steps of every job's config: ``out_dir`` defaults to
     ``runs/<run_name>``, and every component the config names is checked now, before
     any process starts (an unknown name lists what is registered)."""
     if cfg.out_dir == "runs/default":
@@ -57,117 +91,102 @@ def finish_config(pm, cfg, run_name: str):
     return cfg
 
 
-def resume_options(resume: bool | str | os.PathLike, overwrite: bool) -> dict[str, Any]:
-    """The options of the Python doors' ``resume=``/``overwrite=`` arguments, as
-    engine-run's --no-resume, --overwrite and --resume PATH set them."""
+def library_options(resume: bool | str | os.PathLike, overwrite: bool,
+                    threads: int | None = None, **launch: Any) -> dict[str, Any]:
+    """``engine.options`` of a run started from Python: ``resume=``/``overwrite=`` as
+    engine-run's --no-resume, --overwrite and --resume PATH set them, ``threads`` as
+    --threads, and the launch options (nproc, nnodes...) as engine-run's flags."""
     return {"no_resume": resume is False, "overwrite": resume is False and overwrite,
-            "resume": str(resume) if isinstance(resume, (str, os.PathLike)) else None}
+            "resume": os.fspath(resume) if isinstance(resume, (str, os.PathLike)) else None,
+            "threads": threads, **launch}
 
 
-def refuse_fresh_start_unless_asked(cfg, options: dict, asked: str, overwrite: str) -> None:
-    """A fresh start where ``out_dir`` holds a run is refused before any process
-    starts, unless the caller asked to overwrite it: what the user had is never removed
-    unasked."""
-    if options.get("no_resume") and not options.get("overwrite"):
-        from engine.run_dir import refuse_fresh_start
+def launch_options(pm, cfg, options: dict):
+    """The launcher's :class:`~engine.launcher.LaunchOptions`: the job's options (nproc,
+    nnodes, node_rank, master_addr, master_port, local_rank) and the config's."""
+    from engine.launcher import LaunchOptions
 
-        refuse_fresh_start(cfg.out_dir, asked=asked, overwrite=overwrite)
+    nproc = options.get("nproc")
+    if nproc is None and cfg.parallel != "auto" and getattr(
+            pm.parallel_modes.get(cfg.parallel), "single_process", False):
+        nproc = 1  # --parallel single or dp: one process, not one per GPU
+    return LaunchOptions(nproc=nproc, nnodes=options.get("nnodes") or 1,
+                         node_rank=options.get("node_rank") or 0,
+                         master_addr=options.get("master_addr"),
+                         master_port=options.get("master_port"),
+                         init_method=cfg.init_method, timeout_s=cfg.timeout_s,
+                         local_rank=options.get("local_rank"))
 
 
-# ---------------------------------------------------------- a worker process
+@contextlib.contextmanager
+def blaming_plugins(pm, spare: Sequence[BaseException] = ()):
+    """An exception raised in a plugin's code (a launcher's, a hook's) becomes one that
+    names the plugin; except those in ``spare``: a worker in this process raised them
+    to a library caller, through the launcher plugin's frames but not its doing (and
+    blamed already where it was a plugin's)."""
+    from engine.plugin_manager import attribute
 
-
-def report_worker_error(rank: int, exc: BaseException) -> None:
-    """One line for an error the user can act on and for an error in a plugin's code
-    (with ENGINE_TRACEBACK=1 the traceback first); the traceback for anything else (the
-    recipe's own code needs it), every line marked with the rank."""
-    text = ""
-    if traceback_wanted() or not isinstance(exc, EngineError):
-        text = "".join(traceback.format_exception(exc.__cause__ or exc)
-                       if isinstance(exc, PluginCodeError) else traceback.format_exc())
-    if isinstance(exc, EngineError):
-        text += f"error: {error_line(exc)}\n"
-    print("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()),
-          file=sys.stderr, end="", flush=True)
+    try:
+        yield
+    except Exception as exc:
+        blamed = exc if any(exc is e for e in spare) else attribute(pm, exc)
+        if blamed is exc:
+            raise
+        raise blamed from exc
 
 
 @attrs.frozen
-class Worker:
-    """What every worker process runs, whichever door launched it (picklable, for
-    spawned processes): the plugin manager, :meth:`run`, and what follows an error.
+class Finished:
+    """What the workers of this node sent back: each one's run status ("completed",
+    "preempted"; None where unknown) and, for a library door, rank 0's value (this
+    node's first worker's on another node; None if none came back)."""
 
-    A worker in a process of its own reports its error with its rank and exits with
-    the error's code (the launcher names it on its last line). One run in the caller's
-    own process (a single process, or a launcher that adopted the process) raises the
-    exception itself when ``raise_in_process`` (the Python doors: the caller gets it),
-    else reports and exits as a spawned one does (engine-run). With an
-    ``exchange_dir``, rank 0 leaves :meth:`run`'s value there for the caller."""
-
-    plugins: tuple[str, ...]
-    options: dict
-    parent_pid: int | None = None  # the launching process (None: not known)
-    exchange_dir: str | None = None  # where rank 0's value goes back to the caller
-    raise_in_process: bool = False
-    result: list = attrs.field(factory=list, eq=False)  # run's value, when in-process
-
-    def run(self, pm, world) -> Any:
-        raise NotImplementedError
-
-    def __call__(self, world) -> str | None:
-        from engine.processes import exit_failed_worker
-        from engine.plugin_manager import attribute, build_plugin_manager
-
-        in_process = os.getpid() == self.parent_pid
-        pm = None
-        try:
-            pm = build_plugin_manager(self.plugins)
-            value = self.run(pm, world)
-        except SystemExit:
-            raise
-        except BaseException as exc:
-            if in_process and self.raise_in_process:
-                raise
-            shown = attribute(pm, exc)
-            report_worker_error(world.rank, shown)
-            exit_failed_worker(exit_code(shown), error_line(shown))
-        if in_process:
-            self.result.append(value)
-        elif self.exchange_dir and (world.rank == 0 or (world.local_rank == 0
-                                                        and world.node_rank != 0)):
-            with open(os.path.join(self.exchange_dir, RESULT_FILE), "wb") as f:
-                pickle.dump(value, f)
-        # The spawn launcher collects these: "preempted" makes engine-run exit 75.
-        return value.get("status") if isinstance(value, dict) else None
-
-    def launched_result(self) -> Any:
-        """After ``launcher.launch(self)``: rank 0's value (None if it left none)."""
-        if self.result:
-            return self.result[0]
-        path = pathlib.Path(self.exchange_dir or "") / RESULT_FILE
-        if self.exchange_dir and path.exists():
-            with open(path, "rb") as f:
-                return pickle.load(f)
-        return None
+    statuses: list
+    result: Any
 
 
-def launch_and_collect(launcher, job: Worker, door: str) -> Any:
-    """Launch ``job`` in every worker and return rank 0's value: for the Python doors,
-    which give the caller what the run returned. Spawned workers must be able to import
-    the caller's script (checked first)."""
-    with tempfile.TemporaryDirectory(prefix="engine-launch-") as tmp:
-        job = attrs.evolve(job, parent_pid=os.getpid(), exchange_dir=tmp)
-        if launcher.spawns and len(launcher.worlds()) > 1:
-            check_spawnable(job, door)  # one process runs in this one: anything goes
-        # A failed worker raises WorkerFailed here, naming the rank and its error line.
-        launcher.launch(job)
-        return job.launched_result()
+class Launch:
+    """A job set up in the launching process (the module docstring's first block),
+    ready to :meth:`start`. ``pm``: the plugin manager, when the door built it already
+    (engine-run, for its parser)."""
+
+    def __init__(self, job: "Worker", pm=None):
+        from engine.launcher import choose_launcher
+        from engine.plugin_manager import build_plugin_manager
+        from engine.run_dir import refuse_fresh_start
+
+        self.job = job
+        self.pm = build_plugin_manager(job.plugins) if pm is None else pm
+        with blaming_plugins(self.pm):
+            self.cfg = job.configure(self.pm)
+            if job.options.get("no_resume") and not job.options.get("overwrite"):
+                # Before any process starts: what the user had is never removed unasked.
+                refuse_fresh_start(self.cfg.out_dir, asked=job.door.fresh_start,
+                                   overwrite=job.door.overwrite)
+            self.launcher = choose_launcher(self.pm.launchers, self.cfg.launcher,
+                                            launch_options(self.pm, self.cfg, job.options))
+            self.worlds = self.launcher.worlds()
+
+    def start(self) -> Finished:
+        """Run the job in every worker of this node and wait. A failed spawned worker
+        raises :class:`~engine.errors.WorkerFailed` here, naming its rank and error."""
+        library = self.job.door.library
+        with (tempfile.TemporaryDirectory(prefix="engine-launch-") if library
+              else contextlib.nullcontext()) as exchange:
+            job = attrs.evolve(self.job, launching_pid=os.getpid(), exchange_dir=exchange)
+            if library and self.launcher.spawns and len(self.worlds) > 1:
+                check_spawnable(job)  # one process runs in this one: anything goes
+            with blaming_plugins(self.pm, spare=job.raised):
+                statuses = self.launcher.launch(job) or []
+            return Finished(statuses, job.launched_result())
 
 
-def check_spawnable(job: Worker, door: str) -> None:
+def check_spawnable(job: "Worker") -> None:
     """Before spawning: a spawned worker imports the caller's main script and unpickles
-    the job; say so in one line (naming the ``door``) when that cannot work."""
+    the job; say so in one line (naming the door) when that cannot work."""
     import multiprocessing
 
+    door = job.door.name
     if multiprocessing.parent_process() is not None:
         raise ConfigError(
             f"{door} ran again inside a spawned worker: the workers import your "
@@ -217,6 +236,93 @@ def _unguarded_main_script() -> pathlib.Path | None:
     return pathlib.Path(path)
 
 
+
+# ---------------------------------------------------------------- every worker
+
+
+def report_worker_error(rank: int, exc: BaseException) -> None:
+    """One line for an error the user can act on and for an error in a plugin's code
+    (with ENGINE_TRACEBACK=1 the traceback first); the traceback for anything else (the
+    recipe's own code needs it), every line marked with the rank."""
+    text = ""
+    if traceback_wanted() or not isinstance(exc, EngineError):
+        text = "".join(traceback.format_exception(exc.__cause__ or exc)
+                       if isinstance(exc, PluginCodeError) else traceback.format_exc())
+    if isinstance(exc, EngineError):
+        text += f"error: {error_line(exc)}\n"
+    print("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()),
+          file=sys.stderr, end="", flush=True)
+
+
+@attrs.frozen
+class Worker:
+    """A job: what every worker process runs, whichever door launched it (the module
+    docstring's second block); picklable, for spawned processes. A subclass says how
+    the config is made (:meth:`configure`) and what a worker runs (:meth:`run`)."""
+
+    plugins: tuple[str, ...]  # the -p list
+    options: dict  # engine.options in every worker (no_resume, resume, nproc, ...)
+    door: Door = ENGINE_RUN
+    launching_pid: int | None = None  # the process that set up the launch
+    exchange_dir: str | None = None  # where a spawned rank 0 leaves its value
+    # Filled when the worker runs in the launching process: its value, or the error it
+    # raised to a library door's caller. New with every copy (attrs.evolve).
+    result: list = attrs.field(factory=list, init=False, eq=False)
+    raised: list = attrs.field(factory=list, init=False, eq=False)
+
+    def configure(self, pm) -> Any:
+        """The run's config, the same in every process (:func:`finish_config` done)."""
+        raise NotImplementedError
+
+    def run(self, pm, cfg, world) -> tuple[str, Any]:
+        """Run in this worker; returns the run's status ("completed", "preempted") and
+        the value a library door returns."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """What travels to spawned workers, for the error when it cannot."""
+        raise NotImplementedError
+
+    def __call__(self, world) -> str:
+        """Returns the run's status, which the launcher passes back."""
+        from engine.plugin_manager import attribute, build_plugin_manager
+        from engine.processes import exit_failed_worker
+
+        here = os.getpid() == self.launching_pid
+        pm = None
+        try:
+            pm = build_plugin_manager(self.plugins)
+            status, value = self.run(pm, self.configure(pm), world)
+        except SystemExit:
+            raise
+        except BaseException as exc:
+            shown = attribute(pm, exc)
+            if here and self.door.library:
+                self.raised.append(shown)
+                if shown is exc:
+                    raise  # the caller gets the exception itself
+                raise shown from exc
+            report_worker_error(world.rank, shown)
+            exit_failed_worker(exit_code(shown), error_line(shown))
+        if here:
+            self.result.append(value)
+        elif self.exchange_dir and (world.rank == 0 or (world.local_rank == 0
+                                                        and world.node_rank != 0)):
+            with open(os.path.join(self.exchange_dir, RESULT_FILE), "wb") as f:
+                pickle.dump(value, f)
+        return status
+
+    def launched_result(self) -> Any:
+        """After ``launcher.launch(self)``: rank 0's value (None if it left none)."""
+        if self.result:
+            return self.result[0]
+        path = pathlib.Path(self.exchange_dir or "") / RESULT_FILE
+        if self.exchange_dir and path.exists():
+            with open(path, "rb") as f:
+                return pickle.load(f)
+        return None
+
+
 # ------------------------------------------------------------ a recipe's run
 
 
@@ -234,6 +340,9 @@ class RecipeJob(Worker):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RecipeJob":
+        """The job of ``engine-run RECIPE ...``: the recipe file, the overrides (the
+        component flags among them: they win over the recipe), the -p list, and every
+        option as engine.options."""
         from engine.config import load_config_file
 
         # Read here, once: spawned workers get the overrides, not the file.
@@ -251,21 +360,25 @@ class RecipeJob(Worker):
                    overrides=tuple(overrides), config_file=args.config,
                    file_overrides=file_overrides)
 
-    @property
-    def recipe_path(self) -> str | None:
-        return self.recipe if isinstance(self.recipe, str) else None
-
     def describe(self) -> str:
         return f"recipe {self.recipe!r}"
+
+    def loaded_recipe(self):
+        """The :class:`~engine.recipe.Recipe` (a file is imported once per process)."""
+        from engine.recipe import load_recipe, recipe_from_object
+
+        return (load_recipe(self.recipe) if isinstance(self.recipe, str)
+                else recipe_from_object(self.recipe))
+
+    def configure(self, pm):
+        return self.load(pm)[1]
 
     def load(self, pm):
         """The recipe and its resolved config (the same in every process)."""
         from engine.config import apply_overrides, with_groups
         from engine.plugin_manager import require_plugins
-        from engine.recipe import load_recipe, recipe_from_object
 
-        recipe = (load_recipe(self.recipe) if isinstance(self.recipe, str)
-                  else recipe_from_object(self.recipe))
+        recipe = self.loaded_recipe()
         require_plugins(pm, recipe.required_plugins)
         # The plugins' config groups (ddp...) join the recipe's before the overrides;
         # the config file's come first, so that key=value on the command line wins.
@@ -290,27 +403,13 @@ class RecipeJob(Worker):
             return ConfigError(f"--config {self.config_file}: {exc}")
         return exc
 
-    def launch_options(self, cfg, pm=None):
-        from engine.launcher import LaunchOptions
-
-        o = self.options
-        nproc = o.get("nproc")
-        if nproc is None and pm is not None and cfg.parallel != "auto" and getattr(
-                pm.parallel_modes.get(cfg.parallel), "single_process", False):
-            nproc = 1  # --parallel single or dp: one process, not one per GPU
-        return LaunchOptions(nproc=nproc, nnodes=o.get("nnodes") or 1,
-                             node_rank=o.get("node_rank") or 0,
-                             master_addr=o.get("master_addr"),
-                             master_port=o.get("master_port"),
-                             init_method=cfg.init_method, timeout_s=cfg.timeout_s,
-                             local_rank=o.get("local_rank"))
-
-    def run(self, pm, world) -> dict:
-        """Train the recipe in this worker; returns the run's summary."""
+    def run(self, pm, cfg, world) -> tuple[str, dict]:
+        """Train the recipe in this worker; the value is the run's summary."""
         from engine.engine import Engine
 
-        recipe, cfg = self.load(pm)
-        return Engine(pm, recipe, cfg, world, self.options).run()
+        summary = Engine(pm, self.loaded_recipe(), cfg, world, self.options,
+                         start_over=self.door.start_over).run()
+        return summary["status"], summary
 
 
 def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
@@ -329,22 +428,12 @@ def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
     failed worker raises an EngineError naming its rank. A pre-empted run returns its
     summary with ``status`` "preempted".
     """
-    from engine.plugin_manager import build_plugin_manager
-
     items = [f"{key}={_override_text(value)}" for key, value in overrides.items()]
     if launcher is not None:
         items.append(f"launcher={launcher}")
-    options = {"nproc": nproc, "threads": threads, **resume_options(resume, overwrite)}
-    job = RecipeJob(tuple(plugins), options, raise_in_process=True,
-                    recipe=_recipe_reference(recipe), overrides=tuple(items))
-    pm = build_plugin_manager(job.plugins)
-    recipe_loaded, cfg = job.load(pm)
-    refuse_fresh_start_unless_asked(cfg, options, asked="engine.fit(resume=False)",
-                                    overwrite="pass overwrite=True")
-    from engine.launcher import choose_launcher
-
-    chosen = choose_launcher(pm.launchers, cfg.launcher, job.launch_options(cfg, pm))
-    return launch_and_collect(chosen, job, "engine.fit")
+    job = RecipeJob(tuple(plugins), library_options(resume, overwrite, threads, nproc=nproc),
+                    door=FIT, recipe=_recipe_reference(recipe), overrides=tuple(items))
+    return Launch(job).start().result
 
 
 def _override_text(value: Any) -> str:

@@ -79,7 +79,7 @@ def test_flags_become_overrides_that_win_over_the_recipe():
         ["r.py", "epochs=3", "--parallel", "dp", "lr=0.5", "--checkpointer", "dcp",
          "--nproc", "3", "-p", "no:console"])
     job = RecipeJob.from_args(args)
-    assert job.recipe_path == "r.py"
+    assert job.recipe == "r.py"
     assert job.overrides == ("epochs=3", "lr=0.5", "parallel=dp", "checkpointer=dcp")
     assert job.plugins == ("no:console",)
     assert job.options["nproc"] == 3 and "recipe" not in job.options
@@ -434,17 +434,6 @@ def test_only_a_bare_word_can_name_a_plugin_command(tmp_path, monkeypatch):
     (tmp_path / "sbatch").write_text("")  # a file of that name wins: it is a recipe
     assert plugin_command(["sbatch"]) is None
     assert plugin_command(["sbatch", "-p", "no:slurm"]) is None
-
-
-def test_a_single_process_mode_starts_one_process(make_plugin_manager):
-    from engine.config import TrainConfig
-
-    pm = make_plugin_manager()
-    job = RecipeJob((), {}, recipe="r.py")
-    assert job.launch_options(TrainConfig(parallel="dp"), pm).nproc == 1
-    assert job.launch_options(TrainConfig(parallel="ddp"), pm).nproc is None
-    assert RecipeJob((), {"nproc": 3}, recipe="r.py").launch_options(
-        TrainConfig(parallel="single"), pm).nproc == 3  # what the user asked for
 
 
 @pytest.mark.parametrize("groups, message", [

@@ -4,13 +4,20 @@ engine.fit trains a recipe from Python, in this process or in spawned workers.""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import textwrap
 import types
 
+import attrs
 import pytest
 
 import engine
-from engine.errors import ConfigError
-from engine.testing import run_python
+from engine.config import TrainConfig
+from engine.errors import ConfigError, PluginCodeError, PluginError
+from engine.launching import (ENGINE_RUN, FIT, Door, Launch, RecipeJob, launch_options,
+                              report_worker_error)
+from engine.testing import make_plugin_manager, run_python  # noqa: F401
 from tests import conftest
 from tests.conftest import REPO, read_summary, run_cli
 from tests.recipes import tiny_regression
@@ -38,7 +45,16 @@ def as_object():
 @pytest.mark.parametrize("given", ["path", "module", "object"])
 def test_fit_trains_in_this_process_as_engine_run_does(tmp_path, engine_run_summary, given):
     recipe = {"path": str(RECIPE), "module": tiny_regression, "object": as_object()}[given]
+    built_in = []
+    if given == "object":
+        def build_model(cfg):
+            built_in.append(os.getpid())
+            return tiny_regression.build_model(cfg)
+
+        recipe.build_model = build_model
     summary = engine.fit(recipe, nproc=1, out_dir=str(tmp_path / "run"), **RUN)
+    if given == "object":
+        assert built_in == [os.getpid()]  # the Trainer ran here: no process was started
     assert summary == read_summary(tmp_path / "run")  # what summary.json holds
     assert summary.keys() == engine_run_summary.keys()
     assert summary["status"] == "completed" and summary["epochs_completed"] == 2
@@ -109,17 +125,19 @@ def test_fit_spawns_two_processes_from_a_guarded_script(tmp_path, engine_run_sum
     assert (summary["world_size"], summary["status"]) == (2, "completed")
 
 
-def test_the_library_guides_fit_example_runs(tmp_path):
-    guide = (REPO / "docs" / "library.md").read_text()
-    block = guide.split("# train.py: python train.py\n", 1)[1].split("```", 1)[0]
+@pytest.mark.parametrize("document", ["docs/library.md", "README.md"])
+def test_the_fit_examples_run(tmp_path, document):
+    text = (REPO / document).read_text()
+    block = text.split("# train.py: python train.py\n", 1)[1].split("```", 1)[0]
     assert '"recipes/cifar_ddp.py"' in block
-    (tmp_path / "train.py").write_text(block.replace('"recipes/cifar_ddp.py"', repr(str(RECIPE))))
+    script = textwrap.dedent(block).replace('"recipes/cifar_ddp.py"', repr(str(RECIPE)))
+    (tmp_path / "train.py").write_text(script)
     proc = run_python([str(tmp_path / "train.py")], cwd=tmp_path, check=True,
                       env=conftest.engine_env(ENGINE_START_METHOD="fork"))
-    status, digest, _ = proc.stdout.split()[-3:]
-    assert status == "completed"
     summary = read_summary(tmp_path / "runs" / "tiny_regression")
-    assert summary["weights_sha256"].startswith(digest) and summary["world_size"] == 2
+    assert summary["status"] == "completed" and summary["world_size"] == 2
+    status, digest = proc.stdout.splitlines()[-1].split()[:2]  # what the example prints
+    assert status == "completed" and summary["weights_sha256"].startswith(digest)
 
 
 def test_an_unguarded_script_is_one_line(tmp_path):
@@ -130,3 +148,147 @@ def test_an_unguarded_script_is_one_line(tmp_path):
     assert (f"engine.fit: {script} starts workers at import time; spawned workers import "
             "unguarded.py again, so put the call under `if __name__ == \"__main__\":`"
             ) in proc.stderr, proc.stderr
+
+
+# ------------------------------------------------- the set-up, once for every door
+
+
+def test_the_config_gets_out_dirs_default_and_its_components_are_checked(
+        make_plugin_manager):
+    pm = make_plugin_manager()
+    assert RecipeJob((), {}, recipe=str(RECIPE)).configure(pm).out_dir == \
+        "runs/tiny_regression"
+    assert RecipeJob((), {}, recipe=str(RECIPE),
+                     overrides=("out_dir=elsewhere",)).configure(pm).out_dir == "elsewhere"
+    for key, message in [("launcher", "launcher 'nope' is not available"),
+                         ("parallel", "parallel mode 'nope' is not available"),
+                         ("checkpointer", "checkpointer 'nope' is not available")]:
+        with pytest.raises(PluginError, match=message):
+            Launch(RecipeJob((), {}, recipe=str(RECIPE), overrides=(f"{key}=nope",)), pm)
+
+
+def test_a_single_process_mode_starts_one_process(make_plugin_manager):
+    pm = make_plugin_manager()
+    assert launch_options(pm, TrainConfig(parallel="dp"), {}).nproc == 1
+    assert launch_options(pm, TrainConfig(parallel="ddp"), {}).nproc is None
+    assert launch_options(pm, TrainConfig(parallel="single"),
+                          {"nproc": 3}).nproc == 3  # what the user asked for
+
+
+DOOR = Door("door", fresh_start="door(fresh)", overwrite="say overwrite",
+            start_over="door(again)")
+
+
+def test_a_fresh_start_is_refused_in_the_doors_words(tmp_path):
+    (tmp_path / "summary.json").write_text("{}")
+    fresh = {"no_resume": True, "overwrite": False, "nproc": 2}
+    job = RecipeJob((), fresh, door=DOOR, recipe=str(RECIPE),
+                    overrides=(f"out_dir={tmp_path}",))
+    with pytest.raises(ConfigError) as err:
+        Launch(job)
+    assert str(err.value).startswith(f"door(fresh): {tmp_path} holds a run (summary.json); "
+                                     "say overwrite to delete it first")
+    allowed = attrs.evolve(job, options={**fresh, "overwrite": True})
+    assert [w.rank for w in Launch(allowed).worlds] == [0, 1]
+
+
+class BrokenLauncherPlugin:
+    """A launcher whose own code fails."""
+
+    class Broken(engine.Launcher):
+        name = "broken"
+
+        def worlds(self):
+            return [].pop()
+
+    @engine.hookimpl
+    def engine_register_launchers(self, registry):
+        registry.add(self.Broken)
+
+
+@pytest.mark.parametrize("door", [ENGINE_RUN, FIT])
+def test_an_error_in_a_launchers_code_names_the_plugin(make_plugin_manager, door):
+    pm = make_plugin_manager(BrokenLauncherPlugin())
+    job = RecipeJob((), {}, door=door, recipe=str(RECIPE), overrides=("launcher=broken",))
+    with pytest.raises(PluginCodeError, match="launcher 'broken'.*IndexError: pop from "
+                                              "empty list"):
+        Launch(job, pm)
+
+
+# ------------------------------------------------------------ the worker's end
+
+
+def test_a_worker_error_is_printed_with_its_rank(capsys):
+    report_worker_error(3, ConfigError("config key 'lr': 0 must be > 0"))
+    assert capsys.readouterr().err == "[rank 3] error: config key 'lr': 0 must be > 0\n"
+    try:
+        raise ValueError("the recipe's own bug")
+    except ValueError as exc:  # the recipe's own code: its traceback, every line marked
+        report_worker_error(1, exc)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "[rank 1] Traceback (most recent call last):"
+    assert lines[-1] == "[rank 1] ValueError: the recipe's own bug"
+    assert all(line.startswith("[rank 1] ") for line in lines)
+
+
+def test_a_library_door_raises_in_process_where_engine_run_exits(tmp_path, capsys):
+    recipe = as_object()
+
+    def build_model(cfg):
+        raise ValueError("no model today")
+
+    recipe.build_model = build_model
+    job = RecipeJob((), {"nproc": 1}, door=FIT, recipe=recipe,
+                    overrides=(f"out_dir={tmp_path}",))
+    # One worker, in this process: a library caller gets the recipe's exception itself
+    # (it passed through the spawn plugin's frames, but is not that plugin's doing)...
+    with pytest.raises(ValueError, match="no model today"):
+        Launch(job).start()
+    # ...engine-run's worker prints it, marked with the rank, and exits with its code.
+    with pytest.raises(SystemExit) as exited:
+        Launch(attrs.evolve(job, door=ENGINE_RUN)).start()
+    assert exited.value.code == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "[rank 0] Traceback (most recent call last):"
+    assert err[-1] == "[rank 0] ValueError: no model today"
+
+
+def test_a_finished_run_says_how_to_start_over_in_fits_words(tmp_path, capsys):
+    out = tmp_path / "run"
+    done = engine.fit(RECIPE, nproc=1, out_dir=str(out), epochs=1)
+    capsys.readouterr()
+    again = engine.fit(RECIPE, nproc=1, out_dir=str(out), epochs=1)
+    assert again["weights_sha256"] == done["weights_sha256"]
+    assert (f"already complete: {out} holds a finished run of 1 epochs (asked for 1), "
+            "nothing to train; to train on, ask for more (epochs=2 or more); to start over, "
+            "use engine.fit(..., resume=False, overwrite=True) or another out_dir"
+            ) in capsys.readouterr().out
+
+
+@pytest.fixture
+def signal_handlers():
+    """The pre-emption signals' handlers put back after the test: a pre-empted run
+    leaves its process ignoring them (it is on its way out)."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def test_a_preempted_fit_returns_its_summary_and_the_next_one_resumes(
+        tmp_path, monkeypatch, signal_handlers, capsys):
+    out = tmp_path / "run"
+    # SIGUSR1 to this process after step 3, as SLURM's warning before the time limit.
+    monkeypatch.setenv("ENGINE_FAULT_ACTION", "signal")
+    monkeypatch.setenv("ENGINE_FAULT_STEP", "3")
+    monkeypatch.setenv("ENGINE_FAULT_ONCE", str(tmp_path / "signalled"))
+    fault = ["tests.fault_plugin"]
+    preempted = engine.fit(RECIPE, nproc=1, out_dir=str(out), plugins=fault, requeue=False)
+    assert preempted["status"] == "preempted" == read_summary(out)["status"]
+    # Mid-epoch (8 steps): the flag is read a few steps after the signal.
+    assert preempted["epochs_completed"] == 0 and 3 <= preempted["global_step"] < 8
+    assert "pre-empted by SIGUSR1: snapshot written" in capsys.readouterr().err
+    resumed = engine.fit(RECIPE, nproc=1, out_dir=str(out), plugins=fault, requeue=False,
+                         epochs=2)
+    assert (resumed["status"], resumed["epochs_completed"]) == ("completed", 2)
+    assert resumed["resumed_from"].endswith(f"s{preempted['global_step']:08d}.pt")
