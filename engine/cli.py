@@ -22,6 +22,7 @@ import sys
 import traceback
 from typing import Sequence
 
+from engine import phases
 from engine.errors import (EXIT_COMPLETED, EXIT_INTERRUPTED, EXIT_PREEMPTED, TRACEBACK_ENV,
                            EngineError, error_line, exit_code, traceback_wanted)
 from engine.launching import RecipeJob, blaming_plugins
@@ -154,7 +155,8 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
                    "the process's share of the CPUs)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config and the plan, then exit")
-    p.add_argument("-v", "--verbose", action="store_true", help="print the world table")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print the world table, and at the end how long each phase took")
     p.add_argument("--traceback", action="store_true",
                    help=f"print the traceback of every error (or set {TRACEBACK_ENV}=1)")
     p.add_argument("--version", action="store_true",
@@ -198,7 +200,9 @@ def train(pm, argv: Sequence[str]) -> int:
         return EXIT_COMPLETED
     if args.verbose and show:
         print(plan.format_plan(launch.cfg, the_plan, worlds, config=False))
+    phases.launching()
     statuses = launch.start().statuses
+    phases.command_ended(args.verbose and show)
     return EXIT_PREEMPTED if "preempted" in statuses else EXIT_COMPLETED
 
 

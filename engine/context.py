@@ -31,6 +31,7 @@ import attrs
 
 import engine
 from engine import config as config_mod
+from engine import phases
 from engine.errors import RunError, one_line
 from engine.stateful import SnapshotParts
 
@@ -133,6 +134,7 @@ class WorkerContext:
         self._warned: set[str] = set()
         self._started = time.perf_counter()
         self._started_at = utc_now()
+        phases.mark("imports, plugins, recipe")
 
     @property
     def out_dir(self) -> pathlib.Path:
@@ -287,8 +289,10 @@ class WorkerContext:
         self.pm.hook.engine_run_end(engine=self, summary=summary)
         if self.is_rank0:
             self.write_summary(summary)
+        phases.mark("summary")
         if status != "failed":
             distributed.destroy()
+        phases.report(self.options.get("verbose") and self.is_rank0)
         return summary
 
     def summary(self, status: str, error: BaseException | None = None) -> dict:
@@ -335,6 +339,7 @@ class WorkerContext:
         # BatchNorm statistics equal on every rank (a no-op when they already are).
         self.parallel.sync_buffers(self.model)
         self._weights = weights_digests(self.module, self.warn)
+        phases.mark("closing digest")
 
     def _checkpoint(self, status: str, which: str) -> str | None:
         """The checkpointer's ``latest()`` (the newest good snapshot) or ``best()``, as

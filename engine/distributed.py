@@ -37,6 +37,7 @@ import sys
 import time
 import uuid
 
+from engine import phases
 from engine.errors import LaunchError, first_line, one_line
 from engine.world import World, format_world_table, tcp_endpoint, whole_world
 
@@ -51,6 +52,7 @@ def init(world: World, backend: str, timeout_s: float) -> None:
     """Create the default process group, or raise a one-line LaunchError in time."""
     import torch.distributed as dist
 
+    phases.mark("seed, threads, device")
     if world.init_method == "env://":
         # Code that reads them (and torch's own env:// handler) sees what we use.
         os.environ["MASTER_ADDR"] = world.master_addr
@@ -75,6 +77,7 @@ def init(world: World, backend: str, timeout_s: float) -> None:
             f"all {world.world_size} ranks had checked in, so look at the network between "
             "the hosts (NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME)"
         ) from None
+    phases.mark("process group")
 
 
 def print_failure_table(world: World, backend: str) -> None:
@@ -382,3 +385,4 @@ def destroy() -> None:
 
         health.release()
         dist.destroy_process_group()
+        phases.mark("process group destroyed")

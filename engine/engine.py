@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine import phases
 from engine.context import WorkerContext, start_worker
 from engine.errors import ConfigError, EngineError, RunError, first_line
 from engine.stateful import TrainState
@@ -50,9 +51,11 @@ class Engine(WorkerContext):
             self.report_if_complete(cfg.epochs, more="epochs={n}", over=self.start_over)
             self.pm.hook.engine_run_start(engine=self)
             outcome = trainer.fit()
+            phases.mark("training")
             # The last snapshot is durable (or its write failed) before the run counts
             # as completed.
             self.checkpointer.close()
+            phases.mark("final snapshot durable")
             if outcome == "completed":
                 self.gather_weights()
             run.status = outcome

@@ -14,6 +14,8 @@ from __future__ import annotations
 import datetime
 import re
 
+from engine import phases
+
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 #: Texts of the errors torch raises when a collective cannot complete.
@@ -63,6 +65,7 @@ def prepare(timeout_s: float) -> None:
         if name not in _GROUPS:
             _GROUPS[name] = dist.new_group(backend="gloo",
                                            timeout=datetime.timedelta(seconds=seconds))
+    phases.mark("health check groups")
 
 
 def release() -> None:

@@ -16,6 +16,7 @@ import signal
 import sys
 from typing import Callable, Mapping, NoReturn
 
+from engine import phases
 from engine.errors import WorkerFailed
 from engine.launch_env import start_method
 from engine.world import World
@@ -257,6 +258,7 @@ def _entry(index: int, worker: Callable[[World], object], worlds: list[World],
            child_env: dict[str, str], results, forked: bool) -> None:
     global _to_launcher
     _to_launcher = (results, index, forked)
+    phases.mark("worker start")
     os.environ.update(child_env)
     status = worker(worlds[index])
     # Only a short string travels back: a large object could fill the pipe, and the

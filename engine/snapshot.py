@@ -15,7 +15,7 @@ import pathlib
 
 import engine
 from engine import config as config_mod
-from engine import distributed
+from engine import distributed, phases
 from engine.errors import CheckpointError, ConfigError
 
 #: Config keys a resumed run may change: they decide how long the run goes and how it
@@ -82,11 +82,12 @@ def upgrade(snap: dict) -> dict:
 def save(eng) -> pathlib.Path | None:
     """Write a snapshot; rank 0 only unless the checkpointer shards over all ranks.
     Collective (capture). Returns the path on the ranks that saved."""
-    state = capture(eng)
-    if not (eng.checkpointer.all_ranks or eng.is_rank0):
-        return None
-    return eng.checkpointer.save(state, epoch=eng.state.epoch, step=eng.state.step,
-                                 metrics=dict(eng.metrics))
+    with phases.carve("snapshots while training", within="training"):
+        state = capture(eng)
+        if not (eng.checkpointer.all_ranks or eng.is_rank0):
+            return None
+        return eng.checkpointer.save(state, epoch=eng.state.epoch, step=eng.state.step,
+                                     metrics=dict(eng.metrics))
 
 
 def resume(eng) -> None:
@@ -95,6 +96,7 @@ def resume(eng) -> None:
     Rank 0 decides which file (if any) and broadcasts the decision, so the ranks never
     disagree about whether there is something to resume.
     """
+    phases.mark("data, model")
     opts = eng.options
     if opts.get("no_resume"):
         return

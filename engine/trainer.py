@@ -51,7 +51,7 @@ import time
 import attrs
 import torch
 
-from engine import classification, data, distributed, health, snapshot
+from engine import classification, data, distributed, health, phases, snapshot
 from engine.errors import ConfigError, EngineError, RunError
 
 
@@ -357,6 +357,7 @@ class Trainer:
     def fit(self) -> str:
         """Train the epochs not yet completed; returns how the run ended: "completed"
         (every epoch, or early stopping) or "preempted" (a snapshot was written)."""
+        phases.mark("resume, run-start hooks")
         if self.engine.state.stopped_early:  # resumed from the end of an early-stopped run
             self.stop_early(again=True)
             return "completed"

@@ -82,20 +82,41 @@ def hand_written(rank: int, world_size: int, port: int, args
                  ) -> tuple[float, float, str, int, tuple[float, float]]:
     """The PyTorch DDP tutorial's loop. Returns (loop seconds, loop CPU seconds, weights
     digest, steps, the median window's wall and CPU seconds per step)."""
-    import torch
     import torch.distributed as dist
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader
-    from torch.utils.data.distributed import DistributedSampler
 
     from engine.checkpoint import model_digest
     from engine.recipe import load_recipe
 
     recipe_path, _, make_train_set, _, _ = WORKLOADS[args.workload]
     recipe = load_recipe(recipe_path)
-    cfg = recipe.make_config()  # for the recipe's model and optimizer (lr, momentum)
     train_set = make_train_set(recipe.module, args.size)
+    model, optimizer, sampler, loader = tutorial_ddp(recipe, train_set, rank, world_size,
+                                                     port, args)
+    clock = LoopCPUClock(loader)  # what the engine's loop is measured with, too
+    sampler.set_epoch(0)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    train_steps(model, optimizer, clock)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+
+    digest = model_digest(getattr(model, "module", model).state_dict())
+    if world_size > 1:
+        dist.destroy_process_group()
+    return elapsed, cpu, digest, len(loader), clock.step_seconds()
+
+
+def tutorial_ddp(recipe, train_set, rank: int, world_size: int, port: int, args):
+    """The PyTorch DDP tutorial's set-up, with ``args.threads`` torch threads: the
+    process group (gloo, more than one process), the recipe's model seeded with
+    ``args.seed`` (as the engine seeds it) in DDP, the recipe's optimizer, a
+    DistributedSampler and its DataLoader of ``args.batch`` samples over all processes.
+    Returns (model, optimizer, sampler, loader)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    cfg = recipe.make_config()  # for the recipe's model and optimizer (lr, momentum)
     torch.set_num_threads(args.threads)
     if world_size > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
@@ -105,25 +126,22 @@ def hand_written(rank: int, world_size: int, port: int, args
     if world_size > 1:
         model = DDP(model)
     optimizer = recipe.module.build_optimizer(cfg, model)
-    criterion = nn.CrossEntropyLoss()
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
                                  shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch // world_size, sampler=sampler)
+    return model, optimizer, sampler, loader
 
-    clock = LoopCPUClock(loader)  # what the engine's loop is measured with, too
-    sampler.set_epoch(0)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for inputs, labels in clock:
+
+def train_steps(model, optimizer, batches) -> None:
+    """The tutorial's steps over ``batches``: zero_grad, forward, loss, backward, step."""
+    from torch import nn
+
+    criterion = nn.CrossEntropyLoss()
+    for inputs, labels in batches:
         optimizer.zero_grad()
         loss = criterion(model(inputs), labels)
         loss.backward()
         optimizer.step()
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-
-    digest = model_digest(getattr(model, "module", model).state_dict())
-    if world_size > 1:
-        dist.destroy_process_group()
-    return elapsed, cpu, digest, len(loader), clock.step_seconds()
 
 
 #: Steps per window of the per-step timing: the engine's default log_every, so that

@@ -1,0 +1,128 @@
+"""Where a run's time goes outside the training loop: named points on one clock.
+
+Each process records the moment a phase ends (:func:`mark`): a ``time.monotonic()``
+and a ``time.process_time()`` reading and a list append, at a dozen points per run, so
+they are always recorded and only printed when asked for (``engine-run -v``: rank 0
+prints the table at the end of its run, the launching process the command's end).
+:func:`carve` times something inside a phase (the snapshots written while training)
+and shows it as a row of its own, taken out of that phase.
+
+The launching process hands its points (its interpreter's start, the launch) to the
+workers it starts through the environment variable ``ENGINE_PHASES``: on Linux,
+``CLOCK_MONOTONIC`` is one clock for every process of the machine, so a worker's table
+runs from the command's start. A worker started by another tool (torchrun, srun)
+starts its table at its own interpreter's start. The CPU time of a phase is that of
+the process that ran it (for the first phase in a process, everything it used since
+it started): on a machine that other jobs load, it moves far less than the wall time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+ENV = "ENGINE_PHASES"
+
+#: (the phase that ended, time.monotonic(), time.process_time(), pid) at its end; the
+#: first entry is the start.
+_marks: list[tuple[str, float, float, int]] = []
+#: Time spent inside a phase on something named (carve): name -> [phase, wall, CPU].
+_carved: dict[str, list] = {}
+
+
+def process_start() -> float:
+    """When this process started, on the ``time.monotonic()`` clock (to the clock tick,
+    10 ms on Linux); now where /proc cannot say."""
+    try:
+        with open("/proc/self/stat") as f:
+            # Field 22, counted after the command name, which may hold spaces.
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        since_start = (time.clock_gettime(time.CLOCK_BOOTTIME)
+                       - start_ticks / os.sysconf("SC_CLK_TCK"))
+        return time.monotonic() - max(0.0, since_start)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.monotonic()
+
+
+def _inherited() -> list[tuple[str, float, float, int]]:
+    """The launching process's points, in a worker it started."""
+    try:
+        return [(name, float(wall), float(cpu), int(pid)) for name, wall, cpu, pid in
+                (item.split("|") for item in os.environ.get(ENV, "").split(";") if item)]
+    except ValueError:
+        return []
+
+
+def mark(name: str) -> None:
+    """The phase ``name`` ends now (it began at the previous mark)."""
+    if not _marks:
+        _marks.extend(_inherited() or [("", process_start(), 0.0, os.getpid())])
+    _marks.append((name, time.monotonic(), time.process_time(), os.getpid()))
+
+
+@contextlib.contextmanager
+def carve(name: str, within: str):
+    """Time the body as ``name``: a row of its own, taken out of the phase ``within``
+    (the body may run several times: the times add up)."""
+    wall, cpu = time.monotonic(), time.process_time()
+    try:
+        yield
+    finally:
+        spent = _carved.setdefault(name, [within, 0.0, 0.0])
+        spent[1] += time.monotonic() - wall
+        spent[2] += time.process_time() - cpu
+
+
+def launching() -> None:
+    """In the launching process, just before the workers start: the command's set-up
+    ends here (from the interpreter's start), and the workers inherit the points."""
+    _marks[:] = [("", process_start(), 0.0, os.getpid())]
+    _carved.clear()
+    mark("command set-up")
+    os.environ[ENV] = ";".join(f"{name}|{wall!r}|{cpu!r}|{pid}"
+                               for name, wall, cpu, pid in _marks)
+
+
+def rows() -> list[tuple[str, float, float]]:
+    """(phase, wall seconds, CPU seconds), in order; a carved row follows the phase it
+    was taken from."""
+    out = []
+    for (_, wall0, cpu0, pid0), (name, wall, cpu, pid) in zip(_marks, _marks[1:]):
+        cpu_used = cpu - cpu0 if pid == pid0 else cpu  # a new process: all it used
+        inside = [(carved, w, c) for carved, (within, w, c) in _carved.items()
+                  if within == name]
+        out.append((name, wall - wall0 - sum(w for _, w, _ in inside),
+                    cpu_used - sum(c for _, _, c in inside)))
+        out += inside
+    return out
+
+
+def table(title: str = "phases") -> str:
+    """The phases so far, one line each: wall and CPU seconds, and when each ends,
+    counted from the start (the command's, or this process's)."""
+    if len(_marks) < 2:
+        return f"{title}: none recorded"
+    phases = rows()
+    width = max(len(name) for name, _, _ in phases)
+    lines = [f"{title}, seconds:",
+             f"  {'phase':<{width}}  {'wall':>7} {'CPU':>7}  {'ends at':>10}"]
+    at = 0.0
+    for name, wall, cpu in phases:
+        at += wall
+        lines.append(f"  {name:<{width}}  {wall:7.3f} {cpu:7.3f}  at {at:7.3f}")
+    return "\n".join(lines)
+
+
+def report(verbose: bool, title: str = "phases (rank 0)") -> None:
+    """Print the table when ``verbose``."""
+    if verbose:
+        print(table(title), flush=True)
+
+
+def command_ended(verbose: bool) -> None:
+    """In the launching process, once the workers have exited: how long the whole
+    command took, when ``verbose`` (the workers' exit is the time after their table)."""
+    if verbose and _marks:
+        print(f"command: {time.monotonic() - _marks[0][1]:.3f}s from the interpreter's "
+              "start to the workers' exit", flush=True)
