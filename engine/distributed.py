@@ -43,6 +43,9 @@ from engine.world import World, format_world_table, tcp_endpoint, whole_world
 
 #: How often a waiting rank re-reads the session id (a stale file's is replaced).
 POLL_S = 0.5
+#: The longest pause between two looks at the store while waiting for a key: a rank
+#: that checks in is seen within it (a look is one small request to the store).
+CHECK_S = 0.05
 #: How long a failing rank 0 keeps its store up for the others to read why.
 ACK_WAIT_S = 3.0
 SESSION_KEY = "engine/session"
@@ -267,7 +270,7 @@ def _poll(store, keys: list[str], deadline: float) -> bool:
         if left <= 0:
             return False
         time.sleep(min(pause, left))
-        pause = min(pause * 2, POLL_S)
+        pause = min(pause * 2, CHECK_S)
     return True
 
 
