@@ -314,6 +314,18 @@ def check(cfg: TrainConfig) -> None:
     if cfg.grad_clip_norm is not None and not cfg.grad_clip_norm > 0:
         raise ConfigError(f"config key 'grad_clip_norm': {cfg.grad_clip_norm!r} must be > 0 "
                           "(or none: no clipping)")
+    if not cfg.timeout_s > 0:
+        raise ConfigError(f"config key 'timeout_s': {cfg.timeout_s!r} must be > 0 (the "
+                          "seconds any wait for another rank may take)")
+    checkpoint = cfg.checkpoint
+    for name, meaning in (("keep_last", "keeps every snapshot"),
+                          ("every_epochs", "only at the end"),
+                          ("every_steps", "never by step count"),
+                          ("every_minutes", "never by wall time")):
+        value = getattr(checkpoint, name)
+        if value < 0:
+            raise ConfigError(f"config key 'checkpoint.{name}': {value!r} must be >= 0 "
+                              f"(0 {meaning})")
     stopping = cfg.early_stopping
     if stopping.patience < 1:
         raise ConfigError(f"config key 'early_stopping.patience': {stopping.patience!r} "

@@ -145,6 +145,20 @@ class Finished:
     result: Any
 
 
+def warn_if_oversubscribed(local_processes: int) -> None:
+    """Processes beyond the CPUs this node may use run at a fraction of the speed each
+    (they take turns on the CPUs and get one thread each); a warning, not an error: the
+    run is right, only slow, and a GPU node may not care."""
+    from engine.errors import warn_once
+    from engine.world import usable_cpus
+
+    cpus, source = usable_cpus()
+    if local_processes > cpus:
+        warn_once(f"{local_processes} processes on this node share {cpus} usable CPU(s) "
+                  f"({source}): each gets 1 torch thread and they take turns, so training "
+                  f"will be slow; --nproc {cpus} or fewer fits the CPUs")
+
+
 class Launch:
     """A job set up in the launching process (the module docstring's first block),
     ready to :meth:`start`. ``pm``: the plugin manager, when the door built it already
@@ -153,12 +167,13 @@ class Launch:
     def __init__(self, job: "Worker", pm=None):
         from engine.launcher import choose_launcher
         from engine.plugin_manager import build_plugin_manager
-        from engine.run_dir import refuse_fresh_start
+        from engine.run_dir import refuse_fresh_start, refuse_unwritable
 
         self.job = job
         self.pm = build_plugin_manager(job.plugins) if pm is None else pm
         with blaming_plugins(self.pm):
             self.cfg = job.configure(self.pm)
+            refuse_unwritable(self.cfg.out_dir)
             if job.options.get("no_resume") and not job.options.get("overwrite"):
                 # Before any process starts: what the user had is never removed unasked.
                 refuse_fresh_start(self.cfg.out_dir, asked=job.door.fresh_start,
@@ -166,6 +181,7 @@ class Launch:
             self.launcher = choose_launcher(self.pm.launchers, self.cfg.launcher,
                                             launch_options(self.pm, self.cfg, job.options))
             self.worlds = self.launcher.worlds()
+        warn_if_oversubscribed(len(self.worlds) if self.launcher.spawns else 1)
 
     def start(self) -> Finished:
         """Run the job in every worker of this node and wait. A failed spawned worker

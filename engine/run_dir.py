@@ -82,6 +82,21 @@ def fixed_part(out_dir: str) -> str:
     return str(pathlib.PurePath(*fixed)) if fixed else "."
 
 
+def refuse_unwritable(out_dir: str) -> None:
+    """A ConfigError when the run could not write its folder (a read-only filesystem, a
+    folder of another user): said in the launching process, before any worker starts,
+    instead of a worker's OSError traceback at its first write. The folder may not
+    exist yet: its nearest existing parent is the one asked."""
+    import os
+
+    path = pathlib.Path(fixed_part(out_dir)).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"out_dir {out_dir!r}: {path} cannot be written (a read-only "
+                          "filesystem or no permission); give an out_dir the run can write")
+
+
 def _regex(pattern: str) -> re.Pattern:
     """``pattern`` (absolute) as a regular expression with one group per placeholder."""
     parts, seen, last = [], set(), 0

@@ -53,6 +53,12 @@ def test_overrides_convert_by_field_type():
     ("epochs", "override 'epochs' is not of the form key=value"),
     ("epochs=0", "config key 'epochs': 0 is not allowed; it must be >= 1"),
     ("init_method=http://x", "config key 'init_method': 'http://x' is not allowed"),
+    ("timeout_s=0", "config key 'timeout_s': 0.0 must be > 0 (the seconds any wait for "
+     "another rank may take)"),
+    ("checkpoint.keep_last=-1", "config key 'checkpoint.keep_last': -1 must be >= 0 (0 keeps "
+     "every snapshot)"),
+    ("checkpoint.every_steps=-5", "config key 'checkpoint.every_steps': -5 must be >= 0 (0 "
+     "never by step count)"),
 ])
 def test_bad_override_is_one_clear_line(override, message):
     with pytest.raises(ConfigError) as info:

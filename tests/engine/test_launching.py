@@ -292,3 +292,18 @@ def test_a_preempted_fit_returns_its_summary_and_the_next_one_resumes(
                          epochs=2)
     assert (resumed["status"], resumed["epochs_completed"]) == ("completed", 2)
     assert resumed["resumed_from"].endswith(f"s{preempted['global_step']:08d}.pt")
+
+
+def test_more_processes_than_usable_cpus_is_a_warning_with_the_cpus(tmp_path):
+    from engine.world import usable_cpus
+
+    cpus, source = usable_cpus()
+    batch = f"batch_size={cpus * (cpus + 1)}"  # splits over either number of processes
+    proc = run_cli(str(RECIPE), batch, f"out_dir={tmp_path}", "--nproc", str(cpus + 1),
+                   "--dry-run", check=True)
+    assert (f"warning: {cpus + 1} processes on this node share {cpus} usable CPU(s) "
+            f"({source}): each gets 1 torch thread and they take turns, so training will be "
+            f"slow; --nproc {cpus} or fewer fits the CPUs") in proc.stderr, proc.stderr
+    fits = run_cli(str(RECIPE), batch, f"out_dir={tmp_path}", "--nproc", str(cpus),
+                   "--dry-run", check=True)
+    assert "usable CPU(s)" not in fits.stderr

@@ -5,6 +5,7 @@ gets rank 0's folder is tested with a real run in tests/engine/test_cli.py."""
 from __future__ import annotations
 
 import datetime
+import subprocess
 
 import pytest
 
@@ -13,6 +14,7 @@ from engine.config import TrainConfig, check
 from engine.errors import ConfigError
 from engine.plugin_manager import build_plugin_manager
 from engine.world import World
+from tests.conftest import REPO, run_cli
 
 MOMENT = datetime.datetime(2026, 11, 23, 9, 30, 12, tzinfo=datetime.timezone.utc)
 
@@ -124,3 +126,27 @@ def test_settle_fills_the_pattern_on_rank_0(tmp_path):
     run_dir.settle(afresh, World(0, 0, 1, 1, restart_count=1), {"no_resume": True},
                    run_dir.ENGINE_FILES)
     assert afresh.out_dir == str(tmp_path / "v1")  # a restart that starts afresh: new
+
+
+def test_an_out_dir_on_a_read_only_filesystem_is_one_line_before_any_worker(tmp_path):
+    """A run whose folder was remounted read-only: refused in the launching process with
+    exit 2, instead of a worker's OSError traceback at its first write."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        recipe = str(REPO / "tests" / "recipes" / "tiny_regression.py")
+        out = disk / "run"
+        run_cli(recipe, "epochs=1", f"out_dir={out}", "--nproc", "1", check=True)
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        again = run_cli(recipe, "epochs=2", f"out_dir={out}", "--nproc", "2")
+        assert again.returncode == 2, again.stderr
+        assert again.stderr.strip().splitlines()[-1] == (
+            f"engine-run: error: out_dir '{out}': {out} cannot be written (a read-only "
+            "filesystem or no permission); give an out_dir the run can write")
+        assert "[rank" not in again.stderr  # no worker started
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
