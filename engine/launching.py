@@ -186,9 +186,16 @@ class Launch:
     def start(self) -> Finished:
         """Run the job in every worker of this node and wait. A failed spawned worker
         raises :class:`~engine.errors.WorkerFailed` here, naming its rank and error."""
+        from engine import run_lock
+
         library = self.job.door.library
-        with (tempfile.TemporaryDirectory(prefix="engine-launch-") if library
-              else contextlib.nullcontext()) as exchange:
+        # One run per folder: the process with rank 0 among its workers (or rank 0
+        # itself, adopted) holds out_dir's lock until the run ends (engine/run_lock.py).
+        holds_rank0 = bool(self.worlds) and self.worlds[0].rank == 0
+        with (run_lock.holding(self.cfg.out_dir, self.job.door.name) if holds_rank0
+              else contextlib.nullcontext()), \
+                (tempfile.TemporaryDirectory(prefix="engine-launch-") if library
+                 else contextlib.nullcontext()) as exchange:
             job = attrs.evolve(self.job, launching_pid=os.getpid(), exchange_dir=exchange)
             if library and self.launcher.spawns and len(self.worlds) > 1:
                 check_spawnable(job)  # one process runs in this one: anything goes
