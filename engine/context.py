@@ -37,8 +37,25 @@ from engine.stateful import SnapshotParts
 
 #: Summary keys taken from the latest metrics (``val/accuracy`` -> ``val_accuracy``).
 SUMMARY_METRICS = {"train/loss": "train_loss", "val/loss": "val_loss",
-                   "val/accuracy": "val_accuracy", "train/images_per_sec": "images_per_sec",
+                   "val/accuracy": "val_accuracy",
                    "train/data_wait_fraction": "data_wait_fraction"}
+
+
+def throughput_of(metrics: dict) -> tuple[str, float] | None:
+    """``(unit, value)`` of the ``train/<unit>_per_sec`` metric (samples by default, a
+    recipe's own unit such as tokens), or None."""
+    for name, value in metrics.items():
+        if name.startswith("train/") and name.endswith("_per_sec"):
+            return name[len("train/"):-len("_per_sec")], value
+    return None
+
+
+def throughput_summary(metrics: dict) -> dict:
+    """The summary's throughput keys: ``throughput_unit`` and ``<unit>_per_sec``
+    (``samples_per_sec``, ``tokens_per_sec``); runs before units had ``images_per_sec``."""
+    found = throughput_of(metrics)
+    unit, value = found if found else ("samples", None)
+    return {"throughput_unit": unit, f"{unit}_per_sec": value}
 
 
 def utc_now() -> str:
@@ -316,6 +333,7 @@ class WorkerContext:
             "ended_at": utc_now(),
             "wall_time_s": round(time.perf_counter() - self._started, 3),
             **{short: self.metrics.get(long) for long, short in SUMMARY_METRICS.items()},
+            **throughput_summary(self.metrics),
             "metrics": dict(self.metrics),
             "resumed_from": _path_or_none(self.resumed_from),
             "final_checkpoint": self._checkpoint(status, "latest"),

@@ -58,6 +58,7 @@ class Engine(WorkerContext):
             phases.mark("final snapshot durable")
             if outcome == "completed":
                 self.gather_weights()
+                self._after_training()
             run.status = outcome
         if run.status == "preempted":
             self._after_preemption()
@@ -82,6 +83,13 @@ class Engine(WorkerContext):
                 f"rank {self.world.rank}: a collective operation failed at step "
                 f"{self.state.step}: {who} (timeout {self.cfg.timeout_s:g}s): {line}")
         return exc
+
+    def _after_training(self) -> None:
+        """The recipe's ``on_train_end(cfg, ctx)``, on every rank, once the epochs are
+        done (a sample of generated text, an export...)."""
+        on_train_end = self.recipe.optional("on_train_end")
+        if on_train_end is not None:
+            on_train_end(self.cfg, self)
 
     def _after_preemption(self) -> None:
         from engine import preemption
@@ -144,8 +152,11 @@ class Engine(WorkerContext):
         model = model.to(self.device)
         self.model = self.parallel.wrap(model)
         self.optimizer = recipe.module.build_optimizer(cfg, self.module)
-        build_scheduler = recipe.optional("build_scheduler")
-        self.scheduler = build_scheduler(cfg, self.optimizer) if build_scheduler else None
+        # The run's length, for schedules by step: the optimizer steps of an epoch
+        # (a group of grad_accum_steps micro-batches each, the last maybe shorter).
+        self.steps_per_epoch = -(-len(self.train_loader) // cfg.grad_accum_steps)
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        self.scheduler = build_scheduler(recipe, cfg, self.optimizer, self)
         self.loss_fn = recipe.optional("loss_fn") or torch.nn.functional.cross_entropy
         if cfg.precision == "fp16":
             if self.device.type != "cuda":
@@ -164,3 +175,20 @@ class Engine(WorkerContext):
         # After the resume's config check: a refused resume leaves the old config.json.
         self.write_config()
         return trainer
+
+
+def build_scheduler(recipe, cfg, optimizer, ctx):
+    """The recipe's ``build_scheduler(cfg, optimizer, ctx)`` (``ctx.steps_per_epoch``,
+    ``ctx.total_steps``: the run's length), or ``build_scheduler(cfg, optimizer)`` for a
+    recipe that needs no more; None without one."""
+    import inspect
+
+    build = recipe.optional("build_scheduler")
+    if build is None:
+        return None
+    try:
+        takes_ctx = len(inspect.signature(build).parameters) >= 3
+    except (TypeError, ValueError):  # a callable without a signature: the old form
+        takes_ctx = False
+    return build(cfg, optimizer, ctx) if takes_ctx else build(cfg, optimizer)
+

@@ -291,8 +291,9 @@ def engine_before_optimizer_step(engine, step, optimizer):
 @hookspec
 def engine_log(engine, metrics, step):
     """Scalars to record: ``metrics`` maps names such as ``train/loss``, ``val/accuracy``,
-    ``train/images_per_sec`` or ``lr`` to Python floats, at global optimizer step
-    ``step``. Logger plugins (console, TensorBoard, CSV, W&B...) implement this.
+    ``train/samples_per_sec`` (``train/<unit>_per_sec`` in a recipe's own unit) or ``lr``
+    to Python floats, at global optimizer step ``step``. Logger plugins (console,
+    TensorBoard, CSV, W&B...) implement this.
 
     Kind: notification. Fires on rank 0 only: every ``log_every`` steps during training
     (the window before: the mean over all ranks arrives one window after its check

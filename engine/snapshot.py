@@ -172,6 +172,7 @@ def restore(eng, snap: dict, source: str) -> None:
     eng.snapshot_parts.load_state_dict(snap, source=source, warn=eng.warn)
     if lr_change is not None:
         _apply_lr(eng, *lr_change, source)
+    _say_what_new_epochs_do_to_the_schedule(eng, snap.get("config"), source)
 
 
 # ------------------------------------------------------------ a changed config
@@ -214,6 +215,24 @@ def check_config(eng, saved: dict | None, source: str) -> tuple | None:
                  f"{listed}; the run is no longer an exact continuation"
                  + ("; the learning rate stays the scheduler's" if "lr" in refused else ""))
     return lr
+
+
+def _say_what_new_epochs_do_to_the_schedule(eng, saved: dict | None, source: str) -> None:
+    """A per-step schedule is built for the run's total steps (Engine.total_steps): a
+    resume with other ``epochs`` continues on a schedule of another length, so the
+    learning rate jumps to the new schedule's value at this step. Said, not refused:
+    it is how a run is extended."""
+    if not isinstance(saved, dict) or eng.scheduler is None:
+        return
+    old = saved.get("epochs")
+    if old is None or old == eng.cfg.epochs or eng.cfg.scheduler_interval != "step":
+        return
+    total = getattr(eng, "total_steps", None)
+    span = f" ({total} steps)" if total else ""
+    eng.warn(f"epochs changed since {source}: {old} -> {eng.cfg.epochs}; the per-step "
+             f"schedule is rebuilt for {eng.cfg.epochs} epochs{span} and continues at step "
+             f"{eng.state.step} of it, not of the old one: from the next step the learning "
+             "rate is the new schedule's (restore epochs to continue the old schedule)")
 
 
 def _apply_lr(eng, old: float, new: float, source: str) -> None:

@@ -115,7 +115,7 @@ class PendingCheck:
     first_step: int
     step: int
     batches: int
-    images_per_sec: float
+    per_sec: float  # the throughput, in the recipe's unit
     lr: float
 
 
@@ -126,8 +126,13 @@ class LogWindow:
     step's micro-batches leave the sums (:meth:`settle`): the logged losses are those
     of the steps taken, not NaN."""
 
-    def __init__(self, device, samples_per_step: int, first_batch: int = 0):
+    def __init__(self, device, samples_per_step: int, first_batch: int = 0,
+                 world_size: int = 1):
         self.samples_per_step = samples_per_step
+        # A recipe's own throughput unit (Throughput): counted in this rank's batches,
+        # in the window and in the epoch; the world's is that times world_size.
+        self.world_size = world_size
+        self.units = self.epoch_units = 0
         self.loss = torch.zeros((), device=device)
         self.epoch_loss = torch.zeros((), device=device)
         self.batches = self.steps = 0
@@ -167,10 +172,15 @@ class LogWindow:
             self.loss.copy_(self.kept_loss)
             self.batches = self.kept_batches
 
-    def images_per_sec(self, now: float) -> float:
-        return self.samples_per_step * self.steps / (now - self.start)
+    def per_sec(self, now: float, counted: bool) -> float:
+        """The window's throughput: samples (``samples_per_step`` a step), or the
+        recipe's ``counted`` units."""
+        done = self.units * self.world_size if counted else self.samples_per_step * self.steps
+        return done / (now - self.start)
 
     def restart(self, now: float) -> None:
+        self.epoch_units += self.units
+        self.units = 0
         self.epoch_loss += self.loss
         self.loss.zero_()
         self.kept_loss.zero_()
@@ -181,6 +191,24 @@ class LogWindow:
         """The epoch's loss sum on this rank so far, this window's included; the
         resumed part (rank 0's) too."""
         return (self.epoch_loss + self.loss).double() + self.resumed_loss
+
+
+class Throughput:
+    """What ``train/<unit>_per_sec`` counts: samples by default (the global batch of a
+    step), or the recipe's own unit, ``throughput_unit = "tokens"`` with
+    ``count_throughput(batch) -> int`` (the units in one micro-batch, read from its
+    shapes on the host: no device sync)."""
+
+    def __init__(self, recipe):
+        self.unit = recipe.optional("throughput_unit") or "samples"
+        self.count = recipe.optional("count_throughput")
+        if (self.count is None) != (self.unit == "samples"):
+            raise ConfigError(
+                f"the recipe declares throughput_unit={self.unit!r} "
+                + ("without count_throughput(batch) -> int (the units in a micro-batch)"
+                   if self.count is None else "as samples with a count_throughput: "
+                   "name its unit, e.g. throughput_unit = 'tokens'"))
+        self.metric = f"train/{self.unit}_per_sec"
 
 
 class SnapshotPolicy:
@@ -212,22 +240,25 @@ class SnapshotPolicy:
 
 class MetricSums:
     """What ``eval_step`` returns, summed over the batches of a rank; then one
-    all-reduce over the ranks, and every sum divided by the ``count`` sum.
+    all-reduce over the ranks, and every sum divided by the ``count`` sum, or, when the
+    recipe defines ``eval_metrics(sums)``, whatever it derives from the reduced sums
+    (a perplexity, an F1 from counts: metrics that are no sum divided by a count).
 
     Tensors add up on the device (no sync per batch); Python numbers on the host. The
     names come from the first batch; rank 0, which holds the most validation samples,
     tells the others, so a rank with no batch at all still joins the same reduction.
     """
 
-    def __init__(self, device):
+    def __init__(self, device, derive=None):
         self.device = device
+        self.derive = derive
         self.names: list[str] | None = None
         self.tensors: dict[str, torch.Tensor] = {}
         self.numbers: dict[str, float] = {}
 
     def add(self, sums: dict) -> None:
         if self.names is None:
-            if not isinstance(sums, dict) or "count" not in sums:
+            if not isinstance(sums, dict) or ("count" not in sums and self.derive is None):
                 raise EngineError(
                     "eval_step must return a dict of metric sums with a 'count' (the number "
                     f"of samples they cover), e.g. {{'loss': ..., 'count': n}}; got {sums!r}")
@@ -253,9 +284,11 @@ class MetricSums:
         values = torch.stack([self.tensors.get(n, zero) + self.numbers.get(n, 0.0)
                               for n in names])
         totals = dict(zip(names, distributed.all_reduce_sum(values).tolist()))
+        if totals.get("count", 1) == 0:
+            return {}  # no validation sample on any rank
+        if self.derive is not None:
+            return {f"val/{name}": float(value) for name, value in self.derive(totals).items()}
         count = totals.pop("count")
-        if count == 0:
-            return {}
         return {f"val/{name}": total / count for name, total in totals.items()}
 
 
@@ -328,6 +361,8 @@ class Trainer:
         self.train_step = self.first_train_step
         self.checked_train_step = recipe.optional("train_step") or classification.train_step
         self.eval_step = recipe.optional("eval_step") or classification.eval_step
+        self.eval_metrics = recipe.optional("eval_metrics")
+        self.throughput = Throughput(recipe)
         self.nonfinite = NonFinitePolicy(self.cfg.on_nonfinite, device,
                                          engine.world.world_size, engine.warn)
         self.snapshots = SnapshotPolicy(self.cfg, engine.is_rank0)
@@ -419,7 +454,9 @@ class Trainer:
         first_batch = eng.state.batch_in_epoch
         end_batch = first_batch + len(eng.train_loader)  # the loader holds what is left
         window = self.window = LogWindow(eng.device, eng.micro_batch * accum
-                                         * eng.world.world_size, first_batch)
+                                         * eng.world.world_size, first_batch,
+                                         world_size=eng.world.world_size)
+        count_units = self.throughput.count
         if eng.is_rank0:
             window.add_resumed(self.resumed_epoch_loss, eng.micro_batch)
         self.resumed_epoch_loss = None  # the first epoch after a resume only
@@ -434,6 +471,8 @@ class Trainer:
             group_start = batch_index - batch_index % accum
             group_size = min(accum, end_batch - group_start)
             last_micro = batch_index - group_start == group_size - 1
+            if count_units is not None:
+                window.units += count_units(batch)
             loss = self.run_batch(batch, group_size, last_micro)
             window.add_batch(loss)
             eng.state.batch_in_epoch = batch_index + 1
@@ -534,7 +573,7 @@ class Trainer:
         started = PendingCheck(distributed.start_all_reduce_sum(values), eng.state.epoch,
                                first_step=eng.state.step - window.steps + 1,
                                step=eng.state.step, batches=window.batches,
-                               images_per_sec=window.images_per_sec(now),
+                               per_sec=window.per_sec(now, self.throughput.count is not None),
                                lr=self.current_lr())
         window.restart(now)
         previous, self.pending = self.pending, started
@@ -567,7 +606,7 @@ class Trainer:
                                     epoch=check.epoch)
         if self.log_hook is not None:
             self.log_hook(engine=eng, step=check.step, metrics={
-                "train/loss": loss, "train/images_per_sec": check.images_per_sec,
+                "train/loss": loss, self.throughput.metric: check.per_sec,
                 "lr": check.lr})
         return preempted > 0, due_by_time > 0
 
@@ -589,9 +628,16 @@ class Trainer:
         self.nonfinite.check_epoch(mean_loss, epoch, eng.state.step)
         return {
             "train/loss": mean_loss,
-            "train/images_per_sec": window.samples_per_step * steps / max(elapsed, 1e-9),
+            self.throughput.metric: self.epoch_done(window, steps) / max(elapsed, 1e-9),
             "train/data_wait_fraction": wait / max(elapsed, 1e-9),
         }
+
+    def epoch_done(self, window: LogWindow, steps: int) -> float:
+        """Samples (or the recipe's units) all ranks trained on in this run's part of
+        the epoch."""
+        if self.throughput.count is None:
+            return window.samples_per_step * steps
+        return (window.epoch_units + window.units) * window.world_size
 
     def epoch_loss_so_far(self) -> dict | None:
         """For a snapshot (collective: every rank takes part): the epoch's loss sum and
@@ -631,7 +677,7 @@ class Trainer:
         module = eng.module
         was_training = module.training
         module.eval()
-        sums = MetricSums(eng.device)
+        sums = MetricSums(eng.device, self.eval_metrics)
         for batch in eng.val_loader:
             batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
             with self.autocast():

@@ -1,7 +1,7 @@
 """Logger ``console``: a tqdm progress bar and one line per epoch, on rank 0 only.
 
-The bar shows step, loss, images/s and the share of time spent waiting for data; it
-refreshes at the log interval, so it never forces a host-device synchronisation per
+The bar shows step, loss, throughput (samples/s, or the recipe's own unit: tokens/s)
+and the share of time spent waiting for data; it refreshes at the log interval, so it never forces a host-device synchronisation per
 step. On a terminal it redraws in place; in a log file (SLURM output) only the epoch
 lines appear. An epoch whose training waited for data more than :data:`DATA_BOUND` of
 its time is called data-bound, with a hint on what to do about it.
@@ -13,6 +13,7 @@ import math
 import sys
 
 import engine
+from engine.context import throughput_of
 
 #: A run is called data-bound when more than this fraction of its time waits for data.
 DATA_BOUND = 0.3
@@ -63,12 +64,14 @@ class ConsoleLogger:
 
     @engine.hookimpl
     def engine_log(self, engine, metrics, step):
-        if self.bar is None or "train/images_per_sec" not in metrics or "val/loss" in metrics:
+        throughput = throughput_of(metrics)
+        if self.bar is None or throughput is None or "val/loss" in metrics:
             return
         self.bar.update(step - self.last_step)
         self.last_step = step
-        self.postfix.update(loss=f"{metrics['train/loss']:.4f}",
-                            img_s=f"{metrics['train/images_per_sec']:.0f}")
+        unit, per_sec = throughput
+        self.postfix.update({"loss": f"{metrics['train/loss']:.4f}",
+                             f"{unit}/s": f"{per_sec:.0f}"})
         if metrics.get("train/data_wait_fraction") is not None:
             self.postfix["data_wait"] = f"{metrics['train/data_wait_fraction']:.0%}"
         self.bar.set_postfix(self.postfix, refresh=False)
@@ -91,7 +94,9 @@ class ConsoleLogger:
         shown += [(key, "val acc", ".2%") if key == "val/accuracy" else
                   (key, key.replace("/", " "), ".4f")
                   for key in metrics if key.startswith("val/")]
-        shown.append(("train/images_per_sec", "img/s", ".0f"))
+        throughput = throughput_of(metrics)
+        if throughput is not None:
+            shown.append((f"train/{throughput[0]}_per_sec", f"{throughput[0]}/s", ".0f"))
         for key, label, fmt in shown:
             if metrics.get(key) is not None:
                 parts.append(f"{label} {format(metrics[key], fmt)}")

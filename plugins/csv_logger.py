@@ -4,7 +4,7 @@ The file is in long format, one row per metric and logged event, with a header::
 
     step,epoch,name,value
     4,0,train/loss,2.2931
-    4,0,train/images_per_sec,1523.4
+    4,0,train/samples_per_sec,1523.4
     4,0,lr,0.1
     8,0,train/loss,2.1187
     ...

@@ -1,7 +1,7 @@
 """Logger ``tensorboard``: scalars under ``<out_dir>/tensorboard``, written by rank 0.
 
 Every ``engine_log`` call becomes one scalar per metric, tagged with the metric's name
-(``train/loss``, ``train/images_per_sec``, ``lr``, ``val/loss``, ``val/accuracy``...)
+(``train/loss``, ``train/samples_per_sec``, ``lr``, ``val/loss``, ``val/accuracy``...)
 at the global optimizer step. tensorboard is imported when the run starts (or, in a
 custom loop, at the first scalar), never at start-up of the engine; ``-p no:tensorboard``
 turns the logger off.

@@ -174,9 +174,9 @@ def interleaved_runs(settings: dict[str, list[str]], overrides: list[str],
             engine_run([RECIPE, *overrides, *settings[name], f"epochs={args.epochs}",
                         f"out_dir={out}", "--no-resume", "--nproc", str(args.nproc)])
             summary = json.loads((out / "summary.json").read_text())
-            runs[name].append(summary["images_per_sec"])
+            runs[name].append(summary["samples_per_sec"])
             print(f"  engine-run {' '.join(settings[name])}: "
-                  f"{summary['images_per_sec']:.2f} images/s "
+                  f"{summary['samples_per_sec']:.2f} images/s "
                   f"(data wait {summary['data_wait_fraction']:.0%})", flush=True)
     return {name: statistics.median(v) for name, v in runs.items()}
 

@@ -25,7 +25,7 @@ every variant in turn, INTERLEAVED: a warm-up round that is not counted, then ``
 rounds, the order rotating every round, so that load from elsewhere on the machine
 hits every variant alike. Only the training loop is timed, by each side itself: the
 hand-written loop with perf_counter around its epoch; the engine through the
-``Engine`` class, whose Trainer measures its epoch (summary's images_per_sec =
+``Engine`` class, whose Trainer measures its epoch (summary's samples_per_sec =
 global batch x steps / loop time). Process start-up, imports, data generation,
 validation and checkpoints are outside the timings.
 
@@ -222,7 +222,7 @@ def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: st
     summary = Engine(pm, recipe, cfg, world, {"threads": args.threads}).run()
     # The wall time is the engine's own measurement of its loop.
     steps = summary["global_step"]
-    loop_seconds = steps * cfg.batch_size / summary["images_per_sec"]
+    loop_seconds = steps * cfg.batch_size / summary["samples_per_sec"]
     return (loop_seconds, cpu_clock.clock.cpu_seconds, summary["weights_sha256"], steps,
             cpu_clock.clock.step_seconds())
 

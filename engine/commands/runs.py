@@ -102,7 +102,7 @@ def val_names(runs: list[dict]) -> list[str]:
 
 def format_table(runs: list[dict]) -> str:
     names = val_names(runs)
-    header = ["RUN", "STATUS", "EPOCHS", *(n.upper() for n in names), "IMG/S", "WALL",
+    header = ["RUN", "STATUS", "EPOCHS", *(n.upper() for n in names), "THROUGHPUT", "WALL",
               "DIGEST"]
     rows = [row(run, names) for run in runs]
     full = [r for r in rows if len(r) == len(header)]
@@ -128,9 +128,21 @@ def row(run: dict, names: list[str]) -> list[str]:
     epochs = f"{text(summary.get('epochs_completed'))}/{text(summary.get('epochs_requested'))}"
     digest = summary.get("weights_sha256")
     return [run["path"], status, epochs, *(number(metrics.get(n)) for n in names),
-            number(summary.get("images_per_sec"), "{:.0f}"),
+            throughput(summary),
             duration(summary.get("wall_time_s")),
             digest[:DIGEST_CHARS] if isinstance(digest, str) else "-"]
+
+
+def throughput(summary: dict) -> str:
+    """``4098 samples/s``, ``51200 tokens/s``; a summary written before throughput had
+    a unit holds ``images_per_sec``."""
+    unit = summary.get("throughput_unit")
+    if not isinstance(unit, str):
+        unit, value = "images", summary.get("images_per_sec")
+    else:
+        value = summary.get(f"{unit}_per_sec")
+    shown = number(value, "{:.0f}")
+    return shown if shown == "-" else f"{shown} {unit}/s"
 
 
 def text(value) -> str:

@@ -83,7 +83,7 @@ def test_engine_run_and_a_custom_loop_write_the_same_summary_keys(tmp_path, prob
     # Every key either path wrote before they shared one builder is still there.
     assert {"status", "recipe", "world_size", "launcher", "parallel", "epochs_completed",
             "global_step", "wall_time_s", "train_loss", "val_loss", "val_accuracy",
-            "images_per_sec", "data_wait_fraction", "weights_sha256",
+            "samples_per_sec", "throughput_unit", "data_wait_fraction", "weights_sha256",
             "weights_sha256_per_rank", "metrics"} <= set(cli)
 
     for summary, recipe, requested in ((cli, RECIPE, 1), (lib, __file__, 2)):

@@ -60,3 +60,25 @@ def test_a_model_without_parameters_is_named_as_the_problem(tmp_path):
     assert proc.returncode == 2
     assert ("error: the recipe's build_model returned a model without parameters "
             "(Identity): there is nothing to train") in proc.stderr, proc.stderr
+
+
+def test_build_scheduler_gets_the_run_length_when_it_takes_ctx():
+    """``build_scheduler(cfg, optimizer, ctx)`` sees ctx.steps_per_epoch and
+    ctx.total_steps; the two-argument form of older recipes still works."""
+    import types
+
+    import engine
+    from engine.engine import build_scheduler
+    from engine.recipe import recipe_from_object
+
+    seen = []
+    recipe = types.SimpleNamespace(
+        Config=engine.TrainConfig, build_model=None, build_datasets=None, build_optimizer=None,
+        build_scheduler=lambda cfg, optimizer, ctx: seen.append(ctx.total_steps) or "new")
+    ctx = types.SimpleNamespace(steps_per_epoch=6, total_steps=12)
+    assert build_scheduler(recipe_from_object(recipe), None, None, ctx) == "new"
+    assert seen == [12]
+    recipe.build_scheduler = lambda cfg, optimizer: "old"
+    assert build_scheduler(recipe_from_object(recipe), None, None, ctx) == "old"
+    del recipe.build_scheduler
+    assert build_scheduler(recipe_from_object(recipe), None, None, ctx) is None

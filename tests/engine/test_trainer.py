@@ -13,8 +13,9 @@ import torch
 
 import engine
 from engine.errors import ConfigError, EngineError
+from engine.recipe import recipe_from_object
 from engine.trainer import (EarlyStopping, LogWindow, MetricSums, NonFiniteLoss,
-                            NonFinitePolicy, SnapshotPolicy)
+                            NonFinitePolicy, SnapshotPolicy, Throughput)
 from tests.conftest import REPO, read_summary, run_cli
 
 REGRESSION = str(REPO / "tests" / "recipes" / "tiny_regression.py")
@@ -270,8 +271,8 @@ def test_a_snapshot_without_the_early_stopping_state_still_loads(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("early_stopping.metric=val/acc", "config key 'early_stopping.metric': 'val/acc' is not "
-     "a metric of this run; it has: lr, train/data_wait_fraction, train/images_per_sec, "
-     "train/loss, val/loss, val/mae"),
+     "a metric of this run; it has: lr, train/data_wait_fraction, train/loss, "
+     "train/samples_per_sec, val/loss, val/mae"),
     ("early_stopping.mode=lowest", "config key 'early_stopping.mode': 'lowest' is not one "
      "of: min, max"),
     ("early_stopping.patience=0", "config key 'early_stopping.patience': 0 must be >= 1"),
@@ -318,7 +319,7 @@ def test_log_window_folds_each_window_into_the_epoch_sum():
         window.add_batch(torch.tensor(value))
     window.steps = 1
     assert (window.loss.item(), window.batches) == (3.0, 2)
-    assert window.images_per_sec(window.start + 0.5) == 20.0
+    assert window.per_sec(window.start + 0.5, counted=False) == 20.0
     window.restart(window.start + 0.5)
     assert (window.loss.item(), window.batches, window.steps) == (0.0, 0, 0)
     window.add_batch(torch.tensor(4.0))
@@ -400,6 +401,41 @@ def test_metric_sums_add_tensors_and_numbers_and_divide_by_the_count():
     with pytest.raises(EngineError, match="eval_step must return a dict of metric sums "
                                           "with a 'count'"):
         MetricSums(CPU).add({"loss": torch.tensor(1.0)})
+
+
+def test_a_recipe_derives_metrics_from_the_reduced_sums():
+    """Perplexity is exp(loss sum / count) over every batch, which no per-batch sum
+    divided by a count gives; F1 comes from the summed counts."""
+    def derive(sums):
+        loss = sums["loss"] / sums["count"]
+        f1 = 2 * sums["tp"] / (2 * sums["tp"] + sums["fp"] + sums["fn"])
+        return {"loss": loss, "perplexity": math.exp(loss), "f1": f1}
+
+    sums = MetricSums(CPU, derive)
+    sums.add({"loss": torch.tensor(2.0), "tp": 3, "fp": 1, "fn": 0, "count": 2})
+    sums.add({"loss": torch.tensor(4.0), "tp": 1, "fp": 0, "fn": 2, "count": 4})
+    assert sums.reduce() == pytest.approx(
+        {"val/loss": 1.0, "val/perplexity": math.e, "val/f1": 8 / 11})
+    # With eval_metrics, a count is the recipe's business.
+    counted = MetricSums(CPU, lambda sums: {"hits": sums["hits"]})
+    counted.add({"hits": 3})
+    assert counted.reduce() == {"val/hits": 3.0}
+
+
+def test_throughput_is_in_samples_unless_the_recipe_names_and_counts_its_unit():
+    class Samples:
+        Config = engine.TrainConfig
+        build_model = build_datasets = build_optimizer = None
+
+    class Tokens(Samples):
+        throughput_unit = "tokens"
+
+    assert Throughput(recipe_from_object(Samples)).metric == "train/samples_per_sec"
+    with pytest.raises(ConfigError, match="throughput_unit='tokens' without "
+                                          r"count_throughput\(batch\) -> int"):
+        Throughput(recipe_from_object(Tokens))
+    Tokens.count_throughput = staticmethod(lambda batch: batch.numel())
+    assert Throughput(recipe_from_object(Tokens)).metric == "train/tokens_per_sec"
 
 
 @pytest.mark.parametrize("step, shape", [

@@ -138,5 +138,5 @@ def test_the_progress_bar_shows_loss_speed_and_data_wait(tmp_path):
                                "--nproc", "1"], env=engine_env())
     wait = read_summary(out)["data_wait_fraction"]  # the last epoch's
     assert "console_probe:" in shown and ("step/s" in shown or "s/step" in shown)
-    assert "loss=" in shown and "img_s=" in shown
+    assert "loss=" in shown and "samples/s=" in shown
     assert f"data_wait={wait:.0%}" in shown

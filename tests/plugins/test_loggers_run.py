@@ -46,7 +46,7 @@ def test_csv(run):
     val = [(int(s), int(e), float(v)) for s, e, name, v in rows[1:] if name == "val/accuracy"]
     assert val[0][:2] == (8, 0) and val[1][:2] == (16, 1)
     assert val[-1][2] == summary["val_accuracy"]
-    assert {name for _, _, name, _ in rows[1:]} >= {"lr", "train/images_per_sec", "val/loss"}
+    assert {name for _, _, name, _ in rows[1:]} >= {"lr", "train/samples_per_sec", "val/loss"}
 
 
 def test_mlflow(run, monkeypatch):

@@ -42,7 +42,7 @@ def test_rank0_writes_the_run_metrics_as_scalars(cifar_recipe, tmp_path):
     # One writer: rank 0's.
     assert len(list(out.glob("**/events.out.tfevents.*"))) == 1
     found = scalars(out / "tensorboard")
-    assert {"train/loss", "train/images_per_sec", "lr", "val/loss", "val/accuracy"} <= set(
+    assert {"train/loss", "train/samples_per_sec", "lr", "val/loss", "val/accuracy"} <= set(
         found)
     # 512 samples, global batch 64: 8 steps; a point every 4 (log_every) plus the epoch's.
     assert [step for step, _ in found["train/loss"]] == [4, 8, 8]

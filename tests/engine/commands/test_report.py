@@ -150,10 +150,10 @@ def test_a_real_run_is_listed_and_reported(tiny_recipe, tmp_path):  # noqa: F811
     assert listed.returncode == 0, listed.stderr
     header, row = listed.stdout.splitlines()
     assert header.split() == ["RUN", "STATUS", "EPOCHS", "VAL/ACCURACY", "VAL/LOSS",
-                              "IMG/S", "WALL", "DIGEST"]
+                              "THROUGHPUT", "WALL", "DIGEST"]
     assert row.split() == [str(run), "completed", "2/2",
                            f"{summary['val_accuracy']:.4f}", f"{summary['val_loss']:.4f}",
-                           f"{summary['images_per_sec']:.0f}",
+                           f"{summary['samples_per_sec']:.0f}", "samples/s",
                            f"{summary['wall_time_s']:.1f}s", summary["weights_sha256"][:12]]
 
     reported = run_cli_here("report", str(run))

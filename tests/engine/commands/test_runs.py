@@ -29,8 +29,11 @@ def make_runs(root) -> None:
     write_summary(root / "cifar" / "version_0", weights_sha256=DIGEST, wall_time_s=75.0,
                   metrics={"val/accuracy": 0.994, "val/loss": 0.1407})
     # Started before version_0: listed first although its folder sorts after.
+    # Written since throughput has a unit (a recipe's own: tokens); the others before,
+    # with images_per_sec.
     write_summary(root / "oct", status="failed", error="RunError: the loss became nan",
                   epochs_completed=0, epochs_requested=3, wall_time_s=4000,
+                  throughput_unit="tokens", tokens_per_sec=51200.2,
                   started_at="2026-01-01T09:00:00+00:00", metrics={"val/loss": 2.5})
     write_summary(root / "cifar" / "version_1", status="preempted", epochs_completed=1,
                   epochs_requested=5, images_per_sec=None,
@@ -47,15 +50,15 @@ def test_the_table_lists_nested_runs_by_start_time(tmp_path, monkeypatch):
     proc = run_cli_here("runs")  # DIR defaults to runs
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert cells(lines[0]) == ["RUN", "STATUS", "EPOCHS", "VAL/ACCURACY", "VAL/LOSS", "IMG/S",
-                               "WALL", "DIGEST"]
+    assert cells(lines[0]) == ["RUN", "STATUS", "EPOCHS", "VAL/ACCURACY", "VAL/LOSS",
+                               "THROUGHPUT", "WALL", "DIGEST"]
     # Columns line up: every value starts where its heading does.
     assert lines[1].index("failed") == lines[0].index("STATUS")
     assert lines[2].index("1m15s") == lines[0].index("WALL")
     assert [cells(line) for line in lines[1:4]] == [
-        ["runs/oct", "failed", "0/3", "-", "2.5000", "4098", "1h06m", "-"],
-        ["runs/cifar/version_0", "completed", "2/2", "0.9940", "0.1407", "4098", "1m15s",
-         "3f2a9c01d4e7"],
+        ["runs/oct", "failed", "0/3", "-", "2.5000", "51200 tokens/s", "1h06m", "-"],
+        ["runs/cifar/version_0", "completed", "2/2", "0.9940", "0.1407", "4098 images/s",
+         "1m15s", "3f2a9c01d4e7"],
         ["runs/cifar/version_1", "preempted", "1/5", "0.4645", "2.1668", "-", "13.2s", "-"],
     ]
     # The summary cut short has its row (last: it has no start time, its file is newest).
@@ -73,9 +76,9 @@ def test_a_run_folder_itself_and_odd_summaries(tmp_path):
     proc = run_cli_here("runs", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert cells(lines[0]) == ["RUN", "STATUS", "EPOCHS", "IMG/S", "WALL", "DIGEST"]
+    assert cells(lines[0]) == ["RUN", "STATUS", "EPOCHS", "THROUGHPUT", "WALL", "DIGEST"]
     assert cells(lines[1]) == [str(tmp_path / "run"), "completed (early stop)", "4/10",
-                               "4098", "-", "-"]
+                               "4098 images/s", "-", "-"]
     assert cells(lines[2]) == [str(tmp_path / "run" / "sub"),
                                "unreadable summary.json: a JSON list, not an object"]
 
