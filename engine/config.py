@@ -42,7 +42,7 @@ class CheckpointConfig:
     every_steps: int = 0  # 0: never by step count
     every_minutes: float = 0.0  # 0: never by wall time
     keep_last: int = 3
-    best_metric: str = ""  # e.g. "val/accuracy": also keep the best snapshot by it
+    best_metric: str = ""  # e.g. "val/loss": also keep the best snapshot by it
     best_mode: Literal["max", "min"] = "max"
 
 

@@ -35,10 +35,15 @@ from engine import phases
 from engine.errors import RunError, one_line
 from engine.stateful import SnapshotParts
 
-#: Summary keys taken from the latest metrics (``val/accuracy`` -> ``val_accuracy``).
+#: Summary keys taken from the latest metrics (and every ``val/NAME`` as ``val_NAME``).
 SUMMARY_METRICS = {"train/loss": "train_loss", "val/loss": "val_loss",
-                   "val/accuracy": "val_accuracy",
                    "train/data_wait_fraction": "data_wait_fraction"}
+
+
+def validation_summary(metrics: dict) -> dict:
+    """``val_NAME`` for each ``val/NAME`` the recipe's eval_step reported."""
+    return {"val_" + name[len("val/"):]: value for name, value in metrics.items()
+            if name.startswith("val/")}
 
 
 def throughput_of(metrics: dict) -> tuple[str, float] | None:
@@ -333,6 +338,7 @@ class WorkerContext:
             "ended_at": utc_now(),
             "wall_time_s": round(time.perf_counter() - self._started, 3),
             **{short: self.metrics.get(long) for long, short in SUMMARY_METRICS.items()},
+            **validation_summary(self.metrics),
             **throughput_summary(self.metrics),
             "metrics": dict(self.metrics),
             "resumed_from": _path_or_none(self.resumed_from),

@@ -125,6 +125,8 @@ class Engine(WorkerContext):
                 if world.is_local_rank0:
                     prepare(cfg, self)
         train_set, val_set = recipe.module.build_datasets(cfg, self)
+        if val_set is not None:
+            recipe.check_eval_step()
         from engine import loader_settings
 
         # num_workers, persistence, prefetch, pinning, timeout: engine/loader_settings.py
@@ -157,7 +159,7 @@ class Engine(WorkerContext):
         self.steps_per_epoch = -(-len(self.train_loader) // cfg.grad_accum_steps)
         self.total_steps = self.steps_per_epoch * cfg.epochs
         self.scheduler = build_scheduler(recipe, cfg, self.optimizer, self)
-        self.loss_fn = recipe.optional("loss_fn") or torch.nn.functional.cross_entropy
+        self.loss_fn = recipe.optional("loss_fn")  # for the recipe's steps (None: theirs)
         if cfg.precision == "fp16":
             if self.device.type != "cuda":
                 raise ConfigError("precision 'fp16' needs a CUDA device; on the CPU use "

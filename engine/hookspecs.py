@@ -290,7 +290,7 @@ def engine_before_optimizer_step(engine, step, optimizer):
 
 @hookspec
 def engine_log(engine, metrics, step):
-    """Scalars to record: ``metrics`` maps names such as ``train/loss``, ``val/accuracy``,
+    """Scalars to record: ``metrics`` maps names such as ``train/loss``, ``val/loss``,
     ``train/samples_per_sec`` (``train/<unit>_per_sec`` in a recipe's own unit) or ``lr``
     to Python floats, at global optimizer step ``step``. Logger plugins (console,
     TensorBoard, CSV, W&B...) implement this.

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 #: More workers than this rarely help one device and each one costs memory and start-up.
 MAX_AUTO_WORKERS = 16
-#: Batches in flight per process: enough to absorb a few slow images (large TIFFs).
+#: Batches in flight per process: enough to absorb a few slow samples (large TIFFs).
 MIN_BATCHES_IN_FLIGHT = 4
 
 

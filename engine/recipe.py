@@ -1,42 +1,57 @@
-"""Loading a recipe: a plain Python file with a ``Config`` class and factories.
+"""Loading a recipe: a plain Python file with a ``Config`` class, factories and steps.
 
-A recipe defines::
+A recipe defines (docs/writing-a-recipe.md walks through one)::
 
     class Config(engine.TrainConfig): ...          # attrs class, defaults for everything
     def build_model(cfg) -> nn.Module
     def build_datasets(cfg, ctx) -> (train_dataset, val_dataset or None)
     def build_optimizer(cfg, model) -> torch.optim.Optimizer
+    def train_step(batch, ctx) -> loss  # the forward and the loss (below)
+    def eval_step(batch, ctx) -> dict   # the validation sums (below); with a val set
+
+or, for ``(inputs, targets)`` classification batches, names the opt-in helper
+(its loss and argmax hits: engine/classification.py)::
+
+    from engine.classification import eval_step, train_step
 
 and may define::
 
     def prepare_data(cfg, ctx)          # downloads; run by local rank 0 before the others
-    def build_scheduler(cfg, optimizer) # an LR scheduler (cfg.scheduler_interval: step|epoch)
-    def loss_fn(outputs, targets)       # default: cross-entropy
-    def train_step(batch, ctx) -> loss  # own the forward and the loss (below)
-    def eval_step(batch, ctx) -> dict   # own the validation metrics (below)
+    def build_scheduler(cfg, optimizer, ctx)  # an LR scheduler (cfg.scheduler_interval:
+                                        # step|epoch); ctx.steps_per_epoch, ctx.total_steps:
+                                        # the run's length ((cfg, optimizer) works too)
+    def loss_fn(outputs, targets)       # ctx.loss_fn, for the steps (the helper's loss)
+    def eval_metrics(sums) -> dict      # metrics from the reduced sums (below)
+    def on_train_end(cfg, ctx)          # every rank, after the last epoch (a sample...)
     def state_parts(cfg, ctx) -> dict   # more state that snapshots carry: {name: part}
+    throughput_unit = "tokens"          # train/tokens_per_sec instead of samples_per_sec,
+    def count_throughput(batch) -> int  # counted in each micro-batch (from its shapes)
+    shard_units = (Block,)              # the block classes for sharding (fsdp) and
+                                        # activation checkpointing
     REQUIRED_PLUGINS = ["name>=1.0"]    # plugins the recipe cannot run without
 
 ``ctx`` is the worker's :class:`engine.engine.Engine` (``ctx.world``, ``ctx.is_rank0``,
-``ctx.warn(...)``, ``ctx.model``: the model as trained, wrapped by the parallel mode;
-``ctx.module``: the model itself; ``ctx.loss_fn``).
+``ctx.print(...)`` and ``ctx.warn(...)`` on rank 0, ``ctx.model``: the model as
+trained, wrapped by the parallel mode; ``ctx.module``: the model itself;
+``ctx.loss_fn``: the recipe's or None).
 
 Batches may be tensors, or tuples, lists and dicts of them (nested); the engine moves
-them to the device. The default steps expect ``(inputs, targets)``:
+them to the device.
 
 - ``train_step(batch, ctx)`` returns the micro-batch's loss, a scalar tensor, computed
   with ``ctx.model`` (the wrapped model: DDP needs its forward). The engine runs it under
   autocast, and does the backward, gradient accumulation, scaling, clipping and the
-  optimizer step. Default: ``ctx.loss_fn(ctx.model(inputs), targets)``.
+  optimizer step.
 - ``eval_step(batch, ctx)`` returns a dict of metric *sums* over the batch, with a
   ``count`` (the samples they cover): ``{"loss": ..., "mae": ..., "count": n}``, tensors
   or numbers. It runs without gradients, on ``ctx.module`` (unwrapped, so ranks with
   fewer batches do not wait on the others). The sums add up over the batches and the
   ranks (one all-reduce) and are divided by the total count; each becomes a metric
   ``val/NAME`` (``val/loss``, ``val/mae``), which the console prints and which
-  ``checkpoint.best_metric`` and ``early_stopping.metric`` may name. Default: the summed
-  ``loss_fn`` and, when the targets are class indices, the correct argmax predictions
-  (``val/loss``, ``val/accuracy``).
+  ``checkpoint.best_metric`` and ``early_stopping.metric`` may name.
+- ``eval_metrics(sums)``, when defined, replaces that division: it gets the reduced
+  sums (``count`` included) and returns ``{NAME: value}``, each logged as ``val/NAME``:
+  ``{"loss": s["loss"] / s["count"], "perplexity": math.exp(...)}``.
 """
 
 from __future__ import annotations
@@ -54,6 +69,11 @@ from engine.config import TrainConfig
 from engine.errors import ConfigError
 
 REQUIRED = ("Config", "build_model", "build_datasets", "build_optimizer")
+#: What a recipe without its steps is told: the loop knows no task.
+STEPS_HINT = ("define train_step(batch, ctx) -> loss and eval_step(batch, ctx) -> "
+              "{'loss': sum, ..., 'count': n}, or name the classification helper for "
+              "(inputs, targets) batches: from engine.classification import eval_step, "
+              "train_step")
 
 
 @attrs.frozen
@@ -71,6 +91,16 @@ class Recipe:
 
     def optional(self, name: str) -> Callable[..., Any] | None:
         return getattr(self.module, name, None)
+
+    @property
+    def train_step(self) -> Callable[..., Any]:
+        return self.module.train_step
+
+    def check_eval_step(self) -> None:
+        """A recipe with a validation set needs an ``eval_step``."""
+        if self.optional("eval_step") is None:
+            raise ConfigError(f"recipe {self.name!r} returns a validation set but defines "
+                              f"no eval_step: {STEPS_HINT}")
 
     @property
     def required_plugins(self) -> list[str]:
@@ -130,6 +160,8 @@ def _check_recipe(named: str, module: Any) -> None:
             f"recipe {named} does not define {', '.join(missing)} "
             f"(a recipe needs {', '.join(REQUIRED)})"
         )
+    if not callable(getattr(module, "train_step", None)):
+        raise ConfigError(f"recipe {named} defines no train_step: {STEPS_HINT}")
     config_cls = module.Config
     if not (isinstance(config_cls, type) and attrs.has(config_cls)
             and issubclass(config_cls, TrainConfig)):

@@ -10,7 +10,7 @@
         [engine_epoch_start]
         for each micro-batch:                                       train_epoch
             batch to the device; forward and loss (the recipe's     run_batch
-            train_step or the classification step); backward (DDP
+            train_step); backward (DDP
             all-reduces the gradients in a group's last micro-step only)
             after a group's last micro-step:                        optimizer_step
                 unless on_nonfinite=skip skips the step:
@@ -27,8 +27,8 @@
         the last check point's result                               finish_check
         the epoch's loss (a resumed epoch's included) and the slowest
         rank's data wait, gathered from all ranks                   epoch_metrics
-        [engine_validation_start] the recipe's eval_step (or the
-        classification one), reduced [engine_validation_end]        validate
+        [engine_validation_start] the recipe's eval_step, reduced
+        [engine_validation_end]                                     validate
         [engine_log] [engine_epoch_end]; scheduler if per epoch
         early stopping, pre-emption, snapshot if due
 
@@ -51,7 +51,7 @@ import time
 import attrs
 import torch
 
-from engine import classification, data, distributed, health, phases, snapshot
+from engine import data, distributed, health, phases, snapshot
 from engine.errors import ConfigError, EngineError, RunError
 
 
@@ -334,6 +334,14 @@ class EarlyStopping:
                 f"{s.epochs_without_improvement} epochs; best {best}")
 
 
+def autocast_for(precision: str, device):
+    """What the steps run under: nothing at 32, else autocast to bf16 or fp16."""
+    if precision == "32":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
 class Trainer:
     def __init__(self, engine):
         self.engine = engine
@@ -347,20 +355,15 @@ class Trainer:
         self.log_hook = hook.engine_log if engine.is_rank0 else None
         self.clip_norm = self.cfg.grad_clip_norm
         self.device = device = engine.device
-        if self.cfg.precision == "32":
-            self.autocast = contextlib.nullcontext
-        else:
-            dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
-            self.autocast = lambda: torch.autocast(device.type, dtype=dtype)
+        self.autocast = autocast_for(self.cfg.precision, device)
         self.non_blocking = device.type == "cuda"
         # The loaders yield CPU tensors: on the CPU there is nothing to move, every batch.
         self.moves_batches = device.type != "cpu"
-        # The recipe owns the step when it defines one; else the classification step,
-        # which the loop itself knows nothing about (engine/classification.py).
+        # The recipe's steps (its own, or a helper it names: engine/classification.py).
         recipe = engine.recipe
         self.train_step = self.first_train_step
-        self.checked_train_step = recipe.optional("train_step") or classification.train_step
-        self.eval_step = recipe.optional("eval_step") or classification.eval_step
+        self.checked_train_step = recipe.train_step
+        self.eval_step = recipe.optional("eval_step")
         self.eval_metrics = recipe.optional("eval_metrics")
         self.throughput = Throughput(recipe)
         self.nonfinite = NonFinitePolicy(self.cfg.on_nonfinite, device,
@@ -666,7 +669,7 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self, epoch: int) -> dict:
-        """The recipe's ``eval_step`` (or the classification one) over this rank's shard
+        """The recipe's ``eval_step`` over this rank's shard
         of the validation set; the sums reduced over the ranks in one all-reduce."""
         eng = self.engine
         if eng.val_loader is None:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine import TrainConfig
+from engine.classification import eval_step, train_step  # (inputs, targets) batches
 from engine.errors import ConfigError
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)

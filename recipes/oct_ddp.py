@@ -17,6 +17,8 @@ from __future__ import annotations
 import attrs
 from oct_common import OctConfig, build_model, build_oct_datasets, build_optimizer
 
+from engine.classification import eval_step, train_step  # cross-entropy, accuracy
+
 __all__ = ["Config", "build_model", "build_datasets", "build_optimizer"]
 
 

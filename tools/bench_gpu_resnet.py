@@ -49,6 +49,7 @@ import time
 import attrs
 
 from engine import TrainConfig, hookimpl
+from engine.classification import eval_step, train_step  # (inputs, targets) batches
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VARIANTS = {  # name: (channels_last, precision)

@@ -183,7 +183,7 @@ def interleaved_runs(settings: dict[str, list[str]], overrides: list[str],
 
 def median_rates(result) -> dict[int, float]:
     """images/s per num_workers (tune() took the median over the rounds)."""
-    return {m.setting.num_workers: m.images_per_sec for m in result["measurements"]}
+    return {m.setting.num_workers: m.per_sec for m in result["measurements"]}
 
 if __name__ == "__main__":
     sys.exit(main())

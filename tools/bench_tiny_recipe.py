@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from engine import TrainConfig
+from engine.classification import eval_step, train_step  # (inputs, targets) batches
 
 FEATURES = CLASSES = 8
 

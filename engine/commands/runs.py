@@ -1,9 +1,9 @@
 """``engine-run runs [DIR]``: the runs under a folder, one row each, from their summary.json.
 
     $ engine-run runs
-    RUN                       STATUS     EPOCHS  VAL/ACCURACY  VAL/LOSS  IMG/S  WALL   DIGEST
-    runs/cifar_ddp/version_0  completed  2/2     0.9940        0.1407    4098   13.2s  3f2a9c01d4e7
-    runs/cifar_ddp/version_1  preempted  1/5     0.4645        2.1668    2933   7.9s   -
+    RUN                     STATUS     EPOCHS  VAL/BITS_PER_CHAR  VAL/LOSS  VAL/PERPLEXITY  THROUGHPUT      WALL  DIGEST
+    runs/char_lm/version_0  completed  2/2     2.9768             2.0634    7.8726          15281 tokens/s  1m17s 3f2a9c01d4e7
+    runs/char_lm/version_1  preempted  1/2     3.3492             2.3215    10.1910         23117 tokens/s  38.0s -
     runs/broken               unreadable summary.json: Expecting value: line 1 column 1 (char 0)
 
 A run is any folder under DIR (at any depth: ``runs/cifar_ddp/version_3``) holding a

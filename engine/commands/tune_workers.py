@@ -5,12 +5,14 @@ row of a table. This command makes that table in a minute: for each setting of t
 sweep it starts the processes a run would start on this node, each builds the recipe's
 training DataLoader exactly as the engine does (same sampler, batch split and dataset),
 and reads batches for ``--budget`` seconds after a warm-up that starts the workers and
-drains what they prefetched. images/s is the sum over the processes, from the steady
-state (the time between the first and the last batch of the window).
+drains what they prefetched. The rate (samples/s, or the recipe's own throughput unit:
+tokens/s) is the sum over the processes, from the steady state (the time between the
+first and the last batch of the window).
 
-``--full-step`` also runs every batch through forward, backward and the optimizer step
-on the process's device, so the loader competes with the compute for the CPUs as in a
-real run (without the gradient all-reduce: no process group is started).
+``--full-step`` also runs every batch through the recipe's own ``train_step`` (any
+batch structure: tuples, dicts), its backward and the optimizer step on the process's
+device, under the run's precision, so the loader competes with the compute for the
+CPUs as in a real run (without the gradient all-reduce: no process group is started).
 
 The output ends with the best setting and the override that applies it.
 """
@@ -42,7 +44,7 @@ class Setting:
 @attrs.frozen
 class Measurement:
     setting: Setting
-    images_per_sec: float  # all local processes together
+    per_sec: float  # samples (or the recipe's unit) a second, all local processes together
     per_process: tuple[float, ...]
 
 
@@ -60,7 +62,7 @@ def _int_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="engine-run tune-workers",
-        description="Measure images/s of a recipe's training DataLoader for a sweep of "
+        description="Measure samples/s (or the recipe's unit) of a recipe's training DataLoader for a sweep of "
                     "num_workers (and batch sizes); print the table, the best setting and "
                     "the override that applies it.")
     p.add_argument("recipe", help="a recipe file, e.g. recipes/oct_ddp.py")
@@ -79,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cycle through the sweep this many times and report medians (on a "
                         "shared machine the load drifts; cycling spreads it over all settings)")
     p.add_argument("--full-step", action="store_true",
-                   help="also run forward, backward and the optimizer step on each batch")
+                   help="also run the recipe's train_step, backward and the optimizer step "
+                        "on each batch")
     p.add_argument("-p", dest="plugins", action="append", default=[], metavar="NAME",
                    help="-p module.path loads a plugin, -p no:NAME disables one")
     return p
@@ -122,6 +125,7 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
     from engine.launcher import LaunchOptions, choose_launcher
     from engine.parallel import choose_parallel
     from engine.plugin_manager import build_plugin_manager
+    from engine.trainer import Throughput
 
     pm = build_plugin_manager(list(plugins))
     job = RecipeJob(tuple(plugins), {}, recipe=str(recipe_path), overrides=tuple(overrides))
@@ -142,19 +146,21 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
     settings = [Setting(w, b) for b in batch_sizes
                 for w in (workers or default_workers(per_process, auto.num_workers))]
     if out is not None:
-        what = ("the training DataLoader with forward, backward and optimizer step"
+        what = ("the training DataLoader with the recipe's train_step, backward and "
+                "optimizer step"
                 if full_step else "the training DataLoader (read, decode, augment, batch)")
         print(f"tune-workers: {recipe.path.name}, {len(worlds)} process(es) on this node, "
               f"{where}; measuring {what}, {budget_s:g}s per setting"
               + (f", {rounds} rounds (medians)" if rounds > 1 else ""), file=out, flush=True)
-    raw = _run_sweep(job, worlds, settings * rounds, budget_s, full_step, out)
-    return {"measurements": [_median(setting, raw) for setting in settings], "rounds": rounds, "auto": auto, "device": device_type,
-            "processes": len(worlds), "cpus": where, "full_step": full_step,
-            "recipe_batch_size": cfg.batch_size}
+    unit = Throughput(recipe).unit
+    raw = _run_sweep(job, worlds, settings * rounds, budget_s, full_step, out, unit)
+    return {"measurements": [_median(setting, raw) for setting in settings], "rounds": rounds,
+            "auto": auto, "device": device_type, "processes": len(worlds), "cpus": where,
+            "full_step": full_step, "recipe_batch_size": cfg.batch_size, "unit": unit}
 
 
 def _run_sweep(job, worlds, settings: list[Setting], budget_s: float, full_step: bool,
-               out=None) -> list[Measurement]:
+               out=None, unit: str = "samples") -> list[Measurement]:
     import multiprocessing
 
     from engine.launcher import start_method
@@ -192,7 +198,7 @@ def _run_sweep(job, worlds, settings: list[Setting], budget_s: float, full_step:
             measurements.append(Measurement(setting, sum(per_process), per_process))
             if out is not None:
                 print(f"  num_workers={setting.num_workers} batch_size={setting.batch_size}:"
-                      f" {sum(per_process):.1f} images/s", file=out, flush=True)
+                      f" {sum(per_process):.1f} {unit}/s", file=out, flush=True)
         for proc in procs:
             proc.join(timeout=60)
     finally:
@@ -209,7 +215,7 @@ def _median(setting: Setting, raw: list[Measurement]) -> Measurement:
     mine = [m for m in raw if m.setting == setting]
     per_process = tuple(statistics.median(rates) for rates in zip(*(m.per_process
                                                                       for m in mine)))
-    return Measurement(setting, statistics.median(m.images_per_sec for m in mine), per_process)
+    return Measurement(setting, statistics.median(m.per_sec for m in mine), per_process)
 
 
 def _first_cause(results, rank: int, message: str) -> str:
@@ -245,6 +251,7 @@ def _measure_settings(job, world, settings, budget_s, full_step, results, barrie
     from engine.engine import Engine
     from engine.parallel import choose_parallel
     from engine.plugin_manager import build_plugin_manager
+    from engine.trainer import Throughput
 
     pm = build_plugin_manager(list(job.plugins))
     recipe, cfg = job.load(pm)
@@ -262,18 +269,8 @@ def _measure_settings(job, world, settings, budget_s, full_step, results, barrie
     wait(timeout)  # local rank 0 has prepared the data
     train_set, _ = recipe.module.build_datasets(cfg, ctx)
 
-    step = None
-    if full_step:
-        model = recipe.module.build_model(cfg).to(device)
-        optimizer = recipe.module.build_optimizer(cfg, model)
-        loss_fn = recipe.optional("loss_fn") or torch.nn.functional.cross_entropy
-
-        def step(inputs, targets):
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-            loss_fn(model(inputs), targets).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    count = Throughput(recipe).count or samples_in
+    step = _full_step(recipe, cfg, ctx) if full_step else None
 
     for setting in settings:
         micro = data.split_batch(setting.batch_size, world.world_size, cfg.grad_accum_steps)
@@ -284,31 +281,63 @@ def _measure_settings(job, world, settings, budget_s, full_step, results, barrie
                                    **chosen.loader_kwargs())
         batches = _endless(loader)
         for _ in range(WARMUP_BATCHES):  # starts the workers (and the step's allocations)
-            inputs, targets = next(batches)
+            batch = next(batches)
             if step is not None:
-                step(inputs, targets)
+                step(batch)
         wait(timeout)
         # What the workers prefetched while we waited arrives at once: not a rate.
         for _ in range(chosen.num_workers * (chosen.prefetch_factor or 0)):
             next(batches)
-        arrivals, images = [], 0
+        arrivals, done = [], 0
         start = time.perf_counter()
         while True:
-            inputs, targets = next(batches)
+            batch = next(batches)
             if step is not None:
-                step(inputs, targets)
+                step(batch)
             now = time.perf_counter()
             if arrivals:  # the first arrival opens the window
-                images += len(targets)
+                done += count(batch)
             arrivals.append(now)
             if now - start >= budget_s and len(arrivals) >= 2:
                 break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             arrivals[-1] = time.perf_counter()
-        results.put(("ok", world.rank, images / max(arrivals[-1] - arrivals[0], 1e-9)))
+        results.put(("ok", world.rank, done / max(arrivals[-1] - arrivals[0], 1e-9)))
         del batches, loader  # stop this setting's workers before the next one starts
         wait(timeout)
+
+
+def _full_step(recipe, cfg, ctx):
+    """One micro-batch through the recipe's own ``train_step`` (on the model itself: no
+    process group here), backward and the optimizer step, as the Trainer runs them."""
+    from engine import data
+    from engine.trainer import autocast_for
+
+    ctx.model = recipe.module.build_model(cfg).to(ctx.device)
+    ctx.optimizer = recipe.module.build_optimizer(cfg, ctx.model)
+    ctx.loss_fn = recipe.optional("loss_fn")
+    autocast = autocast_for(cfg.precision, ctx.device)
+
+    def step(batch):
+        batch = data.to_device(batch, ctx.device, non_blocking=True)
+        with autocast():
+            loss = recipe.train_step(batch, ctx)
+        loss.backward()
+        ctx.optimizer.step()
+        ctx.optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def samples_in(batch) -> int:
+    """The samples in a batch: the length of its first tensor (tuples, lists and dicts
+    of tensors, nested)."""
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        return samples_in(batch[0])
+    return len(batch)
 
 
 def _endless(loader):
@@ -328,12 +357,13 @@ def _endless(loader):
 def format_result(result: dict[str, Any], recipe_path: str, overrides: Sequence[str]) -> str:
     measurements: list[Measurement] = result["measurements"]
     auto = result["auto"]
-    best = max(measurements, key=lambda m: m.images_per_sec)
+    best = max(measurements, key=lambda m: m.per_sec)
+    unit = result.get("unit", "samples")
     several_batches = len({m.setting.batch_size for m in measurements}) > 1
-    lines = [f"  {'num_workers':>11}  {'global batch':>12}  {'images/s':>9}  "
+    lines = [f"  {'num_workers':>11}  {'global batch':>12}  {unit + '/s':>9}  "
              f"{'per process':>11}  {'vs best':>7}"]
     for m in measurements:
-        share = m.images_per_sec / best.images_per_sec if best.images_per_sec else 0.0
+        share = m.per_sec / best.per_sec if best.per_sec else 0.0
         marks = []
         if m is best:
             marks.append("best")
@@ -342,17 +372,16 @@ def format_result(result: dict[str, Any], recipe_path: str, overrides: Sequence[
             marks.append("auto")
         per = "/".join(f"{r:.1f}" for r in m.per_process)
         lines.append(f"  {m.setting.num_workers:>11}  {m.setting.batch_size:>12}  "
-                     f"{m.images_per_sec:>9.1f}  {per:>11}  {share:>7.0%}"
+                     f"{m.per_sec:>9.1f}  {per:>11}  {share:>7.0%}"
                      + (f"  <- {', '.join(marks)}" if marks else ""))
     auto_rows = [m for m in measurements if m.setting.num_workers == auto.num_workers
                  and m.setting.batch_size == result["recipe_batch_size"]]
     lines.append("")
     lines.append(f"best: num_workers={best.setting.num_workers}"
                  + (f", batch_size={best.setting.batch_size}" if several_batches else "")
-                 + f": {best.images_per_sec:.1f} images/s")
+                 + f": {best.per_sec:.1f} {unit}/s")
     if auto_rows:
-        share = auto_rows[0].images_per_sec / best.images_per_sec if best.images_per_sec \
-            else 0.0
+        share = auto_rows[0].per_sec / best.per_sec if best.per_sec else 0.0
         lines.append(f"the engine's auto choice, num_workers={auto.num_workers}, reaches "
                      f"{share:.0%} of it ({auto.reason})")
     else:
@@ -366,13 +395,13 @@ def format_result(result: dict[str, Any], recipe_path: str, overrides: Sequence[
     return "\n".join(lines)
 
 
-def images_per_sec_of(result: dict[str, Any], num_workers: int, batch_size: int | None = None
-                      ) -> float:
+def per_sec_of(result: dict[str, Any], num_workers: int, batch_size: int | None = None
+               ) -> float:
     """The measured rate of one setting (for tools/bench_oct_pipeline.py)."""
     batch = batch_size or result["recipe_batch_size"]
     for m in result["measurements"]:
         if m.setting == Setting(num_workers, batch):
-            return m.images_per_sec
+            return m.per_sec
     raise KeyError(f"num_workers={num_workers}, batch_size={batch} was not measured")
 
 

@@ -1,10 +1,10 @@
-"""engine/classification.py: the default steps of a recipe that defines none."""
+"""engine/classification.py: the opt-in steps for (inputs, targets) classification."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.classification import eval_step
+from engine.classification import eval_step, train_step
 
 
 def test_default_eval_step_reports_accuracy_for_class_indices_only():
@@ -19,3 +19,15 @@ def test_default_eval_step_reports_accuracy_for_class_indices_only():
     assert list(sums) == ["loss", "accuracy", "count"] and sums["accuracy"].item() == 2
     regression = eval_step((logits[:, :1], torch.ones(3, 1)), Ctx())
     assert list(regression) == ["loss", "count"]
+
+
+def test_the_loss_is_the_recipes_loss_fn_or_cross_entropy():
+    class Ctx:
+        model = staticmethod(lambda x: x)
+        loss_fn = None
+
+    logits, targets = torch.tensor([[2.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 0])
+    expected = torch.nn.functional.cross_entropy(logits, targets)
+    assert torch.equal(train_step((logits, targets), Ctx()), expected)
+    Ctx.loss_fn = staticmethod(lambda outputs, targets: outputs.sum())
+    assert train_step((logits, targets), Ctx()).item() == 3.0

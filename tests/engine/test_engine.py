@@ -74,6 +74,7 @@ def test_build_scheduler_gets_the_run_length_when_it_takes_ctx():
     seen = []
     recipe = types.SimpleNamespace(
         Config=engine.TrainConfig, build_model=None, build_datasets=None, build_optimizer=None,
+        train_step=lambda batch, ctx: None,
         build_scheduler=lambda cfg, optimizer, ctx: seen.append(ctx.total_steps) or "new")
     ctx = types.SimpleNamespace(steps_per_epoch=6, total_steps=12)
     assert build_scheduler(recipe_from_object(recipe), None, None, ctx) == "new"

@@ -37,7 +37,7 @@ def engine_run_summary(tmp_path_factory) -> dict:
 def as_object():
     """The recipe as a plain object with its attributes (no file, no module)."""
     names = ("Config", "build_model", "build_datasets", "build_optimizer", "loss_fn",
-             "eval_step")
+             "train_step", "eval_step")
     return types.SimpleNamespace(__name__="regression_object",
                                  **{n: getattr(tiny_regression, n) for n in names})
 

@@ -2,12 +2,14 @@ from __future__ import annotations
 
 import pytest
 
+from engine.config import TrainConfig
 from engine.errors import ConfigError
-from engine.recipe import load_recipe
+from engine.recipe import load_recipe, recipe_from_object
 
 GOOD = '''
 import attrs, torch
 from engine import TrainConfig
+from engine.classification import eval_step, train_step  # (inputs, targets) batches
 
 @attrs.define
 class Config(TrainConfig):
@@ -74,3 +76,25 @@ def test_config_must_subclass_train_config(tmp_path):
     with pytest.raises(ConfigError, match="Config must be an attrs class that subclasses "
                                           "engine.TrainConfig"):
         load_recipe(path)
+
+
+def test_a_recipe_without_steps_is_told_what_to_define(tmp_path):
+    path = tmp_path / "no_steps.py"
+    path.write_text(GOOD.replace(
+        "from engine.classification import eval_step, train_step  # (inputs, targets) "
+        "batches\n", ""))
+    with pytest.raises(ConfigError) as error:
+        load_recipe(path)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"recipe {str(path)!r} defines no "
+                                                       "train_step: define train_step(batch")
+    assert message.endswith("from engine.classification import eval_step, train_step")
+
+    class WithoutEval:
+        Config, build_model, build_datasets, build_optimizer = (
+            TrainConfig, None, None, None)
+        train_step = staticmethod(lambda batch, ctx: None)
+
+    with pytest.raises(ConfigError, match="'WithoutEval' returns a validation set but "
+                                          "defines no eval_step: define"):
+        recipe_from_object(WithoutEval).check_eval_step()

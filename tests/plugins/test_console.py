@@ -21,6 +21,7 @@ import time
 import attrs
 import torch
 from engine import TrainConfig
+from engine.classification import eval_step, train_step  # (inputs, targets) batches
 
 
 @attrs.define

@@ -25,7 +25,7 @@ def test_two_process_ddp_run_agrees_on_weights(cifar_recipe, tmp_path):
     assert (summary["world_size"], summary["launcher"], summary["parallel"]) == (
         2, "spawn", "ddp")
     for key in ("epochs_completed", "train_loss", "val_loss", "val_accuracy",
-                "images_per_sec", "wall_time_s", "weights_sha256"):
+                "samples_per_sec", "wall_time_s", "weights_sha256"):
         assert summary[key] is not None, key
     # Both ranks computed the digest of their own weights: DDP kept them identical.
     assert summary["weights_sha256_per_rank"] == [summary["weights_sha256"]] * 2

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engine import TrainConfig
+from engine.classification import eval_step, train_step  # (inputs, targets) batches
 
 FEATURES = 8
 CLASSES = 3

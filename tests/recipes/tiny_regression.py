@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine import TrainConfig
+from engine.classification import train_step  # (inputs, targets) batches, loss_fn
 
 FEATURES = 6
 

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from engine import TrainConfig
+from engine.classification import eval_step, train_step  # (inputs, targets) batches
 
 
 @attrs.define

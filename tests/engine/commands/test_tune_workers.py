@@ -55,7 +55,7 @@ def test_sweep_prints_the_table_the_best_setting_and_its_override(oct_data):
     best = max(rows, key=lambda r: r[2])
     assert "best" in best[4] and sum("best" in r[4] for r in rows) == 1
     assert best[2] == max(r[2] for r in rows)
-    assert f"best: num_workers={best[0]}, batch_size={best[1]}: {best[2]:.1f} images/s" in out
+    assert f"best: num_workers={best[0]}, batch_size={best[1]}: {best[2]:.1f} samples/s" in out
     apply = f"apply it: engine-run {OCT_DDP} data.root={oct_data} data.image_size=32 " \
             f"num_workers={best[0]}" + (f" batch_size={best[1]}" if best[1] != 12 else "")
     assert out.rstrip().endswith(apply)
@@ -67,12 +67,28 @@ def test_full_step_measures_the_training_step_too(oct_data):
     proc = run_cli("tune-workers", OCT_DDP, f"data.root={oct_data}", "data.image_size=32",
                    "--workers", "0", "--budget", "0.5", "--nproc", "1", "--full-step",
                    "--rounds", "2", check=True)
-    assert "with forward, backward and optimizer step" in proc.stdout
+    assert "with the recipe's train_step, backward and optimizer step" in proc.stdout
     assert "0.5s per setting, 2 rounds (medians)" in proc.stdout
     assert proc.stdout.count("  num_workers=0 batch_size=12: ") == 2  # one per round
     ((workers, batch, total, per_process, marks),) = table(proc.stdout)
     assert (workers, batch, len(per_process)) == (0, 12, 1) and total > 0
     assert "best" in marks
+
+
+@pytest.mark.parametrize("recipe, overrides, unit", [
+    # Dict batches, and the recipe's own steps.
+    (REPO / "tests" / "recipes" / "tiny_dict_batch.py", (), "samples"),
+    # The language model: its train_step, counted in its own unit.
+    (REPO / "recipes" / "char_lm.py", ("data.max_chars=200000", "data.train_windows=256",
+                                       "model.context=32", "model.width=32"), "tokens"),
+])
+def test_full_step_runs_the_recipes_own_train_step(recipe, overrides, unit):
+    proc = run_cli("tune-workers", str(recipe), *overrides, "--workers", "0",
+                   "--budget", "0.5", "--nproc", "1", "--full-step", check=True)
+    ((workers, batch, total, per_process, marks),) = table(proc.stdout)
+    assert total > 0 and "best" in marks
+    assert re.search(rf"num_workers=0 batch_size=\d+: [\d.]+ {unit}/s", proc.stdout)
+    assert re.search(rf"best: num_workers=0: [\d.]+ {unit}/s", proc.stdout), proc.stdout
 
 
 def test_a_recipe_error_in_the_measuring_processes_is_one_line(tmp_path):
