@@ -101,3 +101,21 @@ def test_killed_gpu_run_resumes_to_identical_weights(gpu_reference, tmp_path, pr
     resumed = run_cli(*args, env=engine_env(**fault), check=True)
     assert "resuming from " in resumed.stdout, resumed.stdout
     assert read_summary(out)["weights_sha256"] == gpu_reference[precision]
+
+
+def test_the_language_model_learns_in_bf16_on_one_gpu(tmp_path):
+    """recipes/char_lm.py on the device under bf16 autocast: its own steps, the tied
+    output layer and the derived metrics; the loss falls below 0.9 of the unigram
+    baseline (the CPU test's bar, tests/recipes/test_char_lm.py)."""
+    import math
+    import re
+
+    from tests.recipes.test_char_lm import RECIPE, SMALL, SMALL_FRACTION, baseline_of
+
+    out = tmp_path / "lm"
+    proc = run_cli(RECIPE, *[a for a in SMALL if a not in ("--nproc", "2")], "--nproc", "1",
+                   "precision=bf16", f"out_dir={out}", env=engine_env(**ON_GPU0), check=True)
+    metrics = read_summary(out)["metrics"]
+    assert metrics["val/loss"] <= SMALL_FRACTION * baseline_of(proc.stdout), proc.stdout
+    assert metrics["val/perplexity"] == pytest.approx(math.exp(metrics["val/loss"]))
+    assert re.search(r"tokens/s \d+", proc.stdout)

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tests.conftest import REPO, engine_env, read_summary, run_cli
+from tests.conftest import REPO, engine_env, read_summary, run_cli, run_cli_here
 
 RECIPE = str(REPO / "recipes" / "char_lm.py")
 # 2 processes, 50 optimizer steps per epoch (3200 windows, global batch 64), snapshots
@@ -41,11 +41,11 @@ def sample_of(stdout: str) -> str:
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     proc = run_cli(RECIPE, *SMALL, f"out_dir={out}", check=True)
-    return proc.stdout, read_summary(out)
+    return proc.stdout, read_summary(out), out
 
 
 def test_the_loss_falls_well_below_the_unigram_baseline(reference):
-    stdout, summary = reference
+    stdout, summary, out = reference
     metrics = summary["metrics"]
     assert summary["global_step"] == STEPS
     assert metrics["val/loss"] <= SMALL_FRACTION * baseline_of(stdout), (metrics, stdout)
@@ -56,6 +56,9 @@ def test_the_loss_falls_well_below_the_unigram_baseline(reference):
     assert summary["throughput_unit"] == "tokens" and summary["tokens_per_sec"] > 0
     assert "train/samples_per_sec" not in metrics
     assert re.search(r"epoch 2/2 .* tokens/s \d+", stdout), stdout
+    assert ",train/tokens_per_sec," in (out / "metrics.csv").read_text()
+    listed = run_cli_here("runs", str(out), check=True).stdout
+    assert re.search(r"\d+ tokens/s", listed) and "VAL/PERPLEXITY" in listed, listed
     assert len(sample_of(stdout)) >= 40
 
 
@@ -71,7 +74,7 @@ def test_a_kill_mid_epoch_resumes_to_identical_weights_and_sample(reference, tmp
     assert "resuming from " in resumed.stdout and "step 60" in resumed.stdout, resumed.stdout
     summary = read_summary(out)
     assert summary["global_step"] == STEPS
-    reference_stdout, reference_summary = reference
+    reference_stdout, reference_summary, _ = reference
     assert summary["weights_sha256"] == reference_summary["weights_sha256"]
     assert sample_of(resumed.stdout) == sample_of(reference_stdout)  # seeded
 
