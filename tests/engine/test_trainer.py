@@ -321,6 +321,11 @@ def test_log_window_folds_each_window_into_the_epoch_sum():
     window.steps = 1
     assert (window.loss.item(), window.batches) == (3.0, 2)
     assert window.per_sec(window.start + 0.5, counted=False) == 20.0
+    counted = LogWindow(CPU, samples_per_step=10, world_size=2)
+    counted.units = 300  # this rank's tokens, say; the others trained as many
+    assert counted.per_sec(counted.start + 0.5, counted=True) == 1200.0
+    counted.restart(counted.start + 0.5)
+    assert (counted.units, counted.epoch_units) == (0, 300)
     window.restart(window.start + 0.5)
     assert (window.loss.item(), window.batches, window.steps) == (0.0, 0, 0)
     window.add_batch(torch.tensor(4.0))
