@@ -41,7 +41,9 @@ them to the device.
 - ``train_step(batch, ctx)`` returns the micro-batch's loss, a scalar tensor, computed
   with ``ctx.model`` (the wrapped model: DDP needs its forward). The engine runs it under
   autocast, and does the backward, gradient accumulation, scaling, clipping and the
-  optimizer step.
+  optimizer step. It may return ``{"loss": loss, "accuracy": ..., ...}`` instead: each
+  other value (a micro-batch mean, tensor or number) is logged as ``train/NAME``, the
+  mean over the micro-batches and ranks of each log window and of the epoch.
 - ``eval_step(batch, ctx)`` returns a dict of metric *sums* over the batch, with a
   ``count`` (the samples they cover): ``{"loss": ..., "mae": ..., "count": n}``, tensors
   or numbers. It runs without gradients, on ``ctx.module`` (unwrapped, so ranks with

@@ -117,6 +117,7 @@ class PendingCheck:
     batches: int
     per_sec: float  # the throughput, in the recipe's unit
     lr: float
+    extra_batches: int = 0  # the micro-batches of the recipe's extra metrics
 
 
 class LogWindow:
@@ -209,6 +210,47 @@ class Throughput:
                    if self.count is None else "as samples with a count_throughput: "
                    "name its unit, e.g. throughput_unit = 'tokens'"))
         self.metric = f"train/{self.unit}_per_sec"
+
+
+class TrainExtras:
+    """What a ``train_step`` returns beside the loss (``{"loss": loss, "accuracy": ...}``):
+    each a micro-batch mean, summed on the device like the loss (one add per
+    micro-batch) and logged as ``train/NAME``, the mean over the window's micro-batches
+    and the ranks at check points, over the epoch's (this run's part of a resumed epoch)
+    at the epoch end."""
+
+    def __init__(self, names: list[str], device):
+        self.names = names
+        self.window = torch.zeros(len(names), dtype=torch.float64, device=device)
+        self.epoch = torch.zeros_like(self.window)
+        self.window_batches = self.epoch_batches = 0
+
+    def add(self, out: dict) -> None:
+        self.window += torch.stack([torch.as_tensor(out[n]).detach().double().to(
+            self.window.device) for n in self.names])
+        self.window_batches += 1
+
+    def take_window(self) -> tuple[torch.Tensor, int]:
+        """The window's sums (a new tensor, for the check point's all-reduce) and its
+        micro-batches; the window starts again."""
+        sums, batches = self.window.clone(), self.window_batches
+        self.epoch += self.window
+        self.epoch_batches += batches
+        self.window.zero_()
+        self.window_batches = 0
+        return sums, batches
+
+    def take_epoch(self) -> torch.Tensor:
+        """The epoch's sums and micro-batches (the last entry); both start again."""
+        self.take_window()
+        total = torch.cat([self.epoch, self.epoch.new_tensor([self.epoch_batches])])
+        self.epoch.zero_()
+        self.epoch_batches = 0
+        return total
+
+    def means(self, sums, batches: float) -> dict:
+        return {f"train/{n}": (v / batches if batches else math.nan)
+                for n, v in zip(self.names, sums)}
 
 
 class SnapshotPolicy:
@@ -366,6 +408,7 @@ class Trainer:
         self.eval_step = recipe.optional("eval_step")
         self.eval_metrics = recipe.optional("eval_metrics")
         self.throughput = Throughput(recipe)
+        self.extras: TrainExtras | None = None  # train_step returns a dict (first_train_step)
         self.nonfinite = NonFinitePolicy(self.cfg.on_nonfinite, device,
                                          engine.world.world_size, engine.warn)
         self.snapshots = SnapshotPolicy(self.cfg, engine.is_rank0)
@@ -490,15 +533,22 @@ class Trainer:
 
     def first_train_step(self, batch, ctx):
         """The run's first micro-batch: the step's loss checked once (a loss of another
-        shape failed deep in autograd), then the step itself for every later batch."""
-        loss = self.checked_train_step(batch, ctx)
+        shape failed deep in autograd), then the step itself for every later batch. A
+        dict holds the loss and the recipe's extra metrics (TrainExtras)."""
+        out = self.checked_train_step(batch, ctx)
+        if isinstance(out, dict) and "loss" not in out:
+            raise ConfigError(f"train_step returned a dict without 'loss' (keys: "
+                              f"{', '.join(map(str, out))}); return {{'loss': loss, ...}}")
+        loss = out["loss"] if isinstance(out, dict) else out
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
                     else f"a {type(loss).__name__}")
             raise ConfigError(f"train_step must return the micro-batch's loss as a scalar "
                               f"tensor (shape ()), not {what}; reduce it, e.g. with .mean()")
+        if isinstance(out, dict):
+            self.extras = TrainExtras([n for n in out if n != "loss"], self.device)
         self.train_step = self.checked_train_step
-        return loss
+        return out
 
     def run_batch(self, batch, group_size: int, last_micro: bool):
         """Forward and backward of one micro-batch; returns its loss, detached. DDP
@@ -509,6 +559,9 @@ class Trainer:
         with (contextlib.nullcontext() if last_micro else eng.parallel.no_sync(eng.model)):
             with self.autocast():
                 loss = self.train_step(batch, eng)
+            if self.extras is not None:
+                self.extras.add(loss)
+                loss = loss["loss"]
             scaled = loss / group_size if group_size > 1 else loss
             if eng.scaler is not None:
                 eng.scaler.scale(scaled).backward()
@@ -573,11 +626,15 @@ class Trainer:
         due_by_time = eng.is_rank0 and self.snapshots.due_by_time()
         values = torch.stack([window.loss.float(), window.loss.new_tensor(float(preempted)),
                               window.loss.new_tensor(float(due_by_time))])
+        extra_batches = 0
+        if self.extras is not None:
+            extra_sums, extra_batches = self.extras.take_window()
+            values = torch.cat([values, extra_sums.float()])
         started = PendingCheck(distributed.start_all_reduce_sum(values), eng.state.epoch,
                                first_step=eng.state.step - window.steps + 1,
                                step=eng.state.step, batches=window.batches,
                                per_sec=window.per_sec(now, self.throughput.count is not None),
-                               lr=self.current_lr())
+                               lr=self.current_lr(), extra_batches=extra_batches)
         window.restart(now)
         previous, self.pending = self.pending, started
         preempted, due_by_time = self.finish_check(previous)
@@ -600,7 +657,7 @@ class Trainer:
         if check is None:
             return False, False
         eng = self.engine
-        loss_sum, preempted, due_by_time = check.reduction.values()
+        loss_sum, preempted, due_by_time, *extra_sums = check.reduction.values()
         # The mean over micro-batches (with accumulation, a step has several); NaN when
         # on_nonfinite=skip skipped every step of the window.
         loss = (loss_sum / check.batches / eng.world.world_size if check.batches
@@ -608,8 +665,10 @@ class Trainer:
         self.nonfinite.check_window(loss, first=check.first_step, last=check.step,
                                     epoch=check.epoch)
         if self.log_hook is not None:
+            extras = ({} if self.extras is None else self.extras.means(
+                extra_sums, check.extra_batches * eng.world.world_size))
             self.log_hook(engine=eng, step=check.step, metrics={
-                "train/loss": loss, self.throughput.metric: check.per_sec,
+                "train/loss": loss, **extras, self.throughput.metric: check.per_sec,
                 "lr": check.lr})
         return preempted > 0, due_by_time > 0
 
@@ -623,14 +682,20 @@ class Trainer:
                             torch.tensor(batches + window.resumed_batches, dtype=torch.float64,
                                          device=eng.device),
                             torch.tensor(data_wait, dtype=torch.float64, device=eng.device)])
+        if self.extras is not None:  # their sums, then their micro-batches
+            mine = torch.cat([mine, self.extras.take_epoch()])
         ranks = distributed.all_gather_tensor(mine).tolist()  # one read-back
         loss_sum, batch_count = sum(r[0] for r in ranks), sum(r[1] for r in ranks)
         wait = max(r[2] for r in ranks)
         elapsed = time.perf_counter() - epoch_start  # after .tolist(): the device is done
         mean_loss = loss_sum / batch_count if batch_count else math.nan  # all skipped
         self.nonfinite.check_epoch(mean_loss, epoch, eng.state.step)
+        extras = {} if self.extras is None else self.extras.means(
+            [sum(r[3 + i] for r in ranks) for i in range(len(self.extras.names))],
+            sum(r[-1] for r in ranks))
         return {
             "train/loss": mean_loss,
+            **extras,
             self.throughput.metric: self.epoch_done(window, steps) / max(elapsed, 1e-9),
             "train/data_wait_fraction": wait / max(elapsed, 1e-9),
         }

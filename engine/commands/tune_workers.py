@@ -323,7 +323,7 @@ def _full_step(recipe, cfg, ctx):
         batch = data.to_device(batch, ctx.device, non_blocking=True)
         with autocast():
             loss = recipe.train_step(batch, ctx)
-        loss.backward()
+        (loss["loss"] if isinstance(loss, dict) else loss).backward()  # extras beside it
         ctx.optimizer.step()
         ctx.optimizer.zero_grad(set_to_none=True)
 

@@ -15,7 +15,7 @@ import engine
 from engine.errors import ConfigError, EngineError
 from engine.recipe import recipe_from_object
 from engine.trainer import (EarlyStopping, LogWindow, MetricSums, NonFiniteLoss,
-                            NonFinitePolicy, SnapshotPolicy, Throughput)
+                            NonFinitePolicy, SnapshotPolicy, Throughput, TrainExtras)
 from tests.conftest import REPO, read_summary, run_cli
 
 REGRESSION = str(REPO / "tests" / "recipes" / "tiny_regression.py")
@@ -426,6 +426,18 @@ def test_a_recipe_derives_metrics_from_the_reduced_sums():
     counted = MetricSums(CPU, lambda sums: {"hits": sums["hits"]})
     counted.add({"hits": 3})
     assert counted.reduce() == {"val/hits": 3.0}
+
+
+def test_train_step_extras_are_means_per_window_and_per_epoch():
+    extras = TrainExtras(["accuracy", "tokens"], CPU)
+    for hits, tokens in ((0.5, 10), (1.0, 30)):
+        extras.add({"loss": torch.tensor(2.0), "accuracy": torch.tensor(hits), "tokens": tokens})
+    sums, batches = extras.take_window()
+    assert extras.means(sums.tolist(), batches) == {"train/accuracy": 0.75, "train/tokens": 20.0}
+    extras.add({"accuracy": torch.tensor(0.0), "tokens": 20})
+    *sums, batches = extras.take_epoch().tolist()  # the open window included
+    assert extras.means(sums, batches) == {"train/accuracy": 0.5, "train/tokens": 20.0}
+    assert extras.take_epoch().tolist() == [0.0, 0.0, 0.0]  # the next epoch starts empty
 
 
 def test_throughput_is_in_samples_unless_the_recipe_names_and_counts_its_unit():
