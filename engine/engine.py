@@ -102,7 +102,7 @@ class Engine(WorkerContext):
         returns the Trainer that will train them."""
         import torch
 
-        from engine import data, distributed
+        from engine import activation_checkpointing, data, distributed
 
         cfg, world, recipe = self.cfg, self.world, self.recipe
         self.micro_batch = data.split_batch(cfg.batch_size, world.world_size,
@@ -142,6 +142,8 @@ class Engine(WorkerContext):
             raise ConfigError(f"the recipe's build_model returned a model without parameters "
                               f"({type(model).__name__}): there is nothing to train")
         model = model.to(self.device)
+        model = activation_checkpointing.apply(model, cfg.activation_checkpointing)
+        self.parallel.recipe = recipe  # a mode may read the recipe's settings (fsdp)
         self.model = self.parallel.wrap(model)
         self.optimizer = recipe.module.build_optimizer(cfg, self.module)
         build_scheduler = recipe.optional("build_scheduler")
