@@ -107,6 +107,12 @@ class Parallel:
         """Context for micro-steps that must not synchronise gradients."""
         return contextlib.nullcontext()
 
+    def validation(self, model):
+        """Context for validation, where each rank runs its own shard of the set, which
+        may be one batch shorter than another rank's: forwards must not wait for each
+        other (a mode whose forward communicates gathers what it needs first)."""
+        return contextlib.nullcontext()
+
     def sync_buffers(self, model) -> None:
         """Make every rank's buffers (BatchNorm running statistics) equal again after
         training steps, before validation or a snapshot reads them. A no-op for modes

@@ -157,6 +157,25 @@ class FullyShardedDataParallel(DistributedDataParallel):
         finally:
             model.set_requires_gradient_sync(True)
 
+    @contextlib.contextmanager
+    def validation(self, model):
+        """Each rank validates its own shard of the set, one batch more on some ranks:
+        a forward that all-gathers would wait for a rank that has none left. So every
+        unit is gathered once, before, and kept gathered until the end (one full copy
+        of the parameters per rank meanwhile)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.unshard()
+        model.set_reshard_after_forward(False)
+        try:
+            yield
+        finally:
+            model.set_reshard_after_forward(self.options.reshard_after_forward)
+            for unit in units:
+                unit.reshard()
+
     def sync_buffers(self, model):
         """Buffers are not sharded: each rank's BatchNorm statistics follow its own
         batches. Rank 0's, on every rank, before validation or a snapshot."""
