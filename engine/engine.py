@@ -142,8 +142,8 @@ class Engine(WorkerContext):
             raise ConfigError(f"the recipe's build_model returned a model without parameters "
                               f"({type(model).__name__}): there is nothing to train")
         model = model.to(self.device)
-        model = activation_checkpointing.apply(model, cfg.activation_checkpointing)
         self.parallel.recipe = recipe  # a mode may read the recipe's settings (fsdp)
+        model = activation_checkpointing.apply(model, cfg.activation_checkpointing)
         self.model = self.parallel.wrap(model)
         self.optimizer = recipe.module.build_optimizer(cfg, self.module)
         build_scheduler = recipe.optional("build_scheduler")

@@ -9,6 +9,7 @@ single         cuda:0, or the CPU                        none
 dp             every visible GPU (nn.DataParallel)       inside the process
 ddp            cuda:<local rank>, or the CPU             across processes (DDP)
 ddp-multigpu   k GPUs: cuda:<local rank*k .. +k-1>       inside the process, then DDP
+fsdp           cuda:<local rank>, or the CPU             reduce-scattered to shards
 ============== ========================================= ==============================
 
 ``--parallel auto`` (the default) asks the registered modes in ``priority`` order (lower

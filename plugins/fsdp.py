@@ -84,7 +84,14 @@ class FullyShardedDataParallel(DistributedDataParallel):
         return fsdp_options(self.cfg)
 
     def check(self):
-        self.devices  # raises when the node lacks GPUs for its processes
+        import torch
+
+        device = self.devices[0]  # raises when the node lacks GPUs for its processes
+        if (self.cfg.precision == "bf16" and device.type == "cuda"
+                and not torch.cuda.is_bf16_supported()):
+            raise ConfigError(
+                f"precision 'bf16' with parallel mode 'fsdp': {torch.cuda.get_device_name()} "
+                "has no bf16 support; use precision=32 (fsdp keeps fp32 then)")
         if self.cfg.precision == "fp16":
             raise ConfigError(
                 "precision 'fp16' with parallel mode 'fsdp': the gradient scaler cannot "

@@ -21,6 +21,9 @@ net, SGD with momentum, synthetic CIFAR-shaped data, global batch 64; ``--size 3
    step). Loop wall seconds (each side times its own loop); ratio engine / hand-written
    (target <= 1.02); final weights compared by the digest of the full state dict
    gathered on rank 0 (engine.checkpoint.model_digest).
+   In the warm-up round the hand-written side also times a DCP snapshot of its
+   sharded state: how long ``dcp.save`` and ``dcp.async_save`` (a gloo group of its
+   own) block the loop.
 3. Activation memory (one process, no processes needed): the bytes autograd keeps for
    backward after one forward of the workload's model, without and with
    ``activation_checkpointing`` of the given classes (torch's saved-tensor hooks count
@@ -33,6 +36,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -96,9 +100,38 @@ def engine_run_end(engine, summary):
 # ------------------------------------------------------------------- the two sides
 
 
-def hand_written_fsdp(rank: int, world_size: int, port: int, args) -> tuple[float, str]:
+def dcp_save_seconds(model, optimizer, directory: str) -> dict:
+    """How long a DCP save of the sharded state (each rank its shards) blocks the loop:
+    ``dcp.save``, and ``dcp.async_save``, which blocks only while it stages (copies)
+    the state and returns a future for the write. On the CPU it is given a gloo group
+    of its own (torch's advice for async checkpointing: the write's collectives then
+    never interleave with training's on the default group)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    start = time.perf_counter()
+    dcp.save(state, checkpoint_id=f"{directory}/save")
+    saved = time.perf_counter() - start
+    group = dist.new_group(backend="gloo")
+    timings = []
+    for attempt in range(2):  # the first pays for setting the writer up: the second counts
+        start = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=f"{directory}/async{attempt}",
+                                process_group=group)
+        blocking = time.perf_counter() - start
+        future.result()
+        timings.append((blocking, time.perf_counter() - start))
+    return {"save_s": saved, "first_async_blocking_s": timings[0][0],
+            "async_blocking_s": timings[1][0], "async_total_s": timings[1][1]}
+
+
+def hand_written_fsdp(rank: int, world_size: int, port: int, args,
+                      measure_saves: bool = False) -> tuple[float, str, dict]:
     """FSDP2 as its tutorial writes it. Returns (loop seconds, digest of the full
-    weights)."""
+    weights, the DCP save timings when asked, after the timed loop)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -134,8 +167,9 @@ def hand_written_fsdp(rank: int, world_size: int, port: int, args) -> tuple[floa
                                                                 cpu_offload=True))
     holder = [model_digest(full) if rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)
+    saves = dcp_save_seconds(model, optimizer, args.dcp_dir) if measure_saves else {}
     dist.destroy_process_group()
-    return elapsed, holder[0]
+    return elapsed, holder[0], saves
 
 
 def session_worker(rank: int, world_size: int, schedule: list, ports: list, args,
@@ -147,8 +181,8 @@ def session_worker(rank: int, world_size: int, schedule: list, ports: list, args
         with tempfile.TemporaryDirectory() as out_dir:
             record = {"round": round_index, "variant": variant}
             if variant == HAND:
-                record["seconds"], record["digest"] = hand_written_fsdp(rank, world_size,
-                                                                        port, args)
+                record["seconds"], record["digest"], record["saves"] = hand_written_fsdp(
+                    rank, world_size, port, args, measure_saves=round_index == 0)
             else:
                 mode, probed = variant.split("+")[0], variant.endswith("+probe")
                 run_args = argparse.Namespace(**{**vars(args), "plugin": (
@@ -257,6 +291,7 @@ def report(probe_runs: list[dict], timed: list[dict], memory: dict, args) -> dic
             paired_ratio=statistics.median(eng[k] / hand[k] for k in hand),
             weights_identical=len({r["digest"] for r in timed}) == 1)
         result["ratio"] = result["engine_s"] / result["hand_s"]
+        result["dcp_saves"] = next(r["saves"] for r in timed if r["variant"] == HAND)
     return result
 
 
@@ -277,6 +312,13 @@ def print_report(result: dict, args) -> None:
               f"FSDP2 {result['hand_s']:.3f}, engine fsdp {result['engine_s']:.3f}; ratio "
               f"{result['ratio']:.3f}, paired {result['paired_ratio']:.3f} (target <= "
               f"1.02); final weights {'identical' if result['weights_identical'] else 'DIFFERENT'}")
+    if result.get("dcp_saves"):
+        saves = result["dcp_saves"]
+        print(f"dcp snapshot of the sharded state (rank 0): save blocks "
+              f"{saves['save_s'] * 1000:.1f} ms; async_save blocks "
+              f"{saves['async_blocking_s'] * 1000:.1f} ms (written after "
+              f"{saves['async_total_s'] * 1000:.1f} ms; the first one blocked "
+              f"{saves['first_async_blocking_s'] * 1000:.1f} ms)")
     memory = result["activation_bytes"]
     if len(memory) > 1:
         none, ac = memory["none"], memory[args.checkpoint]
@@ -312,8 +354,10 @@ def main(argv=None) -> int:
     with tempfile.NamedTemporaryFile(prefix="bench_fsdp-", suffix=".log", delete=False) as log:
         log_path = log.name
     if not args.activations_only:
+        args.dcp_dir = tempfile.mkdtemp(prefix="bench_fsdp-dcp-")  # one for all ranks
         probe_runs = run_session([(0, "ddp+probe"), (0, "fsdp+probe")], args, log_path)
         timed = run_session(interleaved(args.reps), args, log_path)
+        shutil.rmtree(args.dcp_dir, ignore_errors=True)
     result = report(probe_runs, timed, activation_memory(args), args)
     print_report(result, args)
     if args.json:

@@ -212,3 +212,16 @@ def ckpt_tool():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_dry_run_shows_the_plan_and_a_bad_unit_class_is_one_line(tmp_path):
+    cifar = str(REPO / "recipes" / "cifar_ddp.py")
+    common = (cifar, "--parallel", "fsdp", "--dry-run", f"out_dir={tmp_path}")
+    proc = run_cli(*common, "fsdp.shard=Linear", check=True)
+    assert "fsdp units     3 + the root: fc1 (Linear), fc2 (Linear), fc3 (Linear)" in proc.stdout
+    assert "fsdp per rank  parameters 121.1 KiB of 242.2 KiB" in proc.stdout
+    proc = run_cli(*common, "fsdp.shard=Lineer")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "engine-run: error: fsdp.shard=Lineer: Lineer matches no submodule of Net; its "
+        "submodule classes are: Conv2d, Linear, MaxPool2d")

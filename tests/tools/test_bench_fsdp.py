@@ -22,6 +22,8 @@ def test_bench_fsdp_reports_equal_losses_half_the_bytes_and_identical_weights(tm
     assert result["steps"] == 8 and result["losses_close"]
     assert result["bytes_ratio"] <= 0.55, result["bytes_per_rank"]
     assert result["weights_identical"] and result["ratio"] > 0
+    saves = result["dcp_saves"]  # async_save of the sharded state, on gloo
+    assert 0 < saves["async_blocking_s"] <= saves["async_total_s"]
     memory = result["activation_bytes"]
     assert 0 < memory["Conv2d,Linear"] < memory["none"]
     assert "fsdp / ddp bytes per rank: 0.5" in proc.stdout
