@@ -222,8 +222,13 @@ class OptimizerState:
     def load_state_dict(self, state_dict: dict) -> None:
         options = distributed_options(self.module, self.sharded)
         if options is not None:
-            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                 set_optimizer_state_dict)
 
+            if options.full_state_dict and not _holds_tensors(state_dict.get("state")):
+                # Nothing to slice into shards (plain SGD keeps no state), and torch's
+                # full-state loader fails on that ("Expected device to be set").
+                options = StateDictOptions()
             set_optimizer_state_dict(self.module, self.optimizer, state_dict,
                                      options=options)
             return
@@ -232,6 +237,15 @@ class OptimizerState:
         except (ValueError, KeyError) as exc:
             raise CheckpointError(f"optimizer state does not match: {first_line(exc)}"
                                   ) from None
+
+
+def _holds_tensors(tree) -> bool:
+    """True when ``tree`` (nested dicts and lists) holds a tensor of one dimension or more."""
+    if isinstance(tree, dict):
+        return any(_holds_tensors(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_holds_tensors(v) for v in tree)
+    return getattr(tree, "dim", lambda: 0)() > 0
 
 
 class LoaderPosition:

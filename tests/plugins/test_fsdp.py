@@ -182,12 +182,7 @@ def test_a_dcp_snapshot_of_2_processes_resumes_at_2_bit_identically_and_at_1_and
     each rank writing its own shards; resumed from that snapshot with 2, 1 and 3."""
     import shutil
 
-    stopped = tmp_path / "stopped"
-    fault = engine_env(ENGINE_FAULT_ACTION="signal", ENGINE_FAULT_STEP="1",
-                       ENGINE_FAULT_RANK="1")
-    run_cli(*BASE, "--parallel", "fsdp", "--nproc", "2", "checkpointer=dcp",
-            f"out_dir={stopped}", env=fault)
-    assert read_summary(stopped)["status"] == "preempted"
+    stopped = stop_after_step_2(tmp_path / "stopped", "dcp")
     snapshot = next((stopped / "checkpoints").glob("*.dcp"))
     assert sorted(p.name for p in snapshot.glob("*.distcp")) == ["__0_0.distcp",
                                                                  "__1_0.distcp"]
@@ -206,6 +201,24 @@ def test_a_dcp_snapshot_of_2_processes_resumes_at_2_bit_identically_and_at_1_and
         else:  # the same samples per step, summed over other shards: float-close
             assert summary["train_loss"] == pytest.approx(
                 read_summary(uninterrupted)["train_loss"], rel=1e-5)
+
+
+def test_a_torch_file_snapshot_of_fsdp_resumes_bit_identically(uninterrupted, tmp_path):
+    """The full state gathered on rank 0 goes back into each rank's shards."""
+    stopped = stop_after_step_2(tmp_path / "stopped", "torch-file")
+    run_cli(*BASE, "--parallel", "fsdp", "--nproc", "2", f"out_dir={stopped}", check=True)
+    assert (read_summary(stopped)["weights_sha256"]
+            == read_summary(uninterrupted)["weights_sha256"])
+
+
+def stop_after_step_2(out, checkpointer: str):
+    """fsdp on 2 processes, pre-empted after step 2 of 6 (rank 1 signalled at step 1)."""
+    fault = engine_env(ENGINE_FAULT_ACTION="signal", ENGINE_FAULT_STEP="1",
+                       ENGINE_FAULT_RANK="1")
+    run_cli(*BASE, "--parallel", "fsdp", "--nproc", "2", f"checkpointer={checkpointer}",
+            f"out_dir={out}", env=fault)
+    assert read_summary(out)["status"] == "preempted"
+    return out
 
 
 def ckpt_tool():
