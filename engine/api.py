@@ -203,16 +203,22 @@ class Context(WorkerContext):
         """Move ``model`` to the device and wrap it for the parallel mode (DDP when
         there are several processes); returns ``(model, optimizer)``.
 
-        The optimizer may be built before or after: it keeps the same parameters.
+        The optimizer may be built before or after: it keeps the same parameters;
+        except under ``fsdp``, which replaces them with shards: pass a function of the
+        wrapped model that builds it (``lambda m: torch.optim.AdamW(m.parameters())``).
         ``scheduler`` and ``scaler`` (a GradScaler), when given, are saved in snapshots
         too. Every optimizer step counts in ``ctx.state.step``."""
         if self.model is not None:
             raise ConfigError("ctx.wrap was called twice; a Context trains one model "
                               "(with one optimizer)")
-        if optimizer is None or not hasattr(optimizer, "state_dict"):
+        if not (hasattr(optimizer, "state_dict") or callable(optimizer)):
             raise ConfigError(f"ctx.wrap(model, optimizer): {optimizer!r} is not a torch "
-                              "optimizer")
+                              "optimizer (nor a function of the model that builds one)")
         self.model = self.parallel.wrap(model.to(self.device))
+        module = self.parallel.unwrap(self.model)
+        if not hasattr(optimizer, "state_dict"):
+            optimizer = optimizer(module)  # built on the wrapped model's parameters
+        _check_optimizer_holds(optimizer, module, self.parallel)
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         # What snapshots hold (engine/stateful.py); the loop's own parts: ctx.add_state.
         self.add_core_parts(self.state, lambda: self.train_loader)
@@ -357,3 +363,15 @@ class Context(WorkerContext):
         if self.model is None:
             raise ConfigError(f"{what} needs the model: call "
                               "`model, optimizer = ctx.wrap(model, optimizer)` first")
+
+
+def _check_optimizer_holds(optimizer, module, parallel) -> None:
+    """An optimizer built before a wrap that replaced the parameters (fsdp's shards)
+    would step tensors the model no longer uses: nothing would train."""
+    held = {id(p) for p in module.parameters()}
+    if any(id(p) not in held for g in optimizer.param_groups for p in g["params"]):
+        raise ConfigError(
+            f"the optimizer holds parameters that the model no longer has after parallel "
+            f"mode {parallel.name!r} wrapped it (it replaces them); pass a function that "
+            "builds the optimizer instead: ctx.wrap(model, lambda m: "
+            "torch.optim.SGD(m.parameters(), lr=...))")

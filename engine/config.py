@@ -95,6 +95,9 @@ class TrainConfig:
     # Clip the gradients' total norm to this before each optimizer step (after the last
     # micro-batch; unscaled first under fp16). none: no clipping.
     grad_clip_norm: float | None = None
+    # Module classes (comma separated) whose activations are recomputed in backward
+    # instead of kept: memory for compute, same results (engine/activation_checkpointing.py).
+    activation_checkpointing: str = ""
     checkpoint: CheckpointConfig = attrs.Factory(CheckpointConfig)
     early_stopping: EarlyStoppingConfig = attrs.Factory(EarlyStoppingConfig)
 

@@ -71,9 +71,16 @@ def utc_now() -> str:
 def weights_digests(module, warn) -> dict:
     """Every rank digests its own copy of the weights: DDP promises they are equal, we
     check (a collective: every rank calls it)."""
-    from engine import distributed
+    from engine import distributed, stateful
     from engine.checkpoint import model_digest
 
+    if stateful.is_sharded(module):
+        # One model spread over the ranks (fsdp): the digest of its full state, which
+        # only rank 0 gathers; every rank reports that one.
+        full = stateful.ModelState(module).state_dict()
+        digest = distributed.broadcast_object(model_digest(full) if full else None)
+        return {"weights_sha256": digest,
+                "weights_sha256_per_rank": distributed.all_gather_object(digest)}
     digests = distributed.all_gather_object(model_digest(module.state_dict()))
     if len(set(digests)) > 1:
         warn("the ranks finished with different weights: "

@@ -110,7 +110,7 @@ class Engine(WorkerContext):
         returns the Trainer that will train them."""
         import torch
 
-        from engine import data, distributed
+        from engine import activation_checkpointing, data, distributed
 
         cfg, world, recipe = self.cfg, self.world, self.recipe
         self.micro_batch = data.split_batch(cfg.batch_size, world.world_size,
@@ -152,6 +152,8 @@ class Engine(WorkerContext):
             raise ConfigError(f"the recipe's build_model returned a model without parameters "
                               f"({type(model).__name__}): there is nothing to train")
         model = model.to(self.device)
+        self.parallel.recipe = recipe  # a mode may read the recipe's settings (fsdp)
+        model = activation_checkpointing.apply(model, cfg.activation_checkpointing)
         self.model = self.parallel.wrap(model)
         self.optimizer = recipe.module.build_optimizer(cfg, self.module)
         # The run's length, for schedules by step: the optimizer steps of an epoch

@@ -9,6 +9,7 @@ single         cuda:0, or the CPU                        none
 dp             every visible GPU (nn.DataParallel)       inside the process
 ddp            cuda:<local rank>, or the CPU             across processes (DDP)
 ddp-multigpu   k GPUs: cuda:<local rank*k .. +k-1>       inside the process, then DDP
+fsdp           cuda:<local rank>, or the CPU             reduce-scattered to shards
 ============== ========================================= ==============================
 
 ``--parallel auto`` (the default) asks the registered modes in ``priority`` order (lower
@@ -46,6 +47,9 @@ class Parallel:
     single_process: ClassVar[bool] = False
     #: Order in which ``--parallel auto`` asks the modes: lower numbers first.
     priority: ClassVar[int] = 100
+    #: The run's recipe (engine.recipe.Recipe) under engine-run, None in a loop of your
+    #: own: a mode may read a setting the recipe declares (fsdp: ``shard_units``).
+    recipe = None
 
     @classmethod
     def detect(cls, world) -> bool:
@@ -82,6 +86,11 @@ class Parallel:
         and again in each worker, so it must not print.
         """
 
+    def describe(self) -> list[tuple[str, str]]:
+        """Extra ``(label, text)`` rows for the plan (``--dry-run``), worked out in the
+        launching process before any worker starts (fsdp: its units, bytes per rank)."""
+        return []
+
     def setup_device(self) -> None:
         """Called once per worker before the process group is created
         (torch.cuda.set_device; warnings about GPUs the mode leaves idle)."""
@@ -97,6 +106,12 @@ class Parallel:
 
     def no_sync(self, model):
         """Context for micro-steps that must not synchronise gradients."""
+        return contextlib.nullcontext()
+
+    def validation(self, model):
+        """Context for validation, where each rank runs its own shard of the set, which
+        may be one batch shorter than another rank's: forwards must not wait for each
+        other (a mode whose forward communicates gathers what it needs first)."""
         return contextlib.nullcontext()
 
     def sync_buffers(self, model) -> None:
@@ -211,3 +226,27 @@ def require_single_process(parallel: Parallel) -> None:
             f"parallel mode {parallel.name!r} runs in one process, but the world has "
             f"{parallel.world.world_size}; use --parallel ddp, or --nproc 1"
         )
+
+
+def parse_class_names(spec: str) -> list[str]:
+    """``"Block, Head"`` -> ``["Block", "Head"]`` (a config value naming module classes)."""
+    return [name.strip() for name in spec.split(",") if name.strip()]
+
+
+def select_blocks(model, classes, key: str) -> list[tuple[str, object]]:
+    """``(name, submodule)`` for every submodule of ``model`` (not the model itself)
+    whose class is among ``classes``: class names (``fsdp.shard=Block``) or classes (a
+    recipe's ``shard_units``). ``key`` is the setting that asked, for the error when a
+    class matches nothing, which lists the classes the model does have."""
+    def is_a(module, cls) -> bool:
+        return type(module).__name__ == cls if isinstance(cls, str) else isinstance(module, cls)
+
+    submodules = [(name, m) for name, m in model.named_modules() if name]
+    missing = [getattr(c, "__name__", str(c)) for c in classes
+               if not any(is_a(m, c) for _, m in submodules)]
+    if missing:
+        have = sorted({type(m).__name__ for _, m in submodules})
+        raise ConfigError(
+            f"{key}: {', '.join(missing)} matches no submodule of {type(model).__name__}; "
+            f"its submodule classes are: {', '.join(have) or 'none'}")
+    return [(name, m) for name, m in submodules if any(is_a(m, c) for c in classes)]

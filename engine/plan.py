@@ -18,11 +18,14 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
         mode = parallel_cls(w, cfg)
         mode.check()
         devices.append(",".join(str(d) for d in mode.devices))
+    mode = parallel_cls(world, cfg)
+    mode.recipe = recipe
     micro = split_batch(cfg.batch_size, world.world_size, cfg.grad_accum_steps)
     return {
         "recipe": str(recipe.path) if recipe.path else recipe.name,
         "launcher": launcher.name,
         "parallel": parallel_name,
+        "parallel_details": mode.describe(),
         "world_size": world.world_size,
         "nodes": world.num_nodes,
         "processes_this_node": world.local_world_size,
@@ -68,6 +71,7 @@ def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True) -> str:
         ("recipe", plan["recipe"]),
         ("launcher", plan["launcher"]),
         ("parallel", plan["parallel"]),
+        *plan.get("parallel_details", ()),
         ("world size", f"{plan['world_size']} ({plan['nodes']} node(s), "
                        f"{plan['processes_this_node']} process(es) on this node)"),
         ("backend", plan["backend"]),

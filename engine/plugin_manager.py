@@ -62,6 +62,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("ddp", "engine.plugins.ddp"),
     ("dp", "engine.plugins.dp"),
     ("ddp-multigpu", "engine.plugins.ddp_multigpu"),
+    ("fsdp", "engine.plugins.fsdp"),
     ("torch-file", "engine.plugins.torch_file"),
     ("async", "engine.plugins.async_file"),
     ("dcp", "engine.plugins.dcp"),

@@ -37,6 +37,7 @@ from engine.errors import CheckpointError, ConfigError
 MAY_CHANGE = frozenset({
     "epochs", "log_every", "num_workers", "timeout_s", "out_dir", "launcher", "init_method",
     "parallel", "checkpointer", "preemption", "requeue", "deterministic", "on_nonfinite",
+    "activation_checkpointing",
 })
 
 

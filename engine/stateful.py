@@ -28,6 +28,7 @@ parts in the same order, so every rank calls them alike.
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import attrs
@@ -147,26 +148,53 @@ class TrainState:
                 setattr(self, field.name, state_dict[field.name])
 
 
+def distributed_options(module, sharded: bool):
+    """How a module's and its optimizer's state go through torch's
+    ``get_state_dict`` helpers, or None for their own ``state_dict()``:
+
+    - ``sharded`` (a checkpointer that stores it, dcp): as they are, each rank its own
+      shards (a DTensor's); the checkpointer writes and reshards them.
+    - a model sharded by fully_shard, for a single-file checkpointer: the full state,
+      gathered shard by shard onto rank 0's CPU (the other ranks get nothing), so the
+      file is the plain model's; loading slices each rank's shards out of it.
+    """
+    if not (sharded or is_sharded(module)):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=not sharded, cpu_offload=not sharded)
+
+
+def is_sharded(module) -> bool:
+    """True for a module that fully_shard split over the ranks (FSDP2). Without
+    importing FSDP: a run that never imported it has no such module."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
 class ModelState:
     """The unwrapped module. ``sharded``: torch.distributed.checkpoint's form (keyed by
-    parameter name, sharded tensors left sharded), for a checkpointer that stores it."""
+    parameter name, sharded tensors left sharded), for a checkpointer that stores it;
+    see :func:`distributed_options`."""
 
     def __init__(self, module, sharded: bool = False):
         self.module = module
         self.sharded = sharded
 
     def state_dict(self) -> dict:
-        if self.sharded:
+        options = distributed_options(self.module, self.sharded)
+        if options is not None:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            return get_model_state_dict(self.module)
+            return get_model_state_dict(self.module, options=options)
         return self.module.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if self.sharded:
+        options = distributed_options(self.module, self.sharded)
+        if options is not None:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-            set_model_state_dict(self.module, state_dict)
+            set_model_state_dict(self.module, state_dict, options=options)
             return
         from engine.checkpoint import load_model_state
 
@@ -184,23 +212,40 @@ class OptimizerState:
         self.sharded = sharded
 
     def state_dict(self) -> dict:
-        if self.sharded:
+        options = distributed_options(self.module, self.sharded)
+        if options is not None:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-            return get_optimizer_state_dict(self.module, self.optimizer)
+            return get_optimizer_state_dict(self.module, self.optimizer, options=options)
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        options = distributed_options(self.module, self.sharded)
+        if options is not None:
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                 set_optimizer_state_dict)
 
-            set_optimizer_state_dict(self.module, self.optimizer, state_dict)
+            if options.full_state_dict and not _holds_tensors(state_dict.get("state")):
+                # Nothing to slice into shards (plain SGD keeps no state), and torch's
+                # full-state loader fails on that ("Expected device to be set").
+                options = StateDictOptions()
+            set_optimizer_state_dict(self.module, self.optimizer, state_dict,
+                                     options=options)
             return
         try:
             self.optimizer.load_state_dict(state_dict)
         except (ValueError, KeyError) as exc:
             raise CheckpointError(f"optimizer state does not match: {first_line(exc)}"
                                   ) from None
+
+
+def _holds_tensors(tree) -> bool:
+    """True when ``tree`` (nested dicts and lists) holds a tensor of one dimension or more."""
+    if isinstance(tree, dict):
+        return any(_holds_tensors(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_holds_tensors(v) for v in tree)
+    return getattr(tree, "dim", lambda: 0)() > 0
 
 
 class LoaderPosition:

@@ -746,10 +746,11 @@ class Trainer:
         was_training = module.training
         module.eval()
         sums = MetricSums(eng.device, self.eval_metrics)
-        for batch in eng.val_loader:
-            batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
-            with self.autocast():
-                sums.add(self.eval_step(batch, eng))
+        with eng.parallel.validation(eng.model):
+            for batch in eng.val_loader:
+                batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
+                with self.autocast():
+                    sums.add(self.eval_step(batch, eng))
         module.train(was_training)
         metrics = sums.reduce()
         eng.pm.hook.engine_validation_end(engine=eng, epoch=epoch, metrics=metrics)

@@ -215,7 +215,9 @@ def too_few_samples(ctx):
                  "optimizer)"),
     (epochs_first, "ctx.epochs needs the model: call `model, optimizer = ctx.wrap(model, "
                    "optimizer)` first"),
-    (no_optimizer, "ctx.wrap(model, optimizer): None is not a torch optimizer"),
+    (no_optimizer, "ctx.wrap(model, optimizer): None is not a torch optimizer (nor a "
+                   "function of the model that builds one)"),
+
     (bad_reduce, "ctx.reduce: op 'max' is not one of: mean, sum"),
     (too_few_samples, "the training set has 3 samples, fewer than one batch of 4 per "
                       "process; use a smaller batch_size or drop_last=False"),
@@ -224,6 +226,31 @@ def test_misuse_inside_the_worker_is_a_clear_error(tmp_path, fn, message):
     with pytest.raises(ConfigError) as err:
         engine.launch(fn, nproc=1, config=config(tmp_path))
     assert str(err.value) == message
+
+
+def train_sharded(ctx, optimizer_first: bool):
+    model = torch.nn.Linear(2, 2)
+    optimizer = (torch.optim.SGD(model.parameters(), lr=0.1) if optimizer_first
+                 else lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    model, optimizer = ctx.wrap(model, optimizer)
+    before = model.weight.full_tensor().clone()
+    model(torch.ones(4, 2)).sum().backward()
+    optimizer.step()
+    return bool((model.weight.full_tensor() != before).all())
+
+
+def test_under_fsdp_the_optimizer_is_built_on_the_shards(tmp_path):
+    assert engine.launch(train_sharded, False, nproc=1,
+                         config=config(tmp_path, parallel="fsdp")) is True
+    with pytest.raises(ConfigError) as err:
+        engine.launch(train_sharded, True, nproc=1,
+                      config=config(tmp_path / "again", parallel="fsdp"))
+    assert str(err.value) == (
+        "the optimizer holds parameters that the model no longer has after parallel mode "
+        "'fsdp' wrapped it (it replaces them); pass a function that builds the optimizer "
+        "instead: ctx.wrap(model, lambda m: torch.optim.SGD(m.parameters(), lr=...))")
+    # A failed run leaves its process group (a rank may be gone); this one ran here.
+    torch.distributed.destroy_process_group()
 
 
 def test_misuse_of_launch_is_caught_before_any_process_starts(tmp_path):
@@ -237,8 +264,8 @@ def test_misuse_of_launch_is_caught_before_any_process_starts(tmp_path):
     assert str(err.value).startswith("engine.launch: cannot send <function ")
     assert str(err.value).endswith("; use a module-level function, not a lambda or a "
                                    "nested function, and picklable arguments")
-    with pytest.raises(PluginError, match="parallel mode 'fsdp' is not available"):
-        engine.launch(describe, config=config(tmp_path, parallel="fsdp"))
+    with pytest.raises(PluginError, match="parallel mode 'hsdp' is not available"):
+        engine.launch(describe, config=config(tmp_path, parallel="hsdp"))
     with pytest.raises(ConfigError, match="config key 'lr': -1.0 must be > 0"):
         engine.launch(describe, config=config(tmp_path, lr=-1.0))
     assert not (tmp_path / "run").exists()

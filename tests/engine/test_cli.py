@@ -44,7 +44,7 @@ def test_component_options_list_what_the_registries_hold(make_plugin_manager):
     pm = make_plugin_manager(ShardedPlugin())
     parser = build_parser(pm)
     assert option_help(parser, "parallel") == (
-        "one of: auto, ddp, ddp-multigpu, dp, sharded, single (default: detect)")
+        "one of: auto, ddp, ddp-multigpu, dp, fsdp, sharded, single (default: detect)")
     assert option_help(parser, "launcher") == (
         "one of: auto, legacy, slurm, spawn, torchrun (default: detect)")
     assert option_help(parser, "checkpointer") == (
@@ -59,7 +59,7 @@ def test_help_lists_an_installed_plugins_components(install_plugin):
     env = engine_env(**install_plugin(REPO / "tests" / "sample_plugin"))
     proc = run_cli("--help", env=env, timeout=120, check=True)
     text = " ".join(proc.stdout.split())  # argparse wraps the help text
-    assert "--parallel NAME one of: auto, ddp, ddp-fp16, ddp-multigpu, dp, single" in text
+    assert "--parallel NAME one of: auto, ddp, ddp-fp16, ddp-multigpu, dp, fsdp, single" in text
     assert "csv-rows" in text.split("(loaded: ")[1].split(")")[0].split(", ")
     proc = run_cli("--help", "-p", "no:engine-csv-logger", env=env, timeout=120,
                    check=True)

@@ -110,21 +110,21 @@ def test_base_mode_leaves_the_model_alone():
 
 def test_parallel_modules_do_not_import_torch():
     code = ("import sys, engine.parallel, engine.plugins.single, engine.plugins.dp, "
-            "engine.plugins.ddp, engine.plugins.ddp_multigpu; "
+            "engine.plugins.ddp, engine.plugins.ddp_multigpu, engine.plugins.fsdp; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == "False"
 
 
-def test_all_four_modes_are_registered_built_ins():
+def test_all_five_modes_are_registered_built_ins():
     from engine.plugin_manager import build_plugin_manager
 
     pm = build_plugin_manager(autoload=False)
     names = set(pm.parallel_modes.names())
-    assert {"single", "dp", "ddp", "ddp-multigpu"} <= names
+    assert {"single", "dp", "ddp", "ddp-multigpu", "fsdp"} <= names
     assert all(pm.parallel_modes.owner(n) == n for n in ("single", "dp", "ddp",
-                                                         "ddp-multigpu"))
+                                                         "ddp-multigpu", "fsdp"))
 
 
 # ------------------------------------------------------------------- auto

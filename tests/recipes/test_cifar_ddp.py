@@ -111,9 +111,9 @@ def test_dry_run_prints_config_and_plan_without_training(cifar_recipe, tmp_path)
     (("batch_size=63",), "batch_size 63 (global) does not split evenly over 2 processes; "
                          "choose a multiple of 2, e.g. batch_size=62"),
     (("epochz=1",), "unknown config key 'epochz'; did you mean 'epochs'?"),
-    (("--parallel", "fsdp"), "parallel mode 'fsdp' is not available (plugin may not be "
-                             "installed); did you mean 'dp'? registered: ddp, ddp-multigpu, "
-                             "dp, single"),
+    (("--parallel", "hsdp"), "parallel mode 'hsdp' is not available (plugin may not be "
+                             "installed); did you mean 'fsdp'? registered: ddp, ddp-multigpu, "
+                             "dp, fsdp, single"),
     (("--launcher", "mpi"), "launcher 'mpi' is not available (plugin may not be installed)"),
     (("--checkpointer", "s3"), "checkpointer 's3' is not available"),
 ])
