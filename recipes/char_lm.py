@@ -223,10 +223,13 @@ def count_throughput(batch) -> int:
 def on_train_end(cfg: Config, ctx) -> None:
     """Rank 0 prints a sample of the trained model's text, seeded: two runs of the same
     config print the same."""
-    if ctx.is_rank0 and cfg.sample_chars > 0:
+    if cfg.sample_chars > 0:
         prompt = "def "
+        # Every rank generates the same text: under --parallel fsdp each forward is a
+        # collective (every unit is gathered from all ranks), so rank 0 cannot run alone.
         text = generate(ctx.module, prompt, cfg.sample_chars, seed=cfg.seed)
-        ctx.print(f"sample ({cfg.sample_chars} characters after {prompt!r}):\n{text}")
+        if ctx.is_rank0:
+            ctx.print(f"sample ({cfg.sample_chars} characters after {prompt!r}):\n{text}")
 
 
 @torch.no_grad()
