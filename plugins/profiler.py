@@ -145,13 +145,17 @@ class StepProfiler:
         profiler, self.profiler = self.profiler, None
         profiler.stop()
         phases.label_ranges(False)
+        if self.engine.pm.is_registered(self):  # the rest of the run calls nothing of it
+            self.engine.pm.unregister(self)
         if self.memory and self.cuda:
             import torch
 
+            self.folder.mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(
                 str(self.folder / f"rank{self.engine.rank}.memory.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
-        self.engine.print(f"profiler: steps {self.start} to {self.end - 1} traced in "
+        last = min(self.end, self.engine.state.step) - 1  # a run may end inside the window
+        self.engine.print(f"profiler: steps {self.start} to {last} traced in "
                           f"{self.folder} (open with https://ui.perfetto.dev or "
                           f"tensorboard --logdir {self.folder.parent})")
 
@@ -199,9 +203,9 @@ def engine_run_start(engine):
 
 @engine.hookimpl
 def engine_run_end(engine):
-    profiler = engine.pm.get_plugin(_PER_RUN)
-    if profiler is None:
-        return
-    engine.pm.unregister(name=_PER_RUN)
     phases.arm(False)
-    profiler.finish()  # a run that ended inside the window writes what it recorded
+    profiler = engine.pm.get_plugin(_PER_RUN)
+    if profiler is not None:  # the run ended before the window did
+        profiler.finish()  # writes what it recorded
+        if engine.pm.is_registered(profiler):  # it never began (pre-empted before it)
+            engine.pm.unregister(profiler)

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from engine.plugins.profiler import parse_steps
+from tests import conftest
 from tests.conftest import REPO, run_cli, run_cli_here
 
 RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
@@ -80,3 +81,16 @@ def test_two_ranks_trace_the_chosen_steps_with_the_engines_phases_as_ranges(tmp_
         assert names.count("engine: snapshot") == 1
         snapshot = next(e for e in inside if e["name"] == "engine: snapshot")
         assert steps[1]["ts"] <= snapshot["ts"]  # it follows step 2: it opens step 3
+
+
+def test_a_run_that_fails_inside_the_window_keeps_the_steps_it_recorded(tmp_path):
+    out = tmp_path / "run"
+    fault = conftest.engine_env(ENGINE_FAULT_ACTION="raise", ENGINE_FAULT_STEP="3")
+    proc = run_cli(RECIPE, *ONE_EPOCH, "profile.steps=1:5", f"out_dir={out}", "--nproc",
+                   "1", "-p", "tests.fault_plugin", env=fault)
+    assert proc.returncode == 1 and "injected failure" in proc.stderr, proc.stderr
+    assert "profiler: steps 1 to 2 traced in" in proc.stdout, proc.stdout
+    (path,) = (out / "profile" / "steps1-5").glob("rank0.*.pt.trace.json")
+    steps = [e["name"] for e in spans(json.loads(path.read_text()))
+             if e["name"].startswith("ProfilerStep#")]
+    assert steps[:2] == ["ProfilerStep#1", "ProfilerStep#2"], steps
