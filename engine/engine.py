@@ -167,6 +167,11 @@ class Engine(WorkerContext):
                 raise ConfigError("precision 'fp16' needs a CUDA device; on the CPU use "
                                   "precision=bf16")
             self.scaler = torch.amp.GradScaler("cuda")
+        from engine.plan import precision_note
+
+        slow = precision_note(cfg.precision, [str(self.device)])
+        if slow:  # the run's first lines, rank 0
+            self.warn(slow)
         self.checkpointer = self.pm.checkpointers.get(cfg.checkpointer)(
             self.out_dir / "checkpoints", cfg, world)
         from engine import snapshot

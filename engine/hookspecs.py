@@ -262,7 +262,10 @@ def engine_train_step_end(engine, step, loss):
     host-device synchronisation every step: accumulate on the device instead).
 
     Kind: notification. Fires on every rank. When no plugin implements this hook the
-    Trainer does not call it at all, so it costs nothing.
+    Trainer does not call it at all, so it costs nothing. The Trainer looks once, after
+    ``engine_run_start``: a plugin that needs it only in some runs may register an
+    object implementing it there, with ``engine.pm.register`` (the profiler does, when
+    ``profile.steps`` is set), and unregister it at ``engine_run_end``.
 
     Since 0.1.
     """

@@ -14,6 +14,13 @@ runs from the command's start. A worker started by another tool (torchrun, srun)
 starts its table at its own interpreter's start. The CPU time of a phase is that of
 the process that ran it (for the first phase in a process, everything it used since
 it started): on a machine that other jobs load, it moves far less than the wall time.
+
+The same points label a profiler's trace. While a profiler records (the ``profiler``
+plugin, ``profile.steps=START:END``), :func:`span` is torch.profiler's
+``record_function`` and the training loop's phases (data wait, forward/backward,
+optimizer step, check point, and a carved snapshot) show as named ranges; otherwise
+:func:`span` hands back one shared no-op, and :func:`labelled` the data loader itself,
+so a run that profiles nothing pays a function call per range and nothing more.
 """
 
 from __future__ import annotations
@@ -29,6 +36,15 @@ ENV = "ENGINE_PHASES"
 _marks: list[tuple[str, float, float, int]] = []
 #: Time spent inside a phase on something named (carve): name -> [phase, wall, CPU].
 _carved: dict[str, list] = {}
+
+#: The prefix of the engine's ranges in a trace: "engine: forward/backward".
+RANGE_PREFIX = "engine: "
+_UNLABELLED = contextlib.nullcontext()
+#: torch.profiler.record_function while a profiler records, else None.
+_label = None
+#: True from the start to the end of a run in which a profiler will record: only then
+#: is the data loader's iterator wrapped (:func:`labelled`).
+_armed = False
 
 
 def process_start() -> float:
@@ -62,16 +78,57 @@ def mark(name: str) -> None:
 
 
 @contextlib.contextmanager
-def carve(name: str, within: str):
+def carve(name: str, within: str, label: str | None = None):
     """Time the body as ``name``: a row of its own, taken out of the phase ``within``
-    (the body may run several times: the times add up)."""
+    (the body may run several times: the times add up); a range ``label`` in a
+    profiler's trace while one records."""
     wall, cpu = time.monotonic(), time.process_time()
     try:
-        yield
+        with span(label or name):
+            yield
     finally:
         spent = _carved.setdefault(name, [within, 0.0, 0.0])
         spent[1] += time.monotonic() - wall
         spent[2] += time.process_time() - cpu
+
+
+def span(name: str):
+    """A context manager: the range ``name`` in the trace while a profiler records,
+    else a shared no-op."""
+    return _UNLABELLED if _label is None else _label(RANGE_PREFIX + name)
+
+
+def labelled(iterable, name: str):
+    """``iterable``, each item's fetch a range ``name`` while a profiler records; the
+    iterable itself in a run that no profiler records (:func:`arm`)."""
+    return _labelled(iterable, name) if _armed else iterable
+
+
+def _labelled(iterable, name: str):
+    items = iter(iterable)
+    while True:
+        with span(name):
+            item = next(items, _labelled)  # the generator itself marks the end
+        if item is _labelled:
+            return
+        yield item
+
+
+def arm(on: bool) -> None:
+    """A profiler will record in this run (``on``), from its start to its end (False)."""
+    global _armed
+    _armed = on
+
+
+def label_ranges(on: bool) -> None:
+    """Label the engine's ranges from now on (``on``: a profiler records), or stop."""
+    global _label
+    if on:
+        from torch.profiler import record_function
+
+        _label = record_function
+    else:
+        _label = None
 
 
 def launching() -> None:

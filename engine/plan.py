@@ -41,9 +41,20 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
         "threads_per_process": options.get("threads") or world.cpu_share().count,
         **_loader_plan(cfg, world, parallel_cls),
         "precision": cfg.precision,
+        "precision_note": precision_note(cfg.precision, devices),
         "checkpointer": cfg.checkpointer,
         "out_dir": cfg.out_dir,
     }
+
+
+def precision_note(precision: str, devices: list[str]) -> str | None:
+    """What ``precision`` costs on these devices, when it costs more than it saves: bf16
+    on a CPU without bf16 hardware (engine/cpu_bf16.py)."""
+    if precision != "bf16" or not all(d.startswith("cpu") for d in devices):
+        return None
+    from engine import cpu_bf16
+
+    return cpu_bf16.note_here()
 
 
 def _loader_plan(cfg, world, parallel_cls) -> dict[str, Any]:
@@ -79,7 +90,8 @@ def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True) -> str:
         ("batch", batch),
         ("threads", f"{plan['threads_per_process']} per process"),
         ("num_workers", plan["loader"]),
-        ("precision", plan["precision"]),
+        ("precision", plan["precision"] + (f"; warning: {plan['precision_note']}"
+                                           if plan.get("precision_note") else "")),
         ("checkpointer", plan["checkpointer"]),
         ("output dir", plan["out_dir"]),
     ]

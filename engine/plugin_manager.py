@@ -67,6 +67,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("async", "engine.plugins.async_file"),
     ("dcp", "engine.plugins.dcp"),
     ("ema", "engine.plugins.ema"),
+    ("profiler", "engine.plugins.profiler"),
     ("console", "engine.plugins.console"),
     ("tensorboard", "engine.plugins.tensorboard"),
     ("csv", "engine.plugins.csv_logger"),

@@ -32,6 +32,10 @@
         [engine_log] [engine_epoch_end]; scheduler if per epoch
         early stopping, pre-emption, snapshot if due
 
+The phases of a step (data wait, forward/backward, optimizer step, check point, and a
+snapshot) are ranges in a profiler's trace while one records (engine/phases.py: span);
+otherwise each is a shared no-op.
+
 Nothing inside a step reads a value back from the device (except ``on_nonfinite=skip``,
 which must decide every step): metrics accumulate in device tensors and are read at the
 log interval and at the end of the epoch.
@@ -389,11 +393,7 @@ class Trainer:
         self.engine = engine
         self.cfg = engine.cfg
         hook = engine.pm.hook
-        # A per-step hook with no implementation costs nothing: we never call it.
-        self.step_end_hook = (hook.engine_train_step_end
-                              if hook.engine_train_step_end.get_hookimpls() else None)
-        self.before_step_hook = (hook.engine_before_optimizer_step if
-                                 hook.engine_before_optimizer_step.get_hookimpls() else None)
+        self.bind_step_hooks()
         self.log_hook = hook.engine_log if engine.is_rank0 else None
         self.clip_norm = self.cfg.grad_clip_norm
         self.device = device = engine.device
@@ -419,6 +419,17 @@ class Trainer:
         # The epoch's loss before the snapshot a resume loaded (see load_state_dict).
         self.resumed_epoch_loss = None
 
+    def bind_step_hooks(self) -> None:
+        """A per-step hook with no implementation costs nothing: we never call it.
+        Bound again when training starts, after engine_run_start, where a plugin may
+        register an implementation for this run only (the profiler's, when
+        profile.steps is set)."""
+        hook = self.engine.pm.hook
+        self.step_end_hook = (hook.engine_train_step_end
+                              if hook.engine_train_step_end.get_hookimpls() else None)
+        self.before_step_hook = (hook.engine_before_optimizer_step if
+                                 hook.engine_before_optimizer_step.get_hookimpls() else None)
+
     # ------------------------------------------------------- the progress part
 
     def state_dict(self) -> dict:
@@ -439,6 +450,7 @@ class Trainer:
         """Train the epochs not yet completed; returns how the run ended: "completed"
         (every epoch, or early stopping) or "preempted" (a snapshot was written)."""
         phases.mark("resume, run-start hooks")
+        self.bind_step_hooks()
         if self.engine.state.stopped_early:  # resumed from the end of an early-stopped run
             self.stop_early(again=True)
             return "completed"
@@ -509,7 +521,7 @@ class Trainer:
         steps_at_start = eng.state.step
         data_wait = 0.0
         epoch_start = fetch_start = time.perf_counter()
-        for i, batch in enumerate(eng.train_loader):
+        for i, batch in enumerate(phases.labelled(eng.train_loader, "data wait")):
             data_wait += time.perf_counter() - fetch_start
             batch_index = first_batch + i
             # Micro-steps are grouped by absolute position, so a resumed epoch groups
@@ -519,7 +531,8 @@ class Trainer:
             last_micro = batch_index - group_start == group_size - 1
             if count_units is not None:
                 window.units += count_units(batch)
-            loss = self.run_batch(batch, group_size, last_micro)
+            with phases.span("forward/backward"):
+                loss = self.run_batch(batch, group_size, last_micro)
             window.add_batch(loss)
             eng.state.batch_in_epoch = batch_index + 1
             if last_micro and self.optimizer_step(loss, window):
@@ -580,13 +593,14 @@ class Trainer:
         if self.nonfinite.skip:
             window.settle(taken)
         if taken:
-            if self.clip_norm is not None or self.before_step_hook is not None:
-                self.before_optimizer_step(state.step + 1)
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
+            with phases.span("optimizer step"):
+                if self.clip_norm is not None or self.before_step_hook is not None:
+                    self.before_optimizer_step(state.step + 1)
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if eng.scheduler is not None and self.cfg.scheduler_interval == "step":
             eng.scheduler.step()
@@ -594,8 +608,10 @@ class Trainer:
         window.steps += 1
         if self.step_end_hook is not None:
             self.step_end_hook(engine=eng, step=state.step, loss=loss)
-        if state.step % self.cfg.log_every == 0 and self.check_point(window):
-            return True
+        if state.step % self.cfg.log_every == 0:
+            with phases.span("check point"):
+                if self.check_point(window):
+                    return True
         if self.snapshots.due_at_step(state.step):
             self.save_snapshot()
         return False

@@ -72,6 +72,20 @@ def run_cli_here(*args: str, env=None, check: bool = False) -> subprocess.Comple
     return proc
 
 
+def killed_then_resumed(*args: str, tmp_path, step: int,
+                        rank: int = 1) -> subprocess.CompletedProcess:
+    """``engine-run ARGS -p tests.fault_plugin`` with rank ``rank`` SIGKILLed right after
+    optimizer step ``step``, then the same command again, which resumes; returns the
+    resumed run (checked)."""
+    fault = engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP=str(step),
+                       ENGINE_FAULT_RANK=str(rank),
+                       ENGINE_FAULT_ONCE=str(tmp_path / "fault-done"))
+    args = (*args, "-p", "tests.fault_plugin")
+    killed = run_cli(*args, env=fault)
+    assert killed.returncode != 0, f"the fault was not injected\n{killed.stderr}"
+    return run_cli(*args, env=fault, check=True)
+
+
 @pytest.fixture
 def cifar_recipe() -> str:
     return str(REPO / "recipes" / "cifar_ddp.py")

@@ -160,7 +160,20 @@ def _torch_section() -> int:
             print(f"  GPU {i}: {props.name}, {props.total_memory / 2**30:.0f} GiB")
     else:
         print("  GPUs: none (processes compute on the CPU with gloo)")
+    _cpu_line(torch)
     return count
+
+
+def _cpu_line(torch) -> None:
+    """The CPU's vector capability, and what precision=bf16 costs on it."""
+    from engine import cpu_bf16
+
+    bf16 = {True: "yes", False: "no", None: "unknown"}[cpu_bf16.has_bf16(cpu_bf16.cpu_flags())]
+    print(f"  CPU: {torch.backends.cpu.get_cpu_capability()} (torch's kernels), bf16 "
+          f"hardware: {bf16}")
+    note = cpu_bf16.note_here()
+    if note:
+        print(f"  {NOTE:<7} {note}")
 
 
 def _check_master(world, line, launcher) -> None:

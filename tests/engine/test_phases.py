@@ -105,3 +105,37 @@ def test_a_run_without_v_prints_no_phases(cifar_recipe, tmp_path):
     proc = run_cli(cifar_recipe, *QUICK, f"out_dir={tmp_path / 'run'}", "--nproc", "1",
                    check=True)
     assert "phases" not in proc.stdout and "command:" not in proc.stdout
+
+
+def test_while_no_profiler_records_the_ranges_are_one_shared_no_op_and_the_loader_itself():
+    loader = [1, 2, 3]
+    assert phases.span("forward/backward") is phases.span("check point")
+    assert phases.labelled(loader, "data wait") is loader  # nothing added per batch
+
+
+def test_while_a_profiler_records_the_ranges_and_each_fetch_are_named_in_its_trace(
+        monkeypatch):
+    from torch.profiler import profile
+
+    monkeypatch.setattr(phases, "_label", None)
+    monkeypatch.setattr(phases, "_armed", False)
+    monkeypatch.setattr(phases, "_carved", {})
+    phases.arm(True)
+    batches = phases.labelled([10, 20], "data wait")
+    with profile() as prof:
+        phases.label_ranges(True)
+        fetched = list(batches)
+        with phases.span("optimizer step"):
+            pass
+        with phases.carve("snapshots", within="training", label="snapshot"):
+            pass
+        phases.label_ranges(False)
+        with phases.span("not recorded"):
+            pass
+    phases.arm(False)
+    assert fetched == [10, 20]
+    calls = {event.key: event.count for event in prof.key_averages()
+             if event.key.startswith(phases.RANGE_PREFIX)}
+    # Two batches and the fetch that found the end.
+    assert calls == {"engine: data wait": 3, "engine: optimizer step": 1,
+                     "engine: snapshot": 1}

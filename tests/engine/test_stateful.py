@@ -144,12 +144,8 @@ def test_a_recipe_part_and_the_ema_resume_bit_identically_after_a_kill_mid_epoch
     run_cli(PARTS_RECIPE, *RUN, f"out_dir={reference}", "--nproc", "2", check=True)
 
     out = tmp_path / "resumed"
-    fault = conftest.engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP=str(KILL_STEP),
-                       ENGINE_FAULT_RANK="1", ENGINE_FAULT_ONCE=str(tmp_path / "fault-done"))
-    args = (PARTS_RECIPE, *RUN, f"out_dir={out}", "--nproc", "2", "-p", "tests.fault_plugin")
-    killed = run_cli(*args, env=fault)
-    assert killed.returncode != 0, f"the fault was not injected\n{killed.stderr}"
-    resumed = run_cli(*args, env=fault, check=True)
+    resumed = conftest.killed_then_resumed(PARTS_RECIPE, *RUN, f"out_dir={out}", "--nproc",
+                                           "2", tmp_path=tmp_path, step=KILL_STEP)
     assert "epoch 1, step 10, batch 2 of the epoch" in resumed.stdout, resumed.stdout
 
     assert read_summary(out)["weights_sha256"] == read_summary(reference)["weights_sha256"]
