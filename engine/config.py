@@ -333,6 +333,11 @@ def check(cfg: TrainConfig) -> None:
     if stopping.min_delta < 0:
         raise ConfigError(f"config key 'early_stopping.min_delta': {stopping.min_delta!r} "
                           "must be >= 0")
+    for key, metric in (("early_stopping.metric", stopping.metric),
+                        ("checkpoint.best_metric", checkpoint.best_metric)):
+        if metric == "train/loss":  # the name's meaning until runs logged train/epoch_loss
+            raise ConfigError(f"config key {key!r}: 'train/loss' is the mean of one log "
+                              "window, not of an epoch; use train/epoch_loss")
     _check_out_dir(str(cfg.out_dir))
     from engine.run_dir import placeholders
 

@@ -86,10 +86,9 @@ class Engine(WorkerContext):
     def _after_preemption(self) -> None:
         from engine import preemption
 
-        s = self.state
         signal_name = self.preemption.signal_name if self.preemption else None
         message = (f"pre-empted{f' by {signal_name}' if signal_name else ''}: snapshot "
-                   f"written at epoch {s.epoch}, step {s.step}")
+                   f"written at {self.state.position()}")
         if self.is_rank0:
             if self.cfg.requeue:
                 # The scheduler's plugin answers (slurm: scontrol requeue).

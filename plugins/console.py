@@ -1,6 +1,7 @@
 """Logger ``console``: a tqdm progress bar and one line per epoch, on rank 0 only.
 
-The bar shows step, loss, images/s and the share of time spent waiting for data; it
+The bar shows step, loss (``train/loss``: the mean of the last log window), images/s and
+the share of time spent waiting for data; it
 refreshes at the log interval, so it never forces a host-device synchronisation per
 step. On a terminal it redraws in place; in a log file (SLURM output) only the epoch
 lines appear. An epoch whose training waited for data more than :data:`DATA_BOUND` of
@@ -63,7 +64,7 @@ class ConsoleLogger:
 
     @engine.hookimpl
     def engine_log(self, engine, metrics, step):
-        if self.bar is None or "train/images_per_sec" not in metrics or "val/loss" in metrics:
+        if self.bar is None or "train/loss" not in metrics:  # not a check point's
             return
         self.bar.update(step - self.last_step)
         self.last_step = step
@@ -87,7 +88,7 @@ class ConsoleLogger:
         parts = [f"epoch {epoch + 1}/{engine.cfg.epochs}"]
         # The validation metrics are the recipe's (its eval_step's; by default val/loss
         # and, for class-index targets, val/accuracy), in the order it returns them.
-        shown = [("train/loss", "train loss", ".4f")]
+        shown = [("train/epoch_loss", "train loss (epoch mean)", ".4f")]
         shown += [(key, "val acc", ".2%") if key == "val/accuracy" else
                   (key, key.replace("/", " "), ".4f")
                   for key in metrics if key.startswith("val/")]

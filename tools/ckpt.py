@@ -201,10 +201,11 @@ def print_text(info: dict) -> None:
         rows.append(("file", f"{name}  {f['size']} bytes  sha256 {f['sha256']}"))
     rows.append(("manifest", info["manifest"]))
     if "epoch" in info:
-        where = f"epoch {info['epoch']}, step {info.get('step')}"
-        if info.get("batch_in_epoch"):
-            where += f", batch {info['batch_in_epoch']} of the epoch"
-        rows.append(("position", where))
+        from engine.stateful import TrainState
+
+        rows.append(("position", TrainState(  # epochs counted from 1, as the console
+            epoch=info["epoch"], step=info.get("step"),
+            batch_in_epoch=info.get("batch_in_epoch") or 0).position()))
     if "world_size" in info:
         rows.append(("saved by", f"{info['world_size']} process(es), engine "
                                  f"{info.get('engine_version', '?')}"))

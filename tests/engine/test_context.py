@@ -82,7 +82,8 @@ def test_engine_run_and_a_custom_loop_write_the_same_summary_keys(tmp_path, prob
     assert sorted(cli) == sorted(lib)
     # Every key either path wrote before they shared one builder is still there.
     assert {"status", "recipe", "world_size", "launcher", "parallel", "epochs_completed",
-            "global_step", "wall_time_s", "train_loss", "val_loss", "val_accuracy",
+            "global_step", "wall_time_s", "train_loss", "train_epoch_loss", "val_loss",
+            "val_accuracy",
             "images_per_sec", "data_wait_fraction", "weights_sha256",
             "weights_sha256_per_rank", "metrics"} <= set(cli)
 

@@ -150,7 +150,7 @@ def test_a_recipe_part_and_the_ema_resume_bit_identically_after_a_kill_mid_epoch
     killed = run_cli(*args, env=fault)
     assert killed.returncode != 0, f"the fault was not injected\n{killed.stderr}"
     resumed = run_cli(*args, env=fault, check=True)
-    assert "epoch 1, step 10, batch 2 of the epoch" in resumed.stdout, resumed.stdout
+    assert "epoch 2, step 10, batch 2 of the epoch" in resumed.stdout, resumed.stdout
 
     assert read_summary(out)["weights_sha256"] == read_summary(reference)["weights_sha256"]
     expected, got = final_parts(reference), final_parts(out)

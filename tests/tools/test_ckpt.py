@@ -120,7 +120,7 @@ def test_inspect_text_and_a_checkpoints_folder_stands_for_its_latest(snapshot):
     lines = proc.stdout.splitlines()
     assert lines[0] == f"path      {snapshot}"
     assert "manifest  ok" in lines
-    assert "position  epoch 3, step 42, batch 5 of the epoch" in lines
+    assert "position  epoch 4, step 42, batch 5 of the epoch" in lines
     assert "model     9 tensors, 55 values, module. prefix: none" in lines
     assert "  0.weight               float32   4x6" in lines
     assert "  1.num_batches_tracked  int64     scalar" in lines
