@@ -387,6 +387,12 @@ def check(cfg: TrainConfig) -> None:
         if metric == "train/loss":  # the name's meaning until runs logged train/epoch_loss
             raise ConfigError(f"config key {key!r}: 'train/loss' is the mean of one log "
                               "window, not of an epoch; use train/epoch_loss")
+    for field in attrs.fields(type(cfg)):
+        group = getattr(cfg, field.name)
+        if attrs.has(type(group)) and callable(getattr(group, "check", None)):
+            # A plugin's group checks its settings here, before any worker starts: in the
+            # launching process, --dry-run and engine.launch (the trackers' stores).
+            group.check()
     _check_out_dir(str(cfg.out_dir))
     from engine.run_dir import placeholders
 
