@@ -126,6 +126,17 @@ def test_inspect_text_and_a_checkpoints_folder_stands_for_its_latest(snapshot):
     assert "  1.num_batches_tracked  int64     scalar" in lines
 
 
+def test_inspect_takes_the_pointer_files_as_resume_does(snapshot):
+    """`inspect runs/x/checkpoints/latest` once called the pointer file corrupt."""
+    best = snapshot.parent / "best"
+    if not best.exists():
+        best.write_text(snapshot.name + "\n")
+    for given in (snapshot.parent / "latest", best):
+        proc = ckpt("inspect", given)
+        assert proc.returncode == 0, (given, proc.stderr)
+        assert proc.stdout.splitlines()[0] == f"path      {snapshot}", given
+
+
 def test_inspect_finds_a_snapshot_that_no_longer_matches_its_manifest(snapshot, tmp_path):
     copy = tmp_path / snapshot.name
     raw = bytearray(snapshot.read_bytes())
