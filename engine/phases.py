@@ -23,6 +23,9 @@ import os
 import time
 
 ENV = "ENGINE_PHASES"
+#: The phase that ends as the training loop starts (the Trainer's first mark): what
+#: comes before is start-up.
+TRAINING_STARTS = "resume, run-start hooks"
 
 #: (the phase that ended, time.monotonic(), time.process_time(), pid) at its end; the
 #: first entry is the start.
@@ -72,6 +75,17 @@ def carve(name: str, within: str):
         spent = _carved.setdefault(name, [within, 0.0, 0.0])
         spent[1] += time.monotonic() - wall
         spent[2] += time.process_time() - cpu
+
+
+def elapsed(until: str | None = None) -> float | None:
+    """Seconds from the start (the command's, when the launching process handed its
+    points down; else this process's) to now, or to the end of the phase ``until``
+    (None when it has not ended)."""
+    if not _marks:
+        return None
+    ends = [wall for name, wall, _, _ in _marks if name == until] if until else [
+        time.monotonic()]
+    return ends[0] - _marks[0][1] if ends else None
 
 
 def launching() -> None:

@@ -363,7 +363,7 @@ class Trainer:
     def fit(self) -> str:
         """Train the epochs not yet completed; returns how the run ended: "completed"
         (every epoch, or early stopping) or "preempted" (a snapshot was written)."""
-        phases.mark("resume, run-start hooks")
+        phases.mark(phases.TRAINING_STARTS)
         eng = self.engine
         if self.log_hook is not None:  # how many processes train from this step on:
             # engine-run report marks where a resumed run took over, and with how many

@@ -33,6 +33,17 @@ def data_bound_hint(engine) -> str:
             "(SLURM: --cpus-per-task)")
 
 
+def done_time() -> str:
+    """The whole time, from the command's start (engine/phases.py), and how much of it
+    passed before training began: ``24.7s (start-up 12.0s)``."""
+    from engine import phases
+
+    total, start_up = phases.elapsed(), phases.elapsed(until=phases.TRAINING_STARTS)
+    if total is None:
+        return "?"
+    return f"{total:.1f}s" + (f" (start-up {start_up:.1f}s)" if start_up is not None else "")
+
+
 class ConsoleLogger:
     def __init__(self):
         self.bar = None
@@ -111,8 +122,8 @@ class ConsoleLogger:
             self.bar.close()
             self.bar = None
         if summary["status"] == "completed":
-            self._write(f"done: {summary['epochs_completed']} epochs in "
-                        f"{summary['wall_time_s']:.1f}s, results in {engine.out_dir}")
+            self._write(f"done: {summary['epochs_completed']} epochs in {done_time()}, "
+                        f"results in {engine.out_dir}")
 
     def _write(self, message: str) -> None:
         if self.bar is not None:
