@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from engine.plugin_manager import DISABLE_AUTOLOAD_ENV
-from engine.testing import TINY_RECIPE, install_plugin  # noqa: F401 (a fixture)
+from engine.testing import (TINY_RECIPE, install_plugin, run_recipe,  # noqa: F401 (fixtures)
+                            tiny_recipe)
 from tests.conftest import QUICK, REPO, engine_env, read_summary, run_cli
 
 SAMPLE = REPO / "tests" / "sample_plugin"
@@ -99,3 +100,18 @@ def test_the_plugin_authors_own_tests_pass_with_engine_testing(sample, tmp_path)
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 passed" in proc.stdout
+
+
+def test_the_docs_install_plugin_example_runs(install_plugin, run_recipe):  # noqa: F811
+    """docs/plugins.md said install_plugin returns a PYTHONPATH string; it returns an
+    environment dict, and following the doc ended in a TypeError. Its example, run as
+    written from the sample package's tests folder."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "plugins.md").read_text(),
+                        re.S)
+    (example,) = [b for b in blocks if "def test_installed_it_is_found_by_its_entry_points"
+                  in b]
+    namespace = {"__file__": str(SAMPLE / "tests" / "test_example.py")}
+    exec(compile(example, "docs/plugins.md (install_plugin example)", "exec"), namespace)
+    namespace["test_installed_it_is_found_by_its_entry_points"](install_plugin, run_recipe)
