@@ -18,7 +18,7 @@ from typing import Any
 
 from engine import phases
 from engine.context import WorkerContext, start_worker
-from engine.errors import ConfigError, EngineError, RunError, first_line
+from engine.errors import ConfigError, EngineError, PeerFailed, RunError, first_line
 from engine.stateful import TrainState
 
 
@@ -78,7 +78,7 @@ class Engine(WorkerContext):
             missing = health.missing_ranks()
             who = (f"rank(s) {', '.join(map(str, missing))} stopped answering" if missing
                    else "another rank failed or stopped answering")
-            return RunError(
+            return (RunError if missing else PeerFailed)(
                 f"rank {self.world.rank}: a collective operation failed at step "
                 f"{self.state.step}: {who} (timeout {self.cfg.timeout_s:g}s): {line}")
         return exc
