@@ -187,6 +187,24 @@ class Checkpointer:
 #     best                               the best by cfg.checkpoint.best_metric, if set
 
 PREFIX = "snapshot-"
+
+
+def follow_pointer(given) -> pathlib.Path:
+    """What ``--resume`` (and tools/ckpt.py) names: a snapshot; or a pointer file
+    (``checkpoints/latest``, ``checkpoints/best``), or a checkpoint folder or a run folder
+    holding ``latest``, taken as the snapshot the pointer names (a user copies the path
+    they see)."""
+    path = pathlib.Path(given)
+    for pointer in (path, path / "latest", path / "checkpoints" / "latest"):
+        if pointer.name in POINTERS and pointer.is_file():
+            try:
+                name = pointer.read_text().strip()
+            except (OSError, UnicodeDecodeError):
+                return path  # not a pointer after all: checked as a snapshot
+            if name and "/" not in name:
+                return pointer.parent / name
+    return path
+
 #: The pointer files of a checkpoint folder: each holds the name of a snapshot beside it.
 POINTERS = ("latest", "best")
 
@@ -506,19 +524,8 @@ class SnapshotStore(Checkpointer):
         return pointed if pointed is not None and pointed.exists() else None
 
     def resolve(self, given: str) -> pathlib.Path:
-        """What ``--resume`` names: a snapshot; or a pointer file (``checkpoints/latest``,
-        ``checkpoints/best``), or a checkpoint folder or a run folder holding ``latest``,
-        taken as the snapshot the pointer names (a user copies the path they see)."""
-        path = pathlib.Path(given)
-        for pointer in (path, path / "latest", path / "checkpoints" / "latest"):
-            if pointer.name in POINTERS and pointer.is_file():
-                try:
-                    name = pointer.read_text().strip()
-                except (OSError, UnicodeDecodeError):
-                    return path  # not a pointer after all: checked as a snapshot
-                if name and "/" not in name:
-                    return pointer.parent / name
-        return path
+        """What ``--resume`` names (:func:`follow_pointer`)."""
+        return follow_pointer(given)
 
     # -------------------------------------------------------------- loading
 

@@ -154,7 +154,8 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, help="torch threads per process (default: "
                    "the process's share of the CPUs)")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the resolved config and the plan, then exit")
+                   help="print the resolved config and the plan, then exit (with -v: "
+                        "each key's allowed values and what it is)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="print the world table, and at the end how long each phase took")
     p.add_argument("--traceback", action="store_true",
@@ -196,7 +197,7 @@ def train(pm, argv: Sequence[str]) -> int:
     show = worlds[0].is_rank0 or launch.launcher.spawns
     if args.dry_run:
         if show:
-            print(plan.format_plan(launch.cfg, the_plan, worlds))
+            print(plan.format_plan(launch.cfg, the_plan, worlds, describe=args.verbose))
         return EXIT_COMPLETED
     if args.verbose and show:
         print(plan.format_plan(launch.cfg, the_plan, worlds, config=False))

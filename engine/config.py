@@ -15,6 +15,7 @@ import difflib
 import enum
 import functools
 import pathlib
+import re
 import types
 import typing
 from typing import Any, Literal, Mapping
@@ -41,9 +42,9 @@ class CheckpointConfig:
     every_epochs: int = 1  # 0: only at the end
     every_steps: int = 0  # 0: never by step count
     every_minutes: float = 0.0  # 0: never by wall time
-    keep_last: int = 3
+    keep_last: int = 3  # the newest snapshots kept (0: every one)
     best_metric: str = ""  # e.g. "val/loss": also keep the best snapshot by it
-    best_mode: Literal["max", "min"] = "max"
+    best_mode: Literal["max", "min"] = "max"  # whether the best is the highest or lowest
 
 
 @attrs.define
@@ -53,7 +54,7 @@ class EarlyStoppingConfig:
     RESUME_SAFE = True  # when to stop is not what a step computes
 
     metric: str = ""  # e.g. "val/loss": a metric of the epoch (see the console line)
-    mode: Literal["min", "max"] = "min"
+    mode: Literal["min", "max"] = "min"  # min: lower is better
     patience: int = 3  # epochs without improvement before stopping
     min_delta: float = 0.0  # an improvement must beat the best by more than this
 
@@ -63,18 +64,18 @@ class TrainConfig:
     """Fields every recipe has. ``batch_size`` is the *global* batch per optimizer step;
     the engine splits it across processes (and accumulation steps)."""
 
-    epochs: int = 2
-    batch_size: int = 64
-    lr: float = 0.001
-    seed: int = 0
+    epochs: int = 2  # epochs to train
+    batch_size: int = 64  # the global batch per optimizer step, over every process
+    lr: float = 0.001  # the learning rate
+    seed: int = 0  # seeds every RNG, the data order too
     # GPUs: bit-identical runs and exact resume need deterministic kernels (cuDNN and
     # cuBLAS otherwise pick algorithms whose float sums vary run to run). Slower; an
     # op without a deterministic kernel then stops the run naming the op.
     deterministic: bool = False
-    out_dir: str = "runs/default"
-    grad_accum_steps: int = 1
-    precision: Literal["32", "bf16", "fp16"] = "32"
-    scheduler_interval: Literal["epoch", "step"] = "epoch"
+    out_dir: str = "runs/default"  # the run's folder ({name} placeholders: README)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    precision: Literal["32", "bf16", "fp16"] = "32"  # autocast dtype (fp16: a grad scaler)
+    scheduler_interval: Literal["epoch", "step"] = "epoch"  # when the scheduler steps
     num_workers: int | Literal["auto"] = 0  # DataLoader workers per process
     drop_last: bool = False  # drop the last incomplete training batch
     # Seed the RNGs from (seed, epoch, sample index) before loading each training sample,
@@ -82,15 +83,15 @@ class TrainConfig:
     # sample (docs/checkpoints.md); recipes with random transforms turn it on.
     per_sample_seed: bool = False
     log_every: int = 20  # optimizer steps between progress/log refreshes
-    launcher: str = "auto"
-    parallel: str = "auto"
-    checkpointer: str = "torch-file"
+    launcher: str = "auto"  # how the processes start (engine-run plugins lists them)
+    parallel: str = "auto"  # the parallel mode (engine-run plugins lists them)
+    checkpointer: str = "torch-file"  # how snapshots are written (engine-run plugins)
     init_method: str = "env://"  # env://, tcp://HOST:PORT or file:///shared/path
     timeout_s: float = 300.0  # process-group init and collective timeout
     # SIGUSR1/SIGTERM: snapshot within two check points and stop; rank 0 then asks the
     # job's scheduler to requeue it (engine/preemption.py; SLURM: the slurm plugin).
-    preemption: bool = True
-    requeue: bool = True
+    preemption: bool = True  # SIGUSR1/SIGTERM: snapshot and stop
+    requeue: bool = True  # after a pre-emption, ask the scheduler to requeue the job
     on_nonfinite: Literal["stop", "skip"] = "stop"  # skip: one host sync per step
     # Clip the gradients' total norm to this before each optimizer step (after the last
     # micro-batch; unscaled first under fp16). none: no clipping.
@@ -163,6 +164,48 @@ def field_types(cls: type) -> dict[str, Any]:
         return typing.get_type_hints(cls)
     except Exception as exc:
         raise ConfigError(f"cannot resolve the field types of {cls.__qualname__}: {exc}") from exc
+
+
+def declared_first(cls: type, name: str) -> tuple[type, Any]:
+    """The class that first declared field ``name`` among ``cls``'s bases, and its type
+    there. A recipe's Config that re-declares an inherited field to change its default
+    (``precision: str = "bf16"``) must not lose the base's choices: every value is
+    checked against this type too."""
+    for klass in reversed(cls.__mro__):
+        if attrs.has(klass) and name in klass.__dict__.get("__annotations__", {}):
+            return klass, field_types(klass)[name]
+    return cls, field_types(cls)[name]
+
+
+def check_redeclared(cls: type) -> None:
+    """A config class's re-declared fields: their defaults must be values the first
+    declaration allows. One line naming the field and how to change a default."""
+    for field in attrs.fields(cls):
+        base, base_tp = declared_first(cls, field.name)
+        if base is cls or isinstance(field.default, attrs.Factory) or attrs.has(base_tp):
+            continue
+        default = field.default
+        if fits(default, base_tp):
+            continue
+        raise ConfigError(
+            f"{cls.__name__}.{field.name}: the default {default!r} is not "
+            f"{_describe(base_tp)} ({base.__qualname__}.{field.name}); to change a default, "
+            f"give a value that is (e.g. {field.name}: {_annotation(base_tp)} = ...)")
+
+
+def fits(value: Any, tp: Any) -> bool:
+    """Whether ``value`` is one that an override of type ``tp`` could produce."""
+    if value is None:
+        return tp is type(None) or type(None) in typing.get_args(tp) or tp is Any
+    try:
+        return convert(str(value).lower() if isinstance(value, bool) else str(value),
+                       tp) == value
+    except (ValueError, TypeError):
+        return False
+
+
+def _annotation(tp: Any) -> str:
+    return repr(tp).replace("typing.", "")
 
 
 def _describe(tp: Any) -> str:
@@ -273,12 +316,18 @@ def apply_override(cfg: Any, key: str, text: str) -> None:
             f"{all_keys(current, key + '.')[0]}=..."
         )
     tp = field_types(type(target))[name]
+    base, base_tp = declared_first(type(target), name)
     try:
         value = convert(text, tp)
     except (ValueError, TypeError):
         raise ConfigError(
             f"config key {key!r}: {text!r} is not {_describe(tp)}"
         ) from None
+    if base_tp != tp and not fits(value, base_tp):
+        # A recipe re-declared the field (to change its default): the engine still
+        # reads it as the base declared it.
+        raise ConfigError(f"config key {key!r}: {text!r} is not {_describe(base_tp)} "
+                          f"({base.__qualname__}.{name})")
     field = attrs.fields_dict(type(target))[name]
     try:
         # attrs classes run a field's validator on setattr too (attrs.define's default).
@@ -336,6 +385,17 @@ def check(cfg: TrainConfig) -> None:
     if stopping.min_delta < 0:
         raise ConfigError(f"config key 'early_stopping.min_delta': {stopping.min_delta!r} "
                           "must be >= 0")
+    for key, metric in (("early_stopping.metric", stopping.metric),
+                        ("checkpoint.best_metric", checkpoint.best_metric)):
+        if metric == "train/loss":  # the name's meaning until runs logged train/epoch_loss
+            raise ConfigError(f"config key {key!r}: 'train/loss' is the mean of one log "
+                              "window, not of an epoch; use train/epoch_loss")
+    for field in attrs.fields(type(cfg)):
+        group = getattr(cfg, field.name)
+        if attrs.has(type(group)) and callable(getattr(group, "check", None)):
+            # A plugin's group checks its settings here, before any worker starts: in the
+            # launching process, --dry-run and engine.launch (the trackers' stores).
+            group.check()
     _check_out_dir(str(cfg.out_dir))
     from engine.run_dir import placeholders
 
@@ -466,12 +526,68 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return plain(attrs.asdict(cfg, recurse=True))
 
 
-def format_config(cfg: Any, prefix: str = "") -> list[str]:
+def format_config(cfg: Any, prefix: str = "", describe: bool = False) -> list[str]:
+    """``key = value`` per key; ``describe`` (``--dry-run -v``): then the values it allows
+    and the one-line description its declaration's comment gives."""
     lines = []
     for f in attrs.fields(type(cfg)):
         value = getattr(cfg, f.name)
         if attrs.has(type(value)):
-            lines.extend(format_config(value, f"{prefix}{f.name}."))
+            lines.extend(format_config(value, f"{prefix}{f.name}.", describe))
+        elif describe:
+            about = field_descriptions(type(cfg)).get(f.name, "")
+            lines.append(f"{f'{prefix}{f.name} = {value!r}':<36} [{allowed(type(cfg), f.name)}]"
+                         + (f"  {about}" if about else ""))
         else:
             lines.append(f"{prefix}{f.name} = {value!r}")
     return lines
+
+
+def allowed(cls: type, name: str) -> str:
+    """What an override of ``name`` may be (a re-declared field: both declarations)."""
+    tp = field_types(cls)[name]
+    _, base_tp = declared_first(cls, name)
+    both = [tp] if base_tp == tp else [tp, base_tp]
+    return " and ".join(_describe(t) for t in both)
+
+
+@functools.lru_cache(maxsize=None)
+def field_descriptions(cls: type) -> dict[str, str]:
+    """One line per field, from the comments of the classes' source: the comment at the
+    end of the field's line, else the comment lines right above it (first sentence).
+    Bases first: a re-declaration with a comment of its own replaces the base's."""
+    found: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if attrs.has(klass):
+            found.update(_field_comments(klass))
+    return found
+
+
+def _field_comments(klass: type) -> dict[str, str]:
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    try:
+        source = textwrap.dedent(inspect.getsource(klass))
+    except (OSError, TypeError):  # made at run time (a plugin group added to it)
+        return {}
+    comments = {tok.start[0]: (tok.string.lstrip("#").strip(), tok.line[:tok.start[1]].strip())
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT}
+    described = {}
+    for node in ast.parse(source).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        text, code_before = comments.get(node.end_lineno, ("", ""))
+        if not code_before:  # no comment at the end of the line: the lines above
+            above, line = [], node.lineno - 1
+            while line in comments and not comments[line][1]:
+                above.insert(0, comments[line][0])
+                line -= 1
+            text = " ".join(above)
+        if text:  # the first sentence ("e.g. x" is none's end)
+            described[node.target.id] = re.split(r"(?<!e\.g)(?<!i\.e)\. ", text)[0]
+    return described

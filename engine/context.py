@@ -36,7 +36,10 @@ from engine.errors import RunError, one_line
 from engine.stateful import SnapshotParts
 
 #: Summary keys taken from the latest metrics (and every ``val/NAME`` as ``val_NAME``).
-SUMMARY_METRICS = {"train/loss": "train_loss", "val/loss": "val_loss",
+#: ``train_loss`` is the last log window's mean loss, ``train_epoch_loss`` the last epoch's
+#: (README: metric names).
+SUMMARY_METRICS = {"train/loss": "train_loss", "train/epoch_loss": "train_epoch_loss",
+                   "val/loss": "val_loss",
                    "train/data_wait_fraction": "data_wait_fraction"}
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from engine import phases
 from engine.context import WorkerContext, start_worker
-from engine.errors import ConfigError, EngineError, RunError, first_line
+from engine.errors import ConfigError, EngineError, PeerFailed, RunError, first_line
 from engine.stateful import TrainState
 
 
@@ -79,7 +79,7 @@ class Engine(WorkerContext):
             missing = health.missing_ranks()
             who = (f"rank(s) {', '.join(map(str, missing))} stopped answering" if missing
                    else "another rank failed or stopped answering")
-            return RunError(
+            return (RunError if missing else PeerFailed)(
                 f"rank {self.world.rank}: a collective operation failed at step "
                 f"{self.state.step}: {who} (timeout {self.cfg.timeout_s:g}s): {line}")
         return exc
@@ -94,10 +94,9 @@ class Engine(WorkerContext):
     def _after_preemption(self) -> None:
         from engine import preemption
 
-        s = self.state
         signal_name = self.preemption.signal_name if self.preemption else None
         message = (f"pre-empted{f' by {signal_name}' if signal_name else ''}: snapshot "
-                   f"written at epoch {s.epoch}, step {s.step}")
+                   f"written at {self.state.position()}")
         if self.is_rank0:
             if self.cfg.requeue:
                 # The scheduler's plugin answers (slurm: scontrol requeue).

@@ -67,6 +67,12 @@ class RunError(EngineError):
     exit_code = EXIT_FAILED
 
 
+class PeerFailed(RunError):
+    """A collective failed because another rank failed first (the roll call named no
+    rank that stopped answering): that rank's error is the one to read. A worker the
+    engine spawned leaves it unprinted; the launcher's last line names the first one."""
+
+
 class WorkerFailed(RunError, LaunchError):
     """A worker process exited with an error (it printed its own message) or was
     killed. ``exit_code`` is the worker's own when it said why (1 or 2), else 1."""

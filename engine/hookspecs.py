@@ -26,6 +26,7 @@ may use on either; anything else (``recipe``, ``train_loader``...) is ``Engine``
     engine_addoption                                            (CLI start-up, historic)
     engine_register_state                                       (each worker, set-up)
     engine_run_start                                            (each worker)
+    engine_log                             (rank 0, world_size at the step training starts from)
       for each epoch:
         engine_epoch_start
           for each optimizer step:
@@ -247,7 +248,8 @@ def engine_run_start(engine):
 
 @hookspec
 def engine_epoch_start(engine, epoch):
-    """An epoch begins (after ``sampler.set_epoch``); ``epoch`` counts from 0.
+    """An epoch begins (after ``sampler.set_epoch``); ``epoch`` is its index, from 0 as
+    ``sampler.set_epoch`` counts: the console's ``epoch epoch+1/N``.
 
     Kind: notification. Fires on every rank, under ``engine-run`` only.
 
@@ -297,12 +299,17 @@ def engine_log(engine, metrics, step):
     ``train/samples_per_sec`` (``train/<unit>_per_sec`` in a recipe's own unit) or ``lr``
     to Python floats, at global optimizer step ``step``. Logger plugins (console,
     TensorBoard, CSV, W&B...) implement this.
+    ``train/loss`` is always the mean of one log window, ``train/epoch_loss`` the epoch's
+    mean (README: metric names). ``engine.state.epoch`` is the index of the epoch the
+    metrics belong to (the epoch's own metrics included): epoch ``state.epoch + 1`` as
+    the console counts.
 
     Kind: notification. Fires on rank 0 only: every ``log_every`` steps during training
     (the window before: the mean over all ranks arrives one window after its check
     point, so the window ending at step 20 is logged at step 40 or at the epoch's end,
-    with ``step=20``) and once per epoch with the epoch's metrics after validation; in a
-    custom loop, whenever it calls ``ctx.log``.
+    with ``step=20``), once per epoch with the epoch's metrics after validation, and once
+    as training starts or resumes with ``world_size`` (how many processes train from
+    that step); in a custom loop, whenever it calls ``ctx.log``.
 
     Since 0.1.
     """
@@ -336,7 +343,9 @@ def engine_validation_end(engine, epoch, metrics):
 @hookspec
 def engine_epoch_end(engine, epoch, metrics):
     """An epoch finished; ``metrics`` holds the epoch's reduced metrics (Python floats,
-    identical on every rank).
+    identical on every rank). ``epoch`` is its index (from 0); ``engine.state.epoch`` and
+    ``engine.state.epochs_completed`` are already ``epoch + 1``, the number the console,
+    metrics.csv and summary.json give this epoch.
 
     Kind: notification. Fires on every rank, after that epoch's ``engine_log``, under
     ``engine-run`` only.

@@ -45,8 +45,8 @@ from typing import Any, Sequence
 
 import attrs
 
-from engine.errors import (ConfigError, EngineError, PluginCodeError, error_line, exit_code,
-                           traceback_wanted)
+from engine.errors import (ConfigError, EngineError, PeerFailed, PluginCodeError, error_line,
+                           exit_code, traceback_wanted)
 
 #: What rank 0's value is called in the exchange folder of a library door.
 RESULT_FILE = "result.pickle"
@@ -309,7 +309,7 @@ class Worker:
     def __call__(self, world) -> str:
         """Returns the run's status, which the launcher passes back."""
         from engine.plugin_manager import attribute, build_plugin_manager
-        from engine.processes import exit_failed_worker
+        from engine.processes import exit_failed_worker, reports_to_launcher
 
         here = os.getpid() == self.launching_pid
         pm = None
@@ -325,7 +325,10 @@ class Worker:
                 if shown is exc:
                     raise  # the caller gets the exception itself
                 raise shown from exc
-            report_worker_error(world.rank, shown)
+            if not (isinstance(shown, PeerFailed) and reports_to_launcher()):
+                # Not an echo of another rank's failure, which that rank printed and
+                # the launcher's last line names: one error, not one per rank.
+                report_worker_error(world.rank, shown)
             exit_failed_worker(exit_code(shown), error_line(shown))
         if here:
             self.result.append(value)

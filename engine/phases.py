@@ -30,6 +30,9 @@ import os
 import time
 
 ENV = "ENGINE_PHASES"
+#: The phase that ends as the training loop starts (the Trainer's first mark): what
+#: comes before is start-up.
+TRAINING_STARTS = "resume, run-start hooks"
 
 #: (the phase that ended, time.monotonic(), time.process_time(), pid) at its end; the
 #: first entry is the start.
@@ -129,6 +132,15 @@ def label_ranges(on: bool) -> None:
         _label = record_function
     else:
         _label = None
+def elapsed(until: str | None = None) -> float | None:
+    """Seconds from the start (the command's, when the launching process handed its
+    points down; else this process's) to now, or to the end of the phase ``until``
+    (None when it has not ended)."""
+    if not _marks:
+        return None
+    ends = [wall for name, wall, _, _ in _marks if name == until] if until else [
+        time.monotonic()]
+    return ends[0] - _marks[0][1] if ends else None
 
 
 def launching() -> None:

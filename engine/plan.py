@@ -67,11 +67,14 @@ def _loader_plan(cfg, world, parallel_cls) -> dict[str, Any]:
     return {"num_workers": settings.num_workers, "loader": settings.describe()}
 
 
-def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True) -> str:
+def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True,
+                describe: bool = False) -> str:
+    """``describe`` (``--dry-run -v``): each config key with its allowed values and what
+    it is."""
     lines = []
     if config:
         lines.append("config:")
-        lines.extend(f"  {line}" for line in config_mod.format_config(cfg))
+        lines.extend(f"  {line}" for line in config_mod.format_config(cfg, describe=describe))
     lines.append("plan:")
     batch = (f"{plan['global_batch']} global = {plan['world_size']} processes x "
              f"{plan['per_process_batch']}")

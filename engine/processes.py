@@ -214,6 +214,12 @@ def exit_process(code: int, *, forked: bool = False) -> NoReturn:
         os._exit(code)
 
 
+def reports_to_launcher() -> bool:
+    """Whether this process is a worker :func:`spawn_workers` started, whose launcher
+    reports the first failure of the job."""
+    return _to_launcher is not None
+
+
 def exit_failed_worker(code: int, error_line: str | None = None) -> NoReturn:
     """End a worker whose error is printed already, with exit code ``code``; in a
     worker this module spawned, ``error_line`` goes to the launcher, whose last line

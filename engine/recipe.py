@@ -67,7 +67,7 @@ from typing import Any, Callable
 
 import attrs
 
-from engine.config import TrainConfig
+from engine.config import TrainConfig, check_redeclared
 from engine.errors import ConfigError
 
 REQUIRED = ("Config", "build_model", "build_datasets", "build_optimizer")
@@ -171,6 +171,10 @@ def _check_recipe(named: str, module: Any) -> None:
             f"recipe {named}: Config must be an attrs class that subclasses "
             "engine.TrainConfig"
         )
+    try:
+        check_redeclared(config_cls)
+    except ConfigError as exc:
+        raise ConfigError(f"recipe {named}: {exc}") from None
 
 
 def _module_name(path: pathlib.Path) -> str:

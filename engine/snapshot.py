@@ -118,9 +118,7 @@ def resume(eng) -> None:
     restore(eng, load_snapshot(eng, pathlib.Path(chosen)), source=chosen)
     # The summary reports it; setattr, as Engine and api.Context both come through here.
     setattr(eng, "resumed_from", chosen)
-    s = eng.state
-    where = f"epoch {s.epoch}, step {s.step}" + (
-        f", batch {s.batch_in_epoch} of the epoch" if s.batch_in_epoch else "")
+    where = eng.state.position()
     restarts = (f" (restart {eng.world.restart_count})" if eng.world.restart_count else "")
     eng.print(f"resuming from {chosen}: {where}{restarts}")
 

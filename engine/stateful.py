@@ -123,7 +123,10 @@ class TrainState:
     """Where training stands: the loop's progress (``engine.state``), a part of every
     snapshot (the Trainer adds its epoch's loss sums to it)."""
 
-    epoch: int = 0  # the epoch in progress (or the next one, at a boundary)
+    # The index of the epoch in progress (or of the next one, at a boundary), from 0 as
+    # range() and sampler.set_epoch count: epoch N of the console is index N - 1
+    # (README: epoch numbering). Between epochs it equals epochs_completed.
+    epoch: int = 0
     step: int = 0  # optimizer steps taken since the start of training
     batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed
     epochs_completed: int = 0
@@ -140,6 +143,17 @@ class TrainState:
         state = attrs.asdict(self)
         del state["batch_in_epoch"]
         return state
+
+    def position(self) -> str:
+        """Where training stands, for a person: epochs counted from 1, as the console's
+        ``epoch 1/2`` (``epoch 2, step 10, batch 4 of the epoch``, ``the end of epoch 1,
+        step 8``)."""
+        if self.batch_in_epoch:
+            return (f"epoch {self.epoch + 1}, step {self.step}, batch {self.batch_in_epoch} "
+                    "of the epoch")
+        if self.epoch:
+            return f"the end of epoch {self.epoch}, step {self.step}"
+        return f"the start, step {self.step}"
 
     def load_state_dict(self, state_dict: dict) -> None:
         # Fields a snapshot written before they existed lacks keep their defaults.

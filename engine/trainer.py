@@ -4,6 +4,7 @@
 (hooks in brackets)::
 
     [engine_run_start]                                  (fired by Engine.run)
+    [engine_log] world_size at the step the run starts from (rank 0)       fit
     for epoch in epochs not yet completed:                          run_epoch
         sampler.set_epoch(epoch, from the global sample position a resumed snapshot
                           reached: the rest of the order split over these ranks)
@@ -57,6 +58,11 @@ import torch
 
 from engine import data, distributed, health, phases, snapshot
 from engine.errors import ConfigError, EngineError, RunError
+
+
+#: The epoch's mean training loss; ``train/loss`` is the mean of one log window (the
+#: ``log_every`` steps before a check point). One name, one meaning.
+EPOCH_LOSS = "train/epoch_loss"
 
 
 class NonFiniteLoss(RunError):
@@ -252,8 +258,8 @@ class TrainExtras:
         self.epoch_batches = 0
         return total
 
-    def means(self, sums, batches: float) -> dict:
-        return {f"train/{n}": (v / batches if batches else math.nan)
+    def means(self, sums, batches: float, prefix: str = "train/") -> dict:
+        return {f"{prefix}{n}": (v / batches if batches else math.nan)
                 for n, v in zip(self.names, sums)}
 
 
@@ -449,8 +455,13 @@ class Trainer:
     def fit(self) -> str:
         """Train the epochs not yet completed; returns how the run ended: "completed"
         (every epoch, or early stopping) or "preempted" (a snapshot was written)."""
-        phases.mark("resume, run-start hooks")
+        phases.mark(phases.TRAINING_STARTS)
         self.bind_step_hooks()
+        eng = self.engine
+        if self.log_hook is not None:  # how many processes train from this step on:
+            # engine-run report marks where a resumed run took over, and with how many
+            self.log_hook(engine=eng, step=eng.state.step,
+                          metrics={"world_size": float(eng.world.world_size)})
         if self.engine.state.stopped_early:  # resumed from the end of an early-stopped run
             self.stop_early(again=True)
             return "completed"
@@ -480,11 +491,11 @@ class Trainer:
         health.epoch_barrier(cfg.timeout_s)
         eng.metrics.update(metrics)
         stop_early = self.early_stopping.update(metrics, epoch)
+        if self.log_hook is not None:  # while engine.state.epoch is still this epoch's
+            self.log_hook(engine=eng, metrics=metrics, step=eng.state.step)
         eng.state.epoch = epoch + 1
         eng.state.batch_in_epoch = 0
         eng.state.epochs_completed = epoch + 1
-        if self.log_hook is not None:
-            self.log_hook(engine=eng, metrics=metrics, step=eng.state.step)
         eng.pm.hook.engine_epoch_end(engine=eng, epoch=epoch, metrics=metrics)
         if eng.scheduler is not None and cfg.scheduler_interval == "epoch":
             eng.scheduler.step()
@@ -679,13 +690,14 @@ class Trainer:
         loss = (loss_sum / check.batches / eng.world.world_size if check.batches
                 else math.nan)
         self.nonfinite.check_window(loss, first=check.first_step, last=check.step,
-                                    epoch=check.epoch)
+                                    epoch=check.epoch + 1)  # counted from 1
+        extras = ({} if self.extras is None else self.extras.means(
+            extra_sums, check.extra_batches * eng.world.world_size))
+        metrics = {"train/loss": loss, **extras, self.throughput.metric: check.per_sec,
+                   "lr": check.lr}
+        eng.metrics.update(metrics)  # summary.json's train_loss: the last window's
         if self.log_hook is not None:
-            extras = ({} if self.extras is None else self.extras.means(
-                extra_sums, check.extra_batches * eng.world.world_size))
-            self.log_hook(engine=eng, step=check.step, metrics={
-                "train/loss": loss, **extras, self.throughput.metric: check.per_sec,
-                "lr": check.lr})
+            self.log_hook(engine=eng, step=check.step, metrics=metrics)
         return preempted > 0, due_by_time > 0
 
     def epoch_metrics(self, epoch: int, window: LogWindow, *, batches: int, steps: int,
@@ -705,12 +717,14 @@ class Trainer:
         wait = max(r[2] for r in ranks)
         elapsed = time.perf_counter() - epoch_start  # after .tolist(): the device is done
         mean_loss = loss_sum / batch_count if batch_count else math.nan  # all skipped
-        self.nonfinite.check_epoch(mean_loss, epoch, eng.state.step)
+        self.nonfinite.check_epoch(mean_loss, epoch + 1, eng.state.step)  # from 1
+        # The epoch's means have names of their own (train/epoch_NAME), as train/epoch_loss:
+        # train/NAME is always one log window's mean.
         extras = {} if self.extras is None else self.extras.means(
             [sum(r[3 + i] for r in ranks) for i in range(len(self.extras.names))],
-            sum(r[-1] for r in ranks))
+            sum(r[-1] for r in ranks), prefix="train/epoch_")
         return {
-            "train/loss": mean_loss,
+            EPOCH_LOSS: mean_loss,
             **extras,
             self.throughput.metric: self.epoch_done(window, steps) / max(elapsed, 1e-9),
             "train/data_wait_fraction": wait / max(elapsed, 1e-9),

@@ -44,9 +44,9 @@ def train(ctx, args):
             loss.backward()
             optimizer.step()
             total += loss.detach()  # no .item() here: it would wait for the device
-        loss = ctx.reduce({"train/loss": total / len(loader)})
+        loss = ctx.reduce({"train/epoch_loss": total / len(loader)})
         ctx.log(loss)
-        ctx.print(f"epoch {epoch}: loss {loss['train/loss']:.4f}")
+        ctx.print(f"epoch {epoch}: loss {loss['train/epoch_loss']:.4f}")
 
 
 if __name__ == "__main__":

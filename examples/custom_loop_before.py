@@ -37,8 +37,8 @@ def train(args):
             loss.backward()
             optimizer.step()
             total += loss.detach()  # no .item() here: it would wait for the device
-        loss = {"train/loss": total / len(loader)}
-        print(f"epoch {epoch}: loss {loss['train/loss']:.4f}")
+        loss = {"train/epoch_loss": total / len(loader)}
+        print(f"epoch {epoch}: loss {loss['train/epoch_loss']:.4f}")
 
 
 if __name__ == "__main__":

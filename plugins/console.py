@@ -1,7 +1,8 @@
 """Logger ``console``: a tqdm progress bar and one line per epoch, on rank 0 only.
 
-The bar shows step, loss, throughput (samples/s, or the recipe's own unit: tokens/s)
-and the share of time spent waiting for data; it refreshes at the log interval, so it never forces a host-device synchronisation per
+The bar shows step, loss (``train/loss``: the mean of the last log window), throughput
+(samples/s, or the recipe's own unit: tokens/s) and the share of time spent waiting for
+data; it refreshes at the log interval, so it never forces a host-device synchronisation per
 step. On a terminal it redraws in place; in a log file (SLURM output) only the epoch
 lines appear. An epoch whose training waited for data more than :data:`DATA_BOUND` of
 its time is called data-bound, with a hint on what to do about it.
@@ -31,6 +32,17 @@ def data_bound_hint(engine) -> str:
     return (f"hint: the training waits for data ({workers}); measure better settings with "
             f"`engine-run tune-workers {engine.recipe.path}`, or give the job more CPUs "
             "(SLURM: --cpus-per-task)")
+
+
+def done_time() -> str:
+    """The whole time, from the command's start (engine/phases.py), and how much of it
+    passed before training began: ``24.7s (start-up 12.0s)``."""
+    from engine import phases
+
+    total, start_up = phases.elapsed(), phases.elapsed(until=phases.TRAINING_STARTS)
+    if total is None:
+        return "?"
+    return f"{total:.1f}s" + (f" (start-up {start_up:.1f}s)" if start_up is not None else "")
 
 
 class ConsoleLogger:
@@ -65,7 +77,7 @@ class ConsoleLogger:
     @engine.hookimpl
     def engine_log(self, engine, metrics, step):
         throughput = throughput_of(metrics)
-        if self.bar is None or throughput is None or "val/loss" in metrics:
+        if self.bar is None or "train/loss" not in metrics or throughput is None:
             return
         self.bar.update(step - self.last_step)
         self.last_step = step
@@ -90,7 +102,7 @@ class ConsoleLogger:
         parts = [f"epoch {epoch + 1}/{engine.cfg.epochs}"]
         # The validation metrics are the recipe's (its eval_step's; by default val/loss
         # and, for class-index targets, val/accuracy), in the order it returns them.
-        shown = [("train/loss", "train loss", ".4f")]
+        shown = [("train/epoch_loss", "train loss (epoch mean)", ".4f")]
         shown += [(key, "val acc", ".2%") if key == "val/accuracy" else
                   (key, key.replace("/", " "), ".4f")
                   for key in metrics if key.startswith("val/")]
@@ -115,8 +127,8 @@ class ConsoleLogger:
             self.bar.close()
             self.bar = None
         if summary["status"] == "completed":
-            self._write(f"done: {summary['epochs_completed']} epochs in "
-                        f"{summary['wall_time_s']:.1f}s, results in {engine.out_dir}")
+            self._write(f"done: {summary['epochs_completed']} epochs in {done_time()}, "
+                        f"results in {engine.out_dir}")
 
     def _write(self, message: str) -> None:
         if self.bar is not None:

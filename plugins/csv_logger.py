@@ -3,20 +3,23 @@
 The file is in long format, one row per metric and logged event, with a header::
 
     step,epoch,name,value
-    4,0,train/loss,2.2931
-    4,0,train/samples_per_sec,1523.4
-    4,0,lr,0.1
-    8,0,train/loss,2.1187
+    4,1,train/loss,2.2931
+    4,1,train/samples_per_sec,1523.4
+    4,1,lr,0.1
+    8,1,train/loss,2.1187
     ...
-    8,0,val/loss,2.0456
-    8,0,val/accuracy,0.25
+    8,1,train/epoch_loss,2.2013
+    8,1,val/loss,2.0456
+    8,1,val/accuracy,0.25
 
 - ``step``: the global optimizer step the metric was logged at (``engine_log``'s
   ``step``), an integer;
-- ``epoch``: the epoch the row belongs to, counted from 0 as the hooks count (the
-  epoch's own metrics, logged after validation, carry the epoch they summarise);
-- ``name``: the metric's name as the engine logs it (``train/loss``, ``lr``,
-  ``val/accuracy``, a recipe's own ``val/...``);
+- ``epoch``: the number of the epoch the row belongs to, counted from 1 as the console's
+  ``epoch 1/2`` counts (``engine.state.epoch + 1`` when it was logged; the epoch's own
+  metrics, logged after validation, carry the epoch they summarise);
+- ``name``: the metric's name as the engine logs it (``train/loss`` the mean of one log
+  window, ``train/epoch_loss`` the epoch's mean, ``lr``, ``val/accuracy``, a recipe's own
+  ``val/...``);
 - ``value``: a float, written with ``repr`` so that it reads back exactly.
 
 Long format because the metric names are not known in advance: validation metrics
@@ -25,13 +28,12 @@ wide file would need its header rewritten each time a new one appears. To plot o
 curve, keep the rows of one ``name`` (pandas: ``df.pivot_table(index="step",
 columns="name", values="value")`` gives the wide table).
 
-Rows are buffered in the file object and flushed at the end of every epoch and of the
-run, so logging costs no system call per log interval and no host-device
-synchronisation (the engine hands Python floats). A run killed hard (SIGKILL, a lost
-node) loses the rows of its unfinished epoch, and the last line may be cut short; resumed
-from a snapshot taken inside that epoch (a time-based one), the file then lacks the rows
-between the epoch's start and the snapshot's step (no hook tells a logger that a
-snapshot was written).
+The rows of each ``engine_log`` call are handed to the operating system when the call
+ends (one ``write`` per call: per log interval, at each check point, never per step in
+``engine-run``), so a run killed hard (SIGKILL, OOM killer) leaves every row it logged
+before, in both loops: what it logged up to its last check point or snapshot is there
+(a lost node may lose what the kernel had not yet written, and the last line may be cut
+short). Nothing waits for the disk: no fsync.
 
 On resume the file is continued, not duplicated: at the start of a resumed run the
 rows logged after the snapshot's step (by the interrupted run, after the snapshot it
@@ -55,8 +57,6 @@ from engine.errors import EngineError
 
 FILE_NAME = "metrics.csv"
 HEADER = ["step", "epoch", "name", "value"]
-#: A custom loop has no epoch ends: write pending rows out once this many have piled up.
-MAX_PENDING = 10_000
 
 
 def read_rows(path) -> list[tuple[int, int, str, float]]:
@@ -94,7 +94,8 @@ def read_metrics(run_dir) -> tuple[dict[str, list[tuple[int, float]]], pathlib.P
         # A step that goes back is a resumed run logging again from its snapshot: its
         # points replace the interrupted run's from that step on (this logger drops them
         # itself when it resumes; a writer that only appends does not). The same step
-        # twice is no restart: the window's train/loss, then the epoch's.
+        # twice is no restart (a file from before train/epoch_loss: the window's
+        # train/loss, then the epoch's).
         if points and points[-1][0] > step:
             while points and points[-1][0] >= step:
                 points.pop()
@@ -106,21 +107,14 @@ class CsvLogger:
     def __init__(self):
         self.file = None
         self.writer = None
-        self.started = False  # engine_run_start fired (engine-run, not a custom loop)
-        self.start_step = 0  # the step the run started or resumed from
         self.resumed = False
-        # Rows of the epoch in progress, as [step, epoch, name, value]: the epoch of the
-        # epoch's own metrics is only known for certain at engine_epoch_end.
-        self.pending: list[list] = []
 
     @engine.hookimpl
     def engine_run_start(self, engine):
         if not engine.is_rank0:
             return
-        self.started = True
-        self.start_step = engine.state.step
         self.resumed = engine.resumed_from is not None
-        self._open(engine, keep_below=self.start_step + 1)
+        self._open(engine, keep_below=engine.state.step + 1)  # the snapshot's step kept
 
     @engine.hookimpl
     def engine_log(self, engine, metrics, step):
@@ -128,33 +122,17 @@ class CsvLogger:
             # A custom loop: keep what an interrupted run logged before this step.
             self.resumed = engine.resumed_from is not None
             self._open(engine, keep_below=step)
-        epoch = engine.state.epoch
-        self.pending.extend([step, epoch, name, repr(float(value))]
-                            for name, value in metrics.items() if value is not None)
-        if not self.started and len(self.pending) >= MAX_PENDING:
-            self._write()
-
-    @engine.hookimpl
-    def engine_epoch_end(self, engine, epoch, metrics):
-        if self.file is None:
-            return
-        # Everything logged since the last epoch end belongs to this epoch, the epoch's
-        # metrics too (state.epoch already counts the next epoch when they are logged).
-        for row in self.pending:
-            row[1] = epoch
-        self._write()
-        self.file.flush()  # whole epochs on disk: what a reader or a resume can rely on
+        epoch = engine.state.epoch + 1  # the epoch in progress, counted from 1
+        self.writer.writerows([step, epoch, name, repr(float(value))]
+                              for name, value in metrics.items() if value is not None)
+        # One write per call: a kill loses nothing logged before (the module docstring).
+        self.file.flush()
 
     @engine.hookimpl
     def engine_run_end(self, engine, summary):
         if self.file is not None:
-            self._write()
             self.file.close()
         self.__init__()  # the next run in this process (tests, engine.launch) starts clean
-
-    def _write(self) -> None:
-        self.writer.writerows(self.pending)
-        self.pending = []
 
     def _open(self, engine, keep_below: int) -> None:
         path = engine.out_dir / FILE_NAME
@@ -184,5 +162,4 @@ def engine_register_run_files():
 _logger = CsvLogger()
 engine_run_start = _logger.engine_run_start
 engine_log = _logger.engine_log
-engine_epoch_end = _logger.engine_epoch_end
 engine_run_end = _logger.engine_run_end

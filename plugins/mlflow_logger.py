@@ -28,13 +28,16 @@ some (``epochs``, ``lr``: engine/snapshot.py says which).
 
 from __future__ import annotations
 
+import os
 import time
 
 import attrs
 
 import engine
 from engine.errors import first_line
-from engine.plugins.tracking import (enabled, experiment_name, flat_config, run_name,
+from engine.errors import PluginError
+from engine.plugins.tracking import (enabled, experiment_name, flat_config,
+                                     mlflow_store_problem, require_package, run_name,
                                      summary_scalars)
 
 #: Send buffered metrics at a log interval once this many seconds passed since the last.
@@ -55,6 +58,16 @@ class MLflowConfig:
     tracking_uri: str | None = None
     experiment: str | None = None
     run_name: str | None = None
+
+    def check(self) -> None:
+        """In the launching process and --dry-run, before any worker starts: the package
+        is there and the store can be opened (engine.config.check calls it)."""
+        if not self.enabled:
+            return
+        require_package("mlflow", extra="mlflow", group="mlflow")
+        problem = mlflow_store_problem(self.tracking_uri, os.environ)
+        if problem:
+            raise PluginError(problem)
 
 
 @engine.hookimpl

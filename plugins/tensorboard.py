@@ -1,8 +1,9 @@
 """Logger ``tensorboard``: scalars under ``<out_dir>/tensorboard``, written by rank 0.
 
 Every ``engine_log`` call becomes one scalar per metric, tagged with the metric's name
-(``train/loss``, ``train/samples_per_sec``, ``lr``, ``val/loss``, ``val/accuracy``...)
-at the global optimizer step. tensorboard is imported when the run starts (or, in a
+(``train/loss``, ``train/epoch_loss``, ``train/samples_per_sec``, ``lr``, ``val/loss``...)
+at the global optimizer step; at each epoch's end the scalar ``epoch``, the number of the
+epoch that ended (from 1, as the console counts). tensorboard is imported when the run starts (or, in a
 custom loop, at the first scalar), never at start-up of the engine; ``-p no:tensorboard``
 turns the logger off.
 
@@ -54,6 +55,9 @@ class TensorBoardLogger:
     @engine.hookimpl
     def engine_epoch_end(self, engine, epoch, metrics):
         if self.writer is not None:
+            # The epoch number as console and metrics.csv show it (from 1), at the step
+            # the epoch ended: TensorBoard's x axis is the step.
+            self.writer.add_scalar("epoch", epoch + 1, engine.state.step)
             self.writer.flush()  # so that a running TensorBoard shows whole epochs
 
     @engine.hookimpl

@@ -7,6 +7,7 @@ Not a plugin itself (no hooks); cheap to import: nothing optional at module leve
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pathlib
 from typing import Any
 
@@ -26,6 +27,55 @@ def import_package(module: str, extra: str, group: str) -> Any:
             f"{group}.enabled=true needs the {module} package ({exc}); install it with "
             f'pip install -e ".[{extra}]" (or pip install {extra}), or drop '
             f"{group}.enabled=true") from None
+
+
+def require_package(module: str, extra: str, group: str) -> None:
+    """Before any worker starts (the launching process, --dry-run): the package is
+    installed, found without importing it (importing mlflow or wandb takes seconds)."""
+    if importlib.util.find_spec(module) is None:
+        raise PluginError(
+            f"{group}.enabled=true needs the {module} package, which is not installed; "
+            f'install it with pip install -e ".[{extra}]" (or pip install {extra}), or '
+            f"drop {group}.enabled=true")
+
+
+#: MLflow's database stores (``sqlite:///x.db``, ``postgresql+psycopg2://...``).
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def mlflow_store_problem(uri: str | None, environ) -> str | None:
+    """What keeps MLflow from opening the store at ``uri`` (the config's, else
+    MLFLOW_TRACKING_URI), in one line saying what to install or set; None when nothing
+    does, or when the store is MLflow's own default (it depends on the version)."""
+    where = "config key 'mlflow.tracking_uri'"
+    if not uri:
+        uri, where = environ.get("MLFLOW_TRACKING_URI"), "MLFLOW_TRACKING_URI"
+    if not uri:
+        return None
+    scheme = uri.partition(":")[0].partition("+")[0].lower() if "://" in uri else "file"
+    if scheme in DATABASE_SCHEMES and importlib.util.find_spec("sqlalchemy") is None:
+        return (f"{where}: {uri} is a database store, which needs SQLAlchemy; the [mlflow] "
+                "extra (mlflow-skinny) lacks it: pip install mlflow (the full package) or "
+                "pip install sqlalchemy alembic, or use an http:// tracking server")
+    if (scheme == "file" and _refuses_file_store()
+            and environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1")):
+        return (f"{where}: {uri} is MLflow's file store, which this MLflow refuses unless "
+                "MLFLOW_ALLOW_FILE_STORE=true is set: export MLFLOW_ALLOW_FILE_STORE=true, "
+                "or use sqlite:///mlflow.db (needs SQLAlchemy) or an http:// server")
+    return None
+
+
+def _refuses_file_store() -> bool:
+    """Whether the installed MLflow refuses its file store without MLFLOW_ALLOW_FILE_STORE
+    (MLflow 3's later releases), read from its source rather than imported."""
+    spec = importlib.util.find_spec("mlflow")
+    if spec is None or not spec.origin:
+        return False
+    store = pathlib.Path(spec.origin).parent / "store" / "tracking" / "file_store.py"
+    try:
+        return "MLFLOW_ALLOW_FILE_STORE" in store.read_text()
+    except OSError:
+        return False
 
 
 def enabled(engine, group: str, extra: str) -> tuple[Any, Any] | None:

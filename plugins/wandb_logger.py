@@ -36,8 +36,8 @@ import attrs
 
 import engine
 from engine.errors import first_line
-from engine.plugins.tracking import (EXIT_CODES, enabled, experiment_name, run_name,
-                                     summary_scalars)
+from engine.plugins.tracking import (EXIT_CODES, enabled, experiment_name, require_package,
+                                     run_name, summary_scalars)
 
 #: The file under out_dir that holds the W&B run's id, for a resumed run to continue it.
 RUN_ID_FILE = "wandb_run_id"
@@ -55,6 +55,11 @@ class WandbConfig:
     name: str | None = None
     mode: Literal["online", "offline", "disabled"] | None = None
     dir: str | None = None
+
+    def check(self) -> None:
+        """Before any worker starts (engine.config.check calls it): wandb is installed."""
+        if self.enabled:
+            require_package("wandb", extra="wandb", group="wandb")
 
 
 @engine.hookimpl

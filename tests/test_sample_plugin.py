@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from engine.plugin_manager import DISABLE_AUTOLOAD_ENV
-from engine.testing import TINY_RECIPE, install_plugin  # noqa: F401 (a fixture)
+from engine.testing import (TINY_RECIPE, install_plugin, run_recipe,  # noqa: F401 (fixtures)
+                            tiny_recipe)
 from tests.conftest import QUICK, REPO, engine_env, read_summary, run_cli
 
 SAMPLE = REPO / "tests" / "sample_plugin"
@@ -51,7 +52,8 @@ def test_a_run_logs_to_csv_with_the_plugins_parallel_mode(sample, cifar_recipe, 
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "name", "value"]
     # 512 samples, global batch 64: 8 steps, logged every 4, then the epoch's metrics.
-    assert [int(r[0]) for r in rows[1:] if r[1] == "train/loss"] == [4, 8, 8]
+    assert [int(r[0]) for r in rows[1:] if r[1] == "train/loss"] == [4, 8]
+    assert [int(r[0]) for r in rows[1:] if r[1] == "train/epoch_loss"] == [8]
     (val_accuracy,) = [r for r in rows if r[1] == "val/accuracy"]
     assert val_accuracy[0] == "8" and float(val_accuracy[2]) == summary["val_accuracy"]
 
@@ -98,3 +100,18 @@ def test_the_plugin_authors_own_tests_pass_with_engine_testing(sample, tmp_path)
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 passed" in proc.stdout
+
+
+def test_the_docs_install_plugin_example_runs(install_plugin, run_recipe):  # noqa: F811
+    """docs/plugins.md said install_plugin returns a PYTHONPATH string; it returns an
+    environment dict, and following the doc ended in a TypeError. Its example, run as
+    written from the sample package's tests folder."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "plugins.md").read_text(),
+                        re.S)
+    (example,) = [b for b in blocks if "def test_installed_it_is_found_by_its_entry_points"
+                  in b]
+    namespace = {"__file__": str(SAMPLE / "tests" / "test_example.py")}
+    exec(compile(example, "docs/plugins.md (install_plugin example)", "exec"), namespace)
+    namespace["test_installed_it_is_found_by_its_entry_points"](install_plugin, run_recipe)

@@ -9,8 +9,9 @@
                                                      (OUT.safetensors: in safetensors)
 
 PATH/IN may be an engine snapshot (torch-file or async: ``snapshot-*.pt``), a dcp
-snapshot directory (``snapshot-*.dcp``), a checkpoints folder (the snapshot its
-``latest`` names), or a plain state_dict file with or without ``module.`` keys (also
+snapshot directory (``snapshot-*.dcp``), a pointer file (``checkpoints/latest``,
+``checkpoints/best``) or a checkpoints or run folder (the snapshot its ``latest`` names,
+as ``--resume`` takes them), or a plain state_dict file with or without ``module.`` keys (also
 inside ``{"state_dict": ...}`` or ``{"model_state_dict": ...}``, as other tools save it).
 
 The seeds' "dict names" problem: a model saved from inside DDP has every key prefixed
@@ -70,7 +71,11 @@ class Checkpoint:
 
 
 def resolve(path: pathlib.Path) -> pathlib.Path:
-    """A checkpoints folder stands for the snapshot its ``latest`` pointer names."""
+    """A pointer file (``checkpoints/latest``, ``checkpoints/best``), a checkpoints folder
+    or a run folder stands for the snapshot its pointer names, as ``--resume`` takes them."""
+    from engine.checkpoint import follow_pointer
+
+    path = follow_pointer(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if path.is_dir() and not (path / ".metadata").exists():
@@ -201,10 +206,11 @@ def print_text(info: dict) -> None:
         rows.append(("file", f"{name}  {f['size']} bytes  sha256 {f['sha256']}"))
     rows.append(("manifest", info["manifest"]))
     if "epoch" in info:
-        where = f"epoch {info['epoch']}, step {info.get('step')}"
-        if info.get("batch_in_epoch"):
-            where += f", batch {info['batch_in_epoch']} of the epoch"
-        rows.append(("position", where))
+        from engine.stateful import TrainState
+
+        rows.append(("position", TrainState(  # epochs counted from 1, as the console
+            epoch=info["epoch"], step=info.get("step"),
+            batch_in_epoch=info.get("batch_in_epoch") or 0).position()))
     if "world_size" in info:
         rows.append(("saved by", f"{info['world_size']} process(es), engine "
                                  f"{info.get('engine_version', '?')}"))

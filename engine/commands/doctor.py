@@ -111,6 +111,11 @@ def main(argv) -> int:
              f"({world.init_method})")
     _check_master(world, line, launcher)
     _check_ifname(line)
+    from engine.plugins.tracking import mlflow_store_problem
+
+    store = mlflow_store_problem(None, environ)  # a run's mlflow.tracking_uri: --dry-run
+    if store:
+        line(PROBLEM, store)
     if gpus > 1 and world.local_world_size > 1:
         line(NOTE, f"{gpus} GPUs visible to each of {world.local_world_size} local "
                    "processes: each must use its own (parallel mode 'ddp' takes "

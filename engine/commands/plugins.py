@@ -40,9 +40,10 @@ def main(argv) -> int:
             print(f"  {kind}: {', '.join(names)}")
     if pm.disabled:
         print("disabled: " + ", ".join(f"{n} (-p no:{n})" for n in pm.disabled))
+    broken = {b.info.name for b in pm.broken}  # listed below, with why: not twice
     not_loaded = [ep for ep in pm.entry_points
-                  if ep.name not in pm.infos and not pm.is_blocked(ep.name)
-                  and not pm.is_blocked(ep.distribution)]
+                  if ep.name not in pm.infos and ep.name not in broken
+                  and not pm.is_blocked(ep.name) and not pm.is_blocked(ep.distribution)]
     if not pm.autoload:
         print(f"entry-point autoload: off ({DISABLE_AUTOLOAD_ENV} is set)")
     if not_loaded:

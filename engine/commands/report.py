@@ -26,6 +26,7 @@ INSTALL = 'pip install -e ".[report]"'
 #: name -> [(step, value)] in the order they were logged.
 Series = dict[str, list[tuple[int, float]]]
 
+
 def main(argv) -> int:
     parser = argparse.ArgumentParser(
         prog="engine-run report",
@@ -50,8 +51,8 @@ def main(argv) -> int:
     series, source = read_scalars(run_dir)
     curves = Curves.from_series(series)
     if curves.empty:
-        raise EngineError(f"report: {source} holds no train/loss and no val/* metric; "
-                          f"logged: {', '.join(sorted(series)) or 'nothing'}")
+        raise EngineError(f"report: {source} holds no metric to plot; logged: "
+                          f"{', '.join(sorted(series)) or 'nothing'}")
     from engine.atomic_io import atomic_write
 
     png = render(curves, title=heading(run_dir))
@@ -94,12 +95,26 @@ def heading(run_dir: pathlib.Path) -> str:
 # ------------------------------------------------------------------ curves
 
 
-class Curves:
-    """What the panels show, as (x, y) lists."""
+#: Logged once when a run starts or resumes (the trainer's, at the step it starts from):
+#: how many processes train from there. Drawn as a mark, not as a curve.
+WORLD_SIZE = "world_size"
+#: TensorBoard's epoch counter (plugins/tensorboard.py): the x axis, not a curve.
+NOT_CURVES = {WORLD_SIZE, "epoch"}
 
-    def __init__(self, by_step, by_epoch):
-        self.by_step: dict[str, tuple[list, list]] = by_step  # train/loss
-        self.by_epoch: dict[str, tuple[list, list]] = by_epoch  # val/*, train/loss mean
+
+def is_throughput(name: str) -> bool:
+    """``train/samples_per_sec``, ``train/images_per_sec``, ``train/<unit>_per_sec``."""
+    return name.startswith("train/") and name.endswith("_per_sec")
+
+
+class Curves:
+    """What the panels show, as (x, y) lists, and where the run resumed."""
+
+    def __init__(self, by_step, by_epoch, resumes=()):
+        self.by_step: dict[str, tuple[list, list]] = by_step  # train/loss, lr, throughput...
+        self.by_epoch: dict[str, tuple[list, list]] = by_epoch  # val/*, the epoch means
+        # (step, processes before, processes from there) for each resume
+        self.resumes: list[tuple[int, int, int]] = list(resumes)
 
     @property
     def empty(self) -> bool:
@@ -107,35 +122,81 @@ class Curves:
 
     @classmethod
     def from_series(cls, series: Series) -> "Curves":
-        train = series.get("train/loss", [])
         val = {name: points for name, points in series.items() if name.startswith("val/")}
-        # An epoch ends where validation logs (the trainer validates every epoch): the
-        # n-th step with val/* metrics ends epoch n, from either source. The trainer logs
-        # the epoch's metrics, its mean train/loss included, in one call at that step,
-        # after any window's train/loss of the same step.
-        ends = sorted({step for points in val.values() for step, _ in points})
-        epoch_of = {step: n for n, step in enumerate(ends, start=1)}
-        first, last = {}, {}
-        for step, value in train:
-            first.setdefault(step, value)
-            last[step] = value
-        window = sorted((s, v) for s, v in first.items())
-        by_step = {"train/loss": unzip(window)} if window else {}
-        by_epoch = {name: unzip(sorted((epoch_of[s], v) for s, v in points))
-                    for name, points in sorted(val.items())}
-        mean = sorted((epoch_of[s], v) for s, v in last.items() if s in epoch_of)
+        window, mean = split_train_loss(series, val)
+        # An epoch ends where its mean loss or validation logs: the n-th such step ends
+        # epoch n (epochs counted from 1, as the console and metrics.csv count them).
+        ends = {step for points in [mean, *val.values()] for step, _ in points}
+        epoch_of = {step: n for n, step in enumerate(sorted(ends), start=1)}
+        by_step = {"train/loss": unzip(sorted(window))} if window else {}
+        by_epoch = {}
         if mean:
-            by_epoch["train/loss (epoch mean)"] = unzip(mean)
-        return cls(by_step, by_epoch)
+            by_epoch["train/epoch_loss"] = unzip(sorted((epoch_of[s], v) for s, v in mean))
+        trainer_run = bool(mean)
+        for name, points in sorted(series.items()):
+            if name in NOT_CURVES or name in ("train/loss", "train/epoch_loss"):
+                continue
+            if name.startswith("val/") or (ends and all(s in ends for s, _ in points)):
+                by_epoch[name] = unzip(sorted((epoch_of[s], v) for s, v in points))
+                continue
+            if trainer_run and is_throughput(name):
+                # The trainer logs the epoch's throughput under the window's name at the
+                # epoch's end: the window's curve leaves it out, as train/loss does.
+                points = [p for p in points if p not in last_at(points, ends)]
+            by_step[name] = unzip(sorted(points))
+        starts = series.get(WORLD_SIZE, [])
+        resumes = [(step, int(before), int(n))
+                   for (_, before), (step, n) in zip(starts, starts[1:])]
+        return cls(by_step, by_epoch, resumes)
+
+    def panels(self) -> list[tuple[str, str, dict]]:
+        """``(title, x label, {label: (x, y)})`` for each panel, in the order drawn: the
+        training loss, the loss by epoch, the learning rate, the throughput, then every
+        other metric, by step or by epoch as it was logged."""
+        panels = []
+        steps, epochs = dict(self.by_step), dict(self.by_epoch)
+        for title, names, xlabel, source in (
+                ("training loss (train/loss: mean of each log window)", ["train/loss"],
+                 "optimizer step", steps),
+                ("loss by epoch", [n for n in epochs if "loss" in n], "epoch", epochs),
+                ("learning rate", ["lr"], "optimizer step", steps),
+                ("throughput", [n for n in steps if is_throughput(n)], "optimizer step",
+                 steps)):
+            lines = {n: source.pop(n) for n in names if n in source}
+            if lines:
+                panels.append((title, xlabel, lines))
+        panels += [(name, "optimizer step", {name: xy}) for name, xy in steps.items()]
+        panels += [(name, "epoch", {name: xy}) for name, xy in epochs.items()]
+        return panels
 
     def describe(self) -> str:
         parts = []
         if self.by_step:
-            parts.append("train/loss by step")
-        val = sorted(n for n in self.by_epoch if n.startswith("val/"))
-        if val:
-            parts.append(f"{', '.join(val)} by epoch")
+            parts.append(f"{', '.join(self.by_step)} by step")
+        if self.by_epoch:
+            parts.append(f"{', '.join(sorted(self.by_epoch))} by epoch")
+        parts += [f"resumed at step {step}: {before} -> {n} processes"
+                  for step, before, n in self.resumes]
         return "; ".join(parts)
+
+
+def split_train_loss(series: Series, val: Series) -> tuple[list, list]:
+    """The window losses (``train/loss``) and the epoch means (``train/epoch_loss``). A run
+    from before train/epoch_loss logged the epoch's mean as train/loss too, after the
+    validation metrics' step's window (if any): there the last train/loss of a step with
+    val/* metrics is the epoch's mean, and it is no window's."""
+    train = series.get("train/loss", [])
+    if "train/epoch_loss" in series or not val:
+        return list(train), list(series.get("train/epoch_loss", []))
+    ends = {step for points in val.values() for step, _ in points}
+    means = last_at(train, ends)
+    return [p for p in train if p not in means], means
+
+
+def last_at(points: list, steps: set) -> list:
+    """The last of ``points`` logged at each of ``steps``, in logged order."""
+    last = {step: i for i, (step, _) in enumerate(points) if step in steps}
+    return [points[i] for i in sorted(last.values())]
 
 
 def unzip(pairs) -> tuple[list, list]:
@@ -149,15 +210,7 @@ def render(curves: Curves, title: str) -> bytes:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    panels = []  # (title, x label, {label: (x, y)})
-    if curves.by_step:
-        panels.append(("training loss", "optimizer step", curves.by_step))
-    loss = {n: xy for n, xy in curves.by_epoch.items() if "loss" in n}
-    if loss:
-        panels.append(("loss by epoch", "epoch", loss))
-    for name, xy in curves.by_epoch.items():
-        if name not in loss:
-            panels.append((name, "epoch", {name: xy}))
+    panels = curves.panels()
     columns = min(len(panels), 3)
     rows = math.ceil(len(panels) / columns)
     fig = Figure(figsize=(6.4 * columns, 4.2 * rows), layout="constrained")
@@ -168,6 +221,12 @@ def render(curves: Curves, title: str) -> bytes:
         for label, (x, y) in lines.items():
             # Per-epoch points get markers: a one-epoch run is a single point.
             ax.plot(x, y, label=label, marker="o" if xlabel == "epoch" else None)
+        if xlabel == "optimizer step":
+            for step, before, n in curves.resumes:  # where a resumed run took over
+                ax.axvline(step, color="grey", linestyle="--", linewidth=1)
+                ax.annotate(f"resumed: {before} -> {n} processes", (step, 1),
+                            xycoords=("data", "axes fraction"), rotation=90, va="top",
+                            ha="right", fontsize=8, color="grey")
         ax.set_title(name)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
@@ -175,6 +234,8 @@ def render(curves: Curves, title: str) -> bytes:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if len(lines) > 1:
             ax.legend()
+        elif name not in lines:  # a panel named for what it shows: say which metric
+            ax.set_ylabel(next(iter(lines)))
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     buffer = io.BytesIO()

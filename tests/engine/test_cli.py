@@ -453,3 +453,35 @@ def test_a_bad_config_group_names_the_plugin(make_plugin_manager, groups, messag
     with pytest.raises(PluginError) as err:
         make_plugin_manager(Bad())
     assert str(err.value).startswith('Plugin "Bad-') and message in str(err.value)
+
+
+def test_a_recipe_changing_a_default_keeps_the_choices_and_dry_run_v_describes_keys(
+        tmp_path):
+    from engine.testing import TINY_RECIPE
+    from tests.conftest import run_cli_here
+
+    recipe = tmp_path / "bf16.py"
+    recipe.write_text(TINY_RECIPE.replace(
+        "    epochs: int = 2\n",
+        "    epochs: int = 2\n    precision: str = \"bf16\"  # bf16 by default here\n"))
+    proc = run_cli_here(str(recipe), "precision=fp8", "--dry-run")
+    assert proc.returncode == 2
+    assert proc.stderr == ("engine-run: error: config key 'precision': 'fp8' is not one "
+                           "of: 32, bf16, fp16 (TrainConfig.precision)\n")
+    proc = run_cli_here(str(recipe), "--dry-run", "-v")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line.strip() for line in proc.stdout.splitlines()]
+    assert any(line.startswith("precision = 'bf16'") and line.endswith(
+        "[a string and one of: 32, bf16, fp16]  bf16 by default here") for line in lines)
+    assert any(line.startswith("samples = 256") and line.endswith("[an integer]")
+               for line in lines)  # a recipe's own key without a comment: its values
+    assert any(line.startswith("ddp.bucket_cap_mb = 25.0") for line in lines)
+
+    widened = tmp_path / "fp8.py"
+    widened.write_text(TINY_RECIPE.replace(
+        "    epochs: int = 2\n", "    epochs: int = 2\n    precision: str = 'fp8'\n"))
+    proc = run_cli_here(str(widened), "--dry-run")
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and (
+        "Config.precision: the default 'fp8' is not one of: 32, bf16, fp16 "
+        "(TrainConfig.precision); to change a default, give a value that is") in proc.stderr

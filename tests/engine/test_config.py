@@ -194,3 +194,55 @@ def test_groups_say_which_of_their_keys_a_resume_may_change():
     assert not resume_safe(cfg, "ddp.sync_batchnorm")  # ...leaves out the arithmetic
     assert resume_safe(cfg, "mlflow.experiment") and resume_safe(cfg, "wandb.project")
     assert not resume_safe(cfg, "batch_size") and not resume_safe(cfg, "nosuch.key")
+
+
+@attrs.define
+class ChangesDefaults(TrainConfig):
+    precision: str = "bf16"  # re-declared to change the default, as a str
+    num_workers: int = 2  # narrowed: the recipe's own type applies too
+
+
+def test_a_redeclared_field_keeps_the_base_fields_choices():
+    """precision=fp8 once trained as fp16 and exited 0: the re-declaration as str had
+    dropped TrainConfig's choices."""
+    from engine.config import check_redeclared
+
+    check_redeclared(ChangesDefaults)  # its defaults are allowed values
+    cfg = apply_overrides(ChangesDefaults(), ["precision=fp16", "num_workers=3"])
+    assert (cfg.precision, cfg.num_workers) == ("fp16", 3)
+    with pytest.raises(ConfigError) as error:
+        apply_overrides(ChangesDefaults(), ["precision=fp8"])
+    assert str(error.value) == ("config key 'precision': 'fp8' is not one of: 32, bf16, "
+                                "fp16 (TrainConfig.precision)")
+    with pytest.raises(ConfigError, match="'auto' is not an integer"):
+        apply_overrides(ChangesDefaults(), ["num_workers=auto"])
+
+
+def test_a_redeclared_default_the_base_refuses_is_one_line_saying_how():
+    from engine.config import check_redeclared
+
+    @attrs.define
+    class Widened(TrainConfig):
+        precision: str = "fp8"
+
+    with pytest.raises(ConfigError) as error:
+        check_redeclared(Widened)
+    assert str(error.value) == (
+        "Widened.precision: the default 'fp8' is not one of: 32, bf16, fp16 "
+        "(TrainConfig.precision); to change a default, give a value that is (e.g. "
+        "precision: Literal['32', 'bf16', 'fp16'] = ...)")
+
+
+def test_described_config_lists_allowed_values_and_the_declarations_comment():
+    from engine.config import format_config
+
+    lines = format_config(ChangesDefaults(), describe=True)
+    (precision,) = [line for line in lines if line.startswith("precision = ")]
+    assert precision.split(None, 3)[3] == (
+        "[a string and one of: 32, bf16, fp16]  re-declared to change the default, as a str")
+    (metric,) = [line for line in lines if line.startswith("early_stopping.metric = ")]
+    assert metric.endswith('[a string]  e.g. "val/loss": a metric of the epoch (see the '
+                           'console line)')
+    assert all(" [" in line for line in lines)
+    described = [line for line in lines if "]  " in line]
+    assert len(described) == len(lines), [line for line in lines if "]  " not in line]

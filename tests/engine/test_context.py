@@ -83,8 +83,9 @@ def test_engine_run_and_a_custom_loop_write_the_same_summary_keys(tmp_path, prob
     assert sorted(k for k in cli if k != "val_accuracy") == sorted(lib)
     # Every key either path wrote before they shared one builder is still there.
     assert {"status", "recipe", "world_size", "launcher", "parallel", "epochs_completed",
-            "global_step", "wall_time_s", "train_loss", "val_loss", "val_accuracy",
-            "samples_per_sec", "throughput_unit", "data_wait_fraction", "weights_sha256",
+            "global_step", "wall_time_s", "train_loss", "train_epoch_loss", "val_loss",
+            "val_accuracy", "samples_per_sec", "throughput_unit", "data_wait_fraction",
+            "weights_sha256",
             "weights_sha256_per_rank", "metrics"} <= set(cli)
 
     for summary, recipe, requested in ((cli, RECIPE, 1), (lib, __file__, 2)):

@@ -86,6 +86,8 @@ def run(recorder, *args, check=False, **env):
 
 def expected_calls(rank: int, epochs: int, steps_per_epoch: int, log_every: int) -> list:
     calls = [["run_start", 0, "hello"]]
+    if rank == 0:
+        calls.append(["log", 0])  # world_size, at the step the run starts from
     step = 0
     for epoch in range(epochs):
         calls.append(["epoch_start", epoch])
@@ -115,8 +117,10 @@ def test_hooks_fire_in_the_documented_order_on_the_documented_ranks(recorder):
         # 256 samples, global batch 32 over 2 processes: 8 steps an epoch; log_every=2.
         assert shape == expected_calls(rank, epochs=2, steps_per_epoch=8, log_every=2)
     logs = [c for c in read(recorder / "calls" / "rank0.jsonl") if c[0] == "log"]
+    assert logs.pop(0)[2] == ["world_size"]  # the names; at step 0, as the run starts
     assert "train/loss" in logs[0][2] and "val/accuracy" not in logs[0][2]
-    assert {"train/loss", "val/loss", "val/accuracy"} <= set(logs[4][2])
+    assert {"train/epoch_loss", "val/loss", "val/accuracy"} <= set(logs[4][2])
+    assert "train/loss" not in logs[4][2]  # one name, one meaning: that is a window's
     epoch_end = [c for c in read(recorder / "calls" / "rank1.jsonl") if c[0] == "epoch_end"]
     assert epoch_end[0][2] == logs[4][2]  # every rank gets the epoch's metrics
 

@@ -26,14 +26,15 @@ def test_sigusr1_on_one_rank_snapshots_all_and_the_rerun_finishes_identically(tm
     # Rank 1 got the signal after step 7 (epoch 1's first). The check point at step 8
     # carries its flag to every rank; they act on it at the next one (step 10), where
     # the sums have long arrived.
-    assert ("pre-empted: snapshot written at epoch 1, step 10; not requeued (start the "
+    assert ("pre-empted: snapshot written at epoch 2, step 10, batch 4 of the epoch; not "
+            "requeued (start the "
             "run again to resume)") in stopped.stderr
     summary = read_summary(out)
     assert summary["status"] == "preempted" and summary["global_step"] == 10
     assert (out / "checkpoints" / "snapshot-e0001-s00000010.pt").is_file()
 
     resumed = run_cli(*args, env=env, check=True)
-    assert "resuming from" in resumed.stdout and "epoch 1, step 10, batch 4" in resumed.stdout
+    assert "resuming from" in resumed.stdout and "epoch 2, step 10, batch 4" in resumed.stdout
     assert read_summary(out)["weights_sha256"] == read_summary(reference)["weights_sha256"]
 
 

@@ -74,7 +74,7 @@ def test_resume_message_says_from_where(tmp_path):
     assert "resuming" not in first.stdout  # nothing to resume: it simply starts
     again = run_cli(*args[:-3], "epochs=2", f"out_dir={out}", "--nproc", "1", check=True)
     latest = (out / "checkpoints" / "snapshot-e0001-s00000006.pt")
-    assert f"resuming from {latest}: epoch 1, step 6" in again.stdout
+    assert f"resuming from {latest}: the end of epoch 1, step 6" in again.stdout
     assert read_summary(out)["global_step"] == 12
 
 
@@ -92,7 +92,7 @@ def test_no_resume_starts_fresh_and_resume_path_picks_a_snapshot(tmp_path, refer
     other = tmp_path / "other"
     chosen = run_cli(RECIPE, *BASE, f"out_dir={other}", "--nproc", "1", "--resume",
                      str(early), check=True)
-    assert f"resuming from {early}: epoch 2, step 12" in chosen.stdout
+    assert f"resuming from {early}: the end of epoch 2, step 12" in chosen.stdout
     assert read_summary(other)["weights_sha256"] == reference[1]
 
 
@@ -294,7 +294,7 @@ def test_a_run_stopped_mid_epoch_at_2_processes_resumes_at_1_and_3_seeing_each_s
         assert summary["global_step"] == 6
         # Every micro-batch holds 6 / nproc samples: weigh the stopped run's (3 each).
         weighted = sum(loss * len(batch) for loss, batch in seen) / 36
-        assert summary["train_loss"] == pytest.approx(weighted, rel=1e-5)
+        assert summary["train_epoch_loss"] == pytest.approx(weighted, rel=1e-5)
         if nproc == 3:  # rank 2 slept 0.05 s for each of its 8 samples; rank 0 did not
             metrics = summary["metrics"]
             elapsed = 6 * 4 / metrics["train/samples_per_sec"]  # 4 steps of 6 samples

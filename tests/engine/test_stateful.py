@@ -146,7 +146,7 @@ def test_a_recipe_part_and_the_ema_resume_bit_identically_after_a_kill_mid_epoch
     out = tmp_path / "resumed"
     resumed = conftest.killed_then_resumed(PARTS_RECIPE, *RUN, f"out_dir={out}", "--nproc",
                                            "2", tmp_path=tmp_path, step=KILL_STEP)
-    assert "epoch 1, step 10, batch 2 of the epoch" in resumed.stdout, resumed.stdout
+    assert "epoch 2, step 10, batch 2 of the epoch" in resumed.stdout, resumed.stdout
 
     assert read_summary(out)["weights_sha256"] == read_summary(reference)["weights_sha256"]
     expected, got = final_parts(reference), final_parts(out)

@@ -42,9 +42,10 @@ def test_skip_counts_a_nan_in_any_micro_batch_not_only_the_last(tmp_path):
     # The logged losses leave the skipped step out: the first window's (steps 1-2) and
     # the epoch's are the losses of the steps taken, not NaN.
     rows = [line.split(",") for line in (out / "metrics.csv").read_text().splitlines()]
-    logged = [float(value) for _, _, name, value in rows[1:] if name == "train/loss"]
+    logged = [float(value) for _, _, name, value in rows[1:]
+              if name in ("train/loss", "train/epoch_loss")]
     assert len(logged) == 5 and all(map(math.isfinite, logged)), logged
-    assert math.isfinite(summary["train_loss"]) and "train loss nan" not in proc.stdout
+    assert math.isfinite(summary["train_epoch_loss"]) and "train loss nan" not in proc.stdout
 
 
 # ------------------------------------------------------------ recipes that own the step
@@ -266,14 +267,16 @@ def test_a_snapshot_without_the_early_stopping_state_still_loads(tmp_path):
     torch.save(old_layout, old)
     proc = run_cli(REGRESSION, "epochs=2", f"out_dir={tmp_path / 'again'}", "--nproc", "1",
                    "--resume", str(old), check=True)
-    assert f"resuming from {old}: epoch 1, step 8" in proc.stdout
+    assert f"resuming from {old}: the end of epoch 1, step 8" in proc.stdout
     assert read_summary(tmp_path / "again")["epochs_completed"] == 2
 
 
 @pytest.mark.parametrize("override, message", [
     ("early_stopping.metric=val/acc", "config key 'early_stopping.metric': 'val/acc' is not "
-     "a metric of this run; it has: lr, train/data_wait_fraction, train/loss, "
+     "a metric of this run; it has: lr, train/data_wait_fraction, train/epoch_loss, "
      "train/samples_per_sec, val/loss, val/mae"),
+    ("early_stopping.metric=train/loss", "config key 'early_stopping.metric': 'train/loss' "
+     "is the mean of one log window, not of an epoch; use train/epoch_loss"),
     ("early_stopping.mode=lowest", "config key 'early_stopping.mode': 'lowest' is not one "
      "of: min, max"),
     ("early_stopping.patience=0", "config key 'early_stopping.patience': 0 must be >= 1"),

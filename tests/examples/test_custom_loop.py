@@ -70,7 +70,7 @@ def test_after_two_processes_resume_and_torchrun_give_the_same_weights(tmp_path)
     assert "ENGINE_START_METHOD" not in second.stderr  # forked: no fall-back warning
     assert second.stdout.splitlines()[0] == (
         "resuming from runs/custom_loop/checkpoints/snapshot-e0001-s00000032.pt: "
-        "epoch 1, step 32")
+        "the end of epoch 1, step 32")
     assert "epoch 0:" not in second.stdout and "epoch 1: loss" in second.stdout
     # ...and ends exactly where an uninterrupted run does.
     run(str(AFTER), "--epochs", "2", cwd=tmp_path / "b", ENGINE_START_METHOD="fork")

@@ -41,7 +41,7 @@ def test_a_run_stores_its_snapshots_with_it_and_resumes_exactly(tmp_path):
     assert (checkpoints / f"{first.name}.json").is_file()
 
     resumed = run(half, "epochs=3")
-    assert f"resuming from {first}: epoch 1, step 8" in resumed.stdout
+    assert f"resuming from {first}: the end of epoch 1, step 8" in resumed.stdout
     whole = tmp_path / "whole"
     run(whole, "epochs=3")
     assert read_summary(half)["global_step"] == read_summary(whole)["global_step"] == 24

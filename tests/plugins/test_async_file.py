@@ -268,7 +268,7 @@ def test_async_snapshot_resumes_like_an_uninterrupted_run(cifar_recipe, tmp_path
     proc = run_cli(*args, "epochs=2", f"out_dir={half}", "--checkpointer", "torch-file",
                    check=True)
     assert (f"resuming from {half / 'checkpoints' / 'snapshot-e0001-s00000008.pt'}: "
-            "epoch 1, step 8") in proc.stdout
+            "the end of epoch 1, step 8") in proc.stdout
     whole = tmp_path / "whole"
     run_cli(*args, "epochs=2", f"out_dir={whole}", "--checkpointer", "async", check=True)
     assert read_summary(half)["global_step"] == read_summary(whole)["global_step"] == 16

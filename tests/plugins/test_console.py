@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pty
+import re
 import struct
 import subprocess
 import termios
@@ -81,8 +82,16 @@ def test_a_data_bound_run_says_so_with_a_hint_and_summary_json_agrees(tmp_path):
     out = tmp_path / "run"
     # 20 ms of sleep per sample against a 4-to-8 linear model: nearly all waiting.
     proc = run_cli(recipe, "delay_s=0.02", f"out_dir={out}", "--nproc", "1", check=True)
-    wait = read_summary(out)["data_wait_fraction"]
+    summary = read_summary(out)
+    wait = summary["data_wait_fraction"]
     assert wait > 0.5
+    # The whole time from the command's start, and its start-up share (the worker's own
+    # wall_time_s once stood for the command's).
+    done = re.fullmatch(r"done: 1 epochs in (\d+\.\d)s \(start-up (\d+\.\d)s\), "
+                        r"results in (.*)", proc.stdout.splitlines()[-1])
+    assert done, proc.stdout
+    total, start_up = float(done[1]), float(done[2])
+    assert 0 < start_up < total and total >= round(summary["wall_time_s"], 1) - 0.1
     epoch_line = next(l for l in proc.stdout.splitlines() if l.startswith("epoch 1/1"))
     assert epoch_line.endswith(f"data-bound: {wait:.0%} waiting")
     assert (f"hint: the training waits for data (num_workers=0 per process); measure "

@@ -190,7 +190,7 @@ def test_two_processes_resume_what_one_saved(cifar_recipe, tmp_path):
     run(cifar_recipe, out, nproc=1, epochs=1)
     proc = run(cifar_recipe, out, nproc=2, epochs=2)
     assert (f"resuming from {out / 'checkpoints' / 'snapshot-e0001-s00000008.dcp'}: "
-            "epoch 1, step 8") in proc.stdout
+            "the end of epoch 1, step 8") in proc.stdout
     summary = read_summary(out)
     assert (summary["world_size"], summary["epochs_completed"], summary["global_step"]) == (
         2, 2, 16)

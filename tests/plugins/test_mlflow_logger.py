@@ -59,7 +59,14 @@ def test_params_metrics_by_epoch_summary_and_failed_status(make_engine, tmp_path
 def test_enabled_without_the_package_is_one_line_naming_the_extra(make_engine, monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed: import fails
     eng = make_engine()
-    eng.cfg = enabled(eng)
+    with pytest.raises(PluginError) as info:  # the launching process's check
+        enabled(eng)
+    assert str(info.value) == ("mlflow.enabled=true needs the mlflow package, which is not "
+                               'installed; install it with pip install -e ".[mlflow]" (or '
+                               "pip install mlflow), or drop mlflow.enabled=true")
+    # A worker given such a config anyway (a library caller's): the same, from the import.
+    eng.cfg = apply_overrides(with_groups(eng.cfg, {"mlflow": MLflowConfig}),
+                              ["mlflow.enabled=true"], checked=False)
     with pytest.raises(PluginError) as info:
         MLflowLogger().engine_run_start(engine=eng)
     assert str(info.value).startswith("mlflow.enabled=true needs the mlflow package (")
@@ -81,3 +88,42 @@ def test_a_store_failing_at_the_end_is_a_warning_not_an_exception(make_engine, t
     err = capsys.readouterr().err
     assert "mlflow: could not record the run's status in MLflow run" in err
     assert logger.client is None
+
+
+def test_a_store_mlflow_cannot_open_is_one_line_before_any_worker_starts(tmp_path,
+                                                                         monkeypatch):
+    """sqlite:// with the [mlflow] extra (mlflow-skinny: no SQLAlchemy), and a file store
+    without MLFLOW_ALLOW_FILE_STORE, failed only after 2 workers started, with MLflow's
+    exception and a gloo error from rank 1. Now: one line, exit 2, from the launching
+    process, in --dry-run too; the tracking URI from the environment alike."""
+    from engine.testing import TINY_RECIPE
+    from tests.conftest import engine_env, run_cli_here
+
+    recipe = tmp_path / "tracked.py"
+    recipe.write_text(TINY_RECIPE)
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # mlflow-skinny's environment
+    db, files = f"sqlite:///{tmp_path / 'mlflow.db'}", (tmp_path / "mlruns").as_uri()
+    out = f"out_dir={tmp_path / 'run'}"
+    cases = [
+        ([f"mlflow.tracking_uri={db}", "--nproc", "2"], {},
+         f"config key 'mlflow.tracking_uri': {db} is a database store, which needs "
+         "SQLAlchemy; the [mlflow] extra (mlflow-skinny) lacks it: pip install mlflow"),
+        ([f"mlflow.tracking_uri={db}", "--dry-run"], {}, "needs SQLAlchemy"),
+        (["--nproc", "2"], {"MLFLOW_TRACKING_URI": db},
+         f"MLFLOW_TRACKING_URI: {db} is a database store, which needs SQLAlchemy"),
+        ([f"mlflow.tracking_uri={files}", "--nproc", "2"], {},
+         f"config key 'mlflow.tracking_uri': {files} is MLflow's file store, which this "
+         "MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true is set: export "
+         "MLFLOW_ALLOW_FILE_STORE=true"),
+    ]
+    for args, env, message in cases:
+        proc = run_cli_here(str(recipe), "mlflow.enabled=true", out, *args,
+                            env=engine_env(**env))
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert proc.stderr.startswith("engine-run: error: ") and message in proc.stderr, (
+            args, proc.stderr)
+        assert proc.stderr.count("\n") == 1 and "[rank" not in proc.stderr
+        assert not (tmp_path / "run").exists()  # no worker ever started
+    proc = run_cli_here(str(recipe), "mlflow.enabled=true", out, f"mlflow.tracking_uri={files}",
+                        "--dry-run", env=engine_env(MLFLOW_ALLOW_FILE_STORE="true"))
+    assert proc.returncode == 0, proc.stderr

@@ -44,12 +44,17 @@ def test_rank0_writes_the_run_metrics_as_scalars(cifar_recipe, tmp_path):
     found = scalars(out / "tensorboard")
     assert {"train/loss", "train/samples_per_sec", "lr", "val/loss", "val/accuracy"} <= set(
         found)
-    # 512 samples, global batch 64: 8 steps; a point every 4 (log_every) plus the epoch's.
-    assert [step for step, _ in found["train/loss"]] == [4, 8, 8]
+    # 512 samples, global batch 64: 8 steps; a point every 4 (log_every), the epoch's mean
+    # under its own name.
+    assert [step for step, _ in found["train/loss"]] == [4, 8]
+    assert [step for step, _ in found["train/epoch_loss"]] == [8]
+    assert found["epoch"] == [(8, 1.0)]  # epoch 1 ended at step 8
     assert [step for step, _ in found["val/accuracy"]] == [8]
     summary = read_summary(out)
     assert found["val/accuracy"][0][1] == pytest.approx(summary["val_accuracy"], abs=1e-6)
     assert found["train/loss"][-1][1] == pytest.approx(summary["train_loss"], rel=1e-6)
+    assert found["train/epoch_loss"][-1][1] == pytest.approx(summary["train_epoch_loss"],
+                                                             rel=1e-6)
     assert found["lr"][0][1] == pytest.approx(0.001)
 
 
@@ -60,7 +65,7 @@ def test_a_resumed_run_replaces_the_points_after_its_snapshot(tmp_path):
     run_cli(str(recipe), "epochs=2", "log_every=4", f"out_dir={out}", "--nproc", "1",
             check=True)
     first = scalars(out / "tensorboard")["train/loss"]
-    assert [step for step, _ in first] == [4, 8, 8, 12, 16, 16]
+    assert [step for step, _ in first] == [4, 8, 12, 16]
 
     # Go back to the end of epoch 1 (step 8), as after a crash in epoch 2, with another
     # data order (seed, hence --resume-anyway) so that the new points differ from the old.
@@ -69,6 +74,6 @@ def test_a_resumed_run_replaces_the_points_after_its_snapshot(tmp_path):
             "--resume", str(snapshot), "--resume-anyway", "--nproc", "1", check=True)
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 2
     second = scalars(out / "tensorboard")["train/loss"]
-    assert [step for step, _ in second] == [4, 8, 8, 12, 16, 16]
-    assert second[:3] == first[:3]
-    assert all(new != old for new, old in zip(second[3:], first[3:]))
+    assert [step for step, _ in second] == [4, 8, 12, 16]
+    assert second[:2] == first[:2]
+    assert all(new != old for new, old in zip(second[2:], first[2:]))

@@ -24,8 +24,8 @@ def test_two_process_ddp_run_agrees_on_weights(cifar_recipe, tmp_path):
     assert summary["status"] == "completed"
     assert (summary["world_size"], summary["launcher"], summary["parallel"]) == (
         2, "spawn", "ddp")
-    for key in ("epochs_completed", "train_loss", "val_loss", "val_accuracy",
-                "samples_per_sec", "wall_time_s", "weights_sha256"):
+    for key in ("epochs_completed", "train_loss", "train_epoch_loss", "val_loss",
+                "val_accuracy", "samples_per_sec", "wall_time_s", "weights_sha256"):
         assert summary[key] is not None, key
     # Both ranks computed the digest of their own weights: DDP kept them identical.
     assert summary["weights_sha256_per_rank"] == [summary["weights_sha256"]] * 2
@@ -141,6 +141,6 @@ def test_logged_loss_is_a_mean_per_micro_batch_with_accumulation(cifar_recipe, t
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     logged = [e.value for e in events.Scalars("train/loss")]
-    epoch_loss = read_summary(out)["train_loss"]
+    epoch_loss = read_summary(out)["train_epoch_loss"]
     # lr is tiny, so every window's loss is close to the epoch mean (~2.3 for 10 classes).
     assert all(abs(value - epoch_loss) < 0.2 for value in logged), (logged, epoch_loss)

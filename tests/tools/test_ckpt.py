@@ -120,10 +120,21 @@ def test_inspect_text_and_a_checkpoints_folder_stands_for_its_latest(snapshot):
     lines = proc.stdout.splitlines()
     assert lines[0] == f"path      {snapshot}"
     assert "manifest  ok" in lines
-    assert "position  epoch 3, step 42, batch 5 of the epoch" in lines
+    assert "position  epoch 4, step 42, batch 5 of the epoch" in lines
     assert "model     9 tensors, 55 values, module. prefix: none" in lines
     assert "  0.weight               float32   4x6" in lines
     assert "  1.num_batches_tracked  int64     scalar" in lines
+
+
+def test_inspect_takes_the_pointer_files_as_resume_does(snapshot):
+    """`inspect runs/x/checkpoints/latest` once called the pointer file corrupt."""
+    best = snapshot.parent / "best"
+    if not best.exists():
+        best.write_text(snapshot.name + "\n")
+    for given in (snapshot.parent / "latest", best):
+        proc = ckpt("inspect", given)
+        assert proc.returncode == 0, (given, proc.stderr)
+        assert proc.stdout.splitlines()[0] == f"path      {snapshot}", given
 
 
 def test_inspect_finds_a_snapshot_that_no_longer_matches_its_manifest(snapshot, tmp_path):

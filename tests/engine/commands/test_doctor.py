@@ -5,6 +5,7 @@ variables a launcher would set and runs the real command (in this process)."""
 from __future__ import annotations
 
 import socket
+import sys
 
 import pytest
 
@@ -66,6 +67,15 @@ def test_problems_are_named_and_fail_the_exit_status():
     assert (f"PROBLEM master port {port} on 127.0.0.1 is already in use" in proc.stdout)
     assert "PROBLEM NCCL_SOCKET_IFNAME=nosuch0: no interface matches nosuch0 (interfaces " \
            "here: lo" in proc.stdout
+
+
+def test_an_mlflow_store_that_cannot_open_is_named(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # mlflow-skinny's
+    proc = doctor(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/m.db")
+    assert proc.returncode == 1
+    assert (f"PROBLEM MLFLOW_TRACKING_URI: sqlite:///{tmp_path}/m.db is a database store, "
+            "which needs SQLAlchemy; the [mlflow] extra (mlflow-skinny) lacks it: pip "
+            "install mlflow") in proc.stdout
 
 
 def test_launcher_asked_for_without_its_variables():

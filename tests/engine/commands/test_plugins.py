@@ -65,6 +65,25 @@ def test_disabled_and_not_autoloaded_plugins_are_reported(site):
     assert "shout 4.1.0 (distribution engine-shout, -p; module shout_logger)" in lines
 
 
+def test_an_editable_install_under_pip_target_is_listed_once_as_broken(tmp_path):
+    """pip install -e --target leaves a .pth that Python never reads there (not a site
+    folder): the entry point's module cannot be imported. It was listed both as
+    "installed, not loaded" and as "broken"."""
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "edit_logger.py").write_text("def engine_log(engine, metrics, step):\n    pass\n")
+    site = tmp_path / "target"
+    write_distribution(site, "engine-edit", "1.0", {"edit": "edit_logger"},
+                       files={"__editable__.engine_edit-1.0.pth": f"{source}\n"})
+    proc = run_cli("plugins", env=engine_env(PYTHONPATH=str(site)), timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stdout.splitlines()
+    assert not any(line.startswith("installed, not loaded") for line in lines), lines
+    (broken,) = [line for line in lines if line.startswith("broken: ")]
+    assert broken.startswith('broken: plugin "edit" (distribution engine-edit 1.0) is broken')
+    assert "edit_logger" in broken
+
+
 def test_a_module_given_with_p_is_listed_as_such(site):
     lines = plugins("-p", "shout_logger", "-p", "no:shout", PYTHONPATH=str(site))
     assert "shout_logger 4.1.0 (-p; module shout_logger)" in lines

@@ -32,8 +32,9 @@ def check_png(path) -> None:
 
 def log_epoch(writer, epoch: int, steps_per_epoch: int = 4, log_every: int = 2,
               loss0: float = 2.0) -> None:
-    """What the trainer logs for one epoch: a train/loss every ``log_every`` steps, then
-    the epoch's metrics (mean train/loss, val/*) at the epoch's last step."""
+    """What the trainer logged for one epoch before train/epoch_loss (an old run): a
+    train/loss every ``log_every`` steps, then the epoch's metrics (its mean as
+    train/loss too, val/*) at the epoch's last step."""
     first = epoch * steps_per_epoch
     for step in range(first + log_every, first + steps_per_epoch + 1, log_every):
         writer.add_scalar("train/loss", loss0 / step, step)
@@ -66,14 +67,15 @@ def test_report_from_tensorboard_events_of_a_resumed_run(tmp_path):
     assert 99.0 not in losses  # the killed run's point after the snapshot is gone
     assert losses[1] == pytest.approx(2.0 / 4)  # the window's loss, not the epoch mean
     assert curves.by_epoch["val/loss"] == ([1, 2, 3], pytest.approx([1.5, 0.75, 0.5]))
-    assert curves.by_epoch["train/loss (epoch mean)"] == (
+    assert curves.by_epoch["train/epoch_loss"] == (
         [1, 2, 3], pytest.approx([2.0 / 3, 2.0 / 7, 2.0 / 11]))
-    assert sorted(curves.by_epoch) == ["train/loss (epoch mean)", "val/accuracy", "val/loss"]
+    assert sorted(curves.by_epoch) == ["train/epoch_loss", "val/accuracy", "val/loss"]
 
     proc = run_cli_here("report", str(run))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == (f"wrote {run / 'report.png'} (train/loss by step; val/accuracy, "
-                           f"val/loss by epoch; from {run / 'tensorboard'})\n")
+    assert proc.stdout == (f"wrote {run / 'report.png'} (train/loss, lr by step; "
+                           "train/epoch_loss, val/accuracy, val/loss by epoch; from "
+                           f"{run / 'tensorboard'})\n")
     check_png(run / "report.png")
 
 
@@ -94,7 +96,7 @@ def test_metrics_csv_is_preferred_and_a_restart_replaces_points(tmp_path):
     curves = Curves.from_series(series)
     assert curves.by_step["train/loss"] == ([2, 4, 6, 8], [1.0, 0.8, 0.6, 0.5])
     assert curves.by_epoch == {"val/f1": ([1, 2], [0.5, 0.6]), "val/loss": ([1, 2], [0.7, 0.4]),
-                               "train/loss (epoch mean)": ([1, 2], [0.9, 0.55])}
+                               "train/epoch_loss": ([1, 2], [0.9, 0.55])}
     out = tmp_path / "plots" / "curves.png"
     out.parent.mkdir()
     proc = run_cli_here("report", str(run), "-o", str(out))
@@ -111,9 +113,9 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path, monkeypatch):
     no_columns = tmp_path / "no_columns"
     no_columns.mkdir()
     (no_columns / "metrics.csv").write_text("step,metric,value\n1,train/loss,0.5\n")
-    only_lr = tmp_path / "only_lr"
+    only_lr = tmp_path / "only_header"
     only_lr.mkdir()
-    (only_lr / "metrics.csv").write_text("step,epoch,name,value\n1,0,lr,0.1\n")
+    (only_lr / "metrics.csv").write_text("step,epoch,name,value\n1,0,world_size,1\n")
     cases = {
         (str(tmp_path / "nope"),): f"report: {tmp_path / 'nope'} does not exist; give a "
                                    "run's out_dir",
@@ -121,8 +123,8 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path, monkeypatch):
                        f"TensorBoard event files in {empty / 'tensorboard'}",
         (str(no_columns),): f"{no_columns / 'metrics.csv'} is not a metrics file: it lacks "
                             "the column(s) epoch, name",
-        (str(only_lr),): f"{only_lr / 'metrics.csv'} holds no train/loss and no val/* "
-                         "metric; logged: lr",
+        (str(only_lr),): f"{only_lr / 'metrics.csv'} holds no metric to plot; logged: "
+                         "world_size",
         (str(only_lr), "-o", str(tmp_path / "no" / "r.png")):
             f"cannot write {tmp_path / 'no' / 'r.png'}: the folder {tmp_path / 'no'} "
             "does not exist",
@@ -141,9 +143,18 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path, monkeypatch):
                            'installed; install it with pip install -e ".[report]"\n')
 
 
-def test_a_real_run_is_listed_and_reported(tiny_recipe, tmp_path):  # noqa: F811
+def panel_titles(curves) -> list[str]:
+    return [title for title, _, _ in curves.panels()]
+
+
+def test_a_real_run_and_its_resume_with_more_processes_are_listed_and_reported(
+        tiny_recipe, tmp_path):  # noqa: F811
+    """The main job's shape: the epoch's end (step 8, 16) is no check point (log_every=3),
+    so the epoch mean once ended the window curve with a jump. Then resumed with 2
+    processes for a third epoch: the report marks where, and from how many."""
     run = tmp_path / "runs" / "tiny" / "version_0"
-    run_cli(str(tiny_recipe), "epochs=2", f"out_dir={run}", "--nproc", "1", check=True)
+    run_cli(str(tiny_recipe), "epochs=2", "log_every=3", f"out_dir={run}", "--nproc", "1",
+            check=True)
     summary = read_summary(run)
 
     listed = run_cli_here("runs", str(tmp_path / "runs"))
@@ -158,5 +169,70 @@ def test_a_real_run_is_listed_and_reported(tiny_recipe, tmp_path):  # noqa: F811
 
     reported = run_cli_here("report", str(run))
     assert reported.returncode == 0, reported.stderr
-    assert "train/loss by step; val/accuracy, val/loss by epoch" in reported.stdout
+    assert "train/loss, lr, train/samples_per_sec by step; train/data_wait_fraction, " \
+        "train/epoch_loss, val/accuracy, val/loss by epoch; from" in reported.stdout
     check_png(run / "report.png")
+    curves = check_panels(run)
+    assert curves.by_step["train/loss"][0] == [3, 6, 9, 12, 15]
+    assert curves.resumes == []
+
+    run_cli(str(tiny_recipe), "epochs=3", "log_every=3", f"out_dir={run}", "--nproc", "2",
+            check=True)
+    reported = run_cli_here("report", str(run))
+    assert reported.returncode == 0, reported.stderr
+    assert "; resumed at step 16: 1 -> 2 processes; from" in reported.stdout
+    check_png(run / "report.png")
+    curves = check_panels(run)
+    assert curves.by_step["train/loss"][0] == [3, 6, 9, 12, 15, 18, 21, 24]
+    assert curves.resumes == [(16, 1, 2)]
+    assert curves.by_epoch["train/epoch_loss"][0] == [1, 2, 3]
+
+
+def check_panels(run):
+    """The panels of a trainer's run, and no point of the window-loss curve (or the
+    throughput's) that is an epoch's value."""
+    series, _ = read_scalars(run)
+    curves = Curves.from_series(series)
+    assert panel_titles(curves) == [
+        "training loss (train/loss: mean of each log window)", "loss by epoch",
+        "learning rate", "throughput", "train/data_wait_fraction", "val/accuracy"]
+    window = set(zip(*curves.by_step["train/loss"]))
+    assert window == set(series["train/loss"])
+    assert not window & set(series["train/epoch_loss"])
+    epochs_ends = {step for step, _ in series["train/epoch_loss"]}
+    throughput = set(zip(*curves.by_step["train/samples_per_sec"]))
+    assert throughput and all(step % 3 == 0 for step, _ in throughput), (throughput,
+                                                                          epochs_ends)
+    return curves
+
+
+def test_a_custom_loop_logging_its_own_names_gets_its_plots(tmp_path_factory):
+    """A loop on engine.launch that logs train/mse and val/mse, no train/loss (the one
+    SIGKILLed in its fourth epoch): its curves, not a refusal."""
+    from tests.plugins.killed_runs import killed_custom_loop
+
+    run = killed_custom_loop(tmp_path_factory)
+    curves = Curves.from_series(read_scalars(run)[0])
+    assert curves.by_step["train/mse"][0] == list(range(1, 13))
+    assert curves.by_epoch["val/mse"][0] == [1, 2, 3]
+    assert panel_titles(curves) == ["train/mse", "val/mse"]
+    out = tmp_path_factory.mktemp("report") / "loop.png"
+    reported = run_cli_here("report", str(run), "-o", str(out))
+    assert reported.returncode == 0, reported.stderr
+    assert "(train/mse by step; val/mse by epoch; from" in reported.stdout
+    check_png(out)
+
+
+def test_an_old_run_whose_epoch_end_was_no_check_point_has_no_jump(tmp_path):
+    """Before train/epoch_loss, the epoch's mean was logged as train/loss too: at an
+    epoch end that is no check point it was the step's only train/loss, and the window
+    curve ended on it (the main job's 0.26 at step 300, then 1.22 at step 314)."""
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "metrics.csv").write_text("\n".join([
+        "step,epoch,name,value", "3,0,train/loss,0.9", "6,0,train/loss,0.3",
+        "8,0,train/loss,1.2", "8,0,val/loss,0.5", "11,1,train/loss,0.2",
+        "14,1,train/loss,0.1", "16,1,train/loss,0.4", "16,1,val/loss,0.3"]) + "\n")
+    curves = Curves.from_series(read_scalars(run)[0])
+    assert curves.by_step["train/loss"] == ([3, 6, 11, 14], [0.9, 0.3, 0.2, 0.1])
+    assert curves.by_epoch["train/epoch_loss"] == ([1, 2], [1.2, 0.4])
