@@ -439,7 +439,8 @@ def test_train_step_extras_are_means_per_window_and_per_epoch():
     assert extras.means(sums.tolist(), batches) == {"train/accuracy": 0.75, "train/tokens": 20.0}
     extras.add({"accuracy": torch.tensor(0.0), "tokens": 20})
     *sums, batches = extras.take_epoch().tolist()  # the open window included
-    assert extras.means(sums, batches) == {"train/accuracy": 0.5, "train/tokens": 20.0}
+    assert extras.means(sums, batches, prefix="train/epoch_") == {
+        "train/epoch_accuracy": 0.5, "train/epoch_tokens": 20.0}
     assert extras.take_epoch().tolist() == [0.0, 0.0, 0.0]  # the next epoch starts empty
 
 
