@@ -212,7 +212,11 @@ class Context(WorkerContext):
         if optimizer is None or not hasattr(optimizer, "state_dict"):
             raise ConfigError(f"ctx.wrap(model, optimizer): {optimizer!r} is not a torch "
                               "optimizer")
-        self.model = self.parallel.wrap(model.to(self.device))
+        from engine.compile import compile_model
+
+        # torch.compile (compile.*) before the wrap, as under engine-run.
+        model = compile_model(model.to(self.device), self.cfg.compile, self.print)
+        self.model = self.parallel.wrap(model)
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         # What snapshots hold (engine/stateful.py); the loop's own parts: ctx.add_state.
         self.add_core_parts(self.state, lambda: self.train_loader)

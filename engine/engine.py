@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine import phases
+from engine.compile import compile_model
 from engine.context import WorkerContext, start_worker
 from engine.errors import ConfigError, EngineError, RunError, first_line
 from engine.stateful import TrainState
@@ -70,6 +71,9 @@ class Engine(WorkerContext):
 
         if isinstance(exc, EngineError) or not isinstance(exc, Exception):
             return exc
+        explained = super().explain(exc)  # a compile failure
+        if explained is not exc:
+            return explained
         line = first_line(exc)
         hint = self.parallel.explain(exc) if self.parallel is not None else None
         if hint:
@@ -142,6 +146,7 @@ class Engine(WorkerContext):
             raise ConfigError(f"the recipe's build_model returned a model without parameters "
                               f"({type(model).__name__}): there is nothing to train")
         model = model.to(self.device)
+        model = compile_model(model, cfg.compile, self.print)  # torch.compile (compile.*)
         self.model = self.parallel.wrap(model)
         self.optimizer = recipe.module.build_optimizer(cfg, self.module)
         build_scheduler = recipe.optional("build_scheduler")

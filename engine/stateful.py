@@ -148,8 +148,10 @@ class TrainState:
 
 
 class ModelState:
-    """The unwrapped module. ``sharded``: torch.distributed.checkpoint's form (keyed by
-    parameter name, sharded tensors left sharded), for a checkpointer that stores it."""
+    """The unwrapped module, under the keys of a plain model (without torch.compile's
+    ``_orig_mod.``), so that a snapshot loads into a compiled and a plain model alike.
+    ``sharded``: torch.distributed.checkpoint's form (keyed by parameter name, sharded
+    tensors left sharded), for a checkpointer that stores it."""
 
     def __init__(self, module, sharded: bool = False):
         self.module = module
@@ -159,8 +161,11 @@ class ModelState:
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            return get_model_state_dict(self.module)
-        return self.module.state_dict()
+            return get_model_state_dict(self.module)  # plain keys, compiled or not
+        from engine.checkpoint import plain_keys
+
+        # A model the user compiled (torch.compile) saves the keys a plain one has.
+        return plain_keys(self.module.state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
         if self.sharded:
