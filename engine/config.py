@@ -286,6 +286,9 @@ def apply_override(cfg: Any, key: str, text: str) -> None:
     name = parts[-1]
     current = getattr(target, name)
     if attrs.has(type(current)):
+        if "enabled" in attrs.fields_dict(type(current)):
+            # A group switched on and off (compile, ema): GROUP=true is GROUP.enabled=true.
+            return apply_override(cfg, f"{key}.enabled", text)
         raise ConfigError(
             f"config key {key!r} is a group; set one of its fields, e.g. "
             f"{all_keys(current, key + '.')[0]}=..."
