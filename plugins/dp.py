@@ -12,6 +12,9 @@ it slower than ``ddp`` with one process per GPU; BatchNorm normalises each chunk
 its own statistics and only ``cuda:0``'s replica updates the running statistics.
 
 On a machine without GPUs it runs as ``single`` on the CPU and says so once.
+
+``compile.enabled=true`` over several GPUs is refused (see :meth:`DataParallel.check`):
+DataParallel's per-step replicas would run the original module's compiled forward.
 """
 
 from __future__ import annotations

@@ -184,6 +184,33 @@ def test_a_user_compiled_model_saves_plain_keys_and_resumes_into_a_plain_one(tmp
         assert torch.allclose(resumed[key], value, atol=1e-5), key
 
 
+def test_ddp_optimizer_splits_the_module_compiled_before_the_wrap_at_its_buckets(tmp_path):
+    """The order compile -> DDP keeps torch's DDPOptimizer: the module compiles inside
+    DDP's forward, and its graph reaches the backend in one piece per bucket (four 1 MB
+    layers, 1 MB buckets). A counting backend: no code is generated."""
+    import torch.distributed as dist
+    from torch._dynamo import register_backend
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    graphs = []
+
+    @register_backend(name="count_graphs_for_test")
+    def count_graphs(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+    compile_model(model, CompileConfig(enabled=True, backend="count_graphs_for_test"),
+                  say=lambda _: None)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        DDP(model, bucket_cap_mb=1)(torch.randn(2, 512)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert len(graphs) == 4
+
+
 # ------------------------------------------------------------- no compile needed
 
 
