@@ -20,7 +20,8 @@ machine hits every variant alike.
 
 Timed is the step: bench_overhead.py's LoopCPUClock cuts each run's loop into windows of
 20 steps (the engine's check point interval) and the median window / 20 is that run's
-time per step, untouched by the first steps that compile. Printed: the medians over the
+time per step, untouched by the first steps that compile; the same of the process CPU
+time, far steadier when other jobs load the machine. Printed: the medians over the
 rounds per variant, engine / hand-written for eager and for compiled (target <= 1.02),
 compiled / eager for both (the speed-up, or the loss, that compile brings here), and the
 compile time.
@@ -43,9 +44,9 @@ from bench_overhead import WORKLOADS, LoopCPUClock, spread, through_engine  # no
 VARIANTS = ("hand eager", "engine eager", "hand compiled", "engine compiled")
 
 
-def hand_written(args, compiled: bool) -> tuple[float, float | None]:
-    """The tutorial's loop on ``args.device``; returns (seconds per step, compile
-    seconds of this run by torch's count, None when eager)."""
+def hand_written(args, compiled: bool) -> tuple[tuple[float, float], float | None]:
+    """The tutorial's loop on ``args.device``; returns (seconds per step of wall and of
+    process CPU time, compile seconds of this run by torch's count, None when eager)."""
     import torch
     from torch import nn
     from torch.utils.data import DataLoader
@@ -79,13 +80,13 @@ def hand_written(args, compiled: bool) -> tuple[float, float | None]:
     if args.device == "cuda":
         torch.cuda.synchronize()
     spent = (seconds_spent() or 0.0) - before if compiled else None
-    return clock.step_seconds()[0], spent
+    return clock.step_seconds(), spent
 
 
-def through_engine_step(args, compiled: bool) -> tuple[float, float | None]:
+def through_engine_step(args, compiled: bool) -> tuple[tuple[float, float], float | None]:
     """bench_overhead.py's Engine run with the compile and precision overrides; returns
-    (seconds per step, compile seconds of this run by torch's count, as its summary's
-    compile_s)."""
+    (seconds per step of wall and of process CPU time, compile seconds of this run by
+    torch's count, as its summary's compile_s)."""
     from engine.compile import seconds_spent
     from engine.launcher import free_port
 
@@ -98,7 +99,7 @@ def through_engine_step(args, compiled: bool) -> tuple[float, float | None]:
     with tempfile.TemporaryDirectory() as out_dir, open(args.log, "a") as log, \
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         *_, per_step = through_engine("single", 0, 1, free_port(), out_dir, engine_args)
-    return per_step[0], (seconds_spent() or 0.0) - before if compiled else None
+    return per_step, (seconds_spent() or 0.0) - before if compiled else None
 
 
 def run(args) -> dict:
@@ -110,25 +111,32 @@ def run(args) -> dict:
     # hand-written one then finds in torch's caches (its compile time says so).
     order = ["engine compiled", "hand compiled", "engine eager", "hand eager"]
     step_s = {v: [] for v in VARIANTS}
+    step_cpu_s = {v: [] for v in VARIANTS}
     compile_s = {}
     for round_index in range(args.reps + 1):
         shift = round_index % len(order)
         for variant in order[shift:] + order[:shift]:
-            seconds, spent = runners[variant]()
+            (wall, cpu), spent = runners[variant]()
             if round_index == 0:
                 compile_s[variant] = spent
             else:
-                step_s[variant].append(seconds)
+                step_s[variant].append(wall)
+                step_cpu_s[variant].append(cpu)
+    return {**ratios(step_s), "cpu": ratios(step_cpu_s),
+            "step_ms_spread": {v: spread([s * 1e3 for s in step_s[v]]) for v in VARIANTS},
+            "compile_s_engine": compile_s["engine compiled"],
+            "compile_s_hand_after": compile_s["hand compiled"]}
+
+
+def ratios(step_s: dict[str, list[float]]) -> dict:
+    """The median step per variant (ms) and the ratios between them."""
     median = {v: statistics.median(s) for v, s in step_s.items()}
     return {
         "step_ms": {v: median[v] * 1e3 for v in VARIANTS},
-        "step_ms_spread": {v: spread([s * 1e3 for s in step_s[v]]) for v in VARIANTS},
         "engine_vs_hand_eager": median["engine eager"] / median["hand eager"],
         "engine_vs_hand_compiled": median["engine compiled"] / median["hand compiled"],
         "compiled_vs_eager_engine": median["engine compiled"] / median["engine eager"],
         "compiled_vs_eager_hand": median["hand compiled"] / median["hand eager"],
-        "compile_s_engine": compile_s["engine compiled"],
-        "compile_s_hand_after": compile_s["hand compiled"],
     }
 
 
@@ -171,17 +179,19 @@ def main(argv=None) -> int:
                                      delete=False) as log:
         args.log = log.name
     result = run(args)
-    ms = result["step_ms"]
     print(f"{args.workload} on {args.device}, precision {args.precision}, {args.size} "
           f"samples x 1 epoch, batch {args.batch}, backend {args.backend}, mode "
           f"{args.mode}, {args.threads} threads, {args.reps} interleaved rounds "
           f"(medians of the per-run median step; engine output: {args.log})")
-    print(f"{'':<10}{'hand-written':>14}{'engine':>10}{'engine/hand':>13}")
-    for kind in ("eager", "compiled"):
-        print(f"{kind:<10}{ms[f'hand {kind}']:>11.3f} ms{ms[f'engine {kind}']:>7.3f} ms"
-              f"{result[f'engine_vs_hand_{kind}']:>13.3f}")
-    print(f"compiled / eager: engine {result['compiled_vs_eager_engine']:.3f}, "
-          f"hand-written {result['compiled_vs_eager_hand']:.3f} (below 1: compile pays)")
+    print(f"{'':<20}{'hand-written':>14}{'engine':>14}{'engine/hand':>13}")
+    for clock, numbers in (("wall", result), ("process CPU", result["cpu"])):
+        ms = numbers["step_ms"]
+        for kind in ("eager", "compiled"):
+            print(f"{clock + ' ' + kind:<20}{ms[f'hand {kind}']:>11.3f} ms"
+                  f"{ms[f'engine {kind}']:>11.3f} ms{numbers[f'engine_vs_hand_{kind}']:>13.3f}")
+        print(f"{clock + ' compiled / eager':<20}: engine "
+              f"{numbers['compiled_vs_eager_engine']:.3f}, hand-written "
+              f"{numbers['compiled_vs_eager_hand']:.3f} (below 1: compile pays)")
     print(f"compile time: engine {result['compile_s_engine']} s (cold, the warm-up's "
           f"first run); hand-written after it {result['compile_s_hand_after']} s "
           "(torch's caches warm)")
