@@ -23,8 +23,8 @@ from engine.errors import ConfigError
 from tests.conftest import read_summary, run_cli
 from tests.recipes.tiny_parallel_runs import TINY_RECIPE, tiny_env
 
-#: Compiled and eager kernels round differently: the losses of the same 16 steps agree
-#: to this (they differ around 1e-6 on this recipe).
+#: Compiled and eager kernels round differently (inductor fuses and reorders sums):
+#: the losses of the same 16 steps agree to this.
 LOSS_TOLERANCE = 1e-4
 COMPILE_TIMEOUT_S = 600  # a first compile on a loaded 2-core machine
 
