@@ -5,7 +5,7 @@
     seed every RNG, set threads
     parallel mode: devices, backend       -> process group (if more than one process)
     data: prepare on local rank 0 first, then build datasets and loaders on every rank
-    model on the device, wrapped; optimizer, scheduler, grad scaler
+    model on the device, compiled (compile.*), wrapped; optimizer, scheduler, grad scaler
     resume from the latest good snapshot (if any)
     Trainer.fit()                         -> epochs, validation, snapshots
     final snapshot durable; summary.json (rank 0, however the run ended); process group
