@@ -214,7 +214,11 @@ class Context(WorkerContext):
         if not (hasattr(optimizer, "state_dict") or callable(optimizer)):
             raise ConfigError(f"ctx.wrap(model, optimizer): {optimizer!r} is not a torch "
                               "optimizer (nor a function of the model that builds one)")
-        self.model = self.parallel.wrap(model.to(self.device))
+        from engine.compile import compile_model
+
+        # torch.compile (compile.*) before the wrap, as under engine-run.
+        model = compile_model(model.to(self.device), self.cfg.compile, self.print)
+        self.model = self.parallel.wrap(model)
         module = self.parallel.unwrap(self.model)
         if not hasattr(optimizer, "state_dict"):
             optimizer = optimizer(module)  # built on the wrapped model's parameters

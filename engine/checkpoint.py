@@ -20,6 +20,7 @@ State-dict helpers:
 
 - :func:`model_digest`: the sha256 of a state_dict, the same on every machine.
 - :func:`load_model_state`: accepts keys with or without DDP's ``module.`` prefix and
+  torch.compile's ``_orig_mod.`` (:func:`plain_keys`), into a plain or compiled model, and
   reports a mismatch as the missing and unexpected keys.
 """
 
@@ -63,11 +64,24 @@ def model_digest(state_dict: dict) -> str:
     return digest.hexdigest()
 
 
-def strip_module_prefix(state_dict: dict) -> dict:
-    """Remove DDP/DataParallel's ``module.`` prefix when every key carries it."""
+#: The key segment of a module compiled by ``torch.compile(module)`` (an
+#: OptimizedModule keeps the original as its submodule ``_orig_mod``).
+COMPILED_SEGMENT = "_orig_mod"
+
+
+def plain_keys(state_dict: dict) -> dict:
+    """The keys a plain model has: without DDP/DataParallel's ``module.`` prefix (when
+    every key carries it) and without torch.compile's ``_orig_mod.`` at any depth (a
+    whole model compiled, or blocks of it)."""
     if state_dict and all(k.startswith("module.") for k in state_dict):
-        return {k[len("module."):]: v for k, v in state_dict.items()}
-    return dict(state_dict)
+        state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
+    return {uncompiled_key(k): v for k, v in state_dict.items()}
+
+
+def uncompiled_key(key: str) -> str:
+    if COMPILED_SEGMENT not in key:
+        return key
+    return ".".join(part for part in key.split(".") if part != COMPILED_SEGMENT)
 
 
 def add_module_prefix(state_dict: dict) -> dict:
@@ -75,10 +89,13 @@ def add_module_prefix(state_dict: dict) -> dict:
 
 
 def load_model_state(model, state_dict: dict, source: str = "checkpoint") -> None:
-    """Load into a plain or DDP/DP-wrapped model, with or without ``module.`` keys."""
+    """Load into a plain, compiled or DDP/DP-wrapped model, with or without the
+    ``module.`` and ``_orig_mod.`` parts of the keys."""
     target = getattr(model, "module", model)
-    state_dict = strip_module_prefix(state_dict)
-    expected = set(target.state_dict())
+    state_dict = plain_keys(state_dict)
+    # The plain key of each of the target's own keys (a compiled target's have _orig_mod).
+    own_key = {uncompiled_key(k): k for k in target.state_dict()}
+    expected = set(own_key)
     given = set(state_dict)
     missing = sorted(expected - given)
     unexpected = sorted(given - expected)
@@ -93,7 +110,7 @@ def load_model_state(model, state_dict: dict, source: str = "checkpoint") -> Non
             parts.append(f"unexpected keys: {some(unexpected)}")
         raise CheckpointError(f"{source} does not match the model; " + "; ".join(parts))
     try:
-        target.load_state_dict(state_dict)
+        target.load_state_dict({own_key[k]: v for k, v in state_dict.items()})
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()
         detail = next((line.strip() for line in first[1:] if line.strip()), first[0])

@@ -60,6 +60,26 @@ class EarlyStoppingConfig:
 
 
 @attrs.define
+class CompileConfig:
+    """``compile.*``: torch.compile the model (engine/compile.py, docs/compile.md)."""
+
+    # Compiled kernels compute the same steps as eager ones, up to float rounding: a
+    # run may resume with compile on or off.
+    RESUME_SAFE = True
+
+    enabled: bool = False
+    # torch.compile's modes: reduce-overhead adds CUDA graphs, max-autotune searches
+    # kernels (long compiles).
+    mode: Literal["default", "reduce-overhead", "max-autotune",
+                  "max-autotune-no-cudagraphs"] = "default"
+    # Class names (``Block`` or ``Block,Attention``): compile every submodule of these
+    # classes instead of the whole model; the repeated blocks compile once.
+    regional: tuple[str, ...] = ()
+    backend: str = "inductor"  # torch.compile's backend (aot_eager: no code generation)
+    fullgraph: bool = False  # a graph break is an error instead of a fallback to eager
+
+
+@attrs.define
 class TrainConfig:
     """Fields every recipe has. ``batch_size`` is the *global* batch per optimizer step;
     the engine splits it across processes (and accumulation steps)."""
@@ -101,6 +121,7 @@ class TrainConfig:
     activation_checkpointing: str = ""
     checkpoint: CheckpointConfig = attrs.Factory(CheckpointConfig)
     early_stopping: EarlyStoppingConfig = attrs.Factory(EarlyStoppingConfig)
+    compile: CompileConfig = attrs.Factory(CompileConfig)
 
 
 # ------------------------------------------------------------------ plugin groups
@@ -311,6 +332,9 @@ def apply_override(cfg: Any, key: str, text: str) -> None:
     name = parts[-1]
     current = getattr(target, name)
     if attrs.has(type(current)):
+        if "enabled" in attrs.fields_dict(type(current)):
+            # A group switched on and off (compile, ema): GROUP=true is GROUP.enabled=true.
+            return apply_override(cfg, f"{key}.enabled", text)
         raise ConfigError(
             f"config key {key!r} is a group; set one of its fields, e.g. "
             f"{all_keys(current, key + '.')[0]}=..."

@@ -10,6 +10,7 @@ The end of a run, however it ends::
 
     checkpointer closed (quietly when the run failed: the first error is the one reported)
     summary built (weights digests, a collective, only when the run completed)
+    compile time printed (rank 0, compile.enabled)
     [engine_run_end]                    every rank
     summary.json                        rank 0, always: completed, preempted or failed
     process group destroyed             unless the run failed (a rank may be gone)
@@ -32,6 +33,7 @@ import attrs
 import engine
 from engine import config as config_mod
 from engine import phases
+from engine.compile import seconds_spent
 from engine.errors import RunError, one_line
 from engine.stateful import SnapshotParts
 
@@ -75,7 +77,7 @@ def weights_digests(module, warn) -> dict:
     """Every rank digests its own copy of the weights: DDP promises they are equal, we
     check (a collective: every rank calls it)."""
     from engine import distributed, stateful
-    from engine.checkpoint import model_digest
+    from engine.checkpoint import model_digest, plain_keys
 
     if stateful.is_sharded(module):
         # One model spread over the ranks (fsdp): the digest of its full state, which
@@ -84,7 +86,7 @@ def weights_digests(module, warn) -> dict:
         digest = distributed.broadcast_object(model_digest(full) if full else None)
         return {"weights_sha256": digest,
                 "weights_sha256_per_rank": distributed.all_gather_object(digest)}
-    digests = distributed.all_gather_object(model_digest(module.state_dict()))
+    digests = distributed.all_gather_object(model_digest(plain_keys(module.state_dict())))
     if len(set(digests)) > 1:
         warn("the ranks finished with different weights: "
              + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)))
@@ -166,6 +168,7 @@ class WorkerContext:
         self._warned: set[str] = set()
         self._started = time.perf_counter()
         self._started_at = utc_now()
+        self._compiled_before = seconds_spent()  # torch.compile's count (compile_s)
         phases.mark("imports, plugins, recipe")
 
     @property
@@ -299,8 +302,13 @@ class WorkerContext:
             run.summary = self.finish(run.status, run.error)
 
     def explain(self, exc: BaseException) -> BaseException:
-        """The error the user should see for ``exc`` (the Engine adds hints)."""
-        return exc
+        """The error the user should see for ``exc``: a failed torch.compile in one line
+        (the Engine adds the parallel mode's hints)."""
+        from engine.compile import explain_failure
+
+        failed = (None if self.model is None
+                  else explain_failure(exc, self.module, self.cfg.compile))
+        return failed or exc
 
     def finish(self, status: str, error: BaseException | None = None) -> dict:
         """The end of the run (see the module docstring); returns the summary.
@@ -318,6 +326,7 @@ class WorkerContext:
             with contextlib.suppress(Exception):
                 self.checkpointer.close()
         summary = self.summary(status, error)
+        self.print_compile_time(summary)
         self.pm.hook.engine_run_end(engine=self, summary=summary)
         if self.is_rank0:
             self.write_summary(summary)
@@ -359,12 +368,21 @@ class WorkerContext:
             "engine_version": engine.__version__,
             "weights_sha256": None,
             "weights_sha256_per_rank": None,
+            "compile_s": None,  # seconds torch.compile took (compile.enabled)
         }
         if self.model is not None and status == "completed":
             if self._weights is None:
                 self.gather_weights()
             summary.update(self._weights)
         return summary
+
+    def print_compile_time(self, summary: dict) -> None:
+        """With compile.enabled: ``compile_s`` in the summary, and one line on rank 0."""
+        from engine.compile import report
+
+        summary["compile_s"], line = report(self.cfg.compile, self._compiled_before)
+        if line:
+            self.print(line)
 
     def gather_weights(self) -> None:
         """The closing collective of a completed run: every rank's weights digest. The

@@ -5,7 +5,7 @@
     seed every RNG, set threads
     parallel mode: devices, backend       -> process group (if more than one process)
     data: prepare on local rank 0 first, then build datasets and loaders on every rank
-    model on the device, wrapped; optimizer, scheduler, grad scaler
+    model on the device, compiled (compile.*), wrapped; optimizer, scheduler, grad scaler
     resume from the latest good snapshot (if any)
     Trainer.fit()                         -> epochs, validation, snapshots
     final snapshot durable; summary.json (rank 0, however the run ended); process group
@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine import phases
+from engine.compile import compile_model
 from engine.context import WorkerContext, start_worker
 from engine.errors import ConfigError, EngineError, PeerFailed, RunError, first_line
 from engine.stateful import TrainState
@@ -71,6 +72,9 @@ class Engine(WorkerContext):
 
         if isinstance(exc, EngineError) or not isinstance(exc, Exception):
             return exc
+        explained = super().explain(exc)  # a compile failure
+        if explained is not exc:
+            return explained
         line = first_line(exc)
         hint = self.parallel.explain(exc) if self.parallel is not None else None
         if hint:
@@ -152,7 +156,10 @@ class Engine(WorkerContext):
                               f"({type(model).__name__}): there is nothing to train")
         model = model.to(self.device)
         self.parallel.recipe = recipe  # a mode may read the recipe's settings (fsdp)
+        # Model transforms in torchtitan's order: activation checkpointing, compile, then
+        # the parallel wrap (fully_shard, DDP...).
         model = activation_checkpointing.apply(model, cfg.activation_checkpointing)
+        model = compile_model(model, cfg.compile, self.print)  # torch.compile (compile.*)
         self.model = self.parallel.wrap(model)
         self.optimizer = recipe.module.build_optimizer(cfg, self.module)
         # The run's length, for schedules by step: the optimizer steps of an epoch

@@ -187,9 +187,11 @@ def is_sharded(module) -> bool:
 
 
 class ModelState:
-    """The unwrapped module. ``sharded``: torch.distributed.checkpoint's form (keyed by
-    parameter name, sharded tensors left sharded), for a checkpointer that stores it;
-    see :func:`distributed_options`."""
+    """The unwrapped module, under the keys of a plain model (without torch.compile's
+    ``_orig_mod.``), so that a snapshot loads into a compiled and a plain model alike.
+    ``sharded``: torch.distributed.checkpoint's form (keyed by parameter name, sharded
+    tensors left sharded), for a checkpointer that stores it; see
+    :func:`distributed_options`."""
 
     def __init__(self, module, sharded: bool = False):
         self.module = module
@@ -200,8 +202,11 @@ class ModelState:
         if options is not None:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            return get_model_state_dict(self.module, options=options)
-        return self.module.state_dict()
+            return get_model_state_dict(self.module, options=options)  # plain keys
+        from engine.checkpoint import plain_keys
+
+        # A model the user compiled (torch.compile) saves the keys a plain one has.
+        return plain_keys(self.module.state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
         options = distributed_options(self.module, self.sharded)

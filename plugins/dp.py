@@ -12,11 +12,15 @@ it slower than ``ddp`` with one process per GPU; BatchNorm normalises each chunk
 its own statistics and only ``cuda:0``'s replica updates the running statistics.
 
 On a machine without GPUs it runs as ``single`` on the CPU and says so once.
+
+``compile.enabled=true`` over several GPUs is refused (see :meth:`DataParallel.check`):
+DataParallel's per-step replicas would run the original module's compiled forward.
 """
 
 from __future__ import annotations
 
 import engine
+from engine.errors import ConfigError
 from engine.parallel import Parallel, require_single_process, visible_gpus
 
 
@@ -42,6 +46,15 @@ class DataParallel(Parallel):
 
     def check(self):
         require_single_process(self)
+        compiles = getattr(getattr(self.cfg, "compile", None), "enabled", False)
+        if compiles and visible_gpus() > 1:
+            # DataParallel's replicas share the original's __dict__, and with it the
+            # compiled forward, which would run on the original's weights.
+            raise ConfigError(
+                "compile.enabled=true does not work with parallel mode 'dp': "
+                "nn.DataParallel copies the model to every GPU each step and the copies "
+                "would run the original's compiled forward; use --parallel ddp (one "
+                "process per GPU) or compile.enabled=false")
 
     def setup_device(self):
         import torch

@@ -18,7 +18,9 @@ The seeds' "dict names" problem: a model saved from inside DDP has every key pre
 with ``module.``, and the plain model refuses it (and the other way round).
 strip-prefix/add-prefix rewrite the keys of the model weights only and keep everything
 else in the file; export writes just the weights, without the prefix, loadable with
-``model.load_state_dict(torch.load(OUT, weights_only=True))``; an OUT ending in
+``model.load_state_dict(torch.load(OUT, weights_only=True))`` (torch.compile's
+``_orig_mod.``, from a model compiled with ``torch.compile(model)`` by an older engine or
+another tool, is dropped too); an OUT ending in
 ``.safetensors`` is written in the safetensors format instead, which the ecosystem uses
 to share weights (no pickle at all), loadable with
 ``safetensors.torch.load_file(OUT)``. We write that format ourselves (see
@@ -40,7 +42,7 @@ import pathlib
 import sys
 
 from engine.atomic_io import atomic_write, file_checksum
-from engine.checkpoint import add_module_prefix, model_digest, strip_module_prefix
+from engine.checkpoint import add_module_prefix, model_digest, plain_keys
 from engine.errors import CheckpointError, untrusted_pickle
 
 PREFIX = "module."
@@ -183,7 +185,7 @@ def describe(ckpt: Checkpoint) -> dict:
         "key": ckpt.model_key,
         "tensors": len(model),
         "values": sum(t.numel() for t in model.values()),
-        "digest": model_digest(strip_module_prefix(model)),
+        "digest": model_digest(plain_keys(model)),
         "module_prefix": "all" if len(prefixed) == len(model) else
                          ("some" if prefixed else "none"),
         "entries": {k: {"dtype": str(t.dtype).replace("torch.", ""),
@@ -324,7 +326,7 @@ def cmd_strip_prefix(args) -> int:
         raise CheckpointError(f"{ckpt.path}: only {len(prefixed)} of {len(model)} keys "
                               f"start with {PREFIX!r} (e.g. not {plain!r}); refusing to "
                               "guess")
-    sha256 = write_torch(ckpt.with_model(strip_module_prefix(model)), out)
+    sha256 = write_torch(ckpt.with_model(plain_keys(model)), out)
     print(f"wrote {out}: {len(model)} keys without {PREFIX!r}, sha256 {sha256}")
     return 0
 
@@ -348,7 +350,7 @@ def cmd_export(args) -> int:
     ckpt = read(pathlib.Path(args.input))
     out = pathlib.Path(args.output)
     check_output(ckpt, out)
-    weights = {k: v.contiguous() for k, v in strip_module_prefix(ckpt.model).items()}
+    weights = {k: v.contiguous() for k, v in plain_keys(ckpt.model).items()}
     if any(k.startswith(PREFIX) for k in weights):
         raise CheckpointError(f"{ckpt.path}: only some keys start with {PREFIX!r}; fix "
                               "the file first (strip-prefix refuses to guess either)")

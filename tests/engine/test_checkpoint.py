@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from engine.checkpoint import (Checkpointer, SnapshotStore, add_module_prefix,
-                               load_model_state, model_digest, strip_module_prefix)
+                               load_model_state, model_digest, plain_keys)
 from engine.config import TrainConfig
 from engine.errors import CheckpointError
 from engine.plugin_manager import build_plugin_manager
@@ -168,9 +168,9 @@ def test_model_digest_ignores_device_layout_and_key_order_but_not_values():
 def test_module_prefix_is_added_and_stripped_only_as_a_whole():
     state = {"a.weight": 1, "b.bias": 2}
     assert add_module_prefix(state) == {"module.a.weight": 1, "module.b.bias": 2}
-    assert strip_module_prefix(add_module_prefix(state)) == state
+    assert plain_keys(add_module_prefix(state)) == state
     mixed = {"module.a.weight": 1, "b.bias": 2}
-    assert strip_module_prefix(mixed) == mixed
+    assert plain_keys(mixed) == mixed
     assert add_module_prefix(mixed) == {"module.a.weight": 1, "module.b.bias": 2}
 
 
@@ -193,6 +193,41 @@ def test_loads_into_plain_and_ddp_wrapped_models_with_or_without_prefix(tmp_path
             assert all(torch.equal(got[k], v) for k, v in source.state_dict().items())
     finally:
         dist.destroy_process_group()
+
+
+def test_compiled_keys_are_plain_at_any_depth_and_with_ddp_prefix():
+    compiled = {"_orig_mod.0.weight": 1, "_orig_mod.2.bias": 2}
+    assert plain_keys(compiled) == {"0.weight": 1, "2.bias": 2}
+    blocks = {"layers.0._orig_mod.fc.weight": 1, "layers.1._orig_mod.fc.weight": 2,
+              "head.weight": 3}
+    assert plain_keys(blocks) == {"layers.0.fc.weight": 1, "layers.1.fc.weight": 2,
+                                  "head.weight": 3}
+    assert plain_keys(add_module_prefix(compiled)) == {"0.weight": 1, "2.bias": 2}
+    assert plain_keys({"my_orig_mod.weight": 1}) == {"my_orig_mod.weight": 1}
+
+
+def test_loads_across_compiled_and_plain_models():
+    """A model compiled whole (torch.compile's OptimizedModule) or by blocks takes plain
+    keys, and its own keys load into a plain model. torch.compile is lazy: nothing is
+    compiled here, only the wrappers and their state_dict keys are real."""
+    def net():
+        return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+    torch.manual_seed(0)
+    source = net()
+    whole = torch.compile(net())
+    by_block = net()
+    by_block[0] = torch.compile(by_block[0])
+    assert "_orig_mod.0.weight" in whole.state_dict()
+    assert "0._orig_mod.weight" in by_block.state_dict()
+    for target, state in ((whole, source.state_dict()), (by_block, source.state_dict()),
+                          (net(), whole.state_dict()), (net(), by_block.state_dict())):
+        load_model_state(target, state)
+        got = plain_keys(target.state_dict())
+        assert all(torch.equal(got[k], v) for k, v in source.state_dict().items())
+    with pytest.raises(CheckpointError, match="missing keys: 2.bias"):
+        load_model_state(whole, {k: v for k, v in source.state_dict().items()
+                                 if k != "2.bias"})
 
 
 def test_key_mismatch_names_missing_and_unexpected_keys():

@@ -40,6 +40,15 @@ def test_overrides_convert_by_field_type():
     assert apply_overrides(Config(), ["data.path=none"]).data.path is None
 
 
+def test_a_switched_group_takes_true_or_false_for_its_enabled_field():
+    cfg = apply_overrides(Config(), ["compile=true", "compile.regional=Block,Head"])
+    assert cfg.compile.enabled is True and cfg.compile.regional == ("Block", "Head")
+    assert apply_overrides(cfg, ["compile=false"]).compile.enabled is False
+    with pytest.raises(ConfigError, match="config key 'compile.enabled': 'fast' is not "
+                                          "true or false"):
+        apply_overrides(Config(), ["compile=fast"])
+
+
 @pytest.mark.parametrize("override, message", [
     ("epoch=3", "unknown config key 'epoch'; did you mean 'epochs'?"),
     ("data.rot=/x", "unknown config key 'data.rot' ('data' has no field 'rot')"),
@@ -49,6 +58,8 @@ def test_overrides_convert_by_field_type():
      "config key 'data.source': 'imagenet' is not one of: auto, cifar10, synthetic"),
     ("precision=fp8", "config key 'precision': 'fp8' is not one of: 32, bf16, fp16"),
     ("drop_last=maybe", "config key 'drop_last': 'maybe' is not true or false"),
+    ("compile.mode=fastest", "config key 'compile.mode': 'fastest' is not one of: default, "
+     "reduce-overhead, max-autotune, max-autotune-no-cudagraphs"),
     ("data=x", "config key 'data' is a group; set one of its fields, e.g. data.root=..."),
     ("epochs", "override 'epochs' is not of the form key=value"),
     ("epochs=0", "config key 'epochs': 0 is not allowed; it must be >= 1"),

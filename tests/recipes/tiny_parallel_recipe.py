@@ -6,6 +6,8 @@ set, with switches for the model features the parallel modes must handle.
     model.rank_tally=true     a buffer that every forward raises by (rank + 1): what
                               is left of it at the end shows whether DDP broadcast
                               rank 0's buffers before each forward
+    model.host_branch=true    a Python branch on a tensor's value (a graph break for
+                              torch.compile)
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class ModelConfig:
     batchnorm: bool = False
     unused_layer: bool = False
     rank_tally: bool = False
+    # A Python branch on a tensor's value: torch.compile must break the graph there
+    # (an error under compile.fullgraph=true).
+    host_branch: bool = False
 
 
 @attrs.define
@@ -62,9 +67,12 @@ class TinyNet(nn.Module):
         self.fc2 = nn.Linear(cfg.hidden, CLASSES)
         self.unused = nn.Linear(cfg.hidden, CLASSES) if cfg.unused_layer else None
         self.tally = RankTally() if cfg.rank_tally else nn.Identity()
+        self.host_branch = cfg.host_branch
 
     def forward(self, x):
         x = self.tally(x)
+        if self.host_branch and bool(x.sum() > 0):
+            x = x * 1.0
         return self.fc2(torch.relu(self.norm(self.fc1(x))))
 
 

@@ -195,6 +195,18 @@ def test_export_from_a_snapshot_and_from_ddp_weights(snapshot, ddp_file, trained
         make_model().load_state_dict(weights)
 
 
+def test_export_drops_torch_compile_prefix_of_a_user_compiled_model(trained, tmp_path):
+    """Weights saved from torch.compile(model) (keys under _orig_mod., as an older
+    engine's snapshots and other tools save them) export with the plain keys."""
+    source = tmp_path / "compiled_weights.pt"
+    torch.save({f"_orig_mod.{k}": v for k, v in trained[0].state_dict().items()}, source)
+    out = tmp_path / "plain.pt"
+    assert ckpt("export", source, out).returncode == 0
+    weights = torch.load(out, weights_only=True)
+    assert sorted(weights) == sorted(trained[0].state_dict())
+    make_model().load_state_dict(weights)
+
+
 def test_export_to_safetensors_loads_with_the_safetensors_library(snapshot, trained,
                                                                    tmp_path):
     """Our own writer of the format, read by the real library: every dtype we map
