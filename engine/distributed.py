@@ -36,6 +36,7 @@ import pathlib
 import sys
 import time
 import uuid
+from typing import Callable
 
 from engine import phases
 from engine.errors import LaunchError, first_line, one_line
@@ -49,6 +50,9 @@ CHECK_S = 0.05
 #: How long a failing rank 0 keeps its store up for the others to read why.
 ACK_WAIT_S = 3.0
 SESSION_KEY = "engine/session"
+#: A rank still waiting for the master after this long says so, once, with the wall
+#: clock time it gives up at: timeout_s (300 s by default) of silence looks like a hang.
+NOTICE_AFTER_S = 5.0
 
 
 def init(world: World, backend: str, timeout_s: float) -> None:
@@ -144,6 +148,7 @@ def wait_reachable(world: World, host: str, port: int, timeout_s: float) -> None
     import socket
 
     deadline = time.monotonic() + timeout_s
+    patience = Patience(deadline, timeout_s)
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
@@ -159,6 +164,8 @@ def wait_reachable(world: World, host: str, port: int, timeout_s: float) -> None
                 return
         except OSError as exc:
             problem = exc.strerror or type(exc).__name__
+            patience.check(f"rank {world.rank}: waiting for the master at {host}:{port} "
+                           f"({problem})")
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
     raise LaunchError(
         f"rank {world.rank}: cannot reach the master at {host}:{port} within "
@@ -166,6 +173,29 @@ def wait_reachable(world: World, host: str, port: int, timeout_s: float) -> None
         "the port is open from this host and that --master-addr/MASTER_ADDR and "
         "--master-port/MASTER_PORT are the same on every node"
     )
+
+
+class Patience:
+    """Says once, :data:`NOTICE_AFTER_S` into a wait, what this rank waits for and until
+    when (the local wall clock time), then lets the wait go on."""
+
+    def __init__(self, deadline: float, timeout_s: float):
+        self.deadline, self.timeout_s = deadline, timeout_s
+        self.notice_at = time.monotonic() + NOTICE_AFTER_S
+
+    def check(self, waiting_for: str | Callable[[], str]) -> None:
+        """``waiting_for``: what the line says is awaited (a callable: worked out only
+        when the line is printed)."""
+        now = time.monotonic()
+        if now < self.notice_at or now >= self.deadline:
+            return
+        self.notice_at = float("inf")
+        if callable(waiting_for):
+            waiting_for = waiting_for()
+        until = time.strftime("%H:%M:%S %Z",
+                              time.localtime(time.time() + self.deadline - now))
+        print(f"{waiting_for}, until {until} (timeout_s={self.timeout_s:g})",
+              file=sys.stderr, flush=True)
 
 
 def agent_store_serves(host: str, port: int) -> bool:
@@ -204,8 +234,17 @@ def _lead_roll_call(store, world: World, deadline: float, timeout_s: float, entr
     keys = [f"engine/{session}/rank/{r}" for r in range(world.world_size)]
     store.set(keys[0], entry)
     store.set(SESSION_KEY, session)
-    if not _poll(store, keys, deadline):
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+
+    def missing() -> list[int]:
+        return [r for r, key in enumerate(keys) if not store.check([key])]
+
+    def waiting_for() -> str:
+        return (f"rank 0: waiting for {_ranks(missing())} of {world.world_size} to join "
+                f"the rendezvous at {world.rendezvous}")
+
+    patience = Patience(deadline, timeout_s)
+    if not _poll(store, keys, deadline, lambda: patience.check(waiting_for)):
+        missing = missing()
         _fail(store, world, session, keys,
               f"{_ranks(missing)} of {world.world_size} never joined the rendezvous at "
               f"{world.rendezvous} within {_budget(timeout_s)}; check that every rank was "
@@ -238,13 +277,17 @@ def _fail(store, world: World, session: str, keys: list[str], message: str) -> N
 def _join_roll_call(store, world: World, deadline: float, timeout_s: float, entry: str,
                     token: str) -> str:
     joined = None
-    while _poll(store, [SESSION_KEY], deadline):
+    patience = Patience(deadline, timeout_s)
+    waiting_for = (f"rank {world.rank}: waiting for rank 0 to complete the rendezvous at "
+                   f"{world.rendezvous}")
+    while _poll(store, [SESSION_KEY], deadline, lambda: patience.check(waiting_for)):
         session = store.get(SESSION_KEY).decode()
         if session != joined:
             store.set(f"engine/{session}/rank/{world.rank}", entry)
             joined = session
         verdict_key = f"engine/{session}/verdict"
         if not _poll(store, [verdict_key], min(deadline, time.monotonic() + POLL_S)):
+            patience.check(waiting_for)
             continue
         verdict = json.loads(store.get(verdict_key))
         if token not in verdict["tokens"]:
@@ -261,14 +304,18 @@ def _join_roll_call(store, world: World, deadline: float, timeout_s: float, entr
     )
 
 
-def _poll(store, keys: list[str], deadline: float) -> bool:
+def _poll(store, keys: list[str], deadline: float,
+          while_waiting: Callable[[], None] | None = None) -> bool:
     """True once every key exists, False at the deadline. Polls with ``check`` rather
-    than ``store.wait``: torch logs a warning for every wait that times out."""
+    than ``store.wait``: torch logs a warning for every wait that times out.
+    ``while_waiting`` is called between two looks."""
     pause = 0.01
     while not store.check(keys):
         left = deadline - time.monotonic()
         if left <= 0:
             return False
+        if while_waiting is not None:
+            while_waiting()
         time.sleep(min(pause, left))
         pause = min(pause * 2, CHECK_S)
     return True
