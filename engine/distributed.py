@@ -39,7 +39,9 @@ import uuid
 from typing import Callable
 
 from engine import phases
+from engine.atomic_io import process_state
 from engine.errors import LaunchError, first_line, one_line
+from engine.processes import process_identity, same_machine
 from engine.world import World, format_world_table, tcp_endpoint, whole_world
 
 #: How often a waiting rank re-reads the session id (a stale file's is replaced).
@@ -214,6 +216,7 @@ def roll_call(store, world: World, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     token = uuid.uuid4().hex
     entry = json.dumps({"token": token, "host": world.host, "pid": os.getpid(),
+                        "process": process_identity(os.getpid()),
                         "world_size": world.world_size})
     try:
         if world.rank == 0:
@@ -259,6 +262,7 @@ def _lead_roll_call(store, world: World, deadline: float, timeout_s: float, entr
               " (check WORLD_SIZE / --nnodes / --nproc on every node)")
     tokens = [entries[r]["token"] for r in sorted(entries)]
     store.set(f"engine/{session}/verdict", json.dumps({"ok": True, "tokens": tokens}))
+    _note_local_peers(world, entries)
     return session
 
 
@@ -296,12 +300,44 @@ def _join_roll_call(store, world: World, deadline: float, timeout_s: float, entr
         store.set(f"engine/{session}/read/{world.rank}", "1")
         if not verdict["ok"]:
             raise LaunchError(f"rank {world.rank}: rank 0 reports: {verdict['message']}")
+        # Rank 0 is the one rank another rank can find missing (health.missing_ranks).
+        _note_local_peers(world, {0: json.loads(store.get(f"engine/{session}/rank/0"))})
         return session
     raise LaunchError(
         f"rank {world.rank}: rank 0 did not complete the rendezvous at {world.rendezvous} "
         f"within {_budget(timeout_s)}; check that rank 0 was started, with the same "
         "world size and master"
     )
+
+
+#: The other ranks' processes on this machine, from the roll call: rank -> (pid,
+#: identity). Rank 0 knows every rank's; the others know rank 0's.
+_local_peers: dict[int, tuple[int, str]] = {}
+
+
+def _note_local_peers(world: World, entries: dict[int, dict]) -> None:
+    _local_peers.clear()
+    for rank, entry in entries.items():
+        identity = entry.get("process", "")
+        if rank != world.rank and identity and same_machine(identity):
+            _local_peers[rank] = (entry["pid"], identity)
+
+
+def stopped_local_peers(ranks: list[int]) -> list[int]:
+    """Of ``ranks`` (found missing after a failed collective), those whose process runs
+    on this machine and is stopped (SIGSTOP, a debugger). Unless this process's
+    launcher watches its siblings itself (spawn), each is killed as this rank exits
+    (:func:`engine.processes.end_when_exiting`), so that the launcher ends the job
+    within timeout_s plus a few seconds. A stopped rank on another machine is out of
+    this rank's reach: its launcher there decides."""
+    from engine.processes import end_when_exiting, spawned_here
+
+    stopped = [r for r in ranks if r in _local_peers
+               and process_state(_local_peers[r][0]) in ("T", "t")]
+    if not spawned_here():
+        for rank in stopped:
+            end_when_exiting(*_local_peers[rank])
+    return stopped
 
 
 def _poll(store, keys: list[str], deadline: float,

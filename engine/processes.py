@@ -188,7 +188,72 @@ def _ranks_of(worlds: list[World], indices: list[int]) -> str:
                      for i in indices)
 
 
-def exit_process(code: int, *, forked: bool = False) -> NoReturn:
+def process_identity(pid: int) -> str:
+    """What tells process ``pid`` apart from every other process, on any machine: the
+    kernel's boot id and the process's start time in clock ticks since boot (a PID
+    alone may be reused, or belong to another machine or PID namespace); "" where
+    /proc cannot say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # Field 22, counted after the command name, which may hold spaces.
+            start_ticks = f.read().rpartition(b")")[2].split()[19].decode()
+    except (OSError, IndexError):
+        return ""
+    return f"{boot}/{start_ticks}"
+
+
+def same_machine(identity: str) -> bool:
+    """Whether a :func:`process_identity` is of a process on this machine's kernel."""
+    here = process_identity(os.getpid())
+    return bool(here) and identity.split("/")[0] == here.split("/")[0]
+
+
+def kill_if_stopped(pid: int, identity: str) -> bool:
+    """SIGKILL process ``pid`` if it is still the one ``identity`` names and it is
+    stopped (state "T" or "t": SIGSTOP, a debugger): it can act on no other signal, and
+    a launcher that asks it to stop waits in vain. True when it was killed."""
+    from engine.atomic_io import process_state
+
+    if not identity or process_identity(pid) != identity:
+        return False
+    if process_state(pid) not in ("T", "t"):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return True
+
+
+#: Stopped processes of ranks on this machine that this rank found missing after a
+#: failed collective, as (pid, identity): ended as this rank exits (end_stopped_peers).
+_stopped_peers: list[tuple[int, str]] = []
+
+
+def end_when_exiting(pid: int, identity: str) -> None:
+    """Have :func:`exit_failed_worker` kill the stopped process ``pid`` (if it still is
+    the one ``identity`` names and still stopped), after this rank's error is printed:
+    torchrun's agent gives a stopped worker its 30 s grace after SIGTERM, which a
+    stopped process cannot act on, and srun without --kill-on-bad-exit waits for it
+    forever; a killed one ends the job at once. Killed last, right before this process
+    ends: the launcher stops every other worker as soon as it sees one die."""
+    _stopped_peers.append((pid, identity))
+
+
+def end_stopped_peers() -> None:
+    """Kill the stopped peers :func:`end_when_exiting` noted."""
+    while _stopped_peers:
+        kill_if_stopped(*_stopped_peers.pop())
+
+
+def spawned_here() -> bool:
+    """Whether this process is a worker :func:`spawn_workers` started: its launcher
+    watches it and its siblings, and names and kills a stopped one itself."""
+    return _to_launcher is not None
+
+
+def exit_process(code: int, *, forked: bool = False,
+                 last: Callable[[], object] | None = None) -> NoReturn:
     """End this process with exit code ``code`` as a normal exit would, minus the
     interpreter's teardown: the exit handlers run (multiprocessing's finalizers, the
     checkpointers' at-exit closes, logging), stdout and stderr are flushed, then
@@ -199,7 +264,9 @@ def exit_process(code: int, *, forked: bool = False) -> NoReturn:
     ``forked``: a worker forked by multiprocessing, which holds copies of the launching
     process's atexit handlers (its TemporaryDirectory removals among them: a failed
     forked worker removed the folder ``engine.launch`` reads rank 0's result from). Only
-    its own multiprocessing finalizers run, as when such a worker returns normally."""
+    its own multiprocessing finalizers run, as when such a worker returns normally.
+
+    ``last``: called after all that, right before the process ends."""
     import atexit
     import multiprocessing.util
 
@@ -211,6 +278,9 @@ def exit_process(code: int, *, forked: bool = False) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
+        if last is not None:
+            with contextlib.suppress(Exception):
+                last()
         os._exit(code)
 
 
@@ -221,10 +291,16 @@ def exit_failed_worker(code: int, error_line: str | None = None) -> NoReturn:
 
     In a worker this module spawned, :func:`exit_process` ends it: the teardown it skips
     came between a rank's error and the launcher's last line (with a rank stopped, the
-    job must end within timeout_s plus a few seconds). Anywhere else (the worker is the
-    launching process itself) it raises SystemExit."""
+    job must end within timeout_s plus a few seconds). So it does in a worker that has
+    just killed a stopped peer (:func:`end_when_exiting`). Anywhere else (the worker is
+    the launching process itself) it raises SystemExit."""
     import multiprocessing
 
+    if _stopped_peers:
+        # The launcher that sees the stopped peer die stops the job at once (torchrun:
+        # SIGTERM to this rank): so the peer dies last, just before this process ends,
+        # which skips the interpreter's seconds of teardown.
+        exit_process(code, last=end_stopped_peers)
     if multiprocessing.parent_process() is None:
         raise SystemExit(code)
     results, index, forked = _to_launcher or (None, None, False)

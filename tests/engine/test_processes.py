@@ -75,3 +75,35 @@ class Status:
 
 def test_local_workers_send_back_their_status():
     assert spawn_workers(Status(), worlds(2)) == ["preempted", None]
+
+
+# ------------------------------------------------------------ stopped peers
+
+
+def test_only_the_stopped_process_named_by_its_identity_is_killed():
+    """A rank kills a stopped local peer only while it is the process the roll call
+    recorded (a PID may be reused) and only while it is stopped."""
+    import subprocess
+    import sys
+
+    from engine.processes import kill_if_stopped, process_identity, same_machine
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        identity = process_identity(peer.pid)
+        assert same_machine(identity) and identity != process_identity(os.getpid())
+        assert not kill_if_stopped(peer.pid, identity)  # running: left alone
+        os.kill(peer.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while "State:\tT" not in pathlib.Path(f"/proc/{peer.pid}/status").read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        boot, ticks = identity.split("/")
+        assert not kill_if_stopped(peer.pid, f"{boot}/{int(ticks) + 1}")  # another one
+        assert not kill_if_stopped(peer.pid, "")
+        assert peer.poll() is None
+        assert kill_if_stopped(peer.pid, identity)
+        assert peer.wait(30) == -signal.SIGKILL
+    finally:
+        peer.kill()
+        peer.wait()
