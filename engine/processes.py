@@ -71,10 +71,15 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
 
     method = start_method()
     _start_resource_tracker_deaf_to(FORWARDED_SIGNALS)
-    results = multiprocessing.get_context(method).SimpleQueue()
+    # One pipe from each worker, not a multiprocessing queue: a queue's locks are named
+    # semaphores (/dev/shm/sem.mp-*) that a run killed as a whole leaves behind.
+    pipes = [multiprocessing.get_context(method).Pipe(duplex=False) for _ in worlds]
     context = mp.start_processes(_entry, args=(worker, worlds, dict(child_env or {}),
-                                               results, method == "fork"),
+                                               [w for _, w in pipes], method == "fork"),
                                  nprocs=len(worlds), join=False, start_method=method)
+    for _, writer in pipes:
+        writer.close()  # the workers have theirs
+    readers = [r for r, _ in pipes]
 
     def forward(signum, frame):
         for process in context.processes:
@@ -93,6 +98,9 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
             failed = _wait_for_a_failure(context.processes, timeout=1.0)
             if failed is not None:
                 stopped, lingering = _stop_the_others(context.processes)
+        # Every child has exited: what each sent is in its pipe.
+        return [next((sent for sent in _sent(r) if not isinstance(sent, tuple)), None)
+                for r in readers]
     except mp.ProcessExitedException as exc:
         # A worker that raised printed its error itself; one that was killed could not.
         # The one that stopped answering goes last: that line is the one users read.
@@ -100,7 +108,7 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
         code = context.processes[index].exitcode
         signal_name = _signal_name(code)
         cause = SIGNAL_CAUSES.get(signal_name or "", "killed by hand?")
-        error_line = _errors_sent(results).get(index)
+        error_line = _error_sent(readers[index])
         how = (f"was killed by {signal_name} ({cause})" if signal_name else
                f"exited with code {code}: {error_line}" if error_line else
                f"exited with code {code}; its error is printed above")
@@ -119,11 +127,8 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    statuses: list = [None] * len(worlds)
-    while not results.empty():  # every child has exited: what they sent is there
-        index, status = results.get()
-        statuses[index] = status
-    return statuses
+        for reader in readers:
+            reader.close()
 
 
 #: After a worker fails, how long the others get to stop by themselves, and then to
@@ -303,46 +308,49 @@ def exit_failed_worker(code: int, error_line: str | None = None) -> NoReturn:
         exit_process(code, last=end_stopped_peers)
     if multiprocessing.parent_process() is None:
         raise SystemExit(code)
-    results, index, forked = _to_launcher or (None, None, False)
-    if error_line and results is not None:
+    to_launcher, forked = _to_launcher or (None, False)
+    if error_line and to_launcher is not None:
         with contextlib.suppress(Exception):  # the launcher is gone: nobody to tell
-            results.put((index, (ERROR, error_line[:MAX_ERROR_LINE])))
+            to_launcher.send((ERROR, error_line[:MAX_ERROR_LINE]))
     exit_process(code, forked=forked)
 
 
-#: In a worker spawn_workers started: the queue to the launcher, the worker's index and
-#: whether it was forked.
+#: In a worker spawn_workers started: its pipe to the launcher, and whether it was
+#: forked.
 _to_launcher: tuple | None = None
-#: A failed worker's one-line error travels as (index, (ERROR, line)); short, so that
-#: the put never waits for a reader.
+#: A failed worker's one-line error travels as (ERROR, line); short, so that the send
+#: never waits for a reader (a pipe holds 64 kB).
 ERROR = "error"
 MAX_ERROR_LINE = 1000
 
 
-def _errors_sent(results) -> dict[int, str]:
-    """The error lines failed workers sent (read once every worker has exited)."""
-    errors = {}
-    with contextlib.suppress(Exception):
-        while not results.empty():
-            index, sent = results.get()
-            if isinstance(sent, tuple) and sent[:1] == (ERROR,):
-                errors.setdefault(index, sent[1])
-    return errors
+def _sent(reader) -> list:
+    """What a worker sent through its pipe (read once it has exited)."""
+    messages = []
+    with contextlib.suppress(EOFError, OSError):
+        while reader.poll():
+            messages.append(reader.recv())
+    return messages
+
+
+def _error_sent(reader) -> str | None:
+    """The error line a failed worker sent, if any."""
+    return next((sent[1] for sent in _sent(reader)
+                 if isinstance(sent, tuple) and sent[:1] == (ERROR,)), None)
 
 
 def _entry(index: int, worker: Callable[[World], object], worlds: list[World],
-           child_env: dict[str, str], results, forked: bool) -> None:
+           child_env: dict[str, str], pipes: list, forked: bool) -> None:
     global _to_launcher
-    _to_launcher = (results, index, forked)
+    _to_launcher = (pipes[index], forked)
     phases.mark("worker start")
     os.environ.update(child_env)
     status = worker(worlds[index])
     # Only a short string travels back: a large object could fill the pipe, and the
     # child would then wait for a reader that only reads after every child has exited.
-    results.put((index, status if isinstance(status, str) and len(status) <= 64
-                 else None))
+    pipes[index].send(status if isinstance(status, str) and len(status) <= 64 else None)
     # A worker that finished ends as a failed one does (exit_process): the exit handlers
-    # run (the status above reaches the launcher, the checkpointers close), then the
+    # run (the checkpointers close), then the
     # process ends without the interpreter freeing every module of a torch program,
     # which took seconds per worker and held the command's end back.
     exit_process(0, forked=forked)

@@ -107,3 +107,58 @@ def test_only_the_stopped_process_named_by_its_identity_is_killed():
     finally:
         peer.kill()
         peer.wait()
+
+
+# ------------------------------------------------------------ no leftovers
+
+
+def _named_semaphores(pids: list[str]) -> set[str]:
+    """The /dev/shm/sem.* files these processes have mapped and that still have a name
+    (a semaphore unlinked as soon as it was made shows as "(deleted)")."""
+    names = set()
+    for pid in pids:
+        try:
+            maps = pathlib.Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        names.update(line.split()[-1] for line in maps.splitlines()
+                     if "/dev/shm/sem." in line and not line.endswith("(deleted)"))
+    return names
+
+
+def test_a_run_killed_as_a_whole_leaves_no_named_semaphores(tmp_path):
+    """SIGKILL of a whole 2-process run (its process group: the launcher, the workers,
+    their DataLoader workers, multiprocessing's resource tracker) left the named
+    semaphores of the launcher's result queue in /dev/shm (sem.mp-*) for good, as
+    nobody lived to unlink them: two per killed run."""
+    import subprocess
+
+    from engine.testing import group_processes
+    from tests.conftest import ENGINE_RUN, REPO, engine_env
+
+    out = tmp_path / "run"
+    run = subprocess.Popen(
+        [ENGINE_RUN, str(REPO / "tests" / "recipes" / "tiny_resume.py"), f"out_dir={out}",
+         "epochs=1000", "num_workers=1", "--nproc", "2"],
+        cwd=REPO, env=engine_env(), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "metrics.csv").exists():  # training: rank 0 logged a row
+            assert run.poll() is None, run.stderr.read()
+            assert time.monotonic() < deadline, "the run never logged a step"
+            time.sleep(0.2)
+        processes = group_processes(run.pid)
+        named = _named_semaphores(processes)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+    deadline = time.monotonic() + 60
+    while group_processes(run.pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert len(processes) >= 5, processes  # launcher, tracker, 2 workers, loader workers
+    left = [name for name in named if os.path.exists(name)]
+    for name in left:  # this run's, and every process that used them is dead
+        os.unlink(name)
+    assert left == []
