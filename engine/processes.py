@@ -11,6 +11,7 @@ process without the interpreter's teardown.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -198,21 +199,29 @@ def process_identity(pid: int) -> str:
     kernel's boot id and the process's start time in clock ticks since boot (a PID
     alone may be reused, or belong to another machine or PID namespace); "" where
     /proc cannot say."""
+    boot = boot_id()
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
         with open(f"/proc/{pid}/stat", "rb") as f:
             # Field 22, counted after the command name, which may hold spaces.
             start_ticks = f.read().rpartition(b")")[2].split()[19].decode()
     except (OSError, IndexError):
         return ""
-    return f"{boot}/{start_ticks}"
+    return f"{boot}/{start_ticks}" if boot else ""
+
+
+@functools.cache
+def boot_id() -> str:
+    """This machine's kernel, as it names itself until the next boot; "" if unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def same_machine(identity: str) -> bool:
     """Whether a :func:`process_identity` is of a process on this machine's kernel."""
-    here = process_identity(os.getpid())
-    return bool(here) and identity.split("/")[0] == here.split("/")[0]
+    return bool(boot_id()) and identity.split("/")[0] == boot_id()
 
 
 def kill_if_stopped(pid: int, identity: str) -> bool:
