@@ -36,9 +36,12 @@ import pathlib
 import sys
 import time
 import uuid
+from typing import Callable
 
 from engine import phases
+from engine.atomic_io import process_state
 from engine.errors import LaunchError, first_line, one_line
+from engine.processes import process_identity, same_machine
 from engine.world import World, format_world_table, tcp_endpoint, whole_world
 
 #: How often a waiting rank re-reads the session id (a stale file's is replaced).
@@ -49,6 +52,9 @@ CHECK_S = 0.05
 #: How long a failing rank 0 keeps its store up for the others to read why.
 ACK_WAIT_S = 3.0
 SESSION_KEY = "engine/session"
+#: A rank still waiting for the master after this long says so, once, with the wall
+#: clock time it gives up at: timeout_s (300 s by default) of silence looks like a hang.
+NOTICE_AFTER_S = 5.0
 
 
 def init(world: World, backend: str, timeout_s: float) -> None:
@@ -144,6 +150,7 @@ def wait_reachable(world: World, host: str, port: int, timeout_s: float) -> None
     import socket
 
     deadline = time.monotonic() + timeout_s
+    patience = Patience(deadline, timeout_s)
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
@@ -159,6 +166,8 @@ def wait_reachable(world: World, host: str, port: int, timeout_s: float) -> None
                 return
         except OSError as exc:
             problem = exc.strerror or type(exc).__name__
+            patience.check(f"rank {world.rank}: waiting for the master at {host}:{port} "
+                           f"({problem})")
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
     raise LaunchError(
         f"rank {world.rank}: cannot reach the master at {host}:{port} within "
@@ -166,6 +175,29 @@ def wait_reachable(world: World, host: str, port: int, timeout_s: float) -> None
         "the port is open from this host and that --master-addr/MASTER_ADDR and "
         "--master-port/MASTER_PORT are the same on every node"
     )
+
+
+class Patience:
+    """Says once, :data:`NOTICE_AFTER_S` into a wait, what this rank waits for and until
+    when (the local wall clock time), then lets the wait go on."""
+
+    def __init__(self, deadline: float, timeout_s: float):
+        self.deadline, self.timeout_s = deadline, timeout_s
+        self.notice_at = time.monotonic() + NOTICE_AFTER_S
+
+    def check(self, waiting_for: str | Callable[[], str]) -> None:
+        """``waiting_for``: what the line says is awaited (a callable: worked out only
+        when the line is printed)."""
+        now = time.monotonic()
+        if now < self.notice_at or now >= self.deadline:
+            return
+        self.notice_at = float("inf")
+        if callable(waiting_for):
+            waiting_for = waiting_for()
+        until = time.strftime("%H:%M:%S %Z",
+                              time.localtime(time.time() + self.deadline - now))
+        print(f"{waiting_for}, until {until} (timeout_s={self.timeout_s:g})",
+              file=sys.stderr, flush=True)
 
 
 def agent_store_serves(host: str, port: int) -> bool:
@@ -184,6 +216,7 @@ def roll_call(store, world: World, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     token = uuid.uuid4().hex
     entry = json.dumps({"token": token, "host": world.host, "pid": os.getpid(),
+                        "process": process_identity(os.getpid()),
                         "world_size": world.world_size})
     try:
         if world.rank == 0:
@@ -204,8 +237,17 @@ def _lead_roll_call(store, world: World, deadline: float, timeout_s: float, entr
     keys = [f"engine/{session}/rank/{r}" for r in range(world.world_size)]
     store.set(keys[0], entry)
     store.set(SESSION_KEY, session)
-    if not _poll(store, keys, deadline):
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+
+    def missing() -> list[int]:
+        return [r for r, key in enumerate(keys) if not store.check([key])]
+
+    def waiting_for() -> str:
+        return (f"rank 0: waiting for {_ranks(missing())} of {world.world_size} to join "
+                f"the rendezvous at {world.rendezvous}")
+
+    patience = Patience(deadline, timeout_s)
+    if not _poll(store, keys, deadline, lambda: patience.check(waiting_for)):
+        missing = missing()
         _fail(store, world, session, keys,
               f"{_ranks(missing)} of {world.world_size} never joined the rendezvous at "
               f"{world.rendezvous} within {_budget(timeout_s)}; check that every rank was "
@@ -220,6 +262,7 @@ def _lead_roll_call(store, world: World, deadline: float, timeout_s: float, entr
               " (check WORLD_SIZE / --nnodes / --nproc on every node)")
     tokens = [entries[r]["token"] for r in sorted(entries)]
     store.set(f"engine/{session}/verdict", json.dumps({"ok": True, "tokens": tokens}))
+    _note_local_peers(world, entries)
     return session
 
 
@@ -238,13 +281,17 @@ def _fail(store, world: World, session: str, keys: list[str], message: str) -> N
 def _join_roll_call(store, world: World, deadline: float, timeout_s: float, entry: str,
                     token: str) -> str:
     joined = None
-    while _poll(store, [SESSION_KEY], deadline):
+    patience = Patience(deadline, timeout_s)
+    waiting_for = (f"rank {world.rank}: waiting for rank 0 to complete the rendezvous at "
+                   f"{world.rendezvous}")
+    while _poll(store, [SESSION_KEY], deadline, lambda: patience.check(waiting_for)):
         session = store.get(SESSION_KEY).decode()
         if session != joined:
             store.set(f"engine/{session}/rank/{world.rank}", entry)
             joined = session
         verdict_key = f"engine/{session}/verdict"
         if not _poll(store, [verdict_key], min(deadline, time.monotonic() + POLL_S)):
+            patience.check(waiting_for)
             continue
         verdict = json.loads(store.get(verdict_key))
         if token not in verdict["tokens"]:
@@ -253,6 +300,8 @@ def _join_roll_call(store, world: World, deadline: float, timeout_s: float, entr
         store.set(f"engine/{session}/read/{world.rank}", "1")
         if not verdict["ok"]:
             raise LaunchError(f"rank {world.rank}: rank 0 reports: {verdict['message']}")
+        # Rank 0 is the one rank another rank can find missing (health.missing_ranks).
+        _note_local_peers(world, {0: json.loads(store.get(f"engine/{session}/rank/0"))})
         return session
     raise LaunchError(
         f"rank {world.rank}: rank 0 did not complete the rendezvous at {world.rendezvous} "
@@ -261,14 +310,48 @@ def _join_roll_call(store, world: World, deadline: float, timeout_s: float, entr
     )
 
 
-def _poll(store, keys: list[str], deadline: float) -> bool:
+#: The other ranks' processes on this machine, from the roll call: rank -> (pid,
+#: identity). Rank 0 knows every rank's; the others know rank 0's.
+_local_peers: dict[int, tuple[int, str]] = {}
+
+
+def _note_local_peers(world: World, entries: dict[int, dict]) -> None:
+    _local_peers.clear()
+    for rank, entry in entries.items():
+        identity = entry.get("process", "")
+        if rank != world.rank and identity and same_machine(identity):
+            _local_peers[rank] = (entry["pid"], identity)
+
+
+def stopped_local_peers(ranks: list[int]) -> list[int]:
+    """Of ``ranks`` (found missing after a failed collective), those whose process runs
+    on this machine and is stopped (SIGSTOP, a debugger). Unless this process's
+    launcher watches its siblings itself (spawn), each is killed as this rank exits
+    (:func:`engine.processes.end_when_exiting`), so that the launcher ends the job
+    within timeout_s plus a few seconds. A stopped rank on another machine is out of
+    this rank's reach: its launcher there decides."""
+    from engine.processes import end_when_exiting, spawned_here
+
+    stopped = [r for r in ranks if r in _local_peers
+               and process_state(_local_peers[r][0]) in ("T", "t")]
+    if not spawned_here():
+        for rank in stopped:
+            end_when_exiting(*_local_peers[rank])
+    return stopped
+
+
+def _poll(store, keys: list[str], deadline: float,
+          while_waiting: Callable[[], None] | None = None) -> bool:
     """True once every key exists, False at the deadline. Polls with ``check`` rather
-    than ``store.wait``: torch logs a warning for every wait that times out."""
+    than ``store.wait``: torch logs a warning for every wait that times out.
+    ``while_waiting`` is called between two looks."""
     pause = 0.01
     while not store.check(keys):
         left = deadline - time.monotonic()
         if left <= 0:
             return False
+        if while_waiting is not None:
+            while_waiting()
         time.sleep(min(pause, left))
         pause = min(pause * 2, CHECK_S)
     return True

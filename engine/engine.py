@@ -83,6 +83,11 @@ class Engine(WorkerContext):
             missing = health.missing_ranks()
             who = (f"rank(s) {', '.join(map(str, missing))} stopped answering" if missing
                    else "another rank failed or stopped answering")
+            stopped = distributed.stopped_local_peers(missing or [])
+            if stopped:
+                who += (f" (rank(s) {', '.join(map(str, stopped))}: its process on this "
+                        "machine is stopped, by SIGSTOP or a debugger, and is killed so "
+                        "that the job ends)")
             return (RunError if missing else PeerFailed)(
                 f"rank {self.world.rank}: a collective operation failed at step "
                 f"{self.state.step}: {who} (timeout {self.cfg.timeout_s:g}s): {line}")

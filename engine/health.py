@@ -23,6 +23,9 @@ _COLLECTIVE_FAILURE_MARKERS = (
     "Connection closed by peer", "Connection reset by peer", "Timed out", "timed out",
     "Broken pipe", "NCCL communicator was aborted", "failed to pass monitoredBarrier",
     "Socket Timeout", "ProcessGroupGloo", "gloo", "NCCL error",
+    # gloo, for an operation on a connection that an earlier one's timeout closed (a
+    # collective started before the one that timed out, waited for after it).
+    "Application timeout caused pair closure",
 )
 
 

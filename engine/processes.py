@@ -11,6 +11,7 @@ process without the interpreter's teardown.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -71,10 +72,15 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
 
     method = start_method()
     _start_resource_tracker_deaf_to(FORWARDED_SIGNALS)
-    results = multiprocessing.get_context(method).SimpleQueue()
+    # One pipe from each worker, not a multiprocessing queue: a queue's locks are named
+    # semaphores (/dev/shm/sem.mp-*) that a run killed as a whole leaves behind.
+    pipes = [multiprocessing.get_context(method).Pipe(duplex=False) for _ in worlds]
     context = mp.start_processes(_entry, args=(worker, worlds, dict(child_env or {}),
-                                               results, method == "fork"),
+                                               [w for _, w in pipes], method == "fork"),
                                  nprocs=len(worlds), join=False, start_method=method)
+    for _, writer in pipes:
+        writer.close()  # the workers have theirs
+    readers = [r for r, _ in pipes]
 
     def forward(signum, frame):
         for process in context.processes:
@@ -93,6 +99,9 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
             failed = _wait_for_a_failure(context.processes, timeout=1.0)
             if failed is not None:
                 stopped, lingering = _stop_the_others(context.processes)
+        # Every child has exited: what each sent is in its pipe.
+        return [next((sent for sent in _sent(r) if not isinstance(sent, tuple)), None)
+                for r in readers]
     except mp.ProcessExitedException as exc:
         # A worker that raised printed its error itself; one that was killed could not.
         # The one that stopped answering goes last: that line is the one users read.
@@ -100,7 +109,7 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
         code = context.processes[index].exitcode
         signal_name = _signal_name(code)
         cause = SIGNAL_CAUSES.get(signal_name or "", "killed by hand?")
-        error_line = _errors_sent(results).get(index)
+        error_line = _error_sent(readers[index])
         how = (f"was killed by {signal_name} ({cause})" if signal_name else
                f"exited with code {code}: {error_line}" if error_line else
                f"exited with code {code}; its error is printed above")
@@ -119,11 +128,8 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    statuses: list = [None] * len(worlds)
-    while not results.empty():  # every child has exited: what they sent is there
-        index, status = results.get()
-        statuses[index] = status
-    return statuses
+        for reader in readers:
+            reader.close()
 
 
 #: After a worker fails, how long the others get to stop by themselves, and then to
@@ -188,7 +194,80 @@ def _ranks_of(worlds: list[World], indices: list[int]) -> str:
                      for i in indices)
 
 
-def exit_process(code: int, *, forked: bool = False) -> NoReturn:
+def process_identity(pid: int) -> str:
+    """What tells process ``pid`` apart from every other process, on any machine: the
+    kernel's boot id and the process's start time in clock ticks since boot (a PID
+    alone may be reused, or belong to another machine or PID namespace); "" where
+    /proc cannot say."""
+    boot = boot_id()
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # Field 22, counted after the command name, which may hold spaces.
+            start_ticks = f.read().rpartition(b")")[2].split()[19].decode()
+    except (OSError, IndexError):
+        return ""
+    return f"{boot}/{start_ticks}" if boot else ""
+
+
+@functools.cache
+def boot_id() -> str:
+    """This machine's kernel, as it names itself until the next boot; "" if unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def same_machine(identity: str) -> bool:
+    """Whether a :func:`process_identity` is of a process on this machine's kernel."""
+    return bool(boot_id()) and identity.split("/")[0] == boot_id()
+
+
+def kill_if_stopped(pid: int, identity: str) -> bool:
+    """SIGKILL process ``pid`` if it is still the one ``identity`` names and it is
+    stopped (state "T" or "t": SIGSTOP, a debugger): it can act on no other signal, and
+    a launcher that asks it to stop waits in vain. True when it was killed."""
+    from engine.atomic_io import process_state
+
+    if not identity or process_identity(pid) != identity:
+        return False
+    if process_state(pid) not in ("T", "t"):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return True
+
+
+#: Stopped processes of ranks on this machine that this rank found missing after a
+#: failed collective, as (pid, identity): ended as this rank exits (end_stopped_peers).
+_stopped_peers: list[tuple[int, str]] = []
+
+
+def end_when_exiting(pid: int, identity: str) -> None:
+    """Have :func:`exit_failed_worker` kill the stopped process ``pid`` (if it still is
+    the one ``identity`` names and still stopped), after this rank's error is printed:
+    torchrun's agent gives a stopped worker its 30 s grace after SIGTERM, which a
+    stopped process cannot act on, and srun without --kill-on-bad-exit waits for it
+    forever; a killed one ends the job at once. Killed last, right before this process
+    ends: the launcher stops every other worker as soon as it sees one die."""
+    _stopped_peers.append((pid, identity))
+
+
+def end_stopped_peers() -> None:
+    """Kill the stopped peers :func:`end_when_exiting` noted."""
+    while _stopped_peers:
+        kill_if_stopped(*_stopped_peers.pop())
+
+
+def spawned_here() -> bool:
+    """Whether this process is a worker :func:`spawn_workers` started: its launcher
+    watches it and its siblings, and names and kills a stopped one itself."""
+    return _to_launcher is not None
+
+
+def exit_process(code: int, *, forked: bool = False,
+                 last: Callable[[], object] | None = None) -> NoReturn:
     """End this process with exit code ``code`` as a normal exit would, minus the
     interpreter's teardown: the exit handlers run (multiprocessing's finalizers, the
     checkpointers' at-exit closes, logging), stdout and stderr are flushed, then
@@ -199,7 +278,9 @@ def exit_process(code: int, *, forked: bool = False) -> NoReturn:
     ``forked``: a worker forked by multiprocessing, which holds copies of the launching
     process's atexit handlers (its TemporaryDirectory removals among them: a failed
     forked worker removed the folder ``engine.launch`` reads rank 0's result from). Only
-    its own multiprocessing finalizers run, as when such a worker returns normally."""
+    its own multiprocessing finalizers run, as when such a worker returns normally.
+
+    ``last``: called after all that, right before the process ends."""
     import atexit
     import multiprocessing.util
 
@@ -211,6 +292,9 @@ def exit_process(code: int, *, forked: bool = False) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
+        if last is not None:
+            with contextlib.suppress(Exception):
+                last()
         os._exit(code)
 
 
@@ -227,52 +311,61 @@ def exit_failed_worker(code: int, error_line: str | None = None) -> NoReturn:
 
     In a worker this module spawned, :func:`exit_process` ends it: the teardown it skips
     came between a rank's error and the launcher's last line (with a rank stopped, the
-    job must end within timeout_s plus a few seconds). Anywhere else (the worker is the
-    launching process itself) it raises SystemExit."""
+    job must end within timeout_s plus a few seconds). So it does in a worker that has
+    just killed a stopped peer (:func:`end_when_exiting`). Anywhere else (the worker is
+    the launching process itself) it raises SystemExit."""
     import multiprocessing
 
+    if _stopped_peers:
+        # The launcher that sees the stopped peer die stops the job at once (torchrun:
+        # SIGTERM to this rank): so the peer dies last, just before this process ends,
+        # which skips the interpreter's seconds of teardown.
+        exit_process(code, last=end_stopped_peers)
     if multiprocessing.parent_process() is None:
         raise SystemExit(code)
-    results, index, forked = _to_launcher or (None, None, False)
-    if error_line and results is not None:
+    to_launcher, forked = _to_launcher or (None, False)
+    if error_line and to_launcher is not None:
         with contextlib.suppress(Exception):  # the launcher is gone: nobody to tell
-            results.put((index, (ERROR, error_line[:MAX_ERROR_LINE])))
+            to_launcher.send((ERROR, error_line[:MAX_ERROR_LINE]))
     exit_process(code, forked=forked)
 
 
-#: In a worker spawn_workers started: the queue to the launcher, the worker's index and
-#: whether it was forked.
+#: In a worker spawn_workers started: its pipe to the launcher, and whether it was
+#: forked.
 _to_launcher: tuple | None = None
-#: A failed worker's one-line error travels as (index, (ERROR, line)); short, so that
-#: the put never waits for a reader.
+#: A failed worker's one-line error travels as (ERROR, line); short, so that the send
+#: never waits for a reader (a pipe holds 64 kB).
 ERROR = "error"
 MAX_ERROR_LINE = 1000
 
 
-def _errors_sent(results) -> dict[int, str]:
-    """The error lines failed workers sent (read once every worker has exited)."""
-    errors = {}
-    with contextlib.suppress(Exception):
-        while not results.empty():
-            index, sent = results.get()
-            if isinstance(sent, tuple) and sent[:1] == (ERROR,):
-                errors.setdefault(index, sent[1])
-    return errors
+def _sent(reader) -> list:
+    """What a worker sent through its pipe (read once it has exited)."""
+    messages = []
+    with contextlib.suppress(EOFError, OSError):
+        while reader.poll():
+            messages.append(reader.recv())
+    return messages
+
+
+def _error_sent(reader) -> str | None:
+    """The error line a failed worker sent, if any."""
+    return next((sent[1] for sent in _sent(reader)
+                 if isinstance(sent, tuple) and sent[:1] == (ERROR,)), None)
 
 
 def _entry(index: int, worker: Callable[[World], object], worlds: list[World],
-           child_env: dict[str, str], results, forked: bool) -> None:
+           child_env: dict[str, str], pipes: list, forked: bool) -> None:
     global _to_launcher
-    _to_launcher = (results, index, forked)
+    _to_launcher = (pipes[index], forked)
     phases.mark("worker start")
     os.environ.update(child_env)
     status = worker(worlds[index])
     # Only a short string travels back: a large object could fill the pipe, and the
     # child would then wait for a reader that only reads after every child has exited.
-    results.put((index, status if isinstance(status, str) and len(status) <= 64
-                 else None))
+    pipes[index].send(status if isinstance(status, str) and len(status) <= 64 else None)
     # A worker that finished ends as a failed one does (exit_process): the exit handlers
-    # run (the status above reaches the launcher, the checkpointers close), then the
+    # run (the checkpointers close), then the
     # process ends without the interpreter freeing every module of a torch program,
     # which took seconds per worker and held the command's end back.
     exit_process(0, forked=forked)

@@ -449,18 +449,24 @@ def _wait_until_group_is_gone(group: int, timeout: float = 60) -> None:
     file for a live writer's). Zombies count as gone, as the store counts them."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        live = []
-        for entry in pathlib.Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = entry.read_bytes().rpartition(b")")[2].split()
-            except OSError:
-                continue  # gone meanwhile
-            if int(fields[2]) == group and fields[0] != b"Z":
-                live.append(entry.parent.name)
-        if not live:
+        if not group_processes(group):
             return
         time.sleep(0.01)
     raise AssertionError(f"processes of the killed writer still run after {timeout:g} s")
+
+
+def group_processes(group: int) -> list[str]:
+    """The PIDs of the live processes of process group ``group`` (zombies count as
+    gone)."""
+    live = []
+    for entry in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_bytes().rpartition(b")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == group and fields[0] != b"Z":
+            live.append(entry.parent.name)
+    return live
 
 
 class CheckpointerContract:

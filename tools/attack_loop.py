@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Attack loops of issue 16, on real 2-process runs of tests/recipes/tiny_resume.py:
+"""Attack loops of issues 16 and 30, on real 2-process runs of tests/recipes/tiny_resume.py:
 
 - ``--kills N``: SIGKILL the whole run (``kill -9 -- -PGID``: launcher and workers) right
   after it wrote a snapshot, while the next ones are being written (a snapshot every
@@ -11,9 +11,20 @@
   ``--signal=USR1@90`` without ``B:``, its time-limit SIGTERM and ``kill -- -PGID`` do):
   the run must stop with exit 75 after exactly one pre-emption, nothing killed, no
   traceback; started again it must finish with the uninterrupted run's weights.
+- ``--concurrent-starts K``: a second engine-run on the out_dir of a run that is
+  training (paused meanwhile, so that it cannot finish first): it must be refused
+  (exit 2, one line, no traceback) and the first must finish untouched (the
+  uninterrupted run's weights and metrics.csv rows).
+- ``--stopped-ranks S``: under each launcher of ``--launchers`` (spawn, torchrun, srun;
+  srun only where a SLURM cluster answers), S runs in which a random rank SIGSTOPs
+  itself at a random step (tests/fault_plugin.py): the job must end, naming that rank,
+  within ``--timeout-s`` + 5 s of the stop (to its last line of output; the launcher's
+  own exit comes after it, reported apart).
 
     python tools/attack_loop.py --kills 200 --group-signals 20
     python tools/attack_loop.py --kills 30 --checkpointer async --group-signals 0
+    python tools/attack_loop.py --kills 0 --group-signals 0 --concurrent-starts 3 \
+        --stopped-ranks 3
 
 One line per problem and a progress line per chain / trial (so a loop stopped early still
 says how far it got), then the totals. Exit status 0 when nothing went wrong.
@@ -27,15 +38,27 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
-ENGINE_RUN = str(pathlib.Path(sys.executable).parent / "engine-run")
+BIN = pathlib.Path(sys.executable).parent
+ENGINE_RUN = str(BIN / "engine-run")
+#: How each launcher starts the 2 ranks of a stopped-rank run.
+LAUNCHES = {
+    "spawn": [],
+    "torchrun": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"],
+    "srun": ["srun", "-N1", "-n2", "-c1"],
+}
+#: The stopped-rank bound: timeout_s plus this, from the stop to the job's last line.
+STOP_SLACK_S = 5.0
 
 
 class Loop:
@@ -177,6 +200,132 @@ class Loop:
             self.problems.append(f"signal {trial}: the resumed run failed or its weights "
                                  f"differ (exit {done.returncode})")
 
+    # ------------------------------------------------------- concurrent starts
+
+    def concurrent_start(self, trial: int, reference: str) -> None:
+        out = self.tmp / f"concurrent{trial}"
+        first = self.start(out)
+        if not self.wait_for_new_snapshot(first, out, None):
+            self.problems.append(f"concurrent {trial}: the first run ended before the "
+                                 "second started")
+            first.communicate(timeout=300)
+            return
+        # The first is paused while the second starts (its lock is held all the same):
+        # a short first run could otherwise finish before the second got going.
+        os.killpg(first.pid, signal.SIGSTOP)
+        try:
+            second = subprocess.run([ENGINE_RUN, *self.train, f"out_dir={out}"], cwd=REPO,
+                                    env=self.env, capture_output=True, text=True,
+                                    timeout=300)
+        finally:
+            os.killpg(first.pid, signal.SIGCONT)
+        lines = second.stderr.strip().splitlines()
+        wrong = []
+        if second.returncode != 2:
+            wrong.append(f"the second exited {second.returncode} (not 2)")
+        if not any("is in use by another run" in line for line in lines):
+            wrong.append("no line says the out_dir is in use")
+        if "Traceback" in second.stderr:
+            wrong.append("the second printed a traceback")
+        try:
+            _, err = first.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            _, err = self.stop(first)
+            wrong.append("the first did not end within 900 s")
+        if first.returncode != 0:
+            wrong.append(f"the first exited {first.returncode}: "
+                         f"{(err.strip().splitlines() or [''])[-1]}")
+        elif self.digest(out) != reference:
+            wrong.append("the first's final weights differ from the uninterrupted run's")
+        if sorted(self.logged(out)) != sorted(self.logged(self.tmp / "reference")):
+            wrong.append("metrics.csv has other rows than the uninterrupted run's (a "
+                         "metric logged twice, or missing)")
+        if wrong:
+            self.problems.append(f"concurrent {trial}: {'; '.join(wrong)}")
+
+    @staticmethod
+    def logged(out: pathlib.Path) -> list[tuple[str, str, str]]:
+        """(step, epoch, name) of every row of metrics.csv, in order."""
+        try:
+            rows = (out / "metrics.csv").read_text().splitlines()[1:]
+        except OSError:
+            return []
+        return [tuple(row.split(",", 3)[:3]) for row in rows]
+
+    # ----------------------------------------------------------- stopped ranks
+
+    def stopped_rank(self, launcher: str, trial: int) -> tuple[float, float] | None:
+        """One run under ``launcher`` whose random rank stops itself at a random step:
+        (seconds from the stop to the job's last line, to the launcher's exit)."""
+        out = self.tmp / f"stopped-{launcher}{trial}"
+        marker = self.tmp / f"stopped-{launcher}{trial}.marker"
+        rank, step = random.randrange(2), random.randint(2, 5)
+        env = {**self.env, "ENGINE_FAULT_ACTION": "stop", "ENGINE_FAULT_STEP": str(step),
+               "ENGINE_FAULT_RANK": str(rank), "ENGINE_FAULT_ONCE": str(marker)}
+        job_name = f"attack-loop-{os.getpid()}-{trial}"  # srun: for scancel
+        launch = [*LAUNCHES[launcher], *(["-J", job_name] if launcher == "srun" else [])]
+        cmd = [*launch, ENGINE_RUN, RECIPE, f"out_dir={out}", "epochs=2",
+               f"timeout_s={self.args.timeout_s:g}", "-p", "tests.fault_plugin",
+               *(["--nproc", "2"] if launcher == "spawn" else [])]
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        lines: list[tuple[float, str]] = []
+        reader = threading.Thread(target=lambda: lines.extend(
+            (time.time(), line) for line in proc.stderr))
+        reader.start()
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            self.problems.append(f"{launcher} {trial}: rank {rank} stopped at step {step}; "
+                                 "the job did not end within 300 s")
+            return None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # a stopped rank left behind
+            if launcher == "srun":  # SLURM's tasks are not in srun's process group
+                subprocess.run(["scancel", "--signal=KILL", f"--name={job_name}"],
+                               capture_output=True, timeout=60)
+            reader.join()
+        ended = time.time()
+        if not marker.exists():
+            self.problems.append(f"{launcher} {trial}: rank {rank} never stopped (exit "
+                                 f"{proc.returncode})")
+            return None
+        stopped = marker.stat().st_mtime
+        last_line, end = lines[-1][0] - stopped, ended - stopped
+        err = "".join(line for _, line in lines)
+        wrong = []
+        if proc.returncode == 0:
+            wrong.append("exit 0")
+        if f"rank(s) {rank} stopped answering" not in err:
+            wrong.append(f"rank {rank} is not named")
+        if last_line >= self.args.timeout_s + STOP_SLACK_S:
+            wrong.append(f"its last line came {last_line:.1f}s after the stop")
+        if wrong:
+            self.problems.append(f"{launcher} {trial}: rank {rank} stopped at step {step}: "
+                                 f"{', '.join(wrong)}")
+        return last_line, end
+
+    def stopped_ranks(self) -> list[str]:
+        """The stopped-rank attack under every launcher asked for; a line of numbers each."""
+        report = []
+        for launcher in self.args.launchers.split(","):
+            if launcher == "srun" and not slurm_answers():
+                report.append("srun: skipped (no SLURM cluster answers here)")
+                continue
+            times = [t for trial in range(1, self.args.stopped_ranks + 1)
+                     if (t := self.stopped_rank(launcher, trial)) is not None]
+            print(f"stopped ranks under {launcher}: {len(times)}/{self.args.stopped_ranks} "
+                  f"({self.elapsed()}), {len(self.problems)} problem(s)", flush=True)
+            if times:
+                last, end = zip(*times)
+                report.append(
+                    f"{launcher}: stop -> last line median {statistics.median(last):.1f}s, "
+                    f"max {max(last):.1f}s; -> launcher's exit median "
+                    f"{statistics.median(end):.1f}s, max {max(end):.1f}s "
+                    f"(timeout_s={self.args.timeout_s:g}, {len(times)} runs)")
+        return report
+
     # ------------------------------------------------------------------ main
 
     def elapsed(self) -> str:
@@ -185,8 +334,10 @@ class Loop:
     def run(self) -> int:
         args = self.args
         self.mid_write = 0
-        reference = self.reference()
-        print(f"reference run done ({self.elapsed()})", flush=True)
+        reference = None
+        if args.kills or args.group_signals or args.concurrent_starts:
+            reference = self.reference()
+            print(f"reference run done ({self.elapsed()})", flush=True)
         kills = chain = 0
         while kills < args.kills:
             chain += 1
@@ -202,12 +353,33 @@ class Loop:
             self.group_signal(trial, reference)
             print(f"group signals: {trial}/{args.group_signals} ({self.elapsed()}), "
                   f"{len(self.problems)} problem(s)", flush=True)
+        for trial in range(1, args.concurrent_starts + 1):
+            self.concurrent_start(trial, reference)
+            print(f"concurrent starts: {trial}/{args.concurrent_starts} ({self.elapsed()}), "
+                  f"{len(self.problems)} problem(s)", flush=True)
+        timings = self.stopped_ranks() if args.stopped_ranks else []
         for problem in self.problems:
             print(f"problem: {problem}", flush=True)
+        for line in timings:
+            print(f"stopped rank, {line}", flush=True)
         print(f"total: {kills} kills in {chain} chain(s) ({self.mid_write} with a snapshot "
               f"being written), {args.group_signals} group signals ({args.signal}), "
-              f"{len(self.problems)} problem(s), {self.elapsed()}", flush=True)
+              f"{args.concurrent_starts} concurrent starts, {args.stopped_ranks} stopped "
+              f"rank(s) per launcher, {len(self.problems)} problem(s), {self.elapsed()}",
+              flush=True)
         return 0 if not self.problems else 1
+
+
+def slurm_answers() -> bool:
+    """Whether srun can start a job here: SLURM installed and a node idle or mixed."""
+    if shutil.which("srun") is None or shutil.which("sinfo") is None:
+        return False
+    try:
+        states = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True,
+                                text=True, timeout=15).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return any(state in ("idle", "mix") for state in states)
 
 
 def main(argv=None) -> int:
@@ -222,9 +394,22 @@ def main(argv=None) -> int:
     p.add_argument("--checkpointer", default="torch-file", choices=["torch-file", "async"])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--epochs", type=int, default=8, help="of the tiny recipe (6 steps each)")
+    p.add_argument("--concurrent-starts", type=int, default=0)
+    p.add_argument("--stopped-ranks", type=int, default=0, help="runs per launcher")
+    p.add_argument("--launchers", default="spawn,torchrun,srun",
+                   help="comma-separated, of: " + ", ".join(LAUNCHES))
+    p.add_argument("--timeout-s", type=float, default=4.0,
+                   help="the stopped-rank runs' timeout_s")
     args = p.parse_args(argv)
-    if args.kills < 0 or args.group_signals < 0 or args.chain < 1:
-        p.error("--kills and --group-signals must be >= 0, --chain >= 1")
+    if min(args.kills, args.group_signals, args.concurrent_starts, args.stopped_ranks) < 0:
+        p.error("--kills, --group-signals, --concurrent-starts and --stopped-ranks must "
+                "be >= 0")
+    if args.chain < 1 or args.timeout_s <= 0:
+        p.error("--chain must be >= 1 and --timeout-s > 0")
+    unknown = set(args.launchers.split(",")) - set(LAUNCHES)
+    if unknown:
+        p.error(f"--launchers: unknown {', '.join(sorted(unknown))}; choose from "
+                f"{', '.join(LAUNCHES)}")
     sys.path.insert(0, str(REPO))
     with tempfile.TemporaryDirectory(prefix="attack-loop-") as tmp:
         return Loop(args, pathlib.Path(tmp)).run()

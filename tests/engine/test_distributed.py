@@ -5,6 +5,7 @@ that names the master and the ranks that never came."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -97,17 +98,28 @@ def test_two_ranks_meet_by_env_tcp_and_file(script, tmp_path):
         assert [(r["ok"], r.get("sum")) for r in results] == [(True, 3.0)] * 3, results
 
 
+#: Longer than distributed.NOTICE_AFTER_S: a rank that waits says so before it gives up.
+NOTICED_TIMEOUT_S = 7
+
+
 def test_a_rank_that_never_comes_is_named_in_time(script):
     port = free_port()
-    ranks = start_together(script, *[[dict(rank=r, world_size=3, port=port)]
-                                     for r in range(2)])
+    ranks = start_together(script, *[[dict(rank=r, world_size=3, port=port,
+                                           timeout=NOTICED_TIMEOUT_S)] for r in range(2)])
     results = [finish(p)[0] for p in ranks]
     message = (f"rank 2 of 3 never joined the rendezvous at 127.0.0.1:{port} within "
-               f"{TIMEOUT_S}s (timeout_s); check that every rank was started")
+               f"{NOTICED_TIMEOUT_S}s (timeout_s); check that every rank was started")
     assert results[0]["error"].startswith(f"rank 0: {message}")
     assert results[1]["error"].startswith(f"rank 1: rank 0 reports: {message}")
     for r in results:
-        assert r["seconds"] < TIMEOUT_S + 5, r
+        assert r["seconds"] < NOTICED_TIMEOUT_S + 5, r
+    # A few seconds into the wait, each said what it waits for and until when.
+    assert_waiting_line(results[0]["stderr"],
+                        f"rank 0: waiting for rank 2 of 3 to join the rendezvous at "
+                        f"127.0.0.1:{port}")
+    assert_waiting_line(results[1]["stderr"],
+                        f"rank 1: waiting for rank 0 to complete the rendezvous at "
+                        f"127.0.0.1:{port}")
     # Rank 0 printed the world table as it saw it.
     table = results[0]["stderr"].split("world (as rank 0 saw it when init failed):\n")[1]
     assert [line.split()[:5] for line in table.splitlines()[:4]] == [
@@ -122,20 +134,38 @@ def test_a_master_that_is_not_there_fails_in_time_and_says_where(script):
         busy.listen()
         taken = busy.getsockname()[1]
         (process,) = start_together(script, [
-            dict(rank=1, world_size=2, port=closed),
+            dict(rank=1, world_size=2, port=closed, timeout=NOTICED_TIMEOUT_S),
             dict(rank=1, world_size=2, port=29500, addr="no-such-host.invalid"),
             dict(rank=0, world_size=2, port=taken)])
         unreachable, unresolvable, port_taken = finish(process)
     assert unreachable["error"].startswith(
-        f"rank 1: cannot reach the master at 127.0.0.1:{closed} within {TIMEOUT_S}s "
-        "(last attempt: Connection refused)")
-    assert TIMEOUT_S - 0.5 < unreachable["seconds"] < TIMEOUT_S + 5
+        f"rank 1: cannot reach the master at 127.0.0.1:{closed} within "
+        f"{NOTICED_TIMEOUT_S}s (last attempt: Connection refused)")
+    assert NOTICED_TIMEOUT_S - 0.5 < unreachable["seconds"] < NOTICED_TIMEOUT_S + 5
+    # It did not wait in silence: a few seconds in, it said where and until when.
+    assert_waiting_line(unreachable["stderr"], f"rank 1: waiting for the master at "
+                                               f"127.0.0.1:{closed} (Connection refused)")
     assert unresolvable["error"].startswith(
         "rank 1: the master address 'no-such-host.invalid' does not resolve")
     assert unresolvable["seconds"] < TIMEOUT_S + 5
     assert port_taken["error"] == (
         f"rank 0: master port {taken} on testhost is already in use; choose another with "
         "--master-port PORT or MASTER_PORT=PORT")
+
+
+def assert_waiting_line(stderr: str, waiting_for: str) -> None:
+    """Exactly one line says what the rank waits for, and until when: within the wait."""
+    lines = [line for line in stderr.splitlines() if line.startswith(waiting_for)]
+    assert len(lines) == 1, stderr
+    match = re.fullmatch(r", until (\d\d):(\d\d):(\d\d) \S+ \(timeout_s=(\S+)\)",
+                         lines[0][len(waiting_for):])
+    assert match, lines[0]
+    assert match.group(4) == f"{NOTICED_TIMEOUT_S:g}"
+    hours, minutes, seconds = map(int, match.group(1, 2, 3))
+    until = (hours * 60 + minutes) * 60 + seconds
+    now = time.localtime()
+    ago = ((now.tm_hour * 60 + now.tm_min) * 60 + now.tm_sec - until) % 86400
+    assert ago < STARTUP_SLACK_S, (lines[0], time.strftime("%H:%M:%S"))
 
 
 def test_ranks_that_disagree_about_the_world_size(script):

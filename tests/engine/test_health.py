@@ -73,6 +73,21 @@ def test_a_stopped_rank_0_is_named_and_the_job_ends_within_the_timeout(tmp_path)
     assert ended - marker.stat().st_mtime < 4 + 5
 
 
+def test_every_way_gloo_reports_a_lost_peer_counts_as_a_failed_collective():
+    """The messages of real runs with a rank stopped or killed: after the first
+    timeout, gloo fails a collective started earlier (a check point's all-reduce) with
+    "Application timeout caused pair closure"; unrecognised, the surviving rank printed
+    a traceback and never named (nor, under torchrun or srun, ended) the stopped rank."""
+    from engine.health import is_collective_failure
+
+    for text in ("Application timeout caused pair closure",
+                 "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv",
+                 "[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:1"):
+        assert is_collective_failure(RuntimeError(text)), text
+    assert not is_collective_failure(RuntimeError("grad can be implicitly created only "
+                                                  "for scalar outputs"))
+
+
 RELEASE_PROBE = """
 import sys
 import torch.distributed as dist

@@ -75,3 +75,89 @@ class Status:
 
 def test_local_workers_send_back_their_status():
     assert spawn_workers(Status(), worlds(2)) == ["preempted", None]
+
+
+# ------------------------------------------------------------ stopped peers
+
+
+def test_only_the_stopped_process_named_by_its_identity_is_killed():
+    """A rank kills a stopped local peer only while it is the process the roll call
+    recorded (a PID may be reused) and only while it is stopped."""
+    import subprocess
+    import sys
+
+    from engine.processes import kill_if_stopped, process_identity, same_machine
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        identity = process_identity(peer.pid)
+        assert same_machine(identity) and identity != process_identity(os.getpid())
+        assert not kill_if_stopped(peer.pid, identity)  # running: left alone
+        os.kill(peer.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while "State:\tT" not in pathlib.Path(f"/proc/{peer.pid}/status").read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        boot, ticks = identity.split("/")
+        assert not kill_if_stopped(peer.pid, f"{boot}/{int(ticks) + 1}")  # another one
+        assert not kill_if_stopped(peer.pid, "")
+        assert peer.poll() is None
+        assert kill_if_stopped(peer.pid, identity)
+        assert peer.wait(30) == -signal.SIGKILL
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+# ------------------------------------------------------------ no leftovers
+
+
+def _named_semaphores(pids: list[str]) -> set[str]:
+    """The /dev/shm/sem.* files these processes have mapped and that still have a name
+    (a semaphore unlinked as soon as it was made shows as "(deleted)")."""
+    names = set()
+    for pid in pids:
+        try:
+            maps = pathlib.Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        names.update(line.split()[-1] for line in maps.splitlines()
+                     if "/dev/shm/sem." in line and not line.endswith("(deleted)"))
+    return names
+
+
+def test_a_run_killed_as_a_whole_leaves_no_named_semaphores(tmp_path):
+    """SIGKILL of a whole 2-process run (its process group: the launcher, the workers,
+    their DataLoader workers, multiprocessing's resource tracker) left the named
+    semaphores of the launcher's result queue in /dev/shm (sem.mp-*) for good, as
+    nobody lived to unlink them: two per killed run."""
+    import subprocess
+
+    from engine.testing import group_processes
+    from tests.conftest import ENGINE_RUN, REPO, engine_env
+
+    out = tmp_path / "run"
+    run = subprocess.Popen(
+        [ENGINE_RUN, str(REPO / "tests" / "recipes" / "tiny_resume.py"), f"out_dir={out}",
+         "epochs=1000", "num_workers=1", "--nproc", "2"],
+        cwd=REPO, env=engine_env(), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        # Training: the launcher, the resource tracker, 2 workers and their loader workers.
+        while len(processes := group_processes(run.pid)) < 5:
+            assert run.poll() is None, run.stderr.read()
+            assert time.monotonic() < deadline, f"the run never trained: {processes}"
+            time.sleep(0.2)
+        named = _named_semaphores(processes)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+    deadline = time.monotonic() + 60
+    while group_processes(run.pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    left = [name for name in named if os.path.exists(name)]
+    for name in left:  # this run's, and every process that used them is dead
+        os.unlink(name)
+    assert left == []

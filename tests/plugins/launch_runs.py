@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
+import time
 
-from tests.conftest import QUICK, REPO, engine_env, read_summary, run_cli
+import attrs
+
+from tests.conftest import ENGINE_RUN, QUICK, REPO, engine_env, read_summary, run_cli
 
 RECIPE = str(REPO / "recipes" / "cifar_ddp.py")
 ONE_THREAD = ("--threads", "1")
@@ -85,3 +89,52 @@ def python_path_env(**extra: str) -> dict[str, str]:
     env = engine_env(**extra)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
+
+
+#: The stopped-rank runs: a small recipe, a short collective timeout.
+STOP_RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
+STOP_TIMEOUT_S = 4
+
+
+@attrs.frozen
+class StoppedRun:
+    """A run whose rank SIGSTOPped itself: the finished command, and when each line of
+    its stderr came, in seconds after the stop."""
+
+    proc: subprocess.CompletedProcess
+    lines: list[tuple[float, str]]
+    ended: float  # when the command ended, in seconds after the stop
+
+    def seconds_until(self, text: str) -> float:
+        """When the first line of stderr holding ``text`` came, after the stop."""
+        return next(t for t, line in self.lines if text in line)
+
+
+def run_with_a_stopped_rank(launch: list[str], out, rank: int = 1) -> StoppedRun:
+    """``launch`` + engine-run on the tiny recipe, whose rank ``rank`` SIGSTOPs itself
+    after step 3 (tests/fault_plugin.py)."""
+    marker = out.parent / f"{out.name}-stopped"
+    env = engine_env(ENGINE_FAULT_ACTION="stop", ENGINE_FAULT_STEP="3",
+                     ENGINE_FAULT_RANK=str(rank), ENGINE_FAULT_ONCE=str(marker))
+    cmd = [*launch, ENGINE_RUN, STOP_RECIPE, f"out_dir={out}", f"timeout_s={STOP_TIMEOUT_S}",
+           "-p", "tests.fault_plugin"]
+    popen = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines, stdout = [], []
+    readers = [threading.Thread(target=lambda: stdout.extend(popen.stdout)),
+               threading.Thread(target=lambda: lines.extend((time.time(), line)
+                                                            for line in popen.stderr))]
+    for reader in readers:
+        reader.start()
+    try:
+        popen.wait(RUN_TIMEOUT_S)
+    finally:
+        popen.kill()
+        for reader in readers:
+            reader.join()
+    ended = time.time()
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, "".join(stdout),
+                                       "".join(line for _, line in lines))
+    assert marker.exists(), f"rank {rank} never stopped:\n{proc.stdout}\n{proc.stderr}"
+    stopped = marker.stat().st_mtime
+    return StoppedRun(proc, [(t - stopped, line) for t, line in lines], ended - stopped)

@@ -15,7 +15,8 @@ from engine.launcher import LaunchOptions
 from engine.plugin_manager import build_plugin_manager
 from engine.plugins.slurm import SlurmLauncher, job_to_requeue, requeue
 from tests.conftest import ENGINE_RUN, REPO, engine_env, run_cli
-from tests.plugins.launch_runs import RECIPE, finished, reference_digest, run, train_args
+from tests.plugins.launch_runs import (RECIPE, STOP_TIMEOUT_S, finished, reference_digest,
+                                       run, run_with_a_stopped_rank, train_args)
 
 # srun -N1 -n2 -c1: two tasks on node n2 (tasks 0 and 1).
 STEP = {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1",
@@ -177,6 +178,19 @@ def test_one_task_per_process_on_one_node(tmp_path, tmp_path_factory):
     table = proc.stdout.split("world:\n")[1].splitlines()[:3]
     assert [row.split()[:3] for row in table] == [["rank", "local", "node"],
                                                    ["0", "0", "0"], ["1", "1", "0"]]
+
+
+@cluster
+def test_a_stopped_task_ends_the_step_within_the_timeout(tmp_path):
+    """srun without --kill-on-bad-exit waits for every task: with rank 1 stopped
+    (SIGSTOP), for ever. Rank 0 names it after timeout_s and kills it as it exits."""
+    stopped = run_with_a_stopped_rank(["srun", "-N1", "-n2", "-c1"], tmp_path / "run")
+    assert stopped.proc.returncode != 0
+    assert ("rank 0: a collective operation failed at step 3: rank(s) 1 stopped answering "
+            "(rank(s) 1: its process on this machine is stopped, by SIGSTOP or a "
+            "debugger, and is killed so that the job ends)") in stopped.proc.stderr
+    assert "task 1: Killed" in stopped.proc.stderr
+    assert stopped.ended < STOP_TIMEOUT_S + 5, stopped.lines
 
 
 @cluster

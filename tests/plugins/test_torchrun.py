@@ -9,8 +9,9 @@ from engine.errors import LaunchError
 from engine.launcher import LaunchOptions, free_port
 from engine.plugins.torchrun import TorchrunLauncher
 from tests.conftest import BIN, ENGINE_RUN
-from tests.plugins.launch_runs import (ONE_THREAD, finished, reference_digest, run,
-                                       run_together, train_args)
+from tests.plugins.launch_runs import (ONE_THREAD, STOP_TIMEOUT_S, finished,
+                                       reference_digest, run, run_together,
+                                       run_with_a_stopped_rank, train_args)
 
 TORCHRUN = str(BIN / "torchrun")
 ENV = {"TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "1", "RANK": "3",
@@ -87,3 +88,30 @@ def test_c10d_rendezvous_with_the_module_form(tmp_path, tmp_path_factory):
                      "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "c10d-test",
                      target=("-m", "engine")))
     assert finished(out, "torchrun")["weights_sha256"] == reference_digest(tmp_path_factory)
+
+
+#: How long torchrun's own Python takes to exit once its agent is done, at most.
+TORCHRUN_EXIT_S = 6
+
+#: What the rank that waited in vain says about a stopped rank 1 on its machine.
+STOPPED_RANK_1 = ("rank 0: a collective operation failed at step 3: rank(s) 1 stopped "
+                  "answering (rank(s) 1: its process on this machine is stopped, by "
+                  "SIGSTOP or a debugger, and is killed so that the job ends)")
+
+
+def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
+    """torchrun's agent answers a failed worker with SIGTERM to the others and a 30 s
+    grace before SIGKILL, which a stopped worker cannot act on: the job ended 45 s after
+    a stop with timeout_s=10. Rank 0 kills its stopped peer as it exits."""
+    stopped = run_with_a_stopped_rank(
+        [TORCHRUN, "--standalone", "--nproc-per-node", "2"], tmp_path / "run")
+    proc = stopped.proc
+    assert proc.returncode == 1, proc.stderr
+    assert STOPPED_RANK_1 in proc.stderr
+    # The agent's verdict: rank 1 killed by SIGKILL, rank 0 with its own exit code...
+    assert "exitcode  : -9" in proc.stderr and "exitcode  : 1 " in proc.stderr
+    # ...within timeout_s + 5 s of the stop. Then torchrun's own interpreter exits, which
+    # frees every module of torch: about 0.5 s on an idle machine, 3-4 s on two busy
+    # cores, out of the engine's reach.
+    assert stopped.seconds_until("Root Cause") < STOP_TIMEOUT_S + 5, stopped.lines
+    assert stopped.ended < STOP_TIMEOUT_S + 5 + TORCHRUN_EXIT_S, stopped.ended
