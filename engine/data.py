@@ -274,7 +274,9 @@ def batches_per_epoch(num_samples: int, micro_batch: int, drop_last: bool) -> in
 
 def to_device(batch, device, non_blocking: bool = False):
     """A batch on ``device``: a tensor, or tuples, lists and dicts of them (nested as
-    deep as they come; named tuples keep their type). Anything else passes unchanged.
+    deep as they come; named tuples keep their type), or any object with a tensor's
+    ``to(device, non_blocking=...)`` (a recipe's own batch type: the OCT recipe's encoded
+    batch decodes on the device there). Anything else passes unchanged.
     ``non_blocking`` overlaps the copy from pinned memory with compute (CUDA)."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
@@ -285,4 +287,6 @@ def to_device(batch, device, non_blocking: bool = False):
     if isinstance(batch, tuple):
         moved = [to_device(v, device, non_blocking) for v in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
+    if callable(getattr(batch, "to", None)):
+        return batch.to(device, non_blocking=non_blocking)
     return batch

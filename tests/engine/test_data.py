@@ -36,6 +36,25 @@ def test_to_device_on_the_same_device_returns_the_same_tensors():
     assert moved[0] is inputs and moved[1] is targets
 
 
+class Encoded:
+    """A recipe's own batch type: decoded where it is moved to (as the OCT recipe's)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def to(self, device, non_blocking=False):
+        return (self.raw.float() / 255).to(device, non_blocking=non_blocking)
+
+
+def test_to_device_calls_the_to_of_a_recipes_own_batch_type():
+    # (Encoded batch, labels), as the OCT recipe's GPU decoding collates them: the model
+    # gets what Encoded.to returns (it got the Encoded object itself, and failed in conv2d).
+    moved = data.to_device((Encoded(torch.full((2,), 255, dtype=torch.uint8)),
+                            torch.zeros(2)), torch.device("meta"))
+    assert isinstance(moved[0], torch.Tensor) and moved[0].device.type == "meta"
+    assert moved[0].dtype == torch.float32
+
+
 def test_split_batch_is_exact_or_names_a_good_batch_size():
     assert data.split_batch(64, 2, 2) == 16
     with pytest.raises(ConfigError, match=r"batch_size 63 \(global\) does not split evenly "
