@@ -67,7 +67,7 @@ class CompileConfig:
     # run may resume with compile on or off.
     RESUME_SAFE = True
 
-    enabled: bool = False
+    enabled: bool = False  # torch.compile the model (compile=true says the same)
     # torch.compile's modes: reduce-overhead adds CUDA graphs, max-autotune searches
     # kernels (long compiles).
     mode: Literal["default", "reduce-overhead", "max-autotune",

@@ -138,9 +138,10 @@ def test_a_failing_run_fires_exception_then_run_end(recorder):
     assert proc.returncode != 0
     assert "RuntimeError: recorder fails at step 5" in proc.stderr
     calls = read(recorder / "calls" / "rank0.jsonl")
-    # Step 2's window is logged at the check point of step 4; step 4's was in flight.
+    # The processes training from step 0 are logged first (world_size); step 2's window is
+    # logged at the check point of step 4; step 4's was in flight.
     assert calls == [
-        ["run_start", 0, "hello"], ["epoch_start", 0],
+        ["run_start", 0, "hello"], ["log", 0, ["world_size"]], ["epoch_start", 0],
         *[["train_step_end", step, "Tensor", []] for step in (1, 2, 3, 4)],
-        ["log", 2, calls[6][2]], ["train_step_end", 5, "Tensor", []],
+        ["log", 2, calls[7][2]], ["train_step_end", 5, "Tensor", []],
         ["exception", "RuntimeError", "recorder fails at step 5"], ["run_end", "failed"]]

@@ -12,7 +12,8 @@ from engine.plugin_manager import build_plugin_manager
 
 def test_the_builtin_loggers_declare_their_files():
     pm = build_plugin_manager()
-    assert pm.run_files == {"tensorboard": "tensorboard", "metrics.csv": "csv"}
+    assert pm.run_files == {"profile": "profiler", "tensorboard": "tensorboard",
+                            "metrics.csv": "csv"}
     assert pm.components_of("csv") == {"run file": ["metrics.csv"]}
 
 

@@ -108,7 +108,7 @@ def test_overwrite_removes_the_files_the_loaded_plugins_declare(tmp_path):
     (out / "metrics.jsonl").write_text("{}")
     pm = build_plugin_manager(["no:csv"], objects={"jsonl": JsonLinesLogger()})
     assert run_dir.run_files(pm) == ("checkpoints", "summary.json", "config.json",
-                                     "tensorboard", "metrics.jsonl")
+                                     "profile", "tensorboard", "metrics.jsonl")
     assert pm.components_of("jsonl") == {"run file": ["metrics.jsonl"]}
     assert run_dir.clear(out, run_dir.run_files(pm)) == [
         "checkpoints", "summary.json", "config.json", "tensorboard", "metrics.jsonl"]

@@ -169,8 +169,8 @@ def test_two_processes_save_shards_that_both_wrote(two_then_one):
 def test_one_process_resumes_what_two_saved(two_then_one):
     out, _, proc = two_then_one
     checkpoints = out / "checkpoints"
-    assert (f"resuming from {checkpoints / 'snapshot-e0001-s00000008.dcp'}: epoch 1, "
-            "step 8") in proc.stdout
+    assert (f"resuming from {checkpoints / 'snapshot-e0001-s00000008.dcp'}: the end of "
+            "epoch 1, step 8") in proc.stdout
     assert "was written by 2 processes, this run has 1: RNG states are not restored" \
         in proc.stderr
     summary = read_summary(out)

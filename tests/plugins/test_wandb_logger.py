@@ -45,10 +45,11 @@ def records(path) -> list:
 def test_enabled_without_the_package_is_one_line_naming_the_extra(make_engine, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: import fails
     eng = make_engine()
-    eng.cfg = apply_overrides(with_groups(eng.cfg, {"wandb": WandbConfig}),
-                              ["wandb.enabled=true", "wandb.mode=offline"])
+    # Refused with the config checks, in the launching process, before any worker starts.
     with pytest.raises(PluginError) as info:
-        WandbLogger().engine_log(engine=eng, metrics={"loss": 1.0}, step=1)
-    assert str(info.value).startswith("wandb.enabled=true needs the wandb package (")
+        apply_overrides(with_groups(eng.cfg, {"wandb": WandbConfig}),
+                        ["wandb.enabled=true", "wandb.mode=offline"])
+    assert str(info.value).startswith("wandb.enabled=true needs the wandb package, which is "
+                                      "not installed")
     assert 'install it with pip install -e ".[wandb]"' in str(info.value)
     assert "\n" not in str(info.value)
