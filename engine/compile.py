@@ -93,10 +93,15 @@ def seconds_spent() -> float | None:
     from torch._dynamo.utils import calculate_time_spent
 
     spent = calculate_time_spent()
-    total = spent.get("total_wall_time")
-    if total is None:
-        total = spent.get("entire_frame_compile", 0.0) + spent.get("entire_backward_compile",
-                                                                     0.0)
+    total = spent.get("total_wall_time") or (
+        spent.get("entire_frame_compile", 0.0) + spent.get("entire_backward_compile", 0.0))
+    if not total:
+        # torch 2.11 left these timers at 0 in a forked process that compiled 6 graphs (seen
+        # on an H200); each graph's own record (forward and backward) still has its duration.
+        from torch._dynamo.utils import get_compilation_metrics
+
+        total = sum(getattr(m, "duration_us", None) or 0
+                    for m in get_compilation_metrics()) / 1e6
     return round(total, 3) if total else None
 
 
