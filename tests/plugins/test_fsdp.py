@@ -1,7 +1,7 @@
 """plugins/fsdp.py: the unit choice and its one-line errors (in this process, no
-process group needed), then real runs on 2 gloo processes: fsdp against ddp, a
-torch-file snapshot exported to safetensors and loaded into the plain model, and dcp
-snapshots resumed at 1, 2 and 3 processes."""
+process group needed), then real runs on 2 gloo processes: fsdp against ddp and
+compiled fsdp, a torch-file snapshot exported to safetensors and loaded into the plain
+model, and dcp snapshots resumed at 1, 2 and 3 processes."""
 
 from __future__ import annotations
 
@@ -161,6 +161,26 @@ def test_fsdp_on_two_processes_trains_as_ddp_does(uninterrupted, tmp_path):
     # models the weights may differ in the last bit: reduce-scatter is not all-reduce).
     assert fsdp_losses == ddp_losses
     assert samples_seen(uninterrupted) == list(range(36))
+
+
+def test_fsdp_with_compile_trains_as_eager_fsdp_does(uninterrupted, tmp_path):
+    """compile.enabled=true under fsdp: the model compiled in place, then sharded. The
+    backend is aot_eager: dynamo and AOTAutograd trace the forward and the backward
+    around FSDP's hooks (where compile and fsdp meet) without inductor's code
+    generation, which would cost each of the 2 processes tens of seconds here."""
+    out = tmp_path / "compiled"
+    proc = run_cli(*BASE, "--parallel", "fsdp", "--nproc", "2", "compile.enabled=true",
+                   "compile.backend=aot_eager", f"out_dir={out}", check=True)
+    assert "spent compiling on rank 0" in proc.stdout
+    summary = read_summary(out)
+    assert summary["status"] == "completed" and summary["compile_s"] > 0
+    compiled_losses = losses_per_rank(out)
+    assert [len(r) for r in compiled_losses] == [6, 6]
+    # Traced ops sum in the same order here; the tolerance allows a decomposition's
+    # rounding.
+    torch.testing.assert_close(compiled_losses, losses_per_rank(uninterrupted),
+                               rtol=1e-5, atol=1e-6)
+    assert samples_seen(out) == list(range(36))
 
 
 def test_a_torch_file_snapshot_of_fsdp_exports_to_safetensors_and_loads_into_the_plain_model(
