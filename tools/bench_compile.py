@@ -140,7 +140,8 @@ def hand_written(args, compiled: bool) -> tuple[tuple[float, float], float | Non
 def recipe_step(recipe, model):
     """The loss of a batch: the recipe's own train_step where it has one (the language
     model's, with its next-character loss and its accuracy metric: the work the engine
-    does too), the tutorial's cross-entropy otherwise."""
+    does too; the tiny workload's engine.classification one), the tutorial's
+    cross-entropy otherwise (the CIFAR recipe, whose step is the engine's default)."""
     from types import SimpleNamespace
 
     from torch.nn import functional as F
@@ -148,8 +149,12 @@ def recipe_step(recipe, model):
     train_step = getattr(recipe.module, "train_step", None)
     if train_step is None:
         return lambda inputs, labels: F.cross_entropy(model(inputs), labels)
-    ctx = SimpleNamespace(model=model)
-    return lambda inputs, labels: train_step((inputs, labels), ctx)["loss"]
+    ctx = SimpleNamespace(model=model, module=model, loss_fn=recipe.optional("loss_fn"))
+
+    def loss(inputs, labels):
+        out = train_step((inputs, labels), ctx)  # the loss, or a dict of it and metrics
+        return out["loss"] if isinstance(out, dict) else out
+    return loss
 
 
 def through_engine_step(args, compiled: bool) -> tuple[tuple[float, float], float | None]:
