@@ -197,8 +197,10 @@ class CPUClockPlugin:
 
 
 def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: str,
-                   args) -> tuple[float, float, str, int, tuple[float, float]]:
-    """The same workload through engine.engine.Engine, as engine-run's workers run it."""
+                   args, workloads: dict = WORKLOADS
+                   ) -> tuple[float, float, str, int, tuple[float, float]]:
+    """The same workload through engine.engine.Engine, as engine-run's workers run it
+    (``args.workload`` looked up in ``workloads``: another tool may add its own)."""
     from engine.config import apply_overrides, with_groups
     from engine.engine import Engine
     from engine.plugin_manager import build_plugin_manager
@@ -208,7 +210,7 @@ def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: st
     pm = build_plugin_manager(args.plugin, autoload=False)
     cpu_clock = CPUClockPlugin()
     pm.register_object(cpu_clock, "bench-cpu-clock")
-    recipe_path, size_overrides, _, _, _ = WORKLOADS[args.workload]
+    recipe_path, size_overrides, _, _, _ = workloads[args.workload]
     recipe = load_recipe(recipe_path)
     # The plugins' config groups (ddp.*) join the recipe's before the overrides, as in
     # engine-run, so that --set can reach them.
@@ -222,7 +224,8 @@ def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: st
     summary = Engine(pm, recipe, cfg, world, {"threads": args.threads}).run()
     # The wall time is the engine's own measurement of its loop.
     steps = summary["global_step"]
-    loop_seconds = steps * cfg.batch_size / summary["samples_per_sec"]
+    rate = summary.get("samples_per_sec")  # None: a recipe counting tokens (char_lm)
+    loop_seconds = steps * cfg.batch_size / rate if rate else float("nan")
     return (loop_seconds, cpu_clock.clock.cpu_seconds, summary["weights_sha256"], steps,
             cpu_clock.clock.step_seconds())
 

@@ -7,10 +7,13 @@ Run on a GPU machine with: python -m pytest tests/gpu/test_cuda_fsdp.py -m cuda 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from tests.conftest import read_summary
+from engine.testing import run_python
+from tests.conftest import REPO, engine_env, read_summary
 from tests.recipes.tiny_parallel_runs import probes, run_tiny
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -50,3 +53,18 @@ def test_fsdp_on_two_gpus_matches_ddp(tmp_path):
     torch.testing.assert_close(read_summary(tmp_path / "fsdp")["train_loss"],
                                read_summary(tmp_path / "ddp")["train_loss"])
     assert [p["backend"] for p in probes(tmp_path / "fsdp")] == ["nccl", "nccl"]
+
+
+def test_bench_fsdp_on_one_gpu_reports_samples_per_second_of_both_sides(tmp_path):
+    """tools/bench_fsdp.py --device cuda, smoke-sized: the engine's fsdp and the
+    hand-written FSDP2 loop, both bf16 (MixedPrecisionPolicy), on one GPU over NCCL."""
+    out = tmp_path / "bench.json"
+    proc = run_python(
+        [str(REPO / "tools" / "bench_fsdp.py"), "--device", "cuda", "--reps", "1",
+         "--size", "2560", "--batch", "128", "--json", str(out)],
+        cwd=REPO, env={**engine_env(), "CUDA_VISIBLE_DEVICES": "0"}, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["samples_per_s"]["hand"] > 0 and result["samples_per_s"]["engine"] > 0
+    assert result["gpu"] == torch.cuda.get_device_name(0)
+    assert "precision bf16" in proc.stdout and "samples/s: hand-written FSDP2" in proc.stdout
