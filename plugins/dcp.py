@@ -268,9 +268,14 @@ class AsyncDCPCheckpointer(DCPCheckpointer):
         """A gloo group for the background writes, made once (collectively: every
         rank saves at the same points). None without a process group."""
         if self._group is None and distributed.is_initialized():
+            import datetime
+
             import torch.distributed as dist
 
-            self._group = dist.new_group(backend="gloo")
+            # The run's bound on every wait (a rank that died is an error, not a hang).
+            seconds = getattr(self.cfg, "timeout_s", None)
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
+                seconds=seconds) if seconds else None)
         return self._group
 
     def write_shards(self, state, staging):
