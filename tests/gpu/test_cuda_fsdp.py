@@ -1,6 +1,6 @@
 """fsdp on CUDA (NCCL, one process per GPU; one process shards over a group of its
-own): bf16 mixed precision, the weights it trains, a dcp snapshot resumed. Skips
-without CUDA.
+own): bf16 mixed precision, the weights it trains, a dcp and a dcp-async snapshot
+resumed, tools/bench_fsdp.py --device cuda. Skips without CUDA.
 
 Run on a GPU machine with: python -m pytest tests/gpu/test_cuda_fsdp.py -m cuda -rs
 """
@@ -68,3 +68,16 @@ def test_bench_fsdp_on_one_gpu_reports_samples_per_second_of_both_sides(tmp_path
     assert result["samples_per_s"]["hand"] > 0 and result["samples_per_s"]["engine"] > 0
     assert result["gpu"] == torch.cuda.get_device_name(0)
     assert "precision bf16" in proc.stdout and "samples/s: hand-written FSDP2" in proc.stdout
+
+
+def test_fsdp_dcp_async_on_one_gpu_resumes(tmp_path):
+    """dcp-async with NCCL training: DCP stages the GPU shards to the host and writes
+    them over its gloo group (async_save refuses a group without a CPU backend)."""
+    args = ("--parallel", "fsdp", "batch_size=16", "train_size=64", "precision=bf16",
+            "checkpointer=dcp-async", "checkpoint.every_steps=2")
+    run_tiny(tmp_path, *args, "epochs=2", nproc=1, cuda_visible_devices="0")
+    assert read_summary(tmp_path)["status"] == "completed"
+    assert not list((tmp_path / "checkpoints").glob(".staging-*"))
+    resumed = run_tiny(tmp_path, *args, "epochs=3", nproc=1, cuda_visible_devices="0")
+    assert "resuming from" in resumed.stdout
+    assert read_summary(tmp_path)["global_step"] == 12
