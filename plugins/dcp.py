@@ -21,6 +21,10 @@ of every rank, scheduler, grad scaler, config, metrics, engine version: see
 engine.snapshot.capture) is small and goes into ``train_state.pt``
 (``torch.load(weights_only=True)``), written by rank 0.
 
+Checkpointer ``dcp-async`` (:class:`AsyncDCPCheckpointer`): the same snapshots, written
+by ``dcp.async_save`` in the background; the loop waits only while DCP copies the
+shards, and the rest of the save is done at the next save or at the run's end.
+
 A save is crash-consistent: every rank writes into a hidden staging directory, rank 0
 moves it into place after a barrier; the store then writes the manifest and the
 ``latest`` pointer atomically. ``latest()`` checks the manifest and falls back to the
@@ -108,15 +112,13 @@ class DCPCheckpointer(SnapshotStore):
         rank writes into a hidden staging directory; rank 0 moves it into place once
         every file is there and hashed."""
         import torch
-        import torch.distributed.checkpoint as dcp
 
         rank, world_size = _rank_and_size(self.world)
         staging = self.directory / f"{STAGING}{path.name}"
         distributed.barrier()  # rank 0 has made the folder and cleared old staging
         try:
             with _single_process_is_intended():
-                dcp.save({k: state[k] for k in DCP_PARTS if state.get(k) is not None},
-                         checkpoint_id=str(staging))
+                self.write_shards(state, staging)
         except Exception as exc:
             raise CheckpointError(f"rank {rank}: saving {path} failed: "
                                   f"{type(exc).__name__}: {_first_line(exc)}") from None
@@ -138,6 +140,12 @@ class DCPCheckpointer(SnapshotStore):
             self._move_into_place(staging, path)
         return {"dir": path.name, "files": dict(sorted(files.items())),
                 "world_size": world_size}
+
+    def write_shards(self, state: dict, staging: pathlib.Path) -> None:
+        """This rank's shards of the model and optimizer into ``staging``."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(_dcp_parts(state), checkpoint_id=str(staging))
 
     def save(self, state, *, epoch, step, metrics=None):
         path = super().save(state, epoch=epoch, step=step, metrics=metrics)
@@ -202,6 +210,87 @@ class DCPCheckpointer(SnapshotStore):
         return state
 
 
+def _dcp_parts(state: dict) -> dict:
+    return {k: state[k] for k in DCP_PARTS if state.get(k) is not None}
+
+
+class AsyncDCPCheckpointer(DCPCheckpointer):
+    """Checkpointer ``dcp-async``: ``dcp``'s snapshots (the same layout: either resumes
+    the other's), written in the background by ``dcp.async_save``. ``save()`` blocks the
+    loop only while DCP stages (copies) this rank's shards; a thread then writes them.
+    The rest of the save (the train state, the manifest, ``latest``) is collective, so
+    it runs at the same point on every rank: the next ``save()``, or ``wait()`` /
+    ``close()`` (the engine closes the checkpointer at the end of every run). So at most
+    one snapshot is in flight, and until it is committed ``latest`` names the previous.
+
+    The write's collectives go over a gloo group of its own (torch's advice for async
+    checkpointing, and what DCP needs on the CPU): they never interleave with
+    training's on the default group."""
+
+    name = "dcp-async"
+    #: Seconds a commit waits for the background write before it fails the save.
+    WRITE_TIMEOUT_S = 1800.0
+
+    _pending: tuple | None = None
+    _group = None
+
+    def save(self, state, *, epoch, step, metrics=None):
+        import copy
+
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        path = self.directory / self.snapshot_name(epoch, step)
+        if self.commits:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.clean_up_once()
+        distributed.barrier()  # rank 0 has made the folder and cleared old staging
+        if not distributed.is_initialized():
+            # DCP's writer thread warns on every save without a process group, outside
+            # any catch_warnings of ours; one process is a normal run here.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                    module="torch.distributed.checkpoint")
+        rank = self.rank
+        try:
+            with _single_process_is_intended():
+                written = dcp.async_save(
+                    _dcp_parts(state), checkpoint_id=str(self.directory / f"{STAGING}{path.name}"),
+                    process_group=self.write_group())
+        except Exception as exc:
+            raise CheckpointError(f"rank {rank}: saving {path} failed: "
+                                  f"{type(exc).__name__}: {_first_line(exc)}") from None
+        # The rest is small and changes as training goes on (RNG states, metrics).
+        rest = copy.deepcopy({k: v for k, v in state.items() if k not in DCP_PARTS})
+        self._pending = (written, rest, epoch, step, dict(metrics or {}))
+        return path
+
+    def write_group(self):
+        """A gloo group for the background writes, made once (collectively: every
+        rank saves at the same points). None without a process group."""
+        if self._group is None and distributed.is_initialized():
+            import datetime
+
+            import torch.distributed as dist
+
+            # The run's bound on every wait (a rank that died is an error, not a hang).
+            seconds = getattr(self.cfg, "timeout_s", None)
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
+                seconds=seconds) if seconds else None)
+        return self._group
+
+    def write_shards(self, state, staging):
+        # What save() started: wait for the background write to end.
+        self._writing.result(timeout=self.WRITE_TIMEOUT_S)
+
+    def wait(self):
+        """Commit the snapshot in flight (collective: every rank calls it)."""
+        if self._pending is None:
+            return
+        self._writing, rest, epoch, step, metrics = self._pending
+        self._pending = None
+        DCPCheckpointer.save(self, rest, epoch=epoch, step=step, metrics=metrics)
+
+
 def _train_state(path: pathlib.Path, required: bool = False) -> dict:
     """Everything of the snapshot but the model and optimizer (rank 0 wrote it)."""
     import torch
@@ -233,3 +322,4 @@ def _to(state, device):
 @engine.hookimpl
 def engine_register_checkpointers(registry):
     registry.add(DCPCheckpointer)
+    registry.add(AsyncDCPCheckpointer)

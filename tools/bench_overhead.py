@@ -222,11 +222,11 @@ def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: st
     world = World(rank=rank, local_rank=rank, world_size=world_size,
                   local_world_size=world_size, master_port=port)
     summary = Engine(pm, recipe, cfg, world, {"threads": args.threads}).run()
-    # The wall time is the engine's own measurement of its loop (None for a recipe that
+    # The wall time is the engine's own measurement of its loop (NaN for a recipe that
     # counts its throughput in tokens: bench_compile.py's language model reads the clock).
     steps = summary["global_step"]
-    rate = summary.get("samples_per_sec")
-    loop_seconds = steps * cfg.batch_size / rate if rate else None
+    rate = summary.get("samples_per_sec")  # None: a recipe counting tokens (char_lm)
+    loop_seconds = steps * cfg.batch_size / rate if rate else float("nan")
     return (loop_seconds, cpu_clock.clock.cpu_seconds, summary["weights_sha256"], steps,
             cpu_clock.clock.step_seconds())
 

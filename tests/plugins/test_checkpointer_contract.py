@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.plugins.async_file import AsyncFileCheckpointer
-from engine.plugins.dcp import DCPCheckpointer
+from engine.plugins.dcp import AsyncDCPCheckpointer, DCPCheckpointer
 from engine.plugins.torch_file import TorchFileCheckpointer
 from engine.testing import CheckpointerContract
 
@@ -23,3 +23,7 @@ class TestAsync(CheckpointerContract):
 
 class TestDCP(CheckpointerContract):
     checkpointer_class = DCPCheckpointer
+
+
+class TestAsyncDCP(CheckpointerContract):
+    checkpointer_class = AsyncDCPCheckpointer

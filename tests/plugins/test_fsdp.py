@@ -231,6 +231,30 @@ def test_a_torch_file_snapshot_of_fsdp_resumes_bit_identically(uninterrupted, tm
             == read_summary(uninterrupted)["weights_sha256"])
 
 
+def test_dcp_async_snapshots_taken_while_training_goes_on_resume_bit_identically(
+        uninterrupted, tmp_path):
+    """checkpointer=dcp-async, a snapshot every 2 steps: the one of step 2 is written
+    in the background while steps 3 and 4 train (committed by the next save). The run
+    ends with the weights of the reference; resumed from step 2's snapshot, so does
+    another (so the write saw step 2's state, not a later one)."""
+    out = tmp_path / "async"
+    run_cli(*BASE, "--parallel", "fsdp", "--nproc", "2", "checkpointer=dcp-async",
+            "checkpoint.every_steps=2", "checkpoint.keep_last=0", f"out_dir={out}",
+            check=True)
+    reference = read_summary(uninterrupted)["weights_sha256"]
+    assert read_summary(out)["weights_sha256"] == reference
+    snapshots = sorted((out / "checkpoints").glob("*.dcp"))
+    # Steps 2, 4 and 6, and the epoch's end (step 6 again, as epoch 1).
+    assert sorted({s.name[-13:] for s in snapshots}) == [
+        "s00000002.dcp", "s00000004.dcp", "s00000006.dcp"]
+    assert not list((out / "checkpoints").glob(".staging-*"))  # every write committed
+    resumed = tmp_path / "resumed"
+    proc = run_cli(*BASE, "--parallel", "fsdp", "--nproc", "2", "checkpointer=dcp-async",
+                   "--resume", str(snapshots[0]), f"out_dir={resumed}", check=True)
+    assert "resuming from" in proc.stdout
+    assert read_summary(resumed)["weights_sha256"] == reference
+
+
 def stop_after_step_2(out, checkpointer: str):
     """fsdp on 2 processes, pre-empted after step 2 of 6 (rank 1 signalled at step 1)."""
     fault = engine_env(ENGINE_FAULT_ACTION="signal", ENGINE_FAULT_STEP="1",
