@@ -48,7 +48,7 @@ def test_component_options_list_what_the_registries_hold(make_plugin_manager):
     assert option_help(parser, "launcher") == (
         "one of: auto, legacy, slurm, spawn, torchrun (default: detect)")
     assert option_help(parser, "checkpointer") == (
-        "one of: async, dcp, torch-file (default: torch-file)")
+        "one of: async, dcp, dcp-async, torch-file (default: torch-file)")
     assert "ShardedPlugin" in option_help(parser, "plugins")
     # Without a plugin manager (a parser built for parsing alone) nothing is listed.
     assert option_help(build_parser(), "parallel") == (
