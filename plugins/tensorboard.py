@@ -17,6 +17,7 @@ drop the points the interrupted run had written after the snapshot it resumes fr
 from __future__ import annotations
 
 import pathlib
+import time
 
 import engine
 from engine.errors import PluginError
@@ -78,8 +79,28 @@ class TensorBoardLogger:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         self.summary_type = Summary
-        purge = {"purge_step": self.resumed_step + 1} if self.resumed_step else {}
-        return SummaryWriter(log_dir=str(engine.out_dir / FOLDER), **purge)
+        folder = engine.out_dir / FOLDER
+        purge = {}
+        if self.resumed_step:
+            purge = {"purge_step": self.resumed_step + 1}
+            _wait_past_newest_event_file(folder)
+        return SummaryWriter(log_dir=str(folder), **purge)
+
+
+def _wait_past_newest_event_file(folder: pathlib.Path) -> None:
+    """TensorBoard reads a folder's event files in name order, and a name is
+    ``events.out.tfevents.<whole seconds>.<host>.<pid>...``: a file begun in the same
+    second as the interrupted run's sorts by its pid, as text, and may come first; then
+    the purge applies to the old points' past and the curves fold back. A resumed run
+    starting within a second of the run it resumes (only a very short run can) waits
+    for the next second."""
+    newest = max((int(name.split(".")[3]) for name in
+                  (p.name for p in folder.glob("events.out.tfevents.*"))
+                  if name.split(".")[3].isdigit()), default=None)
+    if newest is not None:
+        remaining = newest + 1 - time.time()
+        if 0 < remaining <= 1:
+            time.sleep(remaining)
 
 
 def read_metrics(run_dir) -> tuple[dict[str, list[tuple[int, float]]], pathlib.Path] | None:

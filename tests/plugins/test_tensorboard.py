@@ -4,6 +4,8 @@ by rank 0 only, read back with TensorBoard's own EventAccumulator."""
 from __future__ import annotations
 
 import math
+import socket
+import time
 
 import pytest
 
@@ -34,6 +36,22 @@ def test_each_metric_of_a_log_call_is_its_own_scalar_at_the_step(make_engine):
     assert found["lr"] == [(4, pytest.approx(0.1))] and found["val/acc"] == [(8, 0.75)]
     assert found["train/loss"][0] == (4, 0.5) and found["train/loss"][1][0] == 8
     assert math.isnan(found["train/loss"][1][1])
+
+
+def test_a_resumed_runs_event_file_sorts_after_one_begun_in_the_same_second(make_engine):
+    # TensorBoard reads event files in name order (seconds, host, pid as text); a resumed
+    # run's file must come after the interrupted run's, or its purge_step applies to the
+    # old points' past and the curves fold back.
+    eng, logger = make_engine(), TensorBoardLogger()
+    folder = eng.out_dir / "tensorboard"
+    folder.mkdir(parents=True)
+    old = folder / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.99999999.0"
+    old.write_bytes(b"")
+    eng.state.step = 8  # resumed from step 8
+    logger.engine_run_start(engine=eng)
+    logger.engine_run_end(engine=eng, summary={"status": "completed"})
+    names = sorted(p.name for p in folder.glob("events.out.tfevents.*"))
+    assert len(names) == 2 and names[0] == old.name
 
 
 def test_rank0_writes_the_run_metrics_as_scalars(cifar_recipe, tmp_path):
