@@ -51,18 +51,29 @@ def validation_summary(metrics: dict) -> dict:
             if name.startswith("val/")}
 
 
+def throughput_unit(name: str) -> str | None:
+    """The unit of a throughput metric's name: ``train/<unit>_per_sec`` (a log
+    window's) or ``train/epoch_<unit>_per_sec`` (an epoch's); None for other names."""
+    if not (name.startswith("train/") and name.endswith("_per_sec")):
+        return None
+    unit = name[len("train/"):-len("_per_sec")]
+    return unit.removeprefix("epoch_")
+
+
 def throughput_of(metrics: dict) -> tuple[str, float] | None:
-    """``(unit, value)`` of the ``train/<unit>_per_sec`` metric (samples by default, a
-    recipe's own unit such as tokens), or None."""
-    for name, value in metrics.items():
-        if name.startswith("train/") and name.endswith("_per_sec"):
-            return name[len("train/"):-len("_per_sec")], value
-    return None
+    """``(unit, value)`` of the throughput among ``metrics`` (samples by default, a
+    recipe's own unit such as tokens): the epoch's where there is one, else the log
+    window's; None without either."""
+    found = {name.startswith("train/epoch_"): (unit, value)
+             for name, value in metrics.items()
+             if (unit := throughput_unit(name)) is not None}
+    return found.get(True) or found.get(False)
 
 
 def throughput_summary(metrics: dict) -> dict:
     """The summary's throughput keys: ``throughput_unit`` and ``<unit>_per_sec``
-    (``samples_per_sec``, ``tokens_per_sec``); runs before units had ``images_per_sec``."""
+    (``samples_per_sec``, ``tokens_per_sec``), the last epoch's (the last window's in a
+    run that ended before an epoch did); runs before units had ``images_per_sec``."""
     found = throughput_of(metrics)
     unit, value = found if found else ("samples", None)
     return {"throughput_unit": unit, f"{unit}_per_sec": value}

@@ -296,7 +296,8 @@ def engine_before_optimizer_step(engine, step, optimizer):
 @hookspec
 def engine_log(engine, metrics, step):
     """Scalars to record: ``metrics`` maps names such as ``train/loss``, ``val/loss``,
-    ``train/samples_per_sec`` (``train/<unit>_per_sec`` in a recipe's own unit) or ``lr``
+    ``train/samples_per_sec`` (``train/<unit>_per_sec`` in a recipe's own unit; the epoch's:
+    ``train/epoch_samples_per_sec``) or ``lr``
     to Python floats, at global optimizer step ``step``. Logger plugins (console,
     TensorBoard, CSV, W&B...) implement this.
     ``train/loss`` is always the mean of one log window, ``train/epoch_loss`` the epoch's

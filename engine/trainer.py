@@ -205,10 +205,10 @@ class LogWindow:
 
 
 class Throughput:
-    """What ``train/<unit>_per_sec`` counts: samples by default (the global batch of a
-    step), or the recipe's own unit, ``throughput_unit = "tokens"`` with
-    ``count_throughput(batch) -> int`` (the units in one micro-batch, read from its
-    shapes on the host: no device sync)."""
+    """What ``train/<unit>_per_sec`` (a log window's) and ``train/epoch_<unit>_per_sec``
+    (an epoch's) count: samples by default (the global batch of a step), or the recipe's
+    own unit, ``throughput_unit = "tokens"`` with ``count_throughput(batch) -> int`` (the
+    units in one micro-batch, read from its shapes on the host: no device sync)."""
 
     def __init__(self, recipe):
         self.unit = recipe.optional("throughput_unit") or "samples"
@@ -220,6 +220,7 @@ class Throughput:
                    if self.count is None else "as samples with a count_throughput: "
                    "name its unit, e.g. throughput_unit = 'tokens'"))
         self.metric = f"train/{self.unit}_per_sec"
+        self.epoch_metric = f"train/epoch_{self.unit}_per_sec"
 
 
 class TrainExtras:
@@ -726,7 +727,7 @@ class Trainer:
         return {
             EPOCH_LOSS: mean_loss,
             **extras,
-            self.throughput.metric: self.epoch_done(window, steps) / max(elapsed, 1e-9),
+            self.throughput.epoch_metric: self.epoch_done(window, steps) / max(elapsed, 1e-9),
             "train/data_wait_fraction": wait / max(elapsed, 1e-9),
         }
 

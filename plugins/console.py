@@ -106,12 +106,12 @@ class ConsoleLogger:
         shown += [(key, "val acc", ".2%") if key == "val/accuracy" else
                   (key, key.replace("/", " "), ".4f")
                   for key in metrics if key.startswith("val/")]
-        throughput = throughput_of(metrics)
-        if throughput is not None:
-            shown.append((f"train/{throughput[0]}_per_sec", f"{throughput[0]}/s", ".0f"))
         for key, label, fmt in shown:
             if metrics.get(key) is not None:
                 parts.append(f"{label} {format(metrics[key], fmt)}")
+        throughput = throughput_of(metrics)  # the epoch's
+        if throughput is not None and throughput[1] is not None:
+            parts.append(f"{throughput[0]}/s {throughput[1]:.0f}")
         if wait is not None:
             parts.append(data_wait_text(wait))
         message = "  ".join(parts)

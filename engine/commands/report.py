@@ -19,6 +19,7 @@ import json
 import math
 import pathlib
 
+from engine.context import throughput_unit
 from engine.errors import EngineError
 
 INSTALL = 'pip install -e ".[report]"'
@@ -103,8 +104,9 @@ NOT_CURVES = {WORLD_SIZE, "epoch"}
 
 
 def is_throughput(name: str) -> bool:
-    """``train/samples_per_sec``, ``train/images_per_sec``, ``train/<unit>_per_sec``."""
-    return name.startswith("train/") and name.endswith("_per_sec")
+    """``train/samples_per_sec``, ``train/images_per_sec``, ``train/<unit>_per_sec``, and
+    the epoch's, ``train/epoch_<unit>_per_sec``."""
+    return throughput_unit(name) is not None
 
 
 class Curves:
@@ -132,17 +134,22 @@ class Curves:
         by_epoch = {}
         if mean:
             by_epoch["train/epoch_loss"] = unzip(sorted((epoch_of[s], v) for s, v in mean))
-        trainer_run = bool(mean)
+        # Runs before train/epoch_<unit>_per_sec logged the epoch's throughput under the
+        # window's name at the epoch's end: there the window's curve leaves it out, as
+        # train/loss does.
+        old_trainer_run = bool(mean) and not any(
+            name.startswith("train/epoch_") and is_throughput(name) for name in series)
         for name, points in sorted(series.items()):
             if name in NOT_CURVES or name in ("train/loss", "train/epoch_loss"):
                 continue
-            if name.startswith("val/") or (ends and all(s in ends for s, _ in points)):
+            if is_throughput(name):
+                # The window's and the epoch's throughput in one panel, by step (an
+                # epoch's at the step it ended).
+                if old_trainer_run:
+                    points = [p for p in points if p not in last_at(points, ends)]
+            elif name.startswith("val/") or (ends and all(s in ends for s, _ in points)):
                 by_epoch[name] = unzip(sorted((epoch_of[s], v) for s, v in points))
                 continue
-            if trainer_run and is_throughput(name):
-                # The trainer logs the epoch's throughput under the window's name at the
-                # epoch's end: the window's curve leaves it out, as train/loss does.
-                points = [p for p in points if p not in last_at(points, ends)]
             by_step[name] = unzip(sorted(points))
         starts = series.get(WORLD_SIZE, [])
         resumes = [(step, int(before), int(n))

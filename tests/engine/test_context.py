@@ -120,3 +120,15 @@ def test_a_failed_custom_loop_writes_the_same_keys_with_its_error(tmp_path):
     assert (failed["status"], failed["error"]) == ("failed", "ValueError: diverged")
     assert failed["epochs_completed"] == 0 and failed["global_step"] == 3
     assert failed["weights_sha256"] is None  # a collective: never on the failure path
+
+
+def test_the_summary_throughput_is_the_epochs_else_the_windows():
+    from engine.context import throughput_summary
+
+    window = {"train/loss": 1.0, "train/tokens_per_sec": 900.0}
+    assert throughput_summary(window) == {"throughput_unit": "tokens", "tokens_per_sec": 900.0}
+    # An epoch's own name wins over the last window's, whatever the order.
+    both = {"train/epoch_tokens_per_sec": 800.0, **window}
+    assert throughput_summary(both) == {"throughput_unit": "tokens", "tokens_per_sec": 800.0}
+    assert throughput_summary({"lr": 0.1}) == {"throughput_unit": "samples",
+                                               "samples_per_sec": None}

@@ -297,7 +297,7 @@ def test_a_run_stopped_mid_epoch_at_2_processes_resumes_at_1_and_3_seeing_each_s
         assert summary["train_epoch_loss"] == pytest.approx(weighted, rel=1e-5)
         if nproc == 3:  # rank 2 slept 0.05 s for each of its 8 samples; rank 0 did not
             metrics = summary["metrics"]
-            elapsed = 6 * 4 / metrics["train/samples_per_sec"]  # 4 steps of 6 samples
+            elapsed = 6 * 4 / metrics["train/epoch_samples_per_sec"]  # 4 steps of 6 samples
             assert metrics["train/data_wait_fraction"] * elapsed >= 0.4, metrics
 
 

@@ -274,7 +274,7 @@ def test_a_snapshot_without_the_early_stopping_state_still_loads(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("early_stopping.metric=val/acc", "config key 'early_stopping.metric': 'val/acc' is not "
      "a metric of this run; it has: lr, train/data_wait_fraction, train/epoch_loss, "
-     "train/samples_per_sec, val/loss, val/mae"),
+     "train/epoch_samples_per_sec, val/loss, val/mae"),
     ("early_stopping.metric=train/loss", "config key 'early_stopping.metric': 'train/loss' "
      "is the mean of one log window, not of an epoch; use train/epoch_loss"),
     ("early_stopping.mode=lowest", "config key 'early_stopping.mode': 'lowest' is not one "

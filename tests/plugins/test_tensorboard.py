@@ -59,16 +59,20 @@ def test_rank0_writes_the_run_metrics_as_scalars(cifar_recipe, tmp_path):
     run_cli(cifar_recipe, *QUICK, f"out_dir={out}", "--nproc", "2", check=True)
     # One writer: rank 0's.
     assert len(list(out.glob("**/events.out.tfevents.*"))) == 1
-    found = scalars(out / "tensorboard")
+    found, summary = scalars(out / "tensorboard"), read_summary(out)
     assert {"train/loss", "train/samples_per_sec", "lr", "val/loss", "val/accuracy"} <= set(
         found)
     # 512 samples, global batch 64: 8 steps; a point every 4 (log_every), the epoch's mean
     # under its own name.
     assert [step for step, _ in found["train/loss"]] == [4, 8]
     assert [step for step, _ in found["train/epoch_loss"]] == [8]
+    # One meaning per name: the windows' throughput, and the epoch's under its own name.
+    assert [step for step, _ in found["train/samples_per_sec"]] == [4, 8]
+    assert [step for step, _ in found["train/epoch_samples_per_sec"]] == [8]
+    assert found["train/epoch_samples_per_sec"][0][1] == pytest.approx(
+        summary["samples_per_sec"], rel=1e-6)
     assert found["epoch"] == [(8, 1.0)]  # epoch 1 ended at step 8
     assert [step for step, _ in found["val/accuracy"]] == [8]
-    summary = read_summary(out)
     assert found["val/accuracy"][0][1] == pytest.approx(summary["val_accuracy"], abs=1e-6)
     assert found["train/loss"][-1][1] == pytest.approx(summary["train_loss"], rel=1e-6)
     assert found["train/epoch_loss"][-1][1] == pytest.approx(summary["train_epoch_loss"],

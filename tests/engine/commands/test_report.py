@@ -169,7 +169,8 @@ def test_a_real_run_and_its_resume_with_more_processes_are_listed_and_reported(
 
     reported = run_cli_here("report", str(run))
     assert reported.returncode == 0, reported.stderr
-    assert "train/loss, lr, train/samples_per_sec by step; train/data_wait_fraction, " \
+    assert "train/loss, lr, train/epoch_samples_per_sec, train/samples_per_sec by step; " \
+        "train/data_wait_fraction, " \
         "train/epoch_loss, val/accuracy, val/loss by epoch; from" in reported.stdout
     check_png(run / "report.png")
     curves = check_panels(run)
@@ -190,7 +191,8 @@ def test_a_real_run_and_its_resume_with_more_processes_are_listed_and_reported(
 
 def check_panels(run):
     """The panels of a trainer's run, and no point of the window-loss curve (or the
-    throughput's) that is an epoch's value."""
+    throughput's) that is an epoch's value; the epochs' throughput in the throughput
+    panel, at the steps the epochs ended."""
     series, _ = read_scalars(run)
     curves = Curves.from_series(series)
     assert panel_titles(curves) == [
@@ -203,6 +205,9 @@ def check_panels(run):
     throughput = set(zip(*curves.by_step["train/samples_per_sec"]))
     assert throughput and all(step % 3 == 0 for step, _ in throughput), (throughput,
                                                                           epochs_ends)
+    assert set(zip(*curves.by_step["train/epoch_samples_per_sec"])) == set(
+        series["train/epoch_samples_per_sec"])
+    assert {step for step, _ in series["train/epoch_samples_per_sec"]} == epochs_ends
     return curves
 
 
