@@ -190,14 +190,12 @@ def hand_written_fsdp(rank: int, world_size: int, port: int, args,
     loader = DataLoader(train_set, batch_size=args.batch // world_size, sampler=sampler,
                         pin_memory=cuda)
     sampler.set_epoch(0)
-    start = time.perf_counter()
+    clock = overhead.LoopCPUClock(loader)  # the engine's loop is timed by the same
     # The engine's precision=bf16 also autocasts (the loss then in fp32): so does this
     # side, so that both compute the same.
     with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext():
-        overhead.train_steps(model, optimizer, on_device(loader, device) if cuda else loader)
-    if cuda:
-        torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - start
+        overhead.train_steps(model, optimizer, on_device(clock, device) if cuda else clock)
+    elapsed = clock.wall_seconds
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                 cpu_offload=True))
     holder = [model_digest(full) if rank == 0 else None]

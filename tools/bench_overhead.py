@@ -23,11 +23,12 @@ Sessions: one for 1 process (hand-written, engine ``single``, engine ``dp``, whi
 ``ddp``, engine ``ddp-multigpu`` with k = 1). A session's processes start once and run
 every variant in turn, INTERLEAVED: a warm-up round that is not counted, then ``--reps``
 rounds, the order rotating every round, so that load from elsewhere on the machine
-hits every variant alike. Only the training loop is timed, by each side itself: the
-hand-written loop with perf_counter around its epoch; the engine through the
-``Engine`` class, whose Trainer measures its epoch (summary's samples_per_sec =
-global batch x steps / loop time). Process start-up, imports, data generation,
-validation and checkpoints are outside the timings.
+hits every variant alike. Only the training loop is timed, on both sides alike: a
+stand-in for the training DataLoader (the hand-written loop's directly, the engine's
+through a plugin: the engine runs as engine-run's workers run it, through the
+``Engine`` class) reads the clock from the first request for a batch to the request
+that finds none left. Process start-up, imports, data generation, validation and
+checkpoints are outside the timings.
 
 Printed per mode: median loop seconds of both sides, the ratio engine / hand-written
 (target <= 1.02; also of the fastest runs and per round), the same ratio of the loop's
@@ -94,14 +95,12 @@ def hand_written(rank: int, world_size: int, port: int, args
                                                      port, args)
     clock = LoopCPUClock(loader)  # what the engine's loop is measured with, too
     sampler.set_epoch(0)
-    start, cpu_start = time.perf_counter(), time.process_time()
     train_steps(model, optimizer, clock)
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
 
     digest = model_digest(getattr(model, "module", model).state_dict())
     if world_size > 1:
         dist.destroy_process_group()
-    return elapsed, cpu, digest, len(loader), clock.step_seconds()
+    return clock.wall_seconds, clock.cpu_seconds, digest, len(loader), clock.step_seconds()
 
 
 def tutorial_ddp(recipe, train_set, rank: int, world_size: int, port: int, args):
@@ -151,15 +150,15 @@ WINDOW = 20
 
 class LoopCPUClock:
     """Stands in for a training DataLoader (the engine's, through a plugin; the
-    hand-written loop's, directly) and measures the loop over it: the process CPU time
-    from the first request for a batch to the request that finds none left, which comes
-    after the last step; and the wall and CPU time of every ``WINDOW`` consecutive
+    hand-written loop's, directly) and measures the loop over it: the wall and process
+    CPU time from the first request for a batch to the request that finds none left,
+    which comes after the last step; and the wall and CPU time of every ``WINDOW`` consecutive
     steps (request to request), whose median over a run is barely moved by other jobs
     that take the CPU away now and then. Everything else is delegated."""
 
     def __init__(self, loader):
         self.loader = loader
-        self.cpu_seconds = None
+        self.wall_seconds = self.cpu_seconds = None
         self.windows = []  # (wall seconds, CPU seconds) of each whole window of steps
 
     def __len__(self):
@@ -175,6 +174,11 @@ class LoopCPUClock:
             yield batch
             if i % WINDOW == 0:
                 marks.append((time.perf_counter(), time.process_time()))
+        import torch
+
+        if torch.cuda.is_initialized():  # the last steps' kernels belong to the loop
+            torch.cuda.synchronize()
+        self.wall_seconds = time.perf_counter() - marks[0][0]
         self.cpu_seconds = time.process_time() - start
         self.windows = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
 
@@ -222,13 +226,11 @@ def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: st
     world = World(rank=rank, local_rank=rank, world_size=world_size,
                   local_world_size=world_size, master_port=port)
     summary = Engine(pm, recipe, cfg, world, {"threads": args.threads}).run()
-    # The wall time is the engine's own measurement of its loop (NaN for a recipe that
-    # counts its throughput in tokens: bench_compile.py's language model reads the clock).
-    steps = summary["global_step"]
-    rate = summary.get("samples_per_sec")  # None: a recipe counting tokens (char_lm)
-    loop_seconds = steps * cfg.batch_size / rate if rate else float("nan")
-    return (loop_seconds, cpu_clock.clock.cpu_seconds, summary["weights_sha256"], steps,
-            cpu_clock.clock.step_seconds())
+    # Both loops timed alike: from the first request for a batch to the one that finds
+    # none left (whatever unit the recipe counts its throughput in).
+    clock = cpu_clock.clock
+    return (clock.wall_seconds, clock.cpu_seconds, summary["weights_sha256"],
+            summary["global_step"], clock.step_seconds())
 
 
 # ------------------------------------------------------------------------ sessions
