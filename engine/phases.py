@@ -37,8 +37,12 @@ TRAINING_STARTS = "resume, run-start hooks"
 #: (the phase that ended, time.monotonic(), time.process_time(), pid) at its end; the
 #: first entry is the start.
 _marks: list[tuple[str, float, float, int]] = []
-#: Time spent inside a phase on something named (carve): name -> [phase, wall, CPU].
+#: Time spent inside a phase on something named (carve): name -> [phase, wall, CPU,
+#: times].
 _carved: dict[str, list] = {}
+
+#: The row of the snapshots written while training (taken out of the training phase).
+SNAPSHOTS = "snapshots while training"
 
 #: The prefix of the engine's ranges in a trace: "engine: forward/backward".
 RANGE_PREFIX = "engine: "
@@ -90,9 +94,17 @@ def carve(name: str, within: str, label: str | None = None):
         with span(label or name):
             yield
     finally:
-        spent = _carved.setdefault(name, [within, 0.0, 0.0])
+        spent = _carved.setdefault(name, [within, 0.0, 0.0, 0])
         spent[1] += time.monotonic() - wall
         spent[2] += time.process_time() - cpu
+        spent[3] += 1
+
+
+def carved(name: str) -> tuple[float, float, int]:
+    """The wall and CPU seconds carved as ``name`` so far in this process, and how many
+    times (zeros when none)."""
+    _, wall, cpu, times = _carved.get(name, (None, 0.0, 0.0, 0))
+    return wall, cpu, times
 
 
 def span(name: str):
@@ -159,7 +171,7 @@ def rows() -> list[tuple[str, float, float]]:
     out = []
     for (_, wall0, cpu0, pid0), (name, wall, cpu, pid) in zip(_marks, _marks[1:]):
         cpu_used = cpu - cpu0 if pid == pid0 else cpu  # a new process: all it used
-        inside = [(carved, w, c) for carved, (within, w, c) in _carved.items()
+        inside = [(row, w, c) for row, (within, w, c, _) in _carved.items()
                   if within == name]
         out.append((name, wall - wall0 - sum(w for _, w, _ in inside),
                     cpu_used - sum(c for _, _, c in inside)))

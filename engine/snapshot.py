@@ -83,7 +83,7 @@ def upgrade(snap: dict) -> dict:
 def save(eng) -> pathlib.Path | None:
     """Write a snapshot; rank 0 only unless the checkpointer shards over all ranks.
     Collective (capture). Returns the path on the ranks that saved."""
-    with phases.carve("snapshots while training", within="training", label="snapshot"):
+    with phases.carve(phases.SNAPSHOTS, within="training", label="snapshot"):
         state = capture(eng)
         if not (eng.checkpointer.all_ranks or eng.is_rank0):
             return None

@@ -7,6 +7,7 @@ on 2 gloo processes on the CPU; and what activation checkpointing saves.
     python tools/bench_fsdp.py --workload char_lm       # the language model: section 1
     python tools/bench_fsdp.py --workload char_lm --set grad_clip_norm=none
     python tools/bench_fsdp.py --device cuda --size 25600 --batch 256   # one GPU, bf16
+    python tools/bench_fsdp.py --snapshots --workload char_lm --set model.width=512
 
 ``--device cuda``: section 2 alone, on one GPU (1 process, NCCL), both sides with
 ``--precision`` (default bf16: FSDP2's MixedPrecisionPolicy, parameters gathered and
@@ -41,6 +42,12 @@ net, SGD with momentum, synthetic CIFAR-shaped data, global batch 64; ``--size 3
    backward after one forward of the workload's model, without and with
    ``activation_checkpointing`` of the given classes (torch's saved-tensor hooks count
    every tensor saved for backward, once per storage).
+4. ``--snapshots`` (alone): the engine's fsdp with a snapshot every ``--snapshot-every``
+   steps by ``dcp`` and by ``dcp-async``, and without snapshots while training,
+   interleaved as in 2: the median time one snapshot blocked the loop, by the engine's
+   own clock of its snapshots (engine.phases, the ``-v`` table's "snapshots while
+   training" row over the snapshots taken), and the loop's seconds. The staging copy
+   and, for dcp-async, the wait for the previous snapshot's commit are what blocks.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import tempfile
 import time
 
 import engine
+from engine import phases
 
 TOOLS = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
@@ -228,18 +236,34 @@ def session_worker(rank: int, world_size: int, schedule: list, ports: list, args
                     measure_saves=round_index == 0 and args.device == "cpu")
             else:
                 mode, probed = variant.split("+")[0], variant.endswith("+probe")
+                checkpointer = variant.split("@")[1] if "@" in variant else None
                 run_args = argparse.Namespace(**{**vars(args), "plugin": (
                     args.plugin + ["bench_fsdp"] if probed else args.plugin),
-                    "set": [f"precision={args.precision}", *args.set]})
+                    "set": [f"precision={args.precision}", *snapshot_overrides(
+                        checkpointer, args), *args.set]})
+                snapshots_before = phases.carved(phases.SNAPSHOTS)
                 seconds, _, record["digest"], _, _ = overhead.through_engine(
-                    mode, rank, world_size, port, out_dir, run_args, WORKLOADS)
+                    mode.split("@")[0], rank, world_size, port, out_dir, run_args, WORKLOADS)
                 record["seconds"] = seconds
+                if checkpointer is not None:  # the engine's own clock of its snapshots
+                    wall, _, saves = (after - before for after, before in zip(
+                        phases.carved(phases.SNAPSHOTS), snapshots_before))
+                    record.update(snapshot_blocking_s=wall / max(saves, 1), snapshots=saves)
                 if probed and rank == 0:
                     record.update(json.loads((pathlib.Path(out_dir) / "probe.json"
                                               ).read_text()))
         if rank == 0:
             with open(results_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def snapshot_overrides(checkpointer: str | None, args) -> list[str]:
+    """Section 4's runs: a snapshot every ``--snapshot-every`` steps with
+    ``checkpointer``; the other runs take none while training (only the final one,
+    after the timed loop)."""
+    if checkpointer is None:
+        return []
+    return [f"checkpointer={checkpointer}", f"checkpoint.every_steps={args.snapshot_every}"]
 
 
 def run_session(schedule: list, args, log_path: str, nprocs: int = 2) -> list[dict]:
@@ -259,8 +283,13 @@ def run_session(schedule: list, args, log_path: str, nprocs: int = 2) -> list[di
     return [json.loads(line) for line in lines]
 
 
-def interleaved(reps: int) -> list:
-    variants, schedule = [HAND, "fsdp"], []
+#: Section 4's variants: the engine's fsdp with a snapshot every few steps by each DCP
+#: checkpointer, and without any while training.
+SNAPSHOT_VARIANTS = ["fsdp", "fsdp@dcp", "fsdp@dcp-async"]
+
+
+def interleaved(reps: int, variants: list | None = None) -> list:
+    variants, schedule = variants or [HAND, "fsdp"], []
     for round_index in range(reps + 1):  # round 0: warm-up, not counted
         shift = round_index % len(variants)
         schedule += [(round_index, v) for v in variants[shift:] + variants[:shift]]
@@ -307,7 +336,8 @@ def activation_memory(args) -> dict:
 # ------------------------------------------------------------------------ report
 
 
-def report(probe_runs: list[dict], timed: list[dict], memory: dict, args) -> dict:
+def report(probe_runs: list[dict], timed: list[dict], memory: dict, args,
+           snapshot_runs: list[dict] = ()) -> dict:
     import torch
 
     result: dict = {"activation_bytes": memory}
@@ -344,7 +374,25 @@ def report(probe_runs: list[dict], timed: list[dict], memory: dict, args) -> dic
                                    "engine": args.size / result["engine_s"]}
         result["dcp_saves"] = next(r["saves"] for r in timed if r["variant"] == HAND)
         result["gpu"] = timed[0].get("gpu")
+    if snapshot_runs:
+        result["engine_snapshots"] = engine_snapshots(snapshot_runs, args)
     return result
+
+
+def engine_snapshots(runs: list[dict], args) -> dict:
+    """Section 4: per checkpointer, the median time one snapshot blocked the engine's
+    loop (its own clock: engine.phases) and the loop's seconds, against no snapshots."""
+    counted = [r for r in runs if r["round"] > 0]
+
+    def median(variant: str, key: str) -> float:
+        return statistics.median(r[key] for r in counted if r["variant"] == variant)
+
+    savers = [v for v in SNAPSHOT_VARIANTS if "@" in v]
+    return {"every_steps": args.snapshot_every,
+            "loop_s": {v: median(v, "seconds") for v in SNAPSHOT_VARIANTS},
+            "blocking_s": {v.split("@")[1]: median(v, "snapshot_blocking_s") for v in savers},
+            "snapshots": {v.split("@")[1]: next(r["snapshots"] for r in counted
+                                                if r["variant"] == v) for v in savers}}
 
 
 def print_report(result: dict, args) -> None:
@@ -380,6 +428,16 @@ def print_report(result: dict, args) -> None:
               f"{saves['async_blocking_s'] * 1000:.1f} ms (written after "
               f"{saves['async_total_s'] * 1000:.1f} ms; the first one blocked "
               f"{saves['first_async_blocking_s'] * 1000:.1f} ms)")
+    if "engine_snapshots" in result:
+        snaps = result["engine_snapshots"]
+        loop = snaps["loop_s"]
+        print(f"engine fsdp, a snapshot every {snaps['every_steps']} steps (medians of "
+              f"{args.reps} interleaved rounds; the engine's own clock of its snapshots):")
+        for checkpointer, blocking in snaps["blocking_s"].items():
+            print(f"  {checkpointer:<9} blocks {blocking * 1000:.1f} ms per snapshot "
+                  f"({snaps['snapshots'][checkpointer]} snapshots); loop "
+                  f"{loop['fsdp@' + checkpointer]:.3f} s against {loop['fsdp']:.3f} s "
+                  "without snapshots")
     memory = result["activation_bytes"]
     if memory:
         none, ac = memory["none"], memory[args.checkpoint]
@@ -408,6 +466,11 @@ def parse_args(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for the engine's runs, e.g. grad_clip_norm=none "
                         "(repeatable; the hand-written loop has no such knobs)")
+    p.add_argument("--snapshots", action="store_true",
+                   help="only section 4: how long the engine's dcp and dcp-async snapshots "
+                        "block its fsdp loop (2 CPU processes)")
+    p.add_argument("--snapshot-every", type=int, default=10, metavar="STEPS",
+                   help="section 4's checkpoint.every_steps (default 10)")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
     args = p.parse_args(argv)
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "32")
@@ -416,6 +479,9 @@ def parse_args(argv=None):
     if args.workload == "char_lm" and (args.device == "cuda" or args.activations_only):
         p.error("--workload char_lm compares fsdp with ddp on 2 CPU processes only: "
                 "leave out --device cuda and --activations-only")
+    if args.snapshots and (args.device == "cuda" or args.activations_only):
+        p.error("--snapshots measures on 2 CPU processes: leave out --device cuda and "
+                "--activations-only")
     if args.device == "cuda" and args.activations_only:
         p.error("--activations-only measures on the CPU: leave out --device cuda")
     args.plugin = []
@@ -438,12 +504,14 @@ def main(argv=None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark, also on a GPU machine
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
         str(TOOLS), os.environ.get("PYTHONPATH")]))  # workers load -p bench_fsdp
-    probe_runs, timed = [], []
+    probe_runs, timed, snapshot_runs = [], [], []
     with tempfile.NamedTemporaryFile(prefix="bench_fsdp-", suffix=".log", delete=False) as log:
         log_path = log.name
     if args.device == "cuda":  # the speed comparison alone, one process
         require_cuda()
         timed = run_session(interleaved(args.reps), args, log_path, nprocs=1)
+    elif args.snapshots:
+        snapshot_runs = run_session(interleaved(args.reps, SNAPSHOT_VARIANTS), args, log_path)
     elif not args.activations_only:
         args.dcp_dir = tempfile.mkdtemp(prefix="bench_fsdp-dcp-")  # one for all ranks
         probe_runs = run_session([(0, "ddp+probe"), (0, "fsdp+probe")], args, log_path)
@@ -451,13 +519,16 @@ def main(argv=None) -> int:
             timed = run_session(interleaved(args.reps), args, log_path)
         shutil.rmtree(args.dcp_dir, ignore_errors=True)
     lm = args.workload == "char_lm"
-    memory = activation_memory(args) if args.device == "cpu" and not lm else {}
-    result = report(probe_runs, timed, memory, args)
+    memory = (activation_memory(args) if args.device == "cpu" and not lm
+              and not args.snapshots else {})
+    result = report(probe_runs, timed, memory, args, snapshot_runs)
     print_report(result, args)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
     if args.device == "cuda":  # cuDNN's backward kernels need not repeat bit for bit
         return 0
+    if args.snapshots:  # one weights digest: every checkpointer trained the same
+        return 0 if len({r["digest"] for r in snapshot_runs}) == 1 else 1
     ok = args.activations_only or (result["losses_close"] and result.get(
         "weights_identical", True))
     return 0 if ok else 1

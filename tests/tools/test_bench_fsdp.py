@@ -29,6 +29,22 @@ def test_bench_fsdp_reports_equal_losses_half_the_bytes_and_identical_weights(tm
     assert "fsdp / ddp bytes per rank: 0.5" in proc.stdout
 
 
+def test_bench_fsdp_snapshots_times_what_each_dcp_checkpointer_blocks_the_loop(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_python(
+        [str(REPO / "tools" / "bench_fsdp.py"), "--snapshots", "--reps", "1", "--size",
+         "256", "--batch", "32", "--snapshot-every", "3", "--json", str(out)],
+        cwd=REPO, env=engine_env(ENGINE_START_METHOD="fork"), timeout=600)
+    # Exit 0: the runs with and without snapshots ended with the same weights.
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    snapshots = json.loads(out.read_text())["engine_snapshots"]
+    # 8 steps: snapshots after steps 3 and 6, and the epoch's end (the loop's own).
+    assert snapshots["snapshots"] == {"dcp": 3, "dcp-async": 3}
+    assert all(0 < s < 60 for s in snapshots["blocking_s"].values())
+    assert set(snapshots["loop_s"]) == {"fsdp", "fsdp@dcp", "fsdp@dcp-async"}
+    assert "dcp-async blocks " in proc.stdout
+
+
 def test_bench_fsdp_on_cuda_without_a_gpu_says_so_in_one_line():
     # The CUDA path itself: tests/gpu/test_cuda_fsdp.py.
     proc = run_python([str(REPO / "tools" / "bench_fsdp.py"), "--device", "cuda"],
