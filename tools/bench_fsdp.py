@@ -101,6 +101,8 @@ def state_bytes(module, optimizer) -> dict:
                              if isinstance(v, torch.Tensor))}
 
 
+# This module is also the probe plugin (-p bench_fsdp): its module-level engine_*
+# functions are hook implementations, so no other function here may start with engine_.
 _probe: dict = {"losses": []}
 
 
@@ -375,11 +377,11 @@ def report(probe_runs: list[dict], timed: list[dict], memory: dict, args,
         result["dcp_saves"] = next(r["saves"] for r in timed if r["variant"] == HAND)
         result["gpu"] = timed[0].get("gpu")
     if snapshot_runs:
-        result["engine_snapshots"] = engine_snapshots(snapshot_runs, args)
+        result["engine_snapshots"] = snapshot_report(snapshot_runs, args)
     return result
 
 
-def engine_snapshots(runs: list[dict], args) -> dict:
+def snapshot_report(runs: list[dict], args) -> dict:
     """Section 4: per checkpointer, the median time one snapshot blocked the engine's
     loop (its own clock: engine.phases) and the loop's seconds, against no snapshots."""
     counted = [r for r in runs if r["round"] > 0]
