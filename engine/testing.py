@@ -469,6 +469,39 @@ def group_processes(group: int) -> list[str]:
     return live
 
 
+def descendants(pid: int) -> list[str]:
+    """The PIDs of the live processes started, at any depth, by process ``pid``."""
+    children: dict[bytes, list[str]] = {}
+    for entry in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_bytes().rpartition(b")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        if fields[0] != b"Z":
+            children.setdefault(fields[1], []).append(entry.parent.name)
+    found, todo = [], [str(pid)]
+    while todo:
+        below = children.get(todo.pop().encode(), [])
+        found += below
+        todo += below
+    return found
+
+
+def named_semaphores(pids: list[str]) -> set[str]:
+    """The /dev/shm/sem.* files these processes have mapped that still have a name (a
+    semaphore unlinked as soon as it was made shows as "(deleted)"): what a kill of
+    them all would leave behind."""
+    names = set()
+    for pid in pids:
+        try:
+            maps = pathlib.Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        names.update(line.split()[-1] for line in maps.splitlines()
+                     if "/dev/shm/sem." in line and not line.endswith("(deleted)"))
+    return names
+
+
 class CheckpointerContract:
     """What the engine relies on from a checkpointer, as tests. Subclass it in a test
     module and name your class; pytest runs every check against it::

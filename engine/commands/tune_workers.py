@@ -20,7 +20,6 @@ The output ends with the best setting and the override that applies it.
 from __future__ import annotations
 
 import argparse
-import queue as queue_mod
 import sys
 import time
 from typing import Any, Sequence
@@ -62,9 +61,9 @@ def _int_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="engine-run tune-workers",
-        description="Measure samples/s (or the recipe's unit) of a recipe's training DataLoader for a sweep of "
-                    "num_workers (and batch sizes); print the table, the best setting and "
-                    "the override that applies it.")
+        description="Measure samples/s (or the recipe's unit) of a recipe's training "
+                    "DataLoader for a sweep of num_workers (and batch sizes); print the "
+                    "table, the best setting and the override that applies it.")
     p.add_argument("recipe", help="a recipe file, e.g. recipes/oct_ddp.py")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides, as for a run (e.g. data.root=/data/oct)")
@@ -166,39 +165,42 @@ def _run_sweep(job, worlds, settings: list[Setting], budget_s: float, full_step:
     from engine.launcher import start_method
 
     # As engine-run's launcher starts its workers: spawn, or fork with ENGINE_START_METHOD.
+    # One pipe to each process, not a multiprocessing Queue and Barrier: their locks are
+    # named semaphores (/dev/shm/sem.mp-*) that a sweep killed as a whole leaves behind.
     ctx = multiprocessing.get_context(start_method())
-    results = ctx.Queue()
-    barrier = ctx.Barrier(len(worlds))
+    pipes = [ctx.Pipe() for _ in worlds]
     procs = [ctx.Process(target=_measure_process,
-                         args=(job, w, settings, budget_s, full_step, results, barrier),
+                         args=(job, w, settings, budget_s, full_step, child),
                          daemon=False)
-             for w in worlds]
+             for w, (_, child) in zip(worlds, pipes)]
     for proc in procs:
         proc.start()
+    for _, child in pipes:
+        child.close()  # ours closed: a process that dies is an EOF on its pipe
+    hub = _Hub({w.rank: parent for w, (parent, _) in zip(worlds, pipes)})
     measurements = []
     try:
         for setting in settings:
             rates = {}
             deadline = time.monotonic() + budget_s + STARTUP_ALLOWANCE_S
             while len(rates) < len(worlds):
-                try:
-                    kind, rank, payload = results.get(
-                        timeout=max(0.1, deadline - time.monotonic()))
-                except queue_mod.Empty:
+                kind, rank, payload = hub.next_result(deadline)
+                if kind == "timeout":
                     dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                     raise EngineError(
                         f"tune-workers: no measurement of num_workers={setting.num_workers} "
                         f"within {budget_s + STARTUP_ALLOWANCE_S:g}s"
                         + (f" (a measuring process exited with code {dead[0]})" if dead
-                           else "")) from None
+                           else ""))
                 if kind == "error":
-                    raise EngineError(_first_cause(results, rank, payload))
+                    raise EngineError(f"tune-workers, rank {rank}: {payload}")
                 rates[rank] = payload
             per_process = tuple(rates[r] for r in sorted(rates))
             measurements.append(Measurement(setting, sum(per_process), per_process))
             if out is not None:
                 print(f"  num_workers={setting.num_workers} batch_size={setting.batch_size}:"
                       f" {sum(per_process):.1f} {unit}/s", file=out, flush=True)
+        hub.next_result(time.monotonic() + 60)  # the last barrier: every loader stopped
         for proc in procs:
             proc.join(timeout=60)
     finally:
@@ -207,6 +209,44 @@ def _run_sweep(job, worlds, settings: list[Setting], budget_s: float, full_step:
                 proc.terminate()
                 proc.join(timeout=10)
     return measurements
+
+
+class _Hub:
+    """The parent's end of the measuring processes' pipes. A process sends
+    ``("ready", rank, None)`` at each barrier and waits for ``"go"``, which goes to all
+    once every process is ready; ``("ok", rank, rate)`` and ``("error", rank, message)``
+    are results. A pipe that closes (its process died) is an error."""
+
+    def __init__(self, conns: dict):
+        self.ranks = {conn: rank for rank, conn in conns.items()}
+        self.conns = list(conns.values())
+        self.ready = set()
+
+    def next_result(self, deadline: float) -> tuple[str, int | None, Any]:
+        """The next ok or error (barriers are served on the way), or ``("timeout", None,
+        None)`` at ``deadline``."""
+        from multiprocessing.connection import wait
+
+        while True:
+            remaining = deadline - time.monotonic()
+            ready = wait(self.conns, timeout=max(0.0, remaining)) if remaining > 0 else []
+            if not ready:
+                return "timeout", None, None
+            for conn in ready:
+                try:
+                    kind, rank, payload = conn.recv()
+                except (EOFError, OSError):
+                    return "error", self.ranks[conn], "its process ended without a word"
+                if kind != "ready":
+                    return kind, rank, payload
+                self.ready.add(rank)
+                if len(self.ready) == len(self.conns):
+                    self.ready.clear()
+                    for each in self.conns:
+                        try:
+                            each.send("go")
+                        except OSError:
+                            return "error", self.ranks[each], "its process ended without a word"
 
 
 def _median(setting: Setting, raw: list[Measurement]) -> Measurement:
@@ -218,32 +258,30 @@ def _median(setting: Setting, raw: list[Measurement]) -> Measurement:
     return Measurement(setting, statistics.median(m.per_sec for m in mine), per_process)
 
 
-def _first_cause(results, rank: int, message: str) -> str:
-    """The error to show: the one that broke the barrier, not the other processes'
-    BrokenBarrierError that it caused (their reports may arrive first)."""
-    deadline = time.monotonic() + 2.0
-    while message.startswith("BrokenBarrierError") and time.monotonic() < deadline:
-        try:
-            kind, other_rank, payload = results.get(timeout=0.2)
-        except queue_mod.Empty:
-            continue
-        if kind == "error" and not payload.startswith("BrokenBarrierError"):
-            rank, message = other_rank, payload
-    return f"tune-workers, rank {rank}: {message}"
-
-
-def _measure_process(job, world, settings, budget_s, full_step, results, barrier) -> None:
+def _measure_process(job, world, settings, budget_s, full_step, conn) -> None:
     """One local process: build the dataset once, then measure each setting in turn,
     in step with the other processes (a barrier before each window)."""
     try:
-        _measure_settings(job, world, settings, budget_s, full_step, results, barrier)
+        _measure_settings(job, world, settings, budget_s, full_step, conn)
     except BaseException as exc:  # reported to the parent as one line, never a hang
         message = first_line(exc) if isinstance(exc, EngineError) else one_line(exc)
-        results.put(("error", world.rank, message))
-        barrier.abort()
+        try:
+            conn.send(("error", world.rank, message))
+        except OSError:
+            pass  # the parent is gone
 
 
-def _measure_settings(job, world, settings, budget_s, full_step, results, barrier) -> None:
+def _barrier(conn, rank: int, timeout: float) -> None:
+    """Wait until every measuring process is here (the parent says go), ``timeout``
+    seconds at most."""
+    conn.send(("ready", rank, None))
+    if not conn.poll(timeout):
+        raise EngineError(f"the other measuring processes did not reach the same point "
+                          f"within {timeout:g}s")
+    conn.recv()
+
+
+def _measure_settings(job, world, settings, budget_s, full_step, conn) -> None:
     import torch
 
     from engine import data, loader_settings
@@ -261,8 +299,11 @@ def _measure_settings(job, world, settings, budget_s, full_step, results, barrie
     ctx.parallel = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg)
     ctx.parallel.setup_device()
     device = ctx.device
-    wait = barrier.wait  # every wait below has the same finite timeout
-    timeout = budget_s + STARTUP_ALLOWANCE_S
+    timeout = budget_s + STARTUP_ALLOWANCE_S  # every wait below has this finite timeout
+
+    def wait(seconds: float) -> None:
+        _barrier(conn, world.rank, seconds)
+
     prepare = recipe.optional("prepare_data")
     if prepare is not None and world.is_local_rank0:
         prepare(cfg, ctx)
@@ -303,7 +344,7 @@ def _measure_settings(job, world, settings, budget_s, full_step, results, barrie
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             arrivals[-1] = time.perf_counter()
-        results.put(("ok", world.rank, done / max(arrivals[-1] - arrivals[0], 1e-9)))
+        conn.send(("ok", world.rank, done / max(arrivals[-1] - arrivals[0], 1e-9)))
         del batches, loader  # stop this setting's workers before the next one starts
         wait(timeout)
 

@@ -112,20 +112,6 @@ def test_only_the_stopped_process_named_by_its_identity_is_killed():
 # ------------------------------------------------------------ no leftovers
 
 
-def _named_semaphores(pids: list[str]) -> set[str]:
-    """The /dev/shm/sem.* files these processes have mapped and that still have a name
-    (a semaphore unlinked as soon as it was made shows as "(deleted)")."""
-    names = set()
-    for pid in pids:
-        try:
-            maps = pathlib.Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue
-        names.update(line.split()[-1] for line in maps.splitlines()
-                     if "/dev/shm/sem." in line and not line.endswith("(deleted)"))
-    return names
-
-
 def test_a_run_killed_as_a_whole_leaves_no_named_semaphores(tmp_path):
     """SIGKILL of a whole 2-process run (its process group: the launcher, the workers,
     their DataLoader workers, multiprocessing's resource tracker) left the named
@@ -133,7 +119,7 @@ def test_a_run_killed_as_a_whole_leaves_no_named_semaphores(tmp_path):
     nobody lived to unlink them: two per killed run."""
     import subprocess
 
-    from engine.testing import group_processes
+    from engine.testing import group_processes, named_semaphores
     from tests.conftest import ENGINE_RUN, REPO, engine_env
 
     out = tmp_path / "run"
@@ -149,7 +135,7 @@ def test_a_run_killed_as_a_whole_leaves_no_named_semaphores(tmp_path):
             assert run.poll() is None, run.stderr.read()
             assert time.monotonic() < deadline, f"the run never trained: {processes}"
             time.sleep(0.2)
-        named = _named_semaphores(processes)
+        named = named_semaphores(processes)
     finally:
         os.killpg(run.pid, signal.SIGKILL)
         run.wait()

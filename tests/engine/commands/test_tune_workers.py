@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import threading
+import time
 
 import pytest
 
 from engine.commands.tune_workers import (Measurement, Setting, default_workers,
                                           format_result)
 from engine.loader_settings import choose
+from engine.testing import descendants, named_semaphores
 from engine.world import share_cpus
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, engine_env, run_cli
 
 OCT_DDP = str(REPO / "recipes" / "oct_ddp.py")
 ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d./]+)\s+(\d+)%(?:\s+<- (.*))?$")
@@ -61,6 +65,29 @@ def test_sweep_prints_the_table_the_best_setting_and_its_override(oct_data):
     assert out.rstrip().endswith(apply)
     # The engine's own choice on this machine is in the table, and compared with the best.
     assert re.search(r"the engine's auto choice, num_workers=\d+, reaches \d+% of it", out)
+
+
+def test_the_sweeps_processes_hold_no_named_semaphores(oct_data):
+    """A multiprocessing Queue or Barrier between the measuring processes is named
+    semaphores (/dev/shm/sem.mp-*) that a sweep killed as a whole leaves behind: none may
+    be mapped by any process of a running 2-process sweep (every process this test
+    starts: the warm server, the command and its measuring processes). Spawned, as a
+    user's are: with fork, multiprocessing unlinks its semaphores at once."""
+    result = {}
+    sweep = threading.Thread(target=lambda: result.update(proc=run_cli(
+        "tune-workers", OCT_DDP, f"data.root={oct_data}", "data.image_size=32", "--workers",
+        "0", "--budget", "3", "--nproc", "2", env=engine_env(ENGINE_START_METHOD="spawn"))))
+    sweep.start()
+    most, named = 0, set()
+    while sweep.is_alive():
+        pids = descendants(os.getpid())
+        most = max(most, len(pids))
+        named |= named_semaphores(pids)
+        time.sleep(0.1)
+    sweep.join()
+    assert result["proc"].returncode == 0, result["proc"].stderr
+    assert most >= 3, most  # the command and its two measuring processes were seen
+    assert named == set()
 
 
 def test_full_step_measures_the_training_step_too(oct_data):
