@@ -76,7 +76,7 @@ def test_the_sweeps_processes_hold_no_named_semaphores(oct_data):
     result = {}
     sweep = threading.Thread(target=lambda: result.update(proc=run_cli(
         "tune-workers", OCT_DDP, f"data.root={oct_data}", "data.image_size=32", "--workers",
-        "0", "--budget", "3", "--nproc", "2", env=engine_env(ENGINE_START_METHOD="spawn"))))
+        "0", "--budget", "1", "--nproc", "2", env=engine_env(ENGINE_START_METHOD="spawn"))))
     sweep.start()
     most, named = 0, set()
     while sweep.is_alive():
