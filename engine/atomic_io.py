@@ -153,15 +153,24 @@ def pid_alive(pid: int) -> bool:
     return process_state(pid) != "Z"  # "" without /proc: os.kill said it exists
 
 
-def process_state(pid: int) -> str:
-    """The state letter of /proc/PID/stat (R, S, T stopped, Z zombie...); "" when the
-    process is gone or there is no /proc."""
+def proc_stat(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command name: [0] the state, [1] the
+    parent's PID, [19] the start time in clock ticks since boot (the man page's fields
+    3, 4 and 22); [] when the process is gone or there is no /proc. ``pid`` may be
+    "self"."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             # "pid (comm) state ...": comm may hold spaces and parentheses.
-            return f.read().rpartition(b")")[2].split()[0].decode()
-    except (OSError, IndexError):
-        return ""
+            return f.read().rpartition(b")")[2].decode().split()
+    except OSError:
+        return []
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (R, S, T stopped, Z zombie...); "" when the
+    process is gone or there is no /proc."""
+    fields = proc_stat(pid)
+    return fields[0] if fields else ""
 
 
 def atomic_write(path: pathlib.Path, write: Callable[[Any], None], *,

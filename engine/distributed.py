@@ -290,8 +290,8 @@ def _join_roll_call(store, world: World, deadline: float, timeout_s: float, entr
             store.set(f"engine/{session}/rank/{world.rank}", entry)
             joined = session
         verdict_key = f"engine/{session}/verdict"
-        if not _poll(store, [verdict_key], min(deadline, time.monotonic() + POLL_S)):
-            patience.check(waiting_for)
+        if not _poll(store, [verdict_key], min(deadline, time.monotonic() + POLL_S),
+                     lambda: patience.check(waiting_for)):
             continue
         verdict = json.loads(store.get(verdict_key))
         if token not in verdict["tokens"]:

@@ -57,10 +57,10 @@ _armed = False
 def process_start() -> float:
     """When this process started, on the ``time.monotonic()`` clock (to the clock tick,
     10 ms on Linux); now where /proc cannot say."""
+    from engine.atomic_io import proc_stat
+
     try:
-        with open("/proc/self/stat") as f:
-            # Field 22, counted after the command name, which may hold spaces.
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        start_ticks = int(proc_stat("self")[19])
         since_start = (time.clock_gettime(time.CLOCK_BOOTTIME)
                        - start_ticks / os.sysconf("SC_CLK_TCK"))
         return time.monotonic() - max(0.0, since_start)

@@ -199,14 +199,10 @@ def process_identity(pid: int) -> str:
     kernel's boot id and the process's start time in clock ticks since boot (a PID
     alone may be reused, or belong to another machine or PID namespace); "" where
     /proc cannot say."""
-    boot = boot_id()
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # Field 22, counted after the command name, which may hold spaces.
-            start_ticks = f.read().rpartition(b")")[2].split()[19].decode()
-    except (OSError, IndexError):
-        return ""
-    return f"{boot}/{start_ticks}" if boot else ""
+    from engine.atomic_io import proc_stat
+
+    boot, fields = boot_id(), proc_stat(pid)
+    return f"{boot}/{fields[19]}" if boot and len(fields) > 19 else ""
 
 
 @functools.cache

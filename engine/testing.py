@@ -455,33 +455,30 @@ def _wait_until_group_is_gone(group: int, timeout: float = 60) -> None:
     raise AssertionError(f"processes of the killed writer still run after {timeout:g} s")
 
 
+def _live_processes():
+    """(PID, its /proc/PID/stat fields) of every live process; zombies count as gone,
+    and so does a process that ends while we look."""
+    from engine.atomic_io import proc_stat
+
+    for entry in pathlib.Path("/proc").glob("[0-9]*"):
+        fields = proc_stat(entry.name)
+        if fields and fields[0] != "Z":
+            yield entry.name, fields
+
+
 def group_processes(group: int) -> list[str]:
-    """The PIDs of the live processes of process group ``group`` (zombies count as
-    gone)."""
-    live = []
-    for entry in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = entry.read_bytes().rpartition(b")")[2].split()
-        except OSError:
-            continue  # gone meanwhile
-        if int(fields[2]) == group and fields[0] != b"Z":
-            live.append(entry.parent.name)
-    return live
+    """The PIDs of the live processes of process group ``group``."""
+    return [pid for pid, fields in _live_processes() if int(fields[2]) == group]
 
 
 def descendants(pid: int) -> list[str]:
     """The PIDs of the live processes started, at any depth, by process ``pid``."""
-    children: dict[bytes, list[str]] = {}
-    for entry in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = entry.read_bytes().rpartition(b")")[2].split()
-        except OSError:
-            continue  # gone meanwhile
-        if fields[0] != b"Z":
-            children.setdefault(fields[1], []).append(entry.parent.name)
+    children: dict[str, list[str]] = {}
+    for child, fields in _live_processes():
+        children.setdefault(fields[1], []).append(child)
     found, todo = [], [str(pid)]
     while todo:
-        below = children.get(todo.pop().encode(), [])
+        below = children.get(todo.pop(), [])
         found += below
         todo += below
     return found

@@ -94,13 +94,11 @@ def _wait_past_newest_event_file(folder: pathlib.Path) -> None:
     the purge applies to the old points' past and the curves fold back. A resumed run
     starting within a second of the run it resumes (only a very short run can) waits
     for the next second."""
-    newest = max((int(name.split(".")[3]) for name in
-                  (p.name for p in folder.glob("events.out.tfevents.*"))
-                  if name.split(".")[3].isdigit()), default=None)
-    if newest is not None:
-        remaining = newest + 1 - time.time()
-        if 0 < remaining <= 1:
-            time.sleep(remaining)
+    seconds = [p.name.split(".")[3] for p in folder.glob("events.out.tfevents.*")]
+    newest = max((int(s) for s in seconds if s.isdigit()), default=None)
+    remaining = None if newest is None else newest + 1 - time.time()
+    if remaining is not None and 0 < remaining <= 1:
+        time.sleep(remaining)
 
 
 def read_metrics(run_dir) -> tuple[dict[str, list[tuple[int, float]]], pathlib.Path] | None:
