@@ -16,9 +16,9 @@ Compiling before the parallel wrap keeps one path for every mode: DDP runs its o
 forward eagerly around the compiled module and its gradient hooks still fire, so the
 ranks keep equal weights; and since the module first runs, and so compiles, inside DDP's
 forward, torch's DDPOptimizer (``torch._dynamo.config.optimize_ddp``) still splits its
-graph at DDP's bucket boundaries, which is what torch recommends compiling DDP for. ``nn.DataParallel`` replicates the module every step, and a
-replica would call the original's compiled forward, so ``dp`` over several GPUs refuses
-compile (plugins/dp.py).
+graph at DDP's bucket boundaries, which is what torch recommends compiling DDP for.
+``nn.DataParallel`` replicates the module every step, and a replica would call the
+original's compiled forward, so ``dp`` over several GPUs refuses compile (plugins/dp.py).
 
 torch.compile is lazy: the first forward and backward (and the first validation, in
 eval mode) compile. The time it took is torch's own count (``torch._dynamo.utils``),

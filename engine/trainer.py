@@ -645,9 +645,9 @@ class Trainer:
         """Every ``log_every`` steps, on every rank: start one small all-reduce of the
         window's loss and the ranks' pre-emption and time-based snapshot flags, then act
         on the previous check point's. Waiting for the sums here would cost a DDP
-        step's worth of latency every window; a window later they have long arrived. A pre-emption therefore stops
-        the run one window after the ranks saw it. Returns True when the epoch must stop
-        here."""
+        step's worth of latency every window; a window later they have long arrived. A
+        pre-emption therefore stops the run one window after the ranks saw it. Returns
+        True when the epoch must stop here."""
         eng = self.engine
         now = time.perf_counter()
         preempted = eng.preemption is not None and bool(eng.preemption)

@@ -43,7 +43,7 @@ import engine
 from engine import distributed
 from engine.atomic_io import atomic_write, checksum_entry, file_checksum, fsync_directory
 from engine.checkpoint import SnapshotStore
-from engine.errors import CheckpointError, first_line, untrusted_pickle
+from engine.errors import CheckpointError, one_line, untrusted_pickle
 
 STAGING = ".staging-"  # prefix of a directory being written (never resumed from)
 TRAIN_STATE = "train_state.pt"
@@ -85,10 +85,6 @@ def _rank_and_size(world) -> tuple[int, int]:
     return 0, 1
 
 
-def _first_line(exc: BaseException) -> str:
-    return first_line(exc, type(exc).__name__)
-
-
 class DCPCheckpointer(SnapshotStore):
     """A snapshot is a directory of DCP files here; manifest, pointers, pruning and the
     choice of the latest good one are the store's."""
@@ -121,7 +117,7 @@ class DCPCheckpointer(SnapshotStore):
                 self.write_shards(state, staging)
         except Exception as exc:
             raise CheckpointError(f"rank {rank}: saving {path} failed: "
-                                  f"{type(exc).__name__}: {_first_line(exc)}") from None
+                                  f"{one_line(exc)}") from None
         if rank == 0:
             rest = {k: v for k, v in state.items() if k not in DCP_PARTS}
             atomic_write(staging / TRAIN_STATE, lambda f: torch.save(rest, f))
@@ -196,14 +192,12 @@ class DCPCheckpointer(SnapshotStore):
                     dcp.load(parts, checkpoint_id=str(path))
             except Exception as exc:
                 raise CheckpointError(f"{path} cannot be loaded into this model and "
-                                      f"optimizer: {type(exc).__name__}: "
-                                      f"{_first_line(exc)}") from None
+                                      f"optimizer: {one_line(exc)}") from None
             return {**_train_state(path, required=True), **parts}
         try:
             state = load_everything(path)
         except Exception as exc:
-            raise CheckpointError(f"{path} cannot be loaded: {type(exc).__name__}: "
-                                  f"{_first_line(exc)}") from None
+            raise CheckpointError(f"{path} cannot be loaded: {one_line(exc)}") from None
         state.update(_train_state(path))
         if map_location is not None:
             state = _to(state, map_location)
@@ -258,7 +252,7 @@ class AsyncDCPCheckpointer(DCPCheckpointer):
                     process_group=self.write_group())
         except Exception as exc:
             raise CheckpointError(f"rank {rank}: saving {path} failed: "
-                                  f"{type(exc).__name__}: {_first_line(exc)}") from None
+                                  f"{one_line(exc)}") from None
         # The rest is small and changes as training goes on (RNG states, metrics).
         rest = copy.deepcopy({k: v for k, v in state.items() if k not in DCP_PARTS})
         self._pending = (written, rest, epoch, step, dict(metrics or {}))
@@ -304,7 +298,7 @@ def _train_state(path: pathlib.Path, required: bool = False) -> dict:
         if untrusted:
             raise CheckpointError(untrusted) from None
         raise CheckpointError(f"{path / TRAIN_STATE} cannot be loaded: "
-                              f"{type(exc).__name__}: {_first_line(exc)}") from None
+                              f"{one_line(exc)}") from None
 
 
 def _to(state, device):

@@ -3,9 +3,9 @@
 Every ``engine_log`` call becomes one scalar per metric, tagged with the metric's name
 (``train/loss``, ``train/epoch_loss``, ``train/samples_per_sec``, ``lr``, ``val/loss``...)
 at the global optimizer step; at each epoch's end the scalar ``epoch``, the number of the
-epoch that ended (from 1, as the console counts). tensorboard is imported when the run starts (or, in a
-custom loop, at the first scalar), never at start-up of the engine; ``-p no:tensorboard``
-turns the logger off.
+epoch that ended (from 1, as the console counts). tensorboard is imported when the run
+starts (or, in a custom loop, at the first scalar), never at start-up of the engine;
+``-p no:tensorboard`` turns the logger off.
 
 A resumed run writes a new event file into the same folder; it tells TensorBoard to
 drop the points the interrupted run had written after the snapshot it resumes from
