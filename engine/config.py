@@ -42,6 +42,9 @@ class CheckpointConfig:
     every_epochs: int = 1  # 0: only at the end
     every_steps: int = 0  # 0: never by step count
     every_minutes: float = 0.0  # 0: never by wall time
+    # Every N optimizer steps each rank copies the snapshot into shared memory
+    # (engine/memory_snapshot.py): a restart loses at most N steps. 0: off.
+    memory_every_steps: int = 0
     keep_last: int = 3  # the newest snapshots kept (0: every one)
     best_metric: str = ""  # e.g. "val/loss": also keep the best snapshot by it
     best_mode: Literal["max", "min"] = "max"  # whether the best is the highest or lowest
@@ -397,7 +400,8 @@ def check(cfg: TrainConfig) -> None:
     for name, meaning in (("keep_last", "keeps every snapshot"),
                           ("every_epochs", "only at the end"),
                           ("every_steps", "never by step count"),
-                          ("every_minutes", "never by wall time")):
+                          ("every_minutes", "never by wall time"),
+                          ("memory_every_steps", "no in-memory snapshots")):
         value = getattr(checkpoint, name)
         if value < 0:
             raise ConfigError(f"config key 'checkpoint.{name}': {value!r} must be >= 0 "

@@ -372,6 +372,8 @@ class WorkerContext:
             **throughput_summary(self.metrics),
             "metrics": dict(self.metrics),
             "resumed_from": _path_or_none(self.resumed_from),
+            # Where the resume came from: tier (memory, peer, disk), step, steps_lost.
+            "resume": getattr(self, "resume_record", None),
             "final_checkpoint": self._checkpoint(status, "latest"),
             # checkpoint.best_metric set: the snapshot best by it (kept past keep_last).
             "best_checkpoint": self._checkpoint(status, "best"),

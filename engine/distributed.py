@@ -453,6 +453,28 @@ def broadcast_object(obj, src: int = 0):
     return holder[0]
 
 
+def broadcast_tensor(tensor, src: int = 0):
+    """``tensor`` from rank ``src`` on every rank (in place), on :func:`collective_device`."""
+    if is_initialized():
+        import torch.distributed as dist
+
+        dist.broadcast(tensor, src=src)
+    return tensor
+
+
+def collective_device():
+    """Where the process group's tensors must be: this rank's GPU under NCCL, else the
+    CPU."""
+    import torch
+
+    if is_initialized():
+        import torch.distributed as dist
+
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_gather_object(obj) -> list:
     if not is_initialized():
         return [obj]

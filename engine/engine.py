@@ -36,6 +36,7 @@ class Engine(WorkerContext):
         self.epochs_requested = cfg.epochs
         self.train_loader = None
         self.val_loader = None
+        self.memory = None  # in-memory snapshots (engine/memory_snapshot.py), when on
 
     # ------------------------------------------------------------------- run
 
@@ -57,6 +58,10 @@ class Engine(WorkerContext):
             # as completed.
             self.checkpointer.close()
             phases.mark("final snapshot durable")
+            if self.memory is not None:
+                # The run ended by itself, its last state on disk: the memory snapshots
+                # are of no more use. A failed or killed run keeps them for its restart.
+                self.memory.remove()
             if outcome == "completed":
                 self.gather_weights()
                 self._after_training()
@@ -185,6 +190,7 @@ class Engine(WorkerContext):
             self.warn(slow)
         self.checkpointer = self.pm.checkpointers.get(cfg.checkpointer)(
             self.out_dir / "checkpoints", cfg, world)
+        self.memory = self._memory_snapshots()
         from engine import snapshot
         from engine.trainer import Trainer
 
@@ -195,6 +201,25 @@ class Engine(WorkerContext):
         # After the resume's config check: a refused resume leaves the old config.json.
         self.write_config()
         return trainer
+
+
+    def _memory_snapshots(self):
+        """This rank's in-memory snapshots (checkpoint.memory_every_steps), or None: off,
+        or a model sharded by fully_shard (each rank holds only its shard: a restart
+        resumes from the newest disk snapshot, docs/checkpoints.md)."""
+        from engine import memory_snapshot, stateful
+
+        every = self.cfg.checkpoint.memory_every_steps
+        if not every:
+            return None
+        if stateful.is_sharded(self.module):
+            self.warn("checkpoint.memory_every_steps is ignored with a sharded model "
+                      f"(parallel={self.cfg.parallel}): a restart resumes from the newest "
+                      "disk snapshot")
+            return None
+        if self.world.is_local_rank0:
+            memory_snapshot.remove_leftovers()
+        return memory_snapshot.MemorySnapshots(self.out_dir, self.world, every)
 
 
 def build_scheduler(recipe, cfg, optimizer, ctx):

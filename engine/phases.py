@@ -43,6 +43,7 @@ _carved: dict[str, list] = {}
 
 #: The row of the snapshots written while training (taken out of the training phase).
 SNAPSHOTS = "snapshots while training"
+MEMORY_SNAPSHOTS = "memory snapshots while training"
 
 #: The prefix of the engine's ranges in a trace: "engine: forward/backward".
 RANGE_PREFIX = "engine: "

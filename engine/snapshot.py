@@ -91,28 +91,44 @@ def save(eng) -> pathlib.Path | None:
                                      metrics=dict(eng.metrics))
 
 
+def save_to_memory(eng) -> None:
+    """Copy a snapshot into this rank's shared-memory buffer (engine/memory_snapshot.py).
+    Every rank saves its own; collective (capture)."""
+    with phases.carve(phases.MEMORY_SNAPSHOTS, within="training", label="memory snapshot"):
+        eng.memory.save(capture(eng), step=eng.state.step, epoch=eng.state.epoch)
+
+
 def resume(eng) -> None:
-    """Continue from the latest good snapshot, from ``--resume PATH``, or start fresh.
+    """Continue from the newest snapshot every rank can restore (a memory snapshot newer
+    than the latest good disk snapshot, see :func:`_resume_from_memory`), from
+    ``--resume PATH``, or start fresh.
 
     Rank 0 decides which file (if any) and broadcasts the decision, so the ranks never
     disagree about whether there is something to resume.
     """
     phases.mark("data, model")
     opts = eng.options
+    memory = getattr(eng, "memory", None)
     if opts.get("no_resume"):
+        _forget_memory(memory)
         return
-    chosen = None
+    chosen = disk_step = None
     if eng.is_rank0 or eng.checkpointer.all_ranks:
         if opts.get("resume"):
             chosen = _checked_resume_path(eng, str(opts["resume"]))
         else:
             latest = eng.checkpointer.latest()
             chosen = str(latest) if latest is not None else None
-            if chosen is None and eng.is_rank0:
+            disk_step = _step_of(latest)
+            if chosen is None and eng.is_rank0 and memory is None:
                 _say_when_every_snapshot_is_unusable(eng)
-    chosen = distributed.broadcast_object(chosen)
+    chosen, disk_step = distributed.broadcast_object((chosen, disk_step))
     if isinstance(chosen, CheckpointError):
         raise chosen
+    if memory is not None:
+        if not opts.get("resume") and _resume_from_memory(eng, memory, disk_step):
+            return
+        _forget_memory(memory)
     if chosen is None:
         return
     restore(eng, load_snapshot(eng, pathlib.Path(chosen)), source=chosen)
@@ -120,7 +136,68 @@ def resume(eng) -> None:
     setattr(eng, "resumed_from", chosen)
     where = eng.state.position()
     restarts = (f" (restart {eng.world.restart_count})" if eng.world.restart_count else "")
-    eng.print(f"resuming from {chosen}: {where}{restarts}")
+    reached = memory.reached_before if memory is not None else 0
+    lost = (f" ({reached - eng.state.step} steps lost)" if reached > eng.state.step
+            else "")
+    eng.print(f"resuming from {chosen}: {where}{restarts}{lost}")
+    _record_resume(eng, "disk", eng.state.step, reached)
+
+
+def _step_of(path) -> int | None:
+    """The step of the disk snapshot at ``path`` (its manifest's, else its name's)."""
+    from engine.checkpoint import read_manifest
+
+    if path is None:
+        return None
+    step = (read_manifest(pathlib.Path(path)) or {}).get("step")
+    if step is None:
+        name = pathlib.Path(path).name
+        digits = name.rpartition("-s")[2].split(".")[0]
+        step = int(digits) if digits.isdigit() else None
+    return step
+
+
+def _resume_from_memory(eng, memory, disk_step: int | None) -> bool:
+    """Resume from the newest memory snapshot when one is newer than the disk snapshot:
+    this rank's own buffer, or a healthy peer's sent over the process group where this
+    rank's is gone. Collective. False: none newer (the disk snapshot, if any, wins)."""
+    from engine import memory_snapshot
+
+    choice = memory_snapshot.agree(memory)
+    memory.reached_before = choice.reached
+    if not choice.newer_than(disk_step):
+        return False
+    source = f"memory (step {choice.step})"
+    restore(eng, memory_snapshot.fetch(memory, choice), source=source)
+    setattr(eng, "resumed_from", source)
+    missing = choice.missing(eng.world.world_size)
+    why = (f"rank(s) {', '.join(map(str, missing))} had no copy: sent by rank "
+           f"{choice.source}" if missing else
+           f"restart {eng.world.restart_count}" if eng.world.restart_count else "rerun")
+    lost = max(0, choice.reached - choice.step)
+    eng.print(f"resumed from memory at step {choice.step} ({why}; {lost} step"
+              f"{'' if lost == 1 else 's'} lost): {eng.state.position()}")
+    _record_resume(eng, "peer" if missing else "memory", choice.step, choice.reached,
+                   source_rank=choice.source if missing else None)
+    return True
+
+
+def _forget_memory(memory) -> None:
+    """A run that did not resume from its memory snapshots removes them: they are older
+    than what it resumed from (or belong to the run it starts afresh over), and a
+    restart before its first memory snapshot must not take them."""
+    if memory is not None:
+        memory.remove()
+
+
+def _record_resume(eng, tier: str, step: int, reached: int, source_rank=None) -> None:
+    """What summary.json's ``resume`` reports: the tier (memory, peer or disk), the
+    step resumed at and the steps recomputed (when the interrupted run said how far it
+    got)."""
+    setattr(eng, "resume_record", {
+        "tier": tier, "step": step,
+        "steps_lost": max(0, reached - step) if reached else None,
+        "source_rank": source_rank})
 
 
 def _checked_resume_path(eng, chosen: str) -> str | CheckpointError:

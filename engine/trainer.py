@@ -24,7 +24,8 @@
                     window's loss and the pre-emption and time-based snapshot
                     flags; act on the previous check point's, long done:   finish_check
                     [engine_log] (rank 0), stop if pre-empted, snapshot if due
-                snapshot if every_steps is due (the check in flight is finished first)
+                snapshot if every_steps is due (the check in flight is finished first),
+                else one into shared memory if memory_every_steps is due  memory_snapshot
         the last check point's result                               finish_check
         the epoch's loss (a resumed epoch's included) and the slowest
         rank's data wait, gathered from all ranks                   epoch_metrics
@@ -419,6 +420,7 @@ class Trainer:
         self.nonfinite = NonFinitePolicy(self.cfg.on_nonfinite, device,
                                          engine.world.world_size, engine.warn)
         self.snapshots = SnapshotPolicy(self.cfg, engine.is_rank0)
+        self.memory = getattr(engine, "memory", None)  # in-memory snapshots, when on
         self.early_stopping = EarlyStopping(self.cfg.early_stopping, engine.state)
         self.stop_requested = False  # the ranks agreed to stop (see engine/preemption.py)
         self.window = None  # the epoch's LogWindow while it trains (snapshots read it)
@@ -618,6 +620,8 @@ class Trainer:
             eng.scheduler.step()
         state.step += 1
         window.steps += 1
+        if self.memory is not None:  # how far the run got: a restart says what it lost
+            self.memory.note_reached(state.step)
         if self.step_end_hook is not None:
             self.step_end_hook(engine=eng, step=state.step, loss=loss)
         if state.step % self.cfg.log_every == 0:
@@ -626,7 +630,16 @@ class Trainer:
                     return True
         if self.snapshots.due_at_step(state.step):
             self.save_snapshot()
+        elif self.memory is not None and self.memory.due(state.step):
+            self.memory_snapshot()
         return False
+
+    def memory_snapshot(self) -> None:
+        """Every ``memory_every_steps`` steps (not at a step that just wrote a snapshot
+        to disk), a snapshot into shared memory. The check in flight is logged first: a
+        run resumed from here would never log it."""
+        self.finish_pending()
+        snapshot.save_to_memory(self.engine)
 
     def before_optimizer_step(self, step: int) -> None:
         """Between the last backward of a group and the optimizer step, on the true
