@@ -140,15 +140,15 @@ def test_max_restarts_restarts_a_killed_worker_which_resumes_to_identical_weight
         tmp_path, tmp_path_factory):
     """Rank 1 SIGKILLed once after step 5 (a snapshot at step 4): the launcher says so in
     one line, starts both workers again, and they resume from step 4 in the same folder
-    (no new version of the pattern) to the weights of the uninterrupted run; the command
-    succeeds. (--max-restarts 0, the default, ends such a run with the failure:
+    (no new version of the pattern; --no-resume applies to the first start) to the weights
+    of the uninterrupted run; the command succeeds. (--max-restarts 0, the default, ends such a run with the failure:
     tests/engine/test_snapshot.py.)"""
     runs = tmp_path / "runs"
     env = engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP="5", ENGINE_FAULT_RANK="1",
                      ENGINE_FAULT_ONCE=str(tmp_path / "killed"))
     proc = run_cli(*train_args(runs / "version_{version}"), "checkpoint.every_steps=4", "--launcher", "spawn",
                    "--nproc", "2", *ONE_THREAD, "--max-restarts", "1", "-p",
-                   "tests.fault_plugin", env=env)
+                   "tests.fault_plugin", "--no-resume", env=env)  # the first start only
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "killed").exists(), "rank 1 was never killed"
     assert ("worker rank 1 was killed by SIGKILL; restarting all 2 workers (restart 1 of 1)"
