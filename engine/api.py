@@ -56,15 +56,18 @@ from engine.launching import LAUNCH, Worker
 
 def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
            config=None, plugins: Sequence[str] = (), resume: bool | str = True,
-           overwrite: bool = False, threads: int | None = None, nnodes: int = 1, node_rank: int = 0,
-           master_addr: str | None = None, master_port: int | None = None) -> Any:
+           overwrite: bool = False, threads: int | None = None, nnodes: int = 1,
+           node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
+           max_restarts: int = 0) -> Any:
     """Run ``fn(ctx, *args)`` in every worker process and return its result.
 
     ``fn`` must be picklable when workers are spawned: a module-level function (or a
     picklable callable object), with the call guarded by ``if __name__ == "__main__"``.
     ``config`` is an :class:`engine.TrainConfig` (or a subclass: ``seed``, ``out_dir``,
     ``parallel``, ``checkpointer``, ``launcher``, ``init_method``, ``timeout_s`` and
-    ``checkpoint.*`` apply). ``plugins`` takes the ``-p`` arguments of ``engine-run``.
+    ``checkpoint.*`` apply). ``plugins`` takes the ``-p`` arguments of ``engine-run``,
+    ``max_restarts`` its --max-restarts (the spawned workers are started again after a
+    failure; ``ctx.epochs`` resumes them from the newest snapshot).
 
     Returns what ``fn`` returned on rank 0 when this call spawned the workers (it must
     then be picklable), or in this process when the launcher adopted it (torchrun,
@@ -83,7 +86,7 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
     check(cfg)
     options = library_options(resume, overwrite, threads, nproc=nproc, nnodes=nnodes,
                               node_rank=node_rank, master_addr=master_addr,
-                              master_port=master_port,
+                              master_port=master_port, max_restarts=max_restarts,
                               local_rank=_local_rank_argument(sys.argv[1:]))
     job = LoopJob(tuple(plugins), options, door=LAUNCH, fn=fn, args=tuple(args), cfg=cfg)
     return Launch(job).start().result

@@ -134,6 +134,10 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     g.add_argument("--master-addr", help="address of the rank-0 node")
     g.add_argument("--master-port", type=int, help="a free TCP port on the rank-0 node")
     g.add_argument("--init-method", help="env:// (default), tcp://HOST:PORT, file:///path")
+    g.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="spawn: after a worker fails, start all of them again, up to N "
+                        "times; they resume from the newest snapshot (default: 0; under "
+                        "torchrun: torchrun --max-restarts)")
     # torch.distributed.launch passes one of these to every worker.
     g.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank",
                    help=argparse.SUPPRESS)

@@ -62,6 +62,9 @@ class LaunchOptions:
     timeout_s: float = 300.0
     #: ``--local-rank=N`` / ``--local_rank=N``, as torch.distributed.launch passes it.
     local_rank: int | None = None
+    #: ``--max-restarts N``: how many times a launcher that starts the workers itself
+    #: starts them all again after one fails (spawn, as ``torchrun --max-restarts``).
+    max_restarts: int = 0
 
 
 class Launcher:
@@ -76,6 +79,10 @@ class Launcher:
     #: (torchrun's agent hosts the rendezvous store there): doctor then does not
     #: report the port as taken.
     port_held_by_starter: ClassVar[bool] = False
+    #: How the workers are started again after a failure when the engine does not do
+    #: it (``--max-restarts`` is refused naming it), or "" when this launcher honours
+    #: ``--max-restarts`` itself.
+    restarts_with: ClassVar[str] = "the tool that starts the workers"
 
     def __init__(self, options: LaunchOptions | None = None,
                  environ: Mapping[str, str] | None = None):
@@ -115,6 +122,19 @@ class Launcher:
 
     #: Names of the environment variables the launcher reads.
     reads: ClassVar[tuple[str, ...]] = ()
+
+
+def check_max_restarts(launcher: Launcher) -> None:
+    """``--max-restarts N``: a count, for a launcher that restarts its workers itself.
+    Refused, not ignored, where another tool started the workers: a run the user
+    believes will restart would not."""
+    count = launcher.options.max_restarts
+    if count < 0:
+        raise LaunchError(f"--max-restarts {count} must be >= 0 (0: no restart)")
+    if count and launcher.restarts_with:
+        raise LaunchError(
+            f"--max-restarts is for the spawn launcher; under {launcher.name} the workers "
+            f"are started by another tool, so restart them with {launcher.restarts_with}")
 
 
 def detects(cls: type[Launcher], environ: Mapping[str, str], options: LaunchOptions) -> bool:

@@ -103,7 +103,8 @@ def library_options(resume: bool | str | os.PathLike, overwrite: bool,
 
 def launch_options(pm, cfg, options: dict):
     """The launcher's :class:`~engine.launcher.LaunchOptions`: the job's options (nproc,
-    nnodes, node_rank, master_addr, master_port, local_rank) and the config's."""
+    nnodes, node_rank, master_addr, master_port, local_rank, max_restarts) and the
+    config's."""
     from engine.launcher import LaunchOptions
 
     nproc = options.get("nproc")
@@ -115,7 +116,8 @@ def launch_options(pm, cfg, options: dict):
                          master_addr=options.get("master_addr"),
                          master_port=options.get("master_port"),
                          init_method=cfg.init_method, timeout_s=cfg.timeout_s,
-                         local_rank=options.get("local_rank"))
+                         local_rank=options.get("local_rank"),
+                         max_restarts=options.get("max_restarts") or 0)
 
 
 @contextlib.contextmanager
@@ -165,7 +167,7 @@ class Launch:
     (engine-run, for its parser)."""
 
     def __init__(self, job: "Worker", pm=None):
-        from engine.launcher import choose_launcher
+        from engine.launcher import check_max_restarts, choose_launcher
         from engine.plugin_manager import build_plugin_manager
         from engine.run_dir import refuse_fresh_start, refuse_unwritable
 
@@ -180,6 +182,7 @@ class Launch:
                                    overwrite=job.door.overwrite)
             self.launcher = choose_launcher(self.pm.launchers, self.cfg.launcher,
                                             launch_options(self.pm, self.cfg, job.options))
+            check_max_restarts(self.launcher)
             self.worlds = self.launcher.worlds()
         warn_if_oversubscribed(len(self.worlds) if self.launcher.spawns else 1)
 
@@ -197,8 +200,10 @@ class Launch:
                 (tempfile.TemporaryDirectory(prefix="engine-launch-") if library
                  else contextlib.nullcontext()) as exchange:
             job = attrs.evolve(self.job, launching_pid=os.getpid(), exchange_dir=exchange)
-            if library and self.launcher.spawns and len(self.worlds) > 1:
-                check_spawnable(job)  # one process runs in this one: anything goes
+            # One process runs in this one (anything goes), unless it may be restarted.
+            if library and self.launcher.spawns and (
+                    len(self.worlds) > 1 or self.launcher.options.max_restarts):
+                check_spawnable(job)
             with blaming_plugins(self.pm, spare=job.raised):
                 statuses = self.launcher.launch(job) or []
             return Finished(statuses, job.launched_result())
@@ -338,6 +343,15 @@ class Worker:
                 pickle.dump(value, f)
         return status
 
+    def restarted(self) -> "Worker":
+        """The job as a launcher starts it again after a worker failed (spawn
+        --max-restarts): it resumes the run's newest snapshot in the run's folder, never
+        starts afresh nor clears the folder again (--no-resume, --overwrite: the first
+        start did). ``--resume PATH`` stays: the restart begins there again, as a
+        torchrun restart, which reruns the same command, does."""
+        return attrs.evolve(self, options={**self.options, "no_resume": False,
+                                           "overwrite": False})
+
     def launched_result(self) -> Any:
         """After ``launcher.launch(self)``: rank 0's value (None if it left none)."""
         if self.result:
@@ -440,7 +454,7 @@ class RecipeJob(Worker):
 
 def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
         plugins=(), resume: bool | str = True, overwrite: bool = False,
-        threads: int | None = None, **overrides: Any) -> dict:
+        threads: int | None = None, max_restarts: int = 0, **overrides: Any) -> dict:
     """Train a recipe from Python, as ``engine-run RECIPE key=value ...`` would; returns
     the run's summary (the keys of summary.json).
 
@@ -452,12 +466,14 @@ def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
     process, and an error reaches the caller as the exception itself; with more, the
     workers are spawned (guard the call with ``if __name__ == "__main__":``), and a
     failed worker raises an EngineError naming its rank. A pre-empted run returns its
-    summary with ``status`` "preempted".
+    summary with ``status`` "preempted". ``max_restarts`` is engine-run's
+    --max-restarts (spawned workers are started again after a failure and resume).
     """
     items = [f"{key}={_override_text(value)}" for key, value in overrides.items()]
     if launcher is not None:
         items.append(f"launcher={launcher}")
-    job = RecipeJob(tuple(plugins), library_options(resume, overwrite, threads, nproc=nproc),
+    job = RecipeJob(tuple(plugins), library_options(resume, overwrite, threads, nproc=nproc,
+                                                    max_restarts=max_restarts),
                     door=FIT, recipe=_recipe_reference(recipe), overrides=tuple(items))
     return Launch(job).start().result
 

@@ -18,7 +18,7 @@ import sys
 from typing import Callable, Mapping, NoReturn
 
 from engine import phases
-from engine.errors import WorkerFailed
+from engine.errors import EXIT_FAILED, WorkerFailed
 from engine.launch_env import start_method
 from engine.world import World
 
@@ -56,6 +56,21 @@ def _start_resource_tracker_deaf_to(signals) -> None:
             signal.signal(signum, handler)
 
 
+class SpawnedWorkerFailed(WorkerFailed):
+    """A worker :func:`spawn_workers` started failed: the error users read, plus what
+    a launcher that restarts its workers (spawn --max-restarts) needs to decide."""
+
+    def __init__(self, message: str, exit_code: int, failure: str, restartable: bool):
+        super().__init__(message, exit_code=exit_code)
+        #: Which worker failed and how, in a few words: "worker rank 1 was killed by
+        #: SIGKILL".
+        self.failure = failure
+        #: Whether starting the workers again may help: killed by a signal, or exited
+        #: with 1 (the run failed); not a usage or configuration error (exit 2, which a
+        #: restart would meet again), an interrupt (130), nor a failure after this
+        #: launcher was asked to stop (a forwarded SIGTERM or SIGUSR1: pre-emption).
+        self.restartable = restartable
+
 
 def spawn_workers(worker: Callable[[World], object], worlds: list[World],
                   child_env: Mapping[str, str] | None = None) -> list:
@@ -82,7 +97,10 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
         writer.close()  # the workers have theirs
     readers = [r for r, _ in pipes]
 
+    stopping = []  # the signals passed on: the run is being stopped, not restarted
+
     def forward(signum, frame):
+        stopping.append(signum)
         for process in context.processes:
             if process.is_alive():
                 os.kill(process.pid, signum)
@@ -122,9 +140,17 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
         if stopped:
             message += (f"; {_ranks_of(worlds, stopped)} stopped answering: its process "
                         "was stopped (SIGSTOP or a debugger), so it was killed")
-        raise WorkerFailed(message, exit_code=0 if signal_name else code) from None
+        failure = (f"worker rank {worlds[index].rank} "
+                   + (f"was killed by {signal_name}" if signal_name
+                      else f"exited with code {code}"))
+        restartable = not stopping and (code == EXIT_FAILED or (
+            signal_name is not None and signal_name != "SIGINT"))
+        raise SpawnedWorkerFailed(message, exit_code=0 if signal_name else code,
+                                  failure=failure, restartable=restartable) from None
     except mp.ProcessRaisedException as exc:
-        raise WorkerFailed(f"a worker failed:\n{exc}") from None
+        raise SpawnedWorkerFailed(f"a worker failed:\n{exc}", exit_code=EXIT_FAILED,
+                                  failure="a worker raised an exception",
+                                  restartable=not stopping) from None
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -46,6 +46,7 @@ def option_from_cmdline(cmdline: list[str], *names: str) -> str | None:
 
 class LegacyLauncher(Launcher):
     port_held_by_starter = True  # torch.distributed.launch is torchrun underneath
+    restarts_with = "python -m torch.distributed.launch --max-restarts N"
     name = "legacy"
     priority = 10  # before torchrun: modern torch.distributed.launch sets its variables
     reads = REQUIRED + ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",

@@ -74,6 +74,9 @@ def visible_gpus(environ) -> int:
 class SlurmLauncher(Launcher):
     name = "slurm"
     priority = 30
+    # srun restarts nothing: SLURM starts a failed job again by requeueing it.
+    restarts_with = ("sbatch --requeue (the requeued job resumes from its newest "
+                     "snapshot)")
     reads = REQUIRED + (
         "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_STEP_NUM_NODES",
         "SLURM_NNODES", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST",

@@ -6,20 +6,28 @@ every node" style: the same command on each node with ``--nnodes N --node-rank R
 --master-addr HOST --master-port P``; global rank = node_rank * nproc + local_rank.
 Each process gets an equal share of this machine's usable CPUs (the SLURM allocation
 when engine-run runs in a batch script, else the affinity mask): the world's ``cpus``.
+
+``--max-restarts N`` (one machine): when a worker fails, the others are stopped and all
+start again, up to N times, as ``torchrun --max-restarts`` does: each attempt's worlds
+carry ``restart_count`` and a fresh master port, and the workers resume from the run's
+newest snapshot (its folder and lock stay: this process holds the lock throughout).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import uuid
 from typing import Callable
+
+import attrs
 
 import engine
 from engine.errors import LaunchError
 from engine.launch_env import check_port_free, free_port, is_local_address
 from engine.launcher import Launcher
-from engine.processes import spawn_workers
+from engine.processes import SpawnedWorkerFailed, spawn_workers
 from engine.world import World, machine_share, tcp_endpoint
 
 
@@ -36,6 +44,7 @@ class SpawnLauncher(Launcher):
     name = "spawn"
     priority = 1000  # the fallback: nothing else claimed the process
     spawns = True
+    restarts_with = ""  # --max-restarts N: launch() restarts the workers itself
     reads = ("CUDA_VISIBLE_DEVICES", "ENGINE_RUN_ID", "SLURM_CPUS_PER_TASK")
 
     @classmethod
@@ -58,6 +67,12 @@ class SpawnLauncher(Launcher):
                 f"--node-rank {opts.node_rank} must lie in 0..{opts.nnodes - 1} "
                 f"for --nnodes {opts.nnodes}"
             )
+        if opts.nnodes > 1 and opts.max_restarts:
+            raise LaunchError(
+                f"--max-restarts {opts.max_restarts} with spawn on {opts.nnodes} nodes: each "
+                "node would restart its own workers, which cannot rejoin the other nodes' "
+                "run; use torchrun --max-restarts N with a c10d rendezvous "
+                "(docs/launchers.md#torchrun)")
         if (opts.nnodes > 1 and opts.init_method == "env://"
                 and (not opts.master_addr or not opts.master_port)):
             raise LaunchError(
@@ -113,20 +128,45 @@ class SpawnLauncher(Launcher):
         return self._picked_run_id
 
     def launch(self, worker: Callable[[World], object]) -> list:
-        worlds = self.worlds()
-        first = worlds[0]
-        if first.node_rank == 0 and not first.init_method.startswith("file://"):
-            host, port = tcp_endpoint(first)
-            # Only an address of this machine can be checked here; rank 0's store
-            # reports a port taken elsewhere when it starts.
-            if is_local_address(host):
-                option = ("--init-method tcp://HOST:PORT" if first.init_method != "env://"
-                          else "--master-port PORT (or leave it out and a free port is "
-                               "picked)")
-                check_port_free(host, port, option)
-        if len(worlds) == 1:
+        worlds, most = self.worlds(), self.options.max_restarts
+        if len(worlds) == 1 and not most:
+            _check_master_port(worlds[0])
             return [worker(worlds[0])]  # no point in a child process
-        return spawn_workers(worker, worlds)
+        restart = 0
+        while True:
+            _check_master_port(worlds[0])
+            try:
+                return spawn_workers(worker, worlds)
+            except SpawnedWorkerFailed as failed:
+                if restart == most or not failed.restartable:
+                    raise  # the error and exit code of a run without restarts
+                restart += 1
+                which = f"all {len(worlds)} workers" if len(worlds) > 1 else "the worker"
+                print(f"{failed.failure}; restarting {which} (restart {restart} of {most})",
+                      file=sys.stderr, flush=True)
+            worlds = self._restarted(worlds, restart)
+            if hasattr(worker, "restarted"):  # a job (engine.launching.Worker): it
+                worker = worker.restarted()  # resumes, never starts afresh again
+
+    def _restarted(self, worlds: list[World], count: int) -> list[World]:
+        """The worlds of restart ``count``: torchrun's TORCHELASTIC_RESTART_COUNT, and
+        a fresh free port where this launcher picked the last one (the dead rank 0's
+        store may linger on it)."""
+        port = free_port() if self.options.master_port is None else worlds[0].master_port
+        return [attrs.evolve(w, restart_count=count, master_port=port) for w in worlds]
+
+
+def _check_master_port(first: World) -> None:
+    """A master port already taken on this machine, reported before any worker starts."""
+    if first.node_rank == 0 and not first.init_method.startswith("file://"):
+        host, port = tcp_endpoint(first)
+        # Only an address of this machine can be checked here; rank 0's store reports
+        # a port taken elsewhere when it starts.
+        if is_local_address(host):
+            option = ("--init-method tcp://HOST:PORT" if first.init_method != "env://"
+                      else "--master-port PORT (or leave it out and a free port is "
+                           "picked)")
+            check_port_free(host, port, option)
 
 
 @engine.hookimpl

@@ -30,6 +30,7 @@ class TorchrunLauncher(Launcher):
     name = "torchrun"
     priority = 20
     port_held_by_starter = True  # the agent's rendezvous store
+    restarts_with = "torchrun --max-restarts N (on several nodes with a c10d rendezvous)"
     reads = REQUIRED + ("GROUP_RANK", "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
                         "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
                         "SLURM_CPUS_PER_TASK")

@@ -426,6 +426,14 @@ def test_main_prints_a_usage_error_in_one_line(capsys, tmp_path):
                    "give the path of a recipe such as recipes/cifar_ddp.py\n")
 
 
+def test_a_negative_max_restarts_is_a_one_line_error_before_anything_starts(capsys, tmp_path):
+    recipe = str(REPO / "tests" / "recipes" / "tiny_resume.py")
+    assert main([recipe, f"out_dir={tmp_path / 'run'}", "--max-restarts", "-1"]) == 2
+    assert capsys.readouterr().err == ("engine-run: error: --max-restarts -1 must be >= 0 "
+                                       "(0: no restart)\n")
+    assert not (tmp_path / "run").exists()
+
+
 def test_only_a_bare_word_can_name_a_plugin_command(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert plugin_command([]) is None

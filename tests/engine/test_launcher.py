@@ -8,7 +8,8 @@ import pytest
 import engine.launch_env
 import engine.processes
 from engine.errors import LaunchError
-from engine.launcher import Launcher, LaunchOptions, choose_launcher, detection_order
+from engine.launcher import (Launcher, LaunchOptions, check_max_restarts, choose_launcher,
+                             detection_order)
 from engine.plugin_manager import build_plugin_manager
 from engine.world import World
 
@@ -91,6 +92,25 @@ def test_unknown_launcher_name_lists_the_registered(registry):
                                           "mean 'torchrun'"):
         choose_launcher(registry, "torchrunn", LaunchOptions(), {})
 
+
+
+@pytest.mark.parametrize("name, count, message", [
+    ("spawn", -1, "--max-restarts -1 must be >= 0 (0: no restart)"),
+    ("torchrun", 2, "--max-restarts is for the spawn launcher; under torchrun the workers are "
+                    "started by another tool, so restart them with torchrun --max-restarts N"),
+    ("slurm", 2, "--max-restarts is for the spawn launcher; under slurm the workers are "
+                 "started by another tool, so restart them with sbatch --requeue"),
+    ("legacy", 1, "--max-restarts is for the spawn launcher; under legacy the workers are "
+                  "started by another tool, so restart them with python -m "
+                  "torch.distributed.launch --max-restarts N"),
+])
+def test_max_restarts_is_a_count_for_a_launcher_that_starts_the_workers(registry, name,
+                                                                         count, message):
+    with pytest.raises(LaunchError) as err:
+        check_max_restarts(registry.get(name)(LaunchOptions(max_restarts=count), {}))
+    assert str(err.value).startswith(message)
+    check_max_restarts(registry.get(name)(LaunchOptions(), {}))  # the default: no restart
+    check_max_restarts(registry.get("spawn")(LaunchOptions(max_restarts=3), {}))
 
 
 class OldStyle(Launcher):

@@ -24,7 +24,7 @@ def worlds(n: int) -> list[World]:
 
 class Worker:
     """Worker: record the environment it was given, say ready, wait (bounded) for
-    SIGUSR1 and record it; then rank 1 fails with exit code 3."""
+    SIGUSR1 and record it; then rank 1 fails with exit code 1 (a failed run's)."""
 
     def __init__(self, folder):
         self.folder = pathlib.Path(folder)
@@ -40,7 +40,7 @@ class Worker:
         if got:
             (self.folder / f"usr1-{world.rank}").touch()
         if world.rank == 1:
-            raise SystemExit(3)
+            raise SystemExit(1)
 
 
 def test_local_workers_get_their_environment_and_signals_and_failures_are_named(tmp_path):
@@ -61,9 +61,13 @@ def test_local_workers_get_their_environment_and_signals_and_failures_are_named(
     assert [(tmp_path / f"env{r}").read_text() for r in range(2)] == ["share", "share"]
     # The parent passed the pre-emption signal on to both workers.
     assert (tmp_path / "usr1-0").exists() and (tmp_path / "usr1-1").exists()
-    assert str(err.value) == ("worker with local rank 1 (rank 1) exited with code 3; its "
+    assert str(err.value) == ("worker with local rank 1 (rank 1) exited with code 1; its "
                               "error is printed above")
-    assert err.value.exit_code == 1  # a code that is not one of engine-run's: a failure
+    assert err.value.exit_code == 1
+    # A failed run's code, but after the launcher passed a pre-emption signal on: the
+    # run is being stopped, and spawn --max-restarts must not start it again.
+    assert err.value.failure == "worker rank 1 exited with code 1"
+    assert err.value.restartable is False
 
 
 class Status:

@@ -79,6 +79,10 @@ def test_one_machine_picks_a_free_port_once():
      "spawn on several nodes needs --master-addr HOST and --master-port PORT"),
     (dict(nproc=0), "--nproc 0 must be >= 1"),
     (dict(nproc=2, init_method="file://relative"), "init method 'file://relative' is not"),
+    (dict(nproc=2, nnodes=2, master_addr="h", master_port=1, max_restarts=1),
+     "--max-restarts 1 with spawn on 2 nodes: each node would restart its own workers, "
+     "which cannot rejoin the other nodes' run; use torchrun --max-restarts N with a c10d "
+     "rendezvous"),
 ])
 def test_bad_options(options, message):
     with pytest.raises(LaunchError) as err:
@@ -127,3 +131,29 @@ def test_two_nodes_by_hand_meet_through_a_stale_file_and_match_spawn(tmp_path,
              for rank in range(2)]
     run_together(nodes)
     assert finished(out, "spawn")["weights_sha256"] == reference_digest(tmp_path_factory)
+
+
+# ------------------------------------------------------------------ --max-restarts
+
+
+def test_max_restarts_restarts_a_killed_worker_which_resumes_to_identical_weights(
+        tmp_path, tmp_path_factory):
+    """Rank 1 SIGKILLed once after step 5 (a snapshot at step 4): the launcher says so in
+    one line, starts both workers again, and they resume from step 4 in the same folder
+    (no new version of the pattern; --no-resume applies to the first start) to the weights
+    of the uninterrupted run; the command succeeds. (--max-restarts 0, the default, ends such a run with the failure:
+    tests/engine/test_snapshot.py.)"""
+    runs = tmp_path / "runs"
+    env = engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP="5", ENGINE_FAULT_RANK="1",
+                     ENGINE_FAULT_ONCE=str(tmp_path / "killed"))
+    proc = run_cli(*train_args(runs / "version_{version}"), "checkpoint.every_steps=4", "--launcher", "spawn",
+                   "--nproc", "2", *ONE_THREAD, "--max-restarts", "1", "-p",
+                   "tests.fault_plugin", "--no-resume", env=env)  # the first start only
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "killed").exists(), "rank 1 was never killed"
+    assert ("worker rank 1 was killed by SIGKILL; restarting all 2 workers (restart 1 of 1)"
+            in proc.stderr.splitlines())
+    assert "step 4" in proc.stdout and "(restart 1)" in proc.stdout, proc.stdout
+    assert [p.name for p in runs.iterdir()] == ["version_0"]
+    assert finished(runs / "version_0", "spawn")["weights_sha256"] == reference_digest(
+        tmp_path_factory)
