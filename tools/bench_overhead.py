@@ -238,10 +238,7 @@ def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: st
 
 def session_worker(rank: int, world_size: int, schedule: list, ports: list, args,
                    results_path: str, log_path: str) -> None:
-    # The engine prints its progress; keep it out of the benchmark's table.
-    log = open(f"{log_path}.rank{rank}", "a")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
+    quiet(rank, log_path)
     for (round_index, variant), port in zip(schedule, ports):
         with tempfile.TemporaryDirectory() as out_dir:
             if variant == HAND:
@@ -258,22 +255,44 @@ def session_worker(rank: int, world_size: int, schedule: list, ports: list, args
                                     "step_cpu_s": per_step[1], "digest": digest}) + "\n")
 
 
+def quiet(rank: int, log_path: str) -> None:
+    """The engine prints its progress: into ``log_path``.rank<rank>, out of the
+    benchmark's table."""
+    log = open(f"{log_path}.rank{rank}", "a")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+
+
+def interleaved(variants: list, reps: int) -> list[tuple[int, object]]:
+    """(round, variant) in the order they run: round 0, a warm-up that is not counted,
+    then ``reps`` rounds, the order rotating every round."""
+    schedule = []
+    for round_index in range(reps + 1):
+        shift = round_index % len(variants)
+        schedule += [(round_index, v) for v in variants[shift:] + variants[:shift]]
+    return schedule
+
+
 def run_session(world_size: int, modes: list[str], args, log_path: str) -> list[dict]:
+    return run_workers(session_worker, world_size, interleaved([HAND, *modes], args.reps),
+                       args, log_path)
+
+
+def run_workers(worker, world_size: int, schedule: list, args, log_path: str
+                ) -> list[dict]:
+    """Start ``world_size`` processes that run ``worker(rank, world_size, schedule,
+    ports, args, results_path, log_path)`` once; returns the records they appended to
+    results_path (a JSON line each)."""
     import torch.multiprocessing as mp
 
     from engine.launcher import free_port, start_method
 
-    variants = [HAND, *modes]
-    schedule = []
-    for round_index in range(args.reps + 1):  # round 0: warm-up, not counted
-        shift = round_index % len(variants)
-        schedule += [(round_index, v) for v in variants[shift:] + variants[:shift]]
     ports = [free_port() for _ in schedule]  # a fresh rendezvous for every run
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
         results_path = f.name
     try:
         # spawn, as engine-run's launcher; ENGINE_START_METHOD=fork forks (the smoke test)
-        mp.start_processes(session_worker, nprocs=world_size, start_method=start_method(),
+        mp.start_processes(worker, nprocs=world_size, start_method=start_method(),
                            args=(world_size, schedule, ports, args, results_path,
                                  log_path))
         lines = pathlib.Path(results_path).read_text().splitlines()
