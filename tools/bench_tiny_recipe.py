@@ -1,7 +1,11 @@
 """The near-zero-compute workload of tools/bench_overhead.py (``--workload tiny``): a
 Linear 8 -> 8 classifier on random data. A step costs microseconds of arithmetic, so
 what the engine adds per step around it (the framework's own cost) dominates the
-difference from the hand-written loop."""
+difference from the hand-written loop.
+
+With ``hidden_width=W`` (> 0) the model is an MLP 8 -> W -> W -> W -> 8 instead: at
+W = 3584 its weights take ~103 MB of float32, the large state of
+tools/bench_memory_snapshot.py's ``--workloads mlp100``."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ class Config(TrainConfig):
     lr: float = 0.01
     momentum: float = 0.9
     train_size: int = 4000
+    hidden_width: int = 0  # 0: the Linear 8 -> 8; W: an MLP with three hidden layers of W
     out_dir: str = "runs/bench_tiny"
 
 
@@ -32,7 +37,11 @@ def make_data(n: int, seed: int = 1234):
 
 
 def build_model(cfg):
-    return nn.Linear(FEATURES, CLASSES)
+    w = cfg.hidden_width
+    if not w:
+        return nn.Linear(FEATURES, CLASSES)
+    return nn.Sequential(nn.Linear(FEATURES, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
+                         nn.Linear(w, w), nn.ReLU(), nn.Linear(w, CLASSES))
 
 
 def build_datasets(cfg, ctx):
