@@ -1,0 +1,52 @@
+"""tools/bench_memory_snapshot.py, smoke-sized: memory snapshots every step and every 5
+steps against off, on the tiny workload in 2 gloo processes. The numbers themselves are
+the benchmark's business; the count of snapshots, their bytes against the model's and
+optimizer's, and the identical weights are checked."""
+
+from __future__ import annotations
+
+import json
+
+from engine.testing import run_python
+from tests.conftest import REPO, engine_env
+
+TOOL = str(REPO / "tools" / "bench_memory_snapshot.py")
+
+
+def test_bench_memory_snapshot_reports_cost_bytes_and_identical_weights(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_python(
+        [TOOL, "--workloads", "tiny", "--procs", "2", "--steps", "10", "--reps", "1",
+         "--sweep", "tiny:2:5", "--json", str(out)],
+        # Forked rather than spawned, to save the processes' start (as bench_overhead's
+        # smoke test); the weights must not tell.
+        cwd=REPO, env=engine_env(ENGINE_START_METHOD="fork"), timeout=600)
+    # Exit 0: the runs with memory snapshots ended with the weights of the runs without.
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["workload"], r["processes"], r["every"], r["steps"], r["snapshots"])
+            for r in rows] == [("tiny", 2, 1, 10, 10), ("tiny", 2, 5, 10, 2)]
+    for row in rows:
+        assert row["bit_identical"], row
+        # The payload holds the model and its momentum (and more: RNG states, progress);
+        # both buffers are mapped, each with room for it.
+        assert row["payload_bytes"] >= row["tensor_bytes"] == 2 * 4 * (8 * 8 + 8)
+        assert row["held_bytes"] >= 2 * row["payload_bytes"]
+        assert row["snapshot_ms"] > 0 and row["bandwidth_gb_s"] > 0
+        assert row["step_off_ms"] > 0 and row["reps"] == 1
+        line = next(li for li in proc.stdout.splitlines()
+                    if li.startswith(f"tiny         2 {row['every']:>4}"))
+        assert line.endswith("bit-identical")
+        assert f"{row['payload_bytes'] / 1e6:8.3f}" in line
+    # Off is off: its runs took no memory snapshot and had no buffer.
+    off = [r for r in result["runs"] if r["every"] == 0]
+    assert len(off) == 2 and all(r["snapshots"] == 0 == r["payload_bytes"] for r in off)
+
+
+def test_bench_memory_snapshot_rejects_an_unknown_workload_in_one_line():
+    proc = run_python([TOOL, "--workloads", "cifar,resnet"], cwd=REPO, env=engine_env(),
+                      timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "error: unknown workload(s) resnet; choose from cifar, tiny, mlp100")
