@@ -35,6 +35,7 @@ that has it over the process group; else the disk snapshot.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -83,6 +84,15 @@ def _align(n: int) -> int:
 _PLAIN = {int, float, bool, str, type(None)}
 
 
+@functools.cache
+def _numpy_dtypes() -> frozenset:
+    import torch
+
+    return frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
+                      torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+                      torch.complex128})
+
+
 def encode_plan(state: dict) -> tuple[bytes, list, int]:
     """The pickled skeleton of ``state`` (each tensor replaced by its marker), the
     tensors with their offsets in the data region, and the data region's size."""
@@ -94,17 +104,17 @@ def encode_plan(state: dict) -> tuple[bytes, list, int]:
     def walk(value):
         nonlocal size
         if isinstance(value, torch.Tensor):
-            tensor = value.detach()
-            entry = (MARKER, size, str(tensor.dtype).removeprefix("torch."),
-                     tuple(tensor.shape))
+            tensor = value.detach() if value.requires_grad else value
+            entry = (MARKER, size, str(tensor.dtype)[6:], tuple(tensor.shape))  # "torch."
             tensors.append((size, tensor))
             size = _align(size + tensor.numel() * tensor.element_size())
             return entry
         if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
+            # Plain values (most of a config) are kept without a call each.
+            return {k: v if type(v) in _PLAIN else walk(v) for k, v in value.items()}
         if type(value) in (list, tuple):
             if set(map(type, value)) <= _PLAIN:
-                return value  # Python's RNG state: 625 ints, walked at C speed
+                return value  # Python's RNG state: 625 ints, looked at in C
             return type(value)(walk(v) for v in value)
         return value
 
@@ -118,39 +128,35 @@ def payload_size(skeleton: bytes, data_size: int) -> int:
 
 def write_payload(buf, skeleton: bytes, tensors: list) -> int:
     """Write the payload into ``buf`` (a uint8 tensor at least :func:`payload_size`
-    long); returns its length."""
-    import torch
+    long, on the CPU); returns its length."""
+    import numpy as np
 
+    array = buf.numpy()
     start = _align(8 + len(skeleton))
-    buf[:8].copy_(torch.frombuffer(bytearray(struct.pack("<Q", len(skeleton))),
-                                   dtype=torch.uint8))
-    if skeleton:
-        buf[8:8 + len(skeleton)].copy_(torch.frombuffer(bytearray(skeleton),
-                                                        dtype=torch.uint8))
+    array[:8] = np.frombuffer(struct.pack("<Q", len(skeleton)), dtype=np.uint8)
+    array[8:8 + len(skeleton)] = np.frombuffer(skeleton, dtype=np.uint8)
     end = start
     for offset, tensor in tensors:
         n = tensor.numel() * tensor.element_size()
         if n:
-            copy_bytes(buf[start + offset:start + offset + n], tensor)
+            copy_bytes(buf, array, start + offset, n, tensor)
         end = start + offset + n
     return end
 
 
-def copy_bytes(target, tensor) -> None:
-    """``tensor``'s bytes into the uint8 tensor ``target``. From the CPU by numpy's
+def copy_bytes(buf, array, at: int, n: int, tensor) -> None:
+    """``tensor``'s ``n`` bytes into the buffer at ``at``. From the CPU by numpy's
     memcpy: torch's copy_ hands a few hundred kB to its thread pool, whose wake-up cost
     milliseconds per copy on a busy machine (measured: 1.8 ms against 22 us for 62,000
     floats); from a GPU, copy_ (a device-to-host copy)."""
-    import numpy as np
     import torch
 
-    source = tensor.reshape(-1)
-    if source.dtype is not torch.uint8:
-        source = source.view(torch.uint8)
-    if source.device.type == "cpu":
-        np.copyto(target.numpy(), source.numpy())
-    else:
-        target.copy_(source)
+    if tensor.device.type != "cpu":
+        buf[at:at + n].copy_(tensor.reshape(-1).view(torch.uint8))
+    elif tensor.dtype in _numpy_dtypes():
+        array[at:at + n] = tensor.numpy().reshape(-1).view("u1")
+    else:  # bfloat16 and others numpy lacks: their bytes
+        array[at:at + n] = tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 class _SkeletonUnpickler(pickle.Unpickler):
@@ -222,18 +228,19 @@ class Slot:
 
 class Buffer:
     """One shared-memory file: its header and payload, as a uint8 tensor mapped onto it
-    (torch.from_file, MAP_SHARED)."""
+    (torch.from_file, MAP_SHARED), and the same bytes as a numpy array."""
 
     def __init__(self, path: pathlib.Path):
         self.path = path
         self.tensor = None
+        self.array = None
         self.capacity = 0
 
     def map(self, payload_bytes: int, info: dict) -> None:
         """Map the file with room for ``payload_bytes`` (grown when short; the pages
         reserved with posix_fallocate, so that a full /dev/shm is an error here and not
-        a SIGBUS during a copy). A new file gets its magic and ``info`` at once, so that
-        :func:`remove_leftovers` knows whose it is before its first snapshot."""
+        a SIGBUS during a copy). The header gets the magic and ``info`` at once, so that
+        :func:`remove_leftovers` knows whose the file is before its first snapshot."""
         import torch
 
         size = HEADER_BYTES + payload_bytes
@@ -245,40 +252,32 @@ class Buffer:
             os.close(fd)
         self.tensor = torch.from_file(str(self.path), shared=True, size=size,
                                       dtype=torch.uint8)
+        self.array = self.tensor.numpy()
         self.capacity = payload_bytes
-        if self.header()[:8] != MAGIC:
-            self.write_info(info)
-            self.tensor.numpy()[:8] = bytearray(MAGIC)
-
-    def write_info(self, info: dict) -> None:
         text = json.dumps(info).encode()[:HEADER_BYTES - _JSON_AT - 4]
-        self.tensor.numpy()[_JSON_AT:_JSON_AT + 4 + len(text)] = bytearray(
+        self.array[_JSON_AT:_JSON_AT + 4 + len(text)] = bytearray(
             struct.pack("<I", len(text)) + text)
-
-    def header(self) -> bytes:
-        return self.tensor[:_HEADER.size].numpy().tobytes()
+        self.array[:8] = bytearray(MAGIC)
 
     def write_header(self, sequence: int, step: int, epoch: int, length: int,
-                     digest: bytes, info: dict) -> None:
-        array = self.tensor.numpy()
-        self.write_info(info)
-        reached = struct.unpack_from("<Q", self.header(), _REACHED_AT)[0]
+                     digest: bytes) -> None:
+        array = self.array
+        reached = struct.unpack_from("<Q", array[:_HEADER.size].tobytes(), _REACHED_AT)[0]
         fields = _HEADER.pack(MAGIC, 0, step, epoch, length, digest, reached)
         array[16:_HEADER.size] = bytearray(fields[16:])  # everything but the sequence...
         array[8:16] = bytearray(struct.pack("<Q", sequence))  # ...which commits it
-        array[:8] = bytearray(MAGIC)
 
     def invalidate(self) -> None:
-        self.tensor.numpy()[8:16] = 0
+        self.array[8:16] = 0
 
     def note_reached(self, step: int) -> None:
-        self.tensor.numpy()[_REACHED_AT:_REACHED_AT + 8] = bytearray(struct.pack("<Q", step))
+        self.array[_REACHED_AT:_REACHED_AT + 8] = bytearray(struct.pack("<Q", step))
 
     def payload(self, length: int):
         return self.tensor[HEADER_BYTES:HEADER_BYTES + length]
 
     def close(self) -> None:
-        self.tensor = None
+        self.tensor = self.array = None
 
 
 def read_slot(path: pathlib.Path, verify: bool = True) -> Slot | None:
@@ -364,12 +363,14 @@ class MemorySnapshots:
         self.run_dir = pathlib.Path(run_dir)
         self.world = world
         self.every_steps = every_steps
+        self.shm = shm
         self.paths = buffer_paths(run_dir, world.rank, shm)
         self.buffers = [Buffer(p) for p in self.paths]
         self.sequence = 0  # the newest valid buffer's; the next save writes above it
         self.newest_index: int | None = None
         self.saves = 0
         self.reached_before = 0  # how far the interrupted run had got (agree() says)
+        self.config: dict | None = None  # the run's config as a dict (snapshot.py)
         self.info = {"run_dir": str(os.path.realpath(self.run_dir)),
                      "host": socket.gethostname(), "rank": world.rank,
                      "world_size": world.world_size}
@@ -408,11 +409,20 @@ class MemorySnapshots:
             self.buffers[0].map(buffer.capacity, self.info)
         buffer.invalidate()
         length = write_payload(buffer.payload(buffer.capacity), skeleton, tensors)
-        digest = checksum(buffer.tensor.numpy()[HEADER_BYTES:HEADER_BYTES + length])
+        digest = checksum(buffer.array[HEADER_BYTES:HEADER_BYTES + length])
         self.sequence += 1
-        buffer.write_header(self.sequence, step, epoch, length, digest, self.info)
+        buffer.write_header(self.sequence, step, epoch, length, digest)
         self.newest_index = index
         self.saves += 1
+
+    def room_for(self, state: dict) -> tuple[int, int]:
+        """The bytes two buffers of ``state`` take, and the bytes free in /dev/shm (plus
+        what this rank's buffers already take there)."""
+        skeleton, _, data_size = encode_plan(state)
+        stat = os.statvfs(self.shm)
+        held = sum(p.stat().st_size for p in self.paths if p.exists())
+        return 2 * (HEADER_BYTES + payload_size(skeleton, data_size)), (
+            stat.f_bavail * stat.f_frsize + held)
 
     def bytes_held(self) -> int:
         return sum(HEADER_BYTES + b.capacity for b in self.buffers if b.tensor is not None)

@@ -43,8 +43,66 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
         "precision": cfg.precision,
         "precision_note": precision_note(cfg.precision, devices),
         "checkpointer": cfg.checkpointer,
+        "memory_snapshots": memory_plan(recipe, cfg),
         "out_dir": cfg.out_dir,
     }
+
+
+def memory_plan(recipe, cfg) -> str | None:
+    """What ``checkpoint.memory_every_steps`` holds in /dev/shm, per rank: two buffers
+    of a snapshot each. The model is built on the meta device (no memory, no weights
+    loaded) for its size; the optimizer's state is estimated from its kind."""
+    every = cfg.checkpoint.memory_every_steps
+    if not every:
+        return None
+    from engine import memory_snapshot
+
+    where = f"every {every} step(s), 2 buffers per rank in {memory_snapshot.SHM}"
+    try:
+        model_bytes, optimizer_bytes = _state_bytes(recipe, cfg)
+    except Exception:  # a recipe that cannot build on the meta device: said at run time
+        return f"{where}, each the size of a snapshot (printed at the first one)"
+    total = model_bytes + optimizer_bytes
+    return (f"{where}: 2 x {total / 2**20:.1f} MB (model {model_bytes / 2**20:.1f} MB + "
+            f"optimizer state {optimizer_bytes / 2**20:.1f} MB{_free_shm()})")
+
+
+def _state_bytes(recipe, cfg) -> tuple[int, int]:
+    """The model's state and (an estimate of) its optimizer's, in bytes."""
+    import torch
+
+    with torch.device("meta"):
+        model = recipe.module.build_model(cfg)
+        optimizer = recipe.module.build_optimizer(cfg, model)
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return model_bytes, param_bytes * _state_per_parameter(optimizer)
+
+
+def _state_per_parameter(optimizer) -> int:
+    """How many tensors of a parameter's size the optimizer keeps per parameter: Adam's
+    kind two (its moments), SGD with momentum and RMSprop one, plain SGD none."""
+    group = optimizer.param_groups[0]
+    name = type(optimizer).__name__
+    if name in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adadelta"):
+        return 2
+    if name == "SGD":
+        return 1 if group.get("momentum") else 0
+    if name == "RMSprop":
+        return 1 + bool(group.get("momentum")) + bool(group.get("centered"))
+    return 1
+
+
+def _free_shm() -> str:
+    import os
+
+    from engine import memory_snapshot
+
+    try:
+        stat = os.statvfs(memory_snapshot.SHM)
+    except OSError:
+        return ""
+    return f"; {stat.f_bavail * stat.f_frsize / 2**20:.0f} MB free there"
 
 
 def precision_note(precision: str, devices: list[str]) -> str | None:
@@ -96,6 +154,8 @@ def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True,
         ("precision", plan["precision"] + (f"; warning: {plan['precision_note']}"
                                            if plan.get("precision_note") else "")),
         ("checkpointer", plan["checkpointer"]),
+        *([("memory snapshots", plan["memory_snapshots"])] if plan.get("memory_snapshots")
+          else []),
         ("output dir", plan["out_dir"]),
     ]
     width = max(len(k) for k, _ in rows)

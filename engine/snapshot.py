@@ -41,13 +41,15 @@ MAY_CHANGE = frozenset({
 })
 
 
-def capture(eng) -> dict:
+def capture(eng, config: dict | None = None) -> dict:
     """The snapshot dict: a header, then every registered part's state
-    (engine/stateful.py). Collective: every rank walks the parts (some gather)."""
+    (engine/stateful.py). Collective: every rank walks the parts (some gather).
+    ``config``: the config as a dict, when the caller keeps it (it does not change
+    while training)."""
     state = eng.state
     return {
         "engine_version": engine.__version__,
-        "config": config_mod.to_dict(eng.cfg),
+        "config": config if config is not None else config_mod.to_dict(eng.cfg),
         "world_size": eng.world.world_size,
         # Where training stands, for tools that read a snapshot without the engine
         # (tools/ckpt.py inspect); a resume reads the parts, never these.
@@ -94,8 +96,36 @@ def save(eng) -> pathlib.Path | None:
 def save_to_memory(eng) -> None:
     """Copy a snapshot into this rank's shared-memory buffer (engine/memory_snapshot.py).
     Every rank saves its own; collective (capture)."""
+    memory = eng.memory
     with phases.carve(phases.MEMORY_SNAPSHOTS, within="training", label="memory snapshot"):
-        eng.memory.save(capture(eng), step=eng.state.step, epoch=eng.state.epoch)
+        if memory.config is None:  # the same at every step: converted once
+            memory.config = config_mod.to_dict(eng.cfg)
+        state = capture(eng, memory.config)
+        if not memory.saves and not _every_rank_has_room(eng, memory, state):
+            return
+        memory.save(state, step=eng.state.step, epoch=eng.state.epoch)
+
+
+def _every_rank_has_room(eng, memory, state: dict) -> bool:
+    """Before the first memory snapshot: whether /dev/shm has room for two on every
+    rank. If not on one, all turn them off together (a rank alone would leave the
+    others' next snapshot, a collective, waiting), with one warning."""
+    import torch
+
+    needed, free = memory.room_for(state)
+    short = distributed.all_reduce_sum(torch.tensor([float(needed > free)])).item()
+    if short:
+        eng.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: they need 2 x "
+                 f"{needed / 2 / 2**20:.1f} MB per rank in {memory.shm}, and "
+                 f"{'this' if needed > free else 'another'} machine has {free / 2**20:.0f} "
+                 "MB free there; make it larger (docker: --shm-size) or set "
+                 "checkpoint.memory_every_steps=0")
+        memory.remove()
+        eng.memory = None
+        return False
+    eng.print(f"in-memory snapshots: every {memory.every_steps} step(s), 2 x "
+              f"{needed / 2 / 2**20:.1f} MB per rank in {memory.shm}")
+    return True
 
 
 def resume(eng) -> None:

@@ -640,6 +640,7 @@ class Trainer:
         run resumed from here would never log it."""
         self.finish_pending()
         snapshot.save_to_memory(self.engine)
+        self.memory = self.engine.memory  # None when /dev/shm had no room for them
 
     def before_optimizer_step(self, step: int) -> None:
         """Between the last backward of a group and the optimizer step, on the true
