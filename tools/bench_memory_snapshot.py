@@ -11,7 +11,7 @@ with gloo for 2:
 
 - ``cifar``: recipes/cifar_ddp.py's network, synthetic data, global batch 64, 200 steps
   (so that N = 100 takes two snapshots), 1 and 2 processes;
-- ``tiny``: tools/bench_tiny_recipe.py, a Linear 8 -> 8 at global batch 2, 2000 steps
+- ``tiny``: tools/bench_tiny_recipe.py, a Linear 8 -> 8 at global batch 2, 500 steps
   of microseconds: the snapshot's fixed cost (capture, skeleton, checksum, header)
   against the smallest step, 1 and 2 processes;
 - ``mlp100``: tools/bench_tiny_recipe.py with ``hidden_width=3584``, an MLP 8 -> 3584 ->
@@ -32,14 +32,20 @@ snapshot are outside. Printed per workload, process count and N:
 
 - step off / on: the loop's seconds / steps (medians over the rounds);
 - cost: (on - off) / steps, paired by round: median [quartiles] in ms and in % of the
-  step time off; the same of the loop's process CPU time (steadier on a shared machine);
+  step time off; the same of the loop's process CPU time (steadier on a shared machine).
+  Whole loops, not bench_overhead's median windows: with N > 1 most windows hold no
+  snapshot and their median would hide it;
 - one snapshot: the engine's own clock of its memory snapshots (engine.phases'
-  "memory snapshots while training": capture, copy, checksum, header) / their count,
-  and their share of the step: that time x snapshots / steps / step off (exact even
-  where N is large and the loop's noise hides the cost);
+  "memory snapshots while training": capture, copy, checksum, header; the first one
+  also maps the buffers and checks /dev/shm's room) / their count, and their share of
+  the step: that time x snapshots / steps / step off (exact even where N is large and
+  the loop's noise hides the cost);
 - bytes: the payload of the newest buffer (engine.memory_snapshot's header, read at the
-  epoch's end, before the run removes its buffers), next to the model's and optimizer's
-  tensor bytes; bandwidth: payload bytes / time of one snapshot;
+  epoch's end, before the run removes its buffers; the model's and optimizer's tensor
+  bytes are in --json); bandwidth: payload bytes / time of one snapshot;
+- where one snapshot's time goes, measured by the probe after the loop (median of 3):
+  capture (the snapshot dict; with 2 processes a collective) and copy (skeleton,
+  tensors into the buffer, checksum, header), and payload bytes / copy time;
 - weights: bit-identical to the run with snapshots off (a snapshot only reads), every
   round. Exit status 1 where they are not.
 """
@@ -67,7 +73,7 @@ WORKLOADS = {**overhead.WORKLOADS, "mlp100": (
     overhead.TINY_RECIPE, lambda size: [f"train_size={size}", f"hidden_width={MLP_WIDTH}"],
     lambda module, size: module.make_data(size), 320, 8)}
 #: workload: (default steps per run, default process counts)
-DEFAULTS = {"cifar": (200, (1, 2)), "tiny": (2000, (1, 2)), "mlp100": (20, (1,))}
+DEFAULTS = {"cifar": (200, (1, 2)), "tiny": (500, (1, 2)), "mlp100": (20, (1,))}
 MODES = {1: "single", 2: "ddp"}
 OFF = 0
 PROBE = "bench_memory_snapshot"  # this module, as the engine's -p plugin
@@ -82,9 +88,10 @@ PROBE_FILE = "BENCH_MEMORY_SNAPSHOT_PROBE"  # where the probe writes, set by the
 @engine.hookimpl
 def engine_epoch_end(engine, epoch, metrics):
     """At the epoch's end (after the timed loop, before the run removes its buffers):
-    the newest buffer's payload bytes, the bytes both buffers hold, and the tensor
-    bytes of the model and optimizer, into the file that the session's worker named
-    (the run folder is rank 0's on every rank)."""
+    the newest buffer's payload bytes, the bytes both buffers hold, the tensor bytes of
+    the model and optimizer, and where one snapshot's time goes (:func:`split_times`),
+    into the file that the session's worker named (the run folder is rank 0's on
+    every rank)."""
     import torch
 
     from engine import memory_snapshot
@@ -96,8 +103,30 @@ def engine_epoch_end(engine, epoch, metrics):
     probe = {"payload_bytes": slot.length if slot else 0,
              "held_bytes": memory.bytes_held() if memory is not None else 0,
              "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors
-                                 if isinstance(t, torch.Tensor))}
+                                 if isinstance(t, torch.Tensor)),
+             **(split_times(engine) if slot else {})}
     pathlib.Path(os.environ[PROBE_FILE]).write_text(json.dumps(probe))
+
+
+def split_times(eng, times: int = 3) -> dict:
+    """The two halves of a memory snapshot, each the median of ``times`` after the
+    loop: capture (the snapshot dict; collective: the ranks' RNG states are gathered)
+    and the copy (engine.memory_snapshot's save: skeleton, tensors into the buffer,
+    checksum, header). These extra saves come after the last step: the weights and
+    the timed loop are untouched."""
+    import time
+
+    from engine import snapshot
+
+    capture_s, copy_s = [], []
+    for _ in range(times):
+        start = time.perf_counter()
+        state = snapshot.capture(eng, eng.memory.config)
+        middle = time.perf_counter()
+        eng.memory.save(state, step=eng.state.step, epoch=eng.state.epoch)
+        capture_s.append(middle - start)
+        copy_s.append(time.perf_counter() - middle)
+    return {"capture_s": statistics.median(capture_s), "copy_s": statistics.median(copy_s)}
 
 
 # ------------------------------------------------------------------------ sessions
@@ -162,6 +191,7 @@ def summarize(workload: str, world_size: int, results: list[dict]) -> list[dict]
         share = [100 * per_step(r, "snapshot_s") / per_step(off[r["round"]]) for r in runs]
         snapshot_s = statistics.median(one) if one else 0.0
         payload = runs[-1]["payload_bytes"]
+        copy_s = statistics.median(r["copy_s"] for r in runs)
         digests = {r["digest"] for r in results if r["every"] == every}
         rows.append({
             "workload": workload, "processes": world_size, "every": every,
@@ -174,6 +204,9 @@ def summarize(workload: str, world_size: int, results: list[dict]) -> list[dict]
             "payload_bytes": payload, "held_bytes": runs[-1]["held_bytes"],
             "tensor_bytes": runs[-1]["tensor_bytes"],
             "bandwidth_gb_s": payload / snapshot_s / 1e9 if snapshot_s else 0.0,
+            "capture_ms": 1e3 * statistics.median(r["capture_s"] for r in runs),
+            "copy_ms": 1e3 * copy_s,
+            "copy_gb_s": payload / copy_s / 1e9,
             "bit_identical": len(off_digests) == 1 and digests == off_digests,
         })
     return rows
@@ -188,10 +221,13 @@ def report(rows: list[dict], args, log_path: str) -> None:
           "paired by round, median [quartiles], ms and % of the step off; cpu: the same "
           "% of process CPU time; snap: one memory snapshot (the engine's clock) and "
           "snapshots x its time / steps in % of the step off; MB: payload; GB/s: payload "
-          "/ one snapshot's time")
+          "/ one snapshot's time; after the loop, one snapshot split into capture (the "
+          "snapshot dict, collective) and copy (into the buffer, checksum, header), "
+          "medians of 3, and payload / copy time")
     print(f"{'workload':<8} {'procs':>5} {'N':>4} {'steps':>5} {'snaps':>5} "
           f"{'step off':>9} {'step on':>9}  {'cost ms':<25} {'cost %':<22} "
-          f"{'cpu %':>6}  {'snap ms':>8} {'snap %':>7} {'MB':>8} {'GB/s':>6}  weights")
+          f"{'cpu %':>6}  {'snap ms':>8} {'snap %':>7} {'MB':>8} {'GB/s':>6}  "
+          f"{'capture':>8} {'copy ms':>8} {'GB/s':>6}  weights")
     for r in rows:
         c, p = r["cost_ms"], r["cost_pct"]
         same = "bit-identical" if r["bit_identical"] else "DIFFERENT"
@@ -201,7 +237,8 @@ def report(rows: list[dict], args, log_path: str) -> None:
               f"{p['median']:6.2f} [{p['q1']:6.2f} {p['q3']:6.2f}]  "
               f"{r['cpu_cost_pct']['median']:6.2f}  {r['snapshot_ms']:8.3f} "
               f"{r['snapshot_share_pct']['median']:7.2f} {r['payload_bytes'] / 1e6:8.3f} "
-              f"{r['bandwidth_gb_s']:6.2f}  {same}")
+              f"{r['bandwidth_gb_s']:6.2f}  {r['capture_ms']:8.3f} {r['copy_ms']:8.3f} "
+              f"{r['copy_gb_s']:6.2f}  {same}")
 
 
 # ------------------------------------------------------------------------- main
@@ -233,7 +270,7 @@ def parse_args(argv=None):
                    help="more values of N on one session (default cifar:2:10,100; '': none)")
     p.add_argument("--steps", type=int,
                    help="training steps per run, every workload (default: cifar 200, "
-                        "tiny 2000, mlp100 20)")
+                        "tiny 500, mlp100 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int,
                    help="torch threads per process (default: the engine's choice)")

@@ -34,6 +34,7 @@ def test_bench_memory_snapshot_reports_cost_bytes_and_identical_weights(tmp_path
         assert row["payload_bytes"] >= row["tensor_bytes"] == 2 * 4 * (8 * 8 + 8)
         assert row["held_bytes"] >= 2 * row["payload_bytes"]
         assert row["snapshot_ms"] > 0 and row["bandwidth_gb_s"] > 0
+        assert row["capture_ms"] > 0 and row["copy_ms"] > 0 and row["copy_gb_s"] > 0
         assert row["step_off_ms"] > 0 and row["reps"] == 1
         line = next(li for li in proc.stdout.splitlines()
                     if li.startswith(f"tiny         2 {row['every']:>4}"))
