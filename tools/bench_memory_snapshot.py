@@ -35,17 +35,19 @@ snapshot are outside. Printed per workload, process count and N:
   step time off; the same of the loop's process CPU time (steadier on a shared machine).
   Whole loops, not bench_overhead's median windows: with N > 1 most windows hold no
   snapshot and their median would hide it;
-- one snapshot: the engine's own clock of its memory snapshots (engine.phases'
-  "memory snapshots while training": capture, copy, checksum, header; the first one
-  also maps the buffers and checks /dev/shm's room) / their count, and their share of
-  the step: that time x snapshots / steps / step off (exact even where N is large and
-  the loop's noise hides the cost);
+- snap %: the engine's own clock of its memory snapshots (engine.phases' "memory
+  snapshots while training": capture, copy, checksum, header) / steps, in % of the step
+  off (exact even where N is large and the loop's noise hides the cost);
+- one snapshot, by the same clock read at every step's end (a probe plugin: this
+  module): the run's first (it also maps the buffers and checks /dev/shm's room) and
+  the median of the others;
 - bytes: the payload of the newest buffer (engine.memory_snapshot's header, read at the
   epoch's end, before the run removes its buffers; the model's and optimizer's tensor
   bytes are in --json); bandwidth: payload bytes / time of one snapshot;
 - where one snapshot's time goes, measured by the probe after the loop (median of 3):
-  capture (the snapshot dict; with 2 processes a collective) and copy (skeleton,
-  tensors into the buffer, checksum, header), and payload bytes / copy time;
+  capture (the snapshot dict; with 2 processes a collective) and its slowest parts
+  (engine/stateful.py's), copy (skeleton, tensors into the buffer, checksum, header),
+  and payload bytes / copy time;
 - weights: bit-identical to the run with snapshots off (a snapshot only reads), every
   round. Exit status 1 where they are not.
 """
@@ -85,22 +87,47 @@ PROBE_FILE = "BENCH_MEMORY_SNAPSHOT_PROBE"  # where the probe writes, set by the
 # functions are hook implementations, so no other function here may start with engine_.
 
 
+#: The engine's clock of its memory snapshots (wall seconds, count) at each step's end
+#: where it moved: one snapshot's time each, the first (which maps the buffers) apart.
+_marks: list[tuple[float, int]] = []
+
+
+@engine.hookimpl
+def engine_run_start(engine):
+    from engine import phases
+
+    _marks[:] = [phases.carved(phases.MEMORY_SNAPSHOTS)[::2]]  # one per run
+
+
+@engine.hookimpl
+def engine_train_step_end(engine, step, loss):
+    # Fires before the step's own snapshot: it sees the previous step's. Both variants
+    # pay for this call alike.
+    from engine import phases
+
+    wall, _, count = phases.carved(phases.MEMORY_SNAPSHOTS)
+    if count != _marks[-1][1]:
+        _marks.append((wall, count))
+
+
 @engine.hookimpl
 def engine_epoch_end(engine, epoch, metrics):
     """At the epoch's end (after the timed loop, before the run removes its buffers):
-    the newest buffer's payload bytes, the bytes both buffers hold, the tensor bytes of
-    the model and optimizer, and where one snapshot's time goes (:func:`split_times`),
-    into the file that the session's worker named (the run folder is rank 0's on
-    every rank)."""
+    each snapshot's time in the loop, the newest buffer's payload bytes, the bytes both
+    buffers hold, the tensor bytes of the model and optimizer, and where one snapshot's
+    time goes (:func:`split_times`), into the file that the session's worker named (the
+    run folder is rank 0's on every rank)."""
     import torch
 
     from engine import memory_snapshot
 
+    engine_train_step_end(engine, None, None)  # the last step's snapshot
     memory = engine.memory
     slot = memory_snapshot.newest(memory.paths) if memory is not None else None
     tensors = [*engine.module.state_dict().values(),
                *(v for s in engine.optimizer.state.values() for v in s.values())]
-    probe = {"payload_bytes": slot.length if slot else 0,
+    probe = {"snapshot_times": [b[0] - a[0] for a, b in zip(_marks, _marks[1:])],
+             "payload_bytes": slot.length if slot else 0,
              "held_bytes": memory.bytes_held() if memory is not None else 0,
              "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors
                                  if isinstance(t, torch.Tensor)),
@@ -109,24 +136,32 @@ def engine_epoch_end(engine, epoch, metrics):
 
 
 def split_times(eng, times: int = 3) -> dict:
-    """The two halves of a memory snapshot, each the median of ``times`` after the
-    loop: capture (the snapshot dict; collective: the ranks' RNG states are gathered)
-    and the copy (engine.memory_snapshot's save: skeleton, tensors into the buffer,
-    checksum, header). These extra saves come after the last step: the weights and
-    the timed loop are untouched."""
+    """Where a memory snapshot's time goes, each the median of ``times`` after the
+    loop: capture (the snapshot dict; collective: the ranks' RNG states are gathered),
+    each snapshot part's share of it, and the copy (engine.memory_snapshot's save:
+    skeleton, tensors into the buffer, checksum, header). These extra snapshots come
+    after the last step: the weights and the timed loop are untouched."""
     import time
 
     from engine import snapshot
 
-    capture_s, copy_s = [], []
+    parts = eng.snapshot_parts
+    spent: dict[str, list[float]] = {"capture": [], "copy": [],
+                                     **{name: [] for name in parts.names()}}
     for _ in range(times):
+        for name in parts.names():  # in the capture's order: collectives match
+            start = time.perf_counter()
+            parts[name].state_dict()
+            spent[name].append(time.perf_counter() - start)
         start = time.perf_counter()
         state = snapshot.capture(eng, eng.memory.config)
         middle = time.perf_counter()
         eng.memory.save(state, step=eng.state.step, epoch=eng.state.epoch)
-        capture_s.append(middle - start)
-        copy_s.append(time.perf_counter() - middle)
-    return {"capture_s": statistics.median(capture_s), "copy_s": statistics.median(copy_s)}
+        spent["capture"].append(middle - start)
+        spent["copy"].append(time.perf_counter() - middle)
+    medians = {name: statistics.median(values) for name, values in spent.items()}
+    return {"capture_s": medians.pop("capture"), "copy_s": medians.pop("copy"),
+            "parts_s": medians}
 
 
 # ------------------------------------------------------------------------ sessions
@@ -187,9 +222,12 @@ def summarize(workload: str, world_size: int, results: list[dict]) -> list[dict]
         cost_pct = [100 * c / per_step(off[r["round"]]) for c, r in zip(cost, runs)]
         cpu_pct = [100 * (per_step(r, "cpu_seconds") / per_step(off[r["round"]], "cpu_seconds")
                           - 1) for r in runs]
-        one = [r["snapshot_s"] / r["snapshots"] for r in runs if r["snapshots"]]
-        share = [100 * per_step(r, "snapshot_s") / per_step(off[r["round"]]) for r in runs]
+        # One snapshot: the median of a run's snapshots after its first (which maps
+        # the buffers and checks /dev/shm's room), the median of that over the runs.
+        one = [statistics.median(r["snapshot_times"][1:] or r["snapshot_times"])
+               for r in runs if r["snapshot_times"]]
         snapshot_s = statistics.median(one) if one else 0.0
+        share = [100 * per_step(r, "snapshot_s") / per_step(off[r["round"]]) for r in runs]
         payload = runs[-1]["payload_bytes"]
         copy_s = statistics.median(r["copy_s"] for r in runs)
         digests = {r["digest"] for r in results if r["every"] == every}
@@ -201,12 +239,16 @@ def summarize(workload: str, world_size: int, results: list[dict]) -> list[dict]
             "cost_ms": overhead.spread([1e3 * c for c in cost]),
             "cost_pct": overhead.spread(cost_pct), "cpu_cost_pct": overhead.spread(cpu_pct),
             "snapshot_ms": 1e3 * snapshot_s, "snapshot_share_pct": overhead.spread(share),
+            "first_snapshot_ms": 1e3 * statistics.median(
+                r["snapshot_times"][0] for r in runs if r["snapshot_times"]),
             "payload_bytes": payload, "held_bytes": runs[-1]["held_bytes"],
             "tensor_bytes": runs[-1]["tensor_bytes"],
             "bandwidth_gb_s": payload / snapshot_s / 1e9 if snapshot_s else 0.0,
             "capture_ms": 1e3 * statistics.median(r["capture_s"] for r in runs),
             "copy_ms": 1e3 * copy_s,
             "copy_gb_s": payload / copy_s / 1e9,
+            "capture_parts_ms": {name: 1e3 * statistics.median(r["parts_s"][name] for r in runs)
+                                 for name in runs[0]["parts_s"]},
             "bit_identical": len(off_digests) == 1 and digests == off_digests,
         })
     return rows
@@ -218,16 +260,12 @@ def report(rows: list[dict], args, log_path: str) -> None:
           f"process: {threads}, {args.reps} interleaved rounds (engine output: "
           f"{log_path}.rank*)")
     print("step: loop seconds / steps, median over rounds; cost: (on - off) / steps, "
-          "paired by round, median [quartiles], ms and % of the step off; cpu: the same "
-          "% of process CPU time; snap: one memory snapshot (the engine's clock) and "
-          "snapshots x its time / steps in % of the step off; MB: payload; GB/s: payload "
-          "/ one snapshot's time; after the loop, one snapshot split into capture (the "
-          "snapshot dict, collective) and copy (into the buffer, checksum, header), "
-          "medians of 3, and payload / copy time")
+          "paired by round, median [quartiles], in ms and in % of the step off; cpu %: the "
+          "same of process CPU time; snap %: the engine's clock of its memory snapshots / "
+          "steps, in % of the step off")
     print(f"{'workload':<8} {'procs':>5} {'N':>4} {'steps':>5} {'snaps':>5} "
           f"{'step off':>9} {'step on':>9}  {'cost ms':<25} {'cost %':<22} "
-          f"{'cpu %':>6}  {'snap ms':>8} {'snap %':>7} {'MB':>8} {'GB/s':>6}  "
-          f"{'capture':>8} {'copy ms':>8} {'GB/s':>6}  weights")
+          f"{'cpu %':>6} {'snap %':>7}  weights")
     for r in rows:
         c, p = r["cost_ms"], r["cost_pct"]
         same = "bit-identical" if r["bit_identical"] else "DIFFERENT"
@@ -235,10 +273,21 @@ def report(rows: list[dict], args, log_path: str) -> None:
               f"{r['snapshots']:>5} {r['step_off_ms']:>7.3f}ms {r['step_on_ms']:>7.3f}ms  "
               f"{c['median']:7.3f} [{c['q1']:6.3f} {c['q3']:6.3f}]  "
               f"{p['median']:6.2f} [{p['q1']:6.2f} {p['q3']:6.2f}]  "
-              f"{r['cpu_cost_pct']['median']:6.2f}  {r['snapshot_ms']:8.3f} "
-              f"{r['snapshot_share_pct']['median']:7.2f} {r['payload_bytes'] / 1e6:8.3f} "
-              f"{r['bandwidth_gb_s']:6.2f}  {r['capture_ms']:8.3f} {r['copy_ms']:8.3f} "
-              f"{r['copy_gb_s']:6.2f}  {same}")
+              f"{r['cpu_cost_pct']['median']:6.2f} "
+              f"{r['snapshot_share_pct']['median']:7.2f}  {same}")
+    print("one snapshot in the loop (the engine's clock; first: the run's first, which maps "
+          "the buffers; then the median of the others); MB: its payload; GB/s: payload / "
+          "one snapshot; after the loop (medians of 3): capture (the snapshot dict; its "
+          "slowest parts) and copy (into the buffer, checksum, header), payload / copy")
+    print(f"{'workload':<8} {'procs':>5} {'N':>4} {'first ms':>9} {'one ms':>8} {'MB':>8} "
+          f"{'GB/s':>6}  {'capture ms':>10} {'copy ms':>8} {'GB/s':>6}  slowest parts (ms)")
+    for r in rows:
+        parts = sorted(r["capture_parts_ms"].items(), key=lambda item: -item[1])[:3]
+        print(f"{r['workload']:<8} {r['processes']:>5} {r['every']:>4} "
+              f"{r['first_snapshot_ms']:9.3f} {r['snapshot_ms']:8.3f} "
+              f"{r['payload_bytes'] / 1e6:8.3f} {r['bandwidth_gb_s']:6.2f}  "
+              f"{r['capture_ms']:10.3f} {r['copy_ms']:8.3f} {r['copy_gb_s']:6.2f}  "
+              + ", ".join(f"{name} {ms:.3f}" for name, ms in parts))
 
 
 # ------------------------------------------------------------------------- main

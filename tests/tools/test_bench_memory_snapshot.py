@@ -35,14 +35,21 @@ def test_bench_memory_snapshot_reports_cost_bytes_and_identical_weights(tmp_path
         assert row["held_bytes"] >= 2 * row["payload_bytes"]
         assert row["snapshot_ms"] > 0 and row["bandwidth_gb_s"] > 0
         assert row["capture_ms"] > 0 and row["copy_ms"] > 0 and row["copy_gb_s"] > 0
+        assert row["first_snapshot_ms"] > 0
+        assert {"model", "optimizer", "rng"} <= set(row["capture_parts_ms"])
         assert row["step_off_ms"] > 0 and row["reps"] == 1
-        line = next(li for li in proc.stdout.splitlines()
-                    if li.startswith(f"tiny         2 {row['every']:>4}"))
-        assert line.endswith("bit-identical")
-        assert f"{row['payload_bytes'] / 1e6:8.3f}" in line
+        # A line in each table: the cost, then the one snapshot's time and bytes.
+        cost, one = [li for li in proc.stdout.splitlines()
+                     if li.startswith(f"tiny         2 {row['every']:>4}")]
+        assert cost.endswith("bit-identical")
+        assert f"{row['payload_bytes'] / 1e6:8.3f}" in one and "rng " in one
     # Off is off: its runs took no memory snapshot and had no buffer.
     off = [r for r in result["runs"] if r["every"] == 0]
     assert len(off) == 2 and all(r["snapshots"] == 0 == r["payload_bytes"] for r in off)
+    # The probe's per-snapshot times are the engine's clock, one by one.
+    for run in result["runs"]:
+        assert len(run["snapshot_times"]) == run["snapshots"]
+        assert abs(sum(run["snapshot_times"]) - run["snapshot_s"]) < 1e-6
 
 
 def test_bench_memory_snapshot_rejects_an_unknown_workload_in_one_line():
