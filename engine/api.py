@@ -313,6 +313,9 @@ class Context(WorkerContext):
         if self._resumed:
             return
         self._resumed = True
+        if self.cfg.checkpoint.memory_every_steps:
+            self.warn("checkpoint.memory_every_steps is for engine-run's training loop: a "
+                      "custom loop's snapshots are ctx.save()'s, on disk")
         snapshot.resume(self)
         # After the resume's config check (as Engine._setup): a resume refused because
         # the config changed leaves the run's own config.json.

@@ -42,9 +42,7 @@ class CheckpointConfig:
     every_epochs: int = 1  # 0: only at the end
     every_steps: int = 0  # 0: never by step count
     every_minutes: float = 0.0  # 0: never by wall time
-    # Every N optimizer steps each rank copies the snapshot into shared memory
-    # (engine/memory_snapshot.py): a restart loses at most N steps. 0: off.
-    memory_every_steps: int = 0
+    memory_every_steps: int = 0  # a snapshot in shared memory every N steps (0: never)
     keep_last: int = 3  # the newest snapshots kept (0: every one)
     best_metric: str = ""  # e.g. "val/loss": also keep the best snapshot by it
     best_mode: Literal["max", "min"] = "max"  # whether the best is the highest or lowest

@@ -202,7 +202,6 @@ class Engine(WorkerContext):
         self.write_config()
         return trainer
 
-
     def _memory_snapshots(self):
         """This rank's in-memory snapshots (checkpoint.memory_every_steps), or None: off,
         or a model sharded by fully_shard (each rank holds only its shard: a restart

@@ -87,19 +87,26 @@ def gpu_reference(tmp_path_factory):
     return digests
 
 
-@pytest.mark.parametrize("precision", ["32", "fp16"])
-def test_killed_gpu_run_resumes_to_identical_weights(gpu_reference, tmp_path, precision):
+@pytest.mark.parametrize("precision, memory", [("32", False), ("fp16", False),
+                                               ("fp16", True)])
+def test_killed_gpu_run_resumes_to_identical_weights(gpu_reference, tmp_path, precision,
+                                                     memory):
     """Dropout draws from the CUDA generator and fp16 steps through a GradScaler whose
-    scale moves: both must come back from the snapshot for the weights to match."""
+    scale moves: both must come back from the snapshot for the weights to match. With
+    ``memory``, from the in-memory snapshot of step 9 (copied from the GPU every step;
+    the disk's newest is step 8's)."""
     out = tmp_path / "run"
-    fault = {**ON_GPU0, "ENGINE_FAULT_ACTION": "kill", "ENGINE_FAULT_STEP": "9",
-             "ENGINE_FAULT_ONCE": str(tmp_path / "fault-done")}  # mid-epoch 1
+    fault = {**ON_GPU0, "ENGINE_FAULT_ACTION": "kill",
+             "ENGINE_FAULT_STEP": "10" if memory else "9",  # mid-epoch 1
+             "ENGINE_FAULT_ONCE": str(tmp_path / "fault-done")}
     args = (RECIPE, *RESUME_BASE, f"precision={precision}", f"out_dir={out}",
-            "--nproc", "1", "-p", "tests.fault_plugin")
+            "--nproc", "1", "-p", "tests.fault_plugin",
+            *(["checkpoint.memory_every_steps=1"] if memory else []))
     killed = run_cli(*args, env=engine_env(**fault))
     assert killed.returncode != 0, killed.stderr
     resumed = run_cli(*args, env=engine_env(**fault), check=True)
-    assert "resuming from " in resumed.stdout, resumed.stdout
+    said = "resumed from memory at step 9 " if memory else "resuming from "
+    assert said in resumed.stdout, resumed.stdout
     assert read_summary(out)["weights_sha256"] == gpu_reference[precision]
 
 
