@@ -33,8 +33,9 @@ snapshot are outside. Printed per workload, process count and N:
 - step off / on: the loop's seconds / steps (medians over the rounds);
 - cost: (on - off) / steps, paired by round: median [quartiles] in ms and in % of the
   step time off; the same of the loop's process CPU time (steadier on a shared machine).
-  Whole loops, not bench_overhead's median windows: with N > 1 most windows hold no
-  snapshot and their median would hide it;
+  Whole loops: with N above bench_overhead's window of 20 steps most windows hold no
+  snapshot and their median would hide it. Where N divides 20, also (win %) the
+  median windows' cost, paired by round: barely moved by bursts of load elsewhere;
 - snap %: the engine's own clock of its memory snapshots (engine.phases' "memory
   snapshots while training": capture, copy, checksum, header) / steps, in % of the step
   off (exact even where N is large and the loop's noise hides the cost);
@@ -180,13 +181,14 @@ def one_run(every: int, rank: int, world_size: int, port: int, out_dir: str,
     probe_path = pathlib.Path(out_dir) / f"memory_probe.rank{rank}.json"
     os.environ[PROBE_FILE] = str(probe_path)
     before = phases.carved(phases.MEMORY_SNAPSHOTS)  # a process runs several engines
-    seconds, cpu, digest, steps, _ = overhead.through_engine(
+    seconds, cpu, digest, steps, (window_step, _) = overhead.through_engine(
         MODES[world_size], rank, world_size, port, out_dir, run_args, WORKLOADS)
     wall, _, snapshots = (after - earlier for after, earlier in
                           zip(phases.carved(phases.MEMORY_SNAPSHOTS), before))
     probe = json.loads(probe_path.read_text())
     return {"every": every, "seconds": seconds, "cpu_seconds": cpu, "steps": steps,
-            "digest": digest, "snapshot_s": wall, "snapshots": snapshots, **probe}
+            "window_step_s": window_step, "digest": digest, "snapshot_s": wall,
+            "snapshots": snapshots, **probe}
 
 
 def session_worker(rank: int, world_size: int, schedule: list, ports: list, args,
@@ -238,6 +240,7 @@ def summarize(workload: str, world_size: int, results: list[dict]) -> list[dict]
             "step_on_ms": 1e3 * statistics.median(per_step(r) for r in runs),
             "cost_ms": overhead.spread([1e3 * c for c in cost]),
             "cost_pct": overhead.spread(cost_pct), "cpu_cost_pct": overhead.spread(cpu_pct),
+            "window_cost_pct": window_cost_pct(every, runs, off),
             "snapshot_ms": 1e3 * snapshot_s, "snapshot_share_pct": overhead.spread(share),
             "first_snapshot_ms": 1e3 * statistics.median(
                 r["snapshot_times"][0] for r in runs if r["snapshot_times"]),
@@ -254,6 +257,17 @@ def summarize(workload: str, world_size: int, results: list[dict]) -> list[dict]
     return rows
 
 
+def window_cost_pct(every: int, runs: list[dict], off: dict) -> dict | None:
+    """The per-step cost in % from the median windows of ``overhead.WINDOW`` steps,
+    paired by round; None where N does not divide the window (most windows would hold
+    no snapshot, or windows would differ in how many they hold) or no run has a window."""
+    if overhead.WINDOW % every or any(
+            r["window_step_s"] != r["window_step_s"] for r in runs):  # NaN: < 1 window
+        return None
+    return overhead.spread([100 * (r["window_step_s"] / off[r["round"]]["window_step_s"] - 1)
+                            for r in runs])
+
+
 def report(rows: list[dict], args, log_path: str) -> None:
     threads = args.threads_option or "the engine's default"
     print(f"memory snapshots (checkpoint.memory_every_steps=N) against off, threads per "
@@ -261,19 +275,23 @@ def report(rows: list[dict], args, log_path: str) -> None:
           f"{log_path}.rank*)")
     print("step: loop seconds / steps, median over rounds; cost: (on - off) / steps, "
           "paired by round, median [quartiles], in ms and in % of the step off; cpu %: the "
-          "same of process CPU time; snap %: the engine's clock of its memory snapshots / "
-          "steps, in % of the step off")
+          "same of process CPU time; win %: the same of bench_overhead's median windows of "
+          f"{overhead.WINDOW} steps (robust to bursts of load; only where N divides "
+          f"{overhead.WINDOW}); snap %: the engine's clock of its memory snapshots / steps, "
+          "in % of the step off")
     print(f"{'workload':<8} {'procs':>5} {'N':>4} {'steps':>5} {'snaps':>5} "
           f"{'step off':>9} {'step on':>9}  {'cost ms':<25} {'cost %':<22} "
-          f"{'cpu %':>6} {'snap %':>7}  weights")
+          f"{'cpu %':>6} {'win %':>6} {'snap %':>7}  weights")
     for r in rows:
         c, p = r["cost_ms"], r["cost_pct"]
         same = "bit-identical" if r["bit_identical"] else "DIFFERENT"
+        window = ("-" if r["window_cost_pct"] is None
+                  else f"{r['window_cost_pct']['median']:.2f}")
         print(f"{r['workload']:<8} {r['processes']:>5} {r['every']:>4} {r['steps']:>5} "
               f"{r['snapshots']:>5} {r['step_off_ms']:>7.3f}ms {r['step_on_ms']:>7.3f}ms  "
               f"{c['median']:7.3f} [{c['q1']:6.3f} {c['q3']:6.3f}]  "
               f"{p['median']:6.2f} [{p['q1']:6.2f} {p['q3']:6.2f}]  "
-              f"{r['cpu_cost_pct']['median']:6.2f} "
+              f"{r['cpu_cost_pct']['median']:6.2f} {window:>6} "
               f"{r['snapshot_share_pct']['median']:7.2f}  {same}")
     print("one snapshot in the loop (the engine's clock; first: the run's first, which maps "
           "the buffers; then the median of the others); MB: its payload; GB/s: payload / "

@@ -1,5 +1,5 @@
 """tools/bench_memory_snapshot.py, smoke-sized: memory snapshots every step and every 5
-steps against off, on the tiny workload in 2 gloo processes. The numbers themselves are
+steps against off, on the tiny workload in 2 gloo processes, 20 steps (one window). The numbers themselves are
 the benchmark's business; the count of snapshots, their bytes against the model's and
 optimizer's, and the identical weights are checked."""
 
@@ -16,7 +16,7 @@ TOOL = str(REPO / "tools" / "bench_memory_snapshot.py")
 def test_bench_memory_snapshot_reports_cost_bytes_and_identical_weights(tmp_path):
     out = tmp_path / "bench.json"
     proc = run_python(
-        [TOOL, "--workloads", "tiny", "--procs", "2", "--steps", "10", "--reps", "1",
+        [TOOL, "--workloads", "tiny", "--procs", "2", "--steps", "20", "--reps", "1",
          "--sweep", "tiny:2:5", "--json", str(out)],
         # Forked rather than spawned, to save the processes' start (as bench_overhead's
         # smoke test); the weights must not tell.
@@ -26,7 +26,7 @@ def test_bench_memory_snapshot_reports_cost_bytes_and_identical_weights(tmp_path
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["workload"], r["processes"], r["every"], r["steps"], r["snapshots"])
-            for r in rows] == [("tiny", 2, 1, 10, 10), ("tiny", 2, 5, 10, 2)]
+            for r in rows] == [("tiny", 2, 1, 20, 20), ("tiny", 2, 5, 20, 4)]
     for row in rows:
         assert row["bit_identical"], row
         # The payload holds the model and its momentum (and more: RNG states, progress);
@@ -36,6 +36,7 @@ def test_bench_memory_snapshot_reports_cost_bytes_and_identical_weights(tmp_path
         assert row["snapshot_ms"] > 0 and row["bandwidth_gb_s"] > 0
         assert row["capture_ms"] > 0 and row["copy_ms"] > 0 and row["copy_gb_s"] > 0
         assert row["first_snapshot_ms"] > 0
+        assert row["window_cost_pct"] is not None  # 5 divides the window of 20 steps
         assert {"model", "optimizer", "rng"} <= set(row["capture_parts_ms"])
         assert row["step_off_ms"] > 0 and row["reps"] == 1
         # A line in each table: the cost, then the one snapshot's time and bytes.
