@@ -361,6 +361,61 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+#: Room for one rank's RNG states in :func:`gather_rng_states` (pickled with their tensors
+#: as bytes: 13 kB on the CPU, 16 bytes more per GPU); larger ones go the slow way.
+RNG_BYTES = 16384
+
+
+def gather_rng_states() -> list[dict]:
+    """Every rank's :func:`rng_state`, in one all_gather of a fixed-size byte tensor.
+    torch's all_gather_object pickles and sends twice (sizes, then data): 7.4 ms
+    against 1.5 ms for 2 gloo processes on a loaded 2-core machine, and a memory
+    snapshot every step gathers them every step."""
+    import pickle
+    import struct
+
+    import torch
+
+    from engine import distributed
+
+    state = rng_state()
+    if not distributed.is_initialized():
+        return [state]
+    data = pickle.dumps(_rng_as_bytes(state), protocol=pickle.HIGHEST_PROTOCOL)
+    row = bytearray(8 + RNG_BYTES)
+    if len(data) <= RNG_BYTES:  # else a length of 0 sends every rank the slow way
+        row[:8 + len(data)] = struct.pack("<Q", len(data)) + data
+    rows = distributed.all_gather_tensor(torch.frombuffer(row, dtype=torch.uint8).to(
+        distributed.collective_device())).cpu().numpy()
+    lengths = [struct.unpack("<Q", r[:8].tobytes())[0] for r in rows]
+    if not all(lengths):
+        return distributed.all_gather_object(state)
+    return [_rng_from_bytes(pickle.loads(r[8:8 + n].tobytes())) for r, n in zip(rows, lengths)]
+
+
+def _rng_as_bytes(state: dict) -> dict:
+    """:func:`rng_state` with its tensors as bytes (for :func:`gather_rng_states`)."""
+    plain = {**state, "numpy": {**state["numpy"], "keys": state["numpy"]["keys"].numpy()
+                                .tobytes()}, "torch": state["torch"].numpy().tobytes()}
+    if "cuda" in state:
+        plain["cuda"] = [t.cpu().numpy().tobytes() for t in state["cuda"]]
+    return plain
+
+
+def _rng_from_bytes(plain: dict) -> dict:
+    import torch
+
+    def tensor(data: bytes, dtype):
+        return torch.frombuffer(bytearray(data), dtype=dtype).clone()
+
+    state = {**plain, "numpy": {**plain["numpy"], "keys": tensor(plain["numpy"]["keys"],
+                                                                  torch.int64)},
+             "torch": tensor(plain["torch"], torch.uint8)}
+    if "cuda" in plain:
+        state["cuda"] = [tensor(b, torch.uint8) for b in plain["cuda"]]
+    return state
+
+
 class RngStates:
     """Every rank's RNG states, gathered into the snapshot (so a rank-0 write holds
     them all); each rank restores its own, when the number of processes is the same."""
@@ -370,10 +425,7 @@ class RngStates:
         self.warn = warn
 
     def state_dict(self) -> dict:
-        from engine import distributed
-
-        return {"ranks": distributed.all_gather_object(rng_state()),
-                "world_size": self.world.world_size}
+        return {"ranks": gather_rng_states(), "world_size": self.world.world_size}
 
     def load_state_dict(self, state_dict: dict) -> None:
         ranks = state_dict.get("ranks") or []

@@ -227,3 +227,17 @@ def test_the_checkpoint_guides_recipe_part_example_is_saved(tmp_path):
     snap = torch.load(next((tmp_path / "r" / "checkpoints").glob("snapshot-*.pt")),
                       weights_only=True)
     assert snap["curriculum"] == {"level": 0}
+
+
+def test_rng_states_travel_as_bytes_and_come_back_the_same():
+    """What gather_rng_states sends for a rank: pickled with its tensors as bytes, within
+    RNG_BYTES, and back to the same states."""
+    import pickle
+
+    from engine.stateful import RNG_BYTES, _rng_as_bytes, _rng_from_bytes, rng_state
+    from engine.testing import assert_same_snapshot
+
+    state = rng_state()
+    data = pickle.dumps(_rng_as_bytes(state), protocol=pickle.HIGHEST_PROTOCOL)
+    assert len(data) <= RNG_BYTES
+    assert_same_snapshot(_rng_from_bytes(pickle.loads(data)), state)
