@@ -308,12 +308,13 @@ class Context(WorkerContext):
         """Load the latest good snapshot (or ``resume=PATH``) once; a no-op when there
         is none or ``resume=False``. Collective: every rank calls it."""
         from engine import snapshot
+        from engine.config import differs_from_default
 
         self._need_model("ctx.resume")
         if self._resumed:
             return
         self._resumed = True
-        if self.cfg.checkpoint.memory_every_steps:
+        if differs_from_default(self.cfg.checkpoint, "memory_every_steps"):
             self.warn("checkpoint.memory_every_steps is for engine-run's training loop: a "
                       "custom loop's snapshots are ctx.save()'s, on disk")
         snapshot.resume(self)

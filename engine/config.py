@@ -36,13 +36,18 @@ def resume_safe(cfg, key: str) -> bool:
     return safe is True or rest in safe
 
 
+def differs_from_default(group: Any, name: str) -> bool:
+    """Whether ``group.name`` is not its class's default (a value the user chose)."""
+    return getattr(group, name) != attrs.fields_dict(type(group))[name].default
+
+
 @attrs.define
 class CheckpointConfig:
     RESUME_SAFE = True  # when and how many snapshots are kept
     every_epochs: int = 1  # 0: only at the end
     every_steps: int = 0  # 0: never by step count
     every_minutes: float = 0.0  # 0: never by wall time
-    memory_every_steps: int = 0  # a snapshot in shared memory every N steps (0: never)
+    memory_every_steps: int = 100  # a snapshot in shared memory every N steps (0: never)
     keep_last: int = 3  # the newest snapshots kept (0: every one)
     best_metric: str = ""  # e.g. "val/loss": also keep the best snapshot by it
     best_mode: Literal["max", "min"] = "max"  # whether the best is the highest or lowest

@@ -206,15 +206,17 @@ class Engine(WorkerContext):
         """This rank's in-memory snapshots (checkpoint.memory_every_steps), or None: off,
         or a model sharded by fully_shard (each rank holds only its shard: a restart
         resumes from the newest disk snapshot, docs/checkpoints.md)."""
+        from engine import config as config_mod
         from engine import memory_snapshot, stateful
 
         every = self.cfg.checkpoint.memory_every_steps
         if not every:
             return None
         if stateful.is_sharded(self.module):
-            self.warn("checkpoint.memory_every_steps is ignored with a sharded model "
-                      f"(parallel={self.cfg.parallel}): a restart resumes from the newest "
-                      "disk snapshot")
+            if config_mod.differs_from_default(self.cfg.checkpoint, "memory_every_steps"):
+                self.warn("checkpoint.memory_every_steps is ignored with a sharded model "
+                          f"(parallel={self.cfg.parallel}): a restart resumes from the "
+                          "newest disk snapshot")
             return None
         if self.world.is_local_rank0:
             memory_snapshot.remove_leftovers()

@@ -435,13 +435,14 @@ class MemorySnapshots:
         self.saves += 1
 
     def room_for(self, state: dict) -> tuple[int, int]:
-        """The bytes two buffers of ``state`` take, and the bytes free in /dev/shm (plus
-        what this rank's buffers already take there)."""
+        """The bytes the buffers of ``state`` take on this machine (two per local rank:
+        every local rank asks at once, before any allocates), and the bytes free in
+        /dev/shm plus what this run's buffers already take there."""
         skeleton, _, data_size = encode_plan(state)
         stat = os.statvfs(self.shm)
-        held = sum(p.stat().st_size for p in self.paths if p.exists())
-        return 2 * (HEADER_BYTES + payload_size(skeleton, data_size)), (
-            stat.f_bavail * stat.f_frsize + held)
+        held = sum(p.stat().st_size for p in self.shm.glob(f"{PREFIX}{run_key(self.run_dir)}-*"))
+        per_rank = 2 * (HEADER_BYTES + payload_size(skeleton, data_size))
+        return per_rank * self.world.local_world_size, stat.f_bavail * stat.f_frsize + held
 
     def bytes_held(self) -> int:
         return sum(HEADER_BYTES + b.capacity for b in self.buffers if b.tensor is not None)

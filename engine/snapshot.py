@@ -107,24 +107,25 @@ def save_to_memory(eng) -> None:
 
 
 def _every_rank_has_room(eng, memory, state: dict) -> bool:
-    """Before the first memory snapshot: whether /dev/shm has room for two on every
-    rank. If not on one, all turn them off together (a rank alone would leave the
-    others' next snapshot, a collective, waiting), with one warning."""
+    """Before the first memory snapshot: whether /dev/shm has room for two per rank on
+    every machine. If not on one, all turn them off together (a rank alone would leave
+    the others' next snapshot, a collective, waiting), with one warning."""
     import torch
 
     needed, free = memory.room_for(state)
+    each = needed / 2 / eng.world.local_world_size / 2**20  # MB, one buffer
     short = distributed.all_reduce_sum(torch.tensor([float(needed > free)])).item()
     if short:
         eng.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: they need 2 x "
-                 f"{needed / 2 / 2**20:.1f} MB per rank in {memory.shm}, and "
+                 f"{each:.1f} MB per rank in {memory.shm}, and "
                  f"{'this' if needed > free else 'another'} machine has {free / 2**20:.0f} "
                  "MB free there; make it larger (docker: --shm-size) or set "
                  "checkpoint.memory_every_steps=0")
         memory.remove()
         eng.memory = None
         return False
-    eng.print(f"in-memory snapshots: every {memory.every_steps} step(s), 2 x "
-              f"{needed / 2 / 2**20:.1f} MB per rank in {memory.shm}")
+    eng.print(f"in-memory snapshots: every {memory.every_steps} step(s), 2 x {each:.1f} MB "
+              f"per rank in {memory.shm}")
     return True
 
 

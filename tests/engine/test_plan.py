@@ -14,6 +14,7 @@ def test_the_memory_snapshots_line_gives_two_buffers_of_model_and_optimizer_stat
     (one buffer per parameter): 2 x 0.5 MB, built on the meta device."""
     recipe = load_recipe(REPO / "recipes" / "cifar_ddp.py")
     cfg = recipe.make_config()
+    cfg.checkpoint.memory_every_steps = 0
     assert memory_plan(recipe, cfg) is None  # off
     cfg.checkpoint.memory_every_steps = 5
     line = memory_plan(recipe, cfg)
