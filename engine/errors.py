@@ -77,9 +77,19 @@ class WorkerFailed(RunError, LaunchError):
     """A worker process exited with an error (it printed its own message) or was
     killed. ``exit_code`` is the worker's own when it said why (1 or 2), else 1."""
 
-    def __init__(self, message: str, exit_code: int = EXIT_FAILED):
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED, *, failure: str = "",
+                 restartable: bool = False):
         super().__init__(message)
         self.exit_code = exit_code if exit_code in (EXIT_FAILED, EXIT_USAGE) else EXIT_FAILED
+        #: Which worker failed and how, in a few words ("worker rank 1 was killed by
+        #: SIGKILL"), where the launcher that started it knows.
+        self.failure = failure
+        #: Whether starting the workers again may help (spawn --max-restarts): killed by
+        #: a signal, or exited with 1 (the run failed); not a usage or configuration
+        #: error (exit 2, which a restart would meet again), an interrupt (130), nor a
+        #: failure after the launcher was asked to stop (a forwarded SIGTERM or SIGUSR1:
+        #: pre-emption).
+        self.restartable = restartable
 
 
 class PluginCodeError(RunError):

@@ -154,8 +154,7 @@ def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True,
         ("precision", plan["precision"] + (f"; warning: {plan['precision_note']}"
                                            if plan.get("precision_note") else "")),
         ("checkpointer", plan["checkpointer"]),
-        *([("memory snapshots", plan["memory_snapshots"])] if plan.get("memory_snapshots")
-          else []),
+        *([("in memory", plan["memory_snapshots"])] if plan.get("memory_snapshots") else []),
         ("output dir", plan["out_dir"]),
     ]
     width = max(len(k) for k, _ in rows)

@@ -56,22 +56,6 @@ def _start_resource_tracker_deaf_to(signals) -> None:
             signal.signal(signum, handler)
 
 
-class SpawnedWorkerFailed(WorkerFailed):
-    """A worker :func:`spawn_workers` started failed: the error users read, plus what
-    a launcher that restarts its workers (spawn --max-restarts) needs to decide."""
-
-    def __init__(self, message: str, exit_code: int, failure: str, restartable: bool):
-        super().__init__(message, exit_code=exit_code)
-        #: Which worker failed and how, in a few words: "worker rank 1 was killed by
-        #: SIGKILL".
-        self.failure = failure
-        #: Whether starting the workers again may help: killed by a signal, or exited
-        #: with 1 (the run failed); not a usage or configuration error (exit 2, which a
-        #: restart would meet again), an interrupt (130), nor a failure after this
-        #: launcher was asked to stop (a forwarded SIGTERM or SIGUSR1: pre-emption).
-        self.restartable = restartable
-
-
 def spawn_workers(worker: Callable[[World], object], worlds: list[World],
                   child_env: Mapping[str, str] | None = None) -> list:
     """Start one process per world on this machine, run ``worker`` in each, wait.
@@ -145,12 +129,12 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
                       else f"exited with code {code}"))
         restartable = not stopping and (code == EXIT_FAILED or (
             signal_name is not None and signal_name != "SIGINT"))
-        raise SpawnedWorkerFailed(message, exit_code=0 if signal_name else code,
-                                  failure=failure, restartable=restartable) from None
+        raise WorkerFailed(message, exit_code=0 if signal_name else code, failure=failure,
+                           restartable=restartable) from None
     except mp.ProcessRaisedException as exc:
-        raise SpawnedWorkerFailed(f"a worker failed:\n{exc}", exit_code=EXIT_FAILED,
-                                  failure="a worker raised an exception",
-                                  restartable=not stopping) from None
+        raise WorkerFailed(f"a worker failed:\n{exc}", exit_code=EXIT_FAILED,
+                           failure="a worker raised an exception",
+                           restartable=not stopping) from None
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -151,8 +151,6 @@ def resume(eng) -> None:
             latest = eng.checkpointer.latest()
             chosen = str(latest) if latest is not None else None
             disk_step = _step_of(latest)
-            if chosen is None and eng.is_rank0 and memory is None:
-                _say_when_every_snapshot_is_unusable(eng)
     chosen, disk_step = distributed.broadcast_object((chosen, disk_step))
     if isinstance(chosen, CheckpointError):
         raise chosen
@@ -161,6 +159,8 @@ def resume(eng) -> None:
             return
         _forget_memory(memory)
     if chosen is None:
+        if eng.is_rank0:
+            _say_when_every_snapshot_is_unusable(eng)
         return
     restore(eng, load_snapshot(eng, pathlib.Path(chosen)), source=chosen)
     # The summary reports it; setattr, as Engine and api.Context both come through here.

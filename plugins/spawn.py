@@ -24,10 +24,10 @@ from typing import Callable
 import attrs
 
 import engine
-from engine.errors import LaunchError
+from engine.errors import LaunchError, WorkerFailed
 from engine.launch_env import check_port_free, free_port, is_local_address
 from engine.launcher import Launcher
-from engine.processes import SpawnedWorkerFailed, spawn_workers
+from engine.processes import spawn_workers
 from engine.world import World, machine_share, tcp_endpoint
 
 
@@ -137,7 +137,7 @@ class SpawnLauncher(Launcher):
             _check_master_port(worlds[0])
             try:
                 return spawn_workers(worker, worlds)
-            except SpawnedWorkerFailed as failed:
+            except WorkerFailed as failed:
                 if restart == most or not failed.restartable:
                     raise  # the error and exit code of a run without restarts
                 restart += 1
