@@ -13,6 +13,7 @@ from engine.memory_snapshot import buffer_paths
 from tests.conftest import ENGINE_RUN, engine_env, read_summary, run_cli
 from tests.engine.test_snapshot import (BASE, ELASTIC, EPOCHS, RECIPE, STEPS_PER_EPOCH,
                                         TORCHRUN, Agents, wait_for)
+
 #: tiny_resume with a memory snapshot every step and disk snapshots only at epoch ends,
 #: so that a kill mid-epoch has a disk snapshot older than the memory one.
 MEMORY = (*BASE, "checkpoint.every_steps=0", "checkpoint.memory_every_steps=1")
@@ -21,15 +22,11 @@ PEER = (ELASTIC, "epochs=2", "size=60", "checkpoint.memory_every_steps=1")
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """weights_sha256 of 2-process runs never interrupted: tiny_resume (BASE, as
-    test_snapshot's reference) and tiny_elastic (PEER)."""
-    digests = {}
-    for name, args in (("resume", (RECIPE, *BASE)), ("elastic", PEER)):
-        out = tmp_path_factory.mktemp(f"uninterrupted-{name}")
-        run_cli(*args, f"out_dir={out}", "--nproc", "2", check=True)
-        digests[name] = read_summary(out)["weights_sha256"]
-    return digests
+def elastic_reference(tmp_path_factory):
+    """weights_sha256 of a 2-process PEER run never interrupted."""
+    out = tmp_path_factory.mktemp("elastic-reference")
+    run_cli(*PEER, f"out_dir={out}", "--nproc", "2", check=True)
+    return read_summary(out)["weights_sha256"]
 
 
 def no_buffers_left(out, world_size: int = 2) -> bool:
@@ -37,7 +34,7 @@ def no_buffers_left(out, world_size: int = 2) -> bool:
 
 
 def test_a_worker_killed_mid_epoch_under_torchrun_resumes_from_memory_losing_one_step(
-        uninterrupted, tmp_path):
+        reference, tmp_path):
     """Rank 1 SIGKILLed in the step-end hook of a mid-epoch step (after the epoch-end
     disk snapshot before it, before that step's memory copy): torchrun restarts both
     workers, which resume from the previous step's memory snapshot, not from disk."""
@@ -61,7 +58,7 @@ def test_a_worker_killed_mid_epoch_under_torchrun_resumes_from_memory_losing_one
     assert summary["resume"] == {"tier": "memory", "step": step - 1, "steps_lost": 1,
                                  "source_rank": None}
     assert (summary["launcher"], summary["global_step"]) == ("torchrun", 18)
-    assert summary["weights_sha256"] == uninterrupted["resume"]
+    assert summary["weights_sha256"] == reference[2]  # BASE's: snapshots change nothing
     assert no_buffers_left(out), "a completed run leaves its shared-memory buffers"
 
 
@@ -75,7 +72,7 @@ def rank_of(pid: int) -> int | None:
 
 
 def test_a_node_replaced_with_its_shared_memory_gone_recovers_from_its_peer(
-        uninterrupted, tmp_path):
+        elastic_reference, tmp_path):
     """Two torchrun agents on loopback (--nnodes 2, c10d): both hold before step 8
     (``<out_dir>/hold``, tiny_elastic), their step-7 memory snapshots written; agent b
     and its worker are SIGKILLed and its rank's buffers deleted (its machine replaced);
@@ -111,5 +108,5 @@ def test_a_node_replaced_with_its_shared_memory_gone_recovers_from_its_peer(
     assert record["steps_lost"] == 0
     assert (summary["status"], summary["world_size"], summary["global_step"]) == (
         "completed", 2, 20)
-    assert summary["weights_sha256"] == uninterrupted["elastic"]
+    assert summary["weights_sha256"] == elastic_reference
     assert no_buffers_left(out)

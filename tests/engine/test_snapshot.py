@@ -10,24 +10,13 @@ import shutil
 import pytest
 
 from tests.conftest import REPO, engine_env, read_summary, run_cli
+from tests.engine.conftest import RESUME_BASE, RESUME_RECIPE
 
-RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
+RECIPE, BASE = RESUME_RECIPE, RESUME_BASE  # the reference fixture's (conftest)
 STEPS_PER_EPOCH = 6  # 96 samples, global batch 16
 EPOCHS = 3
-BASE = ("epochs=3", "checkpoint.every_steps=4", "checkpoint.keep_last=2")
 TORCHRUN = shutil.which("torchrun", path=str(REPO / ".venv" / "bin")) or shutil.which(
     "torchrun")  # ships with torch
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """weights_sha256 of uninterrupted runs, by number of processes."""
-    digests = {}
-    for nproc in (1, 2):
-        out = tmp_path_factory.mktemp(f"reference{nproc}")
-        run_cli(RECIPE, *BASE, f"out_dir={out}", "--nproc", str(nproc), check=True)
-        digests[nproc] = read_summary(out)["weights_sha256"]
-    return digests
 
 
 def mid_epoch_step() -> int:
