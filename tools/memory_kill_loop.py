@@ -19,7 +19,10 @@ the first start it writes the time to ``<out_dir>/killed`` and SIGKILLs its own 
 recomputed: the furthest step the first start finished minus the step the restart
 resumed at (its first step - 1), checked against summary.json's ``resume.steps_lost``.
 Kill -> first new step: the earliest time a restarted worker finished a step, minus the
-kill's time (torchrun's detection, the workers' start, the resume, one step).
+kill's time; split into kill -> the first restarted worker process started (torchrun's
+detection and its start of the workers), -> its set-up done, the resume included
+(``engine_run_start``: Python, torch and the engine started, the snapshot agreed on and
+loaded), and the first step.
 
 One line per kill, then the totals. Exit status 0 when every kill passed.
 """
@@ -50,7 +53,23 @@ try:
 except ImportError:  # the tool itself needs no engine import
     _engine = None
 
+def process_started() -> float:
+    """When this process started (time.time()'s clock, to 10 ms): /proc's start time
+    in clock ticks since boot, against the uptime."""
+    ticks = int(pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    uptime = float(pathlib.Path("/proc/uptime").read_text().split()[0])
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
 if _engine is not None:
+    @_engine.hookimpl
+    def engine_run_start(engine):
+        """A restarted worker's times: its process start, and its set-up (resume
+        included) done."""
+        if engine.world.restart_count:
+            with open(engine.out_dir / f"started-rank{engine.world.rank}.txt", "a") as f:
+                f.write(f"{process_started()!r} {time.time()!r}\n")
+
     @_engine.hookimpl
     def engine_train_step_end(engine, step, loss):
         rank, restart = engine.world.rank, engine.world.restart_count
@@ -118,8 +137,12 @@ class KillLoop:
         reached = max(s for _, s, restart in seen if restart == 0)
         first = next((t, s) for t, s, restart in seen if restart > 0)
         resumed_at = first[1] - 1
+        started, set_up = min(tuple(map(float, line.split())) for path in out.glob(
+            "started-rank*.txt") for line in path.read_text().splitlines())
         result = {"step": step, "rank": rank, "resume": summary.get("resume") or {},
                   "recomputed": reached - resumed_at, "kill_to_step_s": first[0] - killed_at,
+                  "kill_to_process_s": started - killed_at,
+                  "kill_to_set_up_s": set_up - killed_at,
                   "identical": summary["weights_sha256"] == reference}
         self.check(trial, result)
         return result
@@ -158,13 +181,18 @@ class KillLoop:
                 print(f"kill {trial}/{args.kills}: rank {r['rank']} at step {r['step']} -> "
                       f"resumed from {tier} at step {r['resume'].get('step')}, "
                       f"{r['recomputed']} step(s) recomputed, kill -> first new step "
-                      f"{r['kill_to_step_s']:.2f}s, weights "
+                      f"{r['kill_to_step_s']:.2f}s (new worker process "
+                      f"{r['kill_to_process_s']:.2f}s, set up and resumed "
+                      f"{r['kill_to_set_up_s']:.2f}s), weights "
                       f"{'identical' if r['identical'] else 'DIFFER'}", flush=True)
             else:
                 print(f"kill {trial}/{args.kills}: failed ({self.problems[-1]})", flush=True)
         for problem in self.problems:
             print(f"problem: {problem}")
-        times = [r["kill_to_step_s"] for r in results] or [float("nan")]
+        def spread(key: str) -> str:
+            values = [r[key] for r in results] or [float("nan")]
+            return f"median {statistics.median(values):.2f}s max {max(values):.2f}s"
+
         tiers = {}
         for r in results:
             tiers[r["resume"].get("tier")] = tiers.get(r["resume"].get("tier"), 0) + 1
@@ -172,8 +200,9 @@ class KillLoop:
               f"{pathlib.Path(args.recipe).name}, {total_steps} steps), "
               f"{sum(r['identical'] for r in results)}/{args.kills} bit-identical, steps "
               f"recomputed max {max((r['recomputed'] for r in results), default=0)}, "
-              f"kill -> first new step median {statistics.median(times):.2f}s max "
-              f"{max(times):.2f}s, resumed from "
+              f"kill -> first new step {spread('kill_to_step_s')} (-> new worker "
+              f"process {spread('kill_to_process_s')}, -> set up and resumed "
+              f"{spread('kill_to_set_up_s')}), resumed from "
               f"{', '.join(f'{t} {n}' for t, n in sorted(tiers.items(), key=str))}, "
               f"{len(self.problems)} problem(s), {time.monotonic() - started:.0f}s",
               flush=True)

@@ -20,6 +20,7 @@ def test_one_kill_is_measured_and_passes():
     line = next(line for line in printed.splitlines() if line.startswith("kill 1/1:"))
     step = int(re.search(r" at step (\d+) ->", line)[1])
     assert f"resumed from memory at step {step - 1}, 1 step(s) recomputed" in line, line
-    assert "weights identical" in line
+    assert re.search(r"kill -> first new step [\d.]+s \(new worker process [\d.]+s, set up "
+                     r"and resumed [\d.]+s\), weights identical", line), line
     assert re.search(r"total: 1 kills .* 1/1 bit-identical, steps recomputed max 1, "
                      r"kill -> first new step median [\d.]+s max [\d.]+s", printed), printed
