@@ -1,9 +1,11 @@
 """A plugin that makes snapshots large, for tests and attack loops of the in-memory
 snapshots: ``-p tests.ballast_plugin`` with ENGINE_BALLAST_MB (default 32) registers a
 snapshot part "ballast" of that many MB of float32, every element the step the
-snapshot was taken at. Copying it is then most of a step's time, so that a kill lands
-in the copy; and a resume checks that the part it got is whole and of the step it
-resumes at (a torn or mixed snapshot raises, naming the steps).
+snapshot was taken at. Its memory snapshots then take a large share of a step (32 MB
+per rank on tiny_resume, 2 processes: about half the training loop's time here, by
+``engine-run -v``'s phases), so that kills land in the copy; and a resume checks that
+the part it got is whole: every element the step it says (a torn or mixed snapshot
+raises, naming the steps).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
   resume anywhere in the chain changes them).
 - ``--memory-kills N``: the same chains with in-memory snapshots every step
   (``checkpoint.memory_every_steps=1``, disk snapshots at epoch ends) and a snapshot
-  made large by ``--ballast-mb`` (tests/ballast_plugin.py), so that most of a step is
+  made large by ``--ballast-mb`` (tests/ballast_plugin.py), so that much of a step is
   the copy into shared memory: the run SIGKILLed at a random moment after a new memory
   snapshot, started again... After every kill each rank's newest valid buffer must
   load whole (an unusable snapshot otherwise); each chain's final weights must equal
@@ -493,7 +493,7 @@ def main(argv=None) -> int:
     p.add_argument("--kills", type=int, default=200)
     p.add_argument("--group-signals", type=int, default=20)
     p.add_argument("--memory-kills", type=int, default=0,
-                   help="kills with in-memory snapshots every step, most of it the copy")
+                   help="kills with in-memory snapshots every step, much of it the copy")
     p.add_argument("--ballast-mb", type=float, default=32,
                    help="--memory-kills: MB per rank added to the snapshot")
     p.add_argument("--chain", type=int, default=10,
