@@ -63,8 +63,11 @@ def test_a_worker_killed_mid_epoch_under_torchrun_resumes_from_memory_losing_one
 
 
 def rank_of(pid: int) -> int | None:
+    """The RANK torchrun gave the process ``pid`` (None: not a worker, or gone)."""
+    import pathlib
+
     try:
-        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return None
     ranks = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"RANK=")]
