@@ -182,8 +182,9 @@ def _starts_processes(function) -> bool:
         return True
     module = inspect.getmodule(function)
     helpers = (getattr(module, name, None) for name in re.findall(r"\b(\w+)\(", source))
-    return any(inspect.isfunction(h) and h is not function and _is_ours(h) and
-               STARTS_PROCESSES.search(inspect.getsource(h)) for h in helpers)
+    # A helper class counts by its whole source: a test calls its methods by attribute.
+    return any((inspect.isfunction(h) or inspect.isclass(h)) and h is not function and
+               _is_ours(h) and STARTS_PROCESSES.search(inspect.getsource(h)) for h in helpers)
 
 
 def _is_ours(function) -> bool:

@@ -7,6 +7,13 @@
   verify and load. Kills come in chains of ``--chain`` on one out_dir; each chain then
   runs to the end, and its final weights must equal an uninterrupted run's (a wrong
   resume anywhere in the chain changes them).
+- ``--memory-kills N``: the same chains with in-memory snapshots every step
+  (``checkpoint.memory_every_steps=1``, disk snapshots at epoch ends) and a snapshot
+  made large by ``--ballast-mb`` (tests/ballast_plugin.py), so that much of a step is
+  the copy into shared memory: the run SIGKILLed at a random moment after a new memory
+  snapshot, started again... After every kill each rank's newest valid buffer must
+  load whole (an unusable snapshot otherwise); each chain's final weights must equal
+  the uninterrupted run's (a wrong resume otherwise).
 - ``--group-signals M``: SIGUSR1 to the whole process group mid-run (what SLURM's
   ``--signal=USR1@90`` without ``B:``, its time-limit SIGTERM and ``kill -- -PGID`` do):
   the run must stop with exit 75 after exactly one pre-emption, nothing killed, no
@@ -23,6 +30,7 @@
 
     python tools/attack_loop.py --kills 200 --group-signals 20
     python tools/attack_loop.py --kills 30 --checkpointer async --group-signals 0
+    python tools/attack_loop.py --kills 0 --group-signals 0 --memory-kills 20
     python tools/attack_loop.py --kills 0 --group-signals 0 --concurrent-starts 3 \
         --stopped-ranks 3
 
@@ -68,6 +76,7 @@ class Loop:
                       "checkpoint.keep_last=2", f"checkpointer={args.checkpointer}",
                       "--nproc", str(args.nproc), "--threads", "1"]
         self.env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+                    "ENGINE_BALLAST_MB": f"{args.ballast_mb:g}",
                     "PYTHONPATH": os.pathsep.join(filter(None, [
                         str(REPO), os.environ.get("PYTHONPATH")]))}
         self.problems: list[str] = []
@@ -75,15 +84,16 @@ class Loop:
 
     # ------------------------------------------------------------------ runs
 
-    def start(self, out: pathlib.Path) -> subprocess.Popen:
+    def start(self, out: pathlib.Path, train=None) -> subprocess.Popen:
         # A session of its own: its process group is the run's launcher and workers.
-        return subprocess.Popen([ENGINE_RUN, *self.train, f"out_dir={out}"], cwd=REPO,
-                                env=self.env, stdout=subprocess.PIPE,
+        return subprocess.Popen([ENGINE_RUN, *(train or self.train), f"out_dir={out}"],
+                                cwd=REPO, env=self.env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
 
-    def finish(self, out: pathlib.Path) -> subprocess.CompletedProcess:
-        return subprocess.run([ENGINE_RUN, *self.train, f"out_dir={out}"], cwd=REPO,
-                              env=self.env, capture_output=True, text=True, timeout=900)
+    def finish(self, out: pathlib.Path, train=None) -> subprocess.CompletedProcess:
+        return subprocess.run([ENGINE_RUN, *(train or self.train), f"out_dir={out}"],
+                              cwd=REPO, env=self.env, capture_output=True, text=True,
+                              timeout=900)
 
     def reference(self) -> str:
         out = self.tmp / "reference"
@@ -108,16 +118,33 @@ class Loop:
 
     def wait_for_new_snapshot(self, proc, out: pathlib.Path, before: str | None) -> bool:
         """True once ``latest`` moved past ``before``; False if the run ended first."""
+        return self.wait_until(proc, lambda: self.latest_pointer(out) not in (None, before),
+                               f"{out}: no new snapshot", poll_s=0.05)
+
+    def wait_until(self, proc, condition, problem: str, poll_s: float = 0.02) -> bool:
+        """True once ``condition()``; False if the run ended first, or (a problem) if
+        600 s went by."""
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            now = self.latest_pointer(out)
-            if now is not None and now != before:
+            if condition():
                 return True
             if proc.poll() is not None:
                 return False
-            time.sleep(0.05)
-        self.problems.append(f"{out}: no new snapshot within 600 s")
+            time.sleep(poll_s)
+        self.problems.append(f"{problem} within 600 s")
         return False
+
+    def kill_after(self, proc, ready, problem: str, rng) -> str | None:
+        """SIGKILL the run's process group (launcher and workers) at a random moment
+        within ``--kill-window`` s after ``ready()``; its stdout, or None when it ended
+        first."""
+        if not self.wait_until(proc, ready, problem):
+            proc.communicate(timeout=300)
+            return None
+        time.sleep(rng.uniform(0.0, self.args.kill_window))
+        with contextlib.suppress(ProcessLookupError):  # gone already
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate(timeout=120)[0]
 
     @staticmethod
     def stop(proc) -> tuple[str, str]:
@@ -138,13 +165,9 @@ class Loop:
         while kills < min(self.args.chain, kills_left):
             before = self.latest_pointer(out)
             proc = self.start(out)
-            if not self.wait_for_new_snapshot(proc, out, before):
-                proc.communicate(timeout=300)
+            moved = lambda: self.latest_pointer(out) not in (None, before)
+            if self.kill_after(proc, moved, f"{out}: no new snapshot", rng) is None:
                 break  # the run ended (completed) before it could be killed
-            time.sleep(rng.uniform(0.0, self.args.kill_window))
-            with contextlib.suppress(ProcessLookupError):  # gone already
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=120)
             kills += 1
             folder = out / "checkpoints"
             mid_write += any(n.startswith(".") for n in os.listdir(folder))
@@ -164,6 +187,76 @@ class Loop:
             self.problems.append(f"chain {chain}: final weights differ from the "
                                  "uninterrupted run's (a wrong resume)")
         self.mid_write += mid_write
+        return kills
+
+    # ----------------------------------------------------------- memory kills
+
+    def memory_train(self) -> list[str]:
+        """tiny_resume with a memory snapshot every step, on disk at epoch ends only,
+        made large by the ballast part (tests/ballast_plugin.py)."""
+        return [RECIPE, f"epochs={self.args.epochs}", "checkpoint.memory_every_steps=1",
+                "checkpoint.keep_last=2", f"checkpointer={self.args.checkpointer}",
+                "--nproc", str(self.args.nproc), "--threads", "1",
+                "-p", "tests.ballast_plugin"]
+
+    @staticmethod
+    def newest_memory_step(out: pathlib.Path) -> int:
+        """The newest memory snapshot's step on rank 0 (its header only), -1 if none."""
+        from engine import memory_snapshot
+
+        slots = [memory_snapshot.read_slot(p, verify=False)
+                 for p in memory_snapshot.buffer_paths(out, 0)]
+        return max((s.step for s in slots if s is not None), default=-1)
+
+    def check_memory_buffers(self, where: str, out: pathlib.Path) -> tuple[int, int]:
+        """After a kill: every rank's newest valid buffer loads whole (its ballast all of
+        its step). Returns (buffers found torn by the kill, unusable ranks)."""
+        from engine import memory_snapshot
+
+        torn = unusable = 0
+        for rank in range(self.args.nproc):
+            paths = memory_snapshot.buffer_paths(out, rank)
+            # A buffer with our magic but no valid snapshot: the kill was in its copy.
+            torn += sum(1 for p in paths if memory_snapshot.read_info(p)
+                        and memory_snapshot.read_slot(p) is None)
+            slot = memory_snapshot.newest(paths)
+            try:
+                snap = memory_snapshot.load_slot(slot)
+                ballast = snap["ballast"]
+                assert int(snap["step"]) == slot.step == ballast["step"], "steps differ"
+                assert bool((ballast["tensor"] == float(slot.step)).all()), "ballast torn"
+            except Exception as exc:
+                unusable += 1
+                self.problems.append(f"{where}: rank {rank}'s newest memory snapshot is "
+                                     f"unusable: {type(exc).__name__}: {exc}")
+        return torn, unusable
+
+    def memory_kill_chain(self, chain: int, kills_left: int, reference: str) -> int:
+        out = self.tmp / f"memory{chain}"
+        train, rng = self.memory_train(), random.Random()
+        kills = 0
+        while kills < min(self.args.chain, kills_left):
+            before = self.newest_memory_step(out)
+            proc = self.start(out, train)
+            moved = lambda: self.newest_memory_step(out) > before
+            said = self.kill_after(proc, moved, f"{out}: no new memory snapshot", rng)
+            if said is None:
+                break  # the run ended (completed) before it could be killed
+            self.memory_resumes += "resumed from memory at step" in said
+            kills += 1
+            torn, unusable = self.check_memory_buffers(f"memory chain {chain}, kill {kills}",
+                                                       out)
+            self.memory_torn += torn
+            self.unusable += unusable
+        done = self.finish(out, train)
+        self.memory_resumes += "resumed from memory at step" in done.stdout
+        if done.returncode != 0:
+            self.problems.append(f"memory chain {chain}: the resumed run failed: "
+                                 f"{(done.stderr.strip().splitlines() or [''])[-1]}")
+        elif self.digest(out) != reference:
+            self.wrong_resumes += 1
+            self.problems.append(f"memory chain {chain}: final weights differ from the "
+                                 "uninterrupted run's (a wrong resume)")
         return kills
 
     # ----------------------------------------------------------- group signals
@@ -331,24 +424,33 @@ class Loop:
     def elapsed(self) -> str:
         return f"{time.monotonic() - self.started:.0f}s"
 
-    def run(self) -> int:
-        args = self.args
-        self.mid_write = 0
-        reference = None
-        if args.kills or args.group_signals or args.concurrent_starts:
-            reference = self.reference()
-            print(f"reference run done ({self.elapsed()})", flush=True)
+    def chains(self, what: str, wanted: int, one_chain, reference: str) -> tuple[int, int]:
+        """``one_chain(chain, kills left, reference)`` until ``wanted`` kills landed:
+        (kills, chains)."""
         kills = chain = 0
-        while kills < args.kills:
+        while kills < wanted:
             chain += 1
-            got = self.kill_chain(chain, args.kills - kills, reference)
+            got = one_chain(chain, wanted - kills, reference)
             kills += got
-            print(f"kills: {kills}/{args.kills} ({self.elapsed()}), "
+            print(f"{what}: {kills}/{wanted} ({self.elapsed()}), "
                   f"{len(self.problems)} problem(s)", flush=True)
             if got == 0:
-                self.problems.append(f"chain {chain}: no kill landed (the run is too short: "
-                                     "raise --epochs)")
+                self.problems.append(f"{what}, chain {chain}: no kill landed (the run is "
+                                     "too short: raise --epochs)")
                 break
+        return kills, chain
+
+    def run(self) -> int:
+        args = self.args
+        self.mid_write = self.memory_torn = self.memory_resumes = 0
+        self.unusable = self.wrong_resumes = 0
+        reference = None
+        if args.kills or args.group_signals or args.concurrent_starts or args.memory_kills:
+            reference = self.reference()
+            print(f"reference run done ({self.elapsed()})", flush=True)
+        kills, chain = self.chains("kills", args.kills, self.kill_chain, reference)
+        memory_kills, memory_chain = self.chains("memory kills", args.memory_kills,
+                                                 self.memory_kill_chain, reference)
         for trial in range(1, args.group_signals + 1):
             self.group_signal(trial, reference)
             print(f"group signals: {trial}/{args.group_signals} ({self.elapsed()}), "
@@ -363,7 +465,11 @@ class Loop:
         for line in timings:
             print(f"stopped rank, {line}", flush=True)
         print(f"total: {kills} kills in {chain} chain(s) ({self.mid_write} with a snapshot "
-              f"being written), {args.group_signals} group signals ({args.signal}), "
+              f"being written), {memory_kills} memory kills in {memory_chain} chain(s) "
+              f"({self.memory_torn} buffer(s) torn by the kill, {self.unusable} unusable "
+              f"snapshot(s), {self.memory_resumes} resume(s) from memory, "
+              f"{self.wrong_resumes} wrong resume(s)), "
+              f"{args.group_signals} group signals ({args.signal}), "
               f"{args.concurrent_starts} concurrent starts, {args.stopped_ranks} stopped "
               f"rank(s) per launcher, {len(self.problems)} problem(s), {self.elapsed()}",
               flush=True)
@@ -386,6 +492,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=200)
     p.add_argument("--group-signals", type=int, default=20)
+    p.add_argument("--memory-kills", type=int, default=0,
+                   help="kills with in-memory snapshots every step, much of it the copy")
+    p.add_argument("--ballast-mb", type=float, default=32,
+                   help="--memory-kills: MB per rank added to the snapshot")
     p.add_argument("--chain", type=int, default=10,
                    help="kills on one out_dir before it runs to the end and is compared")
     p.add_argument("--kill-window", type=float, default=0.3,
@@ -401,9 +511,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout-s", type=float, default=4.0,
                    help="the stopped-rank runs' timeout_s")
     args = p.parse_args(argv)
-    if min(args.kills, args.group_signals, args.concurrent_starts, args.stopped_ranks) < 0:
-        p.error("--kills, --group-signals, --concurrent-starts and --stopped-ranks must "
-                "be >= 0")
+    if min(args.kills, args.group_signals, args.concurrent_starts, args.stopped_ranks,
+           args.memory_kills, args.ballast_mb) < 0:
+        p.error("--kills, --memory-kills, --ballast-mb, --group-signals, "
+                "--concurrent-starts and --stopped-ranks must be >= 0")
     if args.chain < 1 or args.timeout_s <= 0:
         p.error("--chain must be >= 1 and --timeout-s > 0")
     unknown = set(args.launchers.split(",")) - set(LAUNCHES)

@@ -5,26 +5,18 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 
 from tests.conftest import REPO, engine_env, read_summary, run_cli
+from tests.engine.conftest import RESUME_BASE, RESUME_RECIPE
 
-RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
+RECIPE, BASE = RESUME_RECIPE, RESUME_BASE  # the reference fixture's (conftest)
 STEPS_PER_EPOCH = 6  # 96 samples, global batch 16
 EPOCHS = 3
-BASE = ("epochs=3", "checkpoint.every_steps=4", "checkpoint.keep_last=2")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """weights_sha256 of uninterrupted runs, by number of processes."""
-    digests = {}
-    for nproc in (1, 2):
-        out = tmp_path_factory.mktemp(f"reference{nproc}")
-        run_cli(RECIPE, *BASE, f"out_dir={out}", "--nproc", str(nproc), check=True)
-        digests[nproc] = read_summary(out)["weights_sha256"]
-    return digests
+TORCHRUN = shutil.which("torchrun", path=str(REPO / ".venv" / "bin")) or shutil.which(
+    "torchrun")  # ships with torch
 
 
 def mid_epoch_step() -> int:
@@ -105,11 +97,6 @@ def test_resume_from_a_missing_path_is_an_error(tmp_path):
 
 def test_torchrun_max_restarts_resumes_a_killed_worker_to_identical_weights(
         reference, tmp_path):
-    import shutil
-
-    torchrun = shutil.which("torchrun", path=str(REPO / ".venv" / "bin")) or shutil.which(
-        "torchrun")
-    assert torchrun, "torchrun ships with torch"
     out = tmp_path / "run"
     env = engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP=str(mid_epoch_step()),
                      ENGINE_FAULT_RANK="1", ENGINE_FAULT_ONCE=str(tmp_path / "once"))
@@ -117,7 +104,7 @@ def test_torchrun_max_restarts_resumes_a_killed_worker_to_identical_weights(
 
     from tests.conftest import ENGINE_RUN
 
-    proc = run([torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+    proc = run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
                 ENGINE_RUN, RECIPE, *BASE, f"out_dir={out}", "-p", "tests.fault_plugin"],
                env=env, timeout=400)
     assert (tmp_path / "once").exists(), "the worker was never killed"
@@ -395,81 +382,109 @@ def winning_batches(out) -> dict[int, list[int]]:
     return epochs
 
 
+class Agents:
+    """torchrun agents on loopback, one per "node" (--nproc-per-node 1, c10d rendezvous
+    on a free port, --max-restarts 3), each in a session of its own, its output in
+    ``<tmp_path>/<name>.log``; ``with agents:`` kills what is left at the end."""
+
+    def __init__(self, tmp_path, nnodes: str, *engine_args: str):
+        import socket
+
+        self.tmp_path, self.nnodes, self.engine_args = tmp_path, nnodes, engine_args
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.procs, self.logs = {}, {}
+
+    def start(self, name: str, is_host: bool = False) -> None:
+        import subprocess
+
+        from tests.conftest import ENGINE_RUN
+
+        self.logs[name] = self.tmp_path / f"{name}.log"
+        self.procs[name] = subprocess.Popen(
+            [TORCHRUN, "--nnodes", self.nnodes, "--nproc-per-node", "1",
+             "--max-restarts", "3", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "agents",
+             "--monitor-interval", "1", "--rdzv-conf",
+             f"is_host={int(is_host)},last_call_timeout=1,join_timeout=120,"
+             # A dead agent leaves the rendezvous after 8 s without a heartbeat, not 3 x 5 s.
+             # A live agent's heartbeats can be 3 s apart (sent when the last one is an
+             # interval old, seen through a 1 s cache): 2 s expelled agent a (seen here).
+             "keep_alive_interval=1,keep_alive_max_attempt=8",
+             ENGINE_RUN, *self.engine_args],
+            # torch's shared rendezvous store gives a node that joins in a later round no
+            # MASTER_ADDR (the round's rank 0 cached it from round 0): the opt-out builds
+            # it every round.
+            env=engine_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), cwd=REPO,
+            stdout=open(self.logs[name], "w"), stderr=subprocess.STDOUT,
+            start_new_session=True)
+
+    def workers(self, name: str) -> list[int]:
+        return children(self.procs[name].pid)
+
+    def kill(self, name: str) -> list[int]:
+        """The "node" goes: its agent, then its workers (whose pids it returns)."""
+        import os
+        import signal
+
+        workers = self.workers(name)
+        self.procs[name].kill()
+        self.procs[name].wait(timeout=30)
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        return workers
+
+    def wait(self, *names: str, timeout: float) -> None:
+        for name in names:
+            assert self.procs[name].wait(timeout=timeout) == 0, self.said()
+
+    def said(self) -> str:
+        return "".join(path.read_text() for path in self.logs.values())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import os
+        import signal
+
+        for agent in self.procs.values():
+            if agent.poll() is None:
+                for pid in children(agent.pid):
+                    os.kill(pid, signal.SIGKILL)
+                agent.kill()
+
+
 def test_torchrun_elastic_goes_on_after_an_agent_dies_and_grows_when_one_joins(tmp_path):
     """Two torchrun agents on loopback (--nnodes 1:2); one is killed with its worker
     mid-epoch: the other restarts at 1 process from the last snapshot; a new agent
     joins: both restart at 2 processes from the snapshot the SIGTERM wrote. The run
     finishes, every sample of every epoch is trained on once, and the log says each
     change of the world size. ``<out_dir>/hold`` (tiny_elastic) paces the phases."""
-    import os
-    import shutil
-    import signal
-    import socket
-    import subprocess
-
-    from tests.conftest import ENGINE_RUN
-
-    torchrun = shutil.which("torchrun", path=str(REPO / ".venv" / "bin")) or shutil.which(
-        "torchrun")
     out = tmp_path / "run"
     out.mkdir()
     (out / "hold").write_text("8")  # wait before step 8: the step-5 snapshot is written
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # torch's shared rendezvous store gives a node that joins in a later round no
-    # MASTER_ADDR (the round's rank 0 cached it from round 0): the opt-out builds it
-    # every round.
-    env = engine_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    agents, logs = {}, {}
-
-    def start(name: str, is_host: int):
-        logs[name] = tmp_path / f"{name}.log"
-        agents[name] = subprocess.Popen(
-            [torchrun, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-             "--rdzv-id", "elastic", "--monitor-interval", "1", "--rdzv-conf",
-             f"is_host={is_host},last_call_timeout=1,join_timeout=120,"
-             # A dead agent leaves the rendezvous after 8 s without a heartbeat, not 3 x 5 s.
-             # A live agent's heartbeats can be 3 s apart (sent when the last one is an
-             # interval old, seen through a 1 s cache): 2 s expelled agent a (seen here).
-             "keep_alive_interval=1,keep_alive_max_attempt=8",
-             ENGINE_RUN, ELASTIC, f"out_dir={out}", "epochs=2", "size=60",
-             "checkpoint.every_steps=5"],
-            env=env, cwd=REPO, stdout=open(logs[name], "w"), stderr=subprocess.STDOUT,
-            start_new_session=True)
-
-    def said() -> str:
-        return "".join(path.read_text() for path in logs.values())
+    agents = Agents(tmp_path, "1:2", ELASTIC, f"out_dir={out}", "epochs=2", "size=60",
+                    "checkpoint.every_steps=5")
 
     def holding() -> set:
         return {p.name for p in out.glob("holding-*")}
 
-    try:
-        start("a", 1)
-        start("b", 0)
+    with agents:
+        agents.start("a", is_host=True)
+        agents.start("b")
         wait_for(lambda: len(holding()) == 2, "2 processes to reach step 8")
         first = holding()
-        workers = children(agents["b"].pid)
-        agents["b"].kill()  # the "node" goes: its agent, then its worker
-        agents["b"].wait(timeout=30)
-        for pid in workers:
-            os.kill(pid, signal.SIGKILL)
+        agents.kill("b")
         (out / "hold").write_text("13")  # a's worker steps on, finds b gone
-        wait_for(lambda: holding() - first and "this run has 1" in said(),
+        wait_for(lambda: holding() - first and "this run has 1" in agents.said(),
                  "agent a to go on alone")
-        start("c", 0)
-        wait_for(lambda: "this run has 2" in said(), "agent c to join")
+        agents.start("c")
+        wait_for(lambda: "this run has 2" in agents.said(), "agent c to join")
         (out / "hold").unlink()
-        for name in ("a", "c"):
-            assert agents[name].wait(timeout=300) == 0, said()
-    finally:
-        for agent in agents.values():
-            if agent.poll() is None:
-                for pid in children(agent.pid):
-                    os.kill(pid, signal.SIGKILL)
-                agent.kill()
-    log = said()
+        agents.wait("a", "c", timeout=300)
+    log = agents.said()
     assert "was written by 2 processes, this run has 1" in log, log
     assert "was written by 1 processes, this run has 2" in log, log
     summary = read_summary(out)
