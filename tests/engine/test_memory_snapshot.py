@@ -131,12 +131,13 @@ rng = random.Random(0)
 for attempt in range(int(sys.argv[3])):
     run = runs / str(attempt)
     ready, go = os.pipe()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the saver: 8 MB snapshots back to back, each value its step number
         memory = MemorySnapshots(run, World(rank=0, local_rank=0, world_size=1,
                                             local_world_size=1), every_steps=1, shm=shm)
         step = 0
-        while True:
+        while os.getppid() == parent:  # not beyond a test that died
             step += 1
             memory.save({"w": torch.full((2_000_000,), float(step)), "step": step},
                         step=step, epoch=0)
