@@ -172,19 +172,25 @@ STARTS_PROCESSES = re.compile(
     r"launch|mp\.spawn|AsyncFileCheckpointer|WarmStarter)\(|\bsubprocess\.|\bPopen\(")
 
 
+def _source(thing) -> str:
+    """The source of a function or class; "" where inspect cannot find it (a class whose
+    definition it cannot locate in its file raises OSError)."""
+    try:
+        return inspect.getsource(thing)
+    except (OSError, TypeError):
+        return ""
+
+
 @functools.cache
 def _starts_processes(function) -> bool:
-    try:
-        source = inspect.getsource(function)
-    except (OSError, TypeError):
-        return False
+    source = _source(function)
     if STARTS_PROCESSES.search(source):
         return True
     module = inspect.getmodule(function)
     helpers = (getattr(module, name, None) for name in re.findall(r"\b(\w+)\(", source))
     # A helper class counts by its whole source: a test calls its methods by attribute.
     return any((inspect.isfunction(h) or inspect.isclass(h)) and h is not function and
-               _is_ours(h) and STARTS_PROCESSES.search(inspect.getsource(h)) for h in helpers)
+               _is_ours(h) and STARTS_PROCESSES.search(_source(h)) for h in helpers)
 
 
 def _is_ours(function) -> bool:
