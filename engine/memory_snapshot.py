@@ -47,8 +47,6 @@ from typing import Any
 
 import attrs
 
-from engine.errors import CheckpointError, first_line
-
 #: Where the buffers live: a tmpfs, so that they outlive the process but not the machine.
 SHM = pathlib.Path("/dev/shm")
 PREFIX = "engine-memory-"
@@ -361,12 +359,17 @@ def newest(paths) -> Slot | None:
     return max(slots, key=lambda s: s.sequence, default=None)
 
 
-def load_slot(slot: Slot) -> dict:
+def payload_of(slot: Slot):
+    """The payload of a checked buffer, as a uint8 tensor mapped onto the file."""
     import torch
 
-    tensor = torch.from_file(str(slot.path), shared=True,
-                             size=HEADER_BYTES + slot.length, dtype=torch.uint8)
-    return read_payload(tensor[HEADER_BYTES:])
+    tensor = torch.from_file(str(slot.path), shared=True, size=HEADER_BYTES + slot.length,
+                             dtype=torch.uint8)
+    return tensor[HEADER_BYTES:]
+
+
+def load_slot(slot: Slot) -> dict:
+    return read_payload(payload_of(slot))
 
 
 # ------------------------------------------------------------ a rank's pair
@@ -445,6 +448,7 @@ class MemorySnapshots:
         return per_rank * self.world.local_world_size, stat.f_bavail * stat.f_frsize + held
 
     def bytes_held(self) -> int:
+        """The bytes of this rank's mapped buffers (tools/bench_memory_snapshot.py)."""
         return sum(HEADER_BYTES + b.capacity for b in self.buffers if b.tensor is not None)
 
     def close(self) -> None:
@@ -525,18 +529,10 @@ def fetch(memory: MemorySnapshots, choice: MemoryChoice) -> dict:
                                           src=choice.source)
     device = distributed.collective_device()
     if rank == choice.source:
-        payload = load_payload_tensor(mine).to(device)
+        payload = payload_of(mine).to(device, copy=True)
     else:
         payload = torch.empty(length, dtype=torch.uint8, device=device)
     distributed.broadcast_tensor(payload, src=choice.source)
     if mine is not None:
         return load_slot(mine)
     return read_payload(payload.cpu())
-
-
-def load_payload_tensor(slot: Slot):
-    import torch
-
-    tensor = torch.from_file(str(slot.path), shared=True,
-                             size=HEADER_BYTES + slot.length, dtype=torch.uint8)
-    return tensor[HEADER_BYTES:].clone()

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import pathlib
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
