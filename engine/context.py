@@ -175,6 +175,9 @@ class WorkerContext:
         self.recipe_path: str | None = None  # the recipe file, or the custom loop's script
         self.epochs_requested: int | None = None
         self.resumed_from: str | None = None  # the snapshot a resume loaded
+        # Where the resume came from: {"tier": memory|peer|disk, "step", "steps_lost",
+        # "source_rank"} (engine/snapshot.py), or None.
+        self.resume_record: dict | None = None
         self._weights: dict | None = None  # the weights digests, once gathered
         self._warned: set[str] = set()
         self._started = time.perf_counter()
@@ -373,7 +376,7 @@ class WorkerContext:
             "metrics": dict(self.metrics),
             "resumed_from": _path_or_none(self.resumed_from),
             # Where the resume came from: tier (memory, peer, disk), step, steps_lost.
-            "resume": getattr(self, "resume_record", None),
+            "resume": self.resume_record,
             "final_checkpoint": self._checkpoint(status, "latest"),
             # checkpoint.best_metric set: the snapshot best by it (kept past keep_last).
             "best_checkpoint": self._checkpoint(status, "best"),

@@ -90,6 +90,7 @@ class RunContext(Protocol):
     recipe_path: str | None  #: the recipe file, or the custom loop's script
     epochs_requested: int | None
     resumed_from: str | None  #: the snapshot a resume loaded, or None
+    resume_record: dict | None  #: summary.json's ``resume``: tier, step, steps_lost...
 
     @property
     def is_rank0(self) -> bool: ...  #: global rank 0: the rank that writes and logs

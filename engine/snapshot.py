@@ -114,7 +114,8 @@ def _every_rank_has_room(eng, memory, state: dict) -> bool:
 
     needed, free = memory.room_for(state)
     each = needed / 2 / eng.world.local_world_size / 2**20  # MB, one buffer
-    short = distributed.all_reduce_sum(torch.tensor([float(needed > free)])).item()
+    short = distributed.all_reduce_sum(torch.tensor(  # NCCL reduces GPU tensors only
+        [float(needed > free)], device=distributed.collective_device())).item()
     if short:
         eng.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: they need 2 x "
                  f"{each:.1f} MB per rank in {memory.shm}, and "
@@ -175,17 +176,11 @@ def resume(eng) -> None:
 
 
 def _step_of(path) -> int | None:
-    """The step of the disk snapshot at ``path`` (its manifest's, else its name's)."""
+    """The step of the disk snapshot ``latest()`` chose (its manifest's: latest() takes
+    none without one)."""
     from engine.checkpoint import read_manifest
 
-    if path is None:
-        return None
-    step = (read_manifest(pathlib.Path(path)) or {}).get("step")
-    if step is None:
-        name = pathlib.Path(path).name
-        digits = name.rpartition("-s")[2].split(".")[0]
-        step = int(digits) if digits.isdigit() else None
-    return step
+    return None if path is None else (read_manifest(pathlib.Path(path)) or {}).get("step")
 
 
 def _resume_from_memory(eng, memory, disk_step: int | None) -> bool:
@@ -225,10 +220,10 @@ def _record_resume(eng, tier: str, step: int, reached: int, source_rank=None) ->
     """What summary.json's ``resume`` reports: the tier (memory, peer or disk), the
     step resumed at and the steps recomputed (when the interrupted run said how far it
     got)."""
-    setattr(eng, "resume_record", {
+    eng.resume_record = {
         "tier": tier, "step": step,
         "steps_lost": max(0, reached - step) if reached else None,
-        "source_rank": source_rank})
+        "source_rank": source_rank}
 
 
 def _checked_resume_path(eng, chosen: str) -> str | CheckpointError:
