@@ -48,6 +48,7 @@ class CheckpointConfig:
     every_steps: int = 0  # 0: never by step count
     every_minutes: float = 0.0  # 0: never by wall time
     memory_every_steps: int = 100  # a snapshot in shared memory every N steps (0: never)
+    memory_dir: str = "/dev/shm"  # the tmpfs for them (this user's folder is made there)
     keep_last: int = 3  # the newest snapshots kept (0: every one)
     best_metric: str = ""  # e.g. "val/loss": also keep the best snapshot by it
     best_mode: Literal["max", "min"] = "max"  # whether the best is the highest or lowest

@@ -207,7 +207,7 @@ class Engine(WorkerContext):
         or a model sharded by fully_shard (each rank holds only its shard: a restart
         resumes from the newest disk snapshot, docs/checkpoints.md)."""
         from engine import config as config_mod
-        from engine import memory_snapshot, stateful
+        from engine import stateful
 
         every = self.cfg.checkpoint.memory_every_steps
         if not every:
@@ -218,9 +218,47 @@ class Engine(WorkerContext):
                           f"(parallel={self.cfg.parallel}): a restart resumes from the "
                           "newest disk snapshot")
             return None
-        if self.world.is_local_rank0:
-            memory_snapshot.remove_leftovers()
-        return memory_snapshot.MemorySnapshots(self.out_dir, self.world, every)
+        return self._open_memory_snapshots(every)
+
+    def _open_memory_snapshots(self, every: int):
+        """The run's id (rank 0 keeps it in the run folder: new when the run starts
+        afresh), the leftovers of earlier runs removed (each machine's local rank 0),
+        and this user's buffer folder checked on every rank. Collective. None, with one
+        warning, when any rank cannot use its tmpfs safely: the tier is off everywhere
+        together, since a memory snapshot is a collective."""
+        from engine import distributed, memory_snapshot
+        from engine.snapshot import _warn_each
+
+        opts = self.options
+        ids = None
+        if self.is_rank0:
+            try:
+                ids = memory_snapshot.claim_run_id(self.out_dir, bool(opts.get("no_resume")))
+            except OSError as exc:
+                ids = f"cannot write its id into {self.out_dir}: {exc.strerror or exc}"
+        ids = distributed.broadcast_object(ids)
+        memory = problem = None
+        if isinstance(ids, str):
+            problem = ids
+        else:
+            old, run_id = ids
+            memory = memory_snapshot.MemorySnapshots(
+                self.out_dir, self.world, every, run_id=run_id,
+                shm=self.cfg.checkpoint.memory_dir)
+            problem = memory.check()
+            if problem is None and self.world.is_local_rank0:
+                # --no-resume and --resume PATH: none of the run's snapshots is wanted.
+                forget = old if opts.get("no_resume") or opts.get("resume") else None
+                _, problems = memory_snapshot.remove_leftovers(
+                    self.out_dir, run_id, memory.shm, forget=forget)
+                _warn_each(self, problems)
+        # Also the barrier after the clean-up: no rank reads its buffers before it.
+        problems = [p for p in distributed.all_gather_object(problem) if p]
+        if problems:
+            self.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: "
+                      f"{problems[0]}; the run goes on with disk snapshots")
+            return None
+        return memory
 
 
 def build_scheduler(recipe, cfg, optimizer, ctx):

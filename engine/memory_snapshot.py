@@ -2,30 +2,43 @@
 steps (``checkpoint.memory_every_steps``), so that a restarted worker loses at most that
 many steps instead of everything since the last disk snapshot.
 
-Each rank keeps two buffers, files in /dev/shm that outlive the worker process::
+Each rank keeps two buffers, files on a tmpfs that outlive the worker process, in a
+folder of this user's own::
 
-    /dev/shm/engine-memory-<run key>-r<rank>-a
-    /dev/shm/engine-memory-<run key>-r<rank>-b
+    /dev/shm/engine-memory-<uid>/                  mode 0700, owned by the user
+        <run id>-r<rank>-a                         mode 0600
+        <run id>-r<rank>-b
 
-where ``<run key>`` is 16 hex digits of the sha256 of the run folder's real path. A
-buffer is a header page, then the payload::
+/dev/shm is shared by every user and often by every container on a host, so nothing
+there is trusted for its name (CWE-377, CWE-59): the folder must be a real folder (not a
+link) owned by this user and closed to others, and a buffer a regular file owned by
+this user, opened without following a link and created exclusively. Anything else
+turns the memory tier off with one warning; the run goes on with disk snapshots.
+
+``<run id>`` is 32 random hex digits kept in the run folder (``.engine-memory-id``), new
+whenever the run starts afresh (``--no-resume``, a deleted or overwritten folder). A
+buffer is used only when it carries that id, so another run's buffers, and those of a
+run whose folder was deleted or overwritten, never match.
+
+A buffer is a header page, then the payload::
 
     header   magic, sequence number (0: invalid), step, epoch, payload length, xxh3-128
-             of the payload, the step the run had reached (buffer a), a JSON line (run
-             folder, host, rank, world size)
+             of the header's fields and the payload, the step the run had reached
+             (buffer a; informative, outside the checksum), the run id, a JSON line
+             (run folder, host, pid, rank, world size)
     payload  [skeleton length][skeleton: the snapshot dict pickled with every tensor
              replaced by (marker, offset, dtype, shape)][tensor bytes, 64-byte aligned]
 
 The content is the disk snapshot's (:func:`engine.snapshot.capture`: model, optimizer,
-scheduler, scaler, progress, loader position, every rank's RNG states...), so in the
-replicated parallel modes every rank's buffer is a whole snapshot that any rank can
+scheduler, scaler, progress, loader position, every rank's RNG states, config...), so in
+the replicated parallel modes every rank's buffer is a whole snapshot that any rank can
 resume from: the per-rank parts (RNG states) are gathered into each one.
 
 A save writes into the buffer that does not hold the newest snapshot: it zeroes that
 buffer's sequence number first (a kill during the copy leaves it invalid, the other one
 valid), copies, then writes the header, the sequence number last. A reader takes the
-valid buffer (magic, sequence > 0, its payload's checksum) with the highest sequence, so
-a torn or stale buffer is never used.
+valid buffer (magic, sequence > 0, this run's id, the checksum) with the highest
+sequence, so a torn, stale or foreign buffer is never used.
 
 At a resume the ranks agree (:func:`agree`) on the newest snapshot every rank can
 restore: a memory snapshot newer than the newest disk snapshot, from the rank's own
@@ -36,40 +49,147 @@ that has it over the process group; else the disk snapshot.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
+import mmap
 import os
 import pathlib
 import pickle
+import re
+import secrets
 import socket
+import stat
 import struct
+import sys
 from typing import Any
 
 import attrs
 
 #: Where the buffers live: a tmpfs, so that they outlive the process but not the machine.
 SHM = pathlib.Path("/dev/shm")
-PREFIX = "engine-memory-"
+FOLDER_PREFIX = "engine-memory-"  # + the user id
+#: The run's id, in the run folder: a buffer without it is not this run's.
+RUN_ID_FILE = ".engine-memory-id"
 HEADER_BYTES = 4096
 ALIGN = 64
-MAGIC = b"ENGMEM\x00\x01"
-# magic, sequence, step, epoch, payload length, checksum (16 bytes), step reached
-_HEADER = struct.Struct("<8sQQQQ16sQ")
-_REACHED_AT = _HEADER.size - 8
+MAGIC = b"ENGMEM\x00\x02"
+# magic, sequence, step, epoch, payload length, checksum (16 bytes), step reached, run id
+_HEADER = struct.Struct("<8sQQQQ16sQ16s")
+_REACHED_AT = 56
 _JSON_AT = _HEADER.size
+#: What the checksum covers besides the payload: every field but itself and "reached".
+_SIGNED = struct.Struct("<8sQQQQ16s")
 #: Marks a tensor's place in the pickled skeleton: (MARKER, offset, dtype, shape).
 MARKER = "\x00engine-memory-tensor"
+_NAME = re.compile(r"(?P<run_id>[0-9a-f]{32})-r(?P<rank>\d+)-[ab]")
 
 
-def run_key(run_dir) -> str:
-    """16 hex digits naming a run folder's buffers (the folder's real path, hashed)."""
-    real = os.path.realpath(os.fspath(run_dir))
-    return hashlib.sha256(real.encode()).hexdigest()[:16]
+class Unsafe(Exception):
+    """A folder or buffer in the shared tmpfs that is not this user's own (a link,
+    another user's file, a folder open to others, a directory at a buffer's name)."""
 
 
-def buffer_paths(run_dir, rank: int, shm: pathlib.Path = SHM) -> tuple[pathlib.Path, ...]:
-    stem = f"{PREFIX}{run_key(run_dir)}-r{rank}"
-    return shm / f"{stem}-a", shm / f"{stem}-b"
+class NoRoom(Exception):
+    """The tmpfs could not hold a buffer (ENOSPC while reserving its pages)."""
+
+
+def user_folder(shm: pathlib.Path = SHM) -> pathlib.Path:
+    return pathlib.Path(shm) / f"{FOLDER_PREFIX}{os.geteuid()}"
+
+
+def open_user_folder(shm: pathlib.Path = SHM) -> pathlib.Path:
+    """This user's buffer folder, created 0700 when missing; Unsafe unless it is a real
+    folder (not a link) owned by this user and closed to everyone else."""
+    folder = user_folder(shm)
+    try:
+        try:
+            os.mkdir(folder, 0o700)  # never follows a link at the name: EEXIST
+        except FileExistsError:
+            pass
+        info = os.lstat(folder)
+    except OSError as exc:
+        raise Unsafe(f"cannot make {folder}: {exc.strerror or exc}") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise Unsafe(f"{folder} is a symbolic link, not this user's folder")
+    if not stat.S_ISDIR(info.st_mode):
+        raise Unsafe(f"{folder} is not a folder")
+    if info.st_uid != os.geteuid():
+        raise Unsafe(f"{folder} belongs to uid {info.st_uid}, not to this user "
+                     f"(uid {os.geteuid()})")
+    if info.st_mode & 0o077:
+        raise Unsafe(f"{folder} is open to other users (mode "
+                     f"{stat.S_IMODE(info.st_mode):o}, expected 700)")
+    return folder
+
+
+def _open_own(path: pathlib.Path, writable: bool) -> int:
+    """A descriptor of the buffer at ``path``: never through a link, created exclusively
+    when missing (``writable``), and only a regular file of this user's closed to others.
+    FileNotFoundError when it is missing and not ``writable``; Unsafe otherwise."""
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            if not writable:
+                raise
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise Unsafe(f"{path} is not a buffer of this user's ({exc.strerror or exc})") \
+            from None
+    info = os.fstat(fd)
+    problem = (None if stat.S_ISREG(info.st_mode) else "not a regular file") or (
+        None if info.st_uid == os.geteuid() else f"it belongs to uid {info.st_uid}") or (
+        None if not info.st_mode & 0o077 else
+        f"it is open to other users (mode {stat.S_IMODE(info.st_mode):o})")
+    if problem:
+        os.close(fd)
+        raise Unsafe(f"{path} is not a buffer of this user's: {problem}")
+    return fd
+
+
+def run_id_of(run_dir) -> str | None:
+    """The run id kept in ``run_dir`` (None: none, or not one)."""
+    try:
+        text = (pathlib.Path(run_dir) / RUN_ID_FILE).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if re.fullmatch(r"[0-9a-f]{32}", text) else None
+
+
+def claim_run_id(run_dir, fresh: bool) -> tuple[str | None, str]:
+    """Rank 0 at the start: (the id ``run_dir`` had, the run's id). The old one is
+    kept unless the run starts ``fresh`` or has none; a new one is written (atomically)
+    into the folder."""
+    from engine.atomic_io import atomic_write_text
+
+    old = run_id_of(run_dir)
+    if old is not None and not fresh:
+        return old, old
+    new = secrets.token_hex(16)
+    atomic_write_text(pathlib.Path(run_dir) / RUN_ID_FILE, new + "\n")
+    return old, new
+
+
+def buffer_paths(run_dir, rank: int, shm: pathlib.Path = SHM,
+                 run_id: str | None = None) -> tuple[pathlib.Path, ...]:
+    """Rank ``rank``'s two buffers of the run in ``run_dir`` (its id read from there
+    unless given; a run without one has none: paths that do not exist)."""
+    run_id = run_id or run_id_of(run_dir) or "0" * 32
+    stem = user_folder(shm) / f"{run_id}-r{rank}"
+    return stem.with_name(stem.name + "-a"), stem.with_name(stem.name + "-b")
+
+
+def run_buffers(run_id: str, shm: pathlib.Path = SHM) -> list[pathlib.Path]:
+    """Every rank's buffers of the run ``run_id`` on this machine."""
+    folder = user_folder(shm)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(folder / n for n in names
+                  if (m := _NAME.fullmatch(n)) and m["run_id"] == run_id)
 
 
 def _align(n: int) -> int:
@@ -188,10 +308,14 @@ def read_payload(buf) -> dict:
     def build(value):
         if isinstance(value, tuple) and len(value) == 4 and value[0] == MARKER:
             _, offset, dtype, shape = value
-            dtype = getattr(torch, dtype)
+            dtype = getattr(torch, str(dtype), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"a tensor of unknown dtype {value[2]!r}")
             n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
             if not n:
                 return torch.empty(shape, dtype=dtype)
+            if not 0 <= offset <= len(buf) - start - n:
+                raise ValueError("a tensor lies outside the payload")
             return buf[start + offset:start + offset + n].view(dtype).view(shape).clone()
         if isinstance(value, dict):
             return {k: build(v) for k, v in value.items()}
@@ -202,18 +326,48 @@ def read_payload(buf) -> dict:
     return build(_SkeletonUnpickler(io.BytesIO(skeleton)).load())
 
 
-def checksum(array) -> bytes:
+def checksum(fields: bytes, payload) -> bytes:
+    """xxh3-128 of the header's fields (:data:`_SIGNED`) and the payload: a header
+    whose step, length or run id was changed fails it as a flipped payload bit does."""
     import xxhash
 
-    return xxhash.xxh3_128(array).digest()
+    digest = xxhash.xxh3_128(fields)
+    digest.update(payload)
+    return digest.digest()
+
+
+def _signed(sequence: int, step: int, epoch: int, length: int, run_id: bytes) -> bytes:
+    return _SIGNED.pack(MAGIC, sequence, step, epoch, length, run_id)
 
 
 # ------------------------------------------------------------ one buffer
 
 
+def _map(fd: int, size: int, writable: bool):
+    """A memory map of ``size`` bytes of ``fd``, and a uint8 tensor over it. Read-only
+    descriptors are mapped privately (copy on write, never written): torch wants a
+    writable buffer."""
+    import torch
+
+    if writable:
+        mapping = mmap.mmap(fd, size)
+    else:
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return mapping, torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def _unmap(mapping) -> None:
+    try:
+        mapping.close()
+    except BufferError:  # a tensor still points into it: the map goes with the tensor
+        pass
+
+
 @attrs.define
 class Slot:
-    """What a buffer's header says, once checked."""
+    """What a buffer's header says, once checked, and the buffer mapped (read-only):
+    what is loaded is what was checked, not a file opened again by its name."""
 
     path: pathlib.Path
     sequence: int
@@ -221,48 +375,73 @@ class Slot:
     epoch: int
     length: int
     reached: int
+    run_id: str
     info: dict
+    tensor: Any = attrs.field(default=None, repr=False)  # header and payload, uint8
+    mapping: Any = attrs.field(default=None, repr=False)
+
+    def payload(self):
+        return self.tensor[HEADER_BYTES:HEADER_BYTES + self.length]
+
+    def close(self) -> None:
+        self.tensor = None
+        if self.mapping is not None:
+            _unmap(self.mapping)
+            self.mapping = None
 
 
 class Buffer:
-    """One shared-memory file: its header and payload, as a uint8 tensor mapped onto it
-    (torch.from_file, MAP_SHARED), and the same bytes as a numpy array."""
+    """One shared-memory file of this rank's: its header and payload, mapped as a uint8
+    tensor and as a numpy array over the same bytes. The descriptor stays open with a
+    shared flock for the run's life: another run's clean-up sees that its writer lives
+    (:func:`writer_gone`)."""
 
     def __init__(self, path: pathlib.Path):
         self.path = path
+        self.fd: int | None = None
+        self.mapping = None
         self.tensor = None
         self.array = None
         self.capacity = 0
         self.pinned = False
 
-    def map(self, payload_bytes: int, info: dict) -> None:
+    def map(self, payload_bytes: int, info: dict, run_id: bytes) -> None:
         """Map the file with room for ``payload_bytes`` (grown when short; the pages
-        reserved with posix_fallocate, so that a full /dev/shm is an error here and not
-        a SIGBUS during a copy). The header gets the magic and ``info`` at once, so that
-        :func:`remove_leftovers` knows whose the file is before its first snapshot."""
-        import torch
+        reserved with posix_fallocate, so that a full tmpfs is NoRoom here and not a
+        SIGBUS during a copy). The header gets the magic, the run id and ``info`` at
+        once, so that a clean-up knows whose the file is before its first snapshot.
+        Unsafe when the name is taken by anything but this user's regular file."""
+        import fcntl
+
+        import numpy as np
 
         size = HEADER_BYTES + payload_bytes
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < size:
-                os.posix_fallocate(fd, 0, size)
-        finally:
-            os.close(fd)
-        self.tensor = torch.from_file(str(self.path), shared=True, size=size,
-                                      dtype=torch.uint8)
-        self.array = self.tensor.numpy()
+        self.unmap()
+        if self.fd is None:
+            self.fd = _open_own(self.path, writable=True)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                pass  # a clean-up is looking at it this instant: it is ours all the same
+        if os.fstat(self.fd).st_size < size:
+            try:
+                os.posix_fallocate(self.fd, 0, size)
+            except OSError as exc:
+                raise NoRoom(f"{self.path}: {exc.strerror or exc}") from None
+        self.mapping, self.tensor = _map(self.fd, size, writable=True)
+        self.array = np.frombuffer(self.mapping, dtype=np.uint8)
         self.capacity = payload_bytes
         text = json.dumps(info).encode()[:HEADER_BYTES - _JSON_AT - 4]
         self.array[_JSON_AT:_JSON_AT + 4 + len(text)] = bytearray(
             struct.pack("<I", len(text)) + text)
+        self.array[_REACHED_AT + 8:_JSON_AT] = bytearray(run_id)
         self.array[:8] = bytearray(MAGIC)
 
     def write_header(self, sequence: int, step: int, epoch: int, length: int,
-                     digest: bytes) -> None:
+                     run_id: bytes, digest: bytes) -> None:
         array = self.array
         reached = struct.unpack_from("<Q", array[:_HEADER.size].tobytes(), _REACHED_AT)[0]
-        fields = _HEADER.pack(MAGIC, 0, step, epoch, length, digest, reached)
+        fields = _HEADER.pack(MAGIC, 0, step, epoch, length, digest, reached, run_id)
         array[16:_HEADER.size] = bytearray(fields[16:])  # everything but the sequence...
         array[8:16] = bytearray(struct.pack("<Q", sequence))  # ...which commits it
 
@@ -286,120 +465,198 @@ class Buffer:
                                                          self.tensor.numel(), 0)
             self.pinned = int(error) == 0  # else the copies still work, unpinned
 
-    def close(self) -> None:
+    def unmap(self) -> None:
         if self.pinned:
             import torch
 
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
         self.tensor = self.array = None
+        if self.mapping is not None:
+            _unmap(self.mapping)
+            self.mapping = None
+
+    def close(self) -> None:
+        self.unmap()
+        if self.fd is not None:
+            os.close(self.fd)  # and with it the flock
+            self.fd = None
 
 
-def read_slot(path: pathlib.Path, verify: bool = True) -> Slot | None:
-    """The buffer at ``path`` if it holds a whole snapshot (its checksum checked when
-    ``verify``), else None: missing, torn by a kill during its copy, or foreign."""
-    import torch
+def read_slot(path: pathlib.Path, verify: bool = True,
+              run_id: str | None = None) -> Slot | None:
+    """The buffer at ``path`` if it holds a whole snapshot of the run ``run_id`` (any
+    run's when None; its checksum checked when ``verify``), else None: missing, torn by
+    a kill during its copy, another run's, or not this user's own file."""
+    return check_slot(path, verify, run_id)[0]
 
+
+def check_slot(path: pathlib.Path, verify: bool = True,
+               run_id: str | None = None) -> tuple[Slot | None, str | None]:
+    """:func:`read_slot`, and why a buffer that is there was refused: None when it is
+    missing or holds no snapshot yet (sequence 0: never written, or torn by a kill
+    during its copy, which a save marks first), a reason otherwise (not this user's
+    own file, another run's, a checksum that fails)."""
     try:
-        size = path.stat().st_size
+        fd = _open_own(path, writable=False)
+    except (OSError, Unsafe):
+        # Missing, or not this user's: never read, and the first save, which must
+        # reserve the name, turns the tier off saying why (engine/snapshot.py).
+        return None, None
+    try:
+        size = os.fstat(fd).st_size
         if size < HEADER_BYTES:
-            return None
-        tensor = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
-    except (OSError, RuntimeError):
-        return None
+            return None, None  # made, never mapped: a kill right after its creation
+        mapping, tensor = _map(fd, size, writable=False)
+    except (OSError, ValueError) as exc:
+        return None, f"cannot map it: {exc}"
+    finally:
+        os.close(fd)  # the map holds the file
     array = tensor.numpy()
-    magic, sequence, step, epoch, length, digest, reached = _HEADER.unpack(
+    magic, sequence, step, epoch, length, digest, reached, raw_id = _HEADER.unpack(
         array[:_HEADER.size].tobytes())
-    if magic != MAGIC or not sequence or HEADER_BYTES + length > size:
-        return None
-    if verify and checksum(array[HEADER_BYTES:HEADER_BYTES + length]) != digest:
-        return None
-    return Slot(path, sequence, step, epoch, length, reached, _info(array))
+    problem = None
+    if magic != MAGIC:
+        problem = "not a memory snapshot of this engine version"
+    elif not sequence:
+        pass  # nothing in it yet, or torn: the other buffer has the snapshot
+    elif run_id is not None and raw_id != bytes.fromhex(run_id):
+        problem = (f"it carries run id {raw_id.hex()}, not this run's ({run_id}, in the "
+                   f"run folder's {RUN_ID_FILE})")
+    elif HEADER_BYTES + length > size or (verify and checksum(
+            _signed(sequence, step, epoch, length, raw_id),
+            array[HEADER_BYTES:HEADER_BYTES + length]) != digest):
+        problem = "its checksum does not match: damaged or altered"
+    if problem is not None or not sequence:
+        del array, tensor
+        _unmap(mapping)
+        return None, problem and f"{path}: {problem}"
+    return Slot(path, sequence, step, epoch, length, reached, raw_id.hex(), _info(array),
+                tensor=tensor, mapping=mapping), None
 
 
 def _info(array) -> dict:
     (length,) = struct.unpack("<I", array[_JSON_AT:_JSON_AT + 4].tobytes())
     try:
-        return json.loads(array[_JSON_AT + 4:_JSON_AT + 4 + length].tobytes())
+        info = json.loads(array[_JSON_AT + 4:_JSON_AT + 4 + length].tobytes())
     except ValueError:
         return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _read_header(path: pathlib.Path) -> bytes:
+    """The header page of this user's buffer at ``path`` (b"" when none)."""
+    try:
+        fd = _open_own(path, writable=False)
+    except (OSError, Unsafe):
+        return b""
+    try:
+        header = os.pread(fd, HEADER_BYTES, 0)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+    return header if len(header) == HEADER_BYTES and header[:8] == MAGIC else b""
 
 
 def read_info(path: pathlib.Path) -> dict:
-    """The JSON line of the buffer at ``path`` (run folder, host, rank, world size), with
-    or without a snapshot in it; {} when it is none of ours."""
-    try:
-        with open(path, "rb") as f:
-            header = f.read(HEADER_BYTES)
-    except OSError:
-        return {}
-    if len(header) < HEADER_BYTES or header[:8] != MAGIC:
-        return {}
+    """The JSON line of the buffer at ``path`` (run folder, host, pid, rank, world
+    size), with or without a snapshot in it; {} when it is none of ours."""
     import numpy as np
 
-    return _info(np.frombuffer(header, dtype=np.uint8))
+    header = _read_header(path)
+    return _info(np.frombuffer(header, dtype=np.uint8)) if header else {}
 
 
 def reached_step(path: pathlib.Path) -> int:
     """The step the run had reached when it last wrote to the buffer at ``path`` (0:
     unknown)."""
-    try:
-        with open(path, "rb") as f:
-            header = f.read(_HEADER.size)
-    except OSError:
-        return 0
-    if len(header) < _HEADER.size or header[:8] != MAGIC:
-        return 0
-    return struct.unpack_from("<Q", header, _REACHED_AT)[0]
+    header = _read_header(path)
+    return struct.unpack_from("<Q", header, _REACHED_AT)[0] if header else 0
 
 
-def newest(paths) -> Slot | None:
+def newest(paths, run_id: str | None = None) -> Slot | None:
     """The valid buffer with the highest sequence among ``paths``, or None."""
-    slots = [s for s in (read_slot(p) for p in paths) if s is not None]
-    return max(slots, key=lambda s: s.sequence, default=None)
+    slots = [s for s in (read_slot(p, run_id=run_id) for p in paths) if s is not None]
+    best = max(slots, key=lambda s: s.sequence, default=None)
+    for slot in slots:
+        if slot is not best:
+            slot.close()
+    return best
 
 
 def payload_of(slot: Slot):
-    """The payload of a checked buffer, as a uint8 tensor mapped onto the file."""
-    import torch
-
-    tensor = torch.from_file(str(slot.path), shared=True, size=HEADER_BYTES + slot.length,
-                             dtype=torch.uint8)
-    return tensor[HEADER_BYTES:]
+    """The payload of a checked buffer, as a uint8 tensor over its map."""
+    return slot.payload()
 
 
 def load_slot(slot: Slot) -> dict:
-    return read_payload(payload_of(slot))
+    return read_payload(slot.payload())
+
+
+def writer_gone(path: pathlib.Path) -> bool:
+    """Whether no process holds the buffer at ``path`` open for writing (its writer's
+    flock, :class:`Buffer`): the kernel drops it however the writer ended."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # and the lock with it
+    return True
 
 
 # ------------------------------------------------------------ a rank's pair
 
 
 class MemorySnapshots:
-    """This rank's two buffers: :meth:`save` every ``every_steps`` optimizer steps,
-    :meth:`newest` at a resume, :meth:`remove` when the run ends by itself."""
+    """This rank's two buffers: :meth:`check` at the start, :meth:`save` every
+    ``every_steps`` optimizer steps, :meth:`newest` at a resume, :meth:`remove` when
+    the run ends by itself."""
 
-    def __init__(self, run_dir, world, every_steps: int, shm: pathlib.Path = SHM):
+    def __init__(self, run_dir, world, every_steps: int, run_id: str | None = None,
+                 shm: pathlib.Path = SHM):
         self.run_dir = pathlib.Path(run_dir)
         self.world = world
         self.every_steps = every_steps
-        self.shm = shm
-        self.paths = buffer_paths(run_dir, world.rank, shm)
+        self.shm = pathlib.Path(shm)
+        self.folder = user_folder(shm)
+        self.run_id = run_id or run_id_of(run_dir) or claim_run_id(run_dir, False)[1]
+        self.raw_id = bytes.fromhex(self.run_id)
+        self.paths = buffer_paths(run_dir, world.rank, shm, self.run_id)
         self.buffers = [Buffer(p) for p in self.paths]
         self.sequence = 0  # the newest valid buffer's; the next save writes above it
         self.newest_index: int | None = None
         self.saves = 0
         self.reached_before = 0  # how far the interrupted run had got (agree() says)
         self.config: dict | None = None  # the run's config as a dict (snapshot.py)
+        #: Why this rank's last save failed (a full tmpfs, a name taken since): the
+        #: ranks agree at the next check point to turn the tier off (trainer.py).
+        self.failed: str | None = None
         self.info = {"run_dir": str(os.path.realpath(self.run_dir)),
-                     "host": socket.gethostname(), "rank": world.rank,
+                     "host": socket.gethostname(), "pid": os.getpid(), "rank": world.rank,
                      "world_size": world.world_size}
+
+    def check(self) -> str | None:
+        """None when this user's buffer folder is safe to use (made if missing), else
+        why not: the tier must be off."""
+        try:
+            open_user_folder(self.shm)
+        except Unsafe as exc:
+            return str(exc)
+        return None
 
     def due(self, step: int) -> bool:
         return step % self.every_steps == 0
 
     def newest(self) -> Slot | None:
-        slot = newest(self.paths)
+        slot = newest(self.paths, self.run_id)
         if slot is not None:
             self.sequence = slot.sequence
             self.newest_index = self.paths.index(slot.path)
@@ -414,38 +671,58 @@ class MemorySnapshots:
         if self.buffers[0].tensor is not None:
             self.buffers[0].note_reached(step)
 
+    def reserve(self, state: dict) -> None:
+        """Map both buffers with room for ``state``: at the first save, so that a tmpfs
+        filling up later cannot take the second one's pages (only a state that grows
+        maps again). NoRoom or Unsafe when a buffer cannot be had."""
+        skeleton, _, data_size = encode_plan(state)
+        self._reserve(payload_size(skeleton, data_size), range(2))
+
+    def _reserve(self, needed: int, indices) -> None:
+        if all(b.fd is None for b in self.buffers):  # this process's first: the folder
+            open_user_folder(self.shm)             # is checked again
+        # Room for the skeleton to grow (metrics, an epoch's loss sums) without
+        # remapping at the next save.
+        capacity = needed + max(64 * 1024, needed // 64)
+        for i in indices:
+            if self.buffers[i].tensor is None or self.buffers[i].capacity < needed:
+                self.buffers[i].map(capacity, self.info, self.raw_id)
+
     def save(self, state: dict, *, step: int, epoch: int) -> None:
-        """Copy ``state`` into the buffer that does not hold the newest snapshot."""
+        """Copy ``state`` into the buffer that does not hold the newest snapshot. NoRoom
+        or Unsafe when a buffer cannot be had; the newest snapshot stays valid."""
         skeleton, tensors, data_size = encode_plan(state)
         needed = payload_size(skeleton, data_size)
         index = 1 if self.newest_index == 0 else 0
         buffer = self.buffers[index]
-        if buffer.tensor is None or buffer.capacity < needed:
-            # Room for the skeleton to grow (metrics, an epoch's loss sums) without
-            # remapping at the next save.
-            buffer.close()
-            buffer.map(needed + max(64 * 1024, needed // 64), self.info)
-        if self.buffers[0].tensor is None:  # its header keeps the step reached
-            self.buffers[0].map(buffer.capacity, self.info)
+        # Both at the first save (reserve), the target alone when the state grew.
+        self._reserve(needed, [index] if self.buffers[1 - index].tensor is not None
+                      else [index, 1 - index])
         if any(tensor.is_cuda for _, tensor in tensors):
             buffer.pin()
         buffer.invalidate()
         length = write_payload(buffer.payload(buffer.capacity), skeleton, tensors)
-        digest = checksum(buffer.array[HEADER_BYTES:HEADER_BYTES + length])
         self.sequence += 1
-        buffer.write_header(self.sequence, step, epoch, length, digest)
+        digest = checksum(_signed(self.sequence, step, epoch, length, self.raw_id),
+                          buffer.array[HEADER_BYTES:HEADER_BYTES + length])
+        buffer.write_header(self.sequence, step, epoch, length, self.raw_id, digest)
         self.newest_index = index
         self.saves += 1
 
     def room_for(self, state: dict) -> tuple[int, int]:
         """The bytes the buffers of ``state`` take on this machine (two per local rank:
         every local rank asks at once, before any allocates), and the bytes free in
-        /dev/shm plus what this run's buffers already take there."""
+        the tmpfs plus what this run's buffers already take there."""
         skeleton, _, data_size = encode_plan(state)
-        stat = os.statvfs(self.shm)
-        held = sum(p.stat().st_size for p in self.shm.glob(f"{PREFIX}{run_key(self.run_dir)}-*"))
+        stat_ = os.statvfs(self.shm)
+        held = 0
+        for path in run_buffers(self.run_id, self.shm):
+            try:
+                held += os.lstat(path).st_size
+            except OSError:
+                pass
         per_rank = 2 * (HEADER_BYTES + payload_size(skeleton, data_size))
-        return per_rank * self.world.local_world_size, stat.f_bavail * stat.f_frsize + held
+        return per_rank * self.world.local_world_size, stat_.f_bavail * stat_.f_frsize + held
 
     def bytes_held(self) -> int:
         """The bytes of this rank's mapped buffers (tools/bench_memory_snapshot.py)."""
@@ -455,29 +732,137 @@ class MemorySnapshots:
         for buffer in self.buffers:
             buffer.close()
 
-    def remove(self) -> None:
-        """Unmap and unlink both buffers (the run ended, or they are stale)."""
+    def remove(self) -> list[str]:
+        """Unmap and unlink both buffers (the run ended, or they are stale); returns a
+        warning for each that could not be removed."""
         self.close()
-        for path in self.paths:
-            path.unlink(missing_ok=True)
         self.sequence = 0
         self.newest_index = None
+        return unlink_all(self.paths)
 
 
-def remove_leftovers(shm: pathlib.Path = SHM) -> list[pathlib.Path]:
-    """Remove the buffers of runs whose folder no longer exists (a deleted experiment's
-    leftovers); returns what was removed. Buffers of existing folders stay: a rerun in
-    that folder resumes from them, and its end removes them."""
-    removed = []
-    for path in sorted(shm.glob(f"{PREFIX}*")):
-        folder = read_info(path).get("run_dir")
-        if folder and not os.path.isdir(folder):
+def unlink_all(paths) -> list[str]:
+    """Remove those of ``paths`` that are this user's regular files (anything else at a
+    buffer's name is left as it is); a warning, not an error, for each that could not
+    go."""
+    problems = []
+    for path in paths:
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            problems.append(f"could not look at the memory snapshot {path}: "
+                            f"{exc.strerror or exc}")
+            continue
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            continue  # not this user's buffer: someone else's to remove, never ours
+        try:
             path.unlink(missing_ok=True)
+        except OSError as exc:
+            problems.append(f"could not remove the memory snapshot {path}: "
+                            f"{exc.strerror or exc}")
+    return problems
+
+
+def remove_leftovers(run_dir, run_id: str, shm: pathlib.Path = SHM,
+                     forget: str | None = None) -> tuple[list[pathlib.Path], list[str]]:
+    """At a run's start (local rank 0): remove the buffers left behind in this user's
+    folder, and only those: from this host, their writer gone (no flock held), and
+    either of this run folder under another id (a run started afresh over it, or an
+    overwritten folder) or of a run folder that no longer exists. ``forget``: an id
+    whose buffers all go (``--no-resume``, ``--resume PATH``). Another live run's
+    buffers, another host's (containers sharing the tmpfs), and those of an existing
+    folder's run (which its rerun resumes from) stay. Returns what was removed and a
+    warning for each buffer that could not be."""
+    folder, host = user_folder(shm), socket.gethostname()
+    here = os.path.realpath(os.fspath(run_dir))
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return [], []
+    removed, problems = [], []
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if not match or (match["run_id"] == run_id and run_id != forget):
+            continue
+        path = folder / name
+        if match["run_id"] != forget:
+            info = read_info(path)
+            theirs = info.get("run_dir")
+            if info.get("host") != host or not isinstance(theirs, str):
+                continue
+            if theirs != here and os.path.isdir(theirs):
+                continue
+        if not writer_gone(path):
+            continue
+        problem = unlink_all([path])
+        problems += problem
+        if not problem:
             removed.append(path)
-    return removed
+    return removed, problems
 
 
 # ------------------------------------------------------------ agreeing at a resume
+
+
+@attrs.define
+class Loaded:
+    """This rank's newest usable memory snapshot: its checked buffer and its content."""
+
+    slot: Slot
+    state: dict
+
+    def close(self) -> None:
+        self.slot.close()
+
+
+def load_newest(memory: MemorySnapshots, warn) -> Loaded | None:
+    """This rank's newest memory snapshot of this run that loads whole, or None. A
+    buffer that passed its checks but does not decode into a snapshot (a skeleton with
+    anything but plain values, a tensor outside the payload, no config, another step
+    than its header's) is one ``warn``ing, and the older buffer is tried: never a
+    traceback, and a good disk snapshot is still there behind it."""
+    slots, problems = [], []
+    for path in memory.paths:
+        slot, problem = check_slot(path, run_id=memory.run_id)
+        if problem is not None:
+            problems.append(problem)
+        elif slot is not None:
+            slots.append(slot)
+    if problems:  # one line per rank
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        warn(f"the memory snapshot {problems[0]}{more}; not used")
+    slots.sort(key=lambda s: -s.sequence)
+    if slots:  # the next save writes above the highest sequence, whatever loads
+        memory.sequence = slots[0].sequence
+    loaded = None
+    for slot in slots:
+        if loaded is not None:
+            slot.close()
+            continue
+        try:
+            state = load_slot(slot)
+            problem = _not_a_snapshot(state, slot.step)
+        except Exception as exc:  # whatever a damaged or forged payload raises
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem is None:
+            loaded = Loaded(slot, state)
+            memory.newest_index = memory.paths.index(slot.path)
+        else:
+            warn(f"the memory snapshot {slot.path} does not load ({problem}); not used")
+            slot.close()
+    return loaded
+
+
+def _not_a_snapshot(state, step: int) -> str | None:
+    if not isinstance(state, dict):
+        return f"it holds a {type(state).__name__}, not a snapshot"
+    if not isinstance(state.get("config"), dict):
+        return "it holds no config to check against this run's"
+    if state.get("step") != step:
+        return f"its header says step {step}, its content step {state.get('step')!r}"
+    return None
 
 
 @attrs.define
@@ -500,39 +885,38 @@ class MemoryChoice:
         return [r for r in range(world_size) if r not in self.holders]
 
 
-def agree(memory: MemorySnapshots) -> MemoryChoice:
+def agree(memory: MemorySnapshots, mine: Loaded | None) -> MemoryChoice:
     """Collective: every rank says which memory snapshot it holds (its step, or -1) and
     how far the run had got; every rank returns the same answer."""
     from engine import distributed
 
-    slot = memory.newest()
-    mine = (slot.step if slot is not None else -1, memory.reached())
-    every = distributed.all_gather_object(mine)
+    step = mine.slot.step if mine is not None else -1
+    every = distributed.all_gather_object((step, memory.reached()))
     best = max(step for step, _ in every)
     return MemoryChoice(best, [r for r, (step, _) in enumerate(every) if step == best],
                         max(r for _, r in every))
 
 
-def fetch(memory: MemorySnapshots, choice: MemoryChoice) -> dict:
-    """The chosen snapshot on every rank: from its own buffer, or, for the ranks that
-    lack it, sent by the first rank that has it (one broadcast of its payload; the
-    ranks that hold it take part and keep their own). Collective when a rank lacks it."""
+def fetch(memory: MemorySnapshots, choice: MemoryChoice, mine: Loaded | None) -> dict:
+    """The chosen snapshot on every rank: its own, or, for the ranks that lack it, sent
+    by the first rank that has it (one broadcast of its checked payload; the ranks that
+    hold it take part and keep their own). Collective when a rank lacks it."""
     import torch
 
     from engine import distributed
 
     rank, world_size = memory.world.rank, memory.world.world_size
-    mine = memory.newest() if rank in choice.holders else None
+    holds = rank in choice.holders
     if not choice.missing(world_size):
-        return load_slot(mine)
-    length = distributed.broadcast_object(mine.length if rank == choice.source else None,
-                                          src=choice.source)
+        return mine.state
+    length = distributed.broadcast_object(mine.slot.length if rank == choice.source
+                                          else None, src=choice.source)
     device = distributed.collective_device()
     if rank == choice.source:
-        payload = payload_of(mine).to(device, copy=True)
+        payload = mine.slot.payload().to(device, copy=True)
     else:
         payload = torch.empty(length, dtype=torch.uint8, device=device)
     distributed.broadcast_tensor(payload, src=choice.source)
-    if mine is not None:
-        return load_slot(mine)
+    if holds:
+        return mine.state
     return read_payload(payload.cpu())

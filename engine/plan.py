@@ -55,16 +55,20 @@ def memory_plan(recipe, cfg) -> str | None:
     every = cfg.checkpoint.memory_every_steps
     if not every:
         return None
+    if cfg.parallel == "fsdp":  # each rank holds a shard (engine.Engine._memory_snapshots)
+        return "off with parallel=fsdp: a restart resumes from the newest disk snapshot"
     from engine import memory_snapshot
 
-    where = f"every {every} step(s), 2 buffers per rank in {memory_snapshot.SHM}"
+    folder = memory_snapshot.user_folder(cfg.checkpoint.memory_dir)
+    where = f"every {every} step(s), 2 buffers per rank in {folder}"
     try:
         model_bytes, optimizer_bytes = _state_bytes(recipe, cfg)
     except Exception:  # a recipe that cannot build on the meta device: said at run time
         return f"{where}, each the size of a snapshot (printed at the first one)"
     total = model_bytes + optimizer_bytes
     return (f"{where}: 2 x {total / 2**20:.1f} MB (model {model_bytes / 2**20:.1f} MB + "
-            f"optimizer state {optimizer_bytes / 2**20:.1f} MB{_free_shm()})")
+            f"optimizer state {optimizer_bytes / 2**20:.1f} MB"
+            f"{_free_space(cfg.checkpoint.memory_dir)})")
 
 
 def _state_bytes(recipe, cfg) -> tuple[int, int]:
@@ -93,13 +97,11 @@ def _state_per_parameter(optimizer) -> int:
     return 1
 
 
-def _free_shm() -> str:
+def _free_space(folder: str) -> str:
     import os
 
-    from engine import memory_snapshot
-
     try:
-        stat = os.statvfs(memory_snapshot.SHM)
+        stat = os.statvfs(folder)
     except OSError:
         return ""
     return f"; {stat.f_bavail * stat.f_frsize / 2**20:.0f} MB free there"

@@ -12,6 +12,7 @@ only stores the dict and gives it back.
 from __future__ import annotations
 
 import pathlib
+import sys
 
 import engine
 from engine import config as config_mod
@@ -95,38 +96,72 @@ def save(eng) -> pathlib.Path | None:
 
 def save_to_memory(eng) -> None:
     """Copy a snapshot into this rank's shared-memory buffer (engine/memory_snapshot.py).
-    Every rank saves its own; collective (capture)."""
+    Every rank saves its own; collective (capture). A rank whose buffer cannot be had
+    (a full tmpfs, a name taken) keeps taking part in the capture, a collective, and
+    raises ``memory.failed``: the ranks agree to turn the tier off at the next check
+    point (trainer.py)."""
+    from engine import memory_snapshot
+
     memory = eng.memory
     with phases.carve(phases.MEMORY_SNAPSHOTS, within="training", label="memory snapshot"):
         if memory.config is None:  # the same at every step: converted once
             memory.config = config_mod.to_dict(eng.cfg)
         state = capture(eng, memory.config)
-        if not memory.saves and not _every_rank_has_room(eng, memory, state):
+        if not memory.saves and not _every_rank_can_keep_them(eng, memory, state):
             return
-        memory.save(state, step=eng.state.step, epoch=eng.state.epoch)
+        if memory.failed is None:
+            try:
+                memory.save(state, step=eng.state.step, epoch=eng.state.epoch)
+            except (memory_snapshot.NoRoom, memory_snapshot.Unsafe) as exc:
+                memory.failed = str(exc)
 
 
-def _every_rank_has_room(eng, memory, state: dict) -> bool:
-    """Before the first memory snapshot: whether /dev/shm has room for two per rank on
-    every machine. If not on one, all turn them off together (a rank alone would leave
-    the others' next snapshot, a collective, waiting), with one warning."""
-    import torch
+def turn_memory_off(eng, why: str) -> None:
+    """Every rank, together: no more memory snapshots, their buffers removed, one
+    warning (rank 0's); the run goes on with disk snapshots."""
+    memory, eng.memory = eng.memory, None
+    if memory is not None:
+        _warn_each(eng, memory.remove())
+    eng.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: {why}; the "
+             "run goes on with disk snapshots")
+
+
+def _warn_each(eng, problems) -> None:
+    """Warnings of this rank's, whichever rank it is (eng.warn is rank 0's only)."""
+    for problem in problems:
+        print(f"warning: rank {eng.world.rank}: {problem}", file=sys.stderr, flush=True)
+
+
+def _every_rank_can_keep_them(eng, memory, state: dict) -> bool:
+    """Before the first memory snapshot: whether every rank can keep two: room for them
+    in the tmpfs of every machine, and both buffers reserved (a name taken by anything
+    but this user's own file is refused, engine/memory_snapshot.py). If one rank cannot,
+    all turn them off together (a rank alone would leave the others' next snapshot, a
+    collective, waiting), with one warning that says why."""
+    from engine import memory_snapshot
 
     needed, free = memory.room_for(state)
     each = needed / 2 / eng.world.local_world_size / 2**20  # MB, one buffer
-    short = distributed.all_reduce_sum(torch.tensor(  # NCCL reduces GPU tensors only
-        [float(needed > free)], device=distributed.collective_device())).item()
-    if short:
-        eng.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: they need 2 x "
-                 f"{each:.1f} MB per rank in {memory.shm}, and "
-                 f"{'this' if needed > free else 'another'} machine has {free / 2**20:.0f} "
-                 "MB free there; make it larger (docker: --shm-size) or set "
-                 "checkpoint.memory_every_steps=0")
-        memory.remove()
-        eng.memory = None
+    problem = None
+    if needed > free:
+        problem = (f"they need 2 x {each:.1f} MB per rank in {memory.shm}, and it has "
+                   f"{free / 2**20:.0f} MB free; make it larger (docker: --shm-size), "
+                   "set checkpoint.memory_dir to a larger tmpfs, or set "
+                   "checkpoint.memory_every_steps=0")
+    else:
+        try:
+            memory.reserve(state)
+        except (memory_snapshot.NoRoom, memory_snapshot.Unsafe) as exc:
+            problem = str(exc)
+    problems = [(rank, p) for rank, p in enumerate(distributed.all_gather_object(problem))
+                if p]
+    if problems:
+        rank, why = problems[0]
+        turn_memory_off(eng, f"rank {rank}: {why}" if eng.world.world_size > 1 else why)
         return False
-    eng.print(f"in-memory snapshots: every {memory.every_steps} step(s), 2 x {each:.1f} MB "
-              f"per rank in {memory.shm}")
+    if eng.options.get("verbose"):
+        eng.print(f"in-memory snapshots: every {memory.every_steps} step(s), 2 x "
+                  f"{each:.1f} MB per rank in {memory.folder}")
     return True
 
 
@@ -142,7 +177,7 @@ def resume(eng) -> None:
     opts = eng.options
     memory = getattr(eng, "memory", None)
     if opts.get("no_resume"):
-        _forget_memory(memory)
+        _forget_memory(eng, memory)
         return
     chosen = disk_step = None
     if eng.is_rank0 or eng.checkpointer.all_ranks:
@@ -158,7 +193,7 @@ def resume(eng) -> None:
     if memory is not None:
         if not opts.get("resume") and _resume_from_memory(eng, memory, disk_step):
             return
-        _forget_memory(memory)
+        _forget_memory(eng, memory)
     if chosen is None:
         if eng.is_rank0:
             _say_when_every_snapshot_is_unusable(eng)
@@ -186,15 +221,22 @@ def _step_of(path) -> int | None:
 def _resume_from_memory(eng, memory, disk_step: int | None) -> bool:
     """Resume from the newest memory snapshot when one is newer than the disk snapshot:
     this rank's own buffer, or a healthy peer's sent over the process group where this
-    rank's is gone. Collective. False: none newer (the disk snapshot, if any, wins)."""
+    rank's is gone. Collective. False: none newer (the disk snapshot, if any, wins).
+    Only this run's buffers count (the run id, engine/memory_snapshot.py); one that
+    fails to load is a warning and the next tier."""
     from engine import memory_snapshot
 
-    choice = memory_snapshot.agree(memory)
-    memory.reached_before = choice.reached
-    if not choice.newer_than(disk_step):
-        return False
-    source = f"memory (step {choice.step})"
-    restore(eng, memory_snapshot.fetch(memory, choice), source=source)
+    mine = memory_snapshot.load_newest(memory, lambda m: _warn_each(eng, [m]))
+    try:
+        choice = memory_snapshot.agree(memory, mine)
+        memory.reached_before = choice.reached
+        if not choice.newer_than(disk_step):
+            return False
+        source = f"memory (step {choice.step})"
+        restore(eng, memory_snapshot.fetch(memory, choice, mine), source=source)
+    finally:
+        if mine is not None:
+            mine.close()
     setattr(eng, "resumed_from", source)
     missing = choice.missing(eng.world.world_size)
     why = (f"rank(s) {', '.join(map(str, missing))} had no copy: sent by rank "
@@ -208,12 +250,12 @@ def _resume_from_memory(eng, memory, disk_step: int | None) -> bool:
     return True
 
 
-def _forget_memory(memory) -> None:
+def _forget_memory(eng, memory) -> None:
     """A run that did not resume from its memory snapshots removes them: they are older
     than what it resumed from (or belong to the run it starts afresh over), and a
     restart before its first memory snapshot must not take them."""
     if memory is not None:
-        memory.remove()
+        _warn_each(eng, memory.remove())
 
 
 def _record_resume(eng, tier: str, step: int, reached: int, source_rank=None) -> None:

@@ -113,3 +113,123 @@ def test_a_node_replaced_with_its_shared_memory_gone_recovers_from_its_peer(
         "completed", 2, 20)
     assert summary["weights_sha256"] == elastic_reference
     assert no_buffers_left(out)
+
+
+# ------------------------------------------------------------ what the tier trusts
+
+
+@pytest.fixture
+def memory_dir():
+    """A folder on /dev/shm standing for a tmpfs shared with others
+    (checkpoint.memory_dir), so that what a test plants is its own."""
+    import shutil
+    import uuid
+
+    from engine.memory_snapshot import SHM
+
+    folder = SHM / f"engine-test-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def warnings_in(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("warning:")]
+
+
+def test_planted_names_leave_the_plants_untouched_and_the_run_on_disk_snapshots(
+        reference, memory_dir, tmp_path):
+    """Another user's file (mode 0666: it would receive the weights), a symbolic link to
+    a file of root's (it would be overwritten) and a directory at this run's buffer
+    names (the run's id planted with its folder, as someone who could read it would):
+    one warning, the memory tier off on both ranks, the run trains from disk snapshots
+    to the weights of a run that never had memory snapshots, and every planted object
+    is as it was."""
+    import os
+
+    from engine.memory_snapshot import RUN_ID_FILE, user_folder
+
+    out = tmp_path / "run"
+    out.mkdir()
+    run_id = "5" * 32
+    (out / RUN_ID_FILE).write_text(run_id)
+    folder = user_folder(memory_dir)
+    folder.mkdir(mode=0o700)
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"root's own file\n")
+    leak = folder / f"{run_id}-r0-a"
+    leak.write_bytes(b"")
+    os.chown(leak, 12345, 12345)  # the suite runs as root (README)
+    os.chmod(leak, 0o666)
+    (folder / f"{run_id}-r0-b").symlink_to(precious)
+    (folder / f"{run_id}-r1-a").mkdir()
+    planted = {p: os.lstat(p) for p in folder.iterdir()}
+    proc = run_cli(RECIPE, *MEMORY, f"checkpoint.memory_dir={memory_dir}", f"out_dir={out}",
+                   "--nproc", "2", check=True)
+    said = warnings_in(proc.stderr)
+    assert len(said) == 1 and "in-memory snapshots are off" in said[0], proc.stderr
+    assert "is not a buffer of this user's" in said[0] and "Traceback" not in proc.stderr
+    summary = read_summary(out)
+    assert (summary["status"], summary["global_step"]) == ("completed", 18)
+    assert summary["weights_sha256"] == reference[2]
+    assert precious.read_bytes() == b"root's own file\n"
+    for path, before in planted.items():
+        after = os.lstat(path)
+        assert (after.st_mode, after.st_uid, after.st_size, after.st_ino) == (
+            before.st_mode, before.st_uid, before.st_size, before.st_ino), path
+    assert sorted(folder.iterdir()) == sorted(planted)  # and nothing else made there
+
+
+def test_buffers_of_another_run_a_deleted_folder_or_a_fresh_start_are_never_resumed(
+        reference, memory_dir, tmp_path):
+    """Buffers carry the id their run keeps in its folder. (1) A 2-process run killed
+    mid-epoch leaves its buffers. (2) They are copied under another run's names (a
+    forged buffer: a valid checksum, another run's id): that run refuses each in one
+    line and trains from its own start. (3) The first folder deleted and the same
+    command run again: a new run, not a resume of the deleted one; the old buffers are
+    removed (their writer is gone). (4) It is killed too, then a 1-process ``--no-resume
+    --overwrite``: every rank's buffers of the discarded run go at its start."""
+    import os
+    import shutil
+
+    from engine.memory_snapshot import RUN_ID_FILE, run_buffers, run_id_of, user_folder
+
+    out, other = tmp_path / "run", tmp_path / "other"
+    args = (RECIPE, *MEMORY, f"checkpoint.memory_dir={memory_dir}", "--nproc", "2",
+            "-p", "tests.fault_plugin")
+    fault = engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP="9",
+                       ENGINE_FAULT_RANK="1")
+    killed = run_cli(*args, f"out_dir={out}", env=fault)
+    assert killed.returncode != 0
+    first_id = run_id_of(out)
+    left = run_buffers(first_id, memory_dir)
+    assert {p.name.split("-")[1] for p in left} == {"r0", "r1"}, left
+
+    other.mkdir()
+    other_id = "a" * 32
+    (other / RUN_ID_FILE).write_text(other_id)
+    for path in left:  # the same bytes at the other run's names
+        copy = path.with_name(path.name.replace(first_id, other_id))
+        shutil.copyfile(path, copy)
+        os.chmod(copy, 0o600)
+    theirs = run_cli(*args, f"out_dir={other}", check=True)
+    refused = [w for w in warnings_in(theirs.stderr) if "carries run id" in w]
+    assert refused and all(first_id in w for w in refused), theirs.stderr
+    assert "resumed from memory" not in theirs.stdout
+    assert read_summary(other)["weights_sha256"] == reference[2]
+
+    shutil.rmtree(out)  # the experiment deleted; the same command again
+    again = run_cli(*args, f"out_dir={out}", env=fault | {"ENGINE_FAULT_STEP": "11"})
+    assert again.returncode != 0  # killed too, at a later step
+    assert "resumed from" not in again.stdout  # from step 0, not the deleted run
+    assert "resuming from" not in again.stdout
+    assert run_buffers(first_id, memory_dir) == []  # removed at its start
+    second_id = run_id_of(out)
+    assert second_id != first_id and len(run_buffers(second_id, memory_dir)) == 4
+
+    fresh = run_cli(RECIPE, *MEMORY, f"checkpoint.memory_dir={memory_dir}",
+                    f"out_dir={out}", "--nproc", "1", "--no-resume", "--overwrite",
+                    check=True)
+    assert "resumed from" not in fresh.stdout and "resuming from" not in fresh.stdout
+    assert read_summary(out)["weights_sha256"] == reference[1]
+    assert list(user_folder(memory_dir).iterdir()) == []  # rank 1's too; then its own

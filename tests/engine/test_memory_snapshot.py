@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
+import stat
+import struct
 import subprocess
 import sys
 
@@ -12,7 +15,7 @@ import pytest
 import torch
 
 from engine import memory_snapshot
-from engine.memory_snapshot import MemorySnapshots, buffer_paths
+from engine.memory_snapshot import MemorySnapshots
 from engine.testing import assert_same_snapshot
 from engine.world import World
 
@@ -51,12 +54,22 @@ def a_snapshot(step: int) -> dict:
     }
 
 
+RUN_ID = "0123456789abcdef" * 2
+
+
+def memory_of(run_dir, shm, rank: int = 0, run_id: str = RUN_ID) -> MemorySnapshots:
+    memory = MemorySnapshots(run_dir, world(rank), every_steps=1, run_id=run_id, shm=shm)
+    assert memory.check() is None
+    return memory
+
+
 def test_a_saved_snapshot_comes_back_whole_and_detached_from_the_buffer(shm, tmp_path):
-    memory = MemorySnapshots(tmp_path, world(), every_steps=1, shm=shm)
+    memory = memory_of(tmp_path, shm)
     state = a_snapshot(3)
     memory.save(state, step=3, epoch=1)
-    slot = memory_snapshot.newest(memory.paths)
+    slot = memory_snapshot.newest(memory.paths, RUN_ID)
     assert (slot.step, slot.epoch, slot.info["run_dir"]) == (3, 1, str(tmp_path.resolve()))
+    assert slot.path.parent == shm / f"engine-memory-{os.geteuid()}"
     loaded = memory_snapshot.load_slot(slot)
     assert_same_snapshot(loaded, state)
     assert loaded["dtype"] is torch.float16 and loaded["size"] == torch.Size([2, 3])
@@ -65,56 +78,225 @@ def test_a_saved_snapshot_comes_back_whole_and_detached_from_the_buffer(shm, tmp
     assert_same_snapshot(loaded, state)
 
 
+def test_the_folder_and_buffers_are_this_users_alone(shm, tmp_path):
+    memory = memory_of(tmp_path, shm)
+    memory.save(a_snapshot(1), step=1, epoch=0)
+    memory.save(a_snapshot(2), step=2, epoch=0)
+    assert stat.S_IMODE(os.lstat(memory.folder).st_mode) == 0o700
+    assert {stat.S_IMODE(os.lstat(p).st_mode) for p in memory.paths} == {0o600}
+
+
 def test_the_newest_of_the_two_buffers_wins_and_a_damaged_one_is_never_used(shm, tmp_path):
-    memory = MemorySnapshots(tmp_path, world(), every_steps=1, shm=shm)
+    memory = memory_of(tmp_path, shm)
     for step in (1, 2):
         memory.save(a_snapshot(step), step=step, epoch=0)
-    newest = memory_snapshot.newest(memory.paths)
+    newest = memory_snapshot.newest(memory.paths, RUN_ID)
     assert newest.step == 2
     # One flipped bit in the newest payload: its checksum fails, the older one is taken.
-    with open(newest.path, "r+b") as f:
-        f.seek(memory_snapshot.HEADER_BYTES + newest.length - 1)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 1]))
-    assert memory_snapshot.newest(memory.paths).step == 1
+    flip(newest.path, memory_snapshot.HEADER_BYTES + newest.length - 1)
+    assert memory_snapshot.newest(memory.paths, RUN_ID).step == 1
     # A truncated one (a half-written file) neither.
     os.truncate(memory.paths[0] if newest.path == memory.paths[1] else memory.paths[1], 100)
-    assert memory_snapshot.newest(memory.paths) is None
+    assert memory_snapshot.newest(memory.paths, RUN_ID) is None
+
+
+def flip(path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+def test_the_header_is_under_the_checksum(shm, tmp_path):
+    """A header whose step was changed (a forged "step 999999") fails the checksum as a
+    changed payload does; so does one whose run id was changed."""
+    memory = memory_of(tmp_path, shm)
+    memory.save(a_snapshot(1), step=1, epoch=0)
+    path = memory.paths[0]
+    with open(path, "r+b") as f:
+        f.seek(16)  # the step, right after magic and sequence
+        f.write(struct.pack("<Q", 999999))
+    assert memory_snapshot.read_slot(path) is None
+    memory.save(a_snapshot(2), step=2, epoch=0)  # into buffer b
+    flip(memory.paths[1], 64)  # the run id's first byte
+    assert memory_snapshot.read_slot(memory.paths[1]) is None
+
+
+def test_another_runs_buffers_never_match(shm, tmp_path):
+    """Buffers are found by the run's id (kept in its folder): another run's, or those
+    of the run that a fresh start replaced, are not this run's even at the same path."""
+    mine = memory_of(tmp_path, shm)
+    mine.save(a_snapshot(1), step=1, epoch=0)
+    other = "f" * 32
+    assert memory_snapshot.newest(mine.paths, other) is None
+    # The same names copied in under another run's id: still refused by the header.
+    theirs = memory_snapshot.buffer_paths(tmp_path, 0, shm, other)
+    shutil.copyfile(mine.paths[0], theirs[0])
+    os.chmod(theirs[0], 0o600)
+    assert memory_snapshot.newest(theirs, other) is None
+    assert memory_snapshot.newest(theirs, RUN_ID).step == 1  # it is the other run's
+
+
+def test_the_run_id_lives_in_the_run_folder_and_a_fresh_start_replaces_it(tmp_path):
+    old, first = memory_snapshot.claim_run_id(tmp_path, fresh=False)
+    assert old is None and memory_snapshot.run_id_of(tmp_path) == first
+    assert memory_snapshot.claim_run_id(tmp_path, fresh=False) == (first, first)
+    old, second = memory_snapshot.claim_run_id(tmp_path, fresh=True)  # --no-resume
+    assert old == first and second != first
+    assert memory_snapshot.run_id_of(tmp_path) == second
+
+
+@pytest.mark.parametrize("planted", ["other user's file", "symlink", "directory"])
+def test_a_name_taken_by_anything_but_our_own_file_is_refused_untouched(
+        shm, tmp_path, planted):
+    """Another user's file (mode 0666: it would receive the weights), a symbolic link
+    (its target would be overwritten) or a directory at a buffer's name: Unsafe, and the
+    planted object is left exactly as it was."""
+    memory = memory_of(tmp_path, shm)
+    target = tmp_path / "precious"
+    target.write_bytes(b"x" * 100)
+    path = memory.paths[0]
+    if planted == "symlink":
+        path.symlink_to(target)
+    elif planted == "directory":
+        path.mkdir()
+    else:
+        path.write_bytes(b"")
+        os.chown(path, 12345, 12345)  # the suite runs as root (README)
+        os.chmod(path, 0o666)
+    before = os.lstat(path)
+    with pytest.raises(memory_snapshot.Unsafe, match=str(path)):
+        memory.save(a_snapshot(1), step=1, epoch=0)
+    after = os.lstat(path)
+    assert (after.st_mode, after.st_uid, after.st_size, after.st_ino) == (
+        before.st_mode, before.st_uid, before.st_size, before.st_ino)
+    assert target.read_bytes() == b"x" * 100
+    assert memory_snapshot.read_slot(path) is None
+
+
+@pytest.mark.parametrize("planted", ["another user's folder", "symlink", "open folder",
+                                     "file"])
+def test_a_user_folder_that_is_not_ours_turns_the_tier_off(shm, tmp_path, planted):
+    folder = memory_snapshot.user_folder(shm)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    if planted == "symlink":
+        folder.symlink_to(elsewhere)
+    elif planted == "file":
+        folder.write_text("")
+    else:
+        folder.mkdir(mode=0o700)
+        if planted == "open folder":
+            os.chmod(folder, 0o777)
+        else:
+            os.chown(folder, 12345, 12345)
+    memory = MemorySnapshots(tmp_path, world(), every_steps=1, run_id=RUN_ID, shm=shm)
+    problem = memory.check()
+    assert problem is not None and str(folder) in problem, problem
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_a_larger_state_grows_the_buffer_and_the_previous_snapshot_stays(shm, tmp_path):
-    memory = MemorySnapshots(tmp_path, world(), every_steps=1, shm=shm)
+    memory = memory_of(tmp_path, shm)
     memory.save(a_snapshot(1), step=1, epoch=0)
     big = {**a_snapshot(2), "extra": torch.randn(300_000)}
     memory.save(big, step=2, epoch=0)
-    assert_same_snapshot(memory_snapshot.load_slot(memory_snapshot.newest(memory.paths)), big)
+    assert_same_snapshot(memory_snapshot.load_slot(
+        memory_snapshot.newest(memory.paths, RUN_ID)), big)
     # A fresh reader (a restarted worker) finds the same.
-    again = MemorySnapshots(tmp_path, world(), every_steps=1, shm=shm)
+    again = memory_of(tmp_path, shm)
     assert again.newest().step == 2
 
 
-def test_remove_and_the_leftovers_of_deleted_run_folders(shm, tmp_path):
-    kept, gone = tmp_path / "kept", tmp_path / "gone"
-    kept.mkdir(), gone.mkdir()
-    for folder in (kept, gone):
-        memory = MemorySnapshots(folder, world(), every_steps=1, shm=shm)
-        for step in (1, 2):  # both buffers
-            memory.save(a_snapshot(step), step=step, epoch=0)
+def test_a_full_tmpfs_after_the_first_snapshot_is_no_room_and_the_snapshot_stays(tmp_path):
+    """Both buffers are reserved at the first save; a state that grows past them when
+    the tmpfs has filled up meanwhile raises NoRoom (never a SIGBUS), and the newest
+    snapshot stays whole."""
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(tiny)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        memory = memory_of(tmp_path, tiny)
+        memory.save(a_snapshot(1), step=1, epoch=0)
+        memory.save(a_snapshot(2), step=2, epoch=0)  # no new pages: both were reserved
+        (tiny / "filler").write_bytes(b"\0" * (2**21 - 2 * 4096 - os.path.getsize(
+            memory.paths[0]) * 2))
+        with pytest.raises(memory_snapshot.NoRoom, match="No space left"):
+            memory.save({**a_snapshot(3), "extra": torch.randn(300_000)}, step=3, epoch=0)
+        assert memory.newest().step == 2
+        memory.close()
+    finally:
+        subprocess.run(["umount", "-l", str(tiny)], check=False)
+
+
+def test_only_leftovers_of_gone_writers_on_this_host_are_removed(shm, tmp_path):
+    """At a start: buffers of a deleted run folder, or of this folder under an older id,
+    go when no process writes them; a live writer's, another host's (a container
+    sharing the tmpfs), and an existing folder's run (its rerun resumes from them)
+    stay."""
+    here, kept, gone, live, foreign = (tmp_path / n for n in
+                                       ("here", "kept", "gone", "live", "foreign"))
+    ids = {}
+    for n, folder in enumerate((here, kept, gone, live, foreign)):
+        folder.mkdir()
+        ids[folder] = f"{n:032x}"
+        memory = memory_of(folder, shm, run_id=ids[folder])
+        if folder is foreign:
+            memory.info["host"] = "another-container"
+        memory.save(a_snapshot(1), step=1, epoch=0)
+        memory.save(a_snapshot(2), step=2, epoch=0)
+        if folder is live:
+            writer = memory  # its descriptors stay open: the writer lives
+        else:
+            memory.close()
     gone.rmdir()
-    removed = memory_snapshot.remove_leftovers(shm)
-    assert sorted(removed) == sorted(buffer_paths(gone, 0, shm))
-    assert all(p.exists() for p in buffer_paths(kept, 0, shm))
-    memory = MemorySnapshots(kept, world(), every_steps=1, shm=shm)
-    memory.remove()
-    assert not any(p.exists() for p in buffer_paths(kept, 0, shm))
+    live.rmdir()
+    foreign.rmdir()
+    new_id = "e" * 32  # a fresh start over "here": its old id's buffers are stale
+    removed, problems = memory_snapshot.remove_leftovers(here, new_id, shm)
+    assert problems == []
+    assert sorted(removed) == sorted(memory_snapshot.buffer_paths(here, 0, shm, ids[here])
+                                     + memory_snapshot.buffer_paths(gone, 0, shm, ids[gone]))
+    for folder in (kept, live, foreign):
+        assert all(p.exists() for p in memory_snapshot.buffer_paths(folder, 0, shm, ids[folder]))
+    writer.close()  # the writer is gone now: its buffers are leftovers
+    removed, _ = memory_snapshot.remove_leftovers(here, new_id, shm)
+    assert sorted(removed) == sorted(memory_snapshot.buffer_paths(live, 0, shm, ids[live]))
+    # --no-resume / --resume PATH: every rank's buffers of the run go, whatever folder
+    for rank in (0, 1):
+        memory = memory_of(kept, shm, rank, ids[kept])
+        memory.save(a_snapshot(1), step=1, epoch=0)
+        memory.close()
+    memory_snapshot.remove_leftovers(kept, ids[kept], shm, forget=ids[kept])
+    assert memory_snapshot.run_buffers(ids[kept], shm) == []
 
 
-def test_a_skeleton_with_anything_but_plain_values_is_refused(shm, tmp_path):
-    memory = MemorySnapshots(tmp_path, world(), every_steps=1, shm=shm)
-    memory.save({"path": pathlib.PurePosixPath("x")}, step=1, epoch=0)  # not a plain value
+def test_a_buffer_that_does_not_load_is_a_warning_and_the_older_one_is_used(shm, tmp_path):
+    """A skeleton with anything but plain values (code a pickle could run), or a
+    snapshot without its config, passes the checksum but is refused when loading: one
+    warning each, and the next buffer (or none: the disk tier) instead of a traceback."""
+    memory = memory_of(tmp_path, shm)
+    memory.save(a_snapshot(1), step=1, epoch=0)
+    memory.save({**a_snapshot(2), "path": pathlib.PurePosixPath("x")}, step=2, epoch=0)
     with pytest.raises(Exception, match="not allowed in a memory snapshot"):
         memory_snapshot.load_slot(memory.newest())
+    warnings = []
+    loaded = memory_snapshot.load_newest(memory, warnings.append)
+    assert loaded.slot.step == 1 and loaded.state["step"] == 1
+    loaded.close()
+    assert len(warnings) == 1 and "not allowed in a memory snapshot" in warnings[0]
+    forged = {k: v for k, v in a_snapshot(3).items() if k != "config"}
+    # Into the refused buffer: the next save never overwrites the one that loaded.
+    memory.save(forged, step=3, epoch=0)
+    warnings.clear()
+    loaded = memory_snapshot.load_newest(memory, warnings.append)
+    assert loaded.slot.step == 1
+    loaded.close()
+    assert len(warnings) == 1 and "holds no config" in warnings[0], warnings
 
 
 KILLER = """
@@ -133,7 +315,8 @@ for attempt in range(int(sys.argv[3])):
     pid = os.fork()
     if pid == 0:  # the saver: 8 MB snapshots back to back, each value its step number
         memory = MemorySnapshots(run, World(rank=0, local_rank=0, world_size=1,
-                                            local_world_size=1), every_steps=1, shm=shm)
+                                            local_world_size=1), every_steps=1,
+                                 run_id=f"{attempt:032x}", shm=shm)
         step = 0
         while os.getppid() == parent:  # not beyond a test that died
             step += 1
@@ -145,7 +328,7 @@ for attempt in range(int(sys.argv[3])):
     time.sleep(rng.uniform(0.0, 0.2))
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    slot = memory_snapshot.newest(buffer_paths(run, 0, shm))
+    slot = memory_snapshot.newest(buffer_paths(run, 0, shm, f"{attempt:032x}"))
     loaded = memory_snapshot.load_slot(slot)
     whole = loaded["step"] == slot.step and torch.equal(
         loaded["w"], torch.full((2_000_000,), float(slot.step)))
