@@ -7,6 +7,7 @@ A door describes the run as a *job*: what every worker runs, a :class:`Worker`
 caller's function with an ``engine.api.Context``). :class:`Launch` sets the job up once,
 in the launching process, whichever door it came through::
 
+    nproc, threads and a --resume path checked (check_arguments)
     plugin manager (built-ins, entry points, the job's -p plugins)
     job.configure: the recipe's (or the caller's) config with the plugins' groups and
                    the overrides; finish_config: out_dir's default, every component
@@ -96,9 +97,38 @@ def library_options(resume: bool | str | os.PathLike, overwrite: bool,
     """``engine.options`` of a run started from Python: ``resume=``/``overwrite=`` as
     engine-run's --no-resume, --overwrite and --resume PATH set them, ``threads`` as
     --threads, and the launch options (nproc, nnodes...) as engine-run's flags."""
+    if isinstance(resume, os.PathLike):
+        resume = os.fspath(resume)
     return {"no_resume": resume is False, "overwrite": resume is False and overwrite,
-            "resume": os.fspath(resume) if isinstance(resume, (str, os.PathLike)) else None,
+            # Anything but a bool or None stays, for check_arguments to refuse or take.
+            "resume": None if resume is None or isinstance(resume, bool) else resume,
             "threads": threads, **launch}
+
+
+def check_arguments(door: Door, options: dict) -> None:
+    """The launch arguments every door passes on, checked in the launching process
+    before any worker starts, in one line in the door's words: ``nproc`` and
+    ``threads`` None or a positive int, ``resume`` a bool or None (the library doors)
+    or the path of something that exists (where a worker would find no snapshot)."""
+    from engine.errors import CheckpointError
+
+    def asked(name: str, value: Any) -> str:
+        return f"{door.name}({name}={value!r})" if door.library else f"--{name} {value!r}"
+
+    for name, default in (("nproc", "one process per GPU, 2 without a GPU"),
+                          ("threads", "each process's share of the CPUs")):
+        value = options.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ConfigError(f"{asked(name, value)}: {name} must be a positive int"
+                              f"{', or None' if door.library else ''} (default: {default})")
+    resume = options.get("resume")
+    if resume is not None and not isinstance(resume, str):
+        raise ConfigError(f"{asked('resume', resume)}: resume must be True (the newest "
+                          "snapshot in out_dir), False (start fresh) or the path of a "
+                          "snapshot")
+    if resume is not None and not os.path.exists(resume):
+        raise CheckpointError(f"{asked('resume', resume)}: no such snapshot")
 
 
 def launch_options(pm, cfg, options: dict):
@@ -172,6 +202,7 @@ class Launch:
         from engine.run_dir import refuse_fresh_start, refuse_unwritable
 
         self.job = job
+        check_arguments(job.door, job.options)
         self.pm = build_plugin_manager(job.plugins) if pm is None else pm
         with blaming_plugins(self.pm):
             self.cfg = job.configure(self.pm)

@@ -24,7 +24,8 @@ What resume means with a pattern: a new ``engine-run`` is a new run (a new versi
 above 0) continues the newest folder of the pattern, so it resumes where it stopped.
 
 Without a pattern, ``--no-resume`` in a folder that holds a run (snapshots or a
-summary.json) is refused unless ``--overwrite`` is given, which first removes the old
+summary.json; not the summary of a run that failed before its first step, which trained
+nothing) is refused unless ``--overwrite`` is given, which first removes the old
 run's files (:func:`run_files`: the engine's own, :data:`ENGINE_FILES`, and those each
 plugin declares with ``engine_register_run_files``, such as the loggers' metrics.csv and
 tensorboard/): two runs' TensorBoard event files in one folder show duplicate steps.
@@ -163,15 +164,31 @@ def resolve(out_dir: str, *, restarted: bool = False, resume: str | None = None,
 
 
 def holds_a_run(out_dir) -> list[str]:
-    """What in ``out_dir`` shows a run was there: snapshots, a summary.json."""
+    """What in ``out_dir`` shows a run was there: snapshots, a summary.json (but not
+    the summary of a run that failed before its first step: it trained nothing)."""
     path = pathlib.Path(out_dir)
     shown = []
     checkpoints = path / "checkpoints"
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         shown.append("snapshots")
-    if (path / "summary.json").exists():
+    summary = path / "summary.json"
+    if summary.exists() and not _failed_before_training(summary):
         shown.append("summary.json")
     return shown
+
+
+def _failed_before_training(summary: pathlib.Path) -> bool:
+    """A summary.json that records a failed run at step 0 (a recipe whose build_model
+    raised, a bad argument found in the worker); one that cannot be read counts as a
+    run."""
+    import json
+
+    try:
+        record = json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(record, dict) and record.get("status") == "failed"
+            and record.get("global_step") == 0)
 
 
 def refuse_fresh_start(out_dir: str, asked: str = "--no-resume",

@@ -14,7 +14,7 @@ import pytest
 
 import engine
 from engine.config import TrainConfig
-from engine.errors import ConfigError, PluginCodeError, PluginError
+from engine.errors import ConfigError, EngineError, PluginCodeError, PluginError
 from engine.launching import (ENGINE_RUN, FIT, Door, Launch, RecipeJob, launch_options,
                               report_worker_error)
 from engine.testing import make_plugin_manager, run_python  # noqa: F401
@@ -100,6 +100,38 @@ def test_an_error_in_this_process_reaches_the_caller_as_the_exception(tmp_path):
     with pytest.raises(ValueError, match="no model today"):
         engine.fit(recipe, nproc=1, out_dir=str(tmp_path))
     assert read_summary(tmp_path)["status"] == "failed"
+    # It trained nothing: a fresh start in the folder is not refused as over a run.
+    assert engine.fit(RECIPE, nproc=1, out_dir=str(tmp_path), resume=False,
+                      epochs=1)["status"] == "completed"
+
+
+POSITIVE = "must be a positive int, or None (default: "
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"nproc": "two"}, f"engine.fit(nproc='two'): nproc {POSITIVE}"),
+    ({"nproc": 0}, f"engine.fit(nproc=0): nproc {POSITIVE}"),
+    ({"threads": 0}, f"engine.fit(threads=0): threads {POSITIVE}"),
+    ({"threads": -3}, f"engine.fit(threads=-3): threads {POSITIVE}"),
+    ({"resume": 42}, "engine.fit(resume=42): resume must be True (the newest snapshot in "
+                     "out_dir), False (start fresh) or the path of a snapshot"),
+    ({"resume": "no/such.pt"}, "engine.fit(resume='no/such.pt'): no such snapshot"),
+])
+def test_a_bad_argument_is_one_line_before_any_worker_starts(tmp_path, given, message):
+    out = tmp_path / "run"
+    with pytest.raises(EngineError) as info:
+        engine.fit(RECIPE, **{"nproc": 2, **given}, out_dir=str(out), epochs=1)
+    assert str(info.value).startswith(message), info.value
+    assert not out.exists()  # no worker started: not even the lock's folder was made
+
+
+def test_engine_run_checks_resume_path_before_any_worker_starts(tmp_path):
+    out, missing = tmp_path / "run", str(tmp_path / "nope.pt")
+    proc = run_cli(str(RECIPE), f"out_dir={out}", "--nproc", "2", "--resume", missing)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"engine-run: error: --resume {missing!r}: no such snapshot"]
+    assert not out.exists()
 
 
 SCRIPT = """

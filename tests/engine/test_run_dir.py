@@ -92,6 +92,17 @@ def test_no_resume_is_refused_where_a_run_is_and_overwrite_clears_only_its_files
     assert run_dir.holds_a_run(out) == []
 
 
+def test_a_failed_run_that_trained_nothing_does_not_hold_a_run(tmp_path):
+    summary = tmp_path / "summary.json"
+    summary.write_text('{"status": "failed", "global_step": 0}')
+    assert run_dir.holds_a_run(tmp_path) == []  # a recipe whose build_model raised
+    run_dir.refuse_fresh_start(str(tmp_path))
+    for trained in ('{"status": "failed", "global_step": 3}', '{"status": "completed"}',
+                    "{not json"):
+        summary.write_text(trained)
+        assert run_dir.holds_a_run(tmp_path) == ["summary.json"]
+
+
 class JsonLinesLogger:
     """A third-party logger that writes metrics.jsonl and declares it."""
 

@@ -106,3 +106,33 @@ def test_a_folder_with_a_placeholder_needs_no_lock(tmp_path):
         with holding(pattern):  # each run gets a folder of its own
             pass
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("kind, wrong", [("symlink", "is a symbolic link"),
+                                         ("directory", "is a directory"),
+                                         ("immutable", "Operation not permitted")])
+def test_a_lock_that_is_not_a_writable_file_is_one_line_and_its_target_untouched(
+        tmp_path, kind, wrong):
+    out, target = tmp_path / "run", tmp_path / "precious.txt"
+    out.mkdir()
+    target.write_text("keep me\n")
+    lock = out / LOCK_FILE
+    if kind == "symlink":
+        lock.symlink_to(target)
+    elif kind == "directory":
+        lock.mkdir()
+    else:  # root opens a chmod 000 file anyway: an immutable one it cannot
+        lock.write_text("")
+        chattr = subprocess.run(["chattr", "+i", str(lock)], capture_output=True, text=True)
+        if chattr.returncode != 0:
+            pytest.skip(f"chattr +i: {chattr.stderr.strip()}")
+    try:
+        proc = run_cli(RECIPE, "epochs=1", f"out_dir={out}", "--nproc", "1")
+    finally:
+        subprocess.run(["chattr", "-i", str(lock)], capture_output=True)
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()  # one line, no traceback
+    assert line.startswith(f"engine-run: error: engine-run: the run lock {lock} "), line
+    assert wrong in line and line.endswith("or give another out_dir"), line
+    assert target.read_text() == "keep me\n"
+    assert not (out / "summary.json").exists()  # refused before any worker started
