@@ -222,10 +222,15 @@ class Launch:
         raises :class:`~engine.errors.WorkerFailed` here, naming its rank and error."""
         from engine import run_lock
 
+        # A rerun of a finished run is answered from its folder, no worker started (said
+        # once: by the process of rank 0 where a launcher adopted every rank's).
+        holds_rank0 = bool(self.worlds) and self.worlds[0].rank == 0
+        finished = already_complete(self.cfg, self.job, say=holds_rank0)
+        if finished is not None:
+            return Finished(["already_complete"], finished)
         library = self.job.door.library
         # One run per folder: the process with rank 0 among its workers (or rank 0
         # itself, adopted) holds out_dir's lock until the run ends (engine/run_lock.py).
-        holds_rank0 = bool(self.worlds) and self.worlds[0].rank == 0
         with (run_lock.holding(self.cfg.out_dir, self.job.door.name) if holds_rank0
               else contextlib.nullcontext()), \
                 (tempfile.TemporaryDirectory(prefix="engine-launch-") if library
@@ -238,6 +243,49 @@ class Launch:
             with blaming_plugins(self.pm, spare=job.raised):
                 statuses = self.launcher.launch(job) or []
             return Finished(statuses, job.launched_result())
+
+
+def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
+    """A rerun into a folder whose run completed: answered in the launching process in
+    the time it takes to read summary.json and config.json, instead of after workers,
+    data and model (12-20 s). With the same config (epochs no more than it trained),
+    "already complete" and its summary with status "already_complete" (never
+    "completed": this call trained nothing). With a config it was not trained with (an
+    lr sweep through one folder would otherwise return the first run's result for every
+    lr), a ConfigError naming the changes and how to keep both runs. None: train (or
+    resume) as usual."""
+    from engine import config as config_mod
+    from engine import snapshot
+    from engine.run_dir import completed_run
+
+    options = job.options
+    if options.get("no_resume") or options.get("resume") or not isinstance(job, RecipeJob):
+        return None
+    found = completed_run(cfg.out_dir)
+    if found is None:
+        return None
+    summary, saved = found
+    done = int(summary.get("epochs_completed") or 0)
+    if summary.get("stopped_early") or not 0 < cfg.epochs <= done:
+        return None  # more epochs: the workers resume and train on (or say it stopped)
+    changes = {k: v for k, v in snapshot.config_changes(saved, config_mod.to_dict(cfg)).items()
+               if k == "lr" or not snapshot.may_change(k, cfg)}
+    door = job.door
+    if changes:
+        listed = ", ".join(f"{k} {old!r} (asked: {new!r})" for k, (old, new)
+                           in sorted(changes.items()))
+        parent = pathlib.Path(cfg.out_dir).parent
+        raise ConfigError(
+            f"{door.name}: {cfg.out_dir} holds a completed run trained with {listed}: "
+            "nothing would be trained with this config; to keep both runs, give each its "
+            f"folder (out_dir={parent / '{version}'}), or use {door.start_over} to "
+            "replace it")
+    if say:
+        print(f"already complete: {cfg.out_dir} holds a finished run of {done} epochs "
+              f"(asked for {cfg.epochs}), nothing to train; to train on, ask for more "
+              f"(epochs={done + 1} or more); to start over, use {door.start_over} or "
+              "another out_dir", flush=True)
+    return {**summary, "status": "already_complete"}
 
 
 def check_spawnable(job: "Worker") -> None:

@@ -191,6 +191,24 @@ def _failed_before_training(summary: pathlib.Path) -> bool:
             and record.get("global_step") == 0)
 
 
+def completed_run(out_dir) -> tuple[dict, dict] | None:
+    """(summary, config) of the completed run ``out_dir`` holds (its summary.json says
+    "completed", and its config.json is there); None otherwise."""
+    import json
+
+    if is_pattern(out_dir):
+        return None
+    try:
+        summary = json.loads((pathlib.Path(out_dir) / "summary.json").read_text())
+        config = json.loads((pathlib.Path(out_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or not isinstance(config, dict) or \
+            summary.get("status") != "completed":
+        return None
+    return summary, config
+
+
 def refuse_fresh_start(out_dir: str, asked: str = "--no-resume",
                        overwrite: str = "add --overwrite") -> None:
     """A fresh start (``--no-resume``, or ``resume=False`` in engine.launch) without

@@ -44,6 +44,15 @@ def test_rerunning_a_finished_run_says_it_is_complete_and_what_to_do(tmp_path):
         assert (f"already complete: {tmp_path} holds a finished run of 2 epochs (asked for "
                 f"{asked}), nothing to train; to train on, ask for more (epochs=3 or "
                 "more); to start over, use --no-resume --overwrite or another out_dir") in again.stdout
+    # Another lr into the finished run: refused once, by engine-run, before any worker.
+    changed = run_cli(*args, "epochs=2", "lr=0.01")
+    assert changed.returncode == 2, changed.stderr
+    assert changed.stderr.splitlines() == [
+        f"engine-run: error: engine-run: {tmp_path} holds a completed run trained with lr "
+        "0.05 (asked: 0.01): nothing would be trained with this config; to keep both runs, "
+        f"give each its folder (out_dir={tmp_path.parent / '{version}'}), or use "
+        "--no-resume --overwrite to replace it"], changed.stderr
+    assert "[rank" not in changed.stdout
     more = run_cli(*args, "epochs=3", check=True)
     assert "already complete" not in more.stdout and read_summary(tmp_path)[
         "epochs_completed"] == 3

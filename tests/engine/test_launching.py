@@ -291,6 +291,7 @@ def test_a_finished_run_says_how_to_start_over_in_fits_words(tmp_path, capsys):
     capsys.readouterr()
     again = engine.fit(RECIPE, nproc=1, out_dir=str(out), epochs=1)
     assert again["weights_sha256"] == done["weights_sha256"]
+    assert (done["status"], again["status"]) == ("completed", "already_complete")
     assert (f"already complete: {out} holds a finished run of 1 epochs (asked for 1), "
             "nothing to train; to train on, ask for more (epochs=2 or more); to start over, "
             "use engine.fit(..., resume=False, overwrite=True) or another out_dir"
@@ -339,3 +340,31 @@ def test_more_processes_than_usable_cpus_is_a_warning_with_the_cpus(tmp_path):
     fits = run_cli(str(RECIPE), batch, f"out_dir={tmp_path}", "--nproc", str(cpus),
                    "--dry-run", check=True)
     assert "usable CPU(s)" not in fits.stderr
+
+
+def test_a_sweep_through_one_folder_is_refused_not_answered_with_the_first_result(
+        tmp_path, capsys):
+    """engine.fit with another lr into the folder of a completed run: refused in the
+    calling process from the folder's summary.json and config.json (no worker, no data),
+    naming the change and the fix that keeps both runs; with ``{version}`` each lr gets
+    its folder and trains."""
+    import time
+
+    out = tmp_path / "run"
+    engine.fit(RECIPE, nproc=1, out_dir=str(out), epochs=1, lr=0.1)
+    capsys.readouterr()
+    started = time.perf_counter()
+    with pytest.raises(ConfigError) as refused:
+        engine.fit(RECIPE, nproc=1, out_dir=str(out), epochs=1, lr=0.05)
+    took = time.perf_counter() - started
+    print(f"refusal of a changed config took {took:.2f}s")
+    assert str(refused.value) == (
+        f"engine.fit: {out} holds a completed run trained with lr 0.1 (asked: 0.05): "
+        "nothing would be trained with this config; to keep both runs, give each its "
+        f"folder (out_dir={tmp_path / '{version}'}), or use engine.fit(..., resume=False, "
+        "overwrite=True) to replace it")
+    assert took < 3, took  # no worker, no data: the time to read two small files
+    results = [engine.fit(RECIPE, nproc=1, out_dir=str(tmp_path / "sweep" / "{version}"),
+                          epochs=1, lr=lr) for lr in (0.1, 0.05)]
+    assert [r["status"] for r in results] == ["completed", "completed"]
+    assert results[0]["weights_sha256"] != results[1]["weights_sha256"]
