@@ -5,7 +5,9 @@ The signal handler only sets a flag: nothing else is safe inside a handler, and 
 snapshot needs every rank. The Trainer looks at the flag at its next check point (every
 ``log_every`` steps) and starts one small all-reduce that tells every rank (a signal
 that reached any rank counts for all); at the check point after that, where the sums
-have long arrived, the ranks stop together, a snapshot is written, and rank 0 asks the
+have long arrived, the ranks stop together (sooner where a snapshot at the first check
+point's step waits for its sums anyway; at the epoch's end where its last check point
+carried the flag, the last epoch's included), a snapshot is written, and rank 0 asks the
 scheduler to requeue the job: the ``engine_requeue`` hook, which the slurm plugin
 answers with ``scontrol requeue``. The requeued job starts again with the same out_dir
 and resumes from that snapshot.

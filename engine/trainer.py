@@ -22,17 +22,22 @@
                 [engine_train_step_end]               (not called when nobody implements it)
                 every log_every steps: start one all-reduce of the  check_point
                     window's loss and the pre-emption and time-based snapshot
-                    flags; act on the previous check point's, long done:   finish_check
-                    [engine_log] (rank 0), stop if pre-empted, snapshot if due
-                snapshot if every_steps is due (the check in flight is finished first),
-                else one into shared memory if memory_every_steps is due  memory_snapshot
-        the last check point's result                               finish_check
+                    flags; finish the previous check point's, long done:   finish_check
+                    [engine_log] (rank 0), its flags recorded
+                a snapshot if due: to disk (every_steps, or a       snapshot_if_due
+                    check's time flag), else into shared memory
+                    (memory_every_steps); the check in flight is finished first,
+                    its flags recorded
+                stop the epoch if a finished check said pre-empted
+        the last check point's result (its flags recorded)          finish_check
         the epoch's loss (a resumed epoch's included) and the slowest
         rank's data wait, gathered from all ranks                   epoch_metrics
+        pre-empted (a check point said so, the last one included):
+            snapshot, stop                                          run_epoch
         [engine_validation_start] the recipe's eval_step, reduced
         [engine_validation_end]                                     validate
         [engine_log] [engine_epoch_end]; scheduler if per epoch
-        early stopping, pre-emption, snapshot if due
+        early stopping, pre-emption, snapshot if due (a check's time flag included)
 
 The phases of a step (data wait, forward/backward, optimizer step, check point, and a
 snapshot) are ranges in a profiler's trace while one records (engine/phases.py: span);
@@ -423,6 +428,9 @@ class Trainer:
         self.memory = getattr(engine, "memory", None)  # in-memory snapshots, when on
         self.early_stopping = EarlyStopping(self.cfg.early_stopping, engine.state)
         self.stop_requested = False  # the ranks agreed to stop (see engine/preemption.py)
+        # A finished check point said a snapshot is due by time (every_minutes): the
+        # next snapshot goes to disk (cleared when one is written).
+        self.time_snapshot_due = False
         self.window = None  # the epoch's LogWindow while it trains (snapshots read it)
         self.pending = None  # the check point whose all-reduce is in flight
         # The epoch's loss before the snapshot a resume loaded (see load_state_dict).
@@ -482,7 +490,11 @@ class Trainer:
                          * eng.micro_batch * eng.world.world_size)
         eng.pm.hook.engine_epoch_start(engine=eng, epoch=epoch)
         train_metrics = self.train_epoch(epoch)
-        if self.stop_requested:  # pre-empted half-way through the epoch
+        # Pre-empted half-way through the epoch, or at its end (its last check point,
+        # finished there, carried the flag): stop before validating, even in the last
+        # epoch, where no check point would come again. The snapshot is at the position
+        # reached; the run resumed from it finishes the epoch.
+        if self.stop_requested:
             self.save_snapshot()
             return False
         self.window = None  # the epoch is complete: a snapshot has no partial loss
@@ -507,7 +519,9 @@ class Trainer:
             self.stop_early()
             return False
         stop = eng.state.epoch < cfg.epochs and self.agree_to_stop()
-        if stop or self.snapshots.due_at_epoch_end(eng.state.epoch):
+        due = self.snapshots.due_at_epoch_end(eng.state.epoch)
+        # time_snapshot_due: the epoch's last check point (finished at its end) said so.
+        if stop or due or self.time_snapshot_due:
             self.save_snapshot()
         return not stop
 
@@ -552,7 +566,8 @@ class Trainer:
             if last_micro and self.optimizer_step(loss, window):
                 break
             fetch_start = time.perf_counter()
-        self.finish_pending()  # logged before the epoch's own metrics
+        self.finish_pending()  # logged before the epoch's own metrics; run_epoch acts
+        # on its flags (stop_requested, time_snapshot_due)
         return self.epoch_metrics(epoch, window, batches=eng.state.batch_in_epoch - first_batch
                                   - window.skipped_batches,
                                   steps=eng.state.step - steps_at_start,
@@ -600,7 +615,8 @@ class Trainer:
 
     def optimizer_step(self, loss, window: LogWindow) -> bool:
         """After a group's last micro-batch: step, hooks, check point, snapshot if due.
-        Returns True when the epoch must stop here (the ranks agreed on a pre-emption)."""
+        Returns True when the epoch must stop here (the ranks agreed on a pre-emption:
+        run_epoch writes the snapshot)."""
         eng = self.engine
         optimizer, scaler, state = eng.optimizer, eng.scaler, eng.state
         taken = self.nonfinite.allow_step(state.step + 1)
@@ -626,19 +642,37 @@ class Trainer:
             self.step_end_hook(engine=eng, step=state.step, loss=loss)
         if state.step % self.cfg.log_every == 0:
             with phases.span("check point"):
-                if self.check_point(window):
-                    return True
-        if self.snapshots.due_at_step(state.step):
+                self.check_point(window)  # finishes the previous check: its flags
+        if not self.stop_requested:
+            self.snapshot_if_due(state.step)  # may finish this step's check: its flags
+        return self.stop_requested
+
+    def snapshot_if_due(self, step: int) -> None:
+        """A snapshot to disk when ``every_steps`` is due or a check point said one is
+        due by time, else one into shared memory when ``memory_every_steps`` is due.
+
+        The check in flight is finished first: its window is logged (a run resumed from
+        this snapshot would never log it), and its flags count as any check's. A
+        pre-emption writes no snapshot here (run_epoch writes the durable one as the
+        epoch stops); a snapshot due by time goes to disk instead of memory. Dropping
+        them lost both whenever every check point had a snapshot at its step
+        (memory_every_steps=1): pre-emption waited for the epoch's end, or never came
+        in the last epoch."""
+        to_disk = self.snapshots.due_at_step(step)
+        to_memory = self.memory is not None and self.memory.due(step)
+        if not (to_disk or to_memory or self.time_snapshot_due):
+            return
+        self.finish_pending()  # may raise either flag
+        if self.stop_requested:
+            return
+        if to_disk or self.time_snapshot_due:
             self.save_snapshot()
-        elif self.memory is not None and self.memory.due(state.step):
+        else:
             self.memory_snapshot()
-        return False
 
     def memory_snapshot(self) -> None:
-        """Every ``memory_every_steps`` steps (not at a step that just wrote a snapshot
-        to disk), a snapshot into shared memory. The check in flight is logged first: a
-        run resumed from here would never log it."""
-        self.finish_pending()
+        """A snapshot into shared memory (snapshot_if_due finished the check in flight
+        and acted on its flags)."""
         snapshot.save_to_memory(self.engine)
         self.memory = self.engine.memory  # None when /dev/shm had no room for them
 
@@ -655,13 +689,14 @@ class Trainer:
         if self.before_step_hook is not None:
             self.before_step_hook(engine=eng, step=step, optimizer=eng.optimizer)
 
-    def check_point(self, window: LogWindow) -> bool:
+    def check_point(self, window: LogWindow) -> None:
         """Every ``log_every`` steps, on every rank: start one small all-reduce of the
-        window's loss and the ranks' pre-emption and time-based snapshot flags, then act
-        on the previous check point's. Waiting for the sums here would cost a DDP
+        window's loss and the ranks' pre-emption and time-based snapshot flags, then
+        finish the previous check point's. Waiting for the sums here would cost a DDP
         step's worth of latency every window; a window later they have long arrived. A
-        pre-emption therefore stops the run one window after the ranks saw it. Returns
-        True when the epoch must stop here."""
+        pre-emption therefore stops the run one window after the ranks saw it, or at
+        once where a snapshot at this step waits for the sums anyway (snapshot_if_due).
+        The flags are recorded (finish_check); optimizer_step acts on them."""
         eng = self.engine
         now = time.perf_counter()
         preempted = eng.preemption is not None and bool(eng.preemption)
@@ -679,25 +714,22 @@ class Trainer:
                                lr=self.current_lr(), extra_batches=extra_batches)
         window.restart(now)
         previous, self.pending = self.pending, started
-        preempted, due_by_time = self.finish_check(previous)
-        if preempted:
-            self.stop_requested = True
-            return True
-        if due_by_time:
-            self.save_snapshot()
-        return False
+        self.finish_check(previous)
 
-    def finish_pending(self) -> tuple[bool, bool]:
+    def finish_pending(self) -> None:
         """Finish the check point in flight, if any (before a collective that must see
         its window logged: the epoch's end, a snapshot)."""
         check, self.pending = self.pending, None
-        return self.finish_check(check)
+        self.finish_check(check)
 
-    def finish_check(self, check: PendingCheck | None) -> tuple[bool, bool]:
-        """The mean loss of the check's window over all ranks, checked and logged;
-        returns whether any rank was pre-empted and whether a snapshot is due by time."""
+    def finish_check(self, check: PendingCheck | None) -> None:
+        """The mean loss of the check's window over all ranks, checked and logged. Its
+        flags are recorded, whoever finished it (a check point, a snapshot, the epoch's
+        end): ``stop_requested`` when any rank was pre-empted, ``time_snapshot_due``
+        when rank 0 found a snapshot due by time. Every rank finishes the same checks at
+        the same steps, so every rank records the same."""
         if check is None:
-            return False, False
+            return
         eng = self.engine
         loss_sum, preempted, due_by_time, *extra_sums = check.reduction.values()
         # The mean over micro-batches (with accumulation, a step has several); NaN when
@@ -713,7 +745,10 @@ class Trainer:
         eng.metrics.update(metrics)  # summary.json's train_loss: the last window's
         if self.log_hook is not None:
             self.log_hook(engine=eng, step=check.step, metrics=metrics)
-        return preempted > 0, due_by_time > 0
+        if preempted > 0:
+            self.stop_requested = True
+        if due_by_time > 0:
+            self.time_snapshot_due = True
 
     def epoch_metrics(self, epoch: int, window: LogWindow, *, batches: int, steps: int,
                       epoch_start: float, data_wait: float) -> dict:
@@ -808,8 +843,9 @@ class Trainer:
 
     def save_snapshot(self) -> None:
         # The window in flight is logged first: a run resumed from this snapshot starts
-        # after it and would never log it. Its flags need nothing: this is a snapshot,
-        # and a pre-emption flag stays raised for the next check point.
+        # after it and would never log it. (Callers have finished it already; its flags
+        # are recorded either way, for the loop to act on.)
         self.finish_pending()
         snapshot.save(self.engine)
         self.snapshots.saved()
+        self.time_snapshot_due = False

@@ -1,7 +1,8 @@
 """A plugin that injects faults, for tests: ``-p tests.fault_plugin`` plus variables.
 
-ENGINE_FAULT_ACTION  kill (SIGKILL itself), raise, hang, signal (SIGUSR1 to itself),
-                     stop (SIGSTOP itself: alive, but answers nothing)
+ENGINE_FAULT_ACTION  kill (SIGKILL itself), raise, hang, signal (SIGUSR1 to itself, or
+                     ENGINE_FAULT_SIGNAL: SIGTERM), stop (SIGSTOP itself: alive, but
+                     answers nothing)
 ENGINE_FAULT_STEP    act right after this optimizer step ...
 ENGINE_FAULT_EPOCH   ... or at the start of this epoch
 ENGINE_FAULT_RANK    the rank that acts (default 0)
@@ -37,7 +38,8 @@ def _act(eng) -> None:
         while True:
             time.sleep(1)
     elif action == "signal":
-        os.kill(os.getpid(), signal.SIGUSR1)
+        name = os.environ.get("ENGINE_FAULT_SIGNAL", "SIGUSR1")
+        os.kill(os.getpid(), signal.Signals[name])
     elif action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
 

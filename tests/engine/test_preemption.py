@@ -188,3 +188,94 @@ def test_sigusr1_to_the_whole_process_group_gives_one_snapshot_and_a_clean_stop(
     assert stderr.count("pre-empted by SIGUSR1: snapshot written") == 1, stderr
     assert "Traceback" not in stderr, stderr
     assert read_summary(out)["status"] == "preempted"
+
+
+# ------------------------------------ pre-emption and time-based snapshots between
+# snapshots (issue 34): every snapshot, in memory or on disk, first finishes the check
+# point in flight; what that check carried (a pre-emption, a snapshot due by time) is
+# acted on, not dropped.
+
+#: tiny_resume, 3 epochs of 6 steps at 2 processes, rank 1 signalled (signalled_after).
+SIGNALLED = (RECIPE, *ARGS, "--nproc", "2", "-p", "tests.fault_plugin")
+
+
+def signalled_after(step: int, signal_name: str) -> dict[str, str]:
+    """The environment of a run whose rank 1 sends itself ``signal_name`` right after
+    optimizer step ``step``."""
+    return engine_env(ENGINE_FAULT_ACTION="signal", ENGINE_FAULT_SIGNAL=signal_name,
+                      ENGINE_FAULT_STEP=str(step), ENGINE_FAULT_RANK="1")
+
+
+def assert_preempted_at(out, proc, *, epoch: int, step: int, batch: int) -> None:
+    """Exit 75, summary "preempted" at ``step``, and the durable snapshot there, named by
+    ``latest`` (``epoch`` counted from 1, as the log says)."""
+    assert proc.returncode == 75, proc.stderr  # EXIT_PREEMPTED
+    assert (f"pre-empted: snapshot written at epoch {epoch}, step {step}, batch {batch} of "
+            "the epoch") in proc.stderr, proc.stderr
+    summary = read_summary(out)
+    assert (summary["status"], summary["global_step"]) == ("preempted", step)
+    name = f"snapshot-e{epoch - 1:04d}-s{step:08d}.pt"
+    assert (out / "checkpoints" / name).is_file()
+    assert (out / "checkpoints" / "latest").read_text().strip() == name
+
+
+# Rank 1 signals itself after `signalled`; the next check point (`stopped`, a multiple of
+# log_every) carries its flag to every rank, and that step's snapshot waits for the
+# sums: the ranks stop there, within two check points of the signal. Before the fix
+# the snapshot dropped the flag at every check point: SIGUSR1 in epoch 2 stopped at its
+# end (step 12), SIGTERM in the last epoch ended "completed" (exit 0). The same with a
+# disk snapshot at every check point (every_steps=log_every), which save_snapshot's
+# comment ("the flag stays raised for the next check point") had missed.
+@pytest.mark.parametrize("snapshots, signal_name, signalled, log_every, stopped", [
+    ("checkpoint.memory_every_steps=1", "SIGUSR1", 7, 2, 8),  # epoch 2 of 3 (steps 7-12)
+    ("checkpoint.memory_every_steps=1", "SIGTERM", 13, 3, 15),  # the last (13-18)
+    ("checkpoint.every_steps=2", "SIGUSR1", 7, 2, 8),
+])
+def test_a_signal_with_a_snapshot_at_every_check_point_stops_within_two_check_points(
+        tmp_path, snapshots, signal_name, signalled, log_every, stopped):
+    out = tmp_path / "run"
+    proc = run_cli(*SIGNALLED, snapshots, f"log_every={log_every}", f"out_dir={out}",
+                   env=signalled_after(signalled, signal_name))
+    assert stopped - signalled <= 2 * log_every
+    assert_preempted_at(out, proc, epoch=(stopped - 1) // 6 + 1, step=stopped,
+                        batch=(stopped - 1) % 6 + 1)
+
+
+def test_a_pre_emption_seen_at_the_last_epochs_end_stops_and_resumes_identically(
+        tmp_path, reference):
+    """No memory snapshots, log_every=4: the check point at step 16 carries a SIGUSR1
+    sent after step 15; the last epoch ends at step 18, before the check point that
+    would act on it, so the epoch's last check (finished at its end) does. The run
+    stops there, before validating, as pre-empted with its snapshot (it ended
+    "completed" before the fix), and the rerun resumes from it to the weights of an
+    uninterrupted run."""
+    out = tmp_path / "run"
+    args = (*SIGNALLED, "checkpoint.memory_every_steps=0", "log_every=4", f"out_dir={out}")
+    env = signalled_after(15, "SIGUSR1") | {"ENGINE_FAULT_ONCE": str(tmp_path / "once")}
+    assert_preempted_at(out, run_cli(*args, env=env), epoch=3, step=18, batch=6)
+    resumed = run_cli(*args, env=env, check=True)
+    assert "resuming from" in resumed.stdout and "epoch 3, step 18, batch 6" in resumed.stdout
+    summary = read_summary(out)
+    assert (summary["status"], summary["epochs_completed"]) == ("completed", 3)
+    assert summary["weights_sha256"] == reference[2]  # snapshots change no weight
+
+
+ELASTIC = str(REPO / "tests" / "recipes" / "tiny_elastic.py")
+
+
+def test_time_based_snapshots_are_written_with_a_memory_snapshot_every_step(tmp_path):
+    """checkpoint.every_minutes=0.01 (0.6 s), a memory snapshot and a check point every
+    step. Rank 0 loads its 3 samples of a step in at least 0.15 s (slow_s), so at the
+    latest 4 steps after a snapshot the next is due by time, and the memory snapshot of
+    that check point's step waits for its sums: disk snapshots are never more than 4
+    steps apart (5 allowed: load only makes steps longer, hence snapshots closer).
+    Before the fix the memory snapshots dropped every flag: only the epochs' ends."""
+    out = tmp_path / "run"
+    run_cli(ELASTIC, "epochs=2", "size=60", "slow_rank=0", "slow_s=0.05",
+            "checkpoint.every_minutes=0.01", "checkpoint.memory_every_steps=1",
+            "checkpoint.keep_last=0", f"out_dir={out}", "--nproc", "2", check=True)
+    assert read_summary(out)["global_step"] == 20  # 2 epochs of 10 steps
+    steps = sorted({int(p.stem.rsplit("-s", 1)[1])
+                    for p in (out / "checkpoints").glob("snapshot-e*-s*.pt")})
+    gaps = [b - a for a, b in zip([0, *steps], steps)]
+    assert steps[-1] == 20 and max(gaps) <= 5, steps
