@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 
 import attrs
@@ -662,12 +663,12 @@ class Trainer:
         to_memory = self.memory is not None and self.memory.due(step)
         if not (to_disk or to_memory or self.time_snapshot_due):
             return
-        self.finish_pending()  # may raise either flag
+        self.finish_pending()  # may raise either flag, or turn the memory tier off
         if self.stop_requested:
             return
         if to_disk or self.time_snapshot_due:
             self.save_snapshot()
-        else:
+        elif self.memory is not None:
             self.memory_snapshot()
 
     def memory_snapshot(self) -> None:
@@ -675,6 +676,19 @@ class Trainer:
         and acted on its flags)."""
         snapshot.save_to_memory(self.engine)
         self.memory = self.engine.memory  # None when /dev/shm had no room for them
+
+    def memory_off(self) -> None:
+        """A rank's buffer could not be had after the first snapshot (a state that grew
+        in a tmpfs that filled up meanwhile): every rank turns the tier off at the same
+        check point, since a memory snapshot is a collective; the run goes on with disk
+        snapshots."""
+        failed = self.memory.failed
+        snapshot.turn_memory_off(self.engine, failed or "another rank's buffer could not "
+                                 "grow (see its warning)")
+        if failed and not self.engine.is_rank0:
+            print(f"warning: rank {self.engine.world.rank}: {failed}", file=sys.stderr,
+                  flush=True)
+        self.memory = None
 
     def before_optimizer_step(self, step: int) -> None:
         """Between the last backward of a group and the optimizer step, on the true
@@ -701,8 +715,10 @@ class Trainer:
         now = time.perf_counter()
         preempted = eng.preemption is not None and bool(eng.preemption)
         due_by_time = eng.is_rank0 and self.snapshots.due_by_time()
+        memory_failed = self.memory is not None and self.memory.failed is not None
         values = torch.stack([window.loss.float(), window.loss.new_tensor(float(preempted)),
-                              window.loss.new_tensor(float(due_by_time))])
+                              window.loss.new_tensor(float(due_by_time)),
+                              window.loss.new_tensor(float(memory_failed))])
         extra_batches = 0
         if self.extras is not None:
             extra_sums, extra_batches = self.extras.take_window()
@@ -731,7 +747,8 @@ class Trainer:
         if check is None:
             return
         eng = self.engine
-        loss_sum, preempted, due_by_time, *extra_sums = check.reduction.values()
+        loss_sum, preempted, due_by_time, memory_failed, *extra_sums = \
+            check.reduction.values()
         # The mean over micro-batches (with accumulation, a step has several); NaN when
         # on_nonfinite=skip skipped every step of the window.
         loss = (loss_sum / check.batches / eng.world.world_size if check.batches
@@ -749,6 +766,8 @@ class Trainer:
             self.stop_requested = True
         if due_by_time > 0:
             self.time_snapshot_due = True
+        if memory_failed > 0 and self.memory is not None:
+            self.memory_off()
 
     def epoch_metrics(self, epoch: int, window: LogWindow, *, batches: int, steps: int,
                       epoch_start: float, data_wait: float) -> dict:

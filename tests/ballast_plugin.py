@@ -1,7 +1,8 @@
 """A plugin that makes snapshots large, for tests and attack loops of the in-memory
 snapshots: ``-p tests.ballast_plugin`` with ENGINE_BALLAST_MB (default 32) registers a
 snapshot part "ballast" of that many MB of float32, every element the step the
-snapshot was taken at. Its memory snapshots then take a large share of a step (32 MB
+snapshot was taken at (ENGINE_BALLAST_GROW_AT=S: from step S on, twice that size: a
+state that grows, for the memory tier's no-room path). Its memory snapshots then take a large share of a step (32 MB
 per rank on tiny_resume, 2 processes: about half the training loop's time here, by
 ``engine-run -v``'s phases), so that kills land in the copy; and a resume checks that
 the part it got is whole: every element the step it says (a torn or mixed snapshot
@@ -16,14 +17,20 @@ import engine
 
 
 class Ballast:
-    def __init__(self, eng, megabytes: float):
+    def __init__(self, eng, megabytes: float, grow_at: int = 0):
         import torch
 
         self.engine = eng
         self.tensor = torch.empty(int(megabytes * 2**20) // 4, dtype=torch.float32)
+        self.grow_at = grow_at  # 0: never
 
     def state_dict(self) -> dict:
+        import torch
+
         step = self.engine.state.step
+        if self.grow_at and step >= self.grow_at:
+            self.tensor = torch.empty(self.tensor.numel() * 2, dtype=torch.float32)
+            self.grow_at = 0  # once
         self.tensor.fill_(float(step))
         return {"step": step, "tensor": self.tensor}
 
@@ -40,4 +47,5 @@ class Ballast:
 
 @engine.hookimpl
 def engine_register_state(engine, parts):
-    parts.add("ballast", Ballast(engine, float(os.environ.get("ENGINE_BALLAST_MB", "32"))))
+    parts.add("ballast", Ballast(engine, float(os.environ.get("ENGINE_BALLAST_MB", "32")),
+                                 int(os.environ.get("ENGINE_BALLAST_GROW_AT", "0"))))

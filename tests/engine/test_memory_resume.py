@@ -5,6 +5,7 @@ weights of a run that was never interrupted."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -233,3 +234,37 @@ def test_buffers_of_another_run_a_deleted_folder_or_a_fresh_start_are_never_resu
     assert "resumed from" not in fresh.stdout and "resuming from" not in fresh.stdout
     assert read_summary(out)["weights_sha256"] == reference[1]
     assert list(user_folder(memory_dir).iterdir()) == []  # rank 1's too; then its own
+
+
+def test_a_tmpfs_that_fills_up_after_the_first_snapshot_turns_the_tier_off_not_the_run(
+        reference, tmp_path):
+    """A 2-process run whose memory snapshots hold a 1 MB ballast, in a 6 MB tmpfs of
+    its own (room for the 4 buffers at the start): at step 5 the state doubles and the
+    tmpfs has no room for the larger buffers (ENOSPC while reserving their pages, a
+    traceback that ended the run before). The ranks agree at the next check point: one
+    warning, the tier off on every rank, its buffers removed, and the run trains on
+    with disk snapshots to the weights of a run that never had memory snapshots."""
+    import subprocess
+
+    tiny = tmp_path / "tmpfs"
+    tiny.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(tiny)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        out = tmp_path / "run"
+        proc = run_cli(RECIPE, *MEMORY, f"checkpoint.memory_dir={tiny}", f"out_dir={out}",
+                       "--nproc", "2", "-p", "tests.ballast_plugin",
+                       env=engine_env(ENGINE_BALLAST_MB="1", ENGINE_BALLAST_GROW_AT="5"),
+                       check=True)
+        said = warnings_in(proc.stderr)
+        off = [w for w in said if "in-memory snapshots are off" in w]
+        assert len(off) == 1 and "No space left" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+        summary = read_summary(out)
+        assert (summary["status"], summary["global_step"]) == ("completed", 18)
+        assert summary["weights_sha256"] == reference[2]
+        assert list((tiny / f"engine-memory-{os.geteuid()}").iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(tiny)], check=False)
