@@ -59,7 +59,6 @@ import secrets
 import socket
 import stat
 import struct
-import sys
 from typing import Any
 
 import attrs

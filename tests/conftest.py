@@ -86,6 +86,21 @@ def killed_then_resumed(*args: str, tmp_path, step: int,
     return run_cli(*args, env=fault, check=True)
 
 
+@contextlib.contextmanager
+def small_disk(folder: pathlib.Path, size: str):
+    """A tmpfs of ``size`` mounted on ``folder``: a real full disk (ENOSPC from the
+    kernel, mid-write, as torch.save meets it). Root only (CI runs tests as root)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                              str(folder)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
 @pytest.fixture
 def cifar_recipe() -> str:
     return str(REPO / "recipes" / "cifar_ddp.py")

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from engine.memory_snapshot import buffer_paths
-from tests.conftest import ENGINE_RUN, engine_env, read_summary, run_cli
+from tests.conftest import ENGINE_RUN, engine_env, read_summary, run_cli, small_disk
 from tests.engine.test_snapshot import (BASE, ELASTIC, EPOCHS, RECIPE, STEPS_PER_EPOCH,
                                         TORCHRUN, Agents, wait_for)
 
@@ -244,15 +244,7 @@ def test_a_tmpfs_that_fills_up_after_the_first_snapshot_turns_the_tier_off_not_t
     traceback that ended the run before). The ranks agree at the next check point: one
     warning, the tier off on every rank, its buffers removed, and the run trains on
     with disk snapshots to the weights of a run that never had memory snapshots."""
-    import subprocess
-
-    tiny = tmp_path / "tmpfs"
-    tiny.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(tiny)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
-    try:
+    with small_disk(tmp_path / "tmpfs", "6m") as tiny:
         out = tmp_path / "run"
         proc = run_cli(RECIPE, *MEMORY, f"checkpoint.memory_dir={tiny}", f"out_dir={out}",
                        "--nproc", "2", "-p", "tests.ballast_plugin",
@@ -266,5 +258,3 @@ def test_a_tmpfs_that_fills_up_after_the_first_snapshot_turns_the_tier_off_not_t
         assert (summary["status"], summary["global_step"]) == ("completed", 18)
         assert summary["weights_sha256"] == reference[2]
         assert list((tiny / f"engine-memory-{os.geteuid()}").iterdir()) == []
-    finally:
-        subprocess.run(["umount", "-l", str(tiny)], check=False)

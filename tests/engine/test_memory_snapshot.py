@@ -18,6 +18,7 @@ from engine import memory_snapshot
 from engine.memory_snapshot import MemorySnapshots
 from engine.testing import assert_same_snapshot
 from engine.world import World
+from tests.conftest import small_disk
 
 
 @pytest.fixture
@@ -213,13 +214,7 @@ def test_a_full_tmpfs_after_the_first_snapshot_is_no_room_and_the_snapshot_stays
     """Both buffers are reserved at the first save; a state that grows past them when
     the tmpfs has filled up meanwhile raises NoRoom (never a SIGBUS), and the newest
     snapshot stays whole."""
-    tiny = tmp_path / "tiny"
-    tiny.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(tiny)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
-    try:
+    with small_disk(tmp_path / "tiny", "2m") as tiny:
         memory = memory_of(tmp_path, tiny)
         memory.save(a_snapshot(1), step=1, epoch=0)
         memory.save(a_snapshot(2), step=2, epoch=0)  # no new pages: both were reserved
@@ -229,8 +224,6 @@ def test_a_full_tmpfs_after_the_first_snapshot_is_no_room_and_the_snapshot_stays
             memory.save({**a_snapshot(3), "extra": torch.randn(300_000)}, step=3, epoch=0)
         assert memory.newest().step == 2
         memory.close()
-    finally:
-        subprocess.run(["umount", "-l", str(tiny)], check=False)
 
 
 def test_only_leftovers_of_gone_writers_on_this_host_are_removed(shm, tmp_path):

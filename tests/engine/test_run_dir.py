@@ -14,7 +14,7 @@ from engine.config import TrainConfig, check
 from engine.errors import ConfigError
 from engine.plugin_manager import build_plugin_manager
 from engine.world import World
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, small_disk
 
 MOMENT = datetime.datetime(2026, 11, 23, 9, 30, 12, tzinfo=datetime.timezone.utc)
 
@@ -142,13 +142,7 @@ def test_settle_fills_the_pattern_on_rank_0(tmp_path):
 def test_an_out_dir_on_a_read_only_filesystem_is_one_line_before_any_worker(tmp_path):
     """A run whose folder was remounted read-only: refused in the launching process with
     exit 2, instead of a worker's OSError traceback at its first write."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
-    try:
+    with small_disk(tmp_path / "disk", "8m") as disk:
         recipe = str(REPO / "tests" / "recipes" / "tiny_regression.py")
         out = disk / "run"
         run_cli(recipe, "epochs=1", f"out_dir={out}", "--nproc", "1", check=True)
@@ -159,5 +153,3 @@ def test_an_out_dir_on_a_read_only_filesystem_is_one_line_before_any_worker(tmp_
             f"engine-run: error: out_dir '{out}': {out} cannot be written (a read-only "
             "filesystem or no permission); give an out_dir the run can write")
         assert "[rank" not in again.stderr  # no worker started
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -19,21 +18,7 @@ from engine.errors import CheckpointError
 from engine.checkpoint import manifest_path
 from engine.plugins.torch_file import TorchFileCheckpointer
 from engine.testing import run_python
-
-
-@contextlib.contextmanager
-def small_disk(folder: pathlib.Path, size: str):
-    """A tmpfs of ``size`` mounted on ``folder``: a real full disk (ENOSPC from the
-    kernel, mid-write, as torch.save meets it). Root only (CI runs tests as root)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
-                              str(folder)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
+from tests.conftest import small_disk
 
 
 def state_for(step: int, numel: int = 1000) -> dict:
