@@ -59,6 +59,7 @@ import torch
 
 from engine import data, distributed, health, phases, snapshot
 from engine.errors import ConfigError, EngineError, RunError
+from engine.metrics import EARLY, improves, not_logged, resolved_mode
 
 
 #: The epoch's mean training loss; ``train/loss`` is the mean of one log window (the
@@ -347,14 +348,20 @@ class MetricSums:
 
 
 class EarlyStopping:
-    """``early_stopping.*``: stop when ``metric`` has not improved (by more than
-    ``min_delta``) for ``patience`` epochs. The metrics are reduced over the ranks, so
-    every rank decides alike; the count lives in the TrainState, which snapshots save,
-    so a resumed run stops exactly where an uninterrupted one would."""
+    """``early_stopping.*``: stop when ``metric`` has not improved by more than
+    ``min_delta`` for ``patience`` epochs. Lower or higher is better as ``mode`` says
+    (auto: read from the metric's name, engine/metrics.py, as ``checkpoint.best_mode``).
+    Its best value and epoch are the best snapshot's: the best value, compared as the
+    checkpointer compares (no min_delta); ``min_delta`` applies to the patience count,
+    against the value of the last improvement by more than it. The metrics are reduced
+    over the ranks, so every rank decides alike; the count lives in the TrainState,
+    which snapshots save, so a resumed run stops exactly where an uninterrupted one
+    would."""
 
     def __init__(self, cfg, state):
         self.metric = cfg.metric
-        self.mode = cfg.mode
+        self.mode = (resolved_mode(cfg.metric, cfg.mode, "early_stopping.mode")
+                     if cfg.metric else None)
         self.patience = cfg.patience
         self.min_delta = cfg.min_delta
         self.state = state
@@ -364,18 +371,14 @@ class EarlyStopping:
         if not self.metric:
             return False
         if self.metric not in metrics:
-            raise ConfigError(
-                f"config key 'early_stopping.metric': {self.metric!r} is not a metric of "
-                f"this run; it has: {', '.join(sorted(metrics))}")
+            raise not_logged(EARLY, self.metric, sorted(metrics))
         value, s = metrics[self.metric], self.state
-        if s.best_metric is None:
-            better = math.isfinite(value)
-        elif self.mode == "min":
-            better = value < s.best_metric - self.min_delta
-        else:
-            better = value > s.best_metric + self.min_delta
-        if better:
-            s.best_metric, s.best_epoch, s.epochs_without_improvement = value, epoch + 1, 0
+        if s.reference_metric is None:  # a snapshot written before the field: its best
+            s.reference_metric = s.best_metric  # was the reference
+        if improves(value, s.best_metric, self.mode):
+            s.best_metric, s.best_epoch = value, epoch + 1
+        if improves(value, s.reference_metric, self.mode, self.min_delta):
+            s.reference_metric, s.epochs_without_improvement = value, 0
         else:
             s.epochs_without_improvement += 1
         s.stopped_early = s.epochs_without_improvement >= self.patience
@@ -384,7 +387,9 @@ class EarlyStopping:
     def message(self) -> str:
         s = self.state
         best = "none" if s.best_metric is None else f"{s.best_metric:.4g} at epoch {s.best_epoch}"
-        return (f"early stopping: {self.metric} did not improve for "
+        compared = ("" if not self.min_delta or s.reference_metric is None else
+                    f" by more than {self.min_delta:g} on {s.reference_metric:.4g}")
+        return (f"early stopping: {self.metric} did not improve{compared} for "
                 f"{s.epochs_without_improvement} epochs; best {best}")
 
 
