@@ -279,8 +279,8 @@ def test_a_snapshot_without_the_early_stopping_state_still_loads(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("early_stopping.metric=val/acc", "config key 'early_stopping.metric': 'val/acc' is not "
-     "a metric this run logs at an epoch's end; it logs: lr, train/data_wait_fraction, "
-     "train/epoch_loss, train/epoch_samples_per_sec, val/loss, val/mae"),
+     "a metric this run logs at an epoch's end; it logs: val/loss, val/mae, train/epoch_loss, "
+     "train/epoch_samples_per_sec, train/data_wait_fraction, lr"),
     ("early_stopping.metric=train/loss", "config key 'early_stopping.metric': 'train/loss' "
      "is the mean of one log window, not of an epoch; use train/epoch_loss"),
     ("early_stopping.mode=lowest", "config key 'early_stopping.mode': 'lowest' is not one "
@@ -292,6 +292,81 @@ def test_bad_early_stopping_config_is_one_line_naming_the_key(tmp_path, override
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------- named metrics
+
+def test_the_best_snapshot_by_val_loss_is_the_lowest_loss_epoch(reference, tmp_path):
+    """checkpoint.best_metric=val/loss without best_mode keeps the lowest (the name says
+    lower is better), early stopping on it names the same epoch, and the validation
+    batch that checked the names before training changed nothing: 2 processes, the
+    weights of the same run with no metric named (dropout, random augmentation)."""
+    from engine.checkpoint import read_manifest
+    from engine.plugins.csv_logger import read_rows
+    from tests.engine.conftest import RESUME_BASE, RESUME_RECIPE
+
+    out = tmp_path / "run"
+    run_cli(RESUME_RECIPE, *RESUME_BASE, "checkpoint.best_metric=val/loss",
+            "early_stopping.metric=val/loss", "early_stopping.patience=3",
+            "early_stopping.min_delta=1000", f"out_dir={out}", "--nproc", "2", check=True)
+    summary = read_summary(out)
+    losses = {epoch: value for _, epoch, name, value in read_rows(out / "metrics.csv")
+              if name == "val/loss"}
+    assert sorted(losses) == [1, 2, 3] and len(set(losses.values())) == 3, losses
+    lowest = min(losses, key=losses.get)
+    best = read_manifest(out / summary["best_checkpoint"])
+    assert (best["epoch"], best["metrics"]["val/loss"]) == (lowest, losses[lowest]), (
+        best, losses)
+    progress = torch.load(out / summary["final_checkpoint"], weights_only=True)["progress"]
+    assert progress["best_epoch"] == lowest and progress["best_metric"] == losses[lowest]
+    assert progress["epochs_without_improvement"] == 2  # min_delta: none beat epoch 1's
+    assert summary["weights_sha256"] == reference[2]
+
+
+@pytest.mark.parametrize("key, nproc", [("checkpoint.best_metric", 2),
+                                        ("early_stopping.metric", 1)])
+def test_a_metric_the_run_does_not_log_is_refused_before_the_first_step(tmp_path, key,
+                                                                        nproc):
+    """val/acc (the run logs val/accuracy): one line listing what it logs, on every
+    rank alike, before any step (nothing logged, no snapshot)."""
+    out = tmp_path / "run"
+    proc = run_cli(TINY, "epochs=2", f"{key}=val/acc", f"out_dir={out}", "--nproc",
+                   str(nproc))
+    assert proc.returncode == 2, proc.stderr
+    at = " at an epoch's end" if key == "early_stopping.metric" else ""
+    logs = ("val/loss, val/accuracy, train/epoch_loss, train/epoch_samples_per_sec, "
+            "train/data_wait_fraction, "
+            + ("" if at else "train/samples_per_sec, ") + "lr")
+    line = (f"error: config key '{key}': 'val/acc' is not a metric this run logs{at} (did "
+            f"you mean 'val/accuracy'?); it logs: {logs}")
+    assert proc.stderr.count(line) == nproc, proc.stderr  # every rank, the same line
+    assert "Traceback" not in proc.stderr
+    assert not (out / "metrics.csv").exists() and not (out / "checkpoints").exists()
+    assert not epoch_lines(proc.stdout)
+
+
+def test_a_train_step_extra_named_is_checked_at_the_first_micro_batch(tmp_path):
+    """Which names train_step returns beside the loss is known at its first call: a
+    name that is one of them passes (best_metric), one that is not stops the run there,
+    before the first optimizer step."""
+    recipe = tmp_path / "extras.py"
+    recipe.write_text("from torch.nn import functional as F\n"
+                      "from tests.recipes.tiny_regression import *  # noqa\n"
+                      "from tests.recipes.tiny_regression import Config  # noqa\n\n"
+                      "def train_step(batch, ctx):\n    inputs, targets = batch\n"
+                      "    outputs = ctx.model(inputs)\n"
+                      "    return {'loss': F.mse_loss(outputs, targets),\n"
+                      "            'mae': (outputs - targets).abs().mean()}\n")
+    out = tmp_path / "run"
+    proc = run_cli(str(recipe), "epochs=1", "checkpoint.best_metric=train/epoch_mae",
+                   "early_stopping.metric=train/epoch_mse", f"out_dir={out}", "--nproc", "1")
+    assert proc.returncode == 2, proc.stderr
+    assert ("error: config key 'early_stopping.metric': 'train/epoch_mse' is not a metric "
+            "this run logs at an epoch's end (did you mean 'train/epoch_mae'?); it logs: "
+            "val/loss, val/mae, train/epoch_loss, train/epoch_mae, "
+            "train/epoch_samples_per_sec, train/data_wait_fraction, lr") in proc.stderr, (
+        proc.stderr)
+    assert ",train/" not in (out / "metrics.csv").read_text()
 
 
 # ------------------------------------------------- the policies, in-process (one rank)
