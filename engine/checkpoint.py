@@ -39,6 +39,7 @@ import engine
 from engine.atomic_io import (atomic_write, atomic_write_text, check_file, checksum_entry,
                               fsync_directory, os_error_in, stale_temps)
 from engine.errors import CheckpointError, first_line, untrusted_pickle
+from engine.metrics import improves, resolved_mode
 
 
 # ------------------------------------------------------------------ state dicts
@@ -441,13 +442,15 @@ class SnapshotStore(Checkpointer):
         self.prune(keep=cfg.keep_last if cfg is not None else 0)
 
     def _is_better(self, value: float, cfg) -> bool:
+        """Whether ``value`` beats the best snapshot's (strictly: a later snapshot that
+        carries the same metrics, one written mid-epoch, does not take its place). The
+        mode and the comparison are early stopping's (engine/metrics.py), so the two
+        agree on the best epoch."""
+        mode = resolved_mode(cfg.best_metric, cfg.best_mode, "checkpoint.best_mode")
         best = self.pointer("best")
-        if best is None:
-            return True
-        old = (read_manifest(best) or {}).get("metrics", {}).get(cfg.best_metric)
-        if old is None:
-            return True
-        return value > old if cfg.best_mode == "max" else value < old
+        old = None if best is None else (
+            (read_manifest(best) or {}).get("metrics", {}).get(cfg.best_metric))
+        return improves(value, old, mode)
 
     def prune(self, keep: int) -> None:
         """Remove all but the ``keep`` newest snapshots (0: keep all), sparing the ones

@@ -22,6 +22,7 @@ from typing import Any, Literal, Mapping
 
 import attrs
 
+from engine import metrics
 from engine.errors import ConfigError, first_line
 
 
@@ -51,7 +52,9 @@ class CheckpointConfig:
     memory_dir: str = "/dev/shm"  # the tmpfs for them (this user's folder is made there)
     keep_last: int = 3  # the newest snapshots kept (0: every one)
     best_metric: str = ""  # e.g. "val/loss": also keep the best snapshot by it
-    best_mode: Literal["max", "min"] = "max"  # whether the best is the highest or lowest
+    # Whether the best is the lowest or the highest; auto: read from the metric's name
+    # (loss, error, mae: min; accuracy, f1, auc: max), refused where the name says neither.
+    best_mode: Literal["auto", "min", "max"] = "auto"
 
 
 @attrs.define
@@ -61,9 +64,12 @@ class EarlyStoppingConfig:
     RESUME_SAFE = True  # when to stop is not what a step computes
 
     metric: str = ""  # e.g. "val/loss": a metric of the epoch (see the console line)
-    mode: Literal["min", "max"] = "min"  # min: lower is better
+    # min: lower is better; auto: read from the metric's name, as checkpoint.best_mode.
+    mode: Literal["auto", "min", "max"] = "auto"
     patience: int = 3  # epochs without improvement before stopping
-    min_delta: float = 0.0  # an improvement must beat the best by more than this
+    # An improvement (for the patience count) must beat the last one by more than this;
+    # the best (the best snapshot's) is the best value whatever the delta.
+    min_delta: float = 0.0
 
 
 @attrs.define
@@ -422,6 +428,7 @@ def check(cfg: TrainConfig) -> None:
         if metric == "train/loss":  # the name's meaning until runs logged train/epoch_loss
             raise ConfigError(f"config key {key!r}: 'train/loss' is the mean of one log "
                               "window, not of an epoch; use train/epoch_loss")
+    metrics.check_modes(cfg)  # auto modes read from the names; best and stopping agree
     for field in attrs.fields(type(cfg)):
         group = getattr(cfg, field.name)
         if attrs.has(type(group)) and callable(getattr(group, "check", None)):

@@ -194,7 +194,9 @@ class Engine(WorkerContext):
         from engine import snapshot
         from engine.trainer import Trainer
 
-        trainer = Trainer(self)  # before the resume: its progress is a snapshot part
+        # Before the resume: its progress is a snapshot part. It checks the metrics the
+        # config names (Trainer.check_named_metrics): a refused run wrote nothing.
+        trainer = Trainer(self)
         self.add_core_parts(trainer, lambda: self.train_loader,
                             recipe_parts=recipe.optional("state_parts"))
         snapshot.resume(self)

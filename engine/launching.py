@@ -510,6 +510,9 @@ class RecipeJob(Worker):
             cfg = apply_overrides(cfg, list(self.overrides))
         except ConfigError as exc:
             raise self._blame_the_file(exc) from None
+        from engine.metrics import check_forms
+
+        check_forms(cfg)  # a metric name no recipe's run logs: refused before any start
         return recipe, finish_config(pm, cfg, recipe.name)
 
     def _blame_the_file(self, exc: ConfigError) -> ConfigError:

@@ -130,12 +130,15 @@ class TrainState:
     step: int = 0  # optimizer steps taken since the start of training
     batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed
     epochs_completed: int = 0
-    # Early stopping (early_stopping.*): the best value of its metric so far, the epoch
-    # (counted from 1) that reached it, the epochs since, and whether the run stopped.
+    # Early stopping (early_stopping.*): the best value of its metric so far and the
+    # epoch (counted from 1) that reached it (the best snapshot's, by the same rule); the
+    # value an improvement must beat by more than min_delta (the best one with
+    # min_delta 0) and the epochs since it was set; whether the run stopped.
     best_metric: float | None = None
     best_epoch: int = 0
     epochs_without_improvement: int = 0
     stopped_early: bool = False
+    reference_metric: float | None = None
 
     # A stateful part (engine/stateful.py). The position in the epoch is the loader
     # part's (stateful.LoaderPosition), which converts it to another number of processes.

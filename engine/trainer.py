@@ -56,6 +56,7 @@ points), :class:`SnapshotPolicy` (when a snapshot is due) and :class:`EarlyStopp
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import sys
 import time
@@ -63,8 +64,9 @@ import time
 import attrs
 import torch
 
-from engine import data, distributed, health, phases, snapshot
-from engine.errors import ConfigError, EngineError, RunError
+from engine import data, distributed, health, phases, snapshot, stateful
+from engine.errors import ConfigError, EngineError, PeerFailed, RunError
+from engine.metrics import EARLY, improves, named, not_logged, resolved_mode
 
 
 #: The epoch's mean training loss; ``train/loss`` is the mean of one log window (the
@@ -353,14 +355,20 @@ class MetricSums:
 
 
 class EarlyStopping:
-    """``early_stopping.*``: stop when ``metric`` has not improved (by more than
-    ``min_delta``) for ``patience`` epochs. The metrics are reduced over the ranks, so
-    every rank decides alike; the count lives in the TrainState, which snapshots save,
-    so a resumed run stops exactly where an uninterrupted one would."""
+    """``early_stopping.*``: stop when ``metric`` has not improved by more than
+    ``min_delta`` for ``patience`` epochs. Lower or higher is better as ``mode`` says
+    (auto: read from the metric's name, engine/metrics.py, as ``checkpoint.best_mode``).
+    Its best value and epoch are the best snapshot's: the best value, compared as the
+    checkpointer compares (no min_delta); ``min_delta`` applies to the patience count,
+    against the value of the last improvement by more than it. The metrics are reduced
+    over the ranks, so every rank decides alike; the count lives in the TrainState,
+    which snapshots save, so a resumed run stops exactly where an uninterrupted one
+    would."""
 
     def __init__(self, cfg, state):
         self.metric = cfg.metric
-        self.mode = cfg.mode
+        self.mode = (resolved_mode(cfg.metric, cfg.mode, "early_stopping.mode")
+                     if cfg.metric else None)
         self.patience = cfg.patience
         self.min_delta = cfg.min_delta
         self.state = state
@@ -370,18 +378,14 @@ class EarlyStopping:
         if not self.metric:
             return False
         if self.metric not in metrics:
-            raise ConfigError(
-                f"config key 'early_stopping.metric': {self.metric!r} is not a metric of "
-                f"this run; it has: {', '.join(sorted(metrics))}")
+            raise not_logged(EARLY, self.metric, sorted(metrics))
         value, s = metrics[self.metric], self.state
-        if s.best_metric is None:
-            better = math.isfinite(value)
-        elif self.mode == "min":
-            better = value < s.best_metric - self.min_delta
-        else:
-            better = value > s.best_metric + self.min_delta
-        if better:
-            s.best_metric, s.best_epoch, s.epochs_without_improvement = value, epoch + 1, 0
+        if s.reference_metric is None:  # a snapshot written before the field: its best
+            s.reference_metric = s.best_metric  # was the reference
+        if improves(value, s.best_metric, self.mode):
+            s.best_metric, s.best_epoch = value, epoch + 1
+        if improves(value, s.reference_metric, self.mode, self.min_delta):
+            s.reference_metric, s.epochs_without_improvement = value, 0
         else:
             s.epochs_without_improvement += 1
         s.stopped_early = s.epochs_without_improvement >= self.patience
@@ -390,7 +394,9 @@ class EarlyStopping:
     def message(self) -> str:
         s = self.state
         best = "none" if s.best_metric is None else f"{s.best_metric:.4g} at epoch {s.best_epoch}"
-        return (f"early stopping: {self.metric} did not improve for "
+        compared = ("" if not self.min_delta or s.reference_metric is None else
+                    f" by more than {self.min_delta:g} on {s.reference_metric:.4g}")
+        return (f"early stopping: {self.metric} did not improve{compared} for "
                 f"{s.epochs_without_improvement} epochs; best {best}")
 
 
@@ -428,6 +434,12 @@ class Trainer:
         self.snapshots = SnapshotPolicy(self.cfg, engine.is_rank0)
         self.memory = getattr(engine, "memory", None)  # in-memory snapshots, when on
         self.early_stopping = EarlyStopping(self.cfg.early_stopping, engine.state)
+        # The metrics the config names (check_named_metrics): the val/* names one
+        # validation batch gave (None: not known before the first validation), and the
+        # named metrics still to be checked once more is known.
+        self.val_names: list[str] | None = []
+        self.unchecked: list[tuple[str, str]] = []
+        self.check_named_metrics()  # before the first step (and config.json)
         self.stop_requested = False  # the ranks agreed to stop (see engine/preemption.py)
         # A finished check point said a snapshot is due by time (every_minutes): the
         # next snapshot goes to disk (cleared when one is written).
@@ -506,6 +518,9 @@ class Trainer:
         metrics["lr"] = self.current_lr()
         health.epoch_barrier(cfg.timeout_s)
         eng.metrics.update(metrics)
+        if self.unchecked:  # val/ names one validation batch could not tell: now known
+            self.val_names = [name for name in metrics if name.startswith("val/")]
+            self.unchecked = self.refuse_unlogged(self.unchecked, extras_known=True)
         stop_early = self.early_stopping.update(metrics, epoch)
         if self.log_hook is not None:  # while engine.state.epoch is still this epoch's
             self.log_hook(engine=eng, metrics=metrics, step=eng.state.step)
@@ -590,6 +605,8 @@ class Trainer:
                               f"tensor (shape ()), not {what}; reduce it, e.g. with .mean()")
         if isinstance(out, dict):
             self.extras = TrainExtras([n for n in out if n != "loss"], self.device)
+        if self.unchecked:  # train/ names that may have been train_step's extras
+            self.unchecked = self.refuse_unlogged(self.unchecked, extras_known=True)
         self.train_step = self.checked_train_step
         return out
 
@@ -854,6 +871,115 @@ class Trainer:
         metrics = sums.reduce()
         eng.pm.hook.engine_validation_end(engine=eng, epoch=epoch, metrics=metrics)
         return metrics
+
+    # --------------------------------------------------------- named metrics
+
+    def check_named_metrics(self) -> None:
+        """Before the first step (when the Trainer is made, on every rank, with the
+        model, the loaders and the parallel mode ready, before the resume and
+        config.json): every metric the config names (checkpoint.best_metric,
+        early_stopping.metric) is one this run logs, or the run stops with one line
+        listing those it does. The val/* names come from one validation batch
+        (:meth:`validation_names`), the train/ names and lr from the loop's own. A
+        train/ name that may be one of train_step's extras waits for the run's first
+        micro-batch (first_train_step), which tells them."""
+        wanted = named(self.cfg)
+        if wanted:
+            self.val_names = self.validation_names()
+            self.unchecked = self.refuse_unlogged(wanted, extras_known=False)
+
+    def logged_names(self, key: str) -> list[str]:
+        """The metrics this run logs that config key ``key`` may name, as far as known:
+        early stopping sees an epoch's end; the best snapshot every metric logged
+        before it (but train/loss, which config.check refuses)."""
+        extras = self.extras.names if self.extras is not None else []
+        names = [*(self.val_names or []), EPOCH_LOSS, *(f"train/epoch_{n}" for n in extras),
+                 self.throughput.epoch_metric, "train/data_wait_fraction"]
+        if key != EARLY:  # a log window's
+            names += [*(f"train/{n}" for n in extras), self.throughput.metric]
+        return [*names, "lr"]
+
+    def refuse_unlogged(self, wanted: list[tuple[str, str]], extras_known: bool
+                        ) -> list[tuple[str, str]]:
+        """Raise for the first of ``wanted`` (key, metric) that this run does not log;
+        return those that it may still log: a train/ name before train_step's extras
+        are known, a val/ name when one batch could not tell the val/* names. The same
+        decision on every rank: the names are the same there."""
+        later = []
+        for key, metric in wanted:
+            logged = self.logged_names(key)
+            if metric in logged:
+                continue
+            if ((not extras_known and metric.startswith("train/"))
+                    or (self.val_names is None and metric.startswith("val/"))):
+                later.append((key, metric))
+                continue
+            raise not_logged(key, metric, logged)
+        return later
+
+    @torch.no_grad()
+    def validation_names(self) -> list[str] | None:
+        """The val/* names validation will log: those of one batch through eval_step
+        and eval_metrics (rank 0's, as MetricSums takes rank 0's names), the same on
+        every rank. [] without a validation set or with an empty one; None when
+        eval_metrics fails on one batch's sums (a division by a count that is zero in
+        that batch): they are then checked after the first validation.
+
+        Training is left exactly as it was: the RNG states are restored, the model's
+        mode too, and the batch is read from the dataset, not through the validation
+        loader (its iterator, workers and generator stay untouched). Collective when
+        there is a validation set: every rank enters the parallel mode's validation
+        context and runs one batch (fsdp's first forward, before any training step,
+        needs every rank), and one all_gather tells every rank rank 0's names and who
+        failed: a rank whose eval_step raised raises its error, the others stop as its
+        peers, none waits."""
+        eng = self.engine
+        loader = eng.val_loader
+        if loader is None:
+            return []
+        module = eng.module
+        was_training = module.training
+        saved = stateful.rng_state()
+        names, failure = None, None
+        module.eval()
+        try:
+            with eng.parallel.validation(eng.model):
+                try:
+                    names = self.first_batch_names(loader)
+                except Exception as exc:
+                    failure = exc
+        finally:
+            module.train(was_training)
+            stateful.set_rng_state(saved)
+        answers = distributed.all_gather_object((failure is not None, names))
+        if failure is not None:
+            raise failure
+        failed = [rank for rank, (raised, _) in enumerate(answers) if raised]
+        if failed:
+            raise PeerFailed(f"rank(s) {', '.join(map(str, failed))} failed to validate one "
+                             "batch before training (their error is the one to read)")
+        return answers[0][1]
+
+    def first_batch_names(self, loader) -> list[str] | None:
+        """:meth:`validation_names` on one rank: eval_step on its shard's first batch
+        (a rank whose shard is empty takes the set's first samples: every rank runs
+        one forward)."""
+        indices = (list(itertools.islice(iter(loader.sampler), loader.batch_size))
+                   or list(range(min(len(loader.dataset), loader.batch_size))))
+        if not indices:
+            return []  # no validation sample: no val/* metric (MetricSums.reduce)
+        batch = loader.collate_fn([loader.dataset[i] for i in indices])
+        batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
+        with self.autocast():
+            sums = self.eval_step(batch, self.engine)
+        MetricSums(self.device, self.eval_metrics).add(sums)  # what it returns is checked
+        if self.eval_metrics is None:
+            return [f"val/{name}" for name in sums if name != "count"]
+        try:
+            derived = self.eval_metrics({name: float(value) for name, value in sums.items()})
+            return [f"val/{name}" for name in derived]
+        except Exception:
+            return None
 
     # --------------------------------------------------------------- helpers
 

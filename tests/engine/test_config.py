@@ -93,7 +93,7 @@ def test_convert_rejects_what_does_not_fit():
 def test_to_dict_is_plain_data():
     d = to_dict(apply_overrides(Config(), ["data.path=/p"]))
     assert d["data"]["path"] == "/p"
-    assert d["checkpoint"]["best_mode"] == "max"  # a nested group: a plain dict
+    assert d["checkpoint"]["best_mode"] == "auto"  # a nested group: a plain dict
     assert d["scales"] == [0.5, 1.0]
 
 

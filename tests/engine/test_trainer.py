@@ -212,8 +212,8 @@ def test_grad_clip_norm_must_be_positive(tmp_path):
 
 # ------------------------------------------------------------------ early stopping
 
-#: min_delta far above any change: epoch 1 sets the best, later epochs never beat it,
-#: so with patience 2 the run stops after epoch 3 of 6.
+#: min_delta far above any change: epoch 1 sets the reference, later epochs never beat
+#: it by that much, so with patience 2 the run stops after epoch 3 of 6.
 EARLY = ("epochs=6", "early_stopping.metric=val/loss", "early_stopping.patience=2",
          "early_stopping.min_delta=1000")
 
@@ -232,12 +232,18 @@ def test_regression_recipe_stops_early_and_resumes_exactly(tmp_path):
     assert (reference["status"], reference["epochs_completed"]) == ("completed", 3)
     assert "val_accuracy" not in reference and math.isfinite(reference["val_loss"])
     assert reference["val_mae"] == reference["metrics"]["val/mae"]
-    first_val_loss = float(lines[0].split("val loss ")[1].split()[0])
+    val_losses = [float(line.split("val loss ")[1].split()[0]) for line in lines]
     (stop_line,) = [line for line in proc.stdout.splitlines()
                     if line.startswith("early stopping: ")]
-    assert stop_line.startswith("early stopping: val/loss did not improve for 2 epochs; best ")
-    assert stop_line.endswith(" at epoch 1")
-    assert float(stop_line.split("best ")[1].split()[0]) == pytest.approx(first_val_loss,
+    # What it compares: epoch 1's loss, by more than min_delta; the best is the lowest
+    # (the best snapshot's), whichever epoch reached it.
+    assert stop_line.startswith("early stopping: val/loss did not improve by more than 1000 "
+                                "on "), stop_line
+    assert float(stop_line.split(" on ")[1].split()[0]) == pytest.approx(val_losses[0],
+                                                                         rel=1e-3)
+    assert " for 2 epochs; best " in stop_line
+    assert stop_line.endswith(f" at epoch {val_losses.index(min(val_losses)) + 1}")
+    assert float(stop_line.split("best ")[1].split()[0]) == pytest.approx(min(val_losses),
                                                                           rel=1e-3)
 
     again = run_cli(REGRESSION, *RESUME, *EARLY, f"out_dir={out}", "--nproc", "2",
@@ -273,12 +279,12 @@ def test_a_snapshot_without_the_early_stopping_state_still_loads(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("early_stopping.metric=val/acc", "config key 'early_stopping.metric': 'val/acc' is not "
-     "a metric of this run; it has: lr, train/data_wait_fraction, train/epoch_loss, "
-     "train/epoch_samples_per_sec, val/loss, val/mae"),
+     "a metric this run logs at an epoch's end; it logs: val/loss, val/mae, train/epoch_loss, "
+     "train/epoch_samples_per_sec, train/data_wait_fraction, lr"),
     ("early_stopping.metric=train/loss", "config key 'early_stopping.metric': 'train/loss' "
      "is the mean of one log window, not of an epoch; use train/epoch_loss"),
     ("early_stopping.mode=lowest", "config key 'early_stopping.mode': 'lowest' is not one "
-     "of: min, max"),
+     "of: auto, min, max"),
     ("early_stopping.patience=0", "config key 'early_stopping.patience': 0 must be >= 1"),
 ])
 def test_bad_early_stopping_config_is_one_line_naming_the_key(tmp_path, override, message):
@@ -286,6 +292,81 @@ def test_bad_early_stopping_config_is_one_line_naming_the_key(tmp_path, override
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------- named metrics
+
+def test_the_best_snapshot_by_val_loss_is_the_lowest_loss_epoch(reference, tmp_path):
+    """checkpoint.best_metric=val/loss without best_mode keeps the lowest (the name says
+    lower is better), early stopping on it names the same epoch, and the validation
+    batch that checked the names before training changed nothing: 2 processes, the
+    weights of the same run with no metric named (dropout, random augmentation)."""
+    from engine.checkpoint import read_manifest
+    from engine.plugins.csv_logger import read_rows
+    from tests.engine.conftest import RESUME_BASE, RESUME_RECIPE
+
+    out = tmp_path / "run"
+    run_cli(RESUME_RECIPE, *RESUME_BASE, "checkpoint.best_metric=val/loss",
+            "early_stopping.metric=val/loss", "early_stopping.patience=3",
+            "early_stopping.min_delta=1000", f"out_dir={out}", "--nproc", "2", check=True)
+    summary = read_summary(out)
+    losses = {epoch: value for _, epoch, name, value in read_rows(out / "metrics.csv")
+              if name == "val/loss"}
+    assert sorted(losses) == [1, 2, 3] and len(set(losses.values())) == 3, losses
+    lowest = min(losses, key=losses.get)
+    best = read_manifest(out / summary["best_checkpoint"])
+    assert (best["epoch"], best["metrics"]["val/loss"]) == (lowest, losses[lowest]), (
+        best, losses)
+    progress = torch.load(out / summary["final_checkpoint"], weights_only=True)["progress"]
+    assert progress["best_epoch"] == lowest and progress["best_metric"] == losses[lowest]
+    assert progress["epochs_without_improvement"] == 2  # min_delta: none beat epoch 1's
+    assert summary["weights_sha256"] == reference[2]
+
+
+@pytest.mark.parametrize("key, nproc", [("checkpoint.best_metric", 2),
+                                        ("early_stopping.metric", 1)])
+def test_a_metric_the_run_does_not_log_is_refused_before_the_first_step(tmp_path, key,
+                                                                        nproc):
+    """val/acc (the run logs val/accuracy): one line listing what it logs, on every
+    rank alike, before any step (nothing logged, no snapshot)."""
+    out = tmp_path / "run"
+    proc = run_cli(TINY, "epochs=2", f"{key}=val/acc", f"out_dir={out}", "--nproc",
+                   str(nproc))
+    assert proc.returncode == 2, proc.stderr
+    at = " at an epoch's end" if key == "early_stopping.metric" else ""
+    logs = ("val/loss, val/accuracy, train/epoch_loss, train/epoch_samples_per_sec, "
+            "train/data_wait_fraction, "
+            + ("" if at else "train/samples_per_sec, ") + "lr")
+    line = (f"error: config key '{key}': 'val/acc' is not a metric this run logs{at} (did "
+            f"you mean 'val/accuracy'?); it logs: {logs}")
+    assert proc.stderr.count(line) == nproc, proc.stderr  # every rank, the same line
+    assert "Traceback" not in proc.stderr
+    assert not (out / "metrics.csv").exists() and not (out / "checkpoints").exists()
+    assert not epoch_lines(proc.stdout)
+
+
+def test_a_train_step_extra_named_is_checked_at_the_first_micro_batch(tmp_path):
+    """Which names train_step returns beside the loss is known at its first call: a
+    name that is one of them passes (best_metric), one that is not stops the run there,
+    before the first optimizer step."""
+    recipe = tmp_path / "extras.py"
+    recipe.write_text("from torch.nn import functional as F\n"
+                      "from tests.recipes.tiny_regression import *  # noqa\n"
+                      "from tests.recipes.tiny_regression import Config  # noqa\n\n"
+                      "def train_step(batch, ctx):\n    inputs, targets = batch\n"
+                      "    outputs = ctx.model(inputs)\n"
+                      "    return {'loss': F.mse_loss(outputs, targets),\n"
+                      "            'mae': (outputs - targets).abs().mean()}\n")
+    out = tmp_path / "run"
+    proc = run_cli(str(recipe), "epochs=1", "checkpoint.best_metric=train/epoch_mae",
+                   "early_stopping.metric=train/epoch_mse", f"out_dir={out}", "--nproc", "1")
+    assert proc.returncode == 2, proc.stderr
+    assert ("error: config key 'early_stopping.metric': 'train/epoch_mse' is not a metric "
+            "this run logs at an epoch's end (did you mean 'train/epoch_mae'?); it logs: "
+            "val/loss, val/mae, train/epoch_loss, train/epoch_mae, "
+            "train/epoch_samples_per_sec, train/data_wait_fraction, lr") in proc.stderr, (
+        proc.stderr)
+    assert ",train/" not in (out / "metrics.csv").read_text()
 
 
 # ------------------------------------------------- the policies, in-process (one rank)
@@ -386,18 +467,67 @@ def test_early_stopping_counts_epochs_without_improvement(mode, values, stops_af
 
 
 def test_early_stopping_min_delta_and_message():
+    """min_delta counts the patience (0.97 and 0.96 are no improvement on 1 by more than
+    0.05); the best is the lowest value, as the best snapshot's, and the message says
+    both."""
     stopping = early_stopping(min_delta=0.05)
     for epoch, value in enumerate([1.0, 0.97, 0.96]):
         stopping.update({"val/loss": value}, epoch)
     assert stopping.state.stopped_early
-    assert stopping.message() == (
-        "early stopping: val/loss did not improve for 2 epochs; best 1 at epoch 1")
+    assert stopping.message() == ("early stopping: val/loss did not improve by more than "
+                                  "0.05 on 1 for 2 epochs; best 0.96 at epoch 3")
+    plain = early_stopping()
+    for epoch, value in enumerate([1.0, 0.9, 0.95, 0.91]):
+        plain.update({"val/loss": value}, epoch)
+    assert plain.message() == (
+        "early stopping: val/loss did not improve for 2 epochs; best 0.9 at epoch 2")
+
+
+def test_early_stopping_reads_its_direction_from_the_name_unless_told():
+    for metric, mode, values, best_epoch in (
+            ("val/loss", "auto", [1.0, 0.5, 0.8], 2), ("val/accuracy", "auto", [0.5, 0.9, 0.7], 2),
+            ("val/accuracy", "min", [0.5, 0.9, 0.7], 1)):
+        stopping = early_stopping(mode, patience=5, metric=metric)
+        for epoch, value in enumerate(values):
+            stopping.update({metric: value}, epoch)
+        assert stopping.state.best_epoch == best_epoch, (metric, mode)
+    with pytest.raises(ConfigError, match=r"^config key 'early_stopping.mode': cannot tell "):
+        early_stopping("auto", metric="val/score")
+
+
+def test_early_stopping_and_the_best_snapshot_agree_on_the_best_epoch(tmp_path):
+    """The same values through both, min_delta set: the checkpointer's best is early
+    stopping's best epoch, and a NaN is neither's best."""
+    from engine.config import TrainConfig
+    from engine.plugins.torch_file import TorchFileCheckpointer
+
+    values = [float("nan"), 1.0, 0.98, 0.97, 0.99]
+    stopping = early_stopping("auto", patience=10, min_delta=0.05)
+    cfg = TrainConfig()
+    cfg.checkpoint.best_metric = "val/loss"  # best_mode auto: min, from the name
+    store = TorchFileCheckpointer(tmp_path, cfg)
+    paths = []
+    for epoch, value in enumerate(values):
+        stopping.update({"val/loss": value}, epoch)
+        paths.append(store.save({"step": epoch}, epoch=epoch + 1, step=epoch + 1,
+                                metrics={"val/loss": value}))
+    assert stopping.state.best_epoch == 4 and store.best() == paths[3]
+    assert stopping.state.epochs_without_improvement == 3  # none by more than 0.05 on 1.0
+
+
+def test_a_snapshot_from_before_the_reference_field_counts_on_from_its_best():
+    stopping = early_stopping(min_delta=0.05)
+    stopping.state.load_state_dict({"best_metric": 1.0, "best_epoch": 1,
+                                    "epochs_without_improvement": 1})
+    assert stopping.update({"val/loss": 0.97}, 2) is True  # not 0.05 below 1.0
+    assert stopping.state.best_epoch == 3 and stopping.state.reference_metric == 1.0
 
 
 def test_early_stopping_off_by_default_and_an_unknown_metric_names_the_key():
     assert early_stopping(metric="").update({}, 0) is False
     with pytest.raises(ConfigError, match=r"^config key 'early_stopping.metric': 'val/acc' "
-                                          r"is not a metric of this run; it has: val/loss$"):
+                                          r"is not a metric this run logs at an epoch's end; "
+                                          r"it logs: val/loss$"):
         early_stopping(metric="val/acc").update({"val/loss": 1.0}, 0)
 
 

@@ -1,0 +1,169 @@
+"""Metrics a config names (``checkpoint.best_metric``, ``early_stopping.metric``): which
+way is better, what counts as an improvement, and whether the run logs them.
+
+- :func:`direction`: ``min`` or ``max`` from a metric's name where the name says it
+  (``val/loss``, ``val/mae``, ``val/perplexity``: lower is better; ``val/accuracy``,
+  ``val/f1``, ``val/top2``: higher), else None. :func:`resolved_mode` is the mode a
+  setting means: ``checkpoint.best_mode`` and ``early_stopping.mode`` are ``auto`` by
+  default (the name's direction; a name that says none is refused before anything
+  starts), and an explicit ``min`` or ``max`` always wins. The best snapshot and early
+  stopping both ask here, so they never disagree on which way is better.
+- :func:`improves`: the one comparison both use (early stopping adds its ``min_delta``
+  for its patience count only; its "best" is the best snapshot's).
+- :func:`check_forms` (the launching process, a recipe's run) refuses a name that no
+  recipe run logs at all; the worker then checks the rest against the names this run
+  logs, before the first step (engine/trainer.py: ``Trainer.check_named_metrics``), and
+  :func:`not_logged` is the one-line error both give.
+
+No torch here: the launching process and the config checks import it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+
+from engine.errors import ConfigError
+
+#: A word of a metric's name (its part after the last ``/``, split at anything that is
+#: not a letter or a digit) that says lower is better...
+LOWER_IS_BETTER = frozenset({
+    "loss", "losses", "nll", "error", "errors", "err", "eer", "mae", "mse", "rmse", "msle",
+    "rmsle", "mape", "smape", "wer", "cer", "ter", "perplexity", "ppl", "bpc", "bpb", "bpd",
+    "fid", "kid", "kl", "kld", "divergence", "distance", "fpr", "fnr", "far", "frr", "cost",
+    "regret", "latency",
+})
+#: ... or that higher is.
+HIGHER_IS_BETTER = frozenset({
+    "accuracy", "acc", "f1", "f2", "fbeta", "fscore", "r2", "precision", "recall", "auc",
+    "auroc", "auprc", "ap", "map", "bleu", "rouge", "rougel", "meteor", "chrf", "cider",
+    "iou", "miou", "dice", "psnr", "ssim", "snr", "ndcg", "mrr", "hit", "hits", "hitrate",
+    "kappa", "mcc", "specificity", "sensitivity", "tpr", "tnr", "jaccard", "reward",
+    "return", "correct", "likelihood",
+})
+#: Words of several parts (matched on the words joined by ``_``).
+LOWER_PHRASES = ("bits_per_char", "bits_per_byte", "bits_per_dim", "bits_per_token",
+                 "error_rate")
+HIGHER_PHRASES = ("f1_score", "f_score", "roc_auc", "hit_rate", "r_squared", "per_sec",
+                  "per_second")  # and a throughput (train/epoch_samples_per_sec)
+#: top1, acc5, recall10, ndcg10, hits3...: a higher-is-better word with a number.
+HIGHER_NUMBERED = re.compile(r"(top|acc|ap|map|hits?|recall|precision|ndcg|mrr)\d+")
+#: A word that turns the name round: sklearn's neg_mean_squared_error, neg_log_loss
+#: (higher is better), a negative log likelihood (lower is).
+NEGATING = frozenset({"neg", "negative"})
+#: A word that makes a name of two metrics (a difference, one and another): no direction.
+COMBINING = frozenset({"and", "vs", "versus", "minus", "diff", "delta"})
+
+
+def direction(name: str) -> str | None:
+    """``"min"`` when the metric's name says lower is better, ``"max"`` when it says
+    higher is, None when it says neither (``val/score``, ``lr``) or combines two
+    (``val/loss_and_accuracy``). Where its words say both, the last one decides, as
+    the head of a compound noun: ``top1_error`` and ``dice_loss`` are lower-is-better,
+    ``loss_recall`` is not a thing. ``neg``/``negative`` turns it round."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.rsplit("/", 1)[-1].lower()) if w]
+    if COMBINING.intersection(words):
+        return None
+    found = None
+    for i, word in enumerate(words):
+        so_far = "_".join(words[:i + 1])
+        if (word in LOWER_IS_BETTER
+                or any(so_far.endswith(phrase) for phrase in LOWER_PHRASES)):
+            found = "min"
+        elif (word in HIGHER_IS_BETTER or HIGHER_NUMBERED.fullmatch(word)
+              or any(so_far.endswith(phrase) for phrase in HIGHER_PHRASES)):
+            found = "max"
+    if found is not None and NEGATING.intersection(words):
+        found = "max" if found == "min" else "min"
+    return found
+
+
+def resolved_mode(metric: str, mode: str, key: str) -> str:
+    """``min`` or ``max``: ``mode`` when it is one (set by the user: it wins), else
+    (``auto``) the direction :func:`direction` reads in ``metric``'s name. ``key`` (the
+    setting, ``checkpoint.best_mode``) names what to set when the name says nothing."""
+    if mode in ("min", "max"):
+        return mode
+    found = direction(metric)
+    if found is None:
+        raise ConfigError(f"config key {key!r}: cannot tell from the name {metric!r} "
+                          f"whether higher or lower is better; set {key}=min or {key}=max")
+    return found
+
+
+def improves(value: float, reference: float | None, mode: str,
+             min_delta: float = 0.0) -> bool:
+    """Whether ``value`` is better than ``reference`` (None: there is none yet) by more
+    than ``min_delta``, lower or higher as ``mode`` says. A value that is not finite
+    never improves; a reference that is not finite (a NaN an older run kept) is no
+    reference."""
+    if not math.isfinite(value):
+        return False
+    if reference is None or not math.isfinite(reference):
+        return True
+    return value < reference - min_delta if mode == "min" else value > reference + min_delta
+
+
+# ---------------------------------------------------------------- names a run logs
+
+#: The config keys that name a metric; early stopping sees the metrics of an epoch's
+#: end only (the best snapshot, every metric logged before the snapshot).
+BEST, EARLY = "checkpoint.best_metric", "early_stopping.metric"
+
+
+def named(cfg) -> list[tuple[str, str]]:
+    """``(key, metric)`` for each metric the config names."""
+    return [(key, metric) for key, metric in ((BEST, cfg.checkpoint.best_metric),
+                                              (EARLY, cfg.early_stopping.metric)) if metric]
+
+
+def check_modes(cfg) -> None:
+    """The config checks (engine.config.check, every run): each named metric's mode is
+    known (an ``auto`` one from the name), and the best snapshot and early stopping,
+    when both follow the same metric, agree on which way is better."""
+    best, stopping = cfg.checkpoint, cfg.early_stopping
+    modes = {}
+    if best.best_metric:
+        modes[BEST] = resolved_mode(best.best_metric, best.best_mode, "checkpoint.best_mode")
+    if stopping.metric:
+        modes[EARLY] = resolved_mode(stopping.metric, stopping.mode, "early_stopping.mode")
+    if len(modes) == 2 and best.best_metric == stopping.metric and len(set(modes.values())) == 2:
+        raise ConfigError(
+            f"config keys 'checkpoint.best_mode' and 'early_stopping.mode' disagree on "
+            f"{best.best_metric!r} ({modes[BEST]} and {modes[EARLY]}, as given or read "
+            "from the name): set both to min or both to max")
+
+
+def check_forms(cfg) -> None:
+    """In the launching process, for a recipe's run (engine-run, engine.fit): a name of
+    no form the engine logs is refused before any worker starts. The worker checks the
+    rest against the names this run logs (the recipe's are known once it runs)."""
+    for key, metric in named(cfg):
+        if key == EARLY:
+            ok = (metric == "lr" or metric.startswith(("val/", "train/epoch_"))
+                  or metric == "train/data_wait_fraction")
+            forms = ("val/NAME (a name eval_step returns), train/epoch_loss, "
+                     "train/epoch_NAME, train/epoch_<unit>_per_sec, "
+                     "train/data_wait_fraction or lr (an epoch's metrics)")
+        else:
+            ok = metric == "lr" or metric.startswith(("val/", "train/"))
+            forms = ("val/NAME (a name eval_step returns), train/epoch_loss, train/NAME, "
+                     "train/epoch_NAME or lr")
+        if not ok or metric in ("val/", "train/", "train/epoch_"):
+            raise ConfigError(f"config key {key!r}: {metric!r} is not a metric a recipe's "
+                              f"run logs; it takes {forms}")
+
+
+def not_logged(key: str, metric: str, logged) -> ConfigError:
+    """The one-line error for a named metric the run does not log: the names it logs
+    (those ``key`` may name), and the closest when one is close."""
+    logged = list(dict.fromkeys(logged))
+    # val/acc for val/accuracy; else a near spelling (not val/mae for val/acc).
+    close = ([name for name in logged
+              if name.startswith(metric) and metric.rsplit("/", 1)[-1]][:1]
+             or difflib.get_close_matches(metric, logged, n=1, cutoff=0.8))
+    at = " at an epoch's end" if key == EARLY else ""
+    return ConfigError(f"config key {key!r}: {metric!r} is not a metric this run logs{at}"
+                       + (f" (did you mean {close[0]!r}?)" if close else "")
+                       + f"; it logs: {', '.join(logged) if logged else 'nothing'}")

@@ -1,0 +1,117 @@
+"""engine/metrics.py: which way a named metric is better (read from its name unless the
+config says), the one comparison the best snapshot and early stopping share, and the
+checks of the names a config gives, in the config and in the launching process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.config import TrainConfig, apply_overrides
+from engine.errors import ConfigError
+from engine.metrics import direction, improves, not_logged, resolved_mode
+from tests.conftest import REPO, run_cli_here
+
+TINY = str(REPO / "tests" / "recipes" / "tiny_parallel_recipe.py")
+
+
+@pytest.mark.parametrize("name", [
+    "val/loss", "train/epoch_loss", "val/error", "val/top1_error", "val/mae", "val/mse",
+    "val/rmse", "val/perplexity", "val/ppl", "val/bits_per_char", "val/bpc", "val/wer",
+    "val/cer", "val/nll", "val/char_error_rate", "val/kl_divergence", "val/fid", "loss",
+    "val/dice_loss", "val/f1_loss", "val/negative_log_likelihood",  # the last word decides
+])
+def test_lower_is_better_for_losses_and_errors(name):
+    assert direction(name) == "min"
+
+
+@pytest.mark.parametrize("name", [
+    "val/accuracy", "val/acc", "val/acc1", "val/top5", "val/top2", "train/epoch_accuracy",
+    "val/f1", "val/macro_f1", "val/f1_score", "val/r2", "val/precision", "val/recall@10",
+    "val/auc", "val/roc_auc", "val/AUROC", "val/bleu", "val/rougeL", "val/mIoU", "val/dice",
+    "val/psnr", "val/ndcg10", "val/mAP50", "val/hit_rate", "val/log_likelihood",
+    "val/neg_mean_squared_error", "val/neg_log_loss",  # sklearn's scorers: negated
+    "train/epoch_samples_per_sec", "train/tokens_per_sec",
+])
+def test_higher_is_better_for_accuracies_and_scores(name):
+    assert direction(name) == "max"
+
+
+@pytest.mark.parametrize("name", [
+    "val/score", "lr", "train/data_wait_fraction", "val/metric",
+    "val/loss_and_accuracy", "val/acc_minus_loss",  # two metrics in one
+])
+def test_a_name_that_says_neither_or_both_has_no_direction(name):
+    assert direction(name) is None
+
+
+def test_an_explicit_mode_wins_and_auto_reads_the_name_or_asks():
+    assert resolved_mode("val/loss", "max", "checkpoint.best_mode") == "max"
+    assert resolved_mode("val/accuracy", "min", "early_stopping.mode") == "min"
+    assert resolved_mode("val/loss", "auto", "checkpoint.best_mode") == "min"
+    assert resolved_mode("val/accuracy", "auto", "early_stopping.mode") == "max"
+    with pytest.raises(ConfigError) as error:
+        resolved_mode("val/score", "auto", "checkpoint.best_mode")
+    assert str(error.value) == (
+        "config key 'checkpoint.best_mode': cannot tell from the name 'val/score' whether "
+        "higher or lower is better; set checkpoint.best_mode=min or checkpoint.best_mode=max")
+
+
+def test_improves_by_more_than_min_delta_and_never_with_a_non_finite_value():
+    assert improves(1.0, None, "min") and improves(0.9, 1.0, "min")
+    assert not improves(1.0, 1.0, "min") and not improves(1.0, 1.0, "max")  # equal: no
+    assert improves(0.5, 0.4, "max") and not improves(0.4, 0.5, "max")
+    assert not improves(0.96, 1.0, "min", min_delta=0.05)
+    assert improves(0.94, 1.0, "min", min_delta=0.05)
+    assert not improves(math.nan, None, "min") and not improves(math.inf, 1.0, "max")
+    assert improves(1.0, math.nan, "min")  # a NaN an older run kept is no reference
+
+
+def config(*overrides: str) -> TrainConfig:
+    return apply_overrides(TrainConfig(), list(overrides))
+
+
+def test_the_config_check_refuses_an_auto_mode_the_name_cannot_tell():
+    assert config("checkpoint.best_metric=val/loss").checkpoint.best_mode == "auto"
+    config("checkpoint.best_metric=val/score", "checkpoint.best_mode=max")  # said: fine
+    for key, mode in (("checkpoint.best_metric", "checkpoint.best_mode"),
+                      ("early_stopping.metric", "early_stopping.mode")):
+        with pytest.raises(ConfigError, match=rf"^config key '{mode}': cannot tell from "
+                                              rf"the name 'val/score' .*{mode}=max$"):
+            config(f"{key}=val/score")
+
+
+def test_the_best_snapshot_and_early_stopping_must_agree_on_a_shared_metric():
+    config("checkpoint.best_metric=val/loss", "early_stopping.metric=val/loss")
+    with pytest.raises(ConfigError, match=r"^config keys 'checkpoint.best_mode' and "
+                                          r"'early_stopping.mode' disagree on 'val/loss' "
+                                          r"\(max and min, "):
+        config("checkpoint.best_metric=val/loss", "checkpoint.best_mode=max",
+               "early_stopping.metric=val/loss")
+
+
+def test_the_error_for_a_name_not_logged_lists_the_names_and_the_closest():
+    assert str(not_logged("checkpoint.best_metric", "val/acc",
+                          ["val/loss", "val/accuracy", "lr"])) == (
+        "config key 'checkpoint.best_metric': 'val/acc' is not a metric this run logs (did "
+        "you mean 'val/accuracy'?); it logs: val/loss, val/accuracy, lr")
+
+
+@pytest.mark.parametrize("override, message", [
+    # No form a recipe's run logs: refused in the launching process (--dry-run starts
+    # no worker), with what the key takes.
+    ("checkpoint.best_metric=accuracy", "config key 'checkpoint.best_metric': 'accuracy' is "
+     "not a metric a recipe's run logs; it takes val/NAME (a name eval_step returns), "
+     "train/epoch_loss, train/NAME, train/epoch_NAME or lr"),
+    ("early_stopping.metric=train/samples_per_sec", "config key 'early_stopping.metric': "
+     "'train/samples_per_sec' is not a metric a recipe's run logs; it takes val/NAME"),
+    ("checkpoint.best_metric=val/score", "config key 'checkpoint.best_mode': cannot tell "
+     "from the name 'val/score' whether higher or lower is better; set "
+     "checkpoint.best_mode=min or checkpoint.best_mode=max"),
+])
+def test_a_bad_name_is_refused_before_any_worker_starts(tmp_path, override, message):
+    proc = run_cli_here(TINY, override, f"out_dir={tmp_path}", "--dry-run")
+    assert proc.returncode == 2, proc.stdout
+    assert f"error: {message}" in proc.stderr and len(proc.stderr.splitlines()) == 1, (
+        proc.stderr)
