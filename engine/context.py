@@ -269,6 +269,11 @@ class WorkerContext:
             self._warned.add(message)
             print(f"warning: {message}", file=sys.stderr, flush=True)
 
+    def warn_here(self, message: str) -> None:
+        """A warning about this rank's own machine (its buffers, its tmpfs), on whichever
+        rank it is: rank 0 cannot see it, so :meth:`warn` would drop it."""
+        print(f"warning: rank {self.world.rank}: {message}", file=sys.stderr, flush=True)
+
     def write_config(self) -> None:
         """``<out_dir>/config.json``: the resolved config (rank 0)."""
         if self.is_rank0:

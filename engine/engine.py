@@ -229,7 +229,6 @@ class Engine(WorkerContext):
         warning, when any rank cannot use its tmpfs safely: the tier is off everywhere
         together, since a memory snapshot is a collective."""
         from engine import distributed, memory_snapshot
-        from engine.snapshot import _warn_each
 
         opts = self.options
         ids = None
@@ -253,7 +252,8 @@ class Engine(WorkerContext):
                 forget = old if opts.get("no_resume") or opts.get("resume") else None
                 _, problems = memory_snapshot.remove_leftovers(
                     self.out_dir, run_id, memory.shm, forget=forget)
-                _warn_each(self, problems)
+                for problem in problems:
+                    self.warn_here(problem)
         # Also the barrier after the clean-up: no rank reads its buffers before it.
         problems = [p for p in distributed.all_gather_object(problem) if p]
         if problems:

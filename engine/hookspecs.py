@@ -114,6 +114,8 @@ class RunContext(Protocol):
 
     def warn(self, message: str) -> None: ...  #: rank 0 only, once per message, stderr
 
+    def warn_here(self, message: str) -> None: ...  #: this rank's, on any rank, stderr
+
     def summary(self, status: str, error: BaseException | None = None) -> dict: ...
 
 

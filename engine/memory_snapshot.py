@@ -584,11 +584,6 @@ def newest(paths, run_id: str | None = None) -> Slot | None:
     return best
 
 
-def payload_of(slot: Slot):
-    """The payload of a checked buffer, as a uint8 tensor over its map."""
-    return slot.payload()
-
-
 def load_slot(slot: Slot) -> dict:
     return read_payload(slot.payload())
 
@@ -619,14 +614,14 @@ class MemorySnapshots:
     ``every_steps`` optimizer steps, :meth:`newest` at a resume, :meth:`remove` when
     the run ends by itself."""
 
-    def __init__(self, run_dir, world, every_steps: int, run_id: str | None = None,
+    def __init__(self, run_dir, world, every_steps: int, run_id: str,
                  shm: pathlib.Path = SHM):
         self.run_dir = pathlib.Path(run_dir)
         self.world = world
         self.every_steps = every_steps
         self.shm = pathlib.Path(shm)
         self.folder = user_folder(shm)
-        self.run_id = run_id or run_id_of(run_dir) or claim_run_id(run_dir, False)[1]
+        self.run_id = run_id  # claim_run_id's, the same on every rank
         self.raw_id = bytes.fromhex(self.run_id)
         self.paths = buffer_paths(run_dir, world.rank, shm, self.run_id)
         self.buffers = [Buffer(p) for p in self.paths]

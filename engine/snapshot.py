@@ -12,7 +12,6 @@ only stores the dict and gives it back.
 from __future__ import annotations
 
 import pathlib
-import sys
 
 import engine
 from engine import config as config_mod
@@ -121,15 +120,10 @@ def turn_memory_off(eng, why: str) -> None:
     warning (rank 0's); the run goes on with disk snapshots."""
     memory, eng.memory = eng.memory, None
     if memory is not None:
-        _warn_each(eng, memory.remove())
+        for problem in memory.remove():
+            eng.warn_here(problem)
     eng.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: {why}; the "
              "run goes on with disk snapshots")
-
-
-def _warn_each(eng, problems) -> None:
-    """Warnings of this rank's, whichever rank it is (eng.warn is rank 0's only)."""
-    for problem in problems:
-        print(f"warning: rank {eng.world.rank}: {problem}", file=sys.stderr, flush=True)
 
 
 def _every_rank_can_keep_them(eng, memory, state: dict) -> bool:
@@ -226,7 +220,7 @@ def _resume_from_memory(eng, memory, disk_step: int | None) -> bool:
     fails to load is a warning and the next tier."""
     from engine import memory_snapshot
 
-    mine = memory_snapshot.load_newest(memory, lambda m: _warn_each(eng, [m]))
+    mine = memory_snapshot.load_newest(memory, eng.warn_here)
     try:
         choice = memory_snapshot.agree(memory, mine)
         memory.reached_before = choice.reached
@@ -255,7 +249,8 @@ def _forget_memory(eng, memory) -> None:
     than what it resumed from (or belong to the run it starts afresh over), and a
     restart before its first memory snapshot must not take them."""
     if memory is not None:
-        _warn_each(eng, memory.remove())
+        for problem in memory.remove():
+            eng.warn_here(problem)
 
 
 def _record_resume(eng, tier: str, step: int, reached: int, source_rank=None) -> None:

@@ -58,7 +58,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import sys
 import time
 
 import attrs
@@ -702,9 +701,8 @@ class Trainer:
         failed = self.memory.failed
         snapshot.turn_memory_off(self.engine, failed or "another rank's buffer could not "
                                  "grow (see its warning)")
-        if failed and not self.engine.is_rank0:
-            print(f"warning: rank {self.engine.world.rank}: {failed}", file=sys.stderr,
-                  flush=True)
+        if failed and not self.engine.is_rank0:  # rank 0's warning said "another rank"
+            self.engine.warn_here(failed)
         self.memory = None
 
     def before_optimizer_step(self, step: int) -> None:
