@@ -319,6 +319,42 @@ def all_keys(cfg: Any, prefix: str = "") -> list[str]:
     return keys
 
 
+#: Where every key is listed (the unknown-key error points there, not at ~70 keys).
+EVERY_KEY = "every key: engine-run RECIPE --dry-run -v"
+
+
+class UnknownKey(ConfigError):
+    """A key the config does not have: one line with the closest keys (within the group
+    it names, when it names one: else the group's keys, which are few) and where every
+    key is listed. ``key`` is the key given, ``close`` the closest keys, best first."""
+
+    def __init__(self, cfg: Any, key: str, here: str, part: str):
+        group = _group(cfg, here) if here else cfg
+        prefix = f"{here}." if here else ""
+        known = all_keys(group)
+        self.key = key
+        self.close = [prefix + name for name in
+                      difflib.get_close_matches(key[len(prefix):], known, n=3, cutoff=0.6)]
+        if len(self.close) == 1:
+            hint = f"; did you mean {self.close[0]!r}?"
+        elif self.close:
+            hint = f"; did you mean one of {', '.join(map(repr, self.close))}?"
+        elif here:
+            hint = f"; {here!r} has: {', '.join(known)}"
+        else:
+            hint = ""
+        super().__init__(f"unknown config key {key!r}"
+                         + (f" ({here!r} has no field {part!r})" if here else "")
+                         + f"{hint} ({EVERY_KEY})")
+
+
+def _group(cfg: Any, dotted: str) -> Any:
+    """The group ``cfg.a.b`` that ``"a.b"`` names."""
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
 def apply_override(cfg: Any, key: str, text: str) -> None:
     """Set ``key`` (a dotted path) on ``cfg`` from the override text, converted and checked."""
     target = cfg
@@ -326,15 +362,7 @@ def apply_override(cfg: Any, key: str, text: str) -> None:
     for i, part in enumerate(parts):
         names = [f.name for f in attrs.fields(type(target))]
         if part not in names:
-            here = ".".join(parts[:i])
-            known = all_keys(cfg)
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(
-                f"unknown config key {key!r}"
-                + (f" ({here!r} has no field {part!r})" if here else "")
-                + f"; {hint}known keys: {', '.join(known)}"
-            )
+            raise UnknownKey(cfg, key, ".".join(parts[:i]), part)
         if i == len(parts) - 1:
             break
         target = getattr(target, part)
