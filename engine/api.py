@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 
-from engine.context import WorkerContext
+from engine.context import WorkerContext, callers_state_kept
 from engine.errors import ConfigError
 from engine.launching import LAUNCH, Worker
 
@@ -89,7 +89,8 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
                               master_port=master_port, max_restarts=max_restarts,
                               local_rank=_local_rank_argument(sys.argv[1:]))
     job = LoopJob(tuple(plugins), options, door=LAUNCH, fn=fn, args=tuple(args), cfg=cfg)
-    return Launch(job).start().result
+    with callers_state_kept():
+        return Launch(job).start().result
 
 
 def _local_rank_argument(argv: Sequence[str]) -> int | None:
