@@ -318,6 +318,9 @@ class Context(WorkerContext):
         if differs_from_default(self.cfg.checkpoint, "memory_every_steps"):
             self.warn("checkpoint.memory_every_steps is for engine-run's training loop: a "
                       "custom loop's snapshots are ctx.save()'s, on disk")
+        if self.cfg.scheduler_metric:
+            self.warn("scheduler_metric is for engine-run's training loop: a custom loop "
+                      "steps its own scheduler (scheduler.step(metrics['val/loss']))")
         snapshot.resume(self)
         # After the resume's config check (as Engine._setup): a resume refused because
         # the config changed leaves the run's own config.json.

@@ -109,6 +109,10 @@ class TrainConfig:
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     precision: Literal["32", "bf16", "fp16"] = "32"  # autocast dtype (fp16: a grad scaler)
     scheduler_interval: Literal["epoch", "step"] = "epoch"  # when the scheduler steps
+    # The metric a scheduler that steps on one (ReduceLROnPlateau) is given after each
+    # validation, e.g. val/loss: a metric of the epoch; its direction must be the
+    # scheduler's mode.
+    scheduler_metric: str = ""
     num_workers: int | Literal["auto"] = 0  # DataLoader workers per process
     drop_last: bool = False  # drop the last incomplete training batch
     # Seed the RNGs from (seed, epoch, sample index) before loading each training sample,
@@ -452,7 +456,8 @@ def check(cfg: TrainConfig) -> None:
         raise ConfigError(f"config key 'early_stopping.min_delta': {stopping.min_delta!r} "
                           "must be >= 0")
     for key, metric in (("early_stopping.metric", stopping.metric),
-                        ("checkpoint.best_metric", checkpoint.best_metric)):
+                        ("checkpoint.best_metric", checkpoint.best_metric),
+                        ("scheduler_metric", cfg.scheduler_metric)):
         if metric == "train/loss":  # the name's meaning until runs logged train/epoch_loss
             raise ConfigError(f"config key {key!r}: 'train/loss' is the mean of one log "
                               "window, not of an epoch; use train/epoch_loss")
