@@ -109,9 +109,8 @@ class TrainConfig:
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     precision: Literal["32", "bf16", "fp16"] = "32"  # autocast dtype (fp16: a grad scaler)
     scheduler_interval: Literal["epoch", "step"] = "epoch"  # when the scheduler steps
-    # The metric a scheduler that steps on one (ReduceLROnPlateau) is given after each
-    # validation, e.g. val/loss: a metric of the epoch; its direction must be the
-    # scheduler's mode.
+    # ReduceLROnPlateau's metric, stepped on after each validation (e.g. val/loss). A
+    # metric of the epoch's end; its direction must be the scheduler's mode.
     scheduler_metric: str = ""
     num_workers: int | Literal["auto"] = 0  # DataLoader workers per process
     drop_last: bool = False  # drop the last incomplete training batch
