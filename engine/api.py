@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 
-from engine.context import WorkerContext
+from engine.context import WorkerContext, callers_state_kept
 from engine.errors import ConfigError
 from engine.launching import LAUNCH, Worker
 
@@ -89,7 +89,8 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
                               master_port=master_port, max_restarts=max_restarts,
                               local_rank=_local_rank_argument(sys.argv[1:]))
     job = LoopJob(tuple(plugins), options, door=LAUNCH, fn=fn, args=tuple(args), cfg=cfg)
-    return Launch(job).start().result
+    with callers_state_kept():
+        return Launch(job).start().result
 
 
 def _local_rank_argument(argv: Sequence[str]) -> int | None:
@@ -317,6 +318,9 @@ class Context(WorkerContext):
         if differs_from_default(self.cfg.checkpoint, "memory_every_steps"):
             self.warn("checkpoint.memory_every_steps is for engine-run's training loop: a "
                       "custom loop's snapshots are ctx.save()'s, on disk")
+        if self.cfg.scheduler_metric:
+            self.warn("scheduler_metric is for engine-run's training loop: a custom loop "
+                      "steps its own scheduler (scheduler.step(metrics['val/loss']))")
         snapshot.resume(self)
         # After the resume's config check (as Engine._setup): a resume refused because
         # the config changed leaves the run's own config.json.

@@ -193,7 +193,9 @@ def train(pm, argv: Sequence[str]) -> int:
 
     parser = build_parser(pm)
     pm.hook.engine_addoption.call_historic(kwargs={"parser": parser})
-    args = parser.parse_intermixed_args(argv)
+    args, extras = parser.parse_known_intermixed_args(argv)
+    if extras:
+        parser.error(unrecognized(extras))
     launch = Launch(RecipeJob.from_args(args), pm)
     worlds = launch.worlds
     the_plan = plan.make_plan(pm, launch.job.loaded_recipe(), launch.cfg, launch.launcher,
@@ -209,6 +211,25 @@ def train(pm, argv: Sequence[str]) -> int:
     statuses = launch.start().statuses
     phases.command_ended(args.verbose and show)
     return EXIT_PREEMPTED if "preempted" in statuses else EXIT_COMPLETED
+
+
+def unrecognized(extras: Sequence[str]) -> str:
+    """argparse's error for arguments no option takes; ``--epochs 3`` is a config key
+    given as an option: say how keys are given (``epochs=3``)."""
+    keys, rest = [], list(extras)
+    while rest:
+        token = rest.pop(0)
+        if not token.startswith("--") or len(token) < 3:
+            continue
+        name, sep, value = token[2:].partition("=")
+        if not sep:
+            value = rest.pop(0) if rest and not rest[0].startswith("-") else "true"
+        keys.append(f"{name.replace('-', '_')}={value}")
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    if keys:
+        message += (f"; config keys are given as key=value ({' '.join(keys)}), and the "
+                    "options are those of --help")
+    return message
 
 
 def console_main() -> None:

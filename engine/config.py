@@ -109,6 +109,9 @@ class TrainConfig:
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     precision: Literal["32", "bf16", "fp16"] = "32"  # autocast dtype (fp16: a grad scaler)
     scheduler_interval: Literal["epoch", "step"] = "epoch"  # when the scheduler steps
+    # ReduceLROnPlateau's metric, stepped on after each validation (e.g. val/loss). A
+    # metric of the epoch's end; its direction must be the scheduler's mode.
+    scheduler_metric: str = ""
     num_workers: int | Literal["auto"] = 0  # DataLoader workers per process
     drop_last: bool = False  # drop the last incomplete training batch
     # Seed the RNGs from (seed, epoch, sample index) before loading each training sample,
@@ -319,6 +322,42 @@ def all_keys(cfg: Any, prefix: str = "") -> list[str]:
     return keys
 
 
+#: Where every key is listed (the unknown-key error points there, not at ~70 keys).
+EVERY_KEY = "every key: engine-run RECIPE --dry-run -v"
+
+
+class UnknownKey(ConfigError):
+    """A key the config does not have: one line with the closest keys (within the group
+    it names, when it names one: else the group's keys, which are few) and where every
+    key is listed. ``key`` is the key given, ``close`` the closest keys, best first."""
+
+    def __init__(self, cfg: Any, key: str, here: str, part: str):
+        group = _group(cfg, here) if here else cfg
+        prefix = f"{here}." if here else ""
+        known = all_keys(group)
+        self.key = key
+        self.close = [prefix + name for name in
+                      difflib.get_close_matches(key[len(prefix):], known, n=3, cutoff=0.6)]
+        if len(self.close) == 1:
+            hint = f"; did you mean {self.close[0]!r}?"
+        elif self.close:
+            hint = f"; did you mean one of {', '.join(map(repr, self.close))}?"
+        elif here:
+            hint = f"; {here!r} has: {', '.join(known)}"
+        else:
+            hint = ""
+        super().__init__(f"unknown config key {key!r}"
+                         + (f" ({here!r} has no field {part!r})" if here else "")
+                         + f"{hint} ({EVERY_KEY})")
+
+
+def _group(cfg: Any, dotted: str) -> Any:
+    """The group ``cfg.a.b`` that ``"a.b"`` names."""
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
 def apply_override(cfg: Any, key: str, text: str) -> None:
     """Set ``key`` (a dotted path) on ``cfg`` from the override text, converted and checked."""
     target = cfg
@@ -326,15 +365,7 @@ def apply_override(cfg: Any, key: str, text: str) -> None:
     for i, part in enumerate(parts):
         names = [f.name for f in attrs.fields(type(target))]
         if part not in names:
-            here = ".".join(parts[:i])
-            known = all_keys(cfg)
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(
-                f"unknown config key {key!r}"
-                + (f" ({here!r} has no field {part!r})" if here else "")
-                + f"; {hint}known keys: {', '.join(known)}"
-            )
+            raise UnknownKey(cfg, key, ".".join(parts[:i]), part)
         if i == len(parts) - 1:
             break
         target = getattr(target, part)
@@ -424,7 +455,8 @@ def check(cfg: TrainConfig) -> None:
         raise ConfigError(f"config key 'early_stopping.min_delta': {stopping.min_delta!r} "
                           "must be >= 0")
     for key, metric in (("early_stopping.metric", stopping.metric),
-                        ("checkpoint.best_metric", checkpoint.best_metric)):
+                        ("checkpoint.best_metric", checkpoint.best_metric),
+                        ("scheduler_metric", cfg.scheduler_metric)):
         if metric == "train/loss":  # the name's meaning until runs logged train/epoch_loss
             raise ConfigError(f"config key {key!r}: 'train/loss' is the mean of one log "
                               "window, not of an epoch; use train/epoch_loss")

@@ -104,6 +104,30 @@ def weights_digests(module, warn) -> dict:
     return {"weights_sha256": digests[0], "weights_sha256_per_rank": digests}
 
 
+#: torch's thread count before a worker in this process set the run's (start_worker).
+_threads_before: int | None = None
+
+
+@contextlib.contextmanager
+def callers_state_kept():
+    """Around a library call (engine.fit, engine.launch): a worker that runs in the
+    caller's process sets torch's thread count for the run (``threads=``, or its share
+    of the CPUs); the caller gets its own back when the call returns, however it ends.
+    The call's phases (the console's ``done: ... in 5.2s (start-up 1.1s)``) count from
+    the call's start, not from the process's or an earlier call's."""
+    global _threads_before
+    phases.restart()
+    _threads_before = None
+    try:
+        yield
+    finally:
+        if _threads_before is not None:
+            import torch
+
+            torch.set_num_threads(_threads_before)
+            _threads_before = None
+
+
 def start_worker(pm, cfg, world, options: dict[str, Any]):
     """The first steps of every worker (a Trainer run or a library user's loop): seed
     every RNG, share the CPUs, choose the parallel mode and its devices, create the
@@ -115,6 +139,9 @@ def start_worker(pm, cfg, world, options: dict[str, Any]):
     seed_everything(cfg.seed)
     if cfg.deterministic:
         use_deterministic_kernels()
+    global _threads_before
+    if _threads_before is None:
+        _threads_before = torch.get_num_threads()
     torch.set_num_threads(options.get("threads") or world.cpu_share().count)
     from engine.parallel import choose_parallel
 

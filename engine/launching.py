@@ -298,6 +298,7 @@ def check_spawnable(job: "Worker") -> None:
         raise ConfigError(
             f"{door} ran again inside a spawned worker: the workers import your "
             "script, so guard the call with `if __name__ == \"__main__\":`")
+    _refuse_a_script_without_a_file(door)
     script = _unguarded_main_script()
     if script is not None:
         raise ConfigError(
@@ -311,6 +312,20 @@ def check_spawnable(job: "Worker") -> None:
             f"{door}: cannot send {job.describe()} to the worker processes "
             f"({type(exc).__name__}: {exc}); use a module-level function, not a lambda "
             "or a nested function, and picklable arguments") from None
+
+
+def _refuse_a_script_without_a_file(door: str) -> None:
+    """A main script read on stdin (``python - < train.py``) has no file that spawned
+    workers could import: multiprocessing failed in each of them with a traceback
+    (No such file or directory: '<stdin>'). Forked workers need no file."""
+    from engine.launch_env import start_method
+
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if path and not os.path.isfile(path) and start_method() == "spawn":
+        raise ConfigError(
+            f"{door}: the main script was read from {path}, not a file, and spawned "
+            "workers import it: use nproc=1 (trains in this process) or run the script "
+            "from a file")
 
 
 def _unguarded_main_script() -> pathlib.Path | None:
@@ -557,7 +572,32 @@ def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
     job = RecipeJob(tuple(plugins), library_options(resume, overwrite, threads, nproc=nproc,
                                                     max_restarts=max_restarts),
                     door=FIT, recipe=_recipe_reference(recipe), overrides=tuple(items))
-    return Launch(job).start().result
+    from engine.config import UnknownKey
+    from engine.context import callers_state_kept
+
+    with callers_state_kept():
+        try:
+            launch = Launch(job)
+        except UnknownKey as exc:
+            raise _fit_argument_meant(exc, overrides) or exc
+        return launch.start().result
+
+
+def _fit_argument_meant(exc, overrides: dict) -> ConfigError | None:
+    """``engine.fit(nprocs=2)``: an unknown key close to one of fit's own arguments is
+    that argument misspelt (as a config key it would suggest ``epochs``)."""
+    import difflib
+    import inspect
+
+    arguments = [p.name for p in inspect.signature(fit).parameters.values()
+                 if p.kind is p.KEYWORD_ONLY]
+    close = difflib.get_close_matches(exc.key, arguments, n=1, cutoff=0.75)
+    if not close or exc.key not in overrides:
+        return None
+    value = overrides[exc.key]
+    return ConfigError(f"engine.fit({exc.key}={value!r}): {exc.key!r} is neither an "
+                       f"argument of engine.fit nor a config key; did you mean the "
+                       f"argument {close[0]}={value!r}?")
 
 
 def _override_text(value: Any) -> str:

@@ -1,5 +1,6 @@
-"""Metrics a config names (``checkpoint.best_metric``, ``early_stopping.metric``): which
-way is better, what counts as an improvement, and whether the run logs them.
+"""Metrics a config names (``checkpoint.best_metric``, ``early_stopping.metric``,
+``scheduler_metric``): which way is better, what counts as an improvement, and whether
+the run logs them.
 
 - :func:`direction`: ``min`` or ``max`` from a metric's name where the name says it
   (``val/loss``, ``val/mae``, ``val/perplexity``: lower is better; ``val/accuracy``,
@@ -107,15 +108,32 @@ def improves(value: float, reference: float | None, mode: str,
 
 # ---------------------------------------------------------------- names a run logs
 
-#: The config keys that name a metric; early stopping sees the metrics of an epoch's
-#: end only (the best snapshot, every metric logged before the snapshot).
-BEST, EARLY = "checkpoint.best_metric", "early_stopping.metric"
+#: The config keys that name a metric; early stopping and a scheduler that steps on a
+#: metric see the metrics of an epoch's end only (the best snapshot, every metric
+#: logged before the snapshot).
+BEST, EARLY, SCHEDULER = "checkpoint.best_metric", "early_stopping.metric", "scheduler_metric"
+EPOCH_END = (EARLY, SCHEDULER)
 
 
 def named(cfg) -> list[tuple[str, str]]:
     """``(key, metric)`` for each metric the config names."""
     return [(key, metric) for key, metric in ((BEST, cfg.checkpoint.best_metric),
-                                              (EARLY, cfg.early_stopping.metric)) if metric]
+                                              (EARLY, cfg.early_stopping.metric),
+                                              (SCHEDULER, cfg.scheduler_metric)) if metric]
+
+
+def expected_mode(cfg, metric: str) -> tuple[str, str] | None:
+    """Which way is better for ``metric``, and what says so: its name, else the mode of
+    the best snapshot or early stopping when they follow the same metric (a name that
+    says neither needs theirs set); None when nothing says (a scheduler's own mode then
+    decides)."""
+    found = direction(metric)
+    if found is not None:
+        return found, "read from the name"
+    for key, mode in ((BEST, cfg.checkpoint.best_mode), (EARLY, cfg.early_stopping.mode)):
+        if dict(named(cfg)).get(key) == metric and mode in ("min", "max"):
+            return mode, f"as {key.replace('metric', 'mode')} says"
+    return None
 
 
 def check_modes(cfg) -> None:
@@ -140,7 +158,7 @@ def check_forms(cfg) -> None:
     no form the engine logs is refused before any worker starts. The worker checks the
     rest against the names this run logs (the recipe's are known once it runs)."""
     for key, metric in named(cfg):
-        if key == EARLY:
+        if key in EPOCH_END:
             ok = (metric == "lr" or metric.startswith(("val/", "train/epoch_"))
                   or metric == "train/data_wait_fraction")
             forms = ("val/NAME (a name eval_step returns), train/epoch_loss, "
@@ -163,7 +181,7 @@ def not_logged(key: str, metric: str, logged) -> ConfigError:
     close = ([name for name in logged
               if name.startswith(metric) and metric.rsplit("/", 1)[-1]][:1]
              or difflib.get_close_matches(metric, logged, n=1, cutoff=0.8))
-    at = " at an epoch's end" if key == EARLY else ""
+    at = " at an epoch's end" if key in EPOCH_END else ""
     return ConfigError(f"config key {key!r}: {metric!r} is not a metric this run logs{at}"
                        + (f" (did you mean {close[0]!r}?)" if close else "")
                        + f"; it logs: {', '.join(logged) if logged else 'nothing'}")

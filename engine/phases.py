@@ -166,6 +166,14 @@ def launching() -> None:
                                for name, wall, cpu, pid in _marks)
 
 
+def restart() -> None:
+    """A library call (engine.fit, engine.launch) starts its own clock: a second call in
+    the same process counts from its own start, not from the interpreter's or the first
+    call's."""
+    _marks[:] = [("", time.monotonic(), time.process_time(), os.getpid())]
+    _carved.clear()
+
+
 def rows() -> list[tuple[str, float, float]]:
     """(phase, wall seconds, CPU seconds), in order; a carved row follows the phase it
     was taken from."""

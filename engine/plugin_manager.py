@@ -37,6 +37,7 @@ import importlib
 import inspect
 import os
 import re
+import sys
 from typing import Iterable, Mapping
 
 import attrs
@@ -366,6 +367,7 @@ def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = N
         if spec in by_name:
             pm.load_entry_point(by_name[spec], source="-p")
         else:
+            working_directory_importable()
             version, dist = module_version(spec)
             pm.load_plugin(spec, spec, version=version, source="-p", distribution=dist)
 
@@ -393,6 +395,16 @@ def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = N
         if scratch_parser is not None:
             pm.try_options(scratch_parser)
     return pm
+
+
+def working_directory_importable() -> None:
+    """``-p mymodule`` finds ``./mymodule.py``, as a recipe finds its sibling files:
+    the ``engine-run`` script's folder, not the working directory, heads sys.path. Last
+    on it, so an installed module of the same name still wins; spawned workers inherit
+    it (and import their plugins here again)."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.append(cwd)
 
 
 def module_version(module_name: str) -> tuple[str, str]:

@@ -36,7 +36,8 @@
             snapshot, stop                                          run_epoch
         [engine_validation_start] the recipe's eval_step, reduced
         [engine_validation_end]                                     validate
-        [engine_log] [engine_epoch_end]; scheduler if per epoch
+        [engine_log] [engine_epoch_end]; scheduler if per epoch     step_scheduler
+            (ReduceLROnPlateau: with scheduler_metric's reduced value)
         early stopping, pre-emption, snapshot if due (a check's time flag included)
 
 The phases of a step (data wait, forward/backward, optimizer step, check point, and a
@@ -56,6 +57,7 @@ points), :class:`SnapshotPolicy` (when a snapshot is due) and :class:`EarlyStopp
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import math
 import time
@@ -65,7 +67,8 @@ import torch
 
 from engine import data, distributed, health, phases, snapshot, stateful
 from engine.errors import ConfigError, EngineError, PeerFailed, RunError
-from engine.metrics import EARLY, improves, named, not_logged, resolved_mode
+from engine.metrics import (EARLY, EPOCH_END, SCHEDULER, expected_mode, improves, named,
+                            not_logged, resolved_mode)
 
 
 #: The epoch's mean training loss; ``train/loss`` is the mean of one log window (the
@@ -399,6 +402,55 @@ class EarlyStopping:
                 f"{s.epochs_without_improvement} epochs; best {best}")
 
 
+def scheduler_metric(scheduler, cfg) -> str | None:
+    """The metric the run's scheduler steps on after each validation (``scheduler_metric``)
+    when it is one that steps on a metric (torch's ReduceLROnPlateau, or any whose
+    ``step`` needs an argument), else None. Refused in one line before training: such a
+    scheduler without a metric named (it crashed after epoch 1: ``step() missing 1
+    required positional argument: 'metrics'``), or stepped per step, or whose mode
+    disagrees with the metric's direction; a metric named for a scheduler that takes
+    none. The name itself is checked with the others (Trainer.check_named_metrics)."""
+    metric = cfg.scheduler_metric
+    kind = type(scheduler).__name__
+    if not steps_on_metric(scheduler):
+        if metric:
+            has = (f"'s build_scheduler returned a {kind}" if scheduler is not None
+                   else " has no build_scheduler")
+            raise ConfigError(f"config key {SCHEDULER!r}: {metric!r} is for a scheduler that "
+                              f"steps on a metric (ReduceLROnPlateau), and the recipe{has}; "
+                              "leave scheduler_metric empty")
+        return None
+    if not metric:
+        raise ConfigError(f"the recipe's build_scheduler returned a {kind}, which steps on "
+                          "a metric: name it with scheduler_metric=NAME (a metric of the "
+                          "epoch, e.g. val/loss)")
+    if cfg.scheduler_interval != "epoch":
+        raise ConfigError(f"config key 'scheduler_interval': {cfg.scheduler_interval!r} "
+                          f"does not fit a {kind}, which steps on {metric} after each "
+                          "validation; use scheduler_interval=epoch")
+    expected, mode = expected_mode(cfg, metric), getattr(scheduler, "mode", None)
+    if expected is not None and mode in ("min", "max") and mode != expected[0]:
+        better = "lower" if expected[0] == "min" else "higher"
+        raise ConfigError(f"config key {SCHEDULER!r}: {better} is better for {metric!r} "
+                          f"({expected[1]}), but the recipe's {kind} has mode={mode!r}; "
+                          f"build it with mode={expected[0]!r}")
+    return metric
+
+
+def steps_on_metric(scheduler) -> bool:
+    """Whether ``scheduler.step`` needs a value: ReduceLROnPlateau's ``step(metrics)``."""
+    if scheduler is None:
+        return False
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    try:
+        parameters = inspect.signature(scheduler.step).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in parameters)
+
+
 def autocast_for(precision: str, device):
     """What the steps run under: nothing at 32, else autocast to bf16 or fp16."""
     if precision == "32":
@@ -439,6 +491,8 @@ class Trainer:
         self.val_names: list[str] | None = []
         self.unchecked: list[tuple[str, str]] = []
         self.check_named_metrics()  # before the first step (and config.json)
+        # ReduceLROnPlateau's metric (None: the scheduler steps without one), checked now.
+        self.scheduler_metric = scheduler_metric(engine.scheduler, self.cfg)
         self.stop_requested = False  # the ranks agreed to stop (see engine/preemption.py)
         # A finished check point said a snapshot is due by time (every_minutes): the
         # next snapshot goes to disk (cleared when one is written).
@@ -528,7 +582,7 @@ class Trainer:
         eng.state.epochs_completed = epoch + 1
         eng.pm.hook.engine_epoch_end(engine=eng, epoch=epoch, metrics=metrics)
         if eng.scheduler is not None and cfg.scheduler_interval == "epoch":
-            eng.scheduler.step()
+            self.step_scheduler(metrics)
         if stop_early:  # the same decision on every rank: the metrics are reduced
             self.save_snapshot()
             self.stop_early()
@@ -539,6 +593,16 @@ class Trainer:
         if stop or due or self.time_snapshot_due:
             self.save_snapshot()
         return not stop
+
+    def step_scheduler(self, metrics: dict) -> None:
+        """The epoch's scheduler step; ReduceLROnPlateau's with its metric, reduced over
+        the ranks already (the same value on every rank: no other collective)."""
+        if self.scheduler_metric is None:
+            self.engine.scheduler.step()
+            return
+        if self.scheduler_metric not in metrics:
+            raise not_logged(SCHEDULER, self.scheduler_metric, sorted(metrics))
+        self.engine.scheduler.step(metrics[self.scheduler_metric])
 
     def stop_early(self, again: bool = False) -> None:
         eng = self.engine
@@ -876,7 +940,7 @@ class Trainer:
         """Before the first step (when the Trainer is made, on every rank, with the
         model, the loaders and the parallel mode ready, before the resume and
         config.json): every metric the config names (checkpoint.best_metric,
-        early_stopping.metric) is one this run logs, or the run stops with one line
+        early_stopping.metric, scheduler_metric) is one this run logs, or the run stops with one line
         listing those it does. The val/* names come from one validation batch
         (:meth:`validation_names`), the train/ names and lr from the loop's own. A
         train/ name that may be one of train_step's extras waits for the run's first
@@ -888,12 +952,12 @@ class Trainer:
 
     def logged_names(self, key: str) -> list[str]:
         """The metrics this run logs that config key ``key`` may name, as far as known:
-        early stopping sees an epoch's end; the best snapshot every metric logged
-        before it (but train/loss, which config.check refuses)."""
+        early stopping and a scheduler's metric see an epoch's end; the best snapshot
+        every metric logged before it (but train/loss, which config.check refuses)."""
         extras = self.extras.names if self.extras is not None else []
         names = [*(self.val_names or []), EPOCH_LOSS, *(f"train/epoch_{n}" for n in extras),
                  self.throughput.epoch_metric, "train/data_wait_fraction"]
-        if key != EARLY:  # a log window's
+        if key not in EPOCH_END:  # a log window's
             names += [*(f"train/{n}" for n in extras), self.throughput.metric]
         return [*names, "lr"]
 

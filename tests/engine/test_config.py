@@ -79,9 +79,20 @@ def test_bad_override_is_one_clear_line(override, message):
     assert "\n" not in text
 
 
-def test_unknown_key_lists_known_keys():
-    with pytest.raises(ConfigError, match="known keys: .*data.root"):
-        apply_overrides(Config(), ["nope=1"])
+@pytest.mark.parametrize("override, message", [
+    ("epoch=1", "unknown config key 'epoch'; did you mean 'epochs'? "),
+    ("lrr=1", "unknown config key 'lrr'; did you mean 'lr'? "),
+    ("checkpoint.keep_lats=1", "unknown config key 'checkpoint.keep_lats' ('checkpoint' has "
+     "no field 'keep_lats'); did you mean 'checkpoint.keep_last'? "),
+    # Nothing close in a group: its own keys, which are few.
+    ("data.zzz=1", "unknown config key 'data.zzz' ('data' has no field 'zzz'); 'data' has: "
+     "root, source, size, path "),
+    ("nope=1", "unknown config key 'nope' "),
+])
+def test_an_unknown_key_names_the_closest_and_where_every_key_is(override, message):
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(Config(), [override])
+    assert str(info.value) == message + "(every key: engine-run RECIPE --dry-run -v)"
 
 
 def test_convert_rejects_what_does_not_fit():

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import textwrap
 import types
 
@@ -123,6 +126,52 @@ def test_a_bad_argument_is_one_line_before_any_worker_starts(tmp_path, given, me
         engine.fit(RECIPE, **{"nproc": 2, **given}, out_dir=str(out), epochs=1)
     assert str(info.value).startswith(message), info.value
     assert not out.exists()  # no worker started: not even the lock's folder was made
+
+
+def test_fit_gives_the_caller_its_threads_back_and_each_call_its_own_clock(tmp_path, capsys):
+    import time
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(before + 1)  # the caller's own, not torch's default
+    try:
+        engine.fit(RECIPE, nproc=1, threads=1, out_dir=str(tmp_path / "a"), epochs=1)
+        assert torch.get_num_threads() == before + 1
+        capsys.readouterr()
+        start = time.perf_counter()
+        engine.fit(RECIPE, nproc=1, out_dir=str(tmp_path / "b"), epochs=1)
+        took = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(before)
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done:")]
+    # The second call's time, from its own start: not from the first call's.
+    total, start_up = map(float, re.fullmatch(
+        rf"done: 1 epochs in ([\d.]+)s \(start-up ([\d.]+)s\), results in "
+        rf"{re.escape(str(tmp_path / 'b'))}", done[0]).groups())
+    assert start_up <= total <= took + 0.05, (done, took)
+
+
+def test_a_misspelt_argument_of_fit_is_named_as_the_argument(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        engine.fit(RECIPE, nprocs=2, out_dir=str(tmp_path / "run"), epochs=1)
+    assert str(info.value) == ("engine.fit(nprocs=2): 'nprocs' is neither an argument of "
+                               "engine.fit nor a config key; did you mean the argument "
+                               "nproc=2?")
+    assert not (tmp_path / "run").exists()
+
+
+def test_fit_from_a_script_on_stdin_is_one_line_before_any_worker_starts(tmp_path):
+    script = SCRIPT.replace("sys.argv[1]", repr(str(RECIPE))).replace(
+        "sys.argv[2]", repr(str(tmp_path / "run")))
+    proc = subprocess.run([sys.executable, "-"], input=script, cwd=tmp_path, timeout=120,
+                          env=conftest.engine_env(), capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1] == (
+        "engine.errors.ConfigError: engine.fit: the main script was read from <stdin>, not "
+        "a file, and spawned workers import it: use nproc=1 (trains in this process) or "
+        "run the script from a file")
+    assert "multiprocessing" not in proc.stderr and not (tmp_path / "run").exists()
 
 
 def test_engine_run_checks_resume_path_before_any_worker_starts(tmp_path):

@@ -139,6 +139,20 @@ def engine_register_parallel(registry):
     assert sys.modules[name].calls == [(7, {"a": 1.0})]
 
 
+def test_p_finds_a_module_in_the_working_directory(tmp_path, monkeypatch):
+    # engine-run's sys.path starts with its script's folder, not the working directory
+    # (python -m and python script.py differ): -p found no ./module.py there.
+    work = tmp_path / "work"
+    work.mkdir()
+    name = f"plug_cwd_{tmp_path.name.replace('-', '_')}"
+    (work / f"{name}.py").write_text(LOGGER)
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(work))])
+    pm = build_plugin_manager([name], autoload=False)
+    assert pm.infos[name].source == "-p" and name in hook_plugins(pm, "engine_log")
+    assert sys.path[-1] == str(work)  # last: an installed module of the name still wins
+
+
 def test_the_same_module_asked_for_twice_is_loaded_once(site, write_module):
     name = write_module(LOGGER)
     pm = build_plugin_manager([name, name, "engine.plugins.console"])

@@ -369,6 +369,139 @@ def test_a_train_step_extra_named_is_checked_at_the_first_micro_batch(tmp_path):
     assert ",train/" not in (out / "metrics.csv").read_text()
 
 
+# ------------------------------------------------- a scheduler that steps on a metric
+
+#: A recipe whose build_scheduler returns torch's ReduceLROnPlateau; lr 1e-6 learns next
+#: to nothing, so val/loss improves by less than 1% (its threshold) after epoch 1 and,
+#: with patience 0, each later epoch halves the learning rate.
+PLATEAU = """
+import attrs
+import torch
+
+from tests.recipes.tiny_regression import *  # noqa
+from tests.recipes.tiny_regression import Config as Regression
+
+
+@attrs.define
+class Config(Regression):
+    lr: float = 1e-6
+    plateau_mode: str = "min"
+
+
+def build_scheduler(cfg, optimizer):
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(
+        optimizer, mode=cfg.plateau_mode, factor=0.5, patience=0, threshold=0.01)
+"""
+
+
+@pytest.fixture
+def plateau_recipe(tmp_path) -> str:
+    path = tmp_path / "plateau.py"
+    path.write_text(PLATEAU)
+    return str(path)
+
+
+def test_reduce_lr_on_plateau_steps_on_the_named_metric_and_resumes_exactly(
+        plateau_recipe, tmp_path):
+    """2 processes: the plateau halves the lr after epochs 2 and 3 (it crashed after
+    epoch 1: step() missing 'metrics'); resumed for a 4th epoch, the scheduler goes on
+    from its saved state (its best is still epoch 1's loss: a new one would take epoch
+    4's as its first best and keep the lr)."""
+    from engine.plugins.csv_logger import read_rows
+
+    out = tmp_path / "run"
+    run_cli(plateau_recipe, "epochs=3", "scheduler_metric=val/loss", f"out_dir={out}",
+            "--nproc", "2", check=True)
+    rows = read_rows(out / "metrics.csv")
+    lrs = {epoch: value for _, epoch, name, value in rows if name == "lr"}
+    assert lrs == {1: 1e-6, 2: 1e-6, 3: 5e-7}  # the lr each epoch trained with
+    first_loss = next(value for _, epoch, name, value in rows if name == "val/loss")
+    summary = engine.fit(plateau_recipe, nproc=1, out_dir=str(out), epochs=4,
+                         scheduler_metric="val/loss")
+    assert summary["resumed_from"] and summary["epochs_completed"] == 4
+    saved = torch.load(out / summary["final_checkpoint"], weights_only=True)["scheduler"]
+    assert saved["best"] == pytest.approx(first_loss, rel=1e-6)
+    assert saved["_last_lr"] == [pytest.approx(1.25e-7)]
+
+
+def test_a_plateau_scheduler_without_a_metric_is_refused_before_training(plateau_recipe,
+                                                                         tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as info:
+        engine.fit(plateau_recipe, nproc=1, out_dir=str(out), epochs=2)
+    assert str(info.value) == (
+        "the recipe's build_scheduler returned a ReduceLROnPlateau, which steps on a "
+        "metric: name it with scheduler_metric=NAME (a metric of the epoch, e.g. val/loss)")
+    assert not (out / "metrics.csv").exists() and not (out / "checkpoints").exists()
+    # The name is checked as the other named metrics are, before the scheduler.
+    with pytest.raises(ConfigError, match=r"^config key 'scheduler_metric': 'val/los' is not "
+                                          r"a metric this run logs at an epoch's end \(did "
+                                          r"you mean 'val/loss'\?\); it logs: val/loss, "):
+        engine.fit(plateau_recipe, nproc=1, out_dir=str(out), epochs=2,
+                   scheduler_metric="val/los")
+
+
+def plateau(mode="min"):
+    model = torch.nn.Linear(1, 1)
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(
+        torch.optim.SGD(model.parameters(), lr=0.1), mode=mode)
+
+
+@pytest.mark.parametrize("scheduler, overrides, message", [
+    (plateau("max"), ["scheduler_metric=val/loss"], "config key 'scheduler_metric': lower "
+     "is better for 'val/loss' (read from the name), but the recipe's ReduceLROnPlateau "
+     "has mode='max'; build it with mode='min'"),
+    (plateau("min"), ["scheduler_metric=val/f1"], "config key 'scheduler_metric': higher "
+     "is better for 'val/f1' (read from the name), but the recipe's ReduceLROnPlateau has "
+     "mode='min'; build it with mode='max'"),
+    # A name that says neither: the best snapshot's explicit mode on the same metric.
+    (plateau("min"), ["scheduler_metric=val/score", "checkpoint.best_metric=val/score",
+                      "checkpoint.best_mode=max"], "config key 'scheduler_metric': higher is "
+     "better for 'val/score' (as checkpoint.best_mode says), but the recipe's "
+     "ReduceLROnPlateau has mode='min'; build it with mode='max'"),
+    (plateau(), ["scheduler_metric=val/loss", "scheduler_interval=step"], "config key "
+     "'scheduler_interval': 'step' does not fit a ReduceLROnPlateau, which steps on "
+     "val/loss after each validation; use scheduler_interval=epoch"),
+    (None, ["scheduler_metric=val/loss"], "config key 'scheduler_metric': 'val/loss' is for "
+     "a scheduler that steps on a metric (ReduceLROnPlateau), and the recipe has no "
+     "build_scheduler; leave scheduler_metric empty"),
+    (torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.zeros(1)], lr=0.1), 1),
+     ["scheduler_metric=val/loss"], "config key 'scheduler_metric': 'val/loss' is for a "
+     "scheduler that steps on a metric (ReduceLROnPlateau), and the recipe's "
+     "build_scheduler returned a StepLR; leave scheduler_metric empty"),
+])
+def test_a_scheduler_and_its_metric_that_disagree_are_one_line(scheduler, overrides,
+                                                               message):
+    from engine.config import TrainConfig, apply_overrides
+    from engine.trainer import scheduler_metric
+
+    cfg = apply_overrides(TrainConfig(), overrides)
+    with pytest.raises(ConfigError) as info:
+        scheduler_metric(scheduler, cfg)
+    assert str(info.value) == message
+
+
+def test_a_scheduler_steps_on_the_metric_its_name_or_its_own_mode_agrees_with():
+    from engine.config import TrainConfig, apply_overrides
+    from engine.trainer import scheduler_metric, steps_on_metric
+
+    def cfg(*overrides):
+        return apply_overrides(TrainConfig(), list(overrides))
+
+    assert scheduler_metric(plateau("min"), cfg("scheduler_metric=val/loss")) == "val/loss"
+    # The name says neither and nothing else names it: the scheduler's own mode decides.
+    assert scheduler_metric(plateau("max"), cfg("scheduler_metric=val/score")) == "val/score"
+    assert scheduler_metric(None, cfg()) is None
+    step_lr = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.zeros(1)], lr=0.1), 1)
+    assert not steps_on_metric(step_lr)
+
+    class OnMetric:  # a scheduler of one's own whose step needs the value
+        def step(self, value, epoch=None):
+            pass
+
+    assert steps_on_metric(OnMetric())
+
+
 # ------------------------------------------------- the policies, in-process (one rank)
 
 CPU = torch.device("cpu")
