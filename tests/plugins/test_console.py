@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from engine.plugins.console import DATA_BOUND, data_wait_text, duration_text
-from tests.conftest import ENGINE_RUN, REPO, engine_env, read_summary, run_cli
+from tests.conftest import ENGINE_RUN, REPO, engine_env, read_summary, run_cli, run_cli_here
 
 #: A recipe whose data loading can be made slow (a sleep per sample) or whose model can
 #: be made heavy, to put a run on either side of the data-bound threshold.
@@ -132,6 +132,18 @@ def test_without_a_terminal_progress_lines_replace_the_bar(logged_run):
         assert int(line[6]) > 0
     assert "%|" not in proc.stderr and "\r" not in proc.stderr  # no bar in the log
     assert "step " not in proc.stdout  # the epoch and done lines stay on stdout
+
+
+def test_the_interval_is_a_described_key_and_a_negative_one_is_refused(tmp_path):
+    recipe = write_recipe(tmp_path)
+    proc = run_cli_here(recipe, "--dry-run", "-v", check=True)
+    assert re.search(r"^  console\.progress_every_s = 30\.0 +\[a number\]  Where stderr is "
+                     r"not a terminal .*: a progress line every this many seconds instead of "
+                     r"the bar \(0: none\)$", proc.stdout, re.M), proc.stdout
+    proc = run_cli_here(recipe, "console.progress_every_s=-1", "--dry-run")
+    assert (proc.returncode, proc.stderr) == (2, (
+        "engine-run: error: config key 'console.progress_every_s': '-1' is not allowed: "
+        "give the seconds between two progress lines, or 0 for none\n"))
 
 
 def test_durations_read_as_an_eta():
