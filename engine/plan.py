@@ -43,7 +43,9 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
         "precision": cfg.precision,
         "precision_note": precision_note(cfg.precision, devices),
         "checkpointer": cfg.checkpointer,
-        "memory_snapshots": memory_plan(recipe, cfg),
+        # Sized only when the plan is shown (--dry-run, -v): sizing builds the recipe's
+        # model in this process, which a plain run never needs.
+        "memory_snapshots": lambda: memory_plan(recipe, cfg),
         "out_dir": cfg.out_dir,
     }
 
@@ -51,7 +53,9 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
 def memory_plan(recipe, cfg) -> str | None:
     """What ``checkpoint.memory_every_steps`` holds in /dev/shm, per rank: two buffers
     of a snapshot each. The model is built on the meta device (no memory, no weights
-    loaded) for its size; the optimizer's state is estimated from its kind."""
+    loaded) for its size; the optimizer's state is estimated from its kind. The recipe's
+    ``build_model`` runs here, in the launching process: whatever else it does (a
+    download) happens once more (docs/writing-a-recipe.md)."""
     every = cfg.checkpoint.memory_every_steps
     if not every:
         return None
@@ -156,7 +160,7 @@ def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True,
         ("precision", plan["precision"] + (f"; warning: {plan['precision_note']}"
                                            if plan.get("precision_note") else "")),
         ("checkpointer", plan["checkpointer"]),
-        *([("in memory", plan["memory_snapshots"])] if plan.get("memory_snapshots") else []),
+        *([("in memory", memory)] if (memory := plan["memory_snapshots"]()) else []),
         ("output dir", plan["out_dir"]),
     ]
     width = max(len(k) for k, _ in rows)

@@ -1,17 +1,27 @@
-"""Logger ``console``: a tqdm progress bar and one line per epoch, on rank 0 only.
+"""Logger ``console``: a progress bar or progress lines, and one line per epoch, on rank 0
+only.
 
 The bar shows step, loss (``train/loss``: the mean of the last log window), throughput
 (samples/s, or the recipe's own unit: tokens/s) and the share of time spent waiting for
 data; it refreshes at the log interval, so it never forces a host-device synchronisation per
-step. On a terminal it redraws in place; in a log file (SLURM output) only the epoch
-lines appear. An epoch whose training waited for data more than :data:`DATA_BOUND` of
-its time is called data-bound, with a hint on what to do about it.
+step. On a terminal it redraws in place. Where stderr is not a terminal (a log file under
+nohup or SLURM, a notebook) the bar is off and a plain line takes its place every
+``console.progress_every_s`` seconds::
+
+    step 120/400  epochs 0.30/1  loss 0.4321  samples/s 1520  eta 2m05s
+
+It is written at the log interval too (when one is due), from the values logged there:
+nothing per step, nothing read back from the device. An epoch whose training waited for
+data more than :data:`DATA_BOUND` of its time is called data-bound, with a hint on what to
+do about it.
 """
 
 from __future__ import annotations
 
-import math
 import sys
+import time
+
+import attrs
 
 import engine
 from engine.context import throughput_of
@@ -34,6 +44,58 @@ def data_bound_hint(engine) -> str:
             "(SLURM: --cpus-per-task)")
 
 
+def _non_negative(instance, attribute, value) -> None:
+    if value < 0:
+        raise ValueError("give the seconds between two progress lines, or 0 for none")
+
+
+@attrs.define
+class ConsoleConfig:
+    RESUME_SAFE = True  # what is printed, not what a step computes
+
+    # Where stderr is not a terminal (nohup, SLURM, a notebook): a progress line every this
+    # many seconds instead of the bar (0: none). Checked at the log interval (log_every).
+    progress_every_s: float = attrs.field(default=30.0, validator=_non_negative)
+
+
+@engine.hookimpl
+def engine_register_config_groups():
+    return {"console": ConsoleConfig}
+
+
+def duration_text(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``: an ETA's precision."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class ProgressLines:
+    """The bar's stand-in where it cannot draw: a line every ``every_s`` seconds, at the
+    first log interval after that much time passed. The ETA is the remaining steps at the
+    pace since the previous line (validation and snapshots in between included)."""
+
+    def __init__(self, every_s: float, step: int, steps_per_epoch: int, epochs: int):
+        self.every_s = every_s
+        self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
+        self.since, self.since_step = time.monotonic(), step
+
+    def line_due(self, step: int, loss: float, throughput: tuple[str, float]) -> str | None:
+        now = time.monotonic()
+        if now - self.since < self.every_s:
+            return None
+        total = self.steps_per_epoch * self.epochs
+        pace = (step - self.since_step) / (now - self.since)
+        eta = duration_text((total - step) / pace) if pace > 0 else "?"
+        self.since, self.since_step = now, step
+        unit, per_sec = throughput
+        return (f"step {step}/{total}  epochs {step / self.steps_per_epoch:.2f}/{self.epochs}"
+                f"  loss {loss:.4f}  {unit}/s {per_sec:.0f}  eta {eta}")
+
+
 def done_time() -> str:
     """The whole time, from the command's start (engine/phases.py), and how much of it
     passed before training began: ``24.7s (start-up 12.0s)``."""
@@ -48,6 +110,7 @@ def done_time() -> str:
 class ConsoleLogger:
     def __init__(self):
         self.bar = None
+        self.lines: ProgressLines | None = None  # where the bar is off
         self.last_step = 0
         self.postfix: dict[str, str] = {}
 
@@ -65,14 +128,15 @@ class ConsoleLogger:
             # resource tracker's warning about it became the job's last line.
             tqdm.set_lock(threading.RLock())
         cfg = engine.cfg
-        loader_batches = math.ceil(len(engine.train_loader.sampler.dataset) /
-                                   engine.world.world_size / engine.micro_batch)
-        steps_per_epoch = math.ceil(loader_batches / cfg.grad_accum_steps)
         self.last_step = engine.state.step
         self.postfix = {}
-        self.bar = tqdm(total=cfg.epochs * steps_per_epoch, initial=self.last_step,
+        self.bar = tqdm(total=engine.total_steps, initial=self.last_step,
                         desc=engine.recipe.name, unit="step", dynamic_ncols=True,
                         disable=None, file=sys.stderr, mininterval=0.5)
+        every_s = (getattr(cfg, "console", None) or ConsoleConfig()).progress_every_s
+        # tqdm turned itself off where stderr is no terminal (disable=None): lines instead.
+        self.lines = (ProgressLines(every_s, self.last_step, engine.steps_per_epoch,
+                                    cfg.epochs) if self.bar.disable and every_s else None)
 
     @engine.hookimpl
     def engine_log(self, engine, metrics, step):
@@ -87,6 +151,10 @@ class ConsoleLogger:
         if metrics.get("train/data_wait_fraction") is not None:
             self.postfix["data_wait"] = f"{metrics['train/data_wait_fraction']:.0%}"
         self.bar.set_postfix(self.postfix, refresh=False)
+        if self.lines is not None:
+            line = self.lines.line_due(step, metrics["train/loss"], throughput)
+            if line is not None:
+                print(line, file=sys.stderr, flush=True)
 
     @engine.hookimpl
     def engine_epoch_end(self, engine, epoch, metrics):
@@ -126,6 +194,7 @@ class ConsoleLogger:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self.lines = None
         if summary["status"] == "completed":
             self._write(f"done: {summary['epochs_completed']} epochs in {done_time()}, "
                         f"results in {engine.out_dir}")

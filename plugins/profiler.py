@@ -18,7 +18,8 @@ Off until asked for through its config group::
 Each rank writes ``<out_dir>/profile/steps<START>-<END>/rank<R>.<ns>.pt.trace.json``
 (torch.profiler.tensorboard_trace_handler's layout: a run folder per window, a worker
 per rank), which Perfetto (https://ui.perfetto.dev), chrome://tracing and TensorBoard's
-PyTorch profiler plugin (``tensorboard --logdir <out_dir>/profile``) open. In it,
+PyTorch profiler plugin (``pip install torch-tb-profiler``, then ``tensorboard --logdir
+<out_dir>/profile``) open. In it,
 ``ProfilerStep#N`` spans step N, from the end of step N-1's optimizer step (so the check
 point and snapshot after step N-1 open it) to the end of step N's, and the engine's own
 phases are ranges named ``engine: data wait``, ``engine: forward/backward``,
@@ -155,9 +156,11 @@ class StepProfiler:
                 str(self.folder / f"rank{self.engine.rank}.memory.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
         last = min(self.end, self.engine.state.step) - 1  # a run may end inside the window
+        # TensorBoard shows nothing of a trace without its PyTorch profiler plugin.
         self.engine.print(f"profiler: steps {self.start} to {last} traced in "
-                          f"{self.folder} (open with https://ui.perfetto.dev or "
-                          f"tensorboard --logdir {self.folder.parent})")
+                          f"{self.folder} (open with https://ui.perfetto.dev, or "
+                          f"tensorboard --logdir {self.folder.parent} after "
+                          "pip install torch-tb-profiler)")
 
 
 _PER_RUN = "profiler-steps"

@@ -116,20 +116,29 @@ def prepare_data(cfg: Config, ctx) -> None:
         socket.setdefaulttimeout(previous)
 
 
+def download_failure(cfg: Config, ctx) -> str:
+    """Why CIFAR-10 was not downloaded, as prepare_data found (on a local rank 0)."""
+    if not cfg.data.download:
+        return "data.download=false"
+    return getattr(ctx, "download_error", None) or "local rank 0's download failed"
+
+
 def build_datasets(cfg: Config, ctx):
     root = pathlib.Path(cfg.data.root)
     if cfg.data.source != "synthetic" and cifar_present(root):
         return cifar10(root, train=True), cifar10(root, train=False)
     if cfg.data.source == "cifar10":
         raise ConfigError(
-            f"data.source=cifar10 but CIFAR-10 is not under {str(root)!r}: put the python "
-            f"version there ({root / CIFAR_FOLDER}/data_batch_1..5, test_batch, batches.meta, or "
+            f"data.source=cifar10 but CIFAR-10 is not under {str(root)!r} "
+            f"({download_failure(cfg, ctx)}): put the python version there "
+            f"({root / CIFAR_FOLDER}/data_batch_1..5, test_batch, batches.meta, or "
             f"{root / CIFAR_ARCHIVE}), or set data.root"
         )
     if cfg.data.source == "auto":
-        ctx.warn(f"CIFAR-10 is not under {str(root)!r} and could not be downloaded; "
-                 f"training on a synthetic CIFAR-shaped set of {cfg.data.synthetic_size} "
-                 "images instead (data.source=cifar10 to insist on the real one)")
+        ctx.warn(f"CIFAR-10 is not under {str(root)!r} and could not be downloaded "
+                 f"({download_failure(cfg, ctx)}); training on a synthetic CIFAR-shaped "
+                 f"set of {cfg.data.synthetic_size} images instead (data.source=cifar10 to "
+                 "insist on the real one)")
     return synthetic_cifar(cfg.data.synthetic_size, seed=1234)
 
 

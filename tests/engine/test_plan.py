@@ -6,7 +6,36 @@ import re
 
 from engine.plan import memory_plan
 from engine.recipe import load_recipe
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli, run_cli_here
+
+#: A recipe whose build_model notes the device it builds on, one line per call.
+NOTING_RECIPE = '''
+import attrs
+import torch
+from engine import TrainConfig
+from engine.classification import eval_step, train_step  # (inputs, targets) batches
+
+
+@attrs.define
+class Config(TrainConfig):
+    epochs: int = 1
+    batch_size: int = 4
+    notes: str = ""
+
+
+def build_model(cfg):
+    with open(cfg.notes, "a") as f:
+        f.write(torch.empty(0).device.type + "\\n")
+    return torch.nn.Linear(4, 2)
+
+
+def build_datasets(cfg, ctx):
+    return torch.utils.data.TensorDataset(torch.zeros(8, 4), torch.zeros(8, dtype=torch.long)), None
+
+
+def build_optimizer(cfg, model):
+    return torch.optim.SGD(model.parameters(), lr=0.01)
+'''
 
 
 def test_the_memory_snapshots_line_gives_two_buffers_of_model_and_optimizer_state():
@@ -26,3 +55,19 @@ def test_the_memory_snapshots_line_gives_two_buffers_of_model_and_optimizer_stat
     assert "optimizer state 0.0 MB" in memory_plan(recipe, cfg)
     cfg.parallel = "fsdp"  # each rank holds a shard: none are written (engine.py)
     assert memory_plan(recipe, cfg).startswith("off with parallel=fsdp")
+
+
+def test_only_a_shown_plan_builds_the_model_in_the_launching_process(tmp_path):
+    """Sizing the in-memory snapshots builds the recipe's model (on the meta device):
+    --dry-run and -v do, once; a plain run builds it only in its workers, so that a
+    build_model that downloads (from_pretrained) does not download in the launcher too."""
+    recipe, notes = tmp_path / "noting.py", tmp_path / "notes"
+    recipe.write_text(NOTING_RECIPE)
+    proc = run_cli_here(str(recipe), f"notes={notes}", "--dry-run", check=True)
+    assert re.search(r"in memory +every 100 step\(s\), 2 buffers per rank in .*: 2 x 0\.0 MB",
+                     proc.stdout), proc.stdout
+    assert notes.read_text().split() == ["meta"]
+    notes.unlink()
+    run_cli(str(recipe), f"notes={notes}", f"out_dir={tmp_path / 'run'}", "--nproc", "1",
+            check=True)
+    assert notes.read_text().split() == ["cpu"]  # the worker's; none on the meta device

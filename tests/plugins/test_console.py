@@ -1,4 +1,5 @@
-"""plugins/console.py: the epoch lines, the data-wait report and hint, the progress bar."""
+"""plugins/console.py: the epoch lines, the data-wait report and hint, the progress bar,
+and the progress lines that stand in for it where stderr is not a terminal."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import subprocess
 import termios
 import threading
 
-from engine.plugins.console import DATA_BOUND, data_wait_text
-from tests.conftest import ENGINE_RUN, REPO, engine_env, read_summary, run_cli
+import pytest
+
+from engine.plugins.console import DATA_BOUND, data_wait_text, duration_text
+from tests.conftest import ENGINE_RUN, REPO, engine_env, read_summary, run_cli, run_cli_here
 
 #: A recipe whose data loading can be made slow (a sleep per sample) or whose model can
 #: be made heavy, to put a run on either side of the data-bound threshold.
@@ -77,11 +80,26 @@ def test_the_wording_on_both_sides_of_the_threshold():
     assert data_wait_text(DATA_BOUND) == "data wait: 30% waiting"  # "more than" 30%
 
 
-def test_a_data_bound_run_says_so_with_a_hint_and_summary_json_agrees(tmp_path):
-    recipe = write_recipe(tmp_path)
-    out = tmp_path / "run"
+#: A progress line: step, the epochs done, the last logged loss, throughput and ETA.
+PROGRESS_LINE = re.compile(r"step (\d+)/(\d+)  epochs (\d+\.\d\d)/(\d+)  loss (\d+\.\d{4})  "
+                           r"samples/s (\d+)  eta (\d+s|\d+m\d\ds|\d+h\d\dm|\?)")
+
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory):
+    """One data-bound run with its output captured (stderr a pipe, not a terminal, as
+    under nohup or SLURM) and a progress line due at every log interval."""
+    folder = tmp_path_factory.mktemp("logged")
+    recipe = write_recipe(folder)
+    out = folder / "run"
     # 20 ms of sleep per sample against a 4-to-8 linear model: nearly all waiting.
-    proc = run_cli(recipe, "delay_s=0.02", f"out_dir={out}", "--nproc", "1", check=True)
+    proc = run_cli(recipe, "delay_s=0.02", "console.progress_every_s=0.01", f"out_dir={out}",
+                   "--nproc", "1", check=True)
+    return recipe, out, proc
+
+
+def test_a_data_bound_run_says_so_with_a_hint_and_summary_json_agrees(logged_run):
+    recipe, out, proc = logged_run
     summary = read_summary(out)
     wait = summary["data_wait_fraction"]
     assert wait > 0.5
@@ -97,6 +115,40 @@ def test_a_data_bound_run_says_so_with_a_hint_and_summary_json_agrees(tmp_path):
     assert (f"hint: the training waits for data (num_workers=0 per process); measure "
             f"better settings with `engine-run tune-workers {recipe}`, or give the job "
             "more CPUs (SLURM: --cpus-per-task)") in proc.stdout
+
+
+def test_without_a_terminal_progress_lines_replace_the_bar(logged_run):
+    _, out, proc = logged_run
+    lines = [PROGRESS_LINE.fullmatch(line) for line in proc.stderr.splitlines()
+             if line.startswith("step ")]
+    assert all(lines) and len(lines) >= 3, proc.stderr
+    steps = [int(line[1]) for line in lines]
+    assert steps == sorted(set(steps)) and steps[-1] <= 6  # 48 samples, batch 8: 6 steps
+    for line in lines:
+        step = int(line[1])
+        assert (line[2], line[4]) == ("6", "1")  # of the run's 6 steps and 1 epoch
+        assert line[3] == f"{step / 6:.2f}"
+        assert 0.3 < float(line[5]) < 1.5  # two classes: a loss near ln 2
+        assert int(line[6]) > 0
+    assert "%|" not in proc.stderr and "\r" not in proc.stderr  # no bar in the log
+    assert "step " not in proc.stdout  # the epoch and done lines stay on stdout
+
+
+def test_the_interval_is_a_described_key_and_a_negative_one_is_refused(tmp_path):
+    recipe = write_recipe(tmp_path)
+    proc = run_cli_here(recipe, "--dry-run", "-v", check=True)
+    assert re.search(r"^  console\.progress_every_s = 30\.0 +\[a number\]  Where stderr is "
+                     r"not a terminal .*: a progress line every this many seconds instead of "
+                     r"the bar \(0: none\)$", proc.stdout, re.M), proc.stdout
+    proc = run_cli_here(recipe, "console.progress_every_s=-1", "--dry-run")
+    assert (proc.returncode, proc.stderr) == (2, (
+        "engine-run: error: config key 'console.progress_every_s': '-1' is not allowed: "
+        "give the seconds between two progress lines, or 0 for none\n"))
+
+
+def test_durations_read_as_an_eta():
+    assert [duration_text(s) for s in (0.4, 42, 185, 7620)] == ["0s", "42s", "3m05s",
+                                                                  "2h07m"]
 
 
 def test_a_compute_bound_run_gets_no_hint(tmp_path):
@@ -145,8 +197,11 @@ def test_the_progress_bar_shows_loss_speed_and_data_wait(tmp_path):
     recipe = write_recipe(tmp_path)
     out = tmp_path / "run"
     shown = run_on_a_terminal([recipe, "delay_s=0.01", "epochs=2", f"out_dir={out}",
-                               "--nproc", "1"], env=engine_env())
+                               "console.progress_every_s=0.01", "--nproc", "1"],
+                              env=engine_env())
     wait = read_summary(out)["data_wait_fraction"]  # the last epoch's
     assert "console_probe:" in shown and ("step/s" in shown or "s/step" in shown)
     assert "loss=" in shown and "samples/s=" in shown
     assert f"data_wait={wait:.0%}" in shown
+    # On a terminal the bar is the progress: no plain lines, however often they were due.
+    assert not PROGRESS_LINE.search(shown)

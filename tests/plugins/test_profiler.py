@@ -59,7 +59,10 @@ def test_two_ranks_trace_the_chosen_steps_with_the_engines_phases_as_ranges(tmp_
     proc = run_cli(RECIPE, *ONE_EPOCH, "profile.steps=2:4", "profile.ranks=all",
                    f"out_dir={out}", "--nproc", "2", check=True)
     folder = out / "profile" / "steps2-4"
-    assert f"profiler: steps 2 to 3 traced in {folder}" in proc.stdout
+    # TensorBoard needs its profiler plugin for a trace: the line says so.
+    assert (f"profiler: steps 2 to 3 traced in {folder} (open with https://ui.perfetto.dev, "
+            f"or tensorboard --logdir {folder.parent} after pip install torch-tb-profiler)"
+            ) in proc.stdout.splitlines()
     # tensorboard_trace_handler's layout: <run folder>/<worker>.<ns>.pt.trace.json
     files = sorted(folder.glob("*.pt.trace.json"))
     assert [f.name.split(".")[0] for f in files] == ["rank0", "rank1"], files

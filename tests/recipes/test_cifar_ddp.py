@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import socket
 import tarfile
 
 import numpy as np
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from engine.checkpoint import model_digest
+from engine.errors import ConfigError
+from engine.testing import make_engine, make_plugin_manager, tiny_recipe  # noqa: F401 (fixtures)
 from tests.conftest import QUICK, read_summary, run_cli
 
 
@@ -93,8 +96,34 @@ def test_missing_cifar_with_source_cifar10_says_where_to_put_it(cifar_recipe, tm
     proc = run_cli(cifar_recipe, "data.source=cifar10", f"data.root={tmp_path}",
                    "data.download=false", f"out_dir={tmp_path / 'run'}", "--nproc", "1")
     assert proc.returncode == 2
-    assert f"data.source=cifar10 but CIFAR-10 is not under '{tmp_path}'" in proc.stderr
+    assert (f"data.source=cifar10 but CIFAR-10 is not under '{tmp_path}' "
+            "(data.download=false)") in proc.stderr
     assert "data_batch_1..5" in proc.stderr
+
+
+@pytest.mark.slow  # torchvision's import alone takes seconds
+def test_a_failed_download_says_why(cifar_recipe, make_engine, tmp_path, monkeypatch,
+                                    capsys):
+    from torchvision.datasets import CIFAR10
+
+    with socket.socket() as probe:  # a port nothing listens on once it is closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # The download itself runs and fails (connection refused), on any machine, network
+    # or none.
+    monkeypatch.setattr(CIFAR10, "url", f"http://127.0.0.1:{port}/cifar-10-python.tar.gz")
+    root = f"data.root={tmp_path / 'data'}"
+    eng = make_engine(root, "data.synthetic_size=16", recipe=cifar_recipe)
+    eng.recipe.module.prepare_data(eng.cfg, eng)
+    eng.recipe.module.build_datasets(eng.cfg, eng)  # data.source=auto: synthetic
+    warning = capsys.readouterr().err
+    assert "could not be downloaded (URLError: " in warning
+    assert "Connection refused" in warning
+    # data.source=cifar10 refuses to go on, and says why as well.
+    eng = make_engine(root, "data.source=cifar10", recipe=cifar_recipe)
+    eng.recipe.module.prepare_data(eng.cfg, eng)
+    with pytest.raises(ConfigError, match=r"is not under .* \(URLError: .*Connection refused"):
+        eng.recipe.module.build_datasets(eng.cfg, eng)
 
 
 def test_dry_run_prints_config_and_plan_without_training(cifar_recipe, tmp_path):
