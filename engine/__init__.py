@@ -25,6 +25,7 @@ _LAZY = {
     "launch": "engine.api",
     "fit": "engine.launching",
     "Context": "engine.api",
+    "load_model": "engine.model_io",
 }
 
 __all__ = ["__version__", "hookimpl", *_LAZY]

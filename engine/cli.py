@@ -33,6 +33,7 @@ COMMANDS = {
     "tune-workers": "engine.commands.tune_workers",
     "runs": "engine.commands.runs",
     "report": "engine.commands.report",
+    "export": "engine.commands.export",
 }
 #: What a command name looks like (a recipe is a path: it has a '/' or a '.').
 COMMAND_NAME = re.compile(r"[a-z][a-z0-9-]*\Z")

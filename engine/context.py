@@ -79,9 +79,12 @@ def throughput_summary(metrics: dict) -> dict:
     return {"throughput_unit": unit, f"{unit}_per_sec": value}
 
 
-def utc_now() -> str:
-    """An ISO 8601 timestamp in UTC, to the second (``2026-01-31T12:00:00+00:00``)."""
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+def utc_now(at: float | None = None) -> str:
+    """An ISO 8601 timestamp in UTC, to the second (``2026-01-31T12:00:00+00:00``): now,
+    or the ``time.time()`` ``at``."""
+    when = (datetime.datetime.now(datetime.timezone.utc) if at is None
+            else datetime.datetime.fromtimestamp(at, datetime.timezone.utc))
+    return when.isoformat(timespec="seconds")
 
 
 def weights_digests(module, warn) -> dict:
@@ -207,10 +210,11 @@ class WorkerContext:
         self.resume_record: dict | None = None
         self._weights: dict | None = None  # the weights digests, once gathered
         self._warned: set[str] = set()
-        self._started = time.perf_counter()
-        self._started_at = utc_now()
         self._compiled_before = seconds_spent()  # torch.compile's count (compile_s)
         phases.mark("imports, plugins, recipe")
+        # This segment's start: the command's (engine-run's, fit's), on the clock that
+        # the console's done: line reads too (engine/phases.py), so both say one time.
+        self._started_at = utc_now(time.time() - phases.elapsed())
 
     @property
     def out_dir(self) -> pathlib.Path:
@@ -401,7 +405,7 @@ class WorkerContext:
             "stopped_early": bool(getattr(self.state, "stopped_early", False)),
             "started_at": self._started_at,
             "ended_at": utc_now(),
-            "wall_time_s": round(time.perf_counter() - self._started, 3),
+            **self.times(),
             **{short: self.metrics.get(long) for long, short in SUMMARY_METRICS.items()},
             **validation_summary(self.metrics),
             **throughput_summary(self.metrics),
@@ -423,6 +427,40 @@ class WorkerContext:
                 self.gather_weights()
             summary.update(self._weights)
         return summary
+
+    def times(self) -> dict:
+        """The summary's times (README, summary.json). ``wall_time_s``: this segment,
+        from the command's start (engine-run's or fit's, as the console's ``done:``
+        line) to now; ``training_time_s``: the training loop's part of it. A resumed
+        run adds the totals of the segments before it, from the summary.json the last
+        one wrote, to its own: ``total_wall_time_s``, ``total_training_time_s`` and
+        ``segments`` (the commands that trained the run)."""
+        wall, training = phases.elapsed(), phases.training_time()
+        own = {"wall_time_s": wall, "training_time_s": training, "segments": 1,
+               "total_wall_time_s": wall, "total_training_time_s": training}
+        before = self._previous_summary() if self.resumed_from is not None else {}
+        if before.get("status") is not None:
+            # An earlier attempt of this same command (spawn --max-restarts started the
+            # workers again) ended after this segment began: its wall time is in ours.
+            same_command = str(before.get("ended_at") or "") > self._started_at
+            segments = _seconds(before.get("segments")) or 1
+            own["segments"] = int(segments if same_command else segments + 1)
+            for key in ("wall_time_s", "training_time_s"):
+                earlier = _seconds(before.get(f"total_{key}", before.get(key)))
+                if key == "wall_time_s" and same_command:
+                    earlier = (earlier or 0.0) - (_seconds(before.get(key)) or 0.0)
+                own[f"total_{key}"] = (None if own[key] is None or earlier is None
+                                       else own[key] + max(0.0, earlier))
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in own.items()}
+
+    def _previous_summary(self) -> dict:
+        """The summary.json the segment before this one wrote ({} when there is none
+        or it cannot be read: the totals are then this segment's)."""
+        try:
+            found = json.loads((self.out_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return found if isinstance(found, dict) else {}
 
     def print_compile_time(self, summary: dict) -> None:
         """With compile.enabled: ``compile_s`` in the summary, and one line on rank 0."""
@@ -480,6 +518,13 @@ class RunOutcome:
     status: str = "failed"  # the body sets "completed" or "preempted" when it succeeds
     error: BaseException | None = None
     summary: dict | None = None
+
+
+def _seconds(value) -> float | None:
+    """A number read from an older summary.json, or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
 
 
 def _path_or_none(path) -> str | None:

@@ -53,7 +53,7 @@ class Engine(WorkerContext):
             self.report_if_complete(cfg.epochs, more="epochs={n}", over=self.start_over)
             self.pm.hook.engine_run_start(engine=self)
             outcome = trainer.fit()
-            phases.mark("training")
+            phases.mark(phases.TRAINING_ENDS)
             # The last snapshot is durable (or its write failed) before the run counts
             # as completed.
             self.checkpointer.close()

@@ -33,6 +33,8 @@ ENV = "ENGINE_PHASES"
 #: The phase that ends as the training loop starts (the Trainer's first mark): what
 #: comes before is start-up.
 TRAINING_STARTS = "resume, run-start hooks"
+#: The phase that ends as the training loop returns (the Engine's mark after it).
+TRAINING_ENDS = "training"
 
 #: (the phase that ended, time.monotonic(), time.process_time(), pid) at its end; the
 #: first entry is the start.
@@ -154,6 +156,18 @@ def elapsed(until: str | None = None) -> float | None:
     ends = [wall for name, wall, _, _ in _marks if name == until] if until else [
         time.monotonic()]
     return ends[0] - _marks[0][1] if ends else None
+
+
+def training_time() -> float | None:
+    """Seconds the training loop ran (its steps, validation and the snapshots written
+    while training): from :data:`TRAINING_STARTS` to :data:`TRAINING_ENDS`, or to now
+    when it has not ended (a run failing); None when it never started (a custom loop,
+    a failure in set-up)."""
+    start = elapsed(until=TRAINING_STARTS)
+    if start is None:
+        return None
+    end = elapsed(until=TRAINING_ENDS)
+    return (end if end is not None else elapsed()) - start
 
 
 def launching() -> None:

@@ -50,6 +50,9 @@ def capture(eng, config: dict | None = None) -> dict:
     return {
         "engine_version": engine.__version__,
         "config": config if config is not None else config_mod.to_dict(eng.cfg),
+        # The recipe file (or a custom loop's script): with the config, what
+        # engine.load_model rebuilds the model from.
+        "recipe": eng.recipe_path,
         "world_size": eng.world.world_size,
         # Where training stands, for tools that read a snapshot without the engine
         # (tools/ckpt.py inspect); a resume reads the parts, never these.

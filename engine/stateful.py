@@ -36,7 +36,7 @@ import attrs
 from engine.errors import CheckpointError, ConfigError, EngineError, first_line
 
 #: Snapshot keys that are the header, not parts: a part may not take these names.
-HEADER = frozenset({"engine_version", "config", "world_size", "epoch", "step",
+HEADER = frozenset({"engine_version", "config", "recipe", "world_size", "epoch", "step",
                     "batch_in_epoch", "epochs_completed"})
 
 

@@ -96,15 +96,19 @@ class ProgressLines:
                 f"  loss {loss:.4f}  {unit}/s {per_sec:.0f}  eta {eta}")
 
 
-def done_time() -> str:
-    """The whole time, from the command's start (engine/phases.py), and how much of it
-    passed before training began: ``24.7s (start-up 12.0s)``."""
+def done_time(summary: dict) -> str:
+    """This segment's time (summary.json's ``wall_time_s``: from the command's start),
+    how much of it passed before training began, and a resumed run's total:
+    ``24.7s (start-up 12.0s)``, ``9.1s (start-up 5.2s; 31.0s over 2 segments)``."""
     from engine import phases
 
-    total, start_up = phases.elapsed(), phases.elapsed(until=phases.TRAINING_STARTS)
+    total, start_up = summary.get("wall_time_s"), phases.elapsed(until=phases.TRAINING_STARTS)
     if total is None:
         return "?"
-    return f"{total:.1f}s" + (f" (start-up {start_up:.1f}s)" if start_up is not None else "")
+    notes = [f"start-up {start_up:.1f}s"] if start_up is not None else []
+    if (summary.get("segments") or 1) > 1 and summary.get("total_wall_time_s") is not None:
+        notes.append(f"{summary['total_wall_time_s']:.1f}s over {summary['segments']} segments")
+    return f"{total:.1f}s" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 class ConsoleLogger:
@@ -196,7 +200,7 @@ class ConsoleLogger:
             self.bar = None
         self.lines = None
         if summary["status"] == "completed":
-            self._write(f"done: {summary['epochs_completed']} epochs in {done_time()}, "
+            self._write(f"done: {summary['epochs_completed']} epochs in {done_time(summary)}, "
                         f"results in {engine.out_dir}")
 
     def _write(self, message: str) -> None:

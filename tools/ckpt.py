@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Look into checkpoints and convert them.
+"""Look into checkpoints and convert them. (A run's weights for inference come from
+the installed command ``engine-run export RUN OUT.safetensors [--which best]``, and its
+model from ``engine.load_model(RUN)``; export here is the same code.)
 
     python tools/ckpt.py inspect PATH [--json]       keys, shapes, dtypes, epoch/step,
                                                      sha256, model digest, manifest check
@@ -24,7 +26,7 @@ another tool, is dropped too); an OUT ending in
 ``.safetensors`` is written in the safetensors format instead, which the ecosystem uses
 to share weights (no pickle at all), loadable with
 ``safetensors.torch.load_file(OUT)``. We write that format ourselves (see
-:func:`write_safetensors`): it is a documented header and the raw bytes, and so the
+:func:`engine.model_io.write_safetensors`): it is a documented header and the raw bytes, and so the
 file is written crash-consistently like every other, with no run-time dependency.
 
 Only ``torch.load(weights_only=True)`` is used: a file that needs arbitrary pickled
@@ -41,110 +43,15 @@ import json
 import pathlib
 import sys
 
-from engine.atomic_io import atomic_write, file_checksum
 from engine.checkpoint import add_module_prefix, model_digest, plain_keys
-from engine.errors import CheckpointError, untrusted_pickle
-
-PREFIX = "module."
-#: Where the model weights sit inside a container dict, in the order they are looked for.
-MODEL_KEYS = ("model", "state_dict", "model_state_dict")
-
-
-# -------------------------------------------------------------------- reading
-
-
-class Checkpoint:
-    """A loaded checkpoint: the whole object, where its model weights are, its format."""
-
-    def __init__(self, path: pathlib.Path, obj, fmt: str, model_key: str | None):
-        self.path = path
-        self.obj = obj
-        self.format = fmt
-        self.model_key = model_key  # None: the object is the state_dict itself
-
-    @property
-    def model(self) -> dict:
-        return self.obj if self.model_key is None else self.obj[self.model_key]
-
-    def with_model(self, model: dict):
-        if self.model_key is None:
-            return model
-        return {**self.obj, self.model_key: model}
-
-
-def resolve(path: pathlib.Path) -> pathlib.Path:
-    """A pointer file (``checkpoints/latest``, ``checkpoints/best``), a checkpoints folder
-    or a run folder stands for the snapshot its pointer names, as ``--resume`` takes them."""
-    from engine.checkpoint import follow_pointer
-
-    path = follow_pointer(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or directory")
-    if path.is_dir() and not (path / ".metadata").exists():
-        pointer = path / "latest"
-        if not pointer.is_file():
-            raise CheckpointError(f"{path} is a folder but neither a dcp snapshot (no "
-                                  ".metadata) nor a checkpoints folder (no latest pointer)")
-        target = path / pointer.read_text().strip()
-        if not target.exists():
-            raise CheckpointError(f"{pointer} names {target.name}, which does not exist")
-        return target
-    return path
-
-
-def is_tensor_dict(obj) -> bool:
-    import torch
-
-    return isinstance(obj, dict) and bool(obj) and all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
-
-
-def why_unloadable(path: pathlib.Path, exc: Exception) -> str:
-    """torch.load's errors span many lines; the one that matters, in a sentence."""
-    untrusted = untrusted_pickle(path, exc)
-    if untrusted:
-        return untrusted
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    first = lines[0] if lines else type(exc).__name__
-    if first.startswith("Weights only load failed"):
-        first = "not a torch.save file"
-    first = first.split(". ")[0]  # torch adds paragraphs of advice
-    return f"{path} cannot be loaded (corrupt, truncated or not a torch file): {first}"
-
-
-def read(path: pathlib.Path) -> Checkpoint:
-    path = resolve(path)
-    if path.is_dir():
-        from engine.plugins.dcp import DCPCheckpointer
-
-        return Checkpoint(path, DCPCheckpointer(path.parent).load(path), "dcp snapshot",
-                          "model")
-    import torch
-
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(why_unloadable(path, exc)) from None
-    if is_tensor_dict(obj):
-        return Checkpoint(path, obj, "state_dict", None)
-    if isinstance(obj, dict):
-        for key in MODEL_KEYS:
-            if is_tensor_dict(obj.get(key)):
-                fmt = "engine snapshot" if "engine_version" in obj else f"dict with {key!r}"
-                return Checkpoint(path, obj, fmt, key)
-        keys = ", ".join(map(str, list(obj)[:8]))
-        raise CheckpointError(f"{path} holds a dict without model weights (keys: {keys}); "
-                              f"expected a state_dict or one under {', '.join(MODEL_KEYS)}")
-    raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state_dict")
+from engine.errors import CheckpointError
+# The reading and writing are the package's (engine-run export and engine.load_model
+# use them too); this script adds inspect and the prefix conversions.
+from engine.model_io import (PREFIX, Checkpoint, check_output, export, file_sha256, read,
+                             write_torch)
 
 
 # -------------------------------------------------------------------- inspect
-
-
-def file_sha256(path: pathlib.Path) -> str:
-    """What ``sha256sum`` prints: the identity people compare a shared file by (the
-    manifests' faster checksum is for integrity, not for that)."""
-    return file_checksum(path, "sha256")
 
 
 def manifest_check(path: pathlib.Path) -> str:
@@ -245,70 +152,6 @@ def cmd_inspect(args) -> int:
 # ----------------------------------------------------------------- converting
 
 
-def write_torch(obj, out: pathlib.Path) -> str:
-    import torch
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, lambda f: torch.save(obj, f))
-    return file_sha256(out)
-
-
-#: torch dtype -> safetensors dtype name (the format's documented list).
-SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
-    "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-    "uint16": "U16", "uint32": "U32", "uint64": "U64",
-}
-
-
-def write_safetensors(weights: dict, out: pathlib.Path, metadata: dict[str, str]) -> str:
-    """``weights`` in the safetensors format (https://huggingface.co/docs/safetensors):
-    8 bytes little-endian header length, a JSON header (each tensor's dtype, shape and
-    byte range; ``__metadata__`` strings), padded with spaces to 8 bytes, then the
-    tensors' bytes, little-endian, in header order. Every tensor gets bytes of its own
-    (tied weights are stored twice: the format has no aliasing)."""
-    import torch
-
-    if sys.byteorder != "little":
-        raise CheckpointError("safetensors files are little-endian; export on a "
-                              "little-endian machine or write a .pt file")
-    header: dict = {"__metadata__": metadata}
-    blobs, offset = [], 0
-    for name, tensor in weights.items():
-        dtype = str(tensor.dtype).replace("torch.", "")
-        if dtype not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{name}: dtype {dtype} has no safetensors name; write "
-                                  "a .pt file instead")
-        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-        blob = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + blob.numel()]}
-        blobs.append(blob)
-        offset += blob.numel()
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-
-    def write(f):
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        for blob in blobs:
-            if blob.numel():
-                f.write(memoryview(blob.numpy()))
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, write)
-    return file_sha256(out)
-
-
-def check_output(ckpt: Checkpoint, out: pathlib.Path) -> None:
-    if out.resolve() == ckpt.path.resolve():
-        raise CheckpointError(f"{out}: write to another file, not over the input "
-                              "(a snapshot's manifest would no longer match it)")
-    if out.is_dir():
-        raise CheckpointError(f"{out} is a folder; give a file name, e.g. {out}/model.pt")
-
-
 def cmd_strip_prefix(args) -> int:
     ckpt = read(pathlib.Path(args.input))
     out = pathlib.Path(args.output)
@@ -347,22 +190,7 @@ def cmd_add_prefix(args) -> int:
 
 
 def cmd_export(args) -> int:
-    ckpt = read(pathlib.Path(args.input))
-    out = pathlib.Path(args.output)
-    check_output(ckpt, out)
-    weights = {k: v.contiguous() for k, v in plain_keys(ckpt.model).items()}
-    if any(k.startswith(PREFIX) for k in weights):
-        raise CheckpointError(f"{ckpt.path}: only some keys start with {PREFIX!r}; fix "
-                              "the file first (strip-prefix refuses to guess either)")
-    if out.suffix == ".safetensors":
-        # Strings only, as the format asks: where the weights came from.
-        metadata = {"format": "pt", "source": str(ckpt.path),
-                    "model_digest": model_digest(weights)}
-        sha256 = write_safetensors(weights, out, metadata)
-    else:
-        sha256 = write_torch(weights, out)
-    print(f"wrote {out}: {len(weights)} tensors, model digest {model_digest(weights)}, "
-          f"sha256 {sha256}")
+    print(export(read(pathlib.Path(args.input)), pathlib.Path(args.output)))
     return 0
 
 

@@ -7,8 +7,10 @@
     runs/broken               unreadable summary.json: Expecting value: line 1 column 1 (char 0)
 
 A run is any folder under DIR (at any depth: ``runs/cifar_ddp/version_3``) holding a
-summary.json; rows are sorted by the run's start time. The val columns are whatever
-``val/*`` metrics the runs logged. A failed run's error is repeated below the table.
+summary.json; rows are sorted by the run's start time. Runs of several recipes get one
+table per recipe, each with the ``val/*`` metrics its runs logged as columns. WALL is
+the run's wall time, over every segment of a resumed run (``total_wall_time_s``). A
+failed run's error is repeated below the tables.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ def main(argv) -> int:
         print(f"no runs under {root}: no {SUMMARY} in it or its subfolders")
         return 0
     runs.sort(key=lambda run: (run["started"], run["path"]))
-    print(format_table(runs))
+    groups = by_recipe(runs)
+    print("\n\n".join(
+        (f"recipe {recipe}\n" if len(groups) > 1 else "") + format_table(members)
+        for recipe, members in groups.items()))
     for run in runs:
         if run["summary"] and run["summary"].get("error"):
             print(f"{run['path']}: {run['summary']['status']}: {run['summary']['error']}")
@@ -90,6 +95,26 @@ def read_run(path: pathlib.Path) -> dict:
     return run
 
 
+def by_recipe(runs: list[dict]) -> dict[str, list[dict]]:
+    """The runs by the recipe they trained (summary.json's ``recipe``), in the order of
+    each recipe's first run: one table each, so that a recipe's table has the columns
+    of its own metrics, not one per metric of every recipe."""
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        recipe = (run["summary"] or {}).get("recipe")
+        groups.setdefault(shown_path(recipe) if isinstance(recipe, str) else "unknown",
+                          []).append(run)
+    return groups
+
+
+def shown_path(path: str) -> str:
+    """A recipe's recorded (absolute) path, relative to the working folder when under it."""
+    try:
+        return str(pathlib.Path(path).relative_to(pathlib.Path.cwd()))
+    except ValueError:
+        return path
+
+
 def val_names(runs: list[dict]) -> list[str]:
     """The ``val/*`` metrics any run has, sorted."""
     names = set()
@@ -129,7 +154,7 @@ def row(run: dict, names: list[str]) -> list[str]:
     digest = summary.get("weights_sha256")
     return [run["path"], status, epochs, *(number(metrics.get(n)) for n in names),
             throughput(summary),
-            duration(summary.get("wall_time_s")),
+            duration(total_wall_time(summary)),
             digest[:DIGEST_CHARS] if isinstance(digest, str) else "-"]
 
 
@@ -143,6 +168,13 @@ def throughput(summary: dict) -> str:
         value = summary.get(f"{unit}_per_sec")
     shown = number(value, "{:.0f}")
     return shown if shown == "-" else f"{shown} {unit}/s"
+
+
+def total_wall_time(summary: dict):
+    """The run's wall time over all its segments (a resumed run's total); a summary
+    written before totals existed has its last segment's only."""
+    total = summary.get("total_wall_time_s")
+    return total if total is not None else summary.get("wall_time_s")
 
 
 def text(value) -> str:

@@ -196,6 +196,18 @@ def test_a_torch_file_snapshot_of_fsdp_exports_to_safetensors_and_loads_into_the
     assert model_digest(model.state_dict()) == read_summary(uninterrupted)["weights_sha256"]
 
 
+def test_the_runs_model_from_a_torch_file_snapshot_of_fsdp_is_the_full_trained_model(
+        uninterrupted):
+    """engine.load_model: tiny_elastic's plain nn.Linear with the full (unsharded)
+    weights the run ended with, under plain keys."""
+    import engine
+    from engine.checkpoint import model_digest
+
+    model = engine.load_model(uninterrupted)
+    assert type(model) is nn.Linear and sorted(model.state_dict()) == ["bias", "weight"]
+    assert model_digest(model.state_dict()) == read_summary(uninterrupted)["weights_sha256"]
+
+
 def test_a_dcp_snapshot_of_2_processes_resumes_at_2_bit_identically_and_at_1_and_3(
         uninterrupted, tmp_path):
     """Pre-empted after step 2 of 6 with 2 processes (rank 1 signalled at step 1),
@@ -216,6 +228,13 @@ def test_a_dcp_snapshot_of_2_processes_resumes_at_2_bit_identically_and_at_1_and
         assert samples_seen(out) == list(range(36)), nproc  # each sample once
         summary = read_summary(out)
         assert summary["global_step"] == 6
+        # The run's time is both segments' (issue 35 point 7): engine-run runs' WALL.
+        before = read_summary(stopped)
+        assert summary["segments"] == 2
+        assert summary["total_wall_time_s"] == pytest.approx(
+            before["wall_time_s"] + summary["wall_time_s"], abs=0.002)
+        assert summary["total_training_time_s"] == pytest.approx(
+            before["training_time_s"] + summary["training_time_s"], abs=0.002)
         if nproc == 2:
             assert summary["weights_sha256"] == reference
         else:  # the same samples per step, summed over other shards: float-close
@@ -253,6 +272,13 @@ def test_dcp_async_snapshots_taken_while_training_goes_on_resume_bit_identically
                    "--resume", str(snapshots[0]), f"out_dir={resumed}", check=True)
     assert "resuming from" in proc.stdout
     assert read_summary(resumed)["weights_sha256"] == reference
+    # The model from the dcp snapshot: read whole from both ranks' shards, plain keys.
+    import engine
+    from engine.checkpoint import model_digest
+
+    model = engine.load_model(out)
+    assert type(model) is nn.Linear and sorted(model.state_dict()) == ["bias", "weight"]
+    assert model_digest(model.state_dict()) == reference
 
 
 def stop_after_step_2(out, checkpointer: str):

@@ -100,3 +100,27 @@ def test_a_missing_folder_or_a_file_is_a_usage_error(tmp_path):
         assert proc.returncode == 2
         assert proc.stderr == (f"engine-run: error: runs: {path} {what}; give the folder "
                                "that holds the runs' out_dirs: engine-run runs DIR\n")
+
+
+def test_one_table_per_recipe_and_a_resumed_runs_total_wall_time(tmp_path, monkeypatch):
+    """Runs of two recipes: each table has its own recipe's val columns (not one per
+    metric of every recipe); WALL is a resumed run's total over its segments."""
+    monkeypatch.chdir(tmp_path)
+    lm = str(tmp_path / "recipes" / "char_lm.py")  # the engine records absolute paths
+    write_summary(tmp_path / "runs" / "lm", recipe=lm, wall_time_s=30.0,
+                  total_wall_time_s=95.0, segments=2,
+                  metrics={"val/loss": 2.06, "val/perplexity": 7.87})
+    write_summary(tmp_path / "runs" / "cifar", recipe="/elsewhere/cifar_ddp.py",
+                  started_at="2026-01-01T09:00:00+00:00", metrics={"val/accuracy": 0.99})
+    proc = run_cli_here("runs")
+    assert proc.returncode == 0, proc.stderr
+    tables = [block.splitlines() for block in proc.stdout.split("\n\n")]
+    assert [t[0] for t in tables] == ["recipe /elsewhere/cifar_ddp.py",
+                                      "recipe recipes/char_lm.py"]
+    assert [cells(line) for line in tables[0][1:]] == [
+        ["RUN", "STATUS", "EPOCHS", "VAL/ACCURACY", "THROUGHPUT", "WALL", "DIGEST"],
+        ["runs/cifar", "completed", "2/2", "0.9900", "4098 images/s", "13.2s", "-"]]
+    assert [cells(line) for line in tables[1][1:]] == [
+        ["RUN", "STATUS", "EPOCHS", "VAL/LOSS", "VAL/PERPLEXITY", "THROUGHPUT", "WALL",
+         "DIGEST"],
+        ["runs/lm", "completed", "2/2", "2.0600", "7.8700", "4098 images/s", "1m35s", "-"]]
