@@ -261,6 +261,20 @@ class OptimizerState:
                                   ) from None
 
 
+def holds_dtensor(tree) -> bool:
+    """True when ``tree`` (nested dicts and lists) holds a DTensor: a sharded part's
+    state, which a sharded checkpointer stores as shards. Without importing DTensor: a
+    run that never imported it has none."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return False
+    if isinstance(tree, dict):
+        return any(holds_dtensor(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(holds_dtensor(v) for v in tree)
+    return isinstance(tree, dtensor.DTensor)
+
+
 def _holds_tensors(tree) -> bool:
     """True when ``tree`` (nested dicts and lists) holds a tensor of one dimension or more."""
     if isinstance(tree, dict):

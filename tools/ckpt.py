@@ -7,6 +7,7 @@
     python tools/ckpt.py add-prefix IN OUT           add "module." to every key
     python tools/ckpt.py export IN OUT               plain model weights for inference
                                                      (OUT.safetensors: in safetensors)
+    python tools/ckpt.py export IN OUT --part ema    the EMA's averaged weights instead
 
 PATH/IN may be an engine snapshot (torch-file or async: ``snapshot-*.pt``), a dcp
 snapshot directory (``snapshot-*.dcp``), a pointer file (``checkpoints/latest``,
@@ -346,11 +347,28 @@ def cmd_add_prefix(args) -> int:
     return 0
 
 
+def part_weights(ckpt: Checkpoint, name: str) -> dict:
+    """The weights a snapshot part holds, keyed as the model's: ``ema``'s average
+    (AveragedModel's state: ``module.``-prefixed keys and a count), whole whatever the
+    parallel mode and checkpointer (a dcp snapshot's shards are joined by the reader)."""
+    import torch
+
+    if name == "model":
+        return ckpt.model
+    state = ckpt.obj.get(name) if ckpt.model_key is not None else None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{ckpt.path} holds no {name!r} part (a run with "
+                              f"{name}.enabled=true writes one); --part model exports the model")
+    tensors = state.get("average", state)
+    return {k: v for k, v in tensors.items()
+            if k != "n_averaged" and isinstance(v, torch.Tensor)}
+
+
 def cmd_export(args) -> int:
     ckpt = read(pathlib.Path(args.input))
     out = pathlib.Path(args.output)
     check_output(ckpt, out)
-    weights = {k: v.contiguous() for k, v in plain_keys(ckpt.model).items()}
+    weights = {k: v.contiguous() for k, v in plain_keys(part_weights(ckpt, args.part)).items()}
     if any(k.startswith(PREFIX) for k in weights):
         raise CheckpointError(f"{ckpt.path}: only some keys start with {PREFIX!r}; fix "
                               "the file first (strip-prefix refuses to guess either)")
@@ -383,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=text)
         s.add_argument("input")
         s.add_argument("output")
+        if name == "export":
+            s.add_argument("--part", default="model", choices=("model", "ema"),
+                           help="the snapshot part whose weights to write (default: model)")
         s.set_defaults(run=run)
     return p
 
