@@ -23,6 +23,11 @@ save or restore it. The core registers, in this order::
 
 ``state_dict`` of a part may be a collective (rng, progress): every rank walks the
 parts in the same order, so every rank calls them alike.
+
+Under a sharded checkpointer (dcp) a part whose state holds DTensors is written as
+shards, and one whose ``sharded`` attribute is true is loaded in place: its own
+``state_dict()`` is the template the shards are read into (model, optimizer, and the
+ema plugin's average under fsdp).
 """
 
 from __future__ import annotations

@@ -133,9 +133,11 @@ class ShardedMovingAverage:
         self.steps = 0  # optimizer steps taken since the start of training
         self.n_averaged = 0  # updates so far (counted on the host: no device read)
         self._average_fn = get_ema_multi_avg_fn(decay)
-        # Parameters and persistent buffers under their state_dict names (tied weights
-        # once): what AveragedModel's state_dict holds.
-        self.names = _untied_names(module)
+        # Parameters and persistent buffers under their state_dict names: what
+        # AveragedModel's state_dict holds. A tied weight is averaged once, under its
+        # first name, and saved under each (``aliases``: every name to the first).
+        self.aliases = _first_names(module)
+        self.names = list(dict.fromkeys(self.aliases.values()))
         with torch.no_grad():
             # A DTensor's clone keeps its mesh and placements: a shard on every rank.
             self.average = {name: t.detach().clone()
@@ -188,15 +190,16 @@ class ShardedMovingAverage:
             for tensor in self.average.values():
                 if not _is_dtensor(tensor):
                     dist.broadcast(tensor, src=0)
+        tensors = self.average
+        if not self.sharded:  # the whole average, on rank 0's CPU
+            tensors = {}
+            for name, tensor in self.average.items():
+                full = tensor.full_tensor() if _is_dtensor(tensor) else tensor  # collective
+                if rank == 0:
+                    tensors[name] = full.detach().cpu().clone()
         average = {}
-        for name, tensor in self.average.items():
-            if self.sharded:
-                average[f"module.{name}"] = tensor
-                continue
-            full = tensor.full_tensor() if _is_dtensor(tensor) else tensor  # collective
-            if rank == 0:
-                average[f"module.{name}"] = full.detach().cpu().clone()
         if self.sharded or rank == 0:
+            average = {f"module.{alias}": tensors[name] for alias, name in self.aliases.items()}
             average["n_averaged"] = torch.tensor(self.n_averaged, dtype=torch.long)
         return {"average": average, "steps": self.steps}
 
@@ -248,14 +251,11 @@ class ShardedMovingAverage:
         self._trained = None
 
 
-def _untied_names(module) -> list[str]:
-    seen: set[int] = set()
-    names = []
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            names.append(name)
-    return names
+def _first_names(module) -> dict[str, str]:
+    """Every state_dict name of ``module`` to the first name of its tensor."""
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(tensor), name)
+            for name, tensor in module.state_dict(keep_vars=True).items()}
 
 
 def _is_dtensor(tensor) -> bool:

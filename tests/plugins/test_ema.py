@@ -218,3 +218,15 @@ def test_fsdp_validates_on_the_average_and_exports_it_whole(fsdp_killed, ddp):
 def make_val_set(recipe):
     dataset = recipe.make_data(recipe.Config().val_size, seed=2)
     return dataset.tensors
+
+
+def test_exporting_a_part_the_snapshot_lacks_is_one_line(tmp_path):
+    from engine.errors import CheckpointError
+    from tests.plugins.test_fsdp import ckpt_tool
+
+    snapshot = tmp_path / "snapshot.pt"
+    torch.save({"model": {"weight": torch.zeros(2)}, "step": 3}, snapshot)
+    with pytest.raises(CheckpointError) as info:
+        ckpt_tool().part_weights(ckpt_tool().read(snapshot), "ema")
+    assert str(info.value) == (f"{snapshot} holds no 'ema' part (a run with ema.enabled=true "
+                               "writes one); --part model exports the model")
