@@ -150,9 +150,32 @@ def read(path: pathlib.Path) -> Checkpoint:
     raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state_dict")
 
 
-def plain_weights(ckpt: Checkpoint) -> dict:
-    """The model's weights under the plain model's keys, contiguous."""
-    weights = {k: v.contiguous() for k, v in plain_keys(ckpt.model).items()}
+#: The snapshot parts that hold a whole set of the model's weights: the model's own, and
+#: the ema plugin's average (AveragedModel's state, or its sharded twin's under fsdp,
+#: keyed alike).
+WEIGHT_PARTS = ("model", "ema")
+
+
+def part_weights(ckpt: Checkpoint, part: str = "model") -> dict:
+    """The weights snapshot part ``part`` holds, keyed as the model's: ``ema``'s average
+    (``module.``-prefixed keys and a count, which is dropped), whole whatever the
+    parallel mode and checkpointer (a dcp snapshot's shards are joined by the reader)."""
+    import torch
+
+    if part == "model":
+        return ckpt.model
+    state = ckpt.obj.get(part) if ckpt.model_key is not None else None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{ckpt.path} holds no {part!r} part (a run with "
+                              f"{part}.enabled=true writes one); part 'model' is the model")
+    tensors = state.get("average", state)
+    return {k: v for k, v in tensors.items()
+            if k != "n_averaged" and isinstance(v, torch.Tensor)}
+
+
+def plain_weights(ckpt: Checkpoint, part: str = "model") -> dict:
+    """Part ``part``'s weights (WEIGHT_PARTS) under the plain model's keys, contiguous."""
+    weights = {k: v.contiguous() for k, v in plain_keys(part_weights(ckpt, part)).items()}
     if any(k.startswith(PREFIX) for k in weights):
         raise CheckpointError(f"{ckpt.path}: only some keys start with {PREFIX!r}; fix "
                               "the file first (strip-prefix refuses to guess either)")
@@ -162,7 +185,7 @@ def plain_weights(ckpt: Checkpoint) -> dict:
 # ----------------------------------------------------------------- the model
 
 
-def load_model(run, which: str | None = None, *, recipe=None):
+def load_model(run, which: str | None = None, *, recipe=None, part: str = "model"):
     """The model a run trained, ready for inference: the recipe's ``build_model`` called
     with the run's own config (overrides included), the chosen snapshot's weights
     loaded (strictly: every key and shape), in eval mode, on the CPU.
@@ -171,7 +194,8 @@ def load_model(run, which: str | None = None, *, recipe=None):
     ``which``: ``"latest"`` (the default) or ``"best"`` (by ``checkpoint.best_metric``),
     for a run or checkpoints folder. ``recipe``: the recipe (a file's path, a module or
     an object, as ``engine.fit`` takes it) when the one the run recorded is not at hand
-    (moved, or an object given to ``engine.fit``)."""
+    (moved, or an object given to ``engine.fit``). ``part="ema"``: the ema plugin's
+    averaged weights instead of the trained ones."""
     from engine.checkpoint import load_model_state
 
     path = snapshot_of(run, which)
@@ -184,7 +208,7 @@ def load_model(run, which: str | None = None, *, recipe=None):
     loaded = _recipe(ckpt, recipe)
     cfg = run_config(loaded, config, source=str(ckpt.path))
     model = loaded.module.build_model(cfg)
-    load_model_state(model, plain_weights(ckpt), source=str(ckpt.path))
+    load_model_state(model, plain_weights(ckpt, part), source=str(ckpt.path))
     return model.eval()
 
 
@@ -321,11 +345,12 @@ def check_output(ckpt: Checkpoint, out: pathlib.Path) -> None:
         raise CheckpointError(f"{out} is a folder; give a file name, e.g. {out}/model.pt")
 
 
-def export(ckpt: Checkpoint, out: pathlib.Path) -> str:
-    """Write ``ckpt``'s plain weights to ``out`` (safetensors for a ``.safetensors``
-    name, else ``torch.save``); returns the line that says what was written."""
+def export(ckpt: Checkpoint, out: pathlib.Path, part: str = "model") -> str:
+    """Write ``ckpt``'s plain weights (part ``part``: the model's, or ema's average) to
+    ``out`` (safetensors for a ``.safetensors`` name, else ``torch.save``); returns the
+    line that says what was written."""
     check_output(ckpt, out)
-    weights = plain_weights(ckpt)
+    weights = plain_weights(ckpt, part)
     digest = model_digest(weights)
     if out.suffix == ".safetensors":
         # Strings only, as the format asks: where the weights came from.

@@ -295,12 +295,13 @@ def _say_when_every_snapshot_is_unusable(eng) -> None:
 def load_snapshot(eng, path: pathlib.Path) -> dict:
     """The snapshot at ``path``, through the checkpointer; nothing is changed yet."""
     if eng.checkpointer.distributed_state_dict:
-        # A sharded format loads in place: this model's and optimizer's own state dicts
-        # say what to read and where (get_state_dict creates the optimizer state if it
-        # has none yet).
+        # A sharded format loads in place: the sharded parts' own state dicts (model,
+        # optimizer, and any part whose ``sharded`` is true: ema under fsdp) say what to
+        # read and where (get_state_dict creates the optimizer state if it has none yet).
         parts = eng.snapshot_parts
         return eng.checkpointer.load(path, template={
-            "model": parts["model"].state_dict(), "optimizer": parts["optimizer"].state_dict()})
+            name: parts[name].state_dict() for name in parts.names()
+            if name in ("model", "optimizer") or getattr(parts[name], "sharded", False)})
     # Onto the CPU: load_state_dict copies into the model's and optimizer's devices,
     # and the RNG states must stay CPU tensors (a GPU resume crashed restoring them).
     return eng.checkpointer.load(path, map_location="cpu")

@@ -23,6 +23,11 @@ save or restore it. The core registers, in this order::
 
 ``state_dict`` of a part may be a collective (rng, progress): every rank walks the
 parts in the same order, so every rank calls them alike.
+
+Under a sharded checkpointer (dcp) a part whose state holds DTensors is written as
+shards, and one whose ``sharded`` attribute is true is loaded in place: its own
+``state_dict()`` is the template the shards are read into (model, optimizer, and the
+ema plugin's average under fsdp).
 """
 
 from __future__ import annotations
@@ -259,6 +264,20 @@ class OptimizerState:
         except (ValueError, KeyError) as exc:
             raise CheckpointError(f"optimizer state does not match: {first_line(exc)}"
                                   ) from None
+
+
+def holds_dtensor(tree) -> bool:
+    """True when ``tree`` (nested dicts and lists) holds a DTensor: a sharded part's
+    state, which a sharded checkpointer stores as shards. Without importing DTensor: a
+    run that never imported it has none."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return False
+    if isinstance(tree, dict):
+        return any(holds_dtensor(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(holds_dtensor(v) for v in tree)
+    return isinstance(tree, dtensor.DTensor)
 
 
 def _holds_tensors(tree) -> bool:

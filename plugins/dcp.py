@@ -44,6 +44,7 @@ from engine import distributed
 from engine.atomic_io import atomic_write, checksum_entry, file_checksum, fsync_directory
 from engine.checkpoint import SnapshotStore
 from engine.errors import CheckpointError, one_line, untrusted_pickle
+from engine.stateful import holds_dtensor
 
 STAGING = ".staging-"  # prefix of a directory being written (never resumed from)
 TRAIN_STATE = "train_state.pt"
@@ -119,7 +120,7 @@ class DCPCheckpointer(SnapshotStore):
             raise CheckpointError(f"rank {rank}: saving {path} failed: "
                                   f"{one_line(exc)}") from None
         if rank == 0:
-            rest = {k: v for k, v in state.items() if k not in DCP_PARTS}
+            rest = {k: v for k, v in state.items() if k not in _dcp_parts(state)}
             atomic_write(staging / TRAIN_STATE, lambda f: torch.save(rest, f))
         distributed.barrier()
 
@@ -184,7 +185,7 @@ class DCPCheckpointer(SnapshotStore):
         if not (path / ".metadata").is_file():
             raise CheckpointError(f"{path} is not a dcp snapshot (no .metadata in it)")
         if template is not None:
-            parts = {k: template[k] for k in DCP_PARTS}
+            parts = dict(template)  # model, optimizer and any other sharded part
             try:
                 import torch.distributed.checkpoint as dcp
 
@@ -205,7 +206,9 @@ class DCPCheckpointer(SnapshotStore):
 
 
 def _dcp_parts(state: dict) -> dict:
-    return {k: state[k] for k in DCP_PARTS if state.get(k) is not None}
+    """Model, optimizer, and any other part holding shards (ema under fsdp)."""
+    return {k: v for k, v in state.items()
+            if v is not None and (k in DCP_PARTS or holds_dtensor(v))}
 
 
 class AsyncDCPCheckpointer(DCPCheckpointer):
@@ -254,7 +257,7 @@ class AsyncDCPCheckpointer(DCPCheckpointer):
             raise CheckpointError(f"rank {rank}: saving {path} failed: "
                                   f"{one_line(exc)}") from None
         # The rest is small and changes as training goes on (RNG states, metrics).
-        rest = copy.deepcopy({k: v for k, v in state.items() if k not in DCP_PARTS})
+        rest = copy.deepcopy({k: v for k, v in state.items() if k not in _dcp_parts(state)})
         self._pending = (written, rest, epoch, step, dict(metrics or {}))
         return path
 

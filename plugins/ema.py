@@ -21,6 +21,15 @@ average as an uninterrupted one. Every rank keeps its own copy: the replicated p
 modes train the same weights on every rank, so the copies are equal, and a checkpointer
 that writes on rank 0 keeps rank 0's. ``python tools/ckpt.py export SNAPSHOT out.pt
 --part ema`` writes the averaged weights alone.
+
+Under ``--parallel fsdp`` the model is sharded and cannot be copied whole:
+:class:`ShardedMovingAverage` keeps the average as shards beside the model's (a DTensor
+per parameter, with the parameter's placements: 1/N of the weights per rank, no full
+copy anywhere), updated with the same arithmetic on each rank's own shard, so it is the
+average ddp computes from the same weights, bit for bit. Evaluation swaps the shards in
+and out before the model is gathered for validation. In a snapshot, ``dcp`` writes the
+shards (each rank its own) and ``torch-file``/``async`` the full average, gathered on
+rank 0 as the model is; the snapshot's ``ema`` entry has the same keys either way.
 """
 
 from __future__ import annotations
@@ -107,6 +116,160 @@ class ExponentialMovingAverage:
         self._trained = None
 
 
+class ShardedMovingAverage:
+    """The snapshot part under fsdp: the average of a model that fully_shard split over
+    the ranks, kept as shards of the same layout. Its state is AveragedModel's
+    (``{"average": {"n_averaged": ..., "module.<name>": ...}, "steps": ...}``): with a
+    sharded checkpointer (``sharded``, as the model part's: engine/stateful.py) the
+    shards as DTensors, else the full tensors on rank 0 (none on the others)."""
+
+    def __init__(self, module, optimizer, decay: float, every_steps: int, sharded: bool):
+        import torch
+        from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+        self.module = module
+        self.every_steps = every_steps
+        self.sharded = sharded
+        self.steps = 0  # optimizer steps taken since the start of training
+        self.n_averaged = 0  # updates so far (counted on the host: no device read)
+        self._average_fn = get_ema_multi_avg_fn(decay)
+        # Parameters and persistent buffers under their state_dict names: what
+        # AveragedModel's state_dict holds. A tied weight is averaged once, under its
+        # first name, and saved under each (``aliases``: every name to the first).
+        self.aliases = _first_names(module)
+        self.names = list(dict.fromkeys(self.aliases.values()))
+        with torch.no_grad():
+            # A DTensor's clone keeps its mesh and placements: a shard on every rank.
+            self.average = {name: t.detach().clone()
+                            for name, t in zip(self.names, self._model_tensors())}
+        # Inside optimizer.step(): after every step taken, and only then.
+        optimizer.register_step_post_hook(self._after_step)
+        self._trained = None  # this rank's trained shards while the average is evaluated
+
+    def _model_tensors(self) -> list:
+        """The model's parameters and buffers in the order of ``names``, looked up each
+        time (fully_shard may give a parameter new storage when a state is loaded)."""
+        state = self.module.state_dict(keep_vars=True)
+        return [state[name] for name in self.names]
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        self.steps += 1
+        if self.steps % self.every_steps == 0:
+            self.update()
+
+    def update(self) -> None:
+        """AveragedModel.update_parameters on this rank's shards, element for element:
+        the first update copies, the later ones apply torch's EMA function per dtype."""
+        import torch
+
+        with torch.no_grad():
+            averaged = [_local(t) for t in self.average.values()]
+            current = [_local(t.detach()) for t in self._model_tensors()]
+            if self.n_averaged == 0:
+                torch._foreach_copy_(averaged, current)
+            else:
+                groups: dict = {}  # AveragedModel groups by device and dtype
+                for a, c in zip(averaged, current):
+                    group = groups.setdefault((a.device, a.dtype), ([], []))
+                    group[0].append(a)
+                    group[1].append(c)
+                for group_averaged, group_current in groups.values():
+                    self._average_fn(group_averaged, group_current, None)
+        self.n_averaged += 1
+
+    def state_dict(self) -> dict:
+        """Collective (every rank calls it, as it does the model part's)."""
+        import torch
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        if dist.get_world_size() > 1:
+            # Buffers are not sharded and each rank's follow its own batches: rank 0's
+            # on every rank at a snapshot, as the model's (sync_buffers), so a resumed
+            # run has what an uninterrupted one has.
+            for tensor in self.average.values():
+                if not _is_dtensor(tensor):
+                    dist.broadcast(tensor, src=0)
+        tensors = self.average
+        if not self.sharded:  # the whole average, on rank 0's CPU
+            tensors = {}
+            for name, tensor in self.average.items():
+                full = tensor.full_tensor() if _is_dtensor(tensor) else tensor  # collective
+                if rank == 0:
+                    tensors[name] = full.detach().cpu().clone()
+        average = {}
+        if self.sharded or rank == 0:
+            average = {f"module.{alias}": tensors[name] for alias, name in self.aliases.items()}
+            average["n_averaged"] = torch.tensor(self.n_averaged, dtype=torch.long)
+        return {"average": average, "steps": self.steps}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        import torch
+
+        saved = state_dict["average"]
+        missing = [name for name in self.names if f"module.{name}" not in saved]
+        if missing:
+            raise KeyError(f"the average has no {', '.join(missing[:3])}")
+        with torch.no_grad():
+            for name, tensor in self.average.items():
+                value = saved[f"module.{name}"]
+                if value is tensor:  # a sharded checkpointer loaded it in place
+                    continue
+                if _is_dtensor(tensor) and not _is_dtensor(value):
+                    # The full average (torch-file): this rank's shard of it, cut here.
+                    from torch.distributed.tensor import distribute_tensor
+
+                    value = distribute_tensor(value.to(tensor.device), tensor.device_mesh,
+                                              tensor.placements, src_data_rank=None)
+                _local(tensor).copy_(_local(value))
+        self.n_averaged = int(saved["n_averaged"])
+        self.steps = int(state_dict["steps"])
+
+    def weights(self) -> dict:
+        """The averaged weights keyed as the module's state_dict: this rank's shards."""
+        return dict(self.average)
+
+    def swap_in(self) -> None:
+        """The averaged shards into the model's, before validation gathers the model;
+        this rank's trained shards kept meanwhile (1/N of the weights)."""
+        import torch
+
+        with torch.no_grad():
+            current = [_local(t.detach()) for t in self._model_tensors()]
+            self._trained = [t.clone() for t in current]
+            torch._foreach_copy_(current, [_local(t) for t in self.average.values()])
+
+    def swap_out(self) -> None:
+        """The trained shards back, bit for bit."""
+        import torch
+
+        if self._trained is None:
+            return
+        with torch.no_grad():
+            torch._foreach_copy_([_local(t.detach()) for t in self._model_tensors()],
+                                 self._trained)
+        self._trained = None
+
+
+def _first_names(module) -> dict[str, str]:
+    """Every state_dict name of ``module`` to the first name of its tensor."""
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(tensor), name)
+            for name, tensor in module.state_dict(keep_vars=True).items()}
+
+
+def _is_dtensor(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _local(tensor):
+    """This rank's shard of a DTensor (its own storage: writes go into the DTensor), or
+    the tensor itself."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
 @engine.hookimpl
 def engine_register_config_groups():
     return {"ema": EmaConfig}
@@ -123,8 +286,16 @@ def engine_register_state(engine, parts):
         raise ConfigError("config key 'ema.evaluate': there is no average to evaluate "
                           "unless ema.enabled=true")
     if options.enabled:
-        parts.add("ema", ExponentialMovingAverage(engine.module, engine.optimizer,
-                                                  options.decay, options.every_steps))
+        from engine.stateful import is_sharded
+
+        if is_sharded(engine.module):  # fsdp: AveragedModel's deepcopy would fail
+            average = ShardedMovingAverage(engine.module, engine.optimizer, options.decay,
+                                           options.every_steps,
+                                           engine.checkpointer.distributed_state_dict)
+        else:
+            average = ExponentialMovingAverage(engine.module, engine.optimizer,
+                                               options.decay, options.every_steps)
+        parts.add("ema", average)
 
 
 def _evaluated_average(engine) -> ExponentialMovingAverage | None:

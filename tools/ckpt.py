@@ -9,6 +9,7 @@ model from ``engine.load_model(RUN)``; export here is the same code.)
     python tools/ckpt.py add-prefix IN OUT           add "module." to every key
     python tools/ckpt.py export IN OUT               plain model weights for inference
                                                      (OUT.safetensors: in safetensors)
+    python tools/ckpt.py export IN OUT --part ema    the EMA's averaged weights instead
 
 PATH/IN may be an engine snapshot (torch-file or async: ``snapshot-*.pt``), a dcp
 snapshot directory (``snapshot-*.dcp``), a pointer file (``checkpoints/latest``,
@@ -190,7 +191,7 @@ def cmd_add_prefix(args) -> int:
 
 
 def cmd_export(args) -> int:
-    print(export(read(pathlib.Path(args.input)), pathlib.Path(args.output)))
+    print(export(read(pathlib.Path(args.input)), pathlib.Path(args.output), args.part))
     return 0
 
 
@@ -211,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=text)
         s.add_argument("input")
         s.add_argument("output")
+        if name == "export":
+            s.add_argument("--part", default="model", choices=("model", "ema"),
+                           help="the snapshot part whose weights to write (default: model)")
         s.set_defaults(run=run)
     return p
 

@@ -1,4 +1,4 @@
-"""``engine-run export RUN OUT [--which latest|best]``: a run's trained weights in a file
+"""``engine-run export RUN OUT [--which latest|best] [--part model|ema]``: a run's trained weights in a file
 for inference.
 
     $ engine-run export runs/cifar_ddp model.safetensors --which best
@@ -30,9 +30,11 @@ def main(argv) -> int:
     parser.add_argument("--which", choices=("latest", "best"), default=None,
                         help="the run's snapshot to export (default: latest; best: by "
                              "checkpoint.best_metric)")
+    parser.add_argument("--part", choices=("model", "ema"), default="model",
+                        help="the trained weights (model) or the ema plugin's average (ema)")
     args = parser.parse_args(argv)
     from engine.model_io import export, read, snapshot_of
 
     ckpt = read(snapshot_of(args.run, args.which))
-    print(f"{export(ckpt, pathlib.Path(args.output))} (from {ckpt.path})")
+    print(f"{export(ckpt, pathlib.Path(args.output), args.part)} (from {ckpt.path})")
     return 0

@@ -76,43 +76,161 @@ def test_bad_ema_options_are_one_line(tmp_path, override, message):
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
-# This module is also the probe plugin of the next test (-p tests.plugins.test_ema): it
-# records what validation saw, into the file ENGINE_TEST_VALIDATION names.
+# This module is also the probe plugin of the runs below (-p tests.plugins.test_ema): rank
+# 0 records what validation saw, into the file ENGINE_TEST_VALIDATION names.
 @engine.hookimpl(trylast=True)  # after ema's own: it sees what validation sees
 def engine_validation_start(engine, epoch):
-    model = engine.module
-    first = next(iter(model.state_dict().values()))
-    _record({"epoch": epoch, "event": "start", "weight": first.flatten()[0].item()})
+    first = next(iter(engine.module.state_dict().values()))
+    if hasattr(first, "to_local"):  # fsdp: rank 0's shard starts with the first element
+        first = first.to_local()
+    _record(engine, {"epoch": epoch, "event": "start", "weight": first.flatten()[0].item()})
 
 
 @engine.hookimpl
 def engine_validation_end(engine, epoch, metrics):
-    _record({"epoch": epoch, "event": "end", "val_loss": metrics["val/loss"]})
+    _record(engine, {"epoch": epoch, "event": "end", "val_loss": metrics["val/loss"]})
 
 
-def _record(row: dict) -> None:
+def _record(engine, row: dict) -> None:
     path = os.environ.get("ENGINE_TEST_VALIDATION")
-    if path:
+    if path and engine.world.rank == 0:
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
 
-def test_evaluate_validates_the_average_and_leaves_training_untouched(tmp_path):
+#: tiny_regression on 2 processes: 3 epochs of 8 steps, validated after each.
+RUN = (REGRESSION, "--nproc", "2", "ema.enabled=true", "ema.decay=0.9",
+       "-p", "tests.plugins.test_ema")
+
+
+def validated(out, *args: str, check: bool = True, env=None):
+    """``engine-run RUN ARGS`` recording what validation saw in ``out``.jsonl."""
+    log = out.parent / f"{out.name}.jsonl"
+    proc = run_cli(*RUN, *args, f"out_dir={out}", check=check,
+                   env=(env or conftest.engine_env()) | {"ENGINE_TEST_VALIDATION": str(log)})
+    return proc, log
+
+
+def rows(log) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    """ddp on 2 processes, the average evaluated or not: the reference of every test
+    below."""
     runs = {}
     for evaluate in ("false", "true"):
-        out, log = tmp_path / evaluate, tmp_path / f"{evaluate}.jsonl"
-        run_cli(REGRESSION, "epochs=2", "ema.enabled=true", "ema.decay=0.9",
-                f"ema.evaluate={evaluate}", f"out_dir={out}", "--nproc", "1",
-                "-p", "tests.plugins.test_ema", check=True,
-                env=conftest.engine_env(ENGINE_TEST_VALIDATION=str(log)))
-        rows = [json.loads(line) for line in log.read_text().splitlines()]
-        runs[evaluate] = (read_summary(out), rows)
-    (plain, plain_rows), (averaged, averaged_rows) = runs["false"], runs["true"]
+        out = tmp_path_factory.mktemp("ema") / f"ddp-{evaluate}"
+        _, log = validated(out, "--parallel", "ddp", f"ema.evaluate={evaluate}")
+        runs[evaluate] = (out, rows(log))
+    return runs
+
+
+def test_evaluate_validates_the_average_and_leaves_training_untouched(ddp):
+    (plain, plain_rows), (averaged, averaged_rows) = ddp["false"], ddp["true"]
     # The hooks fire around each epoch's validation, start then end.
     assert [(r["epoch"], r["event"]) for r in averaged_rows] == [
-        (0, "start"), (0, "end"), (1, "start"), (1, "end")]
+        (0, "start"), (0, "end"), (1, "start"), (1, "end"), (2, "start"), (2, "end")]
     # The average was in place while validating, and only then: training is unchanged.
-    assert plain["weights_sha256"] == averaged["weights_sha256"]
-    assert averaged["val_loss"] != plain["val_loss"]
+    assert read_summary(plain)["weights_sha256"] == read_summary(averaged)["weights_sha256"]
+    assert read_summary(averaged)["val_loss"] != read_summary(plain)["val_loss"]
     # Validation saw the averaged weights.
     assert averaged_rows[0]["weight"] != plain_rows[0]["weight"]
+
+
+# ------------------------------------------------ fsdp: the average kept as shards
+
+FSDP = ("--parallel", "fsdp", "ema.evaluate=true", "checkpoint.every_steps=4")
+
+
+def exported(out, part: str) -> dict:
+    """The ``part`` weights (model or ema) of the run's latest snapshot, whole, through
+    the installed export command (``engine-run export RUN OUT --part PART``)."""
+    from engine.commands import export
+
+    path = out.parent / f"{out.name}-{part}.pt"
+    assert export.main([str(out), str(path), "--part", part]) == 0
+    return torch.load(path, weights_only=True)
+
+
+@pytest.fixture(scope="module", params=["dcp", "torch-file"])
+def fsdp_killed(request, tmp_path_factory):
+    """fsdp on 2 processes, rank 1 SIGKILLed after step 10 (in epoch 2; the last
+    snapshot is step 8's), then resumed: each checkpointer's form of the average (dcp:
+    each rank's shards; torch-file: the whole average, gathered on rank 0)."""
+    tmp = tmp_path_factory.mktemp(f"fsdp-{request.param}")
+    out = tmp / "run"
+    fault = conftest.engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP="10",
+                                ENGINE_FAULT_RANK="1", ENGINE_FAULT_ONCE=str(tmp / "once"))
+    args = (*FSDP, f"checkpointer={request.param}", "-p", "tests.fault_plugin")
+    killed, log = validated(out, *args, check=False, env=fault)
+    assert killed.returncode != 0 and (tmp / "once").exists(), killed.stderr
+    resumed, _ = validated(out, *args, env=fault)
+    assert "resuming from" in resumed.stdout
+    return out, rows(log)
+
+
+def test_fsdp_keeps_the_average_as_shards_and_resumes_it_bit_identically_after_a_kill(
+        fsdp_killed, ddp):
+    """Killed and resumed under fsdp, the run ends with the weights and the average of
+    the uninterrupted ddp run, bit for bit (the same samples per rank, and the average
+    computed element for element on the shards), and validated on the same averages."""
+    out, validation = fsdp_killed
+    reference, reference_rows = ddp["true"]
+    summary = read_summary(out)
+    assert summary["status"] == "completed" and summary["global_step"] == 24
+    assert summary["weights_sha256"] == read_summary(reference)["weights_sha256"]
+    average, expected = exported(out, "ema"), exported(reference, "ema")
+    assert average.keys() == expected.keys() == {"0.weight", "0.bias", "3.weight", "3.bias"}
+    for name in expected:
+        assert torch.equal(average[name], expected[name]), name
+    # Epoch 1 validated before the kill, epochs 2 and 3 after the resume, on the averages.
+    assert [r for r in validation if r["event"] == "end"] == [
+        r for r in reference_rows if r["event"] == "end"]
+    assert summary["val_loss"] == read_summary(reference)["val_loss"]
+
+
+def test_fsdp_validates_on_the_average_and_exports_it_whole(fsdp_killed, ddp):
+    """val/loss is the loss of the exported average on the validation set, not the
+    trained weights' (at the end, the average is the one the last validation used)."""
+    from tests.recipes import tiny_regression as recipe
+
+    out, validation = fsdp_killed
+    inputs, targets = make_val_set(recipe)
+
+    def val_loss(weights) -> float:
+        model = recipe.build_model(recipe.Config())
+        model.load_state_dict(weights)  # strict: whole tensors, the model's keys
+        model.eval()
+        with torch.no_grad():
+            return ((model(inputs) - targets).pow(2).sum() / len(targets)).item()
+
+    averaged, trained = val_loss(exported(out, "ema")), val_loss(exported(out, "model"))
+    assert read_summary(out)["val_loss"] == pytest.approx(averaged, rel=1e-5)
+    assert abs(averaged - trained) > 1e-3
+    # While validating, the model held the average's first weight, not the trained one.
+    assert validation[-2]["weight"] == exported(out, "ema")["0.weight"][0, 0].item()
+    assert validation[-2]["weight"] != exported(out, "model")["0.weight"][0, 0].item()
+    # engine.load_model builds the recipe's model with the average in it.
+    import engine
+
+    loaded = engine.load_model(out, part="ema").state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in exported(out, "ema").items())
+
+
+def make_val_set(recipe):
+    dataset = recipe.make_data(recipe.Config().val_size, seed=2)
+    return dataset.tensors
+
+
+def test_exporting_a_part_the_snapshot_lacks_is_one_line(tmp_path):
+    from engine.errors import CheckpointError
+    from engine.model_io import part_weights, read
+
+    snapshot = tmp_path / "snapshot.pt"
+    torch.save({"model": {"weight": torch.zeros(2)}, "step": 3}, snapshot)
+    with pytest.raises(CheckpointError) as info:
+        part_weights(read(snapshot), "ema")
+    assert str(info.value) == (f"{snapshot} holds no 'ema' part (a run with ema.enabled=true "
+                               "writes one); part 'model' is the model")
