@@ -317,14 +317,14 @@ class WorkerContext:
             if isinstance(exc, KeyboardInterrupt):
                 # Ctrl-C before the training loop took it as a stop request, or a second
                 # one: an interruption (the newest snapshot resumes), not a failure.
-                run.status, run.interrupted = "interrupted", True
+                run.status, run.error = "interrupted", exc
                 raise
             run.error = self.explain(exc)
             if run.error is exc:
                 raise
             raise run.error from exc
         finally:
-            run.summary = self.finish(run.status, run.error, abrupt=run.interrupted)
+            run.summary = self.finish(run.status, run.error)
 
     def explain(self, exc: BaseException) -> BaseException:
         """The error the user should see for ``exc``: a failed torch.compile in one line
@@ -335,18 +335,17 @@ class WorkerContext:
                   else explain_failure(exc, self.module, self.cfg.compile))
         return failed or exc
 
-    def finish(self, status: str, error: BaseException | None = None,
-               abrupt: bool = False) -> dict:
+    def finish(self, status: str, error: BaseException | None = None) -> dict:
         """The end of the run (see the module docstring); returns the summary.
 
         Call it on every rank. A run that completed or was pre-empted must have closed
-        its checkpointer already (a failed final write then fails the run). ``abrupt``:
-        it ended by an exception (a KeyboardInterrupt for status "interrupted"), torn
-        down as a failed run is."""
+        its checkpointer already (a failed final write then fails the run). A run that
+        ended by an exception (``error``; a KeyboardInterrupt for status "interrupted")
+        is torn down as a failed one."""
         from engine import distributed
         from engine.processes import spawned_here
 
-        abrupt = abrupt or status == "failed"
+        abrupt = error is not None or status == "failed"
         if self.preemption is not None:
             # A second signal during the teardown of a pre-empted run changes nothing;
             # nor does a second Ctrl-C in a spawned worker (its launcher ends it), while
@@ -376,7 +375,7 @@ class WorkerContext:
 
         summary = {
             "status": status,
-            "error": None if error is None else one_line(error),
+            "error": None if error is None or status == "interrupted" else one_line(error),
             "recipe": self.recipe_path,
             "world_size": self.world.world_size,
             "launcher": self.world.launcher,
@@ -466,7 +465,6 @@ class RunOutcome:
 
     status: str = "failed"  # the body sets "completed" or "preempted" when it succeeds
     error: BaseException | None = None
-    interrupted: bool = False  # a KeyboardInterrupt ended the body
     summary: dict | None = None
 
 
