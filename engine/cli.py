@@ -61,8 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"engine-run: error: {error_line(exc)}", file=sys.stderr)
         return exit_code(exc)
-    except KeyboardInterrupt:
-        print("engine-run: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # engine.errors.Interrupted says what became of it
+        print(f"engine-run: {exc or 'interrupted'}", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
@@ -211,6 +211,8 @@ def train(pm, argv: Sequence[str]) -> int:
     phases.launching()
     statuses = launch.start().statuses
     phases.command_ended(args.verbose and show)
+    if "interrupted" in statuses:  # Ctrl-C: rank 0 said where it stopped
+        return EXIT_INTERRUPTED
     return EXIT_PREEMPTED if "preempted" in statuses else EXIT_COMPLETED
 
 

@@ -12,7 +12,8 @@ The end of a run, however it ends::
     summary built (weights digests, a collective, only when the run completed)
     compile time printed (rank 0, compile.enabled)
     [engine_run_end]                    every rank
-    summary.json                        rank 0, always: completed, preempted or failed
+    summary.json                        rank 0, always: completed, preempted, interrupted
+                                        or failed
     process group destroyed             unless the run failed (a rank may be gone)
 """
 
@@ -344,6 +345,11 @@ class WorkerContext:
             yield run
         except BaseException as exc:
             self.pm.hook.engine_exception(engine=self, exc=exc)
+            if isinstance(exc, KeyboardInterrupt):
+                # Ctrl-C before the training loop took it as a stop request, or a second
+                # one: an interruption (the newest snapshot resumes), not a failure.
+                run.status, run.error = "interrupted", exc
+                raise
             run.error = self.explain(exc)
             if run.error is exc:
                 raise
@@ -364,13 +370,20 @@ class WorkerContext:
         """The end of the run (see the module docstring); returns the summary.
 
         Call it on every rank. A run that completed or was pre-empted must have closed
-        its checkpointer already (a failed final write then fails the run)."""
+        its checkpointer already (a failed final write then fails the run). A run that
+        ended by an exception (``error``; a KeyboardInterrupt for status "interrupted")
+        is torn down as a failed one."""
         from engine import distributed
+        from engine.processes import spawned_here
 
+        abrupt = error is not None or status == "failed"
         if self.preemption is not None:
-            # A second signal during the teardown of a pre-empted run changes nothing.
-            self.preemption.uninstall(ignore_more=status == "preempted")
-        if status == "failed" and self.checkpointer is not None:
+            # A second signal during the teardown of a pre-empted run changes nothing;
+            # nor does a second Ctrl-C in a spawned worker (its launcher ends it), while
+            # in the launching process it ends the teardown as the user asks.
+            self.preemption.uninstall(ignore_more=status == "preempted" or (
+                status == "interrupted" and spawned_here()))
+        if abrupt and self.checkpointer is not None:
             # Earlier snapshots still in flight finish; the first error is the one
             # reported, so a second one here is not.
             with contextlib.suppress(Exception):
@@ -381,7 +394,7 @@ class WorkerContext:
         if self.is_rank0:
             self.write_summary(summary)
         phases.mark("summary")
-        if status != "failed":
+        if not abrupt:
             distributed.destroy()
         phases.report(self.options.get("verbose") and self.is_rank0)
         return summary
@@ -393,7 +406,7 @@ class WorkerContext:
 
         summary = {
             "status": status,
-            "error": None if error is None else one_line(error),
+            "error": None if error is None or status == "interrupted" else one_line(error),
             "recipe": self.recipe_path,
             "world_size": self.world.world_size,
             "launcher": self.world.launcher,

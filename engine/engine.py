@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from engine import phases
@@ -65,8 +66,10 @@ class Engine(WorkerContext):
             if outcome == "completed":
                 self.gather_weights()
                 self._after_training()
+            elif self.preemption is not None and self.preemption.interrupted:
+                outcome = "interrupted"  # Ctrl-C: stopped as a pre-emption, not requeued
             run.status = outcome
-        if run.status == "preempted":
+        if run.status in ("preempted", "interrupted"):
             self._after_preemption()
         return run.summary
 
@@ -108,6 +111,11 @@ class Engine(WorkerContext):
     def _after_preemption(self) -> None:
         from engine import preemption
 
+        if self.preemption is not None and self.preemption.interrupted:
+            # The one line of a Ctrl-C (the launcher adds none).
+            self.print(f"interrupted at {self.state.position()}: snapshot written; the "
+                       "same command resumes", file=sys.stderr)
+            return
         signal_name = self.preemption.signal_name if self.preemption else None
         message = (f"pre-empted{f' by {signal_name}' if signal_name else ''}: snapshot "
                    f"written at {self.state.position()}")

@@ -13,7 +13,9 @@ code  meaning
       environment or snapshot; nothing was trained
 75    pre-empted: a snapshot was written and the run stopped (SIGUSR1/SIGTERM);
       start it again (SLURM: the job was requeued) and it resumes
-130   interrupted (Ctrl-C)
+130   interrupted (Ctrl-C): the workers stopped at their next check point and wrote
+      a snapshot (status "interrupted"); the same command resumes. A second
+      Ctrl-C, or workers that do not stop within 30 s, end it at once
 ====  =====================================================================
 
 75 is ``EX_TEMPFAIL`` of sysexits.h, "a temporary failure; the user is invited to
@@ -90,6 +92,12 @@ class WorkerFailed(RunError, LaunchError):
         #: failure after the launcher was asked to stop (a forwarded SIGTERM or SIGUSR1:
         #: pre-emption).
         self.restartable = restartable
+
+
+class Interrupted(KeyboardInterrupt):
+    """The launching process's Ctrl-C ended the run without the workers' clean stop (a
+    second Ctrl-C, or workers that did not stop in time); the message says what became
+    of them. A KeyboardInterrupt, so that it passes every ``except Exception``."""
 
 
 class PluginCodeError(RunError):

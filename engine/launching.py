@@ -39,6 +39,7 @@ import os
 import pathlib
 import pickle
 import re
+import signal
 import sys
 import tempfile
 import traceback
@@ -46,8 +47,8 @@ from typing import Any, Sequence
 
 import attrs
 
-from engine.errors import (ConfigError, EngineError, PeerFailed, PluginCodeError, error_line,
-                           exit_code, traceback_wanted)
+from engine.errors import (EXIT_INTERRUPTED, ConfigError, EngineError, PeerFailed,
+                           PluginCodeError, error_line, exit_code, traceback_wanted)
 
 #: What rank 0's value is called in the exchange folder of a library door.
 RESULT_FILE = "result.pickle"
@@ -362,18 +363,27 @@ def _unguarded_main_script() -> pathlib.Path | None:
 # ---------------------------------------------------------------- every worker
 
 
+def worker_report(exc: BaseException) -> str:
+    """A worker's error beyond its one line: nothing for an error the user can act on
+    or one in a plugin's code (the line says it; ENGINE_TRACEBACK=1 shows the traceback
+    and then ``error: LINE``), the traceback for anything else (the recipe's own code
+    needs it)."""
+    if not (traceback_wanted() or not isinstance(exc, EngineError)):
+        return ""
+    text = "".join(traceback.format_exception(exc.__cause__ or exc)
+                   if isinstance(exc, PluginCodeError) else traceback.format_exc())
+    return text + (f"error: {error_line(exc)}\n" if isinstance(exc, EngineError) else "")
+
+
 def report_worker_error(rank: int, exc: BaseException) -> None:
-    """One line for an error the user can act on and for an error in a plugin's code
-    (with ENGINE_TRACEBACK=1 the traceback first); the traceback for anything else (the
-    recipe's own code needs it), every line marked with the rank."""
-    text = ""
-    if traceback_wanted() or not isinstance(exc, EngineError):
-        text = "".join(traceback.format_exception(exc.__cause__ or exc)
-                       if isinstance(exc, PluginCodeError) else traceback.format_exc())
-    if isinstance(exc, EngineError):
-        text += f"error: {error_line(exc)}\n"
-    print("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()),
-          file=sys.stderr, end="", flush=True)
+    """A worker's error as :func:`worker_report` shows it, or ``error: LINE``, every
+    line marked with the rank."""
+    from engine.processes import with_rank
+
+    text = worker_report(exc) or f"error: {error_line(exc)}\n"
+    print(with_rank(rank, text), file=sys.stderr, end="", flush=True)
+
+
 
 
 @attrs.frozen
@@ -417,6 +427,14 @@ class Worker:
             status, value = self.run(pm, self.configure(pm), world)
         except SystemExit:
             raise
+        except KeyboardInterrupt:
+            # Ctrl-C before training took it as a stop request, or a second one: the
+            # launching process says "interrupted" (engine-run: once, exit 130); a
+            # spawned worker ends quietly, its summary says "interrupted".
+            if here:
+                raise
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends it now
+            exit_failed_worker(EXIT_INTERRUPTED)
         except BaseException as exc:
             shown = attribute(pm, exc)
             if here and self.door.library:
@@ -424,10 +442,12 @@ class Worker:
                 if shown is exc:
                     raise  # the caller gets the exception itself
                 raise shown from exc
-            if not (isinstance(shown, PeerFailed) and reports_to_launcher()):
-                # Not an echo of another rank's failure, which that rank printed and
-                # the launcher's last line names: one error, not one per rank.
-                report_worker_error(world.rank, shown)
+            if reports_to_launcher():
+                # The launcher prints it, once for the ranks that failed alike; an echo
+                # of another rank's failure (PeerFailed) only on its last line.
+                exit_failed_worker(exit_code(shown), error_line(shown), None if isinstance(
+                    shown, PeerFailed) else worker_report(shown))
+            report_worker_error(world.rank, shown)
             exit_failed_worker(exit_code(shown), error_line(shown))
         if here:
             self.result.append(value)

@@ -11,6 +11,10 @@ carried the flag, the last epoch's included), a snapshot is written, and rank 0 
 scheduler to requeue the job: the ``engine_requeue`` hook, which the slurm plugin
 answers with ``scontrol requeue``. The requeued job starts again with the same out_dir
 and resumes from that snapshot.
+
+Ctrl-C (SIGINT) takes the same path: the first one is a request to stop, not a
+KeyboardInterrupt inside the recipe's forward; the run ends "interrupted" with its
+snapshot, and the same command resumes. A second one ends the process at once.
 """
 
 from __future__ import annotations
@@ -37,7 +41,12 @@ class PreemptionFlag:
     def __bool__(self) -> bool:
         return self.signal_name is not None
 
-    def install(self, names=("SIGUSR1", "SIGTERM")) -> None:
+    @property
+    def interrupted(self) -> bool:
+        """The request was Ctrl-C's (the run ends "interrupted", not "preempted")."""
+        return self.signal_name == "SIGINT"
+
+    def install(self, names=("SIGUSR1", "SIGTERM", "SIGINT")) -> None:
         for name in names:
             signum = getattr(signal, name, None)
             if signum is None:
@@ -61,10 +70,18 @@ class PreemptionFlag:
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
             self._first_at = time.monotonic()
-        elif time.monotonic() - self._first_at > DUPLICATE_WINDOW_S:
-            # A second request, later: the user (or the scheduler) means it. Die as asked.
+        elif time.monotonic() - self._first_at > self._window(signum):
+            # A second request, later: the user (or the scheduler) means it. Die as asked
+            # (SIGINT: a KeyboardInterrupt, which the worker ends on without a traceback).
             self.uninstall()
             os.kill(os.getpid(), signum)
+
+    @staticmethod
+    def _window(signum) -> float:
+        """How soon a second signal counts as the first one again. Ctrl-C is never
+        delivered twice (the launcher does not pass it on to the workers of its process
+        group, which the terminal reached): a second one is the user's."""
+        return 0.0 if signum == signal.SIGINT else DUPLICATE_WINDOW_S
 
 
 #: What the log says when no plugin's scheduler runs this job (engine_requeue).

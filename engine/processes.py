@@ -15,10 +15,11 @@ import functools
 import os
 import signal
 import sys
+import time
 from typing import Callable, Mapping, NoReturn
 
 from engine import phases
-from engine.errors import EXIT_FAILED, WorkerFailed
+from engine.errors import EXIT_FAILED, EXIT_INTERRUPTED, Interrupted, WorkerFailed
 from engine.launch_env import start_method
 from engine.world import World
 
@@ -82,22 +83,36 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
     readers = [r for r, _ in pipes]
 
     stopping = []  # the signals passed on: the run is being stopped, not restarted
+    interrupted = []  # when the first Ctrl-C came (time.monotonic())
 
     def forward(signum, frame):
+        if signum == signal.SIGINT:
+            if interrupted:  # the second Ctrl-C: now
+                _kill(context.processes)
+                raise Interrupted("interrupted again: the workers were killed; the same "
+                                  "command resumes from the newest snapshot")
+            interrupted.append(time.monotonic())
         stopping.append(signum)
         for process in context.processes:
-            if process.is_alive():
+            # Ctrl-C reached the workers of our process group from the terminal already.
+            if process.is_alive() and (signum != signal.SIGINT
+                                       or os.getpgid(process.pid) != os.getpgrp()):
                 os.kill(process.pid, signum)
 
     previous = {}
     try:
-        for signum in FORWARDED_SIGNALS:
+        for signum in (*FORWARDED_SIGNALS, signal.SIGINT):
             previous[signum] = signal.signal(signum, forward)
     except ValueError:  # not the main thread: the workers get signals from their group
         pass
     failed, stopped, lingering = None, [], []
     try:
         while not context.join(timeout=0, grace_period=GRACE_S):
+            if interrupted and time.monotonic() - interrupted[0] > INTERRUPT_WAIT_S:
+                _kill(context.processes)
+                raise Interrupted(f"interrupted: the workers did not stop within "
+                                  f"{INTERRUPT_WAIT_S:g}s and were killed; the same command "
+                                  "resumes from the newest snapshot")
             failed = _wait_for_a_failure(context.processes, timeout=1.0)
             if failed is not None:
                 stopped, lingering = _stop_the_others(context.processes)
@@ -105,18 +120,26 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
         return [next((sent for sent in _sent(r) if not isinstance(sent, tuple)), None)
                 for r in readers]
     except mp.ProcessExitedException as exc:
-        # A worker that raised printed its error itself; one that was killed could not.
-        # The one that stopped answering goes last: that line is the one users read.
         index = failed if failed is not None else exc.error_index
         code = context.processes[index].exitcode
+        if interrupted or code == EXIT_INTERRUPTED:
+            # Ctrl-C before the workers took it as a stop request: they ended quietly.
+            raise Interrupted("interrupted") from None
+        reports = [_error_sent(r) for r in readers]
+        index = _first_told(index, reports)
+        code = context.processes[index].exitcode
+        # A worker that raised sent its error; one that was killed could not.
+        # The one that stopped answering goes last: that line is the one users read.
         signal_name = _signal_name(code)
         cause = SIGNAL_CAUSES.get(signal_name or "", "killed by hand?")
-        error_line = _error_sent(readers[index])
-        how = (f"was killed by {signal_name} ({cause})" if signal_name else
-               f"exited with code {code}: {error_line}" if error_line else
-               f"exited with code {code}; its error is printed above")
-        message = (f"worker with local rank {worlds[index].local_rank} (rank "
-                   f"{worlds[index].rank}) {how}")
+        message = _failure_report(worlds, index, code, reports)
+        if signal_name:
+            message = (f"worker with local rank {worlds[index].local_rank} (rank "
+                       f"{worlds[index].rank}) was killed by {signal_name} ({cause})")
+        elif not message:
+            message = (f"worker with local rank {worlds[index].local_rank} (rank "
+                       f"{worlds[index].rank}) exited with code {code}; its error is "
+                       "printed above")
         if lingering:
             # Hung, or waiting for the failed one (a rendezvous): it cannot tell which.
             message += (f"; {_ranks_of(worlds, lingering)} was still running {GRACE_S:g}s "
@@ -140,6 +163,65 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
             signal.signal(signum, handler)
         for reader in readers:
             reader.close()
+
+
+#: After the first Ctrl-C, how long the workers get to reach their next check points
+#: and write the snapshot (engine/preemption.py) before they are killed.
+INTERRUPT_WAIT_S = 30.0
+
+
+def _kill(processes) -> None:
+    """SIGKILL every worker still running, and reap it."""
+    for process in processes:
+        if process.exitcode is None:
+            process.kill()
+    for process in processes:
+        process.join(GRACE_S)
+
+
+def with_rank(rank: int, text: str) -> str:
+    """Every line of ``text`` marked with the rank that printed it."""
+    return "".join(f"[rank {rank}] {line}\n" for line in text.splitlines())
+
+
+def _first_told(index: int, reports: list) -> int:
+    """The worker whose error to show first: ``index`` (the first that failed), unless
+    its error only echoes another rank's failure (PeerFailed) and another one's does
+    not."""
+    if reports[index] is not None and reports[index][1] is None:
+        return next((i for i, r in enumerate(reports) if r is not None and r[1] is not None),
+                    index)
+    return index
+
+
+def _failure_report(worlds: list[World], index: int, code: int, reports: list) -> str:
+    """Print the failed workers' errors, each different one once (a traceback, or an
+    ``error:`` line, marked with the first rank that raised it), and return the
+    launcher's last line: worker ``index``'s error, naming the ranks that failed the
+    same way. An error that every worker raised alike and that needs no traceback (the
+    same ConfigError on every rank) is that last line alone. "" when ``index`` sent
+    none."""
+    told = reports[index]
+    alike = [i for i, r in enumerate(reports) if i != index and told and r and r[0] == told[0]]
+    if told and not told[1] and len(alike) == len(reports) - 1:
+        return told[0]
+    shown = set()
+    for i in [index, *range(len(reports))]:
+        if reports[i] is None or reports[i][1] is None or reports[i][0] in shown:
+            continue  # killed, an echo of another rank's failure, or printed already
+        line, text = reports[i]
+        shown.add(line)
+        print(with_rank(worlds[i].rank, text or f"error: {line}\n"), file=sys.stderr,
+              end="", flush=True)
+    if told is None:
+        return ""
+    message = (f"worker with local rank {worlds[index].local_rank} (rank "
+               f"{worlds[index].rank}) exited with code {code}: {told[0]}")
+    if alike:
+        ranks = [worlds[i].rank for i in alike]
+        message += (f"; rank{'s' if len(ranks) > 1 else ''} "
+                    f"{', '.join(map(str, ranks))} failed the same way")
+    return message
 
 
 #: After a worker fails, how long the others get to stop by themselves, and then to
@@ -168,8 +250,6 @@ def _stop_the_others(processes) -> tuple[list[int], list[int]]:
     SIGTERM), give the others ``GRACE_S`` to stop by themselves, then SIGTERM, then
     SIGKILL. Returns the indices of the stopped ones and of those that had to be
     terminated."""
-    import time
-
     from engine.atomic_io import process_state
 
     stopped = [i for i, p in enumerate(processes)
@@ -310,10 +390,13 @@ def reports_to_launcher() -> bool:
     return _to_launcher is not None
 
 
-def exit_failed_worker(code: int, error_line: str | None = None) -> NoReturn:
+def exit_failed_worker(code: int, error_line: str | None = None,
+                       traceback_text: str | None = "") -> NoReturn:
     """End a worker whose error is printed already, with exit code ``code``; in a
-    worker this module spawned, ``error_line`` goes to the launcher, whose last line
-    repeats it (the one line users read).
+    worker this module spawned, its error is not printed: ``error_line`` and
+    ``traceback_text`` (engine.launching.worker_report) go to the launcher, which prints them once for all the workers
+    that failed alike (:func:`_failure_report`). ``traceback_text`` is None for an echo
+    of another rank's failure (PeerFailed), which only the launcher's last line names.
 
     In a worker this module spawned, :func:`exit_process` ends it: the teardown it skips
     came between a rank's error and the launcher's last line (with a rank stopped, the
@@ -322,6 +405,12 @@ def exit_failed_worker(code: int, error_line: str | None = None) -> NoReturn:
     the launching process itself) it raises SystemExit."""
     import multiprocessing
 
+    to_launcher, forked = _to_launcher or (None, False)
+    if error_line and to_launcher is not None:
+        with contextlib.suppress(Exception):  # the launcher is gone: nobody to tell
+            # The traceback's end is what tells the error: cut its start if too long.
+            to_launcher.send((ERROR, error_line[:MAX_ERROR_LINE],
+                              traceback_text and traceback_text[-MAX_TRACEBACK:]))
     if _stopped_peers:
         # The launcher that sees the stopped peer die stops the job at once (torchrun:
         # SIGTERM to this rank): so the peer dies last, just before this process ends,
@@ -329,20 +418,17 @@ def exit_failed_worker(code: int, error_line: str | None = None) -> NoReturn:
         exit_process(code, last=end_stopped_peers)
     if multiprocessing.parent_process() is None:
         raise SystemExit(code)
-    to_launcher, forked = _to_launcher or (None, False)
-    if error_line and to_launcher is not None:
-        with contextlib.suppress(Exception):  # the launcher is gone: nobody to tell
-            to_launcher.send((ERROR, error_line[:MAX_ERROR_LINE]))
     exit_process(code, forked=forked)
 
 
 #: In a worker spawn_workers started: its pipe to the launcher, and whether it was
 #: forked.
 _to_launcher: tuple | None = None
-#: A failed worker's one-line error travels as (ERROR, line); short, so that the send
+#: A failed worker's error travels as (ERROR, line, traceback); short, so that the send
 #: never waits for a reader (a pipe holds 64 kB).
 ERROR = "error"
 MAX_ERROR_LINE = 1000
+MAX_TRACEBACK = 12_000  # characters: up to 48 kB of UTF-8
 
 
 def _sent(reader) -> list:
@@ -354,9 +440,10 @@ def _sent(reader) -> list:
     return messages
 
 
-def _error_sent(reader) -> str | None:
-    """The error line a failed worker sent, if any."""
-    return next((sent[1] for sent in _sent(reader)
+def _error_sent(reader) -> tuple[str, str | None] | None:
+    """The error a failed worker sent, if any: its line and its traceback ("" for an
+    error its line says, None for an echo of another rank's failure)."""
+    return next((sent[1:] for sent in _sent(reader)
                  if isinstance(sent, tuple) and sent[:1] == (ERROR,)), None)
 
 

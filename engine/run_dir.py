@@ -178,16 +178,16 @@ def holds_a_run(out_dir) -> list[str]:
 
 
 def _failed_before_training(summary: pathlib.Path) -> bool:
-    """A summary.json that records a failed run at step 0 (a recipe whose build_model
-    raised, a bad argument found in the worker); one that cannot be read counts as a
-    run."""
+    """A summary.json that records a failed (or interrupted) run at step 0 (a recipe
+    whose build_model raised, a bad argument found in the worker, Ctrl-C during the
+    set-up); one that cannot be read counts as a run."""
     import json
 
     try:
         record = json.loads(summary.read_text())
     except (OSError, ValueError):
         return False
-    return (isinstance(record, dict) and record.get("status") == "failed"
+    return (isinstance(record, dict) and record.get("status") in ("failed", "interrupted")
             and record.get("global_step") == 0)
 
 

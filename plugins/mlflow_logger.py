@@ -45,7 +45,8 @@ FLUSH_EVERY_S = 30.0
 #: MLflow's limit on the entries of one log_batch call.
 BATCH = 1000
 #: MLflow's run status for each summary status.
-STATUSES = {"completed": "FINISHED", "preempted": "KILLED", "failed": "FAILED"}
+STATUSES = {"completed": "FINISHED", "preempted": "KILLED", "interrupted": "KILLED",
+            "failed": "FAILED"}
 
 
 @attrs.define

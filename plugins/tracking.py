@@ -11,11 +11,12 @@ import importlib.util
 import pathlib
 from typing import Any
 
-from engine.errors import EXIT_COMPLETED, EXIT_FAILED, EXIT_PREEMPTED, PluginError
+from engine.errors import (EXIT_COMPLETED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED,
+                           PluginError)
 
 #: engine-run's exit code for each summary status (engine/errors.py).
 EXIT_CODES = {"completed": EXIT_COMPLETED, "failed": EXIT_FAILED,
-              "preempted": EXIT_PREEMPTED}
+              "preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}
 
 
 def import_package(module: str, extra: str, group: str) -> Any:

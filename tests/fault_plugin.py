@@ -2,7 +2,9 @@
 
 ENGINE_FAULT_ACTION  kill (SIGKILL itself), raise, hang, signal (SIGUSR1 to itself, or
                      ENGINE_FAULT_SIGNAL: SIGTERM), stop (SIGSTOP itself: alive, but
-                     answers nothing)
+                     answers nothing), interrupt (Ctrl-C: SIGINT to engine-run's whole
+                     process group, as a terminal sends it), interrupt-twice (the same,
+                     then again a second later, while this rank hangs deaf to it)
 ENGINE_FAULT_STEP    act right after this optimizer step ...
 ENGINE_FAULT_EPOCH   ... or at the start of this epoch
 ENGINE_FAULT_RANK    the rank that acts (default 0)
@@ -42,6 +44,17 @@ def _act(eng) -> None:
         os.kill(os.getpid(), signal.Signals[name])
     elif action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif action.startswith("interrupt"):
+        if os.getpgrp() != os.getsid(0):  # never the test runner's group
+            raise RuntimeError("ENGINE_FAULT_ACTION=interrupt needs engine-run in a "
+                               "session of its own (start_new_session)")
+        os.killpg(os.getpgrp(), signal.SIGINT)
+        if action == "interrupt-twice":
+            time.sleep(1)  # the launcher took the first: signals of one kind do not queue
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a shutdown stuck for good
+            os.killpg(os.getpgrp(), signal.SIGINT)
+            while True:
+                time.sleep(1)
 
 
 @engine.hookimpl

@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import REPO, engine_env, read_summary, run_cli
+from tests.conftest import REPO, engine_env, read_summary, run_cli, run_cli_here
 
 RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
 ARGS = ("epochs=3", "checkpoint.every_steps=0", "checkpoint.keep_last=2")
 
 
-def test_sigusr1_on_one_rank_snapshots_all_and_the_rerun_finishes_identically(tmp_path):
-    reference = tmp_path / "reference"
-    run_cli(RECIPE, *ARGS, f"out_dir={reference}", "--nproc", "2", check=True)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The summary of the run uninterrupted, which a stopped run resumed must match."""
+    out = tmp_path_factory.mktemp("reference")
+    run_cli(RECIPE, *ARGS, f"out_dir={out}", "--nproc", "2", check=True)
+    return read_summary(out)
 
+
+def test_sigusr1_on_one_rank_snapshots_all_and_the_rerun_finishes_identically(tmp_path,
+                                                                               reference):
     out = tmp_path / "run"
     env = engine_env(ENGINE_FAULT_ACTION="signal", ENGINE_FAULT_STEP="7",
                      ENGINE_FAULT_RANK="1", ENGINE_FAULT_ONCE=str(tmp_path / "once"))
@@ -35,7 +41,47 @@ def test_sigusr1_on_one_rank_snapshots_all_and_the_rerun_finishes_identically(tm
 
     resumed = run_cli(*args, env=env, check=True)
     assert "resuming from" in resumed.stdout and "epoch 2, step 10, batch 4" in resumed.stdout
-    assert read_summary(out)["weights_sha256"] == read_summary(reference)["weights_sha256"]
+    assert read_summary(out)["weights_sha256"] == reference["weights_sha256"]
+
+
+def test_ctrl_c_is_one_line_a_snapshot_and_exit_130_and_the_same_command_resumes(
+        tmp_path, reference):
+    """Ctrl-C as a terminal sends it: SIGINT to engine-run's whole process group (run_cli
+    starts it in a session of its own), here from rank 0 right after step 7 (issue 35).
+    The workers take it as a pre-emption request, not a KeyboardInterrupt in the
+    recipe's forward: they stop together at a check point, with a snapshot."""
+    out = tmp_path / "run"
+    env = engine_env(ENGINE_FAULT_ACTION="interrupt", ENGINE_FAULT_STEP="7",
+                     ENGINE_FAULT_ONCE=str(tmp_path / "once"))
+    args = (RECIPE, *ARGS, f"out_dir={out}", "--nproc", "2", "--launcher", "spawn",
+            "-p", "tests.fault_plugin")
+    stopped = run_cli(*args, env=env)
+    assert stopped.returncode == 130, stopped.stderr  # EXIT_INTERRUPTED
+    assert stopped.stderr.splitlines() == [
+        "interrupted at epoch 2, step 10, batch 4 of the epoch: snapshot written; the same "
+        "command resumes"], stopped.stderr
+    summary = read_summary(out)
+    assert (summary["status"], summary["global_step"], summary["error"]) == (
+        "interrupted", 10, None)
+    assert (out / "checkpoints" / "snapshot-e0001-s00000010.pt").is_file()
+    runs = run_cli_here("runs", str(tmp_path), check=True).stdout
+    assert "interrupted" in runs.splitlines()[-1], runs
+
+    resumed = run_cli(*args, env=env, check=True)
+    assert "resuming from" in resumed.stdout and "epoch 2, step 10, batch 4" in resumed.stdout
+    assert read_summary(out)["weights_sha256"] == reference["weights_sha256"]
+
+
+def test_a_second_ctrl_c_ends_a_stuck_shutdown_at_once(tmp_path):
+    """After the first Ctrl-C, rank 0 hangs deaf to SIGINT (a shutdown that would not end
+    for 30 s): the second Ctrl-C kills the workers at once, with one line."""
+    env = engine_env(ENGINE_FAULT_ACTION="interrupt-twice", ENGINE_FAULT_STEP="3")
+    proc = run_cli(RECIPE, *ARGS, f"out_dir={tmp_path / 'run'}", "--nproc", "2",
+                   "--launcher", "spawn", "-p", "tests.fault_plugin", env=env)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "engine-run: interrupted again: the workers were killed; the same command resumes "
+        "from the newest snapshot"], proc.stderr
 
 
 def python_block_after(text: str, heading: str) -> str:

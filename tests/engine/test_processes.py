@@ -151,3 +151,36 @@ def test_a_run_killed_as_a_whole_leaves_no_named_semaphores(tmp_path):
     for name in left:  # this run's, and every process that used them is dead
         os.unlink(name)
     assert left == []
+
+
+# ------------------------------------------------- a failure every rank met alike
+
+RAISING_RECIPE = '''
+from tests.recipes.tiny_resume import (Config, build_datasets, build_model,  # noqa: F401
+                                       build_optimizer, eval_step)
+
+
+def train_step(batch, ctx):
+    raise ValueError("logits and targets differ in shape: (16, 4) vs (16,)")
+'''
+
+
+def test_a_recipe_exception_on_every_rank_is_one_traceback_naming_the_others(tmp_path):
+    """Issue 35: one rank's traceback, and the launcher's line names the rank that failed
+    the same way (not a traceback per rank). The same EngineError on every rank is one
+    line: tests/engine/test_cli.py's broken parallel mode."""
+    from tests.conftest import run_cli
+
+    recipe = tmp_path / "raising.py"
+    recipe.write_text(RAISING_RECIPE)
+    proc = run_cli(str(recipe), f"out_dir={tmp_path / 'run'}", "--nproc", "2")
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert proc.stderr.count("Traceback (most recent call last):") == 1, proc.stderr
+    rank = lines[0].split("]")[0] + "]"  # whichever failed first: "[rank 0]"
+    assert lines[-2] == (f"{rank} ValueError: logits and targets differ in shape: (16, 4) "
+                         "vs (16,)"), proc.stderr
+    other = 1 - int(rank[-2])
+    assert lines[-1].endswith("exited with code 1: ValueError: logits and targets differ "
+                              f"in shape: (16, 4) vs (16,); rank {other} failed the same "
+                              "way"), proc.stderr
