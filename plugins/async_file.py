@@ -10,8 +10,14 @@ Why these choices:
 
 - A process, not a thread: ``torch.save`` pickles and sha256 hashes under the GIL for
   much of its time, and would steal it from the training loop.
-- Spawned once, on the first save, and given the buffer's file descriptor at the spawn
-  (a bigger snapshot gets a new buffer and a new writer). Jobs and results travel
+- Started once, on the first save, and given the buffer's file descriptor at the start
+  (a bigger snapshot gets a new buffer and a new writer). Writers are forked from one
+  fork server per trainer process that has imported torch (:mod:`engine.fork_server`):
+  torch is imported once per trainer, not once per writer (seconds each on a small
+  machine), and a writer is still a clean process (the server never ran a tensor
+  operation or started a thread; nothing of the trainer's is inherited). The server
+  starts with the first writer, inside :func:`_job_signals_blocked`: it and every
+  writer forked from it begin with the job signals blocked. Jobs and results travel
   through two pipes as small pickles (where each tensor is, not its bytes). No
   multiprocessing Queue: each one leaves three named semaphores (/dev/shm/sem.mp-*)
   behind when the job is killed, and sending a tensor through one starts a
@@ -217,8 +223,8 @@ def map_buffer(fd: int, nbytes: int):
 
 
 class _SharedFd:
-    """A file descriptor handed to the writer at its spawn: multiprocessing duplicates
-    it into the child (no socket, no resource sharer, nothing named)."""
+    """A file descriptor handed to the writer at its start: multiprocessing passes
+    it to the child (no socket, no resource sharer, nothing named)."""
 
     def __init__(self, fd: int, nbytes: int):
         self.fd, self.nbytes = fd, nbytes
@@ -252,7 +258,7 @@ def writer_main(jobs, results, buffer, directory: str, checkpoint: dict | None) 
     # Ctrl-C, SLURM's pre-emption signal (USR1, then TERM) and a launcher's TERM reach
     # every process of the job. The trainer decides what they mean, and may well want
     # one more snapshot written; this process finishes what it was given and ends when
-    # told to or when the trainer is gone. (They were blocked since the spawn.)
+    # told to or when the trainer is gone. (They were blocked since its start.)
     for sig in job_signals():
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, job_signals())
@@ -303,7 +309,7 @@ def job_signals() -> set:
 
 @contextlib.contextmanager
 def _job_signals_blocked():
-    """Around the spawn: the child inherits the blocked set, so no job signal can kill
+    """Around the start: the child inherits the blocked set, so no job signal can kill
     it before it has chosen to ignore them. Here they are only held back: one that
     arrives meanwhile is delivered when the set is restored, not lost."""
     import signal
@@ -317,7 +323,7 @@ def _job_signals_blocked():
 
 @contextlib.contextmanager
 def _main_module_hidden():
-    """Spawn re-imports the parent's ``__main__`` in the child unless it cannot find it.
+    """A started process re-imports the parent's ``__main__`` unless it cannot find it.
     The writer needs nothing from it, and a user's script without an
     ``if __name__ == "__main__"`` guard would start training all over again there."""
     real = sys.modules["__main__"]
@@ -402,22 +408,28 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
                  "while idle; starting a new one")
             self._forget_writer(keep_buffer=True)
         import multiprocessing.util
+        from multiprocessing import resource_tracker
+        from multiprocessing.connection import Pipe
 
-        import torch.multiprocessing as mp
+        from engine.fork_server import TorchForkServerProcess
 
-        ctx = mp.get_context("spawn")
-        jobs_out, self._jobs = ctx.Pipe(duplex=False)
-        self._results, results_in = ctx.Pipe(duplex=False)
+        jobs_out, self._jobs = Pipe(duplex=False)
+        self._results, results_in = Pipe(duplex=False)
         checkpoint = None
         if self.cfg is not None and getattr(self.cfg, "checkpoint", None) is not None:
             c = self.cfg.checkpoint
             checkpoint = {"keep_last": c.keep_last, "best_metric": c.best_metric,
                           "best_mode": c.best_mode}
         # daemon: never left behind; the exit hook below lets it finish first.
-        self._process = ctx.Process(
+        self._process = TorchForkServerProcess(
             target=writer_main, name="engine-checkpoint-writer", daemon=True,
             args=(jobs_out, results_in, _SharedFd(self._buffer_fd, self._buffer.numel()),
                   str(self.directory), checkpoint))
+        # multiprocessing's resource tracker first: its start unblocks SIGINT and
+        # SIGTERM in this thread (the stdlib's own clean-up), which inside the block
+        # below would let the fork server, and so every writer, start without them
+        # blocked.
+        resource_tracker.ensure_running()
         try:
             with _main_module_hidden(), _job_signals_blocked():
                 self._process.start()

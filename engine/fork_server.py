@@ -1,0 +1,79 @@
+"""Processes forked from a server that has imported torch: multiprocessing's forkserver
+start, from a server of this module's own.
+
+A process that needs torch, started with ``spawn``, pays a Python start and ``import
+torch`` (seconds on a small machine) every time. multiprocessing's ``forkserver`` pays
+them once: a server process imports what it is told to preload, then forks each new
+process from itself. The server never runs a tensor operation or starts a thread, so its
+children are as clean as spawned ones (nothing of the parent's memory, threads or locks)
+and start in milliseconds. The process-wide fork server is left alone: its preload list
+belongs to the program (a user's DataLoader may use it); this one preloads torch.
+
+The children run as those of ``spawn`` and ``forkserver`` do: the parent's ``sys.path``
+and ``__main__`` are set up from its preparation data, the target is unpickled (define
+it at the top level of a module), ``multiprocessing.parent_process()`` is the process
+that started them. The server is a child of the first process that started one, and
+exits when that process does. Linux (and other platforms that pass file descriptors
+over Unix sockets) only.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from multiprocessing import context, forkserver, popen_forkserver, reduction, spawn, util
+
+
+class TorchForkServer(forkserver.ForkServer):
+    def __init__(self) -> None:
+        super().__init__()
+        # Only torch: the child's own modules are imported after multiprocessing has
+        # put the parent's sys.path in place (the preload runs before that, on the
+        # server's default path, and an ImportError there is silently skipped).
+        self._preload_modules = ["torch"]
+
+
+_server: TorchForkServer | None = None  # this process's, started with its first child
+
+
+def _forget_server_in_child() -> None:
+    # A forked child (a DataLoader worker, say) is not the server's parent: it starts
+    # its own, should it ever need one.
+    global _server
+    _server = None
+
+
+os.register_at_fork(after_in_child=_forget_server_in_child)
+
+
+class _Popen(popen_forkserver.Popen):
+    def _launch(self, process_obj) -> None:
+        # popen_forkserver.Popen._launch, with our server for the process-wide one.
+        global _server
+        if _server is None:
+            _server = TorchForkServer()
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            context.set_spawning_popen(None)
+        self.sentinel, w = _server.connect_to_new_process(self._fds)
+        # The child's sentinel of its parent: it sees EOF when this process is gone.
+        _parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class TorchForkServerProcess(context.ForkServerProcess):
+    """A ``multiprocessing.Process`` forked from this process's :class:`TorchForkServer`
+    (started on first use). Its arguments may carry pipes and
+    ``multiprocessing.reduction.DupFd`` file descriptors, as with ``forkserver``."""
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _Popen(process_obj)
