@@ -74,7 +74,7 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
     SLURM, or a single process). A failed worker raises an EngineError naming it.
     """
     from engine.config import TrainConfig, check
-    from engine.launching import Launch, library_options
+    from engine.launching import Launch, interrupted_raises, library_options
 
     if not callable(fn):
         raise ConfigError(f"engine.launch needs a function to run in every worker, "
@@ -90,7 +90,7 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
                               local_rank=_local_rank_argument(sys.argv[1:]))
     job = LoopJob(tuple(plugins), options, door=LAUNCH, fn=fn, args=tuple(args), cfg=cfg)
     with callers_state_kept():
-        return Launch(job).start().result
+        return interrupted_raises(Launch(job).start())
 
 
 def _local_rank_argument(argv: Sequence[str]) -> int | None:

@@ -47,8 +47,9 @@ from typing import Any, Sequence
 
 import attrs
 
-from engine.errors import (EXIT_INTERRUPTED, ConfigError, EngineError, PeerFailed,
-                           PluginCodeError, error_line, exit_code, traceback_wanted)
+from engine.errors import (EXIT_INTERRUPTED, ConfigError, EngineError, Interrupted,
+                           PeerFailed, PluginCodeError, error_line, exit_code,
+                           traceback_wanted)
 
 #: What rank 0's value is called in the exchange folder of a library door.
 RESULT_FILE = "result.pickle"
@@ -583,7 +584,8 @@ def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
     process, and an error reaches the caller as the exception itself; with more, the
     workers are spawned (guard the call with ``if __name__ == "__main__":``), and a
     failed worker raises an EngineError naming its rank. A pre-empted run returns its
-    summary with ``status`` "preempted". ``max_restarts`` is engine-run's
+    summary with ``status`` "preempted"; one stopped by Ctrl-C (its snapshot written)
+    raises KeyboardInterrupt (engine.errors.Interrupted, the summary as ``.summary``). ``max_restarts`` is engine-run's
     --max-restarts (spawned workers are started again after a failure and resume).
     """
     items = [f"{key}={_override_text(value)}" for key, value in overrides.items()]
@@ -600,7 +602,20 @@ def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
             launch = Launch(job)
         except UnknownKey as exc:
             raise _fit_argument_meant(exc, overrides) or exc
-        return launch.start().result
+        return interrupted_raises(launch.start())
+
+
+def interrupted_raises(finished: Finished):
+    """A library door's value, or, for a run that Ctrl-C stopped (its snapshot written,
+    status "interrupted"), the KeyboardInterrupt the caller's script expects: a sweep
+    looping over ``engine.fit`` stops at the first Ctrl-C instead of starting the next
+    run. The summary travels with it (``exc.summary``)."""
+    if "interrupted" not in finished.statuses:
+        return finished.result
+    exc = Interrupted("interrupted: the run stopped at a check point with its snapshot; "
+                      "the same call resumes")
+    exc.summary = finished.result
+    raise exc
 
 
 def _fit_argument_meant(exc, overrides: dict) -> ConfigError | None:

@@ -4,8 +4,11 @@ uninterrupted one."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from engine.testing import run_python
 from tests.conftest import REPO, engine_env, read_summary, run_cli, run_cli_here
 
 RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
@@ -317,3 +320,37 @@ def test_time_based_snapshots_are_written_with_a_memory_snapshot_every_step(tmp_
                     for p in (out / "checkpoints").glob("snapshot-e*-s*.pt")})
     gaps = [b - a for a, b in zip([0, *steps], steps)]
     assert steps[-1] == 20 and max(gaps) <= 5, steps
+
+
+SWEEP = """
+import json, sys
+import engine
+
+out = sys.argv[1]
+done = []
+try:
+    for lr in (0.1, 0.2):  # a sweep: Ctrl-C must stop it, not start the next run
+        done.append(engine.fit({recipe!r}, nproc=2, launcher="spawn",
+                               plugins=["tests.fault_plugin"], out_dir=f"{{out}}/{{lr}}",
+                               lr=lr, {args})["status"])
+except KeyboardInterrupt as exc:
+    print(json.dumps({{"raised": type(exc).__name__, "done": done,
+                      "status": exc.summary["status"], "step": exc.summary["global_step"]}}))
+"""
+
+
+def test_ctrl_c_stops_a_sweep_of_fit_calls_with_the_snapshot_written(tmp_path):
+    """engine.fit in a loop: the Ctrl-C that stops one run raises KeyboardInterrupt in the
+    caller once that run's snapshot is written (it returned the summary, and the loop
+    went on with the next lr), with the summary attached."""
+    args = ", ".join(f"{key!r}: {value!r}" for key, value in
+                     (item.split("=", 1) for item in ARGS))
+    code = SWEEP.format(recipe=RECIPE, args=f"**{{{args}}}")
+    env = engine_env(ENGINE_FAULT_ACTION="interrupt", ENGINE_FAULT_STEP="7",
+                     ENGINE_START_METHOD="fork")
+    proc = run_python(["-c", code, str(tmp_path)], env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {
+        "raised": "Interrupted", "done": [], "status": "interrupted", "step": 10}, proc.stdout
+    assert (tmp_path / "0.1" / "checkpoints" / "snapshot-e0001-s00000010.pt").is_file()
+    assert not (tmp_path / "0.2").exists()
