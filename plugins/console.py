@@ -200,8 +200,11 @@ class ConsoleLogger:
             self.bar = None
         self.lines = None
         if summary["status"] == "completed":
-            self._write(f"done: {summary['epochs_completed']} epochs in {done_time(summary)}, "
-                        f"results in {engine.out_dir}")
+            # A resumed run's epochs are the run's, not this command's: say where it began.
+            resumed = summary.get("resume") or {}
+            since = f" (resumed at step {resumed['step']})" if resumed.get("step") else ""
+            self._write(f"done: {summary['epochs_completed']} epochs{since} in "
+                        f"{done_time(summary)}, results in {engine.out_dir}")
 
     def _write(self, message: str) -> None:
         if self.bar is not None:

@@ -150,6 +150,12 @@ def test_fit_gives_the_caller_its_threads_back_and_each_call_its_own_clock(tmp_p
         rf"done: 1 epochs in ([\d.]+)s \(start-up ([\d.]+)s\), results in "
         rf"{re.escape(str(tmp_path / 'b'))}", done[0]).groups())
     assert start_up <= total <= took + 0.05, (done, took)
+    # A third call resumes the first run for one more epoch: its done: line counts the
+    # run's epochs and says where this call began.
+    engine.fit(RECIPE, nproc=1, out_dir=str(tmp_path / "a"), epochs=2)
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done:")]
+    assert re.fullmatch(r"done: 2 epochs \(resumed at step \d+\) in [\d.]+s \(start-up "
+                        r"[\d.]+s; [\d.]+s over 2 segments\), results in .*", done[0]), done
 
 
 def test_a_misspelt_argument_of_fit_is_named_as_the_argument(tmp_path):
