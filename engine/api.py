@@ -218,11 +218,10 @@ class Context(WorkerContext):
         if not (hasattr(optimizer, "state_dict") or callable(optimizer)):
             raise ConfigError(f"ctx.wrap(model, optimizer): {optimizer!r} is not a torch "
                               "optimizer (nor a function of the model that builds one)")
-        from engine.compile import compile_model
+        from engine.worker_setup import prepare_model
 
-        # torch.compile (compile.*) before the wrap, as under engine-run.
-        model = compile_model(model.to(self.device), self.cfg.compile, self.print)
-        self.model = self.parallel.wrap(model)
+        # Activation checkpointing, compile, the wrap: the steps engine-run takes.
+        self.model = prepare_model(model, self.cfg, self.parallel, self.device, self.print)
         module = self.parallel.unwrap(self.model)
         if not hasattr(optimizer, "state_dict"):
             optimizer = optimizer(module)  # built on the wrapped model's parameters

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from engine import phases
-from engine.compile import compile_model
+from engine.worker_setup import prepare_model
 from engine.context import WorkerContext, start_worker
 from engine.errors import ConfigError, EngineError, PeerFailed, RunError, first_line
 from engine.stateful import TrainState
@@ -131,7 +131,7 @@ class Engine(WorkerContext):
         returns the Trainer that will train them."""
         import torch
 
-        from engine import activation_checkpointing, data, distributed
+        from engine import data, distributed
 
         cfg, world, recipe = self.cfg, self.world, self.recipe
         self.micro_batch = data.split_batch(cfg.batch_size, world.world_size,
@@ -172,13 +172,8 @@ class Engine(WorkerContext):
         if not any(True for _ in model.parameters()):
             raise ConfigError(f"the recipe's build_model returned a model without parameters "
                               f"({type(model).__name__}): there is nothing to train")
-        model = model.to(self.device)
         self.parallel.recipe = recipe  # a mode may read the recipe's settings (fsdp)
-        # Model transforms in torchtitan's order: activation checkpointing, compile, then
-        # the parallel wrap (fully_shard, DDP...).
-        model = activation_checkpointing.apply(model, cfg.activation_checkpointing)
-        model = compile_model(model, cfg.compile, self.print)  # torch.compile (compile.*)
-        self.model = self.parallel.wrap(model)
+        self.model = prepare_model(model, cfg, self.parallel, self.device, self.print)
         self.optimizer = recipe.module.build_optimizer(cfg, self.module)
         # The run's length, for schedules by step: the optimizer steps of an epoch
         # (a group of grad_accum_steps micro-batches each, the last maybe shorter).

@@ -128,6 +128,25 @@ def train(ctx, epochs, lr=0.1):
     return {"ran": ran, "step": ctx.state.step, "weights": model_digest(ctx.module.state_dict())}
 
 
+def checkpointed_blocks(ctx, epochs):
+    """``train``, and how many blocks of the wrapped model recompute their activations."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    result = train(ctx, epochs)
+    return {**result, "wrapped": sum(isinstance(m, CheckpointWrapper)
+                                     for m in ctx.module.modules())}
+
+
+def test_a_custom_loop_gets_activation_checkpointing_as_engine_run_does(tmp_path):
+    """ctx.wrap takes the Engine's model steps (engine/worker_setup.py): the named blocks
+    are wrapped (they were silently left alone), with the same weights as without."""
+    plain = engine.launch(checkpointed_blocks, 2, nproc=1, config=config(tmp_path / "a"))
+    wrapped = engine.launch(checkpointed_blocks, 2, nproc=1, config=config(
+        tmp_path / "b", activation_checkpointing="Linear"))
+    assert (plain["wrapped"], wrapped["wrapped"]) == (0, 2)
+    assert wrapped["weights"] == plain["weights"]
+
+
 def test_epochs_resume_from_the_last_snapshot_bit_identically(tmp_path):
     straight = engine.launch(train, 3, nproc=1, config=config(tmp_path / "a"))
     assert (straight["ran"], straight["step"]) == ([0, 1, 2], 9)
