@@ -283,7 +283,8 @@ class WorkerContext:
         if self.scaler is not None:
             parts.add("scaler", self.scaler)
         parts.add("progress", progress)
-        parts.add("loader", stateful.LoaderPosition(self.state, loader, self.world_size))
+        parts.add("loader", stateful.LoaderPosition(self.state, loader, self.world_size,
+                                                       self.warn))
         parts.add("metrics", stateful.Metrics(self.metrics))
         stateful.add_extra_parts(parts, self.pm, self, recipe_parts)
         parts.add("rng", stateful.RngStates(self.world, self.warn))

@@ -183,6 +183,12 @@ def train_loader(dataset, *, micro_batch: int, world, seed: int, num_workers: in
                  pin_memory: bool, drop_last: bool, persistent_workers: bool | None = None,
                  prefetch_factor: int | None = None, timeout: float = 0.0,
                  per_sample_seed: bool = False) -> DataLoader:
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        from engine.errors import ConfigError
+
+        raise ConfigError(
+            f"{type(dataset).__name__} is an IterableDataset (a stream): engine-run trains "
+            "on streams (engine/streaming.py); ctx.loader needs a map-style dataset")
     sampler = ResumableDistributedSampler(dataset, num_replicas=world.world_size,
                                           rank=world.rank, seed=seed,
                                           weights=getattr(dataset, "sample_weights", None))
@@ -206,7 +212,11 @@ def start_epoch(loader: DataLoader, epoch: int, start_index: int = 0, *,
                 start_sample: int | None = None) -> None:
     """Before iterating an epoch: the sampler's order, the position to resume from (the
     global ``start_sample``, or ``start_index`` samples of each rank's share), and the
-    workers' seeds, all derived from (seed, epoch)."""
+    workers' seeds, all derived from (seed, epoch). A stream (engine/streaming.py)
+    starts its epoch, or resumes the snapshot's position when one was restored."""
+    if getattr(loader, "stream", False):
+        loader.start_epoch(epoch, resumed=bool(start_index or start_sample))
+        return
     sampler = loader.sampler
     sampler.set_epoch(epoch, start_index=start_index, start_sample=start_sample)
     loader.generator.manual_seed(sampler.seed * 1_000_003 + epoch)

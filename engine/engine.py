@@ -155,10 +155,18 @@ class Engine(WorkerContext):
             cfg.num_workers, cpus=world.cpu_share(), device_type=self.device.type,
             timeout_s=cfg.timeout_s)
         loader_kwargs = self.loader_settings.loader_kwargs()
-        self.train_loader = data.train_loader(
-            train_set, micro_batch=self.micro_batch, world=world, seed=cfg.seed,
-            drop_last=cfg.drop_last, per_sample_seed=cfg.per_sample_seed, **loader_kwargs)
-        if len(self.train_loader) == 0:
+        from engine import streaming
+
+        if streaming.is_stream(train_set):  # an IterableDataset: engine/streaming.py
+            self.train_loader = streaming.StreamLoader(
+                train_set, micro_batch=self.micro_batch, world=world,
+                drop_last=cfg.drop_last, **loader_kwargs)
+        else:
+            self.train_loader = data.train_loader(
+                train_set, micro_batch=self.micro_batch, world=world, seed=cfg.seed,
+                drop_last=cfg.drop_last, per_sample_seed=cfg.per_sample_seed,
+                **loader_kwargs)
+        if not streaming.is_stream(train_set) and len(self.train_loader) == 0:
             raise ConfigError(
                 f"the training set has {len(train_set)} samples, fewer than one batch of "
                 f"{self.micro_batch} per process; use a smaller batch_size or drop_last=false")
@@ -177,8 +185,11 @@ class Engine(WorkerContext):
         self.optimizer = recipe.module.build_optimizer(cfg, self.module)
         # The run's length, for schedules by step: the optimizer steps of an epoch
         # (a group of grad_accum_steps micro-batches each, the last maybe shorter).
-        self.steps_per_epoch = -(-len(self.train_loader) // cfg.grad_accum_steps)
-        self.total_steps = self.steps_per_epoch * cfg.epochs
+        # A stream's length is not known: neither is the run's (None).
+        self.steps_per_epoch = (None if streaming.is_stream(train_set) else
+                                -(-len(self.train_loader) // cfg.grad_accum_steps))
+        self.total_steps = (None if self.steps_per_epoch is None
+                            else self.steps_per_epoch * cfg.epochs)
         self.scheduler = build_scheduler(recipe, cfg, self.optimizer, self)
         self.loss_fn = recipe.optional("loss_fn")  # for the recipe's steps (None: theirs)
         if cfg.precision == "fp16":

@@ -296,7 +296,8 @@ class LoaderPosition:
     of another number of processes resumes at that global position: the rest of the
     order is split over the new ranks, so every sample is still seen once."""
 
-    def __init__(self, state, loader: Callable[[], Any], world_size: int):
+    def __init__(self, state, loader: Callable[[], Any], world_size: int, warn=print):
+        self.warn = warn  # a stream's resume notice
         self.state = state  # the TrainState whose batch_in_epoch this part owns
         self.loader = loader  # the first training loader, once it exists (or None)
         self.world_size = world_size
@@ -305,6 +306,10 @@ class LoaderPosition:
         from engine import data
 
         loader = self.loader()
+        if getattr(loader, "stream", False):  # a stream's position: its loader's state
+            return {"batch_in_epoch": self.state.batch_in_epoch, "samples_in_epoch": None,
+                    "world_size": self.world_size,
+                    "stream": loader.position_state(self.state.batch_in_epoch)}
         return {
             "batch_in_epoch": self.state.batch_in_epoch,
             "samples_in_epoch": None if loader is None else data.samples_consumed(
@@ -319,12 +324,20 @@ class LoaderPosition:
         batches = int(state_dict.get("batch_in_epoch") or 0)
         position = state_dict.get("samples_in_epoch")
         saved_world = state_dict.get("world_size", self.world_size)
+        loader = self.loader()
+        if getattr(loader, "stream", False):  # exact, or refused (engine/streaming.py)
+            if batches and "stream" not in state_dict:
+                raise CheckpointError("the snapshot stopped mid-epoch in a map-style "
+                                      "dataset; this run's training set is a stream")
+            if batches:
+                loader.restore(state_dict["stream"], saved_world, batches, self.warn)
+            self.state.batch_in_epoch = batches
+            return
         # At an epoch boundary, with as many processes, or from a snapshot that did not
         # record the position (right when the global batch is the same): the count.
         if not batches or position is None or saved_world == self.world_size:
             self.state.batch_in_epoch = batches
             return
-        loader = self.loader()
         if loader is None:
             raise ConfigError(
                 f"the snapshot stopped mid-epoch with {saved_world} processes; to resume it "

@@ -65,7 +65,7 @@ import time
 import attrs
 import torch
 
-from engine import data, distributed, health, phases, snapshot, stateful
+from engine import data, distributed, health, phases, snapshot, stateful, streaming
 from engine.errors import ConfigError, EngineError, PeerFailed, RunError
 from engine.metrics import (EARLY, EPOCH_END, SCHEDULER, expected_mode, improves, named,
                             not_logged, resolved_mode)
@@ -617,11 +617,16 @@ class Trainer:
         accum = self.cfg.grad_accum_steps
         eng.model.train()
         first_batch = eng.state.batch_in_epoch
-        end_batch = first_batch + len(eng.train_loader)  # the loader holds what is left
+        # A stream (engine/streaming.py) does not know its length: its loader says at
+        # each micro-batch whether it is padding and whether it is the epoch's last.
+        stream = eng.train_loader if getattr(eng.train_loader, "stream", False) else None
+        end_batch = None if stream is not None else first_batch + len(eng.train_loader)
         window = self.window = LogWindow(eng.device, eng.micro_batch * accum
                                          * eng.world.world_size, first_batch,
                                          world_size=eng.world.world_size)
         count_units = self.throughput.count
+        if stream is not None and count_units is None:  # a stream's batches may be short:
+            count_units = streaming.batch_samples  # count its samples, not its steps
         if eng.is_rank0:
             window.add_resumed(self.resumed_epoch_loss, eng.micro_batch)
         self.resumed_epoch_loss = None  # the first epoch after a resume only
@@ -634,13 +639,19 @@ class Trainer:
             # Micro-steps are grouped by absolute position, so a resumed epoch groups
             # them exactly as the uninterrupted one did.
             group_start = batch_index - batch_index % accum
-            group_size = min(accum, end_batch - group_start)
-            last_micro = batch_index - group_start == group_size - 1
-            if count_units is not None:
+            if stream is None:
+                group_size = min(accum, end_batch - group_start)
+                last_micro = batch_index - group_start == group_size - 1
+            else:  # a stream's last group may be short: its step divides by accum still
+                group_size = accum
+                last_micro = batch_index - group_start == accum - 1 or stream.last
+            if count_units is not None and not (stream is not None and stream.padding):
                 window.units += count_units(batch)
             with phases.span("forward/backward"):
-                loss = self.run_batch(batch, group_size, last_micro)
-            window.add_batch(loss)
+                loss = self.run_batch(batch, group_size, last_micro,
+                                      padding=stream is not None and stream.padding)
+            if not (stream is not None and stream.padding):
+                window.add_batch(loss)
             eng.state.batch_in_epoch = batch_index + 1
             if last_micro and self.optimizer_step(loss, window):
                 break
@@ -673,9 +684,11 @@ class Trainer:
         self.train_step = self.checked_train_step
         return out
 
-    def run_batch(self, batch, group_size: int, last_micro: bool):
+    def run_batch(self, batch, group_size: int, last_micro: bool, padding: bool = False):
         """Forward and backward of one micro-batch; returns its loss, detached. DDP
-        all-reduces the gradients only in the backward of a group's last micro-batch."""
+        all-reduces the gradients only in the backward of a group's last micro-batch.
+        A stream's ``padding`` micro-batch (engine/streaming.py) weighs 0: it only keeps
+        this rank in the gradient all-reduces of ranks whose part of the stream is longer."""
         eng = self.engine
         if self.moves_batches:
             batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
@@ -686,6 +699,8 @@ class Trainer:
                 self.extras.add(loss)
                 loss = loss["loss"]
             scaled = loss / group_size if group_size > 1 else loss
+            if padding:
+                scaled = scaled * 0.0
             if eng.scaler is not None:
                 eng.scaler.scale(scaled).backward()
             else:
@@ -857,24 +872,28 @@ class Trainer:
         mine = torch.stack([window.total_loss(),
                             torch.tensor(batches + window.resumed_batches, dtype=torch.float64,
                                          device=eng.device),
-                            torch.tensor(data_wait, dtype=torch.float64, device=eng.device)])
+                            torch.tensor(data_wait, dtype=torch.float64, device=eng.device),
+                            torch.tensor(window.epoch_units + window.units,
+                                         dtype=torch.float64, device=eng.device)])
         if self.extras is not None:  # their sums, then their micro-batches
             mine = torch.cat([mine, self.extras.take_epoch()])
         ranks = distributed.all_gather_tensor(mine).tolist()  # one read-back
         loss_sum, batch_count = sum(r[0] for r in ranks), sum(r[1] for r in ranks)
         wait = max(r[2] for r in ranks)
+        units = sum(r[3] for r in ranks)  # counted units: a stream's ranks differ
         elapsed = time.perf_counter() - epoch_start  # after .tolist(): the device is done
         mean_loss = loss_sum / batch_count if batch_count else math.nan  # all skipped
         self.nonfinite.check_epoch(mean_loss, epoch + 1, eng.state.step)  # from 1
         # The epoch's means have names of their own (train/epoch_NAME), as train/epoch_loss:
         # train/NAME is always one log window's mean.
         extras = {} if self.extras is None else self.extras.means(
-            [sum(r[3 + i] for r in ranks) for i in range(len(self.extras.names))],
+            [sum(r[4 + i] for r in ranks) for i in range(len(self.extras.names))],
             sum(r[-1] for r in ranks), prefix="train/epoch_")
         return {
             EPOCH_LOSS: mean_loss,
             **extras,
-            self.throughput.epoch_metric: self.epoch_done(window, steps) / max(elapsed, 1e-9),
+            self.throughput.epoch_metric: (units or self.epoch_done(window, steps))
+            / max(elapsed, 1e-9),
             "train/data_wait_fraction": wait / max(elapsed, 1e-9),
         }
 

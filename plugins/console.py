@@ -87,11 +87,13 @@ class ProgressLines:
         now = time.monotonic()
         if now - self.since < self.every_s:
             return None
-        total = self.steps_per_epoch * self.epochs
-        pace = (step - self.since_step) / (now - self.since)
-        eta = duration_text((total - step) / pace) if pace > 0 else "?"
-        self.since, self.since_step = now, step
         unit, per_sec = throughput
+        pace = (step - self.since_step) / (now - self.since)
+        self.since, self.since_step = now, step
+        if self.steps_per_epoch is None:  # a stream: the run's length is not known
+            return f"step {step}  loss {loss:.4f}  {unit}/s {per_sec:.0f}"
+        total = self.steps_per_epoch * self.epochs
+        eta = duration_text((total - step) / pace) if pace > 0 else "?"
         return (f"step {step}/{total}  epochs {step / self.steps_per_epoch:.2f}/{self.epochs}"
                 f"  loss {loss:.4f}  {unit}/s {per_sec:.0f}  eta {eta}")
 

@@ -1,0 +1,275 @@
+"""Iterable datasets (streams): their sharding, an epoch's common end, their resume.
+
+A recipe's ``build_datasets`` may return a ``torch.utils.data.IterableDataset`` for
+training. The rules (docs/data.md, "Streams"):
+
+- Sharding. Item i of the stream (counted from 0 each epoch) goes to the consumer
+  ``rank * num_workers + worker_id`` for which ``i % (world_size * num_workers)`` is that
+  index: every rank and every loader worker reads the whole stream and keeps its own
+  items. A dataset that splits the stream itself (it reads
+  ``torch.utils.data.get_worker_info()`` and its rank) sets ``shards_itself = True`` and
+  is iterated as it is, in every worker of every rank.
+- The epoch's end. The ranks' parts may differ in length (a stream's length is not
+  known). Every rank looks one batch ahead and tells the others, in a small asynchronous
+  all-reduce waited for one micro-batch later, whether it still has data; a rank that
+  ran out while others have not trains on a padding micro-batch (its last one again,
+  with its loss multiplied by 0, so that DDP's gradient all-reduce still has every rank)
+  until every rank is done. Every sample is trained on once per epoch, and no rank waits
+  in a collective for one that stopped.
+- Resume. The loader is torchdata's ``StatefulDataLoader``: when the dataset has
+  ``state_dict``/``load_state_dict``, its state in every worker is part of the snapshot
+  and a resume at the same world size and workers is exact. Without them the loader
+  replays the epoch and drops the samples already consumed (exact when the stream
+  yields the same items in the same order again; a notice says what it costs); with
+  another number of workers that replay cannot be exact: refused. At another world
+  size the items a rank consumed are not a prefix of a stream: refused too (give
+  addressable data as a map-style dataset, which resumes at any world size).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch.utils.data import IterableDataset
+
+from engine.errors import CheckpointError, ConfigError
+
+
+def is_stream(dataset) -> bool:
+    return isinstance(dataset, IterableDataset)
+
+
+def has_state(dataset) -> bool:
+    return callable(getattr(dataset, "state_dict", None)) and \
+        callable(getattr(dataset, "load_state_dict", None))
+
+
+class ShardedStream(IterableDataset):
+    """This rank's and this worker's items of ``dataset`` (the rule above). Calls the
+    dataset's ``set_epoch(epoch)`` when it has one, before each epoch."""
+
+    def __init__(self, dataset, rank: int, world_size: int):
+        self.dataset = dataset
+        self.rank, self.world_size = rank, world_size
+        self.next_index = 0  # the stream's next item, counted from the epoch's start
+
+    def __getattr__(self, name):  # collate_fn, ... of the dataset
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __iter__(self):
+        if getattr(self.dataset, "shards_itself", False):
+            yield from self.dataset
+            return
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        consumers = self.world_size * workers
+        me = self.rank * workers + worker
+        start = self.next_index
+        for i, item in enumerate(self.dataset, start):
+            self.next_index = i + 1
+            if i % consumers == me:
+                yield item
+
+
+class StatefulShardedStream(ShardedStream):
+    """A ShardedStream over a dataset with ``state_dict``/``load_state_dict``: its state
+    and the stream's position (which item comes next) travel together."""
+
+    def state_dict(self) -> dict:
+        return {"dataset": self.dataset.state_dict(), "next_index": self.next_index}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.dataset.load_state_dict(state_dict["dataset"])
+        self.next_index = state_dict["next_index"]
+
+
+def _stateful_dataloader():
+    """torchdata's StatefulDataLoader (imported only when a recipe streams)."""
+    import logging
+    import warnings
+
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        raise ConfigError("the recipe's training set is an IterableDataset, which needs "
+                          "torchdata's StatefulDataLoader: pip install torchdata") from None
+    # torchdata 0.11 calls torch's deprecated set_vital at each loader: noise in every run
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+    # Its fast-forward notice is ours to give, once, in one line (StreamLoader.restore).
+    logging.getLogger("torchdata.stateful_dataloader.stateful_dataloader").setLevel(
+        logging.ERROR)
+    return StatefulDataLoader
+
+
+class StreamLoader:
+    """The training loader of a stream: a StatefulDataLoader over this rank's part, and
+    the lookahead that ends the epoch on every rank at the same micro-batch.
+
+    While iterating, ``padding`` says whether the batch just handed out is a padding
+    micro-batch (train it with weight 0) and ``last`` whether it is the epoch's last on
+    every rank. ``samples`` counts the real samples handed out this epoch."""
+
+    stream = True
+
+    def __init__(self, dataset, *, micro_batch: int, world, num_workers: int,
+                 pin_memory: bool, drop_last: bool, timeout: float = 0.0,
+                 prefetch_factor: int | None = None, **_ignored):
+        from engine import data
+
+        self.world = world
+        self.num_workers = num_workers
+        self.batch_size = micro_batch
+        self.stateful = has_state(dataset)
+        self.dataset = (StatefulShardedStream if self.stateful else ShardedStream)(
+            dataset, world.rank, world.world_size)
+        # Workers are not persistent: each epoch forks them from the main process's
+        # dataset, which set_epoch (and a resume's state) have just updated.
+        self.loader = _stateful_dataloader()(
+            self.dataset, batch_size=micro_batch, num_workers=num_workers,
+            multiprocessing_context=data.worker_context(num_workers), pin_memory=pin_memory,
+            drop_last=drop_last, timeout=timeout,
+            prefetch_factor=prefetch_factor if num_workers else None,
+            collate_fn=getattr(dataset, "collate_fn", None))
+        self.restored = None  # a snapshot's state of this rank's loader, for start_epoch
+        self.padding = self.last = False
+        self.samples = 0
+        self.position = None  # the loader's state after the last real batch handed out
+        self.group = None  # the process group of the end-of-data flags (CPU)
+
+    # ----------------------------------------------------------- the epoch
+
+    def start_epoch(self, epoch: int, resumed: bool) -> None:
+        self.dataset.next_index = 0
+        if callable(getattr(self.dataset.dataset, "set_epoch", None)):
+            self.dataset.dataset.set_epoch(epoch)
+        state, self.restored = self.restored, None
+        if resumed and state is not None:
+            self.loader.load_state_dict(state)
+
+    def __iter__(self):
+        """The rank's batches, then padding until every rank's stream has ended. At each
+        micro-batch k, a one-element all-reduce (MAX) of "I have batch k+2" is started and
+        the one for batch k+1, started a micro-batch earlier, is waited for: it has long
+        arrived, and tells whether batch k is the epoch's last on every rank. Each batch
+        is fetched with the loader's state after it, so a snapshot records the position
+        of the batch trained on, not of the ones looked ahead at."""
+        self.samples, self.padding, self.last = 0, False, False
+        source, ahead, ended = iter(self.loader), collections.deque(), False
+
+        def fill():
+            nonlocal ended
+            while len(ahead) < 2 and not ended:
+                batch = next(source, None)
+                if batch is None:
+                    ended = True
+                else:
+                    ahead.append((batch, self.loader.state_dict()))
+
+        fill()
+        flags = collections.deque([self._start_flag(len(ahead) > 0),
+                                   self._start_flag(len(ahead) > 1)])
+        if not self._any_left(flags.popleft()):  # no rank has a batch: an empty epoch
+            return
+        last = None
+        while True:
+            real = ahead.popleft() if ahead else None
+            fill()
+            flags.append(self._start_flag(len(ahead) > 1))
+            more = self._any_left(flags.popleft())
+            self.padding = real is None
+            if real is not None:
+                last, self.position = real
+                self.samples += batch_samples(last)
+            elif last is None:
+                raise ConfigError(
+                    f"rank {self.world.rank} has no batch of the training stream in this "
+                    f"epoch while other ranks have: a stream needs at least "
+                    f"{self.world.world_size * max(1, self.num_workers)} items (one per "
+                    f"process and loader worker)")
+            self.last = not more
+            yield last
+            if not more:
+                return
+
+    def _start_flag(self, have: bool):
+        from engine import distributed
+
+        if not distributed.is_initialized():
+            return have
+        import torch.distributed as dist
+
+        if self.group is None:
+            self.group = (None if dist.get_backend() == "gloo"
+                          else dist.new_group(backend="gloo"))
+        # "some rank has it": a MAX over the ranks, on the CPU (no device sync)
+        tensor = torch.tensor([float(have)])
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return tensor, work
+
+    @staticmethod
+    def _any_left(flag) -> bool:
+        if isinstance(flag, bool):
+            return flag
+        tensor, work = flag
+        work.wait()
+        return bool(tensor.item() > 0)
+
+    # ------------------------------------------------------------ snapshots
+
+    def position_state(self, batch_in_epoch: int) -> dict:
+        """For the snapshot's loader part (a collective: every rank's loader state,
+        gathered, so that a rank-0 write holds them all)."""
+        from engine import distributed
+
+        mine = self.position if batch_in_epoch else None
+        return {"ranks": distributed.all_gather_object(mine), "num_workers": self.num_workers,
+                "stateful": self.stateful}
+
+    def restore(self, stream: dict, saved_world: int, batch_in_epoch: int, warn) -> None:
+        """Check that the snapshot's stream state can resume here, exactly, or refuse in
+        one line (before training); keep this rank's state for start_epoch."""
+        if not batch_in_epoch:
+            return
+        if saved_world != self.world.world_size:
+            raise CheckpointError(
+                f"the snapshot stopped mid-epoch in a stream (an IterableDataset) with "
+                f"{saved_world} processes; this run has {self.world.world_size}: the items "
+                f"each rank consumed are not a prefix of the stream, so the resume cannot be "
+                f"exact; resume with {saved_world} processes (or give the data as a map-style "
+                f"dataset, which resumes at any number)")
+        workers = stream.get("num_workers")
+        if not stream.get("stateful") and workers != self.num_workers:
+            raise CheckpointError(
+                f"the snapshot stopped mid-epoch in a stream without state_dict with "
+                f"num_workers={workers}; this run has num_workers={self.num_workers}: "
+                f"skipping the consumed samples replays each worker's part, which is exact "
+                f"only with the same workers; resume with num_workers={workers}, or give the "
+                f"dataset state_dict/load_state_dict")
+        if stream.get("stateful") and workers != self.num_workers:
+            raise CheckpointError(
+                f"the snapshot stopped mid-epoch in a stream with num_workers={workers}; "
+                f"this run has num_workers={self.num_workers}: the workers' stream states "
+                f"do not carry over; resume with num_workers={workers}")
+        self.restored = stream["ranks"][self.world.rank]
+        if not stream.get("stateful"):
+            warn(f"the training stream has no state_dict/load_state_dict: the resume "
+                 f"skips the {batch_in_epoch * self.batch_size} samples per process the "
+                 f"epoch already consumed by reading them again (their loading time; "
+                 f"exact only if the stream yields the same items in the same order again)")
+
+
+def batch_samples(batch) -> int:
+    """The samples in a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for part in batch:
+            n = batch_samples(part)
+            if n:
+                return n
+    return 0

@@ -1,0 +1,144 @@
+"""engine/streaming.py: iterable datasets, on real 2-process runs of tests/recipes/tiny_stream.py.
+
+Its stream has 45 items over 2 ranks (and 2 workers each in the stateful runs): the
+ranks' parts differ in length. Each run records the sample ids it trained on per rank.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from engine import streaming
+from tests.conftest import REPO, engine_env, read_summary, run_cli
+
+RECIPE = str(REPO / "tests" / "recipes" / "tiny_stream.py")
+SIZE, EPOCHS = 45, 2
+ARGS = (RECIPE, f"data.size={SIZE}", f"epochs={EPOCHS}", "checkpoint.every_steps=3")
+KILL_STEP = 16  # mid-epoch 2 (12 steps an epoch); the snapshot before it: step 15
+
+
+def consumed(out) -> dict[int, collections.Counter]:
+    """Per epoch, how often each sample was trained on: each process's lines up to the
+    step the next process resumed from (a killed process trained past its last
+    snapshot; the resumed one trains those steps again, and they count once)."""
+    segments = []  # per process: [(epoch, step, id)]
+    for rank in (0, 1):
+        lines = (out / f"consumed-rank{rank}.txt").read_text().split("\n")
+        for line in lines:
+            if line == "start":
+                segments.append((rank, []))
+            elif line:
+                segments[-1][1].append(tuple(map(int, line.split())))
+    counts = collections.defaultdict(collections.Counter)
+    for rank in (0, 1):
+        mine = [records for r, records in segments if r == rank]
+        for records, after in zip(mine, mine[1:] + [None]):
+            resumed_at = after[0][1] if after else float("inf")
+            for epoch, step, sample in records:
+                if step < resumed_at:
+                    counts[epoch][sample] += 1
+    return counts
+
+
+def assert_exactly_once(out) -> None:
+    counts = consumed(out)
+    assert sorted(counts) == list(range(EPOCHS))
+    for epoch, seen in counts.items():
+        assert set(seen) == set(range(SIZE)), f"epoch {epoch}: missing {set(range(SIZE)) - set(seen)}"
+        assert max(seen.values()) == 1, f"epoch {epoch}: twice: {[s for s, n in seen.items() if n > 1]}"
+
+
+def kill_then(out, tmp, *extra) -> None:
+    env = engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP=str(KILL_STEP),
+                     ENGINE_FAULT_RANK="1", ENGINE_FAULT_ONCE=str(tmp / "once"))
+    killed = run_cli(*ARGS, *extra, f"out_dir={out}", "--nproc", "2",
+                     "-p", "tests.fault_plugin", env=env)
+    assert killed.returncode != 0 and (tmp / "once").exists(), killed.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def skipping(tmp_path_factory):
+    """A stream without state_dict, killed mid-epoch; resumes refused at another world
+    size and another num_workers; then resumed (by skipping) with the same."""
+    tmp = tmp_path_factory.mktemp("skipping")
+    out = tmp / "run"
+    kill_then(out, tmp)
+    other_world = run_cli(*ARGS, f"out_dir={out}", "--nproc", "1")
+    other_workers = run_cli(*ARGS, f"out_dir={out}", "--nproc", "2", "num_workers=1")
+    resumed = run_cli(*ARGS, f"out_dir={out}", "--nproc", "2", check=True)
+    return out, other_world, other_workers, resumed
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory):
+    """A stream with state_dict, 2 loader workers per process, killed mid-epoch and
+    resumed from its workers' states."""
+    tmp = tmp_path_factory.mktemp("exact")
+    out = tmp / "run"
+    extra = ("data.stateful=true", "num_workers=2")
+    kill_then(out, tmp, *extra)
+    resumed = run_cli(*ARGS, *extra, f"out_dir={out}", "--nproc", "2", check=True)
+    return out, resumed
+
+
+def test_a_stateful_stream_with_workers_trains_every_sample_once_per_epoch_across_a_kill(
+        exact):
+    out, resumed = exact
+    assert "resuming from " in resumed.stdout and "epoch 2, step 15" in resumed.stdout
+    assert "skips" not in resumed.stderr  # its state, not a replay
+    assert_exactly_once(out)
+    summary = read_summary(out)
+    assert summary["global_step"] == 24  # 12 steps an epoch: rank 0's 12 batches
+
+
+def test_a_stream_without_state_resumes_by_skipping_with_a_one_line_notice(skipping):
+    out, _, _, resumed = skipping
+    notices = [line for line in resumed.stderr.splitlines() if "skips the" in line]
+    assert notices == ["warning: the training stream has no state_dict/load_state_dict: "
+                       "the resume skips the 6 samples per process the epoch already "
+                       "consumed by reading them again (their loading time; exact only if "
+                       "the stream yields the same items in the same order again)"]
+    assert_exactly_once(out)
+
+
+def test_a_stream_resume_at_another_world_size_or_workers_is_refused_in_one_line(skipping):
+    _, other_world, other_workers, _ = skipping
+    for proc, says in ((other_world, "with 2 processes; this run has 1: the items each "
+                                     "rank consumed are not a prefix of the stream"),
+                       (other_workers, "num_workers=0; this run has num_workers=1: skipping "
+                                       "the consumed samples replays each worker's part")):
+        assert proc.returncode != 0
+        errors = [line for line in proc.stderr.splitlines() if says in line]
+        assert errors and all("Traceback" not in line for line in proc.stderr.splitlines())
+        assert "epoch 2/2" not in proc.stdout  # refused before training
+
+
+# ------------------------------------------------------------------ in-process parts
+
+class Items(torch.utils.data.IterableDataset):
+    def __init__(self, n, shards_itself=False):
+        self.n = n
+        if shards_itself:
+            self.shards_itself = True
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+def test_each_rank_and_worker_takes_every_consumers_th_item_unless_the_stream_shards_itself():
+    assert [list(streaming.ShardedStream(Items(7), rank, 2)) for rank in (0, 1)] == \
+        [[0, 2, 4, 6], [1, 3, 5]]
+    assert list(streaming.ShardedStream(Items(5, shards_itself=True), 1, 2)) == [0, 1, 2, 3, 4]
+    # two workers on rank 1 of 2: consumers 2 and 3 of 4
+    loader = torch.utils.data.DataLoader(streaming.ShardedStream(Items(11), 1, 2),
+                                         batch_size=None, num_workers=2)
+    assert sorted(loader) == [2, 3, 6, 7, 10]
+
+
+def test_a_batch_counts_the_samples_of_its_first_tensor():
+    assert streaming.batch_samples((torch.arange(3), torch.zeros(3, 4))) == 3
+    assert streaming.batch_samples({"ids": torch.zeros(1, 5)}) == 1
+    assert streaming.batch_samples("text") == 0

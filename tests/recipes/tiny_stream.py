@@ -1,0 +1,97 @@
+"""A recipe on a stream (an IterableDataset) that records what it trains on.
+
+Each item is (sample id, features, label). ``train_step`` appends
+``epoch step sample_id`` lines to ``<out_dir>/consumed-rank<R>.txt`` for every real
+micro-batch (a padding one, ``ctx.train_loader.padding``, is the engine's and trains
+nothing). ``data.stateful=true`` gives the stream state_dict/load_state_dict.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset
+
+from engine import TrainConfig
+
+
+@attrs.define
+class DataConfig:
+    size: int = 45  # not a multiple of 2 ranks x batch 2: the ranks' parts differ
+    stateful: bool = False
+
+
+@attrs.define
+class Config(TrainConfig):
+    epochs: int = 2
+    batch_size: int = 4
+    lr: float = 0.05
+    log_every: int = 2
+    num_workers: int = 0
+    data: DataConfig = attrs.field(factory=DataConfig)
+
+
+class Stream(IterableDataset):
+    """Items 0..size-1, made from their id; read from the epoch's start each time."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __iter__(self):
+        for i in range(self.size):
+            g = torch.Generator().manual_seed(i)
+            label = i % 3
+            yield i, torch.randn(6, generator=g) + label, label
+
+
+class StatefulStream(Stream):
+    """The same items; its position is its state (in each loader worker's copy)."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.position = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.position = 0
+
+    def __iter__(self):
+        while self.position < self.size:
+            i = self.position
+            self.position += 1
+            g = torch.Generator().manual_seed(i)
+            yield i, torch.randn(6, generator=g) + i % 3, i % 3
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def build_model(cfg):
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def build_datasets(cfg, ctx):
+    return (StatefulStream if cfg.data.stateful else Stream)(cfg.data.size), None
+
+
+def build_optimizer(cfg, model):
+    return torch.optim.SGD(model.parameters(), lr=cfg.lr)
+
+
+_started = False  # this process wrote its "start" line
+
+
+def train_step(batch, ctx):
+    """Records ``epoch step id`` per sample; a process's first line is ``start``."""
+    global _started
+    ids, x, y = batch
+    if not ctx.train_loader.padding:
+        with open(ctx.out_dir / f"consumed-rank{ctx.world.rank}.txt", "a") as f:
+            if not _started:
+                f.write("start\n")
+                _started = True
+            f.writelines(f"{ctx.state.epoch} {ctx.state.step} {i}\n" for i in ids.tolist())
+    return nn.functional.cross_entropy(ctx.model(x), y)
