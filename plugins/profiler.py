@@ -33,7 +33,6 @@ records, and the ranges are a shared no-op while no profiler records.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Literal
 
@@ -75,13 +74,6 @@ class ProfileConfig:
     steps: str = attrs.field(default="", validator=_steps_valid)  # "START:END"; "": off
     ranks: Literal["0", "all"] = "0"
     memory: bool = False
-
-
-def run_steps(eng) -> int:
-    """How many optimizer steps the whole run takes. Until the first epoch begins the
-    loader is at an epoch's start, so its length is a whole epoch's batches."""
-    per_epoch = math.ceil(len(eng.train_loader) / eng.cfg.grad_accum_steps)
-    return eng.cfg.epochs * per_epoch
 
 
 class StepProfiler:
@@ -183,8 +175,8 @@ def engine_run_start(engine):
     if window is None:
         return
     start, end = window
-    total = run_steps(engine)
-    if end > total:
+    total = engine.total_steps  # None for a stream, whose length nobody knows
+    if total is not None and end > total:
         raise ConfigError(f"config key 'profile.steps': {options.steps!r} ends beyond the "
                           f"run: it takes {total} optimizer steps (0 to {total - 1}); "
                           f"choose END <= {total}")
