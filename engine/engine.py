@@ -52,6 +52,10 @@ class Engine(WorkerContext):
                 self.preemption.install()
             trainer = self._setup()
             self.report_if_complete(cfg.epochs, more="epochs={n}", over=self.start_over)
+            if cfg.limit_batches:
+                self.print(f"smoke run: {cfg.max_steps} step(s) and {cfg.limit_batches} "
+                           "validation batch(es) per process, one epoch, started afresh "
+                           f"in {self.out_dir} (a real run never resumes from it)")
             self.pm.hook.engine_run_start(engine=self)
             outcome = trainer.fit()
             phases.mark(phases.TRAINING_ENDS)
@@ -181,9 +185,12 @@ class Engine(WorkerContext):
         self.model = self.parallel.wrap(model)
         self.optimizer = recipe.module.build_optimizer(cfg, self.module)
         # The run's length, for schedules by step: the optimizer steps of an epoch
-        # (a group of grad_accum_steps micro-batches each, the last maybe shorter).
+        # (a group of grad_accum_steps micro-batches each, the last maybe shorter), and
+        # of the run: the epochs', or max_steps where it ends the run sooner.
         self.steps_per_epoch = -(-len(self.train_loader) // cfg.grad_accum_steps)
         self.total_steps = self.steps_per_epoch * cfg.epochs
+        if cfg.max_steps:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
         self.scheduler = build_scheduler(recipe, cfg, self.optimizer, self)
         self.loss_fn = recipe.optional("loss_fn")  # for the recipe's steps (None: theirs)
         if cfg.precision == "fp16":
