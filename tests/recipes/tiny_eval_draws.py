@@ -11,7 +11,7 @@ from tests.recipes.tiny_resume import (Config, build_datasets, build_model,
                                        build_optimizer, build_scheduler, train_step)
 
 __all__ = ["Config", "build_datasets", "build_model", "build_optimizer", "build_scheduler",
-           "train_step", "eval_step"]
+           "train_step", "eval_step", "eval_metrics"]
 
 
 def eval_step(batch, ctx):
@@ -19,3 +19,10 @@ def eval_step(batch, ctx):
     if torch.rand(()) < 0.5:
         inputs = inputs.flip(-1)
     return classify((inputs, targets), ctx)
+
+
+def eval_metrics(sums):
+    """The mean loss and accuracy, and how many samples the validation read (a smoke
+    run reads only its first batches)."""
+    return {"loss": sums["loss"] / sums["count"], "accuracy": sums["accuracy"] / sums["count"],
+            "samples": sums["count"]}
