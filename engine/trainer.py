@@ -24,21 +24,28 @@
                     window's loss and the pre-emption and time-based snapshot
                     flags; finish the previous check point's, long done:   finish_check
                     [engine_log] (rank 0), its flags recorded
+                unless the epoch ends here, every val_every_steps steps validate_if_due
+                    and where max_steps ends the run: validate, [engine_log]
+                    its val/* at the step, early stopping (may end the run)
                 a snapshot if due: to disk (every_steps, or a       snapshot_if_due
                     check's time flag), else into shared memory
                     (memory_every_steps); the check in flight is finished first,
                     its flags recorded
-                stop the epoch if a finished check said pre-empted
+                stop the epoch if a finished check said pre-empted, or if the
+                    run ends at this step
         the last check point's result (its flags recorded)          finish_check
         the epoch's loss (a resumed epoch's included) and the slowest
         rank's data wait, gathered from all ranks                   epoch_metrics
+        the run ended inside the epoch (max_steps, early stopping):
+            the final snapshot, stop                                end_in_epoch
         pre-empted (a check point said so, the last one included):
             snapshot, stop                                          run_epoch
-        [engine_validation_start] the recipe's eval_step, reduced
-        [engine_validation_end]                                     validate
+        [engine_validation_start] the recipe's eval_step, reduced   validate
+        [engine_validation_end] (every validation: the RNG states forked around it)
         [engine_log] [engine_epoch_end]; scheduler if per epoch     step_scheduler
             (ReduceLROnPlateau: with scheduler_metric's reduced value)
-        early stopping, pre-emption, snapshot if due (a check's time flag included)
+        early stopping, pre-emption, snapshot if due (a check's time flag included;
+            always after the last epoch, or at max_steps)
 
 The phases of a step (data wait, forward/backward, optimizer step, check point, and a
 snapshot) are ranges in a profiler's trace while one records (engine/phases.py: span);
