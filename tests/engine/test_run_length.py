@@ -128,3 +128,23 @@ def test_run_length_keys_may_change_on_resume_the_smoke_switch_may_not():
     cfg = TinyConfig()
     assert may_change("max_steps", cfg) and may_change("val_every_steps", cfg)
     assert not may_change("limit_batches", cfg) and not may_change("smoke", cfg)
+
+
+def test_early_stopping_by_steps_ends_the_run_mid_epoch_and_the_best_is_the_validated_one(
+        tmp_path):
+    """Validating every 2 steps, patience 1 and a min_delta no loss beats: the first
+    validation (step 2) sets the best, the second (step 4, inside epoch 1) stops the run
+    there, with the final snapshot; the best snapshot is step 2's."""
+    out = tmp_path / "run"
+    run = run_cli(*ARGS, f"out_dir={out}", "val_every_steps=2", "checkpoint.every_steps=2",
+                  "early_stopping.metric=val/loss", "early_stopping.patience=1",
+                  "early_stopping.min_delta=10", "checkpoint.best_metric=val/loss",
+                  check=True)
+    summary = read_summary(out)
+    assert (summary["status"], summary["global_step"], summary["stopped_early"]) == (
+        "completed", 4, True)
+    best = [v for s, v in rows(out, "val/loss") if s == 2][0]
+    assert (f"early stopping: val/loss did not improve by more than 10 on {best:.4g} for 1 "
+            f"validations; best {best:.4g} at step 2 (epoch 1)") in run.stdout, run.stdout
+    assert summary["best_checkpoint"].endswith("snapshot-e0000-s00000002.pt")
+    assert (out / "checkpoints" / "snapshot-e0000-s00000004.pt").is_file()
