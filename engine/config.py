@@ -31,10 +31,20 @@ def resume_safe(cfg, key: str) -> bool:
     resume. A group class says so in its attribute ``RESUME_SAFE``: True for every key
     (when snapshots are kept, where a run is tracked), or the set of its keys that may
     (``ddp``'s bucket size, but not ``sync_batchnorm``, which changes the arithmetic).
-    Top-level keys are the snapshot module's (engine.snapshot.MAY_CHANGE)."""
+    Top-level keys are the snapshot module's (engine.snapshot.MAY_CHANGE) and
+    :data:`RUN_LENGTH_KEYS`."""
     group, _, rest = key.partition(".")
-    safe = getattr(type(getattr(cfg, group, None)), "RESUME_SAFE", ()) if rest else ()
+    if not rest:
+        return key in RUN_LENGTH_KEYS
+    safe = getattr(type(getattr(cfg, group, None)), "RESUME_SAFE", ())
     return safe is True or rest in safe
+
+
+#: Top-level keys a resumed run may change besides snapshot.MAY_CHANGE's: how long the
+#: run goes and when it validates, not what a step computes (a longer max_steps trains
+#: on from where the run ended). The smoke switch (limit_batches, smoke) may not: a
+#: smoke run's folder is its own.
+RUN_LENGTH_KEYS = frozenset({"max_steps", "val_every_steps"})
 
 
 def differs_from_default(group: Any, name: str) -> bool:
@@ -66,7 +76,9 @@ class EarlyStoppingConfig:
     metric: str = ""  # e.g. "val/loss": a metric of the epoch (see the console line)
     # min: lower is better; auto: read from the metric's name, as checkpoint.best_mode.
     mode: Literal["auto", "min", "max"] = "auto"
-    patience: int = 3  # epochs without improvement before stopping
+    # Validations without improvement before stopping: one per epoch, more with
+    # val_every_steps.
+    patience: int = 3
     # An improvement (for the patience count) must beat the last one by more than this;
     # the best (the best snapshot's) is the best value whatever the delta.
     min_delta: float = 0.0
@@ -98,6 +110,16 @@ class TrainConfig:
     the engine splits it across processes (and accumulation steps)."""
 
     epochs: int = 2  # epochs to train
+    # Optimizer steps to train (0: no limit); with epochs, the run ends at whichever
+    # comes first, mid-epoch too (a validation and the final snapshot there).
+    max_steps: int = 0
+    # Validate every N optimizer steps (counted over the run), inside an epoch too;
+    # 0: at each epoch's end only (which validates either way).
+    val_every_steps: int = 0
+    # Smoke run: K steps and K validation batches per process, one epoch, in the folder
+    # out_dir-smoke, started afresh every time (a real run never resumes from it).
+    limit_batches: int = 0
+    smoke: bool = False  # a smoke run of 2 steps (limit_batches=2)
     batch_size: int = 64  # the global batch per optimizer step, over every process
     lr: float = 0.001  # the learning rate
     seed: int = 0  # seeds every RNG, the data order too
@@ -427,6 +449,7 @@ def check(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if value < 1:
             raise ConfigError(f"config key {name!r}: {value!r} is not allowed; it must be >= 1")
+    check_run_length(cfg)
     if isinstance(cfg.num_workers, int) and cfg.num_workers < 0:
         raise ConfigError(f"config key 'num_workers': {cfg.num_workers!r} must be >= 0")
     if cfg.lr <= 0:
@@ -476,6 +499,50 @@ def check(cfg: TrainConfig) -> None:
             f"config key 'init_method': {cfg.init_method!r} is not allowed; "
             "use env://, tcp://HOST:PORT or file:///shared/path"
         )
+
+
+def check_run_length(cfg) -> None:
+    """``max_steps``, ``val_every_steps`` and the smoke switch (``limit_batches``,
+    ``smoke``): counts, 0 for off; early stopping at a validation by steps needs a val/
+    metric (the epoch's metrics, train/epoch_*, exist at an epoch's end only)."""
+    for name, off in (("max_steps", "the epochs decide"),
+                      ("val_every_steps", "at each epoch's end only"),
+                      ("limit_batches", "not a smoke run")):
+        value = getattr(cfg, name)
+        if value < 0:
+            raise ConfigError(f"config key {name!r}: {value!r} must be >= 0 (0: {off})")
+    metric = cfg.early_stopping.metric
+    if cfg.val_every_steps and metric and not metric.startswith("val/"):
+        raise ConfigError(
+            f"config key 'early_stopping.metric': {metric!r} is not known at a validation "
+            f"by steps (val_every_steps={cfg.val_every_steps}); name a val/ metric, or "
+            "set val_every_steps=0 to stop at epochs' ends")
+
+
+#: What ``smoke=true`` means: a run of this many steps (limit_batches).
+SMOKE_BATCHES = 2
+#: The suffix of a smoke run's folder: out_dir=runs/cifar smokes in runs/cifar-smoke.
+SMOKE_SUFFIX = "-smoke"
+
+
+def smoke_batches(cfg) -> int:
+    """The steps (and validation batches per process) of a smoke run; 0: a real run."""
+    return cfg.limit_batches or (SMOKE_BATCHES if cfg.smoke else 0)
+
+
+def make_smoke_run(cfg) -> None:
+    """A smoke run's config (every process makes the same): one epoch of
+    ``smoke_batches`` steps, in a folder of its own (out_dir + ``-smoke``), so that
+    nothing it writes is a snapshot a real run could resume from; the validation
+    batches are limited where they are read (Trainer.validate)."""
+    steps = smoke_batches(cfg)
+    if not steps:
+        return
+    cfg.limit_batches = steps
+    cfg.epochs = 1
+    cfg.max_steps = min(cfg.max_steps or steps, steps)
+    if not str(cfg.out_dir).rstrip("/").endswith(SMOKE_SUFFIX):
+        cfg.out_dir = str(cfg.out_dir).rstrip("/") + SMOKE_SUFFIX
 
 
 def _check_out_dir(out_dir: str) -> None:

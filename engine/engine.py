@@ -52,6 +52,10 @@ class Engine(WorkerContext):
                 self.preemption.install()
             trainer = self._setup()
             self.report_if_complete(cfg.epochs, more="epochs={n}", over=self.start_over)
+            if cfg.limit_batches:
+                self.print(f"smoke run: {cfg.max_steps} step(s) and {cfg.limit_batches} "
+                           "validation batch(es) per process, one epoch, started afresh "
+                           f"in {self.out_dir} (a real run never resumes from it)")
             self.pm.hook.engine_run_start(engine=self)
             outcome = trainer.fit()
             phases.mark(phases.TRAINING_ENDS)
@@ -184,12 +188,16 @@ class Engine(WorkerContext):
         self.model = prepare_model(model, cfg, self.parallel, self.device, self.print)
         self.optimizer = recipe.module.build_optimizer(cfg, self.module)
         # The run's length, for schedules by step: the optimizer steps of an epoch
-        # (a group of grad_accum_steps micro-batches each, the last maybe shorter).
-        # A stream's length is not known: neither is the run's (None).
-        self.steps_per_epoch = (None if streaming.is_stream(train_set) else
-                                -(-len(self.train_loader) // cfg.grad_accum_steps))
-        self.total_steps = (None if self.steps_per_epoch is None
-                            else self.steps_per_epoch * cfg.epochs)
+        # (a group of grad_accum_steps micro-batches each, the last maybe shorter), and
+        # of the run: the epochs', or max_steps where it ends the run sooner. A stream's
+        # length is not known: neither is an epoch's (None), and the run's is max_steps'.
+        if streaming.is_stream(train_set):
+            self.steps_per_epoch, self.total_steps = None, cfg.max_steps or None
+        else:
+            self.steps_per_epoch = -(-len(self.train_loader) // cfg.grad_accum_steps)
+            self.total_steps = self.steps_per_epoch * cfg.epochs
+            if cfg.max_steps:
+                self.total_steps = min(self.total_steps, cfg.max_steps)
         self.scheduler = build_scheduler(recipe, cfg, self.optimizer, self)
         self.loss_fn = recipe.optional("loss_fn")  # for the recipe's steps (None: theirs)
         if cfg.precision == "fp16":

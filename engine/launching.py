@@ -86,6 +86,10 @@ def finish_config(pm, cfg, run_name: str):
     any process starts (an unknown name lists what is registered)."""
     if cfg.out_dir == "runs/default":
         cfg.out_dir = f"runs/{run_name}"
+    if hasattr(cfg, "limit_batches"):  # a custom loop's config may not be a TrainConfig
+        from engine.config import make_smoke_run
+
+        make_smoke_run(cfg)  # limit_batches/smoke: one short epoch in out_dir-smoke
     if cfg.launcher != "auto":
         pm.launchers.get(cfg.launcher)
     if cfg.parallel != "auto":
@@ -208,6 +212,11 @@ class Launch:
         self.pm = build_plugin_manager(job.plugins) if pm is None else pm
         with blaming_plugins(self.pm):
             self.cfg = job.configure(self.pm)
+            if getattr(self.cfg, "limit_batches", 0):
+                # A smoke run starts afresh in its own folder every time: nothing of an
+                # earlier smoke run is resumed (finish_config chose the folder).
+                self.job = job = attrs.evolve(job, options={
+                    **job.options, "no_resume": True, "overwrite": True, "resume": None})
             refuse_unwritable(self.cfg.out_dir)
             if job.options.get("no_resume") and not job.options.get("overwrite"):
                 # Before any process starts: what the user had is never removed unasked.
@@ -268,8 +277,10 @@ def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
         return None
     summary, saved = found
     done = int(summary.get("epochs_completed") or 0)
-    if summary.get("stopped_early") or not 0 < cfg.epochs <= done:
-        return None  # more epochs: the workers resume and train on (or say it stopped)
+    steps = int(summary.get("global_step") or 0)
+    if summary.get("stopped_early") or not (0 < cfg.epochs <= done
+                                            or 0 < getattr(cfg, "max_steps", 0) <= steps):
+        return None  # more to train: the workers resume and train on (or say it stopped)
     changes = {k: v for k, v in snapshot.config_changes(saved, config_mod.to_dict(cfg)).items()
                if k == "lr" or not snapshot.may_change(k, cfg)}
     door = job.door
@@ -283,7 +294,12 @@ def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
             "nothing would be trained with this config; to keep both runs, give each its "
             f"folder (out_dir={parent / '{version}'}), or use {door.start_over} to "
             "replace it")
-    if say:
+    if say and not 0 < cfg.epochs <= done:  # ended by max_steps, in an epoch
+        print(f"already complete: {cfg.out_dir} holds a finished run of {steps} steps "
+              f"(asked for max_steps={cfg.max_steps}), nothing to train; to train on, ask "
+              f"for more (max_steps={steps + 1} or more); to start over, use "
+              f"{door.start_over} or another out_dir", flush=True)
+    elif say:
         print(f"already complete: {cfg.out_dir} holds a finished run of {done} epochs "
               f"(asked for {cfg.epochs}), nothing to train; to train on, ask for more "
               f"(epochs={done + 1} or more); to start over, use {door.start_over} or "

@@ -138,12 +138,15 @@ class TrainState:
     # Early stopping (early_stopping.*): the best value of its metric so far and the
     # epoch (counted from 1) that reached it (the best snapshot's, by the same rule); the
     # value an improvement must beat by more than min_delta (the best one with
-    # min_delta 0) and the epochs since it was set; whether the run stopped.
+    # min_delta 0) and the validations since it was set (one per epoch unless
+    # val_every_steps validates inside epochs too); whether the run stopped; the step
+    # of the best value's validation.
     best_metric: float | None = None
     best_epoch: int = 0
     epochs_without_improvement: int = 0
     stopped_early: bool = False
     reference_metric: float | None = None
+    best_step: int = 0
 
     # A stateful part (engine/stateful.py). The position in the epoch is the loader
     # part's (stateful.LoaderPosition), which converts it to another number of processes.

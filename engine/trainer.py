@@ -24,21 +24,28 @@
                     window's loss and the pre-emption and time-based snapshot
                     flags; finish the previous check point's, long done:   finish_check
                     [engine_log] (rank 0), its flags recorded
+                unless the epoch ends here, every val_every_steps steps validate_if_due
+                    and where max_steps ends the run: validate, [engine_log]
+                    its val/* at the step, early stopping (may end the run)
                 a snapshot if due: to disk (every_steps, or a       snapshot_if_due
                     check's time flag), else into shared memory
                     (memory_every_steps); the check in flight is finished first,
                     its flags recorded
-                stop the epoch if a finished check said pre-empted
+                stop the epoch if a finished check said pre-empted, or if the
+                    run ends at this step
         the last check point's result (its flags recorded)          finish_check
         the epoch's loss (a resumed epoch's included) and the slowest
         rank's data wait, gathered from all ranks                   epoch_metrics
+        the run ended inside the epoch (max_steps, early stopping):
+            the final snapshot, stop                                end_in_epoch
         pre-empted (a check point said so, the last one included):
             snapshot, stop                                          run_epoch
-        [engine_validation_start] the recipe's eval_step, reduced
-        [engine_validation_end]                                     validate
+        [engine_validation_start] the recipe's eval_step, reduced   validate
+        [engine_validation_end] (every validation: the RNG states forked around it)
         [engine_log] [engine_epoch_end]; scheduler if per epoch     step_scheduler
             (ReduceLROnPlateau: with scheduler_metric's reduced value)
-        early stopping, pre-emption, snapshot if due (a check's time flag included)
+        early stopping, pre-emption, snapshot if due (a check's time flag included;
+            always after the last epoch, or at max_steps)
 
 The phases of a step (data wait, forward/backward, optimizer step, check point, and a
 snapshot) are ranges in a profiler's trace while one records (engine/phases.py: span);
@@ -367,16 +374,20 @@ class EarlyStopping:
     which snapshots save, so a resumed run stops exactly where an uninterrupted one
     would."""
 
-    def __init__(self, cfg, state):
+    def __init__(self, cfg, state, by_steps: bool = False):
         self.metric = cfg.metric
         self.mode = (resolved_mode(cfg.metric, cfg.mode, "early_stopping.mode")
                      if cfg.metric else None)
         self.patience = cfg.patience
         self.min_delta = cfg.min_delta
         self.state = state
+        # val_every_steps: the patience counts validations, inside epochs too, and the
+        # best is named by its step.
+        self.by_steps = by_steps
 
-    def update(self, metrics: dict, epoch: int) -> bool:
-        """After validating ``epoch`` (from 0): True when the run must stop now."""
+    def update(self, metrics: dict, epoch: int, step: int = 0) -> bool:
+        """After a validation in ``epoch`` (from 0; at its end, or after optimizer step
+        ``step`` with val_every_steps): True when the run must stop now."""
         if not self.metric:
             return False
         if self.metric not in metrics:
@@ -385,7 +396,7 @@ class EarlyStopping:
         if s.reference_metric is None:  # a snapshot written before the field: its best
             s.reference_metric = s.best_metric  # was the reference
         if improves(value, s.best_metric, self.mode):
-            s.best_metric, s.best_epoch = value, epoch + 1
+            s.best_metric, s.best_epoch, s.best_step = value, epoch + 1, step
         if improves(value, s.reference_metric, self.mode, self.min_delta):
             s.reference_metric, s.epochs_without_improvement = value, 0
         else:
@@ -395,11 +406,14 @@ class EarlyStopping:
 
     def message(self) -> str:
         s = self.state
-        best = "none" if s.best_metric is None else f"{s.best_metric:.4g} at epoch {s.best_epoch}"
+        at = (f"step {s.best_step} (epoch {s.best_epoch})" if self.by_steps
+              else f"epoch {s.best_epoch}")
+        best = "none" if s.best_metric is None else f"{s.best_metric:.4g} at {at}"
         compared = ("" if not self.min_delta or s.reference_metric is None else
                     f" by more than {self.min_delta:g} on {s.reference_metric:.4g}")
+        counted = "validations" if self.by_steps else "epochs"
         return (f"early stopping: {self.metric} did not improve{compared} for "
-                f"{s.epochs_without_improvement} epochs; best {best}")
+                f"{s.epochs_without_improvement} {counted}; best {best}")
 
 
 def scheduler_metric(scheduler, cfg) -> str | None:
@@ -484,7 +498,15 @@ class Trainer:
                                          engine.world.world_size, engine.warn)
         self.snapshots = SnapshotPolicy(self.cfg, engine.is_rank0)
         self.memory = getattr(engine, "memory", None)  # in-memory snapshots, when on
-        self.early_stopping = EarlyStopping(self.cfg.early_stopping, engine.state)
+        self.early_stopping = EarlyStopping(self.cfg.early_stopping, engine.state,
+                                            by_steps=bool(self.cfg.val_every_steps))
+        # The run's length by steps (0: the epochs decide), validation by steps (0: at
+        # epochs' ends only), and why the run ends inside an epoch once it does
+        # ("max_steps", "early stopping": end_in_epoch), else None.
+        self.max_steps = self.cfg.max_steps
+        self.val_every_steps = self.cfg.val_every_steps
+        self.ending: str | None = None
+        self.epoch_end_batch = 0  # the epoch's micro-batches in all (train_epoch)
         # The metrics the config names (check_named_metrics): the val/* names one
         # validation batch gave (None: not known before the first validation), and the
         # named metrics still to be checked once more is known.
@@ -542,10 +564,20 @@ class Trainer:
         if self.engine.state.stopped_early:  # resumed from the end of an early-stopped run
             self.stop_early(again=True)
             return "completed"
+        if self.reached_max_steps():  # resumed where max_steps ended the run
+            eng.print(f"already complete: {eng.out_dir} holds a finished run of "
+                      f"{eng.state.step} steps (max_steps={self.max_steps}), nothing to "
+                      f"train; to train on, ask for more (max_steps={eng.state.step + 1} "
+                      "or more, or 0 for the epochs')")
+            return "completed"
         while self.engine.state.epoch < self.cfg.epochs:
             if not self.run_epoch(self.engine.state.epoch):
                 break
-        return "preempted" if self.stop_requested else "completed"
+        # max_steps reached as a pre-emption came: the run is complete all the same.
+        return "preempted" if self.stop_requested and self.ending is None else "completed"
+
+    def reached_max_steps(self) -> bool:
+        return bool(self.max_steps) and self.engine.state.step >= self.max_steps
 
     def run_epoch(self, epoch: int) -> bool:
         """Train one epoch, validate, log, snapshot if due. False when the run stops."""
@@ -556,6 +588,8 @@ class Trainer:
                          * eng.micro_batch * eng.world.world_size)
         eng.pm.hook.engine_epoch_start(engine=eng, epoch=epoch)
         train_metrics = self.train_epoch(epoch)
+        if self.ending is not None:  # max_steps or early stopping, inside the epoch
+            return self.end_in_epoch()
         # Pre-empted half-way through the epoch, or at its end (its last check point,
         # finished there, carried the flag): stop before validating, even in the last
         # epoch, where no check point would come again. The snapshot is at the position
@@ -571,10 +605,8 @@ class Trainer:
         metrics["lr"] = self.current_lr()
         health.epoch_barrier(cfg.timeout_s)
         eng.metrics.update(metrics)
-        if self.unchecked:  # val/ names one validation batch could not tell: now known
-            self.val_names = [name for name in metrics if name.startswith("val/")]
-            self.unchecked = self.refuse_unlogged(self.unchecked, extras_known=True)
-        stop_early = self.early_stopping.update(metrics, epoch)
+        self.learn_val_names(metrics)
+        stop_early = self.early_stopping.update(metrics, epoch, eng.state.step)
         if self.log_hook is not None:  # while engine.state.epoch is still this epoch's
             self.log_hook(engine=eng, metrics=metrics, step=eng.state.step)
         eng.state.epoch = epoch + 1
@@ -587,12 +619,32 @@ class Trainer:
             self.save_snapshot()
             self.stop_early()
             return False
-        stop = eng.state.epoch < cfg.epochs and self.agree_to_stop()
-        due = self.snapshots.due_at_epoch_end(eng.state.epoch)
+        # The run's last epoch, or max_steps reached at this epoch's last step.
+        last = eng.state.epoch == cfg.epochs or self.reached_max_steps()
+        stop = not last and self.agree_to_stop()
+        due = self.snapshots.due_at_epoch_end(eng.state.epoch) or last
         # time_snapshot_due: the epoch's last check point (finished at its end) said so.
         if stop or due or self.time_snapshot_due:
             self.save_snapshot()
-        return not stop
+        return not (stop or last)
+
+    def end_in_epoch(self) -> bool:
+        """The run ends inside the epoch (``self.ending``): max_steps reached, or early
+        stopping at a validation by steps. That step's validation is done
+        (validate_if_due); the final snapshot is at this position, mid-epoch, so that a
+        resume with a larger max_steps trains on from it. No epoch end (the epoch is not
+        complete): returns False, the run stops."""
+        self.save_snapshot()
+        if self.ending == "early stopping":
+            self.stop_early()
+        return False
+
+    def learn_val_names(self, metrics: dict) -> None:
+        """After a validation: the val/ names one validation batch could not tell
+        (check_named_metrics) are known now; a named one it did not log is refused."""
+        if self.unchecked:
+            self.val_names = [name for name in metrics if name.startswith("val/")]
+            self.unchecked = self.refuse_unlogged(self.unchecked, extras_known=True)
 
     def step_scheduler(self, metrics: dict) -> None:
         """The epoch's scheduler step; ReduceLROnPlateau's with its metric, reduced over
@@ -606,8 +658,10 @@ class Trainer:
 
     def stop_early(self, again: bool = False) -> None:
         eng = self.engine
+        where = (f"at step {eng.state.step}" if self.val_every_steps
+                 else f"after epoch {eng.state.epochs_completed}")
         eng.print(self.early_stopping.message() + (
-            f" (this run already stopped early after epoch {eng.state.epochs_completed}; "
+            f" (this run already stopped early {where}; "
             "start a new one with --no-resume or another out_dir)" if again else ""))
 
     # ----------------------------------------------------------------- epoch
@@ -621,6 +675,7 @@ class Trainer:
         # each micro-batch whether it is padding and whether it is the epoch's last.
         stream = eng.train_loader if getattr(eng.train_loader, "stream", False) else None
         end_batch = None if stream is not None else first_batch + len(eng.train_loader)
+        self.epoch_end_batch = end_batch  # None: the stream's loader knows (.last)
         window = self.window = LogWindow(eng.device, eng.micro_batch * accum
                                          * eng.world.world_size, first_batch,
                                          world_size=eng.world.world_size)
@@ -739,6 +794,11 @@ class Trainer:
         if state.step % self.cfg.log_every == 0:
             with phases.span("check point"):
                 self.check_point(window)  # finishes the previous check: its flags
+        # Before any snapshot at this step: a run resumed from it starts after the step
+        # and its validation, and neither redoes nor skips it.
+        self.validate_if_due(state.step)
+        if self.ending is not None:
+            return True  # the run ends here: run_epoch writes the final snapshot
         if not self.stop_requested:
             self.snapshot_if_due(state.step)  # may finish this step's check: its flags
         return self.stop_requested
@@ -929,13 +989,59 @@ class Trainer:
 
     # ------------------------------------------------------------ validation
 
+    def validate_if_due(self, step: int) -> None:
+        """After optimizer step ``step``, unless the epoch ends with it (run_epoch
+        validates there): a validation when ``val_every_steps`` divides the step, or when
+        max_steps ends the run here (``self.ending``; the validation that an epoch's end
+        would run). Early stopping may then end the run at this step."""
+        eng = self.engine
+        if (eng.train_loader.last if self.epoch_end_batch is None
+                else eng.state.batch_in_epoch >= self.epoch_end_batch):
+            return
+        if self.reached_max_steps():
+            self.ending = "max_steps"
+        elif not (self.val_every_steps and step % self.val_every_steps == 0):
+            return
+        if eng.val_loader is None:
+            return
+        with phases.span("validation"):
+            metrics = self.validate_in_epoch(step)
+        if self.early_stopping.update(metrics, eng.state.epoch, step):
+            self.ending = "early stopping"
+
+    def validate_in_epoch(self, step: int) -> dict:
+        """A validation inside an epoch, after optimizer step ``step``: its metrics are
+        logged at that step and join the run's (the next snapshot's, for the best one).
+        Training goes on exactly as without it (validate leaves the RNG states and the
+        model's mode as they were; the training loader is not touched)."""
+        eng = self.engine
+        self.finish_pending()  # the window before the validation is logged first
+        eng.parallel.sync_buffers(eng.model)  # as at an epoch's end: rank 0's statistics
+        metrics = self.validate(eng.state.epoch)
+        eng.metrics.update(metrics)
+        self.learn_val_names(metrics)
+        if self.log_hook is not None:
+            self.log_hook(engine=eng, metrics=metrics, step=step)
+        return metrics
+
     @torch.no_grad()
     def validate(self, epoch: int) -> dict:
-        """The recipe's ``eval_step`` over this rank's shard
-        of the validation set; the sums reduced over the ranks in one all-reduce."""
+        """The recipe's ``eval_step`` over this rank's shard of the validation set (a
+        smoke run's first ``limit_batches``); the sums reduced over the ranks in one
+        all-reduce. The RNG states are forked around it: a recipe's eval_step may draw
+        (test-time augmentation), and training must go on as without the validation,
+        wherever it falls (val_every_steps) and however often."""
         eng = self.engine
         if eng.val_loader is None:
             return {}
+        saved = stateful.rng_state()
+        try:
+            return self.validate_shard(epoch)
+        finally:
+            stateful.set_rng_state(saved)
+
+    def validate_shard(self, epoch: int) -> dict:
+        eng = self.engine
         eng.pm.hook.engine_validation_start(engine=eng, epoch=epoch)
         # The unwrapped module: no DDP collectives in forward, so ranks whose shard is
         # one batch shorter do not hang the others.
@@ -943,8 +1049,10 @@ class Trainer:
         was_training = module.training
         module.eval()
         sums = MetricSums(eng.device, self.eval_metrics)
+        batches = (itertools.islice(eng.val_loader, self.cfg.limit_batches)
+                   if self.cfg.limit_batches else eng.val_loader)  # a smoke run's few
         with eng.parallel.validation(eng.model):
-            for batch in eng.val_loader:
+            for batch in batches:
                 batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
                 with self.autocast():
                     sums.add(self.eval_step(batch, eng))

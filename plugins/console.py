@@ -146,6 +146,15 @@ class ConsoleLogger:
 
     @engine.hookimpl
     def engine_log(self, engine, metrics, step):
+        if self.bar is not None and "train/loss" not in metrics and (
+                "train/epoch_loss" not in metrics and any(k.startswith("val/") for k in metrics)):
+            # A validation inside an epoch (val_every_steps, or the step max_steps ends
+            # the run at): one line, as an epoch's.
+            self._write("  ".join([f"step {step} (epoch {engine.state.epoch + 1}/"
+                                   f"{engine.cfg.epochs})"] + [
+                f"{key.replace('/', ' ')} {value:.4f}" for key, value in metrics.items()
+                if key.startswith("val/")]))
+            return
         throughput = throughput_of(metrics)
         if self.bar is None or "train/loss" not in metrics or throughput is None:
             return
@@ -202,11 +211,16 @@ class ConsoleLogger:
             self.bar = None
         self.lines = None
         if summary["status"] == "completed":
-            # A resumed run's epochs are the run's, not this command's: say where it began.
+            steps, max_steps = summary["global_step"], getattr(engine.cfg, "max_steps", 0)
+            if 0 < max_steps <= steps and summary["epochs_completed"] < engine.cfg.epochs:
+                trained = f"{steps} steps (max_steps, in epoch {engine.state.epoch + 1})"
+            else:
+                trained = f"{summary['epochs_completed']} epochs"
+            # A resumed run's count is the run's, not this command's: say where it began.
             resumed = summary.get("resume") or {}
             since = f" (resumed at step {resumed['step']})" if resumed.get("step") else ""
-            self._write(f"done: {summary['epochs_completed']} epochs{since} in "
-                        f"{done_time(summary)}, results in {engine.out_dir}")
+            self._write(f"done: {trained}{since} in {done_time(summary)}, results in "
+                        f"{engine.out_dir}")
 
     def _write(self, message: str) -> None:
         if self.bar is not None:
