@@ -66,7 +66,7 @@ def test_max_steps_ends_the_run_mid_epoch_with_a_validation_and_a_final_snapshot
     assert (summary["status"], summary["global_step"], summary["epochs_completed"]) == (
         "completed", 10, 1)
     assert "snapshot-e0001-s00000010.pt" in by_steps["ended"]["snapshots"]
-    assert "done: 10 steps (max_steps, in epoch 2) in " in by_steps["resumed"].stdout
+    assert "done: 10 steps (max_steps, in epoch 2) (resumed at step 4) in " in by_steps["resumed"].stdout
     assert "step 10 (epoch 2/3)  val loss" in by_steps["resumed"].stdout
     # The run again: answered from its folder, nothing trained.
     assert by_steps["again"].stdout.startswith(
@@ -84,7 +84,7 @@ def test_a_resume_with_max_steps_lifted_trains_on_to_the_uninterrupted_runs_weig
     summary = read_summary(by_steps["out"])
     assert (summary["status"], summary["global_step"], summary["epochs_completed"]) == (
         "completed", 18, 3)
-    assert "done: 3 epochs in" in extended.stdout
+    assert "done: 3 epochs (resumed at step 10) in" in extended.stdout
     assert summary["weights_sha256"] == reference[2]
     assert [s for s, _ in rows(by_steps["out"], "val/loss")] == [4, 6, 8, 10, 12, 16, 18]
     assert {v for _, v in rows(by_steps["out"], "val/samples")} == {32}  # the whole set
