@@ -185,3 +185,32 @@ def not_logged(key: str, metric: str, logged) -> ConfigError:
     return ConfigError(f"config key {key!r}: {metric!r} is not a metric this run logs{at}"
                        + (f" (did you mean {close[0]!r}?)" if close else "")
                        + f"; it logs: {', '.join(logged) if logged else 'nothing'}")
+
+
+#: Public metric names that were renamed, old -> new (CHANGELOG.md), and the version in
+#: which the old name stops working.
+RENAMED = {"train/loss": "train/epoch_loss"}
+RENAMED_UNTIL = "0.4.0"
+
+
+class EpochMetrics(dict):
+    """The metrics ``engine_epoch_end`` hands to plugins. A name renamed since 0.1.0
+    (``train/loss``: the epoch's mean is ``train/epoch_loss``; ``train/loss`` is one log
+    window's) still answers under the old name, with a one-line warning naming the new
+    one, until :data:`RENAMED_UNTIL`: a plugin that reads it does not silently get
+    nothing."""
+
+    def __missing__(self, key):
+        if key in RENAMED and RENAMED[key] in self:
+            from engine.errors import warn_once
+
+            warn_once(f"metrics[{key!r}] in engine_epoch_end is now {RENAMED[key]!r} (the "
+                      f"epoch's mean); the old name works until {RENAMED_UNTIL}")
+            return self[RENAMED[key]]
+        raise KeyError(key)
+
+    def get(self, key, default=None):
+        try:
+            return self[key]
+        except KeyError:
+            return default

@@ -74,8 +74,8 @@ import torch
 
 from engine import data, distributed, health, phases, snapshot, stateful, streaming
 from engine.errors import ConfigError, EngineError, PeerFailed, RunError
-from engine.metrics import (EARLY, EPOCH_END, SCHEDULER, expected_mode, improves, named,
-                            not_logged, resolved_mode)
+from engine.metrics import (EARLY, EPOCH_END, SCHEDULER, EpochMetrics, expected_mode,
+                            improves, named, not_logged, resolved_mode)
 
 
 #: The epoch's mean training loss; ``train/loss`` is the mean of one log window (the
@@ -612,7 +612,7 @@ class Trainer:
         eng.state.epoch = epoch + 1
         eng.state.batch_in_epoch = 0
         eng.state.epochs_completed = epoch + 1
-        eng.pm.hook.engine_epoch_end(engine=eng, epoch=epoch, metrics=metrics)
+        eng.pm.hook.engine_epoch_end(engine=eng, epoch=epoch, metrics=EpochMetrics(metrics))
         if eng.scheduler is not None and cfg.scheduler_interval == "epoch":
             self.step_scheduler(metrics)
         if stop_early:  # the same decision on every rank: the metrics are reduced

@@ -115,3 +115,19 @@ def test_a_bad_name_is_refused_before_any_worker_starts(tmp_path, override, mess
     assert proc.returncode == 2, proc.stdout
     assert f"error: {message}" in proc.stderr and len(proc.stderr.splitlines()) == 1, (
         proc.stderr)
+
+
+def test_a_renamed_epoch_metric_answers_under_its_old_name_with_one_warning(capsys):
+    """engine_epoch_end's metrics: train/loss became train/epoch_loss; a plugin reading
+    the old name gets the value and one line naming the new one, not nothing."""
+    from engine.metrics import EpochMetrics
+
+    metrics = EpochMetrics({"train/epoch_loss": 0.5, "val/loss": 0.7})
+    assert metrics["train/loss"] == 0.5 and metrics.get("train/loss") == 0.5
+    assert metrics.get("train/nothing", 1.0) == 1.0 and metrics["val/loss"] == 0.7
+    with pytest.raises(KeyError):
+        metrics["train/nothing"]
+    assert EpochMetrics({"val/loss": 0.7}).get("train/loss") is None
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: metrics['train/loss'] in engine_epoch_end is now 'train/epoch_loss' (the "
+        "epoch's mean); the old name works until 0.4.0"]
