@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pluggy
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 #: Decorator for plugin hook implementations (``@engine.hookimpl``).
 hookimpl = pluggy.HookimplMarker("engine")

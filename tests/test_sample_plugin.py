@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import engine
 from engine.plugin_manager import DISABLE_AUTOLOAD_ENV
 from engine.testing import (TINY_RECIPE, install_plugin, run_recipe,  # noqa: F401 (fixtures)
                             tiny_recipe)
@@ -62,8 +63,8 @@ def test_autoload_off_and_disabling_by_distribution(sample):
     lines = plugin_lines({**sample, DISABLE_AUTOLOAD_ENV: "1"})
     assert not any(line.startswith(("csv-rows ", "ddp-fp16 ")) for line in lines)
     assert lines[-1] == ("installed, not loaded: csv-rows (engine-csv-logger 0.3.1), ddp-fp16 "
-                         "(engine-csv-logger 0.3.1), mlflow (ddp-engine 0.1.0), wandb "
-                         "(ddp-engine 0.1.0); load one with -p NAME")
+                         f"(engine-csv-logger 0.3.1), mlflow (ddp-engine {engine.__version__}), "
+                         f"wandb (ddp-engine {engine.__version__}); load one with -p NAME")
     lines = plugin_lines({**sample, DISABLE_AUTOLOAD_ENV: "1"}, "-p", "csv-rows")
     assert ("csv-rows 0.3.1 (distribution engine-csv-logger, -p; module "
             "engine_csv_logger:plugin)") in lines

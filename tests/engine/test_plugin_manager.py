@@ -473,7 +473,7 @@ def fancy(site, write_module):
 
 @pytest.mark.parametrize("requirement", [
     "fancy", "engine-fancy", "engine_fancy>=1.2", "Engine.Fancy>=1.1,<2", "fancy~=1.1",
-    "fancy==1.2.*", "fancy!=1.3", "console", "tensorboard==0.1.0"])
+    "fancy==1.2.*", "fancy!=1.3", "console", f"tensorboard=={engine.__version__}"])
 def test_requirements_met_by_plugin_or_distribution_name(fancy, requirement):
     require_plugins(build_plugin_manager(), [requirement])
 
