@@ -4,7 +4,8 @@ ENGINE_FAULT_ACTION  kill (SIGKILL itself), raise, hang, signal (SIGUSR1 to itse
                      ENGINE_FAULT_SIGNAL: SIGTERM), stop (SIGSTOP itself: alive, but
                      answers nothing), interrupt (Ctrl-C: SIGINT to engine-run's whole
                      process group, as a terminal sends it), interrupt-twice (the same,
-                     then again a second later, while this rank hangs deaf to it)
+                     then again once engine-run took the first, while this rank hangs
+                     deaf to it)
 ENGINE_FAULT_STEP    act right after this optimizer step ...
 ENGINE_FAULT_EPOCH   ... or at the start of this epoch
 ENGINE_FAULT_RANK    the rank that acts (default 0)
@@ -50,11 +51,33 @@ def _act(eng) -> None:
                                "session of its own (start_new_session)")
         os.killpg(os.getpgrp(), signal.SIGINT)
         if action == "interrupt-twice":
-            time.sleep(1)  # the launcher took the first: signals of one kind do not queue
+            # Signals of one kind do not queue: the second must come after the launcher
+            # (this worker's parent) took the first. On a loaded machine it may not run
+            # for a while: wait until the kernel delivered it, then give its Python
+            # handler a moment.
+            _wait_delivered(os.getppid(), signal.SIGINT)
+            time.sleep(0.5)
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a shutdown stuck for good
             os.killpg(os.getpgrp(), signal.SIGINT)
             while True:
                 time.sleep(1)
+
+
+def _wait_delivered(pid: int, signum: int, timeout_s: float = 60) -> None:
+    """Until process ``pid`` has no ``signum`` pending (/proc/PID/status: SigPnd for its
+    thread, ShdPnd for the process), or fails after ``timeout_s``."""
+    bit = 1 << (signum - 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text().splitlines()
+        pending = [int(line.split()[1], 16) for line in status
+                   if line.startswith(("SigPnd:", "ShdPnd:"))]
+        if not any(mask & bit for mask in pending):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} left signal {signum} pending for "
+                               f"{timeout_s:g}s")
+        time.sleep(0.01)
 
 
 @engine.hookimpl

@@ -4,14 +4,14 @@ options as torch sees them, and the errors users meet."""
 
 from __future__ import annotations
 
-import os
+import textwrap
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.nn import functional as F
 
 from engine.recipe import load_recipe
+from engine.testing import run_python
 from tests.conftest import engine_env, run_cli
 from tests.recipes.tiny_parallel_runs import TINY_RECIPE, probes, run_tiny, summary, weights
 
@@ -160,47 +160,61 @@ def test_dry_run_plan_shows_gloo_and_one_cpu_per_rank():
 # ------------------------------------------------- sync_buffers, on a real group
 
 
-def _sync_buffers_worker(rank: int, ports: list, results):
+SYNC_BUFFERS = textwrap.dedent("""
+    import os, sys
+
+    import torch
     import torch.distributed as dist
+    import torch.multiprocessing as mp
 
     from engine.config import TrainConfig, with_groups
     from engine.plugins.ddp import DDPConfig, DistributedDataParallel
     from engine.world import World
 
-    for broadcast, port in zip((True, False), ports):
-        world = World(rank=rank, local_rank=rank, world_size=2, local_world_size=2,
-                      master_port=port)
-        cfg = with_groups(TrainConfig(), {"ddp": DDPConfig})
-        cfg.ddp.broadcast_buffers = broadcast
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=2)
-        try:
-            torch.manual_seed(0)
-            mode = DistributedDataParallel(world, cfg)
-            model = mode.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4),
-                                                  torch.nn.BatchNorm1d(4)))
-            # Each rank normalises its own, different batch: the running stats diverge.
-            model(torch.randn(8, 4) + rank).sum().backward()
-            mode.sync_buffers(model)
-            mean = mode.unwrap(model)[1].running_mean
-            gathered = [torch.empty_like(mean) for _ in range(2)]
-            dist.all_gather(gathered, mean)
-            results[(rank, broadcast)] = torch.equal(gathered[0], gathered[1])
-        finally:
-            dist.destroy_process_group()
+
+    def worker(rank, ports):
+        for broadcast, port in zip((True, False), ports):
+            world = World(rank=rank, local_rank=rank, world_size=2, local_world_size=2,
+                          master_port=port)
+            cfg = with_groups(TrainConfig(), {"ddp": DDPConfig})
+            cfg.ddp.broadcast_buffers = broadcast
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=rank, world_size=2)
+            try:
+                torch.manual_seed(0)
+                mode = DistributedDataParallel(world, cfg)
+                model = mode.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                                      torch.nn.BatchNorm1d(4)))
+                # Each rank normalises its own, different batch: the stats diverge.
+                model(torch.randn(8, 4) + rank).sum().backward()
+                mode.sync_buffers(model)
+                mean = mode.unwrap(model)[1].running_mean
+                gathered = [torch.empty_like(mean) for _ in range(2)]
+                dist.all_gather(gathered, mean)
+                # One write: the two ranks' lines must not interleave.
+                os.write(1, f"RESULT {rank} {broadcast} {torch.equal(*gathered)}\\n".encode())
+            finally:
+                dist.destroy_process_group()
+
+
+    # Forked from this process, which has run no torch op yet (no thread pools).
+    mp.start_processes(worker, args=([int(p) for p in sys.argv[1:3]],), nprocs=2,
+                       start_method="fork")
+""")
 
 
 def test_sync_buffers_makes_batchnorm_statistics_equal():
+    """Two gloo processes forked from one warm interpreter (engine.testing.run_python),
+    not spawned: the same real group, without two torch imports."""
     from engine.launcher import free_port
 
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(_sync_buffers_worker, args=([free_port(), free_port()], results),
-                           nprocs=2, start_method="spawn")
-        equal = dict(results)
+    proc = run_python(["-c", SYNC_BUFFERS, str(free_port()), str(free_port())],
+                      env=engine_env(), timeout=240, check=True)
+    equal = {line for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
     # broadcast_buffers=true: rank 0's statistics everywhere. false: the user asked for
     # per-rank buffers, so they are left alone.
-    assert equal == {(0, True): True, (1, True): True, (0, False): False, (1, False): False}
+    assert equal == {"RESULT 0 True True", "RESULT 1 True True", "RESULT 0 False False",
+                     "RESULT 1 False False"}, proc.stdout + proc.stderr
 
 
 def test_unused_parameter_hints_cover_torchs_variants():

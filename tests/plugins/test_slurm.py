@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import socket
-import subprocess
 
 import pytest
 
@@ -15,8 +14,9 @@ from engine.launcher import LaunchOptions
 from engine.plugin_manager import build_plugin_manager
 from engine.plugins.slurm import SlurmLauncher, job_to_requeue, requeue
 from tests.conftest import ENGINE_RUN, REPO, engine_env, run_cli
-from tests.plugins.launch_runs import (RECIPE, STOP_TIMEOUT_S, finished, reference_digest,
-                                       run, run_with_a_stopped_rank, train_args)
+from tests.plugins.launch_runs import (LATE_S, RECIPE, STOP_TIMEOUT_S, finished,
+                                       reference_digest, run, run_with_a_stopped_rank,
+                                       train_args)
 
 # srun -N1 -n2 -c1: two tasks on node n2 (tasks 0 and 1).
 STEP = {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1",
@@ -190,7 +190,8 @@ def test_a_stopped_task_ends_the_step_within_the_timeout(tmp_path):
             "(rank(s) 1: its process on this machine is stopped, by SIGSTOP or a "
             "debugger, and is killed so that the job ends)") in stopped.proc.stderr
     assert "task 1: Killed" in stopped.proc.stderr
-    assert stopped.ended < STOP_TIMEOUT_S + 5, stopped.lines
+    print(f"ended {stopped.ended:.1f}s after the stop (timeout_s={STOP_TIMEOUT_S})")
+    assert stopped.ended < STOP_TIMEOUT_S + LATE_S, stopped.lines
 
 
 @cluster

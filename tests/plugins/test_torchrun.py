@@ -9,7 +9,7 @@ from engine.errors import LaunchError
 from engine.launcher import LaunchOptions, free_port
 from engine.plugins.torchrun import TorchrunLauncher
 from tests.conftest import BIN, ENGINE_RUN
-from tests.plugins.launch_runs import (ONE_THREAD, STOP_TIMEOUT_S, finished,
+from tests.plugins.launch_runs import (LATE_S, ONE_THREAD, STOP_TIMEOUT_S, finished,
                                        reference_digest, run, run_together,
                                        run_with_a_stopped_rank, train_args)
 
@@ -110,8 +110,12 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
     assert STOPPED_RANK_1 in proc.stderr
     # The agent's verdict: rank 1 killed by SIGKILL, rank 0 with its own exit code...
     assert "exitcode  : -9" in proc.stderr and "exitcode  : 1 " in proc.stderr
-    # ...within timeout_s + 5 s of the stop. Then torchrun's own interpreter exits, which
-    # frees every module of torch: about 0.5 s on an idle machine, 3-4 s on two busy
-    # cores, out of the engine's reach.
-    assert stopped.seconds_until("Root Cause") < STOP_TIMEOUT_S + 5, stopped.lines
-    assert stopped.ended < STOP_TIMEOUT_S + 5 + TORCHRUN_EXIT_S, stopped.ended
+    # ...within timeout_s + LATE_S of the stop (the agent's 30 s grace, the bug, would
+    # be later still). Then torchrun's own interpreter exits, which frees every module
+    # of torch: about 0.5 s on an idle machine, 3-4 s on two busy cores, out of the
+    # engine's reach.
+    verdict = stopped.seconds_until("Root Cause")
+    print(f"verdict {verdict:.1f}s and exit {stopped.ended:.1f}s after the stop "
+          f"(timeout_s={STOP_TIMEOUT_S})")
+    assert verdict < STOP_TIMEOUT_S + LATE_S, stopped.lines
+    assert stopped.ended < STOP_TIMEOUT_S + LATE_S + TORCHRUN_EXIT_S, stopped.ended
