@@ -15,14 +15,12 @@ run summary.
 
 Why xxh3-128 (the ``xxhash`` package) and not sha256: a manifest's checksum is there to
 catch torn writes, truncation and bit rot, not an attacker (whoever can rewrite the file
-can rewrite its manifest too), and sha256 cost as much CPU as the write itself
-(1.9x a bare torch.save at 100 MB, 2.6x at 1 GB). Measured on this project's machine
-(AMD EPYC, 256 MB in 4 MB chunks): xxh3-128 12.6 GB/s, crc32c (hardware, ``crc32c``)
-13.2 GB/s, google-crc32c 11.6 GB/s (and it refuses memoryviews: a copy per chunk),
-zlib.crc32 3.3 GB/s, sha256 well under 1 GB/s. xxh3 is as fast as a hardware crc32c
-without needing the instruction (its SIMD code runs on any x86 or ARM), and 128 bits
-leave no realistic chance of a corrupt file matching, where 32 bits of crc leave
-1 in 4 billion per corrupt file. At ~12 GB/s it is hashed inline: no helper thread.
+can rewrite its manifest too), and sha256 cost as much CPU as the write itself.
+xxh3 is as fast as a hardware crc32c without needing the instruction (its SIMD code runs
+on any x86 or ARM; google-crc32c also refuses memoryviews: a copy per chunk), and 128
+bits leave no realistic chance of a corrupt file matching, where 32 bits of crc leave
+1 in 4 billion per corrupt file. It is fast enough to hash inline: no helper thread
+(the figures: docs/performance.md, "Checksums").
 
 Importing this module costs nothing at start-up (xxhash is imported at the first
 checksum).
@@ -88,7 +86,7 @@ class ChecksumWriter(io.RawIOBase):
     With ``writeback``, it also asks the kernel to start writing each
     :data:`WRITEBACK_BYTES` to disk as soon as they are written: the disk then works
     while torch.save serializes the rest, and the final fsync waits for the tail only
-    (at 300-650 MB/s of disk here, fsync was most of a crash-consistent save's cost)."""
+    (fsync was most of a crash-consistent save's cost)."""
 
     WRITEBACK_BYTES = 16 << 20
 

@@ -127,7 +127,7 @@ class TrainConfig:
     # cuBLAS otherwise pick algorithms whose float sums vary run to run). Slower; an
     # op without a deterministic kernel then stops the run naming the op.
     deterministic: bool = False
-    out_dir: str = "runs/default"  # the run's folder ({name} placeholders: README)
+    out_dir: str = "runs/default"  # the run's folder ({name} placeholders: docs/configuration.md)
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     precision: Literal["32", "bf16", "fp16"] = "32"  # autocast dtype (fp16: a grad scaler)
     scheduler_interval: Literal["epoch", "step"] = "epoch"  # when the scheduler steps

@@ -40,7 +40,7 @@ from engine.stateful import SnapshotParts
 
 #: Summary keys taken from the latest metrics (and every ``val/NAME`` as ``val_NAME``).
 #: ``train_loss`` is the last log window's mean loss, ``train_epoch_loss`` the last epoch's
-#: (README: metric names).
+#: (docs/outputs.md: metric names).
 SUMMARY_METRICS = {"train/loss": "train_loss", "train/epoch_loss": "train_epoch_loss",
                    "val/loss": "val_loss",
                    "train/data_wait_fraction": "data_wait_fraction"}
@@ -443,7 +443,7 @@ class WorkerContext:
         return summary
 
     def times(self) -> dict:
-        """The summary's times (README, summary.json). ``wall_time_s``: this segment,
+        """The summary's times (docs/outputs.md, summary.json). ``wall_time_s``: this segment,
         from the command's start (engine-run's or fit's, as the console's ``done:``
         line) to now; ``training_time_s``: the training loop's part of it. A resumed
         run adds the totals of the segments before it, from the summary.json the last

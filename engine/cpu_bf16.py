@@ -7,11 +7,8 @@ this project is developed on) bf16 arithmetic is emulated in software, and the r
 many times slower than plain fp32, silently. ``--dry-run``, ``engine-run
 doctor`` and the first lines of a bf16 run on the CPU (rank 0) say so: :func:`note_here`.
 
-The slowdown quoted was measured on that AVX2 CPU (torch 2.14, one thread, best of 7
-interleaved rounds of ``with torch.autocast("cpu", dtype=torch.bfloat16)`` against
-none, on the same tensors): a 1024 x 1024 matmul ran 92-94x slower under bf16 autocast
-than in fp32, a 3-layer MLP's forward and backward (batch 256, width 1024) 16-18x
-slower, and a small language model 8.6x slower (69 sequences/s against 595, issue 27).
+The slowdown quoted in :data:`SLOWDOWN` was measured on that AVX2 CPU; how, and the
+figures: docs/performance.md, "bf16 on a CPU without bf16 instructions".
 """
 
 from __future__ import annotations

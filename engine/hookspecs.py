@@ -304,7 +304,7 @@ def engine_log(engine, metrics, step):
     to Python floats, at global optimizer step ``step``. Logger plugins (console,
     TensorBoard, CSV, W&B...) implement this.
     ``train/loss`` is always the mean of one log window, ``train/epoch_loss`` the epoch's
-    mean (README: metric names). ``engine.state.epoch`` is the index of the epoch the
+    mean (docs/outputs.md: metric names). ``engine.state.epoch`` is the index of the epoch the
     metrics belong to (the epoch's own metrics included): epoch ``state.epoch + 1`` as
     the console counts.
 

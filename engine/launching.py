@@ -259,7 +259,7 @@ class Launch:
 def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
     """A rerun into a folder whose run completed: answered in the launching process in
     the time it takes to read summary.json and config.json, instead of after workers,
-    data and model (12-20 s). With the same config (epochs no more than it trained),
+    data and model. With the same config (epochs no more than it trained),
     "already complete" and its summary with status "already_complete" (never
     "completed": this call trained nothing). With a config it was not trained with (an
     lr sweep through one folder would otherwise return the first run's result for every

@@ -130,7 +130,7 @@ class TrainState:
 
     # The index of the epoch in progress (or of the next one, at a boundary), from 0 as
     # range() and sampler.set_epoch count: epoch N of the console is index N - 1
-    # (README: epoch numbering). Between epochs it equals epochs_completed.
+    # (docs/outputs.md: epoch numbering). Between epochs it equals epochs_completed.
     epoch: int = 0
     step: int = 0  # optimizer steps taken since the start of training
     batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed
@@ -406,9 +406,8 @@ RNG_BYTES = 16384
 
 def gather_rng_states() -> list[dict]:
     """Every rank's :func:`rng_state`, in one all_gather of a fixed-size byte tensor.
-    torch's all_gather_object pickles and sends twice (sizes, then data): 7.4 ms
-    against 1.5 ms for 2 gloo processes on a loaded 2-core machine, and a memory
-    snapshot every step gathers them every step."""
+    torch's all_gather_object pickles and sends twice (sizes, then data), several times
+    slower, and a memory snapshot every step gathers them every step."""
     import pickle
     import struct
 

@@ -28,7 +28,7 @@ from engine.checkpoint import SnapshotStore
 def save_without_crc32(state: dict, fileobj) -> None:
     """torch.save, minus the CRC32 of every record in its zip container: the manifest's
     checksum already covers the whole file, torch.load never checks the CRC, and on a
-    busy CPU computing both made a save ~1.5x slower than it needs to be."""
+    busy CPU computing both made a save much slower than it needs to be."""
     import torch
     import torch.serialization as serialization
 

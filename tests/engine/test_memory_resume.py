@@ -160,7 +160,7 @@ def test_planted_names_leave_the_plants_untouched_and_the_run_on_disk_snapshots(
     precious.write_bytes(b"root's own file\n")
     leak = folder / f"{run_id}-r0-a"
     leak.write_bytes(b"")
-    os.chown(leak, 12345, 12345)  # the suite runs as root (README)
+    os.chown(leak, 12345, 12345)  # the suite runs as root (docs/development.md)
     os.chmod(leak, 0o666)
     (folder / f"{run_id}-r0-b").symlink_to(precious)
     (folder / f"{run_id}-r1-a").mkdir()

@@ -164,7 +164,7 @@ def test_a_name_taken_by_anything_but_our_own_file_is_refused_untouched(
         path.mkdir()
     else:
         path.write_bytes(b"")
-        os.chown(path, 12345, 12345)  # the suite runs as root (README)
+        os.chown(path, 12345, 12345)  # the suite runs as root (docs/development.md)
         os.chmod(path, 0o666)
     before = os.lstat(path)
     with pytest.raises(memory_snapshot.Unsafe, match=str(path)):

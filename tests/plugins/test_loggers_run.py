@@ -4,7 +4,7 @@ loggers of this repository on: the built-in ``csv``, ``tensorboard`` and ``conso
 ddp-engine itself load, as they would a third-party plugin. Each logger's file or store
 is read back with its own reader: the csv module, TensorBoard's, MLflow's client, the
 records of W&B's ``.wandb`` file. Every one of them names the window's loss train/loss and
-the epoch's mean train/epoch_loss, and numbers the epochs alike (README: metric names)."""
+the epoch's mean train/epoch_loss, and numbers the epochs alike (docs/outputs.md: metric names)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ validation loss falls well below the unigram baseline it prints), its derived me
 are consistent, a run killed mid-epoch resumes to bit-identical weights, and a resume
 with more epochs says what it does to the per-step schedule.
 
-The full default run's time and loss are measured by hand (README, docs)."""
+The full default run's time and loss are measured by hand (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ SMALL = ("epochs=2", "batch_size=64", "data.max_chars=1000000", "data.train_wind
          "sample_chars=40", "--nproc", "2")
 STEPS = 100
 #: In these 100 steps (1/9 of the default run's) the loss gets below 0.9 of the unigram
-#: baseline (0.87 measured); the default run reaches 2/3 (measured by hand: README).
+#: baseline (0.87 measured); the default run reaches 2/3 (measured by hand: docs/performance.md).
 SMALL_FRACTION = 0.9
 
 
