@@ -70,11 +70,21 @@ FOLDER_PREFIX = "engine-memory-"  # + the user id
 RUN_ID_FILE = ".engine-memory-id"
 HEADER_BYTES = 4096
 ALIGN = 64
-MAGIC = b"ENGMEM\x00\x02"
-# magic, sequence, step, epoch, payload length, checksum (16 bytes), step reached, run id
-_HEADER = struct.Struct("<8sQQQQ16sQ16s")
+MAGIC = b"ENGMEM\x00\x03"
+# magic, sequence, step, epoch, payload length, checksum (16 bytes), step reached, run id,
+# where the exchange region starts (0: none)
+_HEADER = struct.Struct("<8sQQQQ16sQ16sQ")
 _REACHED_AT = 56
+_EXCHANGE_AT = 80
 _JSON_AT = _HEADER.size
+#: The exchange region's own header: the sequence of the snapshot its rows belong to,
+#: the number of rows, the bytes of each, xxh3-128 of those and the rows.
+_EXCHANGE = struct.Struct("<QQQ16s")
+_EXCHANGE_HEAD = 64
+#: One rank's row in the exchange: its length, then the pickled RNG states (13 kB on the
+#: CPU, 16 bytes more per GPU) and epoch loss; a larger one is left out (a peer cannot
+#: then restore that rank's snapshot: the older one, or the disk snapshot, is used).
+ROW_BYTES = 8 + 16384 + 512
 #: What the checksum covers besides the payload: every field but itself and "reached".
 _SIGNED = struct.Struct("<8sQQQQ16s")
 #: Marks a tensor's place in the pickled skeleton: (MARKER, offset, dtype, shape).
@@ -378,6 +388,10 @@ class Slot:
     info: dict
     tensor: Any = attrs.field(default=None, repr=False)  # header and payload, uint8
     mapping: Any = attrs.field(default=None, repr=False)
+    #: Every rank's exchange row of this snapshot (world size x ROW_BYTES, uint8), when
+    #: the exchange region holds them whole (:meth:`MemorySnapshots.exchange`); None
+    #: while they were on their way, or never came.
+    rows: Any = attrs.field(default=None, repr=False)
 
     def payload(self):
         return self.tensor[HEADER_BYTES:HEADER_BYTES + self.length]
@@ -402,10 +416,13 @@ class Buffer:
         self.tensor = None
         self.array = None
         self.capacity = 0
+        self.exchange_at = 0  # where the exchange region starts (0: none)
         self.pinned = False
 
-    def map(self, payload_bytes: int, info: dict, run_id: bytes) -> None:
-        """Map the file with room for ``payload_bytes`` (grown when short; the pages
+    def map(self, payload_bytes: int, info: dict, run_id: bytes,
+            exchange_bytes: int = 0) -> None:
+        """Map the file with room for ``payload_bytes`` and, after them, an exchange
+        region of ``exchange_bytes`` (:meth:`write_exchange`) (grown when short; the pages
         reserved with posix_fallocate, so that a full tmpfs is NoRoom here and not a
         SIGBUS during a copy). The header gets the magic, the run id and ``info`` at
         once, so that a clean-up knows whose the file is before its first snapshot.
@@ -414,7 +431,7 @@ class Buffer:
 
         import numpy as np
 
-        size = HEADER_BYTES + payload_bytes
+        size = HEADER_BYTES + payload_bytes + exchange_bytes
         self.unmap()
         if self.fd is None:
             self.fd = _open_own(self.path, writable=True)
@@ -433,19 +450,44 @@ class Buffer:
         text = json.dumps(info).encode()[:HEADER_BYTES - _JSON_AT - 4]
         self.array[_JSON_AT:_JSON_AT + 4 + len(text)] = bytearray(
             struct.pack("<I", len(text)) + text)
-        self.array[_REACHED_AT + 8:_JSON_AT] = bytearray(run_id)
+        self.array[_REACHED_AT + 8:_EXCHANGE_AT] = bytearray(run_id)
+        self.exchange_at = HEADER_BYTES + payload_bytes if exchange_bytes else 0
+        if exchange_bytes:  # no rows yet: a sequence no snapshot has
+            self.array[self.exchange_at:self.exchange_at + 8] = 0
+        self.array[_EXCHANGE_AT:_JSON_AT] = bytearray(struct.pack("<Q", self.exchange_at))
         self.array[:8] = bytearray(MAGIC)
 
     def write_header(self, sequence: int, step: int, epoch: int, length: int,
                      run_id: bytes, digest: bytes) -> None:
         array = self.array
         reached = struct.unpack_from("<Q", array[:_HEADER.size].tobytes(), _REACHED_AT)[0]
-        fields = _HEADER.pack(MAGIC, 0, step, epoch, length, digest, reached, run_id)
+        fields = _HEADER.pack(MAGIC, 0, step, epoch, length, digest, reached, run_id,
+                              self.exchange_at)
         array[16:_HEADER.size] = bytearray(fields[16:])  # everything but the sequence...
         array[8:16] = bytearray(struct.pack("<Q", sequence))  # ...which commits it
 
     def invalidate(self) -> None:
         self.array[8:16] = 0
+
+    def write_exchange(self, sequence: int, rows) -> bool:
+        """Every rank's row of the snapshot ``sequence`` (a uint8 array, world size x
+        ROW_BYTES) into the exchange region, its sequence last; False (nothing written)
+        when the buffer holds another snapshot by now, or has no room for the rows."""
+        at, array = self.exchange_at, self.array
+        if (array is None or not at or int(array[8:16].view("<u8")[0]) != sequence
+                or at + _EXCHANGE_HEAD + rows.size > len(array)):
+            return False
+        import xxhash
+
+        world, row_bytes = rows.shape
+        fields = _EXCHANGE.pack(0, world, row_bytes, b"")[8:24]
+        digest = xxhash.xxh3_128(struct.pack("<Q", sequence) + fields)
+        digest.update(rows)
+        array[at:at + 8] = 0
+        array[at + _EXCHANGE_HEAD:at + _EXCHANGE_HEAD + rows.size] = rows.reshape(-1)
+        array[at + 8:at + _EXCHANGE.size] = bytearray(fields + digest.digest())
+        array[at:at + 8] = bytearray(struct.pack("<Q", sequence))
+        return True
 
     def note_reached(self, step: int) -> None:
         self.array[_REACHED_AT:_REACHED_AT + 8] = bytearray(struct.pack("<Q", step))
@@ -512,8 +554,8 @@ def check_slot(path: pathlib.Path, verify: bool = True,
     finally:
         os.close(fd)  # the map holds the file
     array = tensor.numpy()
-    magic, sequence, step, epoch, length, digest, reached, raw_id = _HEADER.unpack(
-        array[:_HEADER.size].tobytes())
+    magic, sequence, step, epoch, length, digest, reached, raw_id, exchange_at = \
+        _HEADER.unpack(array[:_HEADER.size].tobytes())
     problem = None
     if magic != MAGIC:
         problem = "not a memory snapshot of this engine version"
@@ -531,7 +573,57 @@ def check_slot(path: pathlib.Path, verify: bool = True,
         _unmap(mapping)
         return None, problem and f"{path}: {problem}"
     return Slot(path, sequence, step, epoch, length, reached, raw_id.hex(), _info(array),
-                tensor=tensor, mapping=mapping), None
+                tensor=tensor, mapping=mapping,
+                rows=_exchange_rows(array, exchange_at, sequence)), None
+
+
+def _exchange_rows(array, at: int, sequence: int):
+    """The exchange region's rows at ``at`` when they are whole and belong to the
+    snapshot ``sequence`` (their checksum holds), else None."""
+    import xxhash
+
+    if not at or at + _EXCHANGE_HEAD > len(array):
+        return None
+    seq, world, row_bytes, digest = _EXCHANGE.unpack(array[at:at + _EXCHANGE.size].tobytes())
+    end = at + _EXCHANGE_HEAD + world * row_bytes
+    if seq != sequence or not world or row_bytes < 8 or end > len(array):
+        return None
+    rows = array[at + _EXCHANGE_HEAD:end]
+    check = xxhash.xxh3_128(array[at:at + 24].tobytes())
+    check.update(rows)
+    return rows.reshape(world, row_bytes) if check.digest() == digest else None
+
+
+def make_row(rng: dict, loss) -> bytes:
+    """This rank's exchange row: its RNG states (engine.stateful.rng_state) and its own
+    part of the epoch's loss sums ((sum, micro-batches) or None), which a peer keeps in
+    case this rank's buffers are lost. b"" when they do not fit in ROW_BYTES."""
+    from engine.stateful import _rng_as_bytes
+
+    data = pickle.dumps({"rng": _rng_as_bytes(rng), "loss": loss},
+                        protocol=pickle.HIGHEST_PROTOCOL)
+    return data if 8 + len(data) <= ROW_BYTES else b""
+
+
+def read_row(row: bytes) -> dict | None:
+    """:func:`make_row`'s dict, its RNG states as engine.stateful.rng_state gives them;
+    None for an empty row (the states did not fit)."""
+    import io
+
+    from engine.stateful import _rng_from_bytes
+
+    if not row:
+        return None
+    plain = _SkeletonUnpickler(io.BytesIO(row)).load()
+    return {"rng": _rng_from_bytes(plain["rng"]), "loss": plain["loss"]}
+
+
+def row_in(rows, rank: int) -> bytes:
+    """Rank ``rank``'s row among an exchange region's ``rows`` (b"": none)."""
+    if rows is None or rank >= len(rows):
+        return b""
+    (length,) = struct.unpack("<Q", rows[rank][:8].tobytes())
+    return rows[rank][8:8 + length].tobytes() if 8 + length <= rows.shape[1] else b""
 
 
 def _info(array) -> dict:
@@ -636,6 +728,8 @@ class MemorySnapshots:
         self.info = {"run_dir": str(os.path.realpath(self.run_dir)),
                      "host": socket.gethostname(), "pid": os.getpid(), "rank": world.rank,
                      "world_size": world.world_size}
+        self.exchange_bytes = _EXCHANGE_HEAD + world.world_size * ROW_BYTES
+        self.exchanges = Exchanges(world.world_size)
 
     def check(self) -> str | None:
         """None when this user's buffer folder is safe to use (made if missing), else
@@ -680,7 +774,7 @@ class MemorySnapshots:
         capacity = needed + max(64 * 1024, needed // 64)
         for i in indices:
             if self.buffers[i].tensor is None or self.buffers[i].capacity < needed:
-                self.buffers[i].map(capacity, self.info, self.raw_id)
+                self.buffers[i].map(capacity, self.info, self.raw_id, self.exchange_bytes)
 
     def save(self, state: dict, *, step: int, epoch: int) -> None:
         """Copy ``state`` into the buffer that does not hold the newest snapshot. NoRoom
@@ -703,6 +797,23 @@ class MemorySnapshots:
         self.newest_index = index
         self.saves += 1
 
+    def start_exchange(self, row: bytes) -> None:
+        """Every rank, at every memory snapshot (also a rank whose save fails: it is a
+        collective), before its save: start sending this rank's ``row``
+        (:func:`make_row`) to every rank, without waiting. :meth:`record_exchange`, after
+        the save, has a background thread write all the rows into the exchange region of
+        the snapshot just saved when they have come (a few milliseconds later), so that
+        a peer can restore this rank's snapshot should its buffers be lost."""
+        self.exchanges.start(row)
+
+    def record_exchange(self, saved: bool) -> None:
+        self.exchanges.record(self.buffers[self.newest_index] if saved else None,
+                              self.sequence)
+
+    def finish_exchange(self) -> None:
+        """Wait for the exchange in flight, if any (before the buffers are unmapped)."""
+        self.exchanges.wait()
+
     def room_for(self, state: dict) -> tuple[int, int]:
         """The bytes the buffers of ``state`` take on this machine (two per local rank:
         every local rank asks at once, before any allocates), and the bytes free in
@@ -715,14 +826,17 @@ class MemorySnapshots:
                 held += os.lstat(path).st_size
             except OSError:
                 pass
-        per_rank = 2 * (HEADER_BYTES + payload_size(skeleton, data_size))
+        per_rank = 2 * (HEADER_BYTES + payload_size(skeleton, data_size)
+                        + self.exchange_bytes)
         return per_rank * self.world.local_world_size, stat_.f_bavail * stat_.f_frsize + held
 
     def bytes_held(self) -> int:
         """The bytes of this rank's mapped buffers (tools/bench_memory_snapshot.py)."""
-        return sum(HEADER_BYTES + b.capacity for b in self.buffers if b.tensor is not None)
+        return sum(HEADER_BYTES + b.capacity + self.exchange_bytes for b in self.buffers
+                   if b.tensor is not None)
 
     def close(self) -> None:
+        self.exchanges.wait()
         for buffer in self.buffers:
             buffer.close()
 
@@ -733,6 +847,94 @@ class MemorySnapshots:
         self.sequence = 0
         self.newest_index = None
         return unlink_all(self.paths)
+
+
+class Exchanges:
+    """The exchange of every rank's row at each memory snapshot: one all_gather started
+    without waiting (async_op), and one background thread that waits for it and writes
+    the rows into the buffer (:meth:`Buffer.write_exchange`). The step goes on meanwhile:
+    the only thing on the step's path is the start of the collective (tens of
+    microseconds), where a gather of the RNG states at each snapshot cost a round trip
+    between the ranks and every skew between them (7 ms of a 25 ms step, issue 37). A
+    single process writes its row at once."""
+
+    #: How long a snapshot waits for the previous exchange: the process group's own
+    #: timeout ends a collective whose peer died well before this.
+    TIMEOUT_S = 3600.0
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.line = None  # this rank's row (numpy)
+        self.row = self.rows = self.views = None  # the same, and every rank's (torch)
+        self.work = None  # the all_gather started, not yet handed to the thread
+        self.queue = self.thread = None
+        self.idle = None  # set while no exchange is in flight
+        self.error: str | None = None  # why the last one failed (a peer gone)
+
+    def start(self, row: bytes) -> None:
+        import numpy as np
+
+        from engine import distributed
+
+        self.wait()  # the previous exchange's rows are written, its tensors free
+        if self.line is None:
+            self.line = np.zeros(ROW_BYTES, dtype=np.uint8)
+        line = self.line
+        line[:8] = np.frombuffer(struct.pack("<Q", len(row)), dtype=np.uint8)
+        line[8:8 + len(row)] = np.frombuffer(row, dtype=np.uint8)  # b"": did not fit
+        if not distributed.is_initialized():
+            return
+        import torch
+        import torch.distributed as dist
+
+        if self.row is None:
+            self._allocate(distributed.collective_device())
+        self.row.copy_(torch.from_numpy(line))
+        self.work = dist.all_gather(self.views, self.row, async_op=True)
+
+    def record(self, target: Buffer | None, sequence: int) -> None:
+        """The rows of the exchange :meth:`start` began go into ``target`` (the buffer
+        just saved, holding the snapshot ``sequence``; None: this rank saved none) when
+        they have come."""
+        if self.work is None:  # one process: its row is every row
+            if target is not None:
+                target.write_exchange(sequence, self.line.reshape(1, -1))
+            return
+        self.idle.clear()
+        self.queue.put((self.work, target, sequence))
+        self.work = None
+
+    def _allocate(self, device) -> None:
+        import queue
+        import threading
+
+        import torch
+
+        self.row = torch.zeros(ROW_BYTES, dtype=torch.uint8, device=device)
+        self.rows = torch.zeros(self.world_size, ROW_BYTES, dtype=torch.uint8, device=device)
+        self.views = list(self.rows.unbind(0))
+        self.queue, self.idle = queue.SimpleQueue(), threading.Event()
+        self.idle.set()
+        self.thread = threading.Thread(target=self._serve, name="engine-memory-exchange",
+                                       daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            work, target, sequence = self.queue.get()
+            try:
+                work.wait()  # the GIL is released meanwhile
+                if target is not None:
+                    target.write_exchange(sequence, self.rows.cpu().numpy())
+            except Exception as exc:  # a peer gone: the process group says so next
+                self.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                self.idle.set()
+
+    def wait(self) -> None:
+        if self.idle is not None and not self.idle.wait(self.TIMEOUT_S):
+            raise RuntimeError(f"the exchange of the memory snapshots' RNG states with the "
+                               f"other ranks did not finish in {self.TIMEOUT_S:.0f} s")
 
 
 def unlink_all(paths) -> list[str]:
@@ -802,20 +1004,25 @@ def remove_leftovers(run_dir, run_id: str, shm: pathlib.Path = SHM,
 
 @attrs.define
 class Loaded:
-    """This rank's newest usable memory snapshot: its checked buffer and its content."""
+    """One of this rank's usable memory snapshots: its checked buffer and its content."""
 
     slot: Slot
     state: dict
+
+    @property
+    def step(self) -> int:
+        return self.slot.step
 
     def close(self) -> None:
         self.slot.close()
 
 
-def load_newest(memory: MemorySnapshots, warn) -> Loaded | None:
-    """This rank's newest memory snapshot of this run that loads whole, or None. A
-    buffer that passed its checks but does not decode into a snapshot (a skeleton with
-    anything but plain values, a tensor outside the payload, no config, another step
-    than its header's) is one ``warn``ing, and the older buffer is tried: never a
+def load_all(memory: MemorySnapshots, warn) -> list[Loaded]:
+    """This rank's memory snapshots of this run that load whole, newest first (two at
+    most: a peer may need the older one, whose exchange rows are whole, see
+    :func:`agree`). A buffer that passed its checks but does not decode into a snapshot
+    (a skeleton with anything but plain values, a tensor outside the payload, no
+    config, another step than its header's) is one ``warn``ing, and not used: never a
     traceback, and a good disk snapshot is still there behind it."""
     slots, problems = [], []
     for path in memory.paths:
@@ -830,23 +1037,29 @@ def load_newest(memory: MemorySnapshots, warn) -> Loaded | None:
     slots.sort(key=lambda s: -s.sequence)
     if slots:  # the next save writes above the highest sequence, whatever loads
         memory.sequence = slots[0].sequence
-    loaded = None
+    loaded = []
     for slot in slots:
-        if loaded is not None:
-            slot.close()
-            continue
         try:
             state = load_slot(slot)
             problem = _not_a_snapshot(state, slot.step)
         except Exception as exc:  # whatever a damaged or forged payload raises
             problem = f"{type(exc).__name__}: {exc}"
         if problem is None:
-            loaded = Loaded(slot, state)
-            memory.newest_index = memory.paths.index(slot.path)
+            loaded.append(Loaded(slot, state))
         else:
             warn(f"the memory snapshot {slot.path} does not load ({problem}); not used")
             slot.close()
+    if loaded:
+        memory.newest_index = memory.paths.index(loaded[0].slot.path)
     return loaded
+
+
+def load_newest(memory: MemorySnapshots, warn) -> Loaded | None:
+    """This rank's newest memory snapshot that loads whole (:func:`load_all`), or None."""
+    loaded = load_all(memory, warn)
+    for other in loaded[1:]:
+        other.close()
+    return loaded[0] if loaded else None
 
 
 def _not_a_snapshot(state, step: int) -> str | None:
@@ -861,16 +1074,15 @@ def _not_a_snapshot(state, step: int) -> str | None:
 
 @attrs.define
 class MemoryChoice:
-    """What the ranks' memory snapshots hold: the newest step (-1: none), the ranks
-    that hold it, and the step the interrupted run had reached (0: unknown)."""
+    """What the ranks' memory snapshots hold: the newest step every rank can restore
+    (-1: none), the ranks that hold it, the rank that sends it to the others (one whose
+    exchange rows are whole, where a rank lacks it), and the step the interrupted run
+    had reached (0: unknown)."""
 
     step: int
     holders: list[int]
     reached: int
-
-    @property
-    def source(self) -> int:
-        return self.holders[0]
+    source: int = 0
 
     def newer_than(self, disk_step: int | None) -> bool:
         return self.step >= 0 and (disk_step is None or self.step > disk_step)
@@ -879,38 +1091,97 @@ class MemoryChoice:
         return [r for r in range(world_size) if r not in self.holders]
 
 
-def agree(memory: MemorySnapshots, mine: Loaded | None) -> MemoryChoice:
-    """Collective: every rank says which memory snapshot it holds (its step, or -1) and
-    how far the run had got; every rank returns the same answer."""
+def agree(memory: MemorySnapshots, mine: list[Loaded]) -> MemoryChoice:
+    """Collective: every rank says which memory snapshots it holds (their steps, and
+    whether their exchange rows are whole) and how far the run had got; every rank
+    returns the same answer: the newest step that every rank holds, or that a rank
+    holding it can send with the missing ranks' own rows (their RNG states and loss
+    sums). A snapshot of another number of processes needs no rows: its RNG states are
+    not restored."""
     from engine import distributed
 
-    step = mine.slot.step if mine is not None else -1
-    every = distributed.all_gather_object((step, memory.reached()))
-    best = max(step for step, _ in every)
-    return MemoryChoice(best, [r for r, (step, _) in enumerate(every) if step == best],
-                        max(r for _, r in every))
+    world_size = memory.world.world_size
+    held = [(m.step, m.slot.rows is not None
+             or m.state.get("world_size") != world_size) for m in mine]
+    every = distributed.all_gather_object((held, memory.reached()))
+    reached = max(r for _, r in every)
+    for step in sorted({s for h, _ in every for s, _ in h}, reverse=True):
+        holders = [r for r, (h, _) in enumerate(every) if any(s == step for s, _ in h)]
+        senders = [r for r, (h, _) in enumerate(every) if (step, True) in h]
+        if len(holders) == world_size or senders:
+            return MemoryChoice(step, holders, reached,
+                                source=senders[0] if senders else holders[0])
+    return MemoryChoice(-1, [], reached)
 
 
-def fetch(memory: MemorySnapshots, choice: MemoryChoice, mine: Loaded | None) -> dict:
-    """The chosen snapshot on every rank: its own, or, for the ranks that lack it, sent
-    by the first rank that has it (one broadcast of its checked payload; the ranks that
-    hold it take part and keep their own). Collective when a rank lacks it."""
+def fetch(memory: MemorySnapshots, choice: MemoryChoice, mine: list[Loaded]) -> dict:
+    """The chosen snapshot on every rank, as a resume restores it: its own, or, for the
+    ranks that lack it, sent by ``choice.source`` with its exchange rows (one broadcast
+    of its checked payload and rows; the ranks that hold it take part and keep their
+    own). Then each rank's RNG states go into place, and the epoch's loss sums, kept per
+    rank, are summed over the ranks. Collective."""
     import torch
 
     from engine import distributed
 
     rank, world_size = memory.world.rank, memory.world.world_size
-    holds = rank in choice.holders
+    own = next((m for m in mine if m.step == choice.step), None)
+    if own is not None:
+        memory.newest_index = memory.paths.index(own.slot.path)
     if not choice.missing(world_size):
-        return mine.state
-    length = distributed.broadcast_object(mine.slot.length if rank == choice.source
-                                          else None, src=choice.source)
+        return complete(own.state, rank, world_size, None)
+    length = distributed.broadcast_object(
+        (own.slot.length, own.slot.rows.shape if own.slot.rows is not None else None)
+        if rank == choice.source else None, src=choice.source)
+    payload_length, rows_shape = length
     device = distributed.collective_device()
     if rank == choice.source:
-        payload = mine.slot.payload().to(device, copy=True)
+        payload = own.slot.payload().to(device, copy=True)
     else:
-        payload = torch.empty(length, dtype=torch.uint8, device=device)
+        payload = torch.empty(payload_length, dtype=torch.uint8, device=device)
     distributed.broadcast_tensor(payload, src=choice.source)
-    if holds:
-        return mine.state
-    return read_payload(payload.cpu())
+    rows = None
+    if rows_shape is not None:
+        rows = (torch.from_numpy(own.slot.rows.copy()).to(device) if rank == choice.source
+                else torch.empty(rows_shape, dtype=torch.uint8, device=device))
+        distributed.broadcast_tensor(rows, src=choice.source)
+        rows = rows.cpu().numpy()
+    if own is not None:
+        return complete(own.state, rank, world_size, None)
+    return complete(read_payload(payload.cpu()), rank, world_size, rows)
+
+
+def complete(state: dict, rank: int, world_size: int, rows) -> dict:
+    """A memory snapshot (a rank's own row in its ``rng`` part, a rank's own loss sums in
+    its ``progress``) as a resume restores it: ``rng`` every rank's RNG states as the
+    disk snapshot holds them, this rank's in place (from its own row, or from the
+    sender's exchange ``rows`` where it was sent), and the epoch's loss sums over every
+    rank. Collective where the loss sums are kept (mid-epoch)."""
+    from engine import distributed
+
+    part = state.get("rng") or {}
+    if "row" not in part:  # a whole state (a test's, or an older form): as it is
+        return state
+    saved_world = part["world_size"]
+    mine = read_row(part["row"] if rows is None else row_in(rows, rank))
+    ranks = [None] * saved_world
+    if mine is not None and rank < saved_world:
+        ranks[rank] = mine["rng"]
+    state = {**state, "rng": {"ranks": ranks, "world_size": saved_world}}
+    progress = state.get("progress")
+    loss = (progress or {}).get("epoch_loss")
+    if loss is not None and saved_world != world_size:
+        # Another number of processes: the ranks that kept the sums are not these; the
+        # resumed epoch's mean loss covers the batches after the resume.
+        state["progress"] = {**progress, "epoch_loss": None}
+    elif loss is not None:  # every rank is mid-epoch alike (the same step)
+        import torch
+
+        # The all-reduce of the same values the disk snapshot's capture sums: the same
+        # sums, to the bit.
+        totals = torch.tensor(mine["loss"], dtype=torch.float64,
+                              device=distributed.collective_device())
+        total, batches = distributed.all_reduce_sum(totals).tolist()
+        state["progress"] = {**progress, "epoch_loss": {
+            "sum": total, "batches": batches, "micro_batch": loss["micro_batch"]}}
+    return state
