@@ -594,15 +594,34 @@ def _exchange_rows(array, at: int, sequence: int):
     return rows.reshape(world, row_bytes) if check.digest() == digest else None
 
 
-def make_row(rng: dict, loss) -> bytes:
-    """This rank's exchange row: its RNG states (engine.stateful.rng_state) and its own
-    part of the epoch's loss sums ((sum, micro-batches) or None), which a peer keeps in
-    case this rank's buffers are lost. b"" when they do not fit in ROW_BYTES."""
-    from engine.stateful import _rng_as_bytes
+def make_row(loss) -> bytes:
+    """This rank's exchange row: its RNG states (what engine.stateful.rng_state holds)
+    and its own part of the epoch's loss sums ((sum, micro-batches) or None), which a
+    peer keeps in case this rank's buffers are lost. b"" when they do not fit in
+    ROW_BYTES. In raw bytes, not as rng_state's tuples and tensors, which take
+    longer to pickle."""
+    import random
 
-    data = pickle.dumps({"rng": _rng_as_bytes(rng), "loss": loss},
-                        protocol=pickle.HIGHEST_PROTOCOL)
+    import torch
+
+    version, internal, gauss = random.getstate()
+    state = {"python": (version, struct.pack(f"<{len(internal)}I", *internal), gauss),
+             "numpy": _numpy_rng(), "torch": torch.get_rng_state().numpy().tobytes()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
+    data = pickle.dumps({"rng": state, "loss": loss}, protocol=pickle.HIGHEST_PROTOCOL)
     return data if 8 + len(data) <= ROW_BYTES else b""
+
+
+def _numpy_rng() -> dict:
+    """numpy's global RNG state (np.random.get_state's), as plain values. (Its getter
+    takes 23 us; the generator's raw state, a microsecond through ctypes, does not say
+    whether it moved: a cached normal deviate is drawn without moving it.)"""
+    import numpy as np
+
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"keys": keys.astype("<u4").tobytes(), "pos": int(pos),
+            "has_gauss": int(has_gauss), "gauss": float(gauss)}
 
 
 def read_row(row: bytes) -> dict | None:
@@ -610,12 +629,26 @@ def read_row(row: bytes) -> dict | None:
     None for an empty row (the states did not fit)."""
     import io
 
-    from engine.stateful import _rng_from_bytes
+    import numpy as np
+    import torch
 
     if not row:
         return None
     plain = _SkeletonUnpickler(io.BytesIO(row)).load()
-    return {"rng": _rng_from_bytes(plain["rng"]), "loss": plain["loss"]}
+    rng = plain["rng"]
+
+    def tensor(data: bytes, dtype=np.uint8):
+        return torch.from_numpy(np.frombuffer(data, dtype=dtype).copy())
+
+    version, internal, gauss = rng["python"]
+    numpy_state = rng["numpy"]
+    state = {"python": (version, struct.unpack(f"<{len(internal) // 4}I", internal), gauss),
+             "numpy": {**numpy_state,
+                       "keys": tensor(numpy_state["keys"], "<u4").to(torch.int64)},
+             "torch": tensor(rng["torch"])}
+    if "cuda" in rng:
+        state["cuda"] = [tensor(b) for b in rng["cuda"]]
+    return {"rng": state, "loss": plain["loss"]}
 
 
 def row_in(rows, rank: int) -> bytes:

@@ -82,8 +82,7 @@ def capture_here(eng, config: dict) -> tuple[dict, bytes]:
         here = getattr(part, "local_state_dict", None)
         states[name] = here() if here is not None else part.state_dict()
     loss = (states.get("progress") or {}).get("epoch_loss")
-    row = memory_snapshot.make_row(stateful.rng_state(), None if loss is None else
-                                   (loss["sum"], loss["batches"]))
+    row = memory_snapshot.make_row(None if loss is None else (loss["sum"], loss["batches"]))
     if "rng" in parts:
         states["rng"] = {"world_size": eng.world.world_size, "rank": eng.world.rank,
                          "row": row}
