@@ -259,9 +259,14 @@ def write_payload(buf, skeleton: bytes, tensors: list) -> int:
     import numpy as np
 
     array = buf.numpy()
-    start = _align(8 + len(skeleton))
     array[:8] = np.frombuffer(struct.pack("<Q", len(skeleton)), dtype=np.uint8)
     array[8:8 + len(skeleton)] = np.frombuffer(skeleton, dtype=np.uint8)
+    return write_tensors(buf, array, _align(8 + len(skeleton)), tensors)
+
+
+def write_tensors(buf, array, start: int, tensors: list) -> int:
+    """``tensors`` (offset, tensor) into the payload ``buf`` (and ``array``, the same
+    bytes), their data region at ``start``; returns where the last one ends."""
     end = start
     for offset, tensor in tensors:
         n = tensor.numel() * tensor.element_size()
@@ -269,6 +274,20 @@ def write_payload(buf, skeleton: bytes, tensors: list) -> int:
             copy_bytes(buf, array, start + offset, n, tensor)
         end = start + offset + n
     return end
+
+
+def held_by(optimizer) -> frozenset:
+    """Where the tensors that only ``optimizer``'s step changes live (data pointers):
+    its parameters and its state (momentum, Adam's moments and step counts). A memory
+    snapshot copies these after the step's path, before that optimizer's next step
+    (MemorySnapshots.save); anything else (a module's buffers, which a forward updates,
+    a plugin's part) is copied at once."""
+    import torch
+
+    held = {p.data_ptr() for group in optimizer.param_groups for p in group["params"]}
+    for state in optimizer.state.values():
+        held.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+    return frozenset(held)
 
 
 def copy_bytes(buf, array, at: int, n: int, tensor) -> None:
@@ -460,10 +479,12 @@ class Buffer:
     def write_header(self, sequence: int, step: int, epoch: int, length: int,
                      run_id: bytes, digest: bytes) -> None:
         array = self.array
-        reached = struct.unpack_from("<Q", array[:_HEADER.size].tobytes(), _REACHED_AT)[0]
-        fields = _HEADER.pack(MAGIC, 0, step, epoch, length, digest, reached, run_id,
+        fields = _HEADER.pack(MAGIC, 0, step, epoch, length, digest, 0, run_id,
                               self.exchange_at)
-        array[16:_HEADER.size] = bytearray(fields[16:])  # everything but the sequence...
+        # Everything but the sequence and "reached" (the step's thread writes it while a
+        # background copy finishes)...
+        array[16:_REACHED_AT] = bytearray(fields[16:_REACHED_AT])
+        array[_REACHED_AT + 8:_HEADER.size] = bytearray(fields[_REACHED_AT + 8:])
         array[8:16] = bytearray(struct.pack("<Q", sequence))  # ...which commits it
 
     def invalidate(self) -> None:
@@ -762,7 +783,9 @@ class MemorySnapshots:
                      "host": socket.gethostname(), "pid": os.getpid(), "rank": world.rank,
                      "world_size": world.world_size}
         self.exchange_bytes = _EXCHANGE_HEAD + world.world_size * ROW_BYTES
-        self.exchanges = Exchanges(world.world_size)
+        self.background = Background(self)
+        self.exchanges = Exchanges(world.world_size, self.background)
+        self.hook = self.hooked = None  # the optimizer step's wait (hold)
 
     def check(self) -> str | None:
         """None when this user's buffer folder is safe to use (made if missing), else
@@ -809,9 +832,17 @@ class MemorySnapshots:
             if self.buffers[i].tensor is None or self.buffers[i].capacity < needed:
                 self.buffers[i].map(capacity, self.info, self.raw_id, self.exchange_bytes)
 
-    def save(self, state: dict, *, step: int, epoch: int) -> None:
+    def save(self, state: dict, *, step: int, epoch: int,
+             held: frozenset | None = None) -> None:
         """Copy ``state`` into the buffer that does not hold the newest snapshot. NoRoom
-        or Unsafe when a buffer cannot be had; the newest snapshot stays valid."""
+        or Unsafe when a buffer cannot be had; the newest snapshot stays valid.
+
+        ``held`` (:func:`held_by`): the tensors there are copied, the checksum taken and
+        the header written by the background thread (:class:`Background`), while the
+        next step's forward and backward run: the caller has the optimizer's next step
+        wait for it (:meth:`hold`). Until it is done the snapshot is not valid and the
+        previous one is the newest. The skeleton (plain values a step may change in
+        place) and every other tensor are written before this returns."""
         skeleton, tensors, data_size = encode_plan(state)
         needed = payload_size(skeleton, data_size)
         index = 1 if self.newest_index == 0 else 0
@@ -822,13 +853,44 @@ class MemorySnapshots:
         if any(tensor.is_cuda for _, tensor in tensors):
             buffer.pin()
         buffer.invalidate()
-        length = write_payload(buffer.payload(buffer.capacity), skeleton, tensors)
+        payload = buffer.payload(buffer.capacity)
+        later = [] if held is None else [(o, t) for o, t in tensors if t.data_ptr() in held]
+        now = [(o, t) for o, t in tensors if held is None or t.data_ptr() not in held]
+        write_payload(payload, skeleton, now)
+        start = _align(8 + len(skeleton))
+        last_offset, last = tensors[-1] if tensors else (0, None)
+        length = start + (last_offset + last.numel() * last.element_size() if tensors else 0)
         self.sequence += 1
-        digest = checksum(_signed(self.sequence, step, epoch, length, self.raw_id),
-                          buffer.array[HEADER_BYTES:HEADER_BYTES + length])
-        buffer.write_header(self.sequence, step, epoch, length, self.raw_id, digest)
+        sequence, raw_id = self.sequence, self.raw_id
+
+        def finish() -> None:
+            write_tensors(payload, payload.numpy(), start, later)
+            digest = checksum(_signed(sequence, step, epoch, length, raw_id),
+                              buffer.array[HEADER_BYTES:HEADER_BYTES + length])
+            buffer.write_header(sequence, step, epoch, length, raw_id, digest)
+
         self.newest_index = index
         self.saves += 1
+        if held is None:
+            finish()
+        else:
+            self.background.submit(finish)
+
+    def hold(self, optimizer) -> None:
+        """Have ``optimizer``'s steps wait for the snapshot being finished in the
+        background (:meth:`save`'s ``held``): registered once; a step with nothing in
+        flight pays one call that returns at once."""
+        if self.hooked is not optimizer:
+            if self.hook is not None:
+                self.hook.remove()
+            self.hook = optimizer.register_step_pre_hook(
+                lambda *_: self.background.wait())
+            self.hooked = optimizer
+
+    def finish(self) -> None:
+        """Wait for what the background thread has yet to do (a snapshot's copy, the
+        exchange's rows)."""
+        self.background.wait()
 
     def start_exchange(self, row: bytes) -> None:
         """Every rank, at every memory snapshot (also a rank whose save fails: it is a
@@ -843,9 +905,6 @@ class MemorySnapshots:
         self.exchanges.record(self.buffers[self.newest_index] if saved else None,
                               self.sequence)
 
-    def finish_exchange(self) -> None:
-        """Wait for the exchange in flight, if any (before the buffers are unmapped)."""
-        self.exchanges.wait()
 
     def room_for(self, state: dict) -> tuple[int, int]:
         """The bytes the buffers of ``state`` take on this machine (two per local rank:
@@ -869,7 +928,10 @@ class MemorySnapshots:
                    if b.tensor is not None)
 
     def close(self) -> None:
-        self.exchanges.wait()
+        self.background.wait()
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = self.hooked = None
         for buffer in self.buffers:
             buffer.close()
 
@@ -882,34 +944,80 @@ class MemorySnapshots:
         return unlink_all(self.paths)
 
 
+class Background:
+    """This rank's thread that finishes each memory snapshot off the step's path: the
+    copy of the tensors only the optimizer's step changes, the checksum and the header
+    (MemorySnapshots.save), then the exchange's rows (:class:`Exchanges`), in that
+    order. A job that fails raises ``memory.failed``: the ranks turn the tier off at the
+    next check point."""
+
+    #: How long anything waits for the thread: the process group's own timeout ends a
+    #: collective whose peer died well before this.
+    TIMEOUT_S = 3600.0
+
+    def __init__(self, memory: MemorySnapshots):
+        self.memory = memory
+        self.queue = self.thread = self.idle = None
+        self.pending = 0
+
+    def submit(self, job) -> None:
+        import threading
+
+        if self.thread is None:
+            import queue
+
+            self.queue, self.idle, self.lock = queue.SimpleQueue(), threading.Event(), \
+                threading.Lock()
+            self.thread = threading.Thread(target=self._serve, daemon=True,
+                                           name="engine-memory-snapshots")
+            self.thread.start()
+        with self.lock:
+            self.pending += 1
+            self.idle.clear()
+        self.queue.put(job)
+
+    def _serve(self) -> None:
+        while True:
+            job = self.queue.get()
+            try:
+                job()
+            except Exception as exc:  # a peer gone, a buffer gone: the tier goes off
+                self.memory.failed = self.memory.failed or (
+                    f"the background copy failed: {type(exc).__name__}: {exc}")
+            finally:
+                with self.lock:
+                    self.pending -= 1
+                    if not self.pending:
+                        self.idle.set()
+
+    def wait(self) -> None:
+        if self.idle is not None and not self.idle.wait(self.TIMEOUT_S):
+            raise RuntimeError(f"a memory snapshot's background copy and exchange did not "
+                               f"finish in {self.TIMEOUT_S:.0f} s")
+
+
 class Exchanges:
     """The exchange of every rank's row at each memory snapshot: one all_gather started
-    without waiting (async_op), and one background thread that waits for it and writes
-    the rows into the buffer (:meth:`Buffer.write_exchange`). The step goes on meanwhile:
-    the only thing on the step's path is the start of the collective (tens of
+    without waiting (async_op); the background thread waits for it and writes the rows
+    into the buffer (:meth:`Buffer.write_exchange`). The step goes on meanwhile: the
+    only thing on the step's path is the start of the collective (tens of
     microseconds), where a gather of the RNG states at each snapshot cost a round trip
     between the ranks and every skew between them (7 ms of a 25 ms step, issue 37). A
     single process writes its row at once."""
 
-    #: How long a snapshot waits for the previous exchange: the process group's own
-    #: timeout ends a collective whose peer died well before this.
-    TIMEOUT_S = 3600.0
-
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, background: Background):
         self.world_size = world_size
+        self.background = background
         self.line = None  # this rank's row (numpy)
         self.row = self.rows = self.views = None  # the same, and every rank's (torch)
         self.work = None  # the all_gather started, not yet handed to the thread
-        self.queue = self.thread = None
-        self.idle = None  # set while no exchange is in flight
-        self.error: str | None = None  # why the last one failed (a peer gone)
 
     def start(self, row: bytes) -> None:
         import numpy as np
 
         from engine import distributed
 
-        self.wait()  # the previous exchange's rows are written, its tensors free
+        self.background.wait()  # the previous rows are written, the tensors free
         if self.line is None:
             self.line = np.zeros(ROW_BYTES, dtype=np.uint8)
         line = self.line
@@ -921,53 +1029,30 @@ class Exchanges:
         import torch.distributed as dist
 
         if self.row is None:
-            self._allocate(distributed.collective_device())
+            device = distributed.collective_device()
+            self.row = torch.zeros(ROW_BYTES, dtype=torch.uint8, device=device)
+            self.rows = torch.zeros(self.world_size, ROW_BYTES, dtype=torch.uint8,
+                                    device=device)
+            self.views = list(self.rows.unbind(0))
         self.row.copy_(torch.from_numpy(line))
         self.work = dist.all_gather(self.views, self.row, async_op=True)
 
     def record(self, target: Buffer | None, sequence: int) -> None:
         """The rows of the exchange :meth:`start` began go into ``target`` (the buffer
-        just saved, holding the snapshot ``sequence``; None: this rank saved none) when
-        they have come."""
-        if self.work is None:  # one process: its row is every row
-            if target is not None:
-                target.write_exchange(sequence, self.line.reshape(1, -1))
-            return
-        self.idle.clear()
-        self.queue.put((self.work, target, sequence))
-        self.work = None
+        just saved, holding the snapshot ``sequence`` once the background thread has
+        finished it; None: this rank saved none) when they have come."""
+        work, self.work = self.work, None
 
-    def _allocate(self, device) -> None:
-        import queue
-        import threading
-
-        import torch
-
-        self.row = torch.zeros(ROW_BYTES, dtype=torch.uint8, device=device)
-        self.rows = torch.zeros(self.world_size, ROW_BYTES, dtype=torch.uint8, device=device)
-        self.views = list(self.rows.unbind(0))
-        self.queue, self.idle = queue.SimpleQueue(), threading.Event()
-        self.idle.set()
-        self.thread = threading.Thread(target=self._serve, name="engine-memory-exchange",
-                                       daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            work, target, sequence = self.queue.get()
-            try:
+        def write() -> None:
+            if work is not None:
                 work.wait()  # the GIL is released meanwhile
-                if target is not None:
-                    target.write_exchange(sequence, self.rows.cpu().numpy())
-            except Exception as exc:  # a peer gone: the process group says so next
-                self.error = f"{type(exc).__name__}: {exc}"
-            finally:
-                self.idle.set()
+            if target is not None:
+                target.write_exchange(sequence, self.line.reshape(1, -1) if work is None
+                                      else self.rows.cpu().numpy())
 
-    def wait(self) -> None:
-        if self.idle is not None and not self.idle.wait(self.TIMEOUT_S):
-            raise RuntimeError(f"the exchange of the memory snapshots' RNG states with the "
-                               f"other ranks did not finish in {self.TIMEOUT_S:.0f} s")
+        if work is None and target is None:
+            return
+        self.background.submit(write)
 
 
 def unlink_all(paths) -> list[str]:

@@ -140,8 +140,14 @@ def save_to_memory(eng) -> None:
         memory.start_exchange(row)  # every rank: a collective, not waited for
         saved = False
         if memory.failed is None:
+            # What only the optimizer's step changes is copied during the next step's
+            # forward and backward, finished before that optimizer step (memory.hold).
+            held = None
+            if eng.optimizer is not None:
+                memory.hold(eng.optimizer)
+                held = memory_snapshot.held_by(eng.optimizer)
             try:
-                memory.save(state, step=eng.state.step, epoch=eng.state.epoch)
+                memory.save(state, step=eng.state.step, epoch=eng.state.epoch, held=held)
                 saved = True
             except (memory_snapshot.NoRoom, memory_snapshot.Unsafe) as exc:
                 memory.failed = str(exc)

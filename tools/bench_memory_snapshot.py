@@ -124,6 +124,8 @@ def engine_epoch_end(engine, epoch, metrics):
 
     engine_train_step_end(engine, None, None)  # the last step's snapshot
     memory = engine.memory
+    if memory is not None:
+        memory.finish()  # the last snapshot's background copy
     slot = memory_snapshot.newest(memory.paths) if memory is not None else None
     tensors = [*engine.module.state_dict().values(),
                *(v for s in engine.optimizer.state.values() for v in s.values())]
