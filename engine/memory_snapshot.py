@@ -89,6 +89,8 @@ ROW_BYTES = 8 + 16384 + 512
 _SIGNED = struct.Struct("<8sQQQQ16s")
 #: Marks a tensor's place in the pickled skeleton: (MARKER, offset, dtype, shape).
 MARKER = "\x00engine-memory-tensor"
+#: Marks a value pickled once for every snapshot (the config): (PICKLED, its pickle).
+PICKLED = "\x00engine-memory-pickled"
 _NAME = re.compile(r"(?P<run_id>[0-9a-f]{32})-r(?P<rank>\d+)-[ab]")
 
 
@@ -208,7 +210,13 @@ def _align(n: int) -> int:
 # ------------------------------------------------------------ the payload
 
 
-_PLAIN = {int, float, bool, str, type(None)}
+_PLAIN = {int, float, bool, str, bytes, type(None)}
+
+
+def pickled(value) -> tuple:
+    """``value`` (plain values only, as a skeleton's) pickled now, for a snapshot to
+    hold as it is: a config the same at every snapshot costs its pickle once."""
+    return (PICKLED, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 @functools.cache
@@ -334,6 +342,8 @@ def read_payload(buf) -> dict:
     start = _align(8 + length)
 
     def build(value):
+        if isinstance(value, tuple) and len(value) == 2 and value[0] == PICKLED:
+            return _SkeletonUnpickler(io.BytesIO(value[1])).load()
         if isinstance(value, tuple) and len(value) == 4 and value[0] == MARKER:
             _, offset, dtype, shape = value
             dtype = getattr(torch, str(dtype), None)
@@ -628,21 +638,38 @@ def make_row(loss) -> bytes:
     version, internal, gauss = random.getstate()
     state = {"python": (version, struct.pack(f"<{len(internal)}I", *internal), gauss),
              "numpy": _numpy_rng(), "torch": torch.get_rng_state().numpy().tobytes()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (is_available asks the driver: 1 us, each time)
         state["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
     data = pickle.dumps({"rng": state, "loss": loss}, protocol=pickle.HIGHEST_PROTOCOL)
     return data if 8 + len(data) <= ROW_BYTES else b""
 
 
+_numpy_seen: list = [None, None]  # numpy's raw generator state, and its state then
+
+
 def _numpy_rng() -> dict:
-    """numpy's global RNG state (np.random.get_state's), as plain values. (Its getter
-    takes 23 us; the generator's raw state, a microsecond through ctypes, does not say
-    whether it moved: a cached normal deviate is drawn without moving it.)"""
+    """numpy's global RNG state (np.random.get_state's), as plain values. Its getter
+    copies the generator out (23 us, three times that between a step's forward and
+    backward); the raw generator state, read through ctypes in a microsecond, says when
+    it cannot have moved: the same raw state, and no normal deviate cached then (a
+    cached one is drawn later without moving the generator; caching one moves it). In
+    a training loop it seldom moves: the loader's workers draw in their own processes."""
+    import ctypes
+
     import numpy as np
 
-    _, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"keys": keys.astype("<u4").tobytes(), "pos": int(pos),
-            "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    try:
+        raw = ctypes.string_at(np.random.mtrand._rand._bit_generator.ctypes.state_address,
+                               624 * 4 + 4)  # MT19937's key and position
+    except (AttributeError, TypeError, ValueError):  # no ctypes view: read it each time
+        raw = None
+    seen_raw, seen = _numpy_seen
+    if raw is None or raw != seen_raw or seen["has_gauss"]:
+        _, keys, pos, has_gauss, gauss = np.random.get_state()
+        seen = {"keys": keys.astype("<u4").tobytes(), "pos": int(pos),
+                "has_gauss": int(has_gauss), "gauss": float(gauss)}
+        _numpy_seen[:] = [raw, seen]
+    return seen
 
 
 def read_row(row: bytes) -> dict | None:
@@ -785,7 +812,7 @@ class MemorySnapshots:
         self.exchange_bytes = _EXCHANGE_HEAD + world.world_size * ROW_BYTES
         self.background = Background(self)
         self.exchanges = Exchanges(world.world_size, self.background)
-        self.hook = self.hooked = None  # the optimizer step's wait (hold)
+        self.hook = None  # the next optimizer step's wait (hold)
 
     def check(self) -> str | None:
         """None when this user's buffer folder is safe to use (made if missing), else
@@ -811,7 +838,14 @@ class MemorySnapshots:
 
     def note_reached(self, step: int) -> None:
         """The step the run reached (buffer a's header): a restart says how many steps
-        it recomputes."""
+        it recomputes. After each optimizer step: the previous snapshot's background
+        copy is done (the step's pre-hook waited, :meth:`hold`; or here, where the step
+        was skipped), and the hook goes, so that steps without a snapshot call
+        nothing."""
+        if self.hook is not None:
+            self.background.wait()
+            self.hook.remove()
+            self.hook = None
         if self.buffers[0].tensor is not None:
             self.buffers[0].note_reached(step)
 
@@ -877,15 +911,11 @@ class MemorySnapshots:
             self.background.submit(finish)
 
     def hold(self, optimizer) -> None:
-        """Have ``optimizer``'s steps wait for the snapshot being finished in the
-        background (:meth:`save`'s ``held``): registered once; a step with nothing in
-        flight pays one call that returns at once."""
-        if self.hooked is not optimizer:
-            if self.hook is not None:
-                self.hook.remove()
-            self.hook = optimizer.register_step_pre_hook(
-                lambda *_: self.background.wait())
-            self.hooked = optimizer
+        """Have ``optimizer``'s next step wait for the snapshot being finished in the
+        background (:meth:`save`'s ``held``): a step pre-hook, removed after that step
+        (:meth:`note_reached`)."""
+        if self.hook is None:
+            self.hook = optimizer.register_step_pre_hook(lambda *_: self.background.wait())
 
     def finish(self) -> None:
         """Wait for what the background thread has yet to do (a snapshot's copy, the
@@ -931,7 +961,7 @@ class MemorySnapshots:
         self.background.wait()
         if self.hook is not None:
             self.hook.remove()
-            self.hook = self.hooked = None
+            self.hook = None
         for buffer in self.buffers:
             buffer.close()
 

@@ -64,7 +64,7 @@ def capture(eng, config: dict | None = None, parts: dict | None = None) -> dict:
     }
 
 
-def capture_here(eng, config: dict) -> tuple[dict, bytes]:
+def capture_here(eng, config) -> tuple[dict, bytes]:
     """A memory snapshot's dict, without a collective of its own, and this rank's
     exchange row (engine/memory_snapshot.py's make_row). Each rank keeps its own share
     where the disk snapshot gathers every rank's: a part with ``local_state_dict()``
@@ -132,8 +132,8 @@ def save_to_memory(eng) -> None:
 
     memory = eng.memory
     with phases.carve(phases.MEMORY_SNAPSHOTS, within="training", label="memory snapshot"):
-        if memory.config is None:  # the same at every step: converted once
-            memory.config = config_mod.to_dict(eng.cfg)
+        if memory.config is None:  # the same at every step: converted and pickled once
+            memory.config = memory_snapshot.pickled(config_mod.to_dict(eng.cfg))
         state, row = capture_here(eng, memory.config)
         if not memory.saves and not _every_rank_can_keep_them(eng, memory, state):
             return

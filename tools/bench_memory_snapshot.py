@@ -56,6 +56,7 @@ snapshot are outside. Printed per workload, process count and N:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -140,24 +141,28 @@ def engine_epoch_end(engine, epoch, metrics):
 
 def split_times(eng, times: int = 3) -> dict:
     """Where a memory snapshot's time goes, each the median of ``times`` after the
-    loop: capture (the snapshot dict; collective: the ranks' RNG states are gathered),
-    each snapshot part's share of it, and the copy (engine.memory_snapshot's save:
-    skeleton, tensors into the buffer, checksum, header). These extra snapshots come
-    after the last step: the weights and the timed loop are untouched."""
+    loop: capture (the snapshot dict, each rank its own share: engine.snapshot's
+    capture_here), each snapshot part's share of it (``rng``: this rank's exchange row),
+    and the copy (engine.memory_snapshot's save, all of it at once here: skeleton,
+    tensors into the buffer, checksum, header). These extra snapshots come after the
+    last step: the weights and the timed loop are untouched."""
     import time
 
-    from engine import snapshot
+    from engine import memory_snapshot, snapshot
 
     parts = eng.snapshot_parts
     spent: dict[str, list[float]] = {"capture": [], "copy": [],
                                      **{name: [] for name in parts.names()}}
     for _ in range(times):
-        for name in parts.names():  # in the capture's order: collectives match
+        for name in parts.names():
+            part = getattr(parts[name], "local_state_dict", parts[name].state_dict)
+            if name == "rng":
+                part = functools.partial(memory_snapshot.make_row, None)
             start = time.perf_counter()
-            parts[name].state_dict()
+            part()
             spent[name].append(time.perf_counter() - start)
         start = time.perf_counter()
-        state = snapshot.capture(eng, eng.memory.config)
+        state, _ = snapshot.capture_here(eng, eng.memory.config)
         middle = time.perf_counter()
         eng.memory.save(state, step=eng.state.step, epoch=eng.state.epoch)
         spent["capture"].append(middle - start)
