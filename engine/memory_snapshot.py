@@ -843,7 +843,7 @@ class MemorySnapshots:
         was skipped), and the hook goes, so that steps without a snapshot call
         nothing."""
         if self.hook is not None:
-            self.background.wait()
+            self.background.wait(self.background.copied)
             self.hook.remove()
             self.hook = None
         if self.buffers[0].tensor is not None:
@@ -898,16 +898,20 @@ class MemorySnapshots:
         sequence, raw_id = self.sequence, self.raw_id
 
         def finish() -> None:
-            write_tensors(payload, payload.numpy(), start, later)
-            digest = checksum(_signed(sequence, step, epoch, length, raw_id),
-                              buffer.array[HEADER_BYTES:HEADER_BYTES + length])
-            buffer.write_header(sequence, step, epoch, length, raw_id, digest)
+            try:
+                write_tensors(payload, payload.numpy(), start, later)
+                digest = checksum(_signed(sequence, step, epoch, length, raw_id),
+                                  buffer.array[HEADER_BYTES:HEADER_BYTES + length])
+                buffer.write_header(sequence, step, epoch, length, raw_id, digest)
+            finally:
+                self.background.copied.set()
 
         self.newest_index = index
         self.saves += 1
         if held is None:
             finish()
         else:
+            self.background.copied.clear()
             self.background.submit(finish)
 
     def hold(self, optimizer) -> None:
@@ -915,7 +919,8 @@ class MemorySnapshots:
         background (:meth:`save`'s ``held``): a step pre-hook, removed after that step
         (:meth:`note_reached`)."""
         if self.hook is None:
-            self.hook = optimizer.register_step_pre_hook(lambda *_: self.background.wait())
+            self.hook = optimizer.register_step_pre_hook(
+                lambda *_: self.background.wait(self.background.copied))
 
     def finish(self) -> None:
         """Wait for what the background thread has yet to do (a snapshot's copy, the
@@ -987,8 +992,12 @@ class Background:
 
     def __init__(self, memory: MemorySnapshots):
         self.memory = memory
+        import threading
+
         self.queue = self.thread = self.idle = None
         self.pending = 0
+        self.copied = threading.Event()  # clear while a snapshot's copy is in flight
+        self.copied.set()
 
     def submit(self, job) -> None:
         import threading
@@ -1020,8 +1029,11 @@ class Background:
                     if not self.pending:
                         self.idle.set()
 
-    def wait(self) -> None:
-        if self.idle is not None and not self.idle.wait(self.TIMEOUT_S):
+    def wait(self, event=None) -> None:
+        """Until the thread has nothing left to do (or ``event``, :attr:`copied`, is
+        set)."""
+        event = self.idle if event is None else event
+        if event is not None and not event.wait(self.TIMEOUT_S):
             raise RuntimeError(f"a memory snapshot's background copy and exchange did not "
                                f"finish in {self.TIMEOUT_S:.0f} s")
 
@@ -1038,7 +1050,7 @@ class Exchanges:
     def __init__(self, world_size: int, background: Background):
         self.world_size = world_size
         self.background = background
-        self.line = None  # this rank's row (numpy)
+        self.line = self.line_tensor = None  # this rank's row (numpy, torch)
         self.row = self.rows = self.views = None  # the same, and every rank's (torch)
         self.work = None  # the all_gather started, not yet handed to the thread
 
@@ -1048,24 +1060,33 @@ class Exchanges:
         from engine import distributed
 
         self.background.wait()  # the previous rows are written, the tensors free
+        spread = distributed.is_initialized()
         if self.line is None:
-            self.line = np.zeros(ROW_BYTES, dtype=np.uint8)
+            self._allocate(distributed.collective_device() if spread else None)
         line = self.line
         line[:8] = np.frombuffer(struct.pack("<Q", len(row)), dtype=np.uint8)
         line[8:8 + len(row)] = np.frombuffer(row, dtype=np.uint8)  # b"": did not fit
-        if not distributed.is_initialized():
-            return
-        import torch
-        import torch.distributed as dist
+        if spread:
+            import torch.distributed as dist
 
-        if self.row is None:
-            device = distributed.collective_device()
-            self.row = torch.zeros(ROW_BYTES, dtype=torch.uint8, device=device)
-            self.rows = torch.zeros(self.world_size, ROW_BYTES, dtype=torch.uint8,
-                                    device=device)
-            self.views = list(self.rows.unbind(0))
-        self.row.copy_(torch.from_numpy(line))
-        self.work = dist.all_gather(self.views, self.row, async_op=True)
+            if self.row.device.type != "cpu":
+                self.row.copy_(self.line_tensor)
+            self.work = dist.all_gather(self.views, self.row, async_op=True)
+
+    def _allocate(self, device) -> None:
+        """This rank's row and every rank's: on the CPU the row is the collective's own
+        tensor (written in place); on a GPU (NCCL) a pinned copy is sent over."""
+        import torch
+
+        self.line_tensor = torch.zeros(ROW_BYTES, dtype=torch.uint8)
+        self.line = self.line_tensor.numpy()
+        if device is None:
+            return
+        self.row = self.line_tensor if device.type == "cpu" else torch.zeros(
+            ROW_BYTES, dtype=torch.uint8, device=device)
+        self.rows = torch.zeros(self.world_size, ROW_BYTES, dtype=torch.uint8,
+                                device=device)
+        self.views = list(self.rows.unbind(0))
 
     def record(self, target: Buffer | None, sequence: int) -> None:
         """The rows of the exchange :meth:`start` began go into ``target`` (the buffer
