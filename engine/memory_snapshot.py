@@ -1273,11 +1273,17 @@ def agree(memory: MemorySnapshots, mine: list[Loaded]) -> MemoryChoice:
     held = [(m.step, m.slot.rows is not None
              or m.state.get("world_size") != world_size) for m in mine]
     every = distributed.all_gather_object((held, memory.reached()))
-    reached = max(r for _, r in every)
-    for step in sorted({s for h, _ in every for s, _ in h}, reverse=True):
-        holders = [r for r, (h, _) in enumerate(every) if any(s == step for s, _ in h)]
-        senders = [r for r, (h, _) in enumerate(every) if (step, True) in h]
-        if len(holders) == world_size or senders:
+    return choose([h for h, _ in every], max(r for _, r in every))
+
+
+def choose(held: list[list[tuple[int, bool]]], reached: int) -> MemoryChoice:
+    """:func:`agree`'s answer from what each rank holds (``held[rank]``: (step, whether
+    a peer can send it: its rows whole) for each of its snapshots): the newest step
+    that every rank holds, or that a rank holding it can send to those that do not."""
+    for step in sorted({s for h in held for s, _ in h}, reverse=True):
+        holders = [r for r, h in enumerate(held) if any(s == step for s, _ in h)]
+        senders = [r for r, h in enumerate(held) if (step, True) in h]
+        if len(holders) == len(held) or senders:
             return MemoryChoice(step, holders, reached,
                                 source=senders[0] if senders else holders[0])
     return MemoryChoice(-1, [], reached)
