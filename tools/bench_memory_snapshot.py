@@ -46,9 +46,11 @@ snapshot are outside. Printed per workload, process count and N:
   epoch's end, before the run removes its buffers; the model's and optimizer's tensor
   bytes are in --json); bandwidth: payload bytes / time of one snapshot;
 - where one snapshot's time goes, measured by the probe after the loop (median of 3):
-  capture (the snapshot dict; with 2 processes a collective) and its slowest parts
-  (engine/stateful.py's), copy (skeleton, tensors into the buffer, checksum, header),
-  and payload bytes / copy time;
+  capture (the snapshot dict, each rank its own share, no collective:
+  engine.snapshot's capture_here) and its slowest parts (engine/stateful.py's; rng:
+  this rank's exchange row), copy (skeleton, tensors into the buffer, checksum, header,
+  all at once here, where the loop leaves most of it to a background thread), and
+  payload bytes / copy time;
 - weights: bit-identical to the run with snapshots off (a snapshot only reads), every
   round. Exit status 1 where they are not.
 """
