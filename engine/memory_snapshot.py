@@ -20,30 +20,39 @@ whenever the run starts afresh (``--no-resume``, a deleted or overwritten folder
 buffer is used only when it carries that id, so another run's buffers, and those of a
 run whose folder was deleted or overwritten, never match.
 
-A buffer is a header page, then the payload::
+A buffer is a header page, the payload, then the exchange region::
 
     header   magic, sequence number (0: invalid), step, epoch, payload length, xxh3-128
              of the header's fields and the payload, the step the run had reached
-             (buffer a; informative, outside the checksum), the run id, a JSON line
-             (run folder, host, pid, rank, world size)
+             (buffer a; informative, outside the checksum), the run id, where the
+             exchange region starts, a JSON line (run folder, host, pid, rank, world
+             size)
     payload  [skeleton length][skeleton: the snapshot dict pickled with every tensor
              replaced by (marker, offset, dtype, shape)][tensor bytes, 64-byte aligned]
+    exchange [the payload's sequence number, rows, row size, xxh3-128][one row per
+             rank: its RNG states and loss sums at the payload's step]
 
-The content is the disk snapshot's (:func:`engine.snapshot.capture`: model, optimizer,
-scheduler, scaler, progress, loader position, every rank's RNG states, config...), so in
-the replicated parallel modes every rank's buffer is a whole snapshot that any rank can
-resume from: the per-rank parts (RNG states) are gathered into each one.
+The content is the disk snapshot's (:func:`engine.snapshot.capture_here`: model,
+optimizer, scheduler, scaler, progress, loader position, config...) except for what the
+disk snapshot gathers from every rank: each rank keeps its own RNG states and loss sums
+(its row, :func:`make_row`), with no collective on the step's path. The rows go to every
+rank by an all_gather that nobody waits for; a background thread writes them into the
+exchange region when they come (:class:`Exchanges`), so in the replicated parallel
+modes any rank's buffer with its rows restores any rank (:func:`complete`).
 
 A save writes into the buffer that does not hold the newest snapshot: it zeroes that
 buffer's sequence number first (a kill during the copy leaves it invalid, the other one
-valid), copies, then writes the header, the sequence number last. A reader takes the
-valid buffer (magic, sequence > 0, this run's id, the checksum) with the highest
-sequence, so a torn, stale or foreign buffer is never used.
+valid), copies, then writes the header, the sequence number last. The tensors only the
+optimizer's step changes are copied, and the header written, by the background thread
+during the next step's forward and backward; that step's optimizer step waits for it
+(:meth:`MemorySnapshots.hold`). A reader takes the valid buffer (magic, sequence > 0,
+this run's id, the checksum) with the highest sequence, so a torn, stale or foreign
+buffer is never used; rows whose sequence or checksum does not match are none.
 
 At a resume the ranks agree (:func:`agree`) on the newest snapshot every rank can
 restore: a memory snapshot newer than the newest disk snapshot, from the rank's own
 buffer or, where its own is gone (a replaced machine, a wiped /dev/shm), sent by a rank
-that has it over the process group; else the disk snapshot.
+that has it and its rows over the process group; else the disk snapshot.
 """
 
 from __future__ import annotations
@@ -802,7 +811,7 @@ class MemorySnapshots:
         self.newest_index: int | None = None
         self.saves = 0
         self.reached_before = 0  # how far the interrupted run had got (agree() says)
-        self.config: dict | None = None  # the run's config as a dict (snapshot.py)
+        self.config = None  # the run's config, pickled once (snapshot.py, pickled())
         #: Why this rank's last save failed (a full tmpfs, a name taken since): the
         #: ranks agree at the next check point to turn the tier off (trainer.py).
         self.failed: str | None = None

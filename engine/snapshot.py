@@ -67,9 +67,10 @@ def capture(eng, config: dict | None = None, parts: dict | None = None) -> dict:
 def capture_here(eng, config) -> tuple[dict, bytes]:
     """A memory snapshot's dict, without a collective of its own, and this rank's
     exchange row (engine/memory_snapshot.py's make_row). Each rank keeps its own share
-    where the disk snapshot gathers every rank's: a part with ``local_state_dict()``
-    (the Trainer's progress: this rank's loss sums) gives that, and ``rng`` holds this
-    rank's row (its RNG states and loss sums) rather than every rank's RNG states. The
+    where the disk snapshot gathers every rank's: ``progress`` its own loss sums (the
+    Trainer's ``local_state_dict()``), and ``rng`` this rank's row (its RNG states and
+    loss sums) rather than every rank's RNG states. Any other part that gathers still
+    does. The
     row goes to the other ranks off the step's path (MemorySnapshots.start_exchange);
     memory_snapshot.complete makes a snapshot whole again at a resume."""
     from engine import memory_snapshot, stateful
@@ -79,7 +80,9 @@ def capture_here(eng, config) -> tuple[dict, bytes]:
         part = parts[name]
         if isinstance(part, stateful.RngStates):
             continue  # below, once the loss sums are known
-        here = getattr(part, "local_state_dict", None)
+        # The Trainer's progress: its loss sums, which memory_snapshot.complete sums
+        # over the ranks at a resume (only it knows how to make them whole again).
+        here = getattr(part, "local_state_dict", None) if name == "progress" else None
         states[name] = here() if here is not None else part.state_dict()
     loss = (states.get("progress") or {}).get("epoch_loss")
     row = memory_snapshot.make_row(None if loss is None else (loss["sum"], loss["batches"]))
