@@ -57,6 +57,7 @@ that has it and its rows over the process group; else the disk snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import mmap
@@ -886,6 +887,8 @@ class MemorySnapshots:
         wait for it (:meth:`hold`). Until it is done the snapshot is not valid and the
         previous one is the newest. The skeleton (plain values a step may change in
         place) and every other tensor are written before this returns."""
+        import torch
+
         skeleton, tensors, data_size = encode_plan(state)
         needed = payload_size(skeleton, data_size)
         index = 1 if self.newest_index == 0 else 0
@@ -893,8 +896,12 @@ class MemorySnapshots:
         # Both at the first save (reserve), the target alone when the state grew.
         self._reserve(needed, [index] if self.buffers[1 - index].tensor is not None
                       else [index, 1 - index])
+        stream = None
         if any(tensor.is_cuda for _, tensor in tensors):
             buffer.pin()
+            # The background copies go on the stream the step's kernels are on: after
+            # the optimizer step that made the state, as the step's own copies would.
+            stream = torch.cuda.current_stream(next(t for _, t in tensors if t.is_cuda).device)
         buffer.invalidate()
         payload = buffer.payload(buffer.capacity)
         later = [] if held is None else [(o, t) for o, t in tensors if t.data_ptr() in held]
@@ -908,7 +915,9 @@ class MemorySnapshots:
 
         def finish() -> None:
             try:
-                write_tensors(payload, payload.numpy(), start, later)
+                with (contextlib.nullcontext() if stream is None
+                      else torch.cuda.stream(stream)):
+                    write_tensors(payload, payload.numpy(), start, later)
                 digest = checksum(_signed(sequence, step, epoch, length, raw_id),
                                   buffer.array[HEADER_BYTES:HEADER_BYTES + length])
                 buffer.write_header(sequence, step, epoch, length, raw_id, digest)
@@ -1106,6 +1115,12 @@ class Exchanges:
         def write() -> None:
             if work is not None:
                 work.wait()  # the GIL is released meanwhile
+                if self.rows.device.type == "cuda":
+                    # NCCL's wait only orders this thread's stream after the gather:
+                    # the rows are read once that stream got there.
+                    import torch
+
+                    torch.cuda.current_stream(self.rows.device).synchronize()
             if target is not None:
                 target.write_exchange(sequence, self.line.reshape(1, -1) if work is None
                                       else self.rows.cpu().numpy())
