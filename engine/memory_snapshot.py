@@ -20,34 +20,44 @@ whenever the run starts afresh (``--no-resume``, a deleted or overwritten folder
 buffer is used only when it carries that id, so another run's buffers, and those of a
 run whose folder was deleted or overwritten, never match.
 
-A buffer is a header page, then the payload::
+A buffer is a header page, the payload, then the exchange region::
 
     header   magic, sequence number (0: invalid), step, epoch, payload length, xxh3-128
              of the header's fields and the payload, the step the run had reached
-             (buffer a; informative, outside the checksum), the run id, a JSON line
-             (run folder, host, pid, rank, world size)
+             (buffer a; informative, outside the checksum), the run id, where the
+             exchange region starts, a JSON line (run folder, host, pid, rank, world
+             size)
     payload  [skeleton length][skeleton: the snapshot dict pickled with every tensor
              replaced by (marker, offset, dtype, shape)][tensor bytes, 64-byte aligned]
+    exchange [the payload's sequence number, rows, row size, xxh3-128][one row per
+             rank: its RNG states and loss sums at the payload's step]
 
-The content is the disk snapshot's (:func:`engine.snapshot.capture`: model, optimizer,
-scheduler, scaler, progress, loader position, every rank's RNG states, config...), so in
-the replicated parallel modes every rank's buffer is a whole snapshot that any rank can
-resume from: the per-rank parts (RNG states) are gathered into each one.
+The content is the disk snapshot's (:func:`engine.snapshot.capture_here`: model,
+optimizer, scheduler, scaler, progress, loader position, config...) except for what the
+disk snapshot gathers from every rank: each rank keeps its own RNG states and loss sums
+(its row, :func:`make_row`), with no collective on the step's path. The rows go to every
+rank by an all_gather that nobody waits for; a background thread writes them into the
+exchange region when they come (:class:`Exchanges`), so in the replicated parallel
+modes any rank's buffer with its rows restores any rank (:func:`complete`).
 
 A save writes into the buffer that does not hold the newest snapshot: it zeroes that
 buffer's sequence number first (a kill during the copy leaves it invalid, the other one
-valid), copies, then writes the header, the sequence number last. A reader takes the
-valid buffer (magic, sequence > 0, this run's id, the checksum) with the highest
-sequence, so a torn, stale or foreign buffer is never used.
+valid), copies, then writes the header, the sequence number last. The tensors only the
+optimizer's step changes are copied, and the header written, by the background thread
+during the next step's forward and backward; that step's optimizer step waits for it
+(:meth:`MemorySnapshots.hold`). A reader takes the valid buffer (magic, sequence > 0,
+this run's id, the checksum) with the highest sequence, so a torn, stale or foreign
+buffer is never used; rows whose sequence or checksum does not match are none.
 
 At a resume the ranks agree (:func:`agree`) on the newest snapshot every rank can
 restore: a memory snapshot newer than the newest disk snapshot, from the rank's own
 buffer or, where its own is gone (a replaced machine, a wiped /dev/shm), sent by a rank
-that has it over the process group; else the disk snapshot.
+that has it and its rows over the process group; else the disk snapshot.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import mmap
@@ -70,15 +80,27 @@ FOLDER_PREFIX = "engine-memory-"  # + the user id
 RUN_ID_FILE = ".engine-memory-id"
 HEADER_BYTES = 4096
 ALIGN = 64
-MAGIC = b"ENGMEM\x00\x02"
-# magic, sequence, step, epoch, payload length, checksum (16 bytes), step reached, run id
-_HEADER = struct.Struct("<8sQQQQ16sQ16s")
+MAGIC = b"ENGMEM\x00\x03"
+# magic, sequence, step, epoch, payload length, checksum (16 bytes), step reached, run id,
+# where the exchange region starts (0: none)
+_HEADER = struct.Struct("<8sQQQQ16sQ16sQ")
 _REACHED_AT = 56
+_EXCHANGE_AT = 80
 _JSON_AT = _HEADER.size
+#: The exchange region's own header: the sequence of the snapshot its rows belong to,
+#: the number of rows, the bytes of each, xxh3-128 of those and the rows.
+_EXCHANGE = struct.Struct("<QQQ16s")
+_EXCHANGE_HEAD = 64
+#: One rank's row in the exchange: its length, then the pickled RNG states (13 kB on the
+#: CPU, 16 bytes more per GPU) and epoch loss; a larger one is left out (a peer cannot
+#: then restore that rank's snapshot: the older one, or the disk snapshot, is used).
+ROW_BYTES = 8 + 16384 + 512
 #: What the checksum covers besides the payload: every field but itself and "reached".
 _SIGNED = struct.Struct("<8sQQQQ16s")
 #: Marks a tensor's place in the pickled skeleton: (MARKER, offset, dtype, shape).
 MARKER = "\x00engine-memory-tensor"
+#: Marks a value pickled once for every snapshot (the config): (PICKLED, its pickle).
+PICKLED = "\x00engine-memory-pickled"
 _NAME = re.compile(r"(?P<run_id>[0-9a-f]{32})-r(?P<rank>\d+)-[ab]")
 
 
@@ -198,7 +220,13 @@ def _align(n: int) -> int:
 # ------------------------------------------------------------ the payload
 
 
-_PLAIN = {int, float, bool, str, type(None)}
+_PLAIN = {int, float, bool, str, bytes, type(None)}
+
+
+def pickled(value) -> tuple:
+    """``value`` (plain values only, as a skeleton's) pickled now, for a snapshot to
+    hold as it is: a config the same at every snapshot costs its pickle once."""
+    return (PICKLED, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 @functools.cache
@@ -249,9 +277,14 @@ def write_payload(buf, skeleton: bytes, tensors: list) -> int:
     import numpy as np
 
     array = buf.numpy()
-    start = _align(8 + len(skeleton))
     array[:8] = np.frombuffer(struct.pack("<Q", len(skeleton)), dtype=np.uint8)
     array[8:8 + len(skeleton)] = np.frombuffer(skeleton, dtype=np.uint8)
+    return write_tensors(buf, array, _align(8 + len(skeleton)), tensors)
+
+
+def write_tensors(buf, array, start: int, tensors: list) -> int:
+    """``tensors`` (offset, tensor) into the payload ``buf`` (and ``array``, the same
+    bytes), their data region at ``start``; returns where the last one ends."""
     end = start
     for offset, tensor in tensors:
         n = tensor.numel() * tensor.element_size()
@@ -259,6 +292,20 @@ def write_payload(buf, skeleton: bytes, tensors: list) -> int:
             copy_bytes(buf, array, start + offset, n, tensor)
         end = start + offset + n
     return end
+
+
+def held_by(optimizer) -> frozenset:
+    """Where the tensors that only ``optimizer``'s step changes live (data pointers):
+    its parameters and its state (momentum, Adam's moments and step counts). A memory
+    snapshot copies these after the step's path, before that optimizer's next step
+    (MemorySnapshots.save); anything else (a module's buffers, which a forward updates,
+    a plugin's part) is copied at once."""
+    import torch
+
+    held = {p.data_ptr() for group in optimizer.param_groups for p in group["params"]}
+    for state in optimizer.state.values():
+        held.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+    return frozenset(held)
 
 
 def copy_bytes(buf, array, at: int, n: int, tensor) -> None:
@@ -305,6 +352,8 @@ def read_payload(buf) -> dict:
     start = _align(8 + length)
 
     def build(value):
+        if isinstance(value, tuple) and len(value) == 2 and value[0] == PICKLED:
+            return _SkeletonUnpickler(io.BytesIO(value[1])).load()
         if isinstance(value, tuple) and len(value) == 4 and value[0] == MARKER:
             _, offset, dtype, shape = value
             dtype = getattr(torch, str(dtype), None)
@@ -378,6 +427,10 @@ class Slot:
     info: dict
     tensor: Any = attrs.field(default=None, repr=False)  # header and payload, uint8
     mapping: Any = attrs.field(default=None, repr=False)
+    #: Every rank's exchange row of this snapshot (world size x ROW_BYTES, uint8), when
+    #: the exchange region holds them whole (:meth:`MemorySnapshots.exchange`); None
+    #: while they were on their way, or never came.
+    rows: Any = attrs.field(default=None, repr=False)
 
     def payload(self):
         return self.tensor[HEADER_BYTES:HEADER_BYTES + self.length]
@@ -402,10 +455,13 @@ class Buffer:
         self.tensor = None
         self.array = None
         self.capacity = 0
+        self.exchange_at = 0  # where the exchange region starts (0: none)
         self.pinned = False
 
-    def map(self, payload_bytes: int, info: dict, run_id: bytes) -> None:
-        """Map the file with room for ``payload_bytes`` (grown when short; the pages
+    def map(self, payload_bytes: int, info: dict, run_id: bytes,
+            exchange_bytes: int = 0) -> None:
+        """Map the file with room for ``payload_bytes`` and, after them, an exchange
+        region of ``exchange_bytes`` (:meth:`write_exchange`) (grown when short; the pages
         reserved with posix_fallocate, so that a full tmpfs is NoRoom here and not a
         SIGBUS during a copy). The header gets the magic, the run id and ``info`` at
         once, so that a clean-up knows whose the file is before its first snapshot.
@@ -414,7 +470,7 @@ class Buffer:
 
         import numpy as np
 
-        size = HEADER_BYTES + payload_bytes
+        size = HEADER_BYTES + payload_bytes + exchange_bytes
         self.unmap()
         if self.fd is None:
             self.fd = _open_own(self.path, writable=True)
@@ -433,19 +489,46 @@ class Buffer:
         text = json.dumps(info).encode()[:HEADER_BYTES - _JSON_AT - 4]
         self.array[_JSON_AT:_JSON_AT + 4 + len(text)] = bytearray(
             struct.pack("<I", len(text)) + text)
-        self.array[_REACHED_AT + 8:_JSON_AT] = bytearray(run_id)
+        self.array[_REACHED_AT + 8:_EXCHANGE_AT] = bytearray(run_id)
+        self.exchange_at = HEADER_BYTES + payload_bytes if exchange_bytes else 0
+        if exchange_bytes:  # no rows yet: a sequence no snapshot has
+            self.array[self.exchange_at:self.exchange_at + 8] = 0
+        self.array[_EXCHANGE_AT:_JSON_AT] = bytearray(struct.pack("<Q", self.exchange_at))
         self.array[:8] = bytearray(MAGIC)
 
     def write_header(self, sequence: int, step: int, epoch: int, length: int,
                      run_id: bytes, digest: bytes) -> None:
         array = self.array
-        reached = struct.unpack_from("<Q", array[:_HEADER.size].tobytes(), _REACHED_AT)[0]
-        fields = _HEADER.pack(MAGIC, 0, step, epoch, length, digest, reached, run_id)
-        array[16:_HEADER.size] = bytearray(fields[16:])  # everything but the sequence...
+        fields = _HEADER.pack(MAGIC, 0, step, epoch, length, digest, 0, run_id,
+                              self.exchange_at)
+        # Everything but the sequence and "reached" (the step's thread writes it while a
+        # background copy finishes)...
+        array[16:_REACHED_AT] = bytearray(fields[16:_REACHED_AT])
+        array[_REACHED_AT + 8:_HEADER.size] = bytearray(fields[_REACHED_AT + 8:])
         array[8:16] = bytearray(struct.pack("<Q", sequence))  # ...which commits it
 
     def invalidate(self) -> None:
         self.array[8:16] = 0
+
+    def write_exchange(self, sequence: int, rows) -> bool:
+        """Every rank's row of the snapshot ``sequence`` (a uint8 array, world size x
+        ROW_BYTES) into the exchange region, its sequence last; False (nothing written)
+        when the buffer holds another snapshot by now, or has no room for the rows."""
+        at, array = self.exchange_at, self.array
+        if (array is None or not at or int(array[8:16].view("<u8")[0]) != sequence
+                or at + _EXCHANGE_HEAD + rows.size > len(array)):
+            return False
+        import xxhash
+
+        world, row_bytes = rows.shape
+        fields = _EXCHANGE.pack(0, world, row_bytes, b"")[8:24]
+        digest = xxhash.xxh3_128(struct.pack("<Q", sequence) + fields)
+        digest.update(rows)
+        array[at:at + 8] = 0
+        array[at + _EXCHANGE_HEAD:at + _EXCHANGE_HEAD + rows.size] = rows.reshape(-1)
+        array[at + 8:at + _EXCHANGE.size] = bytearray(fields + digest.digest())
+        array[at:at + 8] = bytearray(struct.pack("<Q", sequence))
+        return True
 
     def note_reached(self, step: int) -> None:
         self.array[_REACHED_AT:_REACHED_AT + 8] = bytearray(struct.pack("<Q", step))
@@ -512,8 +595,8 @@ def check_slot(path: pathlib.Path, verify: bool = True,
     finally:
         os.close(fd)  # the map holds the file
     array = tensor.numpy()
-    magic, sequence, step, epoch, length, digest, reached, raw_id = _HEADER.unpack(
-        array[:_HEADER.size].tobytes())
+    magic, sequence, step, epoch, length, digest, reached, raw_id, exchange_at = \
+        _HEADER.unpack(array[:_HEADER.size].tobytes())
     problem = None
     if magic != MAGIC:
         problem = "not a memory snapshot of this engine version"
@@ -531,7 +614,107 @@ def check_slot(path: pathlib.Path, verify: bool = True,
         _unmap(mapping)
         return None, problem and f"{path}: {problem}"
     return Slot(path, sequence, step, epoch, length, reached, raw_id.hex(), _info(array),
-                tensor=tensor, mapping=mapping), None
+                tensor=tensor, mapping=mapping,
+                rows=_exchange_rows(array, exchange_at, sequence)), None
+
+
+def _exchange_rows(array, at: int, sequence: int):
+    """The exchange region's rows at ``at`` when they are whole and belong to the
+    snapshot ``sequence`` (their checksum holds), else None."""
+    import xxhash
+
+    if not at or at + _EXCHANGE_HEAD > len(array):
+        return None
+    seq, world, row_bytes, digest = _EXCHANGE.unpack(array[at:at + _EXCHANGE.size].tobytes())
+    end = at + _EXCHANGE_HEAD + world * row_bytes
+    if seq != sequence or not world or row_bytes < 8 or end > len(array):
+        return None
+    rows = array[at + _EXCHANGE_HEAD:end]
+    check = xxhash.xxh3_128(array[at:at + 24].tobytes())
+    check.update(rows)
+    return rows.reshape(world, row_bytes) if check.digest() == digest else None
+
+
+def make_row(loss) -> bytes:
+    """This rank's exchange row: its RNG states (what engine.stateful.rng_state holds)
+    and its own part of the epoch's loss sums ((sum, micro-batches) or None), which a
+    peer keeps in case this rank's buffers are lost. b"" when they do not fit in
+    ROW_BYTES. In raw bytes, not as rng_state's tuples and tensors, which take
+    longer to pickle."""
+    import random
+
+    import torch
+
+    version, internal, gauss = random.getstate()
+    state = {"python": (version, struct.pack(f"<{len(internal)}I", *internal), gauss),
+             "numpy": _numpy_rng(), "torch": torch.get_rng_state().numpy().tobytes()}
+    if torch.cuda.is_initialized():  # (is_available asks the driver: 1 us, each time)
+        state["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
+    data = pickle.dumps({"rng": state, "loss": loss}, protocol=pickle.HIGHEST_PROTOCOL)
+    return data if 8 + len(data) <= ROW_BYTES else b""
+
+
+_numpy_seen: list = [None, None]  # numpy's raw generator state, and its state then
+
+
+def _numpy_rng() -> dict:
+    """numpy's global RNG state (np.random.get_state's), as plain values. Its getter
+    copies the generator out (23 us, three times that between a step's forward and
+    backward); the raw generator state, read through ctypes in a microsecond, says when
+    it cannot have moved: the same raw state, and no normal deviate cached then (a
+    cached one is drawn later without moving the generator; caching one moves it). In
+    a training loop it seldom moves: the loader's workers draw in their own processes."""
+    import ctypes
+
+    import numpy as np
+
+    try:
+        raw = ctypes.string_at(np.random.mtrand._rand._bit_generator.ctypes.state_address,
+                               624 * 4 + 4)  # MT19937's key and position
+    except (AttributeError, TypeError, ValueError):  # no ctypes view: read it each time
+        raw = None
+    seen_raw, seen = _numpy_seen
+    if raw is None or raw != seen_raw or seen["has_gauss"]:
+        _, keys, pos, has_gauss, gauss = np.random.get_state()
+        seen = {"keys": keys.astype("<u4").tobytes(), "pos": int(pos),
+                "has_gauss": int(has_gauss), "gauss": float(gauss)}
+        _numpy_seen[:] = [raw, seen]
+    return seen
+
+
+def read_row(row: bytes) -> dict | None:
+    """:func:`make_row`'s dict, its RNG states as engine.stateful.rng_state gives them;
+    None for an empty row (the states did not fit)."""
+    import io
+
+    import numpy as np
+    import torch
+
+    if not row:
+        return None
+    plain = _SkeletonUnpickler(io.BytesIO(row)).load()
+    rng = plain["rng"]
+
+    def tensor(data: bytes, dtype=np.uint8):
+        return torch.from_numpy(np.frombuffer(data, dtype=dtype).copy())
+
+    version, internal, gauss = rng["python"]
+    numpy_state = rng["numpy"]
+    state = {"python": (version, struct.unpack(f"<{len(internal) // 4}I", internal), gauss),
+             "numpy": {**numpy_state,
+                       "keys": tensor(numpy_state["keys"], "<u4").to(torch.int64)},
+             "torch": tensor(rng["torch"])}
+    if "cuda" in rng:
+        state["cuda"] = [tensor(b) for b in rng["cuda"]]
+    return {"rng": state, "loss": plain["loss"]}
+
+
+def row_in(rows, rank: int) -> bytes:
+    """Rank ``rank``'s row among an exchange region's ``rows`` (b"": none)."""
+    if rows is None or rank >= len(rows):
+        return b""
+    (length,) = struct.unpack("<Q", rows[rank][:8].tobytes())
+    return rows[rank][8:8 + length].tobytes() if 8 + length <= rows.shape[1] else b""
 
 
 def _info(array) -> dict:
@@ -629,13 +812,17 @@ class MemorySnapshots:
         self.newest_index: int | None = None
         self.saves = 0
         self.reached_before = 0  # how far the interrupted run had got (agree() says)
-        self.config: dict | None = None  # the run's config as a dict (snapshot.py)
+        self.config = None  # the run's config, pickled once (snapshot.py, pickled())
         #: Why this rank's last save failed (a full tmpfs, a name taken since): the
         #: ranks agree at the next check point to turn the tier off (trainer.py).
         self.failed: str | None = None
         self.info = {"run_dir": str(os.path.realpath(self.run_dir)),
                      "host": socket.gethostname(), "pid": os.getpid(), "rank": world.rank,
                      "world_size": world.world_size}
+        self.exchange_bytes = _EXCHANGE_HEAD + world.world_size * ROW_BYTES
+        self.background = Background(self)
+        self.exchanges = Exchanges(world.world_size, self.background)
+        self.hook = None  # the next optimizer step's wait (hold)
 
     def check(self) -> str | None:
         """None when this user's buffer folder is safe to use (made if missing), else
@@ -661,7 +848,14 @@ class MemorySnapshots:
 
     def note_reached(self, step: int) -> None:
         """The step the run reached (buffer a's header): a restart says how many steps
-        it recomputes."""
+        it recomputes. After each optimizer step: the previous snapshot's background
+        copy is done (the step's pre-hook waited, :meth:`hold`; or here, where the step
+        was skipped), and the hook goes, so that steps without a snapshot call
+        nothing."""
+        if self.hook is not None:
+            self.background.wait(self.background.copied)
+            self.hook.remove()
+            self.hook = None
         if self.buffers[0].tensor is not None:
             self.buffers[0].note_reached(step)
 
@@ -680,11 +874,21 @@ class MemorySnapshots:
         capacity = needed + max(64 * 1024, needed // 64)
         for i in indices:
             if self.buffers[i].tensor is None or self.buffers[i].capacity < needed:
-                self.buffers[i].map(capacity, self.info, self.raw_id)
+                self.buffers[i].map(capacity, self.info, self.raw_id, self.exchange_bytes)
 
-    def save(self, state: dict, *, step: int, epoch: int) -> None:
+    def save(self, state: dict, *, step: int, epoch: int,
+             held: frozenset | None = None) -> None:
         """Copy ``state`` into the buffer that does not hold the newest snapshot. NoRoom
-        or Unsafe when a buffer cannot be had; the newest snapshot stays valid."""
+        or Unsafe when a buffer cannot be had; the newest snapshot stays valid.
+
+        ``held`` (:func:`held_by`): the tensors there are copied, the checksum taken and
+        the header written by the background thread (:class:`Background`), while the
+        next step's forward and backward run: the caller has the optimizer's next step
+        wait for it (:meth:`hold`). Until it is done the snapshot is not valid and the
+        previous one is the newest. The skeleton (plain values a step may change in
+        place) and every other tensor are written before this returns."""
+        import torch
+
         skeleton, tensors, data_size = encode_plan(state)
         needed = payload_size(skeleton, data_size)
         index = 1 if self.newest_index == 0 else 0
@@ -692,16 +896,68 @@ class MemorySnapshots:
         # Both at the first save (reserve), the target alone when the state grew.
         self._reserve(needed, [index] if self.buffers[1 - index].tensor is not None
                       else [index, 1 - index])
+        stream = None
         if any(tensor.is_cuda for _, tensor in tensors):
             buffer.pin()
+            # The background copies go on the stream the step's kernels are on: after
+            # the optimizer step that made the state, as the step's own copies would.
+            stream = torch.cuda.current_stream(next(t for _, t in tensors if t.is_cuda).device)
         buffer.invalidate()
-        length = write_payload(buffer.payload(buffer.capacity), skeleton, tensors)
+        payload = buffer.payload(buffer.capacity)
+        later = [] if held is None else [(o, t) for o, t in tensors if t.data_ptr() in held]
+        now = [(o, t) for o, t in tensors if held is None or t.data_ptr() not in held]
+        write_payload(payload, skeleton, now)
+        start = _align(8 + len(skeleton))
+        last_offset, last = tensors[-1] if tensors else (0, None)
+        length = start + (last_offset + last.numel() * last.element_size() if tensors else 0)
         self.sequence += 1
-        digest = checksum(_signed(self.sequence, step, epoch, length, self.raw_id),
-                          buffer.array[HEADER_BYTES:HEADER_BYTES + length])
-        buffer.write_header(self.sequence, step, epoch, length, self.raw_id, digest)
+        sequence, raw_id = self.sequence, self.raw_id
+
+        def finish() -> None:
+            try:
+                with (contextlib.nullcontext() if stream is None
+                      else torch.cuda.stream(stream)):
+                    write_tensors(payload, payload.numpy(), start, later)
+                digest = checksum(_signed(sequence, step, epoch, length, raw_id),
+                                  buffer.array[HEADER_BYTES:HEADER_BYTES + length])
+                buffer.write_header(sequence, step, epoch, length, raw_id, digest)
+            finally:
+                self.background.copied.set()
+
         self.newest_index = index
         self.saves += 1
+        if held is None:
+            finish()
+        else:
+            self.background.copied.clear()
+            self.background.submit(finish)
+
+    def hold(self, optimizer) -> None:
+        """Have ``optimizer``'s next step wait for the snapshot being finished in the
+        background (:meth:`save`'s ``held``): a step pre-hook, removed after that step
+        (:meth:`note_reached`)."""
+        if self.hook is None:
+            self.hook = optimizer.register_step_pre_hook(
+                lambda *_: self.background.wait(self.background.copied))
+
+    def finish(self) -> None:
+        """Wait for what the background thread has yet to do (a snapshot's copy, the
+        exchange's rows)."""
+        self.background.wait()
+
+    def start_exchange(self, row: bytes) -> None:
+        """Every rank, at every memory snapshot (also a rank whose save fails: it is a
+        collective), before its save: start sending this rank's ``row``
+        (:func:`make_row`) to every rank, without waiting. :meth:`record_exchange`, after
+        the save, has a background thread write all the rows into the exchange region of
+        the snapshot just saved when they have come (a few milliseconds later), so that
+        a peer can restore this rank's snapshot should its buffers be lost."""
+        self.exchanges.start(row)
+
+    def record_exchange(self, saved: bool) -> None:
+        self.exchanges.record(self.buffers[self.newest_index] if saved else None,
+                              self.sequence)
+
 
     def room_for(self, state: dict) -> tuple[int, int]:
         """The bytes the buffers of ``state`` take on this machine (two per local rank:
@@ -715,14 +971,20 @@ class MemorySnapshots:
                 held += os.lstat(path).st_size
             except OSError:
                 pass
-        per_rank = 2 * (HEADER_BYTES + payload_size(skeleton, data_size))
+        per_rank = 2 * (HEADER_BYTES + payload_size(skeleton, data_size)
+                        + self.exchange_bytes)
         return per_rank * self.world.local_world_size, stat_.f_bavail * stat_.f_frsize + held
 
     def bytes_held(self) -> int:
         """The bytes of this rank's mapped buffers (tools/bench_memory_snapshot.py)."""
-        return sum(HEADER_BYTES + b.capacity for b in self.buffers if b.tensor is not None)
+        return sum(HEADER_BYTES + b.capacity + self.exchange_bytes for b in self.buffers
+                   if b.tensor is not None)
 
     def close(self) -> None:
+        self.background.wait()
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
         for buffer in self.buffers:
             buffer.close()
 
@@ -733,6 +995,139 @@ class MemorySnapshots:
         self.sequence = 0
         self.newest_index = None
         return unlink_all(self.paths)
+
+
+class Background:
+    """This rank's thread that finishes each memory snapshot off the step's path: the
+    copy of the tensors only the optimizer's step changes, the checksum and the header
+    (MemorySnapshots.save), then the exchange's rows (:class:`Exchanges`), in that
+    order. A job that fails raises ``memory.failed``: the ranks turn the tier off at the
+    next check point."""
+
+    #: How long anything waits for the thread: the process group's own timeout ends a
+    #: collective whose peer died well before this.
+    TIMEOUT_S = 3600.0
+
+    def __init__(self, memory: MemorySnapshots):
+        self.memory = memory
+        import threading
+
+        self.queue = self.thread = self.idle = None
+        self.pending = 0
+        self.copied = threading.Event()  # clear while a snapshot's copy is in flight
+        self.copied.set()
+
+    def submit(self, job) -> None:
+        import threading
+
+        if self.thread is None:
+            import queue
+
+            self.queue, self.idle, self.lock = queue.SimpleQueue(), threading.Event(), \
+                threading.Lock()
+            self.thread = threading.Thread(target=self._serve, daemon=True,
+                                           name="engine-memory-snapshots")
+            self.thread.start()
+        with self.lock:
+            self.pending += 1
+            self.idle.clear()
+        self.queue.put(job)
+
+    def _serve(self) -> None:
+        while True:
+            job = self.queue.get()
+            try:
+                job()
+            except Exception as exc:  # a peer gone, a buffer gone: the tier goes off
+                self.memory.failed = self.memory.failed or (
+                    f"the background copy failed: {type(exc).__name__}: {exc}")
+            finally:
+                with self.lock:
+                    self.pending -= 1
+                    if not self.pending:
+                        self.idle.set()
+
+    def wait(self, event=None) -> None:
+        """Until the thread has nothing left to do (or ``event``, :attr:`copied`, is
+        set)."""
+        event = self.idle if event is None else event
+        if event is not None and not event.wait(self.TIMEOUT_S):
+            raise RuntimeError(f"a memory snapshot's background copy and exchange did not "
+                               f"finish in {self.TIMEOUT_S:.0f} s")
+
+
+class Exchanges:
+    """The exchange of every rank's row at each memory snapshot: one all_gather started
+    without waiting (async_op); the background thread waits for it and writes the rows
+    into the buffer (:meth:`Buffer.write_exchange`). The step goes on meanwhile: the
+    only thing on the step's path is the start of the collective (tens of
+    microseconds), where a gather of the RNG states at each snapshot cost a round trip
+    between the ranks and every skew between them (7 ms of a 25 ms step, issue 37). A
+    single process writes its row at once."""
+
+    def __init__(self, world_size: int, background: Background):
+        self.world_size = world_size
+        self.background = background
+        self.line = self.line_tensor = None  # this rank's row (numpy, torch)
+        self.row = self.rows = self.views = None  # the same, and every rank's (torch)
+        self.work = None  # the all_gather started, not yet handed to the thread
+
+    def start(self, row: bytes) -> None:
+        import numpy as np
+
+        from engine import distributed
+
+        self.background.wait()  # the previous rows are written, the tensors free
+        spread = distributed.is_initialized()
+        if self.line is None:
+            self._allocate(distributed.collective_device() if spread else None)
+        line = self.line
+        line[:8] = np.frombuffer(struct.pack("<Q", len(row)), dtype=np.uint8)
+        line[8:8 + len(row)] = np.frombuffer(row, dtype=np.uint8)  # b"": did not fit
+        if spread:
+            import torch.distributed as dist
+
+            if self.row.device.type != "cpu":
+                self.row.copy_(self.line_tensor)
+            self.work = dist.all_gather(self.views, self.row, async_op=True)
+
+    def _allocate(self, device) -> None:
+        """This rank's row and every rank's: on the CPU the row is the collective's own
+        tensor (written in place); on a GPU (NCCL) a pinned copy is sent over."""
+        import torch
+
+        self.line_tensor = torch.zeros(ROW_BYTES, dtype=torch.uint8)
+        self.line = self.line_tensor.numpy()
+        if device is None:
+            return
+        self.row = self.line_tensor if device.type == "cpu" else torch.zeros(
+            ROW_BYTES, dtype=torch.uint8, device=device)
+        self.rows = torch.zeros(self.world_size, ROW_BYTES, dtype=torch.uint8,
+                                device=device)
+        self.views = list(self.rows.unbind(0))
+
+    def record(self, target: Buffer | None, sequence: int) -> None:
+        """The rows of the exchange :meth:`start` began go into ``target`` (the buffer
+        just saved, holding the snapshot ``sequence`` once the background thread has
+        finished it; None: this rank saved none) when they have come."""
+        work, self.work = self.work, None
+
+        def write() -> None:
+            if work is not None:
+                work.wait()  # the GIL is released meanwhile
+                if self.rows.device.type == "cuda":
+                    # NCCL's wait only orders this thread's stream after the gather:
+                    # the rows are read once that stream got there.
+                    import torch
+
+                    torch.cuda.current_stream(self.rows.device).synchronize()
+            if target is not None:
+                target.write_exchange(sequence, self.line.reshape(1, -1) if work is None
+                                      else self.rows.cpu().numpy())
+
+        if work is None and target is None:
+            return
+        self.background.submit(write)
 
 
 def unlink_all(paths) -> list[str]:
@@ -802,20 +1197,25 @@ def remove_leftovers(run_dir, run_id: str, shm: pathlib.Path = SHM,
 
 @attrs.define
 class Loaded:
-    """This rank's newest usable memory snapshot: its checked buffer and its content."""
+    """One of this rank's usable memory snapshots: its checked buffer and its content."""
 
     slot: Slot
     state: dict
+
+    @property
+    def step(self) -> int:
+        return self.slot.step
 
     def close(self) -> None:
         self.slot.close()
 
 
-def load_newest(memory: MemorySnapshots, warn) -> Loaded | None:
-    """This rank's newest memory snapshot of this run that loads whole, or None. A
-    buffer that passed its checks but does not decode into a snapshot (a skeleton with
-    anything but plain values, a tensor outside the payload, no config, another step
-    than its header's) is one ``warn``ing, and the older buffer is tried: never a
+def load_all(memory: MemorySnapshots, warn) -> list[Loaded]:
+    """This rank's memory snapshots of this run that load whole, newest first (two at
+    most: a peer may need the older one, whose exchange rows are whole, see
+    :func:`agree`). A buffer that passed its checks but does not decode into a snapshot
+    (a skeleton with anything but plain values, a tensor outside the payload, no
+    config, another step than its header's) is one ``warn``ing, and not used: never a
     traceback, and a good disk snapshot is still there behind it."""
     slots, problems = [], []
     for path in memory.paths:
@@ -830,23 +1230,29 @@ def load_newest(memory: MemorySnapshots, warn) -> Loaded | None:
     slots.sort(key=lambda s: -s.sequence)
     if slots:  # the next save writes above the highest sequence, whatever loads
         memory.sequence = slots[0].sequence
-    loaded = None
+    loaded = []
     for slot in slots:
-        if loaded is not None:
-            slot.close()
-            continue
         try:
             state = load_slot(slot)
             problem = _not_a_snapshot(state, slot.step)
         except Exception as exc:  # whatever a damaged or forged payload raises
             problem = f"{type(exc).__name__}: {exc}"
         if problem is None:
-            loaded = Loaded(slot, state)
-            memory.newest_index = memory.paths.index(slot.path)
+            loaded.append(Loaded(slot, state))
         else:
             warn(f"the memory snapshot {slot.path} does not load ({problem}); not used")
             slot.close()
+    if loaded:
+        memory.newest_index = memory.paths.index(loaded[0].slot.path)
     return loaded
+
+
+def load_newest(memory: MemorySnapshots, warn) -> Loaded | None:
+    """This rank's newest memory snapshot that loads whole (:func:`load_all`), or None."""
+    loaded = load_all(memory, warn)
+    for other in loaded[1:]:
+        other.close()
+    return loaded[0] if loaded else None
 
 
 def _not_a_snapshot(state, step: int) -> str | None:
@@ -861,16 +1267,15 @@ def _not_a_snapshot(state, step: int) -> str | None:
 
 @attrs.define
 class MemoryChoice:
-    """What the ranks' memory snapshots hold: the newest step (-1: none), the ranks
-    that hold it, and the step the interrupted run had reached (0: unknown)."""
+    """What the ranks' memory snapshots hold: the newest step every rank can restore
+    (-1: none), the ranks that hold it, the rank that sends it to the others (one whose
+    exchange rows are whole, where a rank lacks it), and the step the interrupted run
+    had reached (0: unknown)."""
 
     step: int
     holders: list[int]
     reached: int
-
-    @property
-    def source(self) -> int:
-        return self.holders[0]
+    source: int = 0
 
     def newer_than(self, disk_step: int | None) -> bool:
         return self.step >= 0 and (disk_step is None or self.step > disk_step)
@@ -879,38 +1284,103 @@ class MemoryChoice:
         return [r for r in range(world_size) if r not in self.holders]
 
 
-def agree(memory: MemorySnapshots, mine: Loaded | None) -> MemoryChoice:
-    """Collective: every rank says which memory snapshot it holds (its step, or -1) and
-    how far the run had got; every rank returns the same answer."""
+def agree(memory: MemorySnapshots, mine: list[Loaded]) -> MemoryChoice:
+    """Collective: every rank says which memory snapshots it holds (their steps, and
+    whether their exchange rows are whole) and how far the run had got; every rank
+    returns the same answer: the newest step that every rank holds, or that a rank
+    holding it can send with the missing ranks' own rows (their RNG states and loss
+    sums). A snapshot of another number of processes needs no rows: its RNG states are
+    not restored."""
     from engine import distributed
 
-    step = mine.slot.step if mine is not None else -1
-    every = distributed.all_gather_object((step, memory.reached()))
-    best = max(step for step, _ in every)
-    return MemoryChoice(best, [r for r, (step, _) in enumerate(every) if step == best],
-                        max(r for _, r in every))
+    world_size = memory.world.world_size
+    held = [(m.step, m.slot.rows is not None
+             or m.state.get("world_size") != world_size) for m in mine]
+    every = distributed.all_gather_object((held, memory.reached()))
+    return choose([h for h, _ in every], max(r for _, r in every))
 
 
-def fetch(memory: MemorySnapshots, choice: MemoryChoice, mine: Loaded | None) -> dict:
-    """The chosen snapshot on every rank: its own, or, for the ranks that lack it, sent
-    by the first rank that has it (one broadcast of its checked payload; the ranks that
-    hold it take part and keep their own). Collective when a rank lacks it."""
+def choose(held: list[list[tuple[int, bool]]], reached: int) -> MemoryChoice:
+    """:func:`agree`'s answer from what each rank holds (``held[rank]``: (step, whether
+    a peer can send it: its rows whole) for each of its snapshots): the newest step
+    that every rank holds, or that a rank holding it can send to those that do not."""
+    for step in sorted({s for h in held for s, _ in h}, reverse=True):
+        holders = [r for r, h in enumerate(held) if any(s == step for s, _ in h)]
+        senders = [r for r, h in enumerate(held) if (step, True) in h]
+        if len(holders) == len(held) or senders:
+            return MemoryChoice(step, holders, reached,
+                                source=senders[0] if senders else holders[0])
+    return MemoryChoice(-1, [], reached)
+
+
+def fetch(memory: MemorySnapshots, choice: MemoryChoice, mine: list[Loaded]) -> dict:
+    """The chosen snapshot on every rank, as a resume restores it: its own, or, for the
+    ranks that lack it, sent by ``choice.source`` with its exchange rows (one broadcast
+    of its checked payload and rows; the ranks that hold it take part and keep their
+    own). Then each rank's RNG states go into place, and the epoch's loss sums, kept per
+    rank, are summed over the ranks. Collective."""
     import torch
 
     from engine import distributed
 
     rank, world_size = memory.world.rank, memory.world.world_size
-    holds = rank in choice.holders
+    own = next((m for m in mine if m.step == choice.step), None)
+    if own is not None:
+        memory.newest_index = memory.paths.index(own.slot.path)
     if not choice.missing(world_size):
-        return mine.state
-    length = distributed.broadcast_object(mine.slot.length if rank == choice.source
-                                          else None, src=choice.source)
+        return complete(own.state, rank, world_size, None)
+    length = distributed.broadcast_object(
+        (own.slot.length, own.slot.rows.shape if own.slot.rows is not None else None)
+        if rank == choice.source else None, src=choice.source)
+    payload_length, rows_shape = length
     device = distributed.collective_device()
     if rank == choice.source:
-        payload = mine.slot.payload().to(device, copy=True)
+        payload = own.slot.payload().to(device, copy=True)
     else:
-        payload = torch.empty(length, dtype=torch.uint8, device=device)
+        payload = torch.empty(payload_length, dtype=torch.uint8, device=device)
     distributed.broadcast_tensor(payload, src=choice.source)
-    if holds:
-        return mine.state
-    return read_payload(payload.cpu())
+    rows = None
+    if rows_shape is not None:
+        rows = (torch.from_numpy(own.slot.rows.copy()).to(device) if rank == choice.source
+                else torch.empty(rows_shape, dtype=torch.uint8, device=device))
+        distributed.broadcast_tensor(rows, src=choice.source)
+        rows = rows.cpu().numpy()
+    if own is not None:
+        return complete(own.state, rank, world_size, None)
+    return complete(read_payload(payload.cpu()), rank, world_size, rows)
+
+
+def complete(state: dict, rank: int, world_size: int, rows) -> dict:
+    """A memory snapshot (a rank's own row in its ``rng`` part, a rank's own loss sums in
+    its ``progress``) as a resume restores it: ``rng`` every rank's RNG states as the
+    disk snapshot holds them, this rank's in place (from its own row, or from the
+    sender's exchange ``rows`` where it was sent), and the epoch's loss sums over every
+    rank. Collective where the loss sums are kept (mid-epoch)."""
+    from engine import distributed
+
+    part = state.get("rng") or {}
+    if "row" not in part:  # a whole state (a test's, or an older form): as it is
+        return state
+    saved_world = part["world_size"]
+    mine = read_row(part["row"] if rows is None else row_in(rows, rank))
+    ranks = [None] * saved_world
+    if mine is not None and rank < saved_world:
+        ranks[rank] = mine["rng"]
+    state = {**state, "rng": {"ranks": ranks, "world_size": saved_world}}
+    progress = state.get("progress")
+    loss = (progress or {}).get("epoch_loss")
+    if loss is not None and saved_world != world_size:
+        # Another number of processes: the ranks that kept the sums are not these; the
+        # resumed epoch's mean loss covers the batches after the resume.
+        state["progress"] = {**progress, "epoch_loss": None}
+    elif loss is not None:  # every rank is mid-epoch alike (the same step)
+        import torch
+
+        # The all-reduce of the same values the disk snapshot's capture sums: the same
+        # sums, to the bit.
+        totals = torch.tensor(mine["loss"], dtype=torch.float64,
+                              device=distributed.collective_device())
+        total, batches = distributed.all_reduce_sum(totals).tolist()
+        state["progress"] = {**progress, "epoch_loss": {
+            "sum": total, "batches": batches, "micro_batch": loss["micro_batch"]}}
+    return state

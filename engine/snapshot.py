@@ -41,11 +41,11 @@ MAY_CHANGE = frozenset({
 })
 
 
-def capture(eng, config: dict | None = None) -> dict:
+def capture(eng, config: dict | None = None, parts: dict | None = None) -> dict:
     """The snapshot dict: a header, then every registered part's state
     (engine/stateful.py). Collective: every rank walks the parts (some gather).
     ``config``: the config as a dict, when the caller keeps it (it does not change
-    while training)."""
+    while training); ``parts``: the parts' states, when the caller walked them."""
     state = eng.state
     return {
         "engine_version": engine.__version__,
@@ -60,8 +60,36 @@ def capture(eng, config: dict | None = None) -> dict:
         "step": state.step,
         "batch_in_epoch": state.batch_in_epoch,
         "epochs_completed": state.epochs_completed,
-        **eng.snapshot_parts.state_dict(),
+        **(parts if parts is not None else eng.snapshot_parts.state_dict()),
     }
+
+
+def capture_here(eng, config) -> tuple[dict, bytes]:
+    """A memory snapshot's dict, without a collective of its own, and this rank's
+    exchange row (engine/memory_snapshot.py's make_row). Each rank keeps its own share
+    where the disk snapshot gathers every rank's: ``progress`` its own loss sums (the
+    Trainer's ``local_state_dict()``), and ``rng`` this rank's row (its RNG states and
+    loss sums) rather than every rank's RNG states. Any other part that gathers still
+    does. The
+    row goes to the other ranks off the step's path (MemorySnapshots.start_exchange);
+    memory_snapshot.complete makes a snapshot whole again at a resume."""
+    from engine import memory_snapshot, stateful
+
+    parts, states = eng.snapshot_parts, {}
+    for name in parts.names():
+        part = parts[name]
+        if isinstance(part, stateful.RngStates):
+            continue  # below, once the loss sums are known
+        # The Trainer's progress: its loss sums, which memory_snapshot.complete sums
+        # over the ranks at a resume (only it knows how to make them whole again).
+        here = getattr(part, "local_state_dict", None) if name == "progress" else None
+        states[name] = here() if here is not None else part.state_dict()
+    loss = (states.get("progress") or {}).get("epoch_loss")
+    row = memory_snapshot.make_row(None if loss is None else (loss["sum"], loss["batches"]))
+    if "rng" in parts:
+        states["rng"] = {"world_size": eng.world.world_size, "rank": eng.world.rank,
+                         "row": row}
+    return capture(eng, config, states), row
 
 
 def upgrade(snap: dict) -> dict:
@@ -98,24 +126,35 @@ def save(eng) -> pathlib.Path | None:
 
 def save_to_memory(eng) -> None:
     """Copy a snapshot into this rank's shared-memory buffer (engine/memory_snapshot.py).
-    Every rank saves its own; collective (capture). A rank whose buffer cannot be had
-    (a full tmpfs, a name taken) keeps taking part in the capture, a collective, and
-    raises ``memory.failed``: the ranks agree to turn the tier off at the next check
-    point (trainer.py)."""
+    Every rank saves its own, with no collective to wait for (capture_here): the rows
+    the ranks exchange go off the step's path. A rank whose buffer cannot be had (a full
+    tmpfs, a name taken) still starts the exchange, a collective, and raises
+    ``memory.failed``: the ranks agree to turn the tier off at the next check point
+    (trainer.py)."""
     from engine import memory_snapshot
 
     memory = eng.memory
     with phases.carve(phases.MEMORY_SNAPSHOTS, within="training", label="memory snapshot"):
-        if memory.config is None:  # the same at every step: converted once
-            memory.config = config_mod.to_dict(eng.cfg)
-        state = capture(eng, memory.config)
+        if memory.config is None:  # the same at every step: converted and pickled once
+            memory.config = memory_snapshot.pickled(config_mod.to_dict(eng.cfg))
+        state, row = capture_here(eng, memory.config)
         if not memory.saves and not _every_rank_can_keep_them(eng, memory, state):
             return
+        memory.start_exchange(row)  # every rank: a collective, not waited for
+        saved = False
         if memory.failed is None:
+            # What only the optimizer's step changes is copied during the next step's
+            # forward and backward, finished before that optimizer step (memory.hold).
+            held = None
+            if eng.optimizer is not None:
+                memory.hold(eng.optimizer)
+                held = memory_snapshot.held_by(eng.optimizer)
             try:
-                memory.save(state, step=eng.state.step, epoch=eng.state.epoch)
+                memory.save(state, step=eng.state.step, epoch=eng.state.epoch, held=held)
+                saved = True
             except (memory_snapshot.NoRoom, memory_snapshot.Unsafe) as exc:
                 memory.failed = str(exc)
+        memory.record_exchange(saved)
 
 
 def turn_memory_off(eng, why: str) -> None:
@@ -223,7 +262,7 @@ def _resume_from_memory(eng, memory, disk_step: int | None) -> bool:
     fails to load is a warning and the next tier."""
     from engine import memory_snapshot
 
-    mine = memory_snapshot.load_newest(memory, eng.warn_here)
+    mine = memory_snapshot.load_all(memory, eng.warn_here)
     try:
         choice = memory_snapshot.agree(memory, mine)
         memory.reached_before = choice.reached
@@ -232,8 +271,8 @@ def _resume_from_memory(eng, memory, disk_step: int | None) -> bool:
         source = f"memory (step {choice.step})"
         restore(eng, memory_snapshot.fetch(memory, choice, mine), source=source)
     finally:
-        if mine is not None:
-            mine.close()
+        for loaded in mine:
+            loaded.close()
     setattr(eng, "resumed_from", source)
     missing = choice.missing(eng.world.world_size)
     why = (f"rank(s) {', '.join(map(str, missing))} had no copy: sent by rank "

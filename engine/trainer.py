@@ -544,6 +544,13 @@ class Trainer:
         gathered from every rank)."""
         return {**self.engine.state.state_dict(), "epoch_loss": self.epoch_loss_so_far()}
 
+    def local_state_dict(self) -> dict:
+        """The same with this rank's own loss sums, without a collective: for a memory
+        snapshot, which sums them over the ranks at a resume (engine/snapshot.py's
+        capture_here)."""
+        return {**self.engine.state.state_dict(),
+                "epoch_loss": self.epoch_loss_so_far(reduce=False)}
+
     def load_state_dict(self, state_dict: dict) -> None:
         self.engine.state.load_state_dict(state_dict)
         # Added to the first epoch after the resume (LogWindow.add_resumed).
@@ -964,10 +971,10 @@ class Trainer:
             return window.samples_per_step * steps
         return (window.epoch_units + window.units) * window.world_size
 
-    def epoch_loss_so_far(self) -> dict | None:
+    def epoch_loss_so_far(self, reduce: bool = True) -> dict | None:
         """For a snapshot (collective: every rank takes part): the epoch's loss sum and
         micro-batch count over all ranks so far, with the micro-batch size they are in;
-        None between epochs."""
+        None between epochs. ``reduce=False``: this rank's alone, no collective."""
         window, eng = self.window, self.engine
         if window is None:
             return None
@@ -975,7 +982,8 @@ class Trainer:
                    + window.resumed_batches)
         totals = torch.stack([window.total_loss(), torch.tensor(
             batches, dtype=torch.float64, device=eng.device)])
-        loss_sum, batch_count = distributed.all_reduce_sum(totals).tolist()
+        loss_sum, batch_count = (distributed.all_reduce_sum(totals) if reduce
+                                 else totals).tolist()
         return {"sum": loss_sum, "batches": batch_count, "micro_batch": eng.micro_batch}
 
     def agree_to_stop(self) -> bool:

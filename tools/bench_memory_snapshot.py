@@ -46,9 +46,11 @@ snapshot are outside. Printed per workload, process count and N:
   epoch's end, before the run removes its buffers; the model's and optimizer's tensor
   bytes are in --json); bandwidth: payload bytes / time of one snapshot;
 - where one snapshot's time goes, measured by the probe after the loop (median of 3):
-  capture (the snapshot dict; with 2 processes a collective) and its slowest parts
-  (engine/stateful.py's), copy (skeleton, tensors into the buffer, checksum, header),
-  and payload bytes / copy time;
+  capture (the snapshot dict, each rank its own share, no collective:
+  engine.snapshot's capture_here) and its slowest parts (engine/stateful.py's; rng:
+  this rank's exchange row), copy (skeleton, tensors into the buffer, checksum, header,
+  all at once here, where the loop leaves most of it to a background thread), and
+  payload bytes / copy time;
 - weights: bit-identical to the run with snapshots off (a snapshot only reads), every
   round. Exit status 1 where they are not.
 """
@@ -56,6 +58,7 @@ snapshot are outside. Printed per workload, process count and N:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -124,6 +127,8 @@ def engine_epoch_end(engine, epoch, metrics):
 
     engine_train_step_end(engine, None, None)  # the last step's snapshot
     memory = engine.memory
+    if memory is not None:
+        memory.finish()  # the last snapshot's background copy
     slot = memory_snapshot.newest(memory.paths) if memory is not None else None
     tensors = [*engine.module.state_dict().values(),
                *(v for s in engine.optimizer.state.values() for v in s.values())]
@@ -138,24 +143,28 @@ def engine_epoch_end(engine, epoch, metrics):
 
 def split_times(eng, times: int = 3) -> dict:
     """Where a memory snapshot's time goes, each the median of ``times`` after the
-    loop: capture (the snapshot dict; collective: the ranks' RNG states are gathered),
-    each snapshot part's share of it, and the copy (engine.memory_snapshot's save:
-    skeleton, tensors into the buffer, checksum, header). These extra snapshots come
-    after the last step: the weights and the timed loop are untouched."""
+    loop: capture (the snapshot dict, each rank its own share: engine.snapshot's
+    capture_here), each snapshot part's share of it (``rng``: this rank's exchange row),
+    and the copy (engine.memory_snapshot's save, all of it at once here: skeleton,
+    tensors into the buffer, checksum, header). These extra snapshots come after the
+    last step: the weights and the timed loop are untouched."""
     import time
 
-    from engine import snapshot
+    from engine import memory_snapshot, snapshot
 
     parts = eng.snapshot_parts
     spent: dict[str, list[float]] = {"capture": [], "copy": [],
                                      **{name: [] for name in parts.names()}}
     for _ in range(times):
-        for name in parts.names():  # in the capture's order: collectives match
+        for name in parts.names():
+            part = getattr(parts[name], "local_state_dict", parts[name].state_dict)
+            if name == "rng":
+                part = functools.partial(memory_snapshot.make_row, None)
             start = time.perf_counter()
-            parts[name].state_dict()
+            part()
             spent[name].append(time.perf_counter() - start)
         start = time.perf_counter()
-        state = snapshot.capture(eng, eng.memory.config)
+        state, _ = snapshot.capture_here(eng, eng.memory.config)
         middle = time.perf_counter()
         eng.memory.save(state, step=eng.state.step, epoch=eng.state.epoch)
         spent["capture"].append(middle - start)

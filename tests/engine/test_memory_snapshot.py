@@ -338,3 +338,105 @@ def test_a_process_killed_during_its_copies_leaves_one_whole_snapshot(shm, tmp_p
     results = [line.split() for line in proc.stdout.splitlines()]
     assert proc.returncode == 0 and len(results) == 8, proc.stderr
     assert all(whole == "True" and int(step) >= 2 for step, whole in results), results
+
+
+# ------------------------------------------------------------ the step's path (issue 37)
+
+
+def test_the_ranks_choose_the_newest_step_each_rank_can_restore():
+    """A rank without a copy of a step needs a holder whose exchange rows (its RNG
+    states and loss sums) came whole; else an older step, or none."""
+    choose = memory_snapshot.choose
+    # Every rank holds step 7: its rows are not needed.
+    assert choose([[(7, False), (6, True)], [(7, False), (6, True)]], 7) == \
+        memory_snapshot.MemoryChoice(7, [0, 1], 7, source=0)
+    # Rank 1's buffers are gone: rank 0 sends step 7 when it has the rows of step 7...
+    assert choose([[(7, True), (6, True)], []], 8) == \
+        memory_snapshot.MemoryChoice(7, [0], 8, source=0)
+    # ...else step 6, whose rows it has (a kill before step 7's exchange came).
+    choice = choose([[(7, False), (6, True)], []], 8)
+    assert (choice.step, choice.source, choice.missing(2)) == (6, 0, [1])
+    # Rank 1 killed during step 7's copy: step 6, which both hold.
+    assert choose([[(7, False), (6, True)], [(6, True)]], 7).holders == [0, 1]
+    assert choose([[(7, False)], []], 7).step == -1  # nothing rank 1 could restore
+    assert choose([[], []], 0).step == -1
+
+
+def test_a_row_gives_back_this_ranks_rng_states_and_loss_sums():
+    """The row a peer keeps (raw bytes, numpy's state read only when it may have moved)
+    restores what engine.stateful.rng_state would have: after normal deviates cached
+    and drawn (a draw that leaves numpy's generator where it was), a reseed, a
+    set_state."""
+    import numpy as np
+
+    from engine import stateful
+
+    def same_as_now(loss=None) -> bool:
+        row = memory_snapshot.read_row(memory_snapshot.make_row(loss))
+        now, kept = stateful.rng_state(), row["rng"]
+        return (row["loss"] == loss and now["python"] == kept["python"]
+                and torch.equal(now["torch"], kept["torch"])
+                and torch.equal(now["numpy"]["keys"], kept["numpy"]["keys"])
+                and all(now["numpy"][k] == kept["numpy"][k]
+                        for k in ("pos", "has_gauss", "gauss")))
+
+    saved = stateful.rng_state()
+    try:
+        checks = [same_as_now((1.5, 4.0))]
+        for move in (np.random.randn, np.random.randn, lambda: np.random.seed(3),
+                     np.random.rand, np.random.randn):
+            move()
+            checks.append(same_as_now())
+        state = np.random.get_state()
+        np.random.randn()
+        np.random.set_state(state)
+        checks.append(same_as_now())
+        assert all(checks), checks
+    finally:
+        stateful.set_rng_state(saved)
+
+
+def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(shm, tmp_path):
+    """What only the optimizer's step changes is copied by the background thread; the
+    optimizer's next step waits for it, so the snapshot holds the weights before that
+    step. Once done, the buffer holds the snapshot and, in its exchange region, this
+    rank's row, from which a rank restores its RNG states."""
+    import threading
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    memory = memory_of(tmp_path, shm)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 1,
+             "config": {}, "rng": {"world_size": 1, "rank": 0,
+                                   "row": memory_snapshot.make_row(None)}}
+    row = state["rng"]["row"]
+    go = threading.Event()
+    memory.start_exchange(row)
+    memory.background.submit(lambda: go.wait(60))  # the thread busy: the copy waits
+    memory.save(state, step=1, epoch=0, held=memory_snapshot.held_by(optimizer))
+    memory.record_exchange(saved=True)
+    memory.hold(optimizer)
+    assert memory.newest() is None  # not valid until the copy is done
+    stepper = threading.Thread(target=optimizer.step)
+    stepper.start()
+    stepper.join(timeout=0.5)
+    assert stepper.is_alive(), "the optimizer stepped while the copy was in flight"
+    go.set()
+    stepper.join(timeout=60)
+    assert not stepper.is_alive()
+    memory.note_reached(2)  # after the step: the hook goes
+    assert memory.hook is None and not optimizer._optimizer_step_pre_hooks
+    memory.finish()
+    loaded = memory_snapshot.load_newest(memory, pytest.fail)
+    assert all(torch.equal(loaded.state["model"][k], before[k]) for k in before)
+    assert not torch.equal(model.weight, before["weight"])  # the step did happen
+    assert memory_snapshot.row_in(loaded.slot.rows, 0) == row
+    whole = memory_snapshot.complete(loaded.state, 0, 1, None)
+    assert torch.equal(whole["rng"]["ranks"][0]["torch"],
+                       memory_snapshot.read_row(row)["rng"]["torch"])
+    loaded.close()
+    memory.close()
