@@ -139,7 +139,7 @@ def _may_skip(keywords) -> bool:
 
 # ------------------------------------------------------------- parallel workers
 #
-# `pytest` runs on two pytest-xdist workers (addopts: -n 2 --dist loadscope): most
+# `pytest` runs on three pytest-xdist workers (addopts: -n 3 --dist loadscope): most
 # tests wait on worker processes, sockets and timeouts rather than on the CPU. loadscope
 # gives each test module to one worker, so that a module's shared reference runs
 # (module-scoped fixtures) run once. The modules with tests on the local SLURM cluster
@@ -223,8 +223,8 @@ def _mark_slow(item) -> None:
 
 # ------------------------------------------------------------ the order of modules
 #
-# With -n 2 --dist loadscope the suite lasts as long as its busier worker, and a module
-# of a few long tests handed out last leaves the other worker idle meanwhile. xdist's
+# With -n 3 --dist loadscope the suite lasts as long as its busiest worker, and a module
+# of a few long tests handed out last leaves the other workers idle meanwhile. xdist's
 # own order (most tests first, --loadscope-reorder) put exactly those modules last
 # (test_memory_kill_loop: 1 test, 44 s), so pyproject.toml turns it off and the modules
 # measured longest (issue 39, longest first) are handed out first; the rest follow in
