@@ -31,20 +31,12 @@ def resume_safe(cfg, key: str) -> bool:
     resume. A group class says so in its attribute ``RESUME_SAFE``: True for every key
     (when snapshots are kept, where a run is tracked), or the set of its keys that may
     (``ddp``'s bucket size, but not ``sync_batchnorm``, which changes the arithmetic).
-    Top-level keys are the snapshot module's (engine.snapshot.MAY_CHANGE) and
-    :data:`RUN_LENGTH_KEYS`."""
+    Top-level keys are the snapshot module's (engine.snapshot.MAY_CHANGE)."""
     group, _, rest = key.partition(".")
     if not rest:
-        return key in RUN_LENGTH_KEYS
+        return False
     safe = getattr(type(getattr(cfg, group, None)), "RESUME_SAFE", ())
     return safe is True or rest in safe
-
-
-#: Top-level keys a resumed run may change besides snapshot.MAY_CHANGE's: how long the
-#: run goes and when it validates, not what a step computes (a longer max_steps trains
-#: on from where the run ended). The smoke switch (limit_batches, smoke) may not: a
-#: smoke run's folder is its own.
-RUN_LENGTH_KEYS = frozenset({"max_steps", "val_every_steps"})
 
 
 def differs_from_default(group: Any, name: str) -> bool:

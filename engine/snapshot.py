@@ -38,6 +38,10 @@ MAY_CHANGE = frozenset({
     "epochs", "log_every", "num_workers", "timeout_s", "out_dir", "launcher", "init_method",
     "parallel", "checkpointer", "preemption", "requeue", "deterministic", "on_nonfinite",
     "activation_checkpointing",
+    # How long the run goes and when it validates, not what a step computes (a longer
+    # max_steps trains on from where the run ended). The smoke switch (limit_batches,
+    # smoke) may not change: a smoke run's folder is its own.
+    "max_steps", "val_every_steps",
 })
 
 
@@ -354,7 +358,7 @@ def restore(eng, snap: dict, source: str) -> None:
     eng.snapshot_parts.load_state_dict(snap, source=source, warn=eng.warn)
     if lr_change is not None:
         _apply_lr(eng, *lr_change, source)
-    _say_what_new_epochs_do_to_the_schedule(eng, snap.get("config"), source)
+    _say_what_a_new_length_does_to_the_schedule(eng, snap.get("config"), source)
 
 
 # ------------------------------------------------------------ a changed config
@@ -399,22 +403,26 @@ def check_config(eng, saved: dict | None, source: str) -> tuple | None:
     return lr
 
 
-def _say_what_new_epochs_do_to_the_schedule(eng, saved: dict | None, source: str) -> None:
+def _say_what_a_new_length_does_to_the_schedule(eng, saved: dict | None, source: str) -> None:
     """A per-step schedule is built for the run's total steps (Engine.total_steps): a
     resume with other ``epochs`` continues on a schedule of another length, so the
     learning rate jumps to the new schedule's value at this step. Said, not refused:
     it is how a run is extended."""
     if not isinstance(saved, dict) or eng.scheduler is None:
         return
-    old = saved.get("epochs")
-    if old is None or old == eng.cfg.epochs or eng.cfg.scheduler_interval != "step":
+    changed = {key: (saved[key], getattr(eng.cfg, key)) for key in ("epochs", "max_steps")
+               if key in saved and saved[key] != getattr(eng.cfg, key)}
+    if not changed or eng.cfg.scheduler_interval != "step":
         return
     total = getattr(eng, "total_steps", None)
     span = f" ({total} steps)" if total else ""
-    eng.warn(f"epochs changed since {source}: {old} -> {eng.cfg.epochs}; the per-step "
-             f"schedule is rebuilt for {eng.cfg.epochs} epochs{span} and continues at step "
-             f"{eng.state.step} of it, not of the old one: from the next step the learning "
-             "rate is the new schedule's (restore epochs to continue the old schedule)")
+    said = ", ".join(f"{key} changed since {source}: {old} -> {new}"
+                     for key, (old, new) in changed.items())
+    restore = " and ".join(changed)
+    eng.warn(f"{said}; the per-step schedule is rebuilt for the new length{span} and "
+             f"continues at step {eng.state.step} of it, not of the old one: from the next "
+             f"step the learning rate is the new schedule's (restore {restore} to continue "
+             "the old schedule)")
 
 
 def _apply_lr(eng, old: float, new: float, source: str) -> None:

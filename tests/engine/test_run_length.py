@@ -85,6 +85,8 @@ def test_a_resume_with_max_steps_lifted_trains_on_to_the_uninterrupted_runs_weig
     assert (summary["status"], summary["global_step"], summary["epochs_completed"]) == (
         "completed", 18, 3)
     assert "done: 3 epochs (resumed at step 10) in" in extended.stdout
+    # The per-step schedule's length changed with max_steps: said, as for epochs.
+    assert "max_steps changed since" in extended.stderr and ": 10 -> 0;" in extended.stderr
     assert summary["weights_sha256"] == reference[2]
     assert [s for s, _ in rows(by_steps["out"], "val/loss")] == [4, 6, 8, 10, 12, 16, 18]
     assert {v for _, v in rows(by_steps["out"], "val/samples")} == {32}  # the whole set
