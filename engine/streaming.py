@@ -29,6 +29,7 @@ training. The rules (docs/data.md, "Streams"):
 from __future__ import annotations
 
 import collections
+import time
 
 import torch
 from torch.utils.data import IterableDataset
@@ -136,6 +137,7 @@ class StreamLoader:
         self.restored = None  # a snapshot's state of this rank's loader, for start_epoch
         self.padding = self.last = False
         self.samples = 0
+        self.peer_wait = 0.0  # seconds this epoch waited for the other ranks' flags
         self.position = None  # the loader's state after the last real batch handed out
         self.group = None  # the process group of the end-of-data flags (CPU)
 
@@ -156,7 +158,7 @@ class StreamLoader:
         arrived, and tells whether batch k is the epoch's last on every rank. Each batch
         is fetched with the loader's state after it, so a snapshot records the position
         of the batch trained on, not of the ones looked ahead at."""
-        self.samples, self.padding, self.last = 0, False, False
+        self.samples, self.padding, self.last, self.peer_wait = 0, False, False, 0.0
         source, ahead, ended = iter(self.loader), collections.deque(), False
 
         def fill():
@@ -209,12 +211,13 @@ class StreamLoader:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         return tensor, work
 
-    @staticmethod
-    def _any_left(flag) -> bool:
+    def _any_left(self, flag) -> bool:
         if isinstance(flag, bool):
             return flag
         tensor, work = flag
+        started = time.perf_counter()
         work.wait()
+        self.peer_wait += time.perf_counter() - started
         return bool(tensor.item() > 0)
 
     # ------------------------------------------------------------ snapshots

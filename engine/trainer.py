@@ -723,7 +723,10 @@ class Trainer:
         return self.epoch_metrics(epoch, window, batches=eng.state.batch_in_epoch - first_batch
                                   - window.skipped_batches,
                                   steps=eng.state.step - steps_at_start,
-                                  epoch_start=epoch_start, data_wait=data_wait)
+                                  epoch_start=epoch_start,
+                                  # a stream's wait for the other ranks' end-of-data
+                                  # flags is waiting for peers, not for data
+                                  data_wait=data_wait - (stream.peer_wait if stream else 0.0))
 
     def first_train_step(self, batch, ctx):
         """The run's first micro-batch: the step's loss checked once (a loss of another
