@@ -612,7 +612,7 @@ def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
                                                     max_restarts=max_restarts),
                     door=FIT, recipe=_recipe_reference(recipe), overrides=tuple(items))
     from engine.config import UnknownKey
-    from engine.context import callers_state_kept
+    from engine.worker_setup import callers_state_kept
 
     with callers_state_kept():
         try:
