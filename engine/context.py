@@ -25,7 +25,6 @@ import contextlib
 import datetime
 import json
 import pathlib
-import sys
 import time
 from typing import Any
 
@@ -35,7 +34,7 @@ import engine
 from engine import config as config_mod
 from engine import phases
 from engine.compile import seconds_spent
-from engine.errors import RunError, one_line
+from engine.errors import RunError, one_line, warn
 from engine.metrics import (SUMMARY_METRICS, throughput_of, throughput_summary,
                             throughput_unit, validation_summary)
 from engine.stateful import SnapshotParts
@@ -189,14 +188,13 @@ class WorkerContext:
 
     def warn(self, message: str) -> None:
         """A warning on stderr, once per message, on rank 0 only."""
-        if self.is_rank0 and message not in self._warned:
-            self._warned.add(message)
-            print(f"warning: {message}", file=sys.stderr, flush=True)
+        if self.is_rank0:
+            warn(message, said=self._warned)
 
     def warn_here(self, message: str) -> None:
         """A warning about this rank's own machine (its buffers, its tmpfs), on whichever
         rank it is: rank 0 cannot see it, so :meth:`warn` would drop it."""
-        print(f"warning: rank {self.world.rank}: {message}", file=sys.stderr, flush=True)
+        warn(f"rank {self.world.rank}: {message}", said=None)
 
     def write_config(self) -> None:
         """``<out_dir>/config.json``: the resolved config (rank 0)."""

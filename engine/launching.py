@@ -187,12 +187,12 @@ def warn_if_oversubscribed(local_processes: int) -> None:
     """Processes beyond the CPUs this node may use run at a fraction of the speed each
     (they take turns on the CPUs and get one thread each); a warning, not an error: the
     run is right, only slow, and a GPU node may not care."""
-    from engine.errors import warn_once
+    from engine.errors import warn
     from engine.world import usable_cpus
 
     cpus, source = usable_cpus()
     if local_processes > cpus:
-        warn_once(f"{local_processes} processes on this node share {cpus} usable CPU(s) "
+        warn(f"{local_processes} processes on this node share {cpus} usable CPU(s) "
                   f"({source}): each gets 1 torch thread and they take turns, so training "
                   f"will be slow; --nproc {cpus} or fewer fits the CPUs")
 

@@ -251,9 +251,9 @@ class EpochMetrics(dict):
 
     def __missing__(self, key):
         if key in RENAMED and RENAMED[key] in self:
-            from engine.errors import warn_once
+            from engine.errors import warn
 
-            warn_once(f"metrics[{key!r}] in engine_epoch_end is now {RENAMED[key]!r} (the "
+            warn(f"metrics[{key!r}] in engine_epoch_end is now {RENAMED[key]!r} (the "
                       f"epoch's mean); the old name works until {RENAMED_UNTIL}")
             return self[RENAMED[key]]
         raise KeyError(key)
