@@ -154,6 +154,10 @@ def warn(message: str, *, said: set[str] | None = _warned) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+#: The name code written before :func:`warn` imports (its default policy: once a process).
+warn_once = warn
+
+
 def error_line(exc: BaseException) -> str:
     """The error as the user reads it, on the launcher's last line and after
     ``error:``: an EngineError's own message (it says what is wrong and what would be
