@@ -49,7 +49,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 
-from engine.context import WorkerContext, callers_state_kept
+from engine.context import WorkerContext
+from engine.worker_setup import callers_state_kept
 from engine.errors import ConfigError
 from engine.launching import LAUNCH, Worker
 
@@ -174,7 +175,7 @@ class Context(WorkerContext):
     def setup(self) -> None:
         """Seed, threads, parallel mode, process group, checkpointer (as Engine.run).
         config.json waits for the resume decision (:meth:`resume`)."""
-        from engine.context import start_worker
+        from engine.worker_setup import start_worker
 
         cfg, world = self.cfg, self.world
         self.parallel = start_worker(self.pm, cfg, world, self.options)

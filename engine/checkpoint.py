@@ -31,14 +31,13 @@ import hashlib
 import json
 import pathlib
 import shutil
-import sys
 import time
 from typing import Any, Callable, ClassVar
 
 import engine
 from engine.atomic_io import (atomic_write, atomic_write_text, check_file, checksum_entry,
                               fsync_directory, os_error_in, stale_temps)
-from engine.errors import CheckpointError, first_line, untrusted_pickle
+from engine.errors import CheckpointError, first_line, untrusted_pickle, warn
 from engine.metrics import improves, resolved_mode
 
 
@@ -259,12 +258,6 @@ def check_recorded(path: pathlib.Path, manifest: dict, deep: bool = True) -> str
         if problem is not None:
             return f"{name}: {problem}"
     return None
-
-
-def warn(message: str) -> None:
-    """``warning: MESSAGE`` on stderr, every time (a snapshot found unusable twice is
-    said twice)."""
-    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def disk_full_hint(exc: OSError, directory: pathlib.Path) -> str:
@@ -536,7 +529,9 @@ class SnapshotStore(Checkpointer):
             if problem is None:
                 return path
             if self.rank == 0:
-                warn(f"snapshot {path} is unusable: {problem}; trying the previous one")
+                # Every time: a snapshot found unusable twice is said twice.
+                warn(f"snapshot {path} is unusable: {problem}; trying the previous one",
+                     said=None)
         return None
 
     def best(self):

@@ -4,7 +4,9 @@
 A worker context holds the world, the config, the train state, the model and its
 companions once they exist, rank-0 output, and the end of the run: the one summary
 builder and its write rule. It is the ``engine`` argument of every hook;
-``engine.hookspecs.RunContext`` lists what a plugin may rely on.
+``engine.hookspecs.RunContext`` lists what a plugin may rely on. How a worker starts
+(seed, threads, process group) is engine/worker_setup.py's; what metric names mean,
+engine/metrics.py's.
 
 The end of a run, however it ends::
 
@@ -22,10 +24,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 import pathlib
-import random
-import sys
 import time
 from typing import Any
 
@@ -35,49 +34,15 @@ import engine
 from engine import config as config_mod
 from engine import phases
 from engine.compile import seconds_spent
-from engine.errors import RunError, one_line
+from engine.errors import RunError, one_line, warn
+from engine.metrics import (SUMMARY_METRICS, throughput_of, throughput_summary,
+                            throughput_unit, validation_summary)
 from engine.stateful import SnapshotParts
 
-#: Summary keys taken from the latest metrics (and every ``val/NAME`` as ``val_NAME``).
-#: ``train_loss`` is the last log window's mean loss, ``train_epoch_loss`` the last epoch's
-#: (docs/outputs.md: metric names).
-SUMMARY_METRICS = {"train/loss": "train_loss", "train/epoch_loss": "train_epoch_loss",
-                   "val/loss": "val_loss",
-                   "train/data_wait_fraction": "data_wait_fraction"}
-
-
-def validation_summary(metrics: dict) -> dict:
-    """``val_NAME`` for each ``val/NAME`` the recipe's eval_step reported."""
-    return {"val_" + name[len("val/"):]: value for name, value in metrics.items()
-            if name.startswith("val/")}
-
-
-def throughput_unit(name: str) -> str | None:
-    """The unit of a throughput metric's name: ``train/<unit>_per_sec`` (a log
-    window's) or ``train/epoch_<unit>_per_sec`` (an epoch's); None for other names."""
-    if not (name.startswith("train/") and name.endswith("_per_sec")):
-        return None
-    unit = name[len("train/"):-len("_per_sec")]
-    return unit.removeprefix("epoch_")
-
-
-def throughput_of(metrics: dict) -> tuple[str, float] | None:
-    """``(unit, value)`` of the throughput among ``metrics`` (samples by default, a
-    recipe's own unit such as tokens): the epoch's where there is one, else the log
-    window's; None without either."""
-    found = {name.startswith("train/epoch_"): (unit, value)
-             for name, value in metrics.items()
-             if (unit := throughput_unit(name)) is not None}
-    return found.get(True) or found.get(False)
-
-
-def throughput_summary(metrics: dict) -> dict:
-    """The summary's throughput keys: ``throughput_unit`` and ``<unit>_per_sec``
-    (``samples_per_sec``, ``tokens_per_sec``), the last epoch's (the last window's in a
-    run that ended before an epoch did); runs before units had ``images_per_sec``."""
-    found = throughput_of(metrics)
-    unit, value = found if found else ("samples", None)
-    return {"throughput_unit": unit, f"{unit}_per_sec": value}
+# The metric-name vocabulary is engine/metrics.py's; it stays importable from here for
+# plugins that import it from here.
+__all__ = ["RunOutcome", "WorkerContext", "utc_now", "weights_digests", "SUMMARY_METRICS",
+           "throughput_of", "throughput_summary", "throughput_unit", "validation_summary"]
 
 
 def utc_now(at: float | None = None) -> str:
@@ -106,81 +71,6 @@ def weights_digests(module, warn) -> dict:
         warn("the ranks finished with different weights: "
              + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)))
     return {"weights_sha256": digests[0], "weights_sha256_per_rank": digests}
-
-
-#: torch's thread count before a worker in this process set the run's (start_worker).
-_threads_before: int | None = None
-
-
-@contextlib.contextmanager
-def callers_state_kept():
-    """Around a library call (engine.fit, engine.launch): a worker that runs in the
-    caller's process sets torch's thread count for the run (``threads=``, or its share
-    of the CPUs); the caller gets its own back when the call returns, however it ends.
-    The call's phases (the console's ``done: ... in 5.2s (start-up 1.1s)``) count from
-    the call's start, not from the process's or an earlier call's."""
-    global _threads_before
-    phases.restart()
-    _threads_before = None
-    try:
-        yield
-    finally:
-        if _threads_before is not None:
-            import torch
-
-            torch.set_num_threads(_threads_before)
-            _threads_before = None
-
-
-def start_worker(pm, cfg, world, options: dict[str, Any]):
-    """The first steps of every worker (a Trainer run or a library user's loop): seed
-    every RNG, share the CPUs, choose the parallel mode and its devices, create the
-    process group, settle the run's folder. Returns the parallel mode."""
-    import torch
-
-    from engine import distributed, health, run_dir
-
-    seed_everything(cfg.seed)
-    if cfg.deterministic:
-        use_deterministic_kernels()
-    global _threads_before
-    if _threads_before is None:
-        _threads_before = torch.get_num_threads()
-    torch.set_num_threads(options.get("threads") or world.cpu_share().count)
-    from engine.parallel import choose_parallel
-
-    parallel = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg)
-    parallel.check()
-    parallel.setup_device()
-    if world.distributed:
-        distributed.init(world, parallel.backend or "gloo", cfg.timeout_s)
-        health.prepare(cfg.timeout_s)
-    # out_dir's pattern filled by rank 0, the same for every rank (engine/run_dir.py).
-    run_dir.settle(cfg, world, options, run_dir.run_files(pm))
-    return parallel
-
-
-def use_deterministic_kernels() -> None:
-    """Deterministic cuDNN and cuBLAS kernels (``deterministic=true``). Must run before
-    the process's first CUDA matrix product: cuBLAS reads its workspace setting when it
-    starts."""
-    import torch
-
-    # cuBLAS is deterministic only with a fixed workspace (CUDA >= 10.2); a user's own
-    # setting wins.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.use_deterministic_algorithms(True)
-
-
-def seed_everything(seed: int) -> None:
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # seeds CUDA too
 
 
 class WorkerContext:
@@ -298,14 +188,13 @@ class WorkerContext:
 
     def warn(self, message: str) -> None:
         """A warning on stderr, once per message, on rank 0 only."""
-        if self.is_rank0 and message not in self._warned:
-            self._warned.add(message)
-            print(f"warning: {message}", file=sys.stderr, flush=True)
+        if self.is_rank0:
+            warn(message, said=self._warned)
 
     def warn_here(self, message: str) -> None:
         """A warning about this rank's own machine (its buffers, its tmpfs), on whichever
         rank it is: rank 0 cannot see it, so :meth:`warn` would drop it."""
-        print(f"warning: rank {self.world.rank}: {message}", file=sys.stderr, flush=True)
+        warn(f"rank {self.world.rank}: {message}", said=None)
 
     def write_config(self) -> None:
         """``<out_dir>/config.json``: the resolved config (rank 0)."""

@@ -18,8 +18,8 @@ import sys
 from typing import Any
 
 from engine import phases
-from engine.worker_setup import prepare_model
-from engine.context import WorkerContext, start_worker
+from engine.worker_setup import prepare_model, start_worker
+from engine.context import WorkerContext
 from engine.errors import ConfigError, EngineError, PeerFailed, RunError, first_line
 from engine.stateful import TrainState
 

@@ -137,15 +137,25 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
+#: The messages this process has warned about (:func:`warn`'s default ``said``).
 _warned: set[str] = set()
 
 
-def warn_once(message: str) -> None:
-    """``warning: MESSAGE`` on stderr, once per message in this process (a warning
-    repeated every epoch or every save would bury the output)."""
-    if message not in _warned:
-        _warned.add(message)
-        print(f"warning: {message}", file=sys.stderr, flush=True)
+def warn(message: str, *, said: set[str] | None = _warned) -> None:
+    """``warning: MESSAGE`` on stderr: the engine's one way to warn. ``said`` is the
+    policy: the messages already said, each said once (a warning repeated every epoch
+    or every save would bury the output): this process's by default, or a run's or a
+    parallel mode's own set; None says it every time (a snapshot found unusable twice
+    is said twice). Which ranks warn is the caller's to decide (rank 0 for the run)."""
+    if said is not None:
+        if message in said:
+            return
+        said.add(message)
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+#: The name code written before :func:`warn` imports (its default policy: once a process).
+warn_once = warn
 
 
 def error_line(exc: BaseException) -> str:

@@ -14,7 +14,7 @@ import socket
 import sys
 from typing import Mapping
 
-from engine.errors import LaunchError, warn_once
+from engine.errors import LaunchError, warn
 
 # ------------------------------------------------------------------- variables
 
@@ -114,7 +114,7 @@ def start_method(environ: Mapping[str, str] = os.environ) -> str:
     if chosen == "fork":
         reason = _fork_unsafe()
         if reason:
-            warn_once(f"{START_METHOD_ENV}=fork: {reason}, and a forked worker could hang; "
+            warn(f"{START_METHOD_ENV}=fork: {reason}, and a forked worker could hang; "
                       "starting the workers with spawn")
             return "spawn"
     return chosen

@@ -187,12 +187,12 @@ def warn_if_oversubscribed(local_processes: int) -> None:
     """Processes beyond the CPUs this node may use run at a fraction of the speed each
     (they take turns on the CPUs and get one thread each); a warning, not an error: the
     run is right, only slow, and a GPU node may not care."""
-    from engine.errors import warn_once
+    from engine.errors import warn
     from engine.world import usable_cpus
 
     cpus, source = usable_cpus()
     if local_processes > cpus:
-        warn_once(f"{local_processes} processes on this node share {cpus} usable CPU(s) "
+        warn(f"{local_processes} processes on this node share {cpus} usable CPU(s) "
                   f"({source}): each gets 1 torch thread and they take turns, so training "
                   f"will be slow; --nproc {cpus} or fewer fits the CPUs")
 
@@ -612,7 +612,7 @@ def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
                                                     max_restarts=max_restarts),
                     door=FIT, recipe=_recipe_reference(recipe), overrides=tuple(items))
     from engine.config import UnknownKey
-    from engine.context import callers_state_kept
+    from engine.worker_setup import callers_state_kept
 
     with callers_state_kept():
         try:

@@ -15,6 +15,11 @@ the run logs them.
   recipe run logs at all; the worker then checks the rest against the names this run
   logs, before the first step (engine/trainer.py: ``Trainer.check_named_metrics``), and
   :func:`not_logged` is the one-line error both give.
+- The vocabulary that reads a run's metrics back: the summary keys the metrics become
+  (:data:`SUMMARY_METRICS`, :func:`validation_summary`, :func:`throughput_summary`),
+  and a throughput's name and unit (:func:`throughput_unit`, :func:`throughput_of`),
+  which the summary, the console and ``engine-report`` share (``engine-runs`` reads
+  the summary's keys).
 
 No torch here: the launching process and the config checks import it.
 """
@@ -187,6 +192,50 @@ def not_logged(key: str, metric: str, logged) -> ConfigError:
                        + f"; it logs: {', '.join(logged) if logged else 'nothing'}")
 
 
+# ------------------------------------------- names the summary, console and runs read
+
+#: Summary keys taken from the latest metrics (and every ``val/NAME`` as ``val_NAME``).
+#: ``train_loss`` is the last log window's mean loss, ``train_epoch_loss`` the last epoch's
+#: (docs/outputs.md: metric names).
+SUMMARY_METRICS = {"train/loss": "train_loss", "train/epoch_loss": "train_epoch_loss",
+                   "val/loss": "val_loss",
+                   "train/data_wait_fraction": "data_wait_fraction"}
+
+
+def validation_summary(metrics: dict) -> dict:
+    """``val_NAME`` for each ``val/NAME`` the recipe's eval_step reported."""
+    return {"val_" + name[len("val/"):]: value for name, value in metrics.items()
+            if name.startswith("val/")}
+
+
+def throughput_unit(name: str) -> str | None:
+    """The unit of a throughput metric's name: ``train/<unit>_per_sec`` (a log
+    window's) or ``train/epoch_<unit>_per_sec`` (an epoch's); None for other names."""
+    if not (name.startswith("train/") and name.endswith("_per_sec")):
+        return None
+    unit = name[len("train/"):-len("_per_sec")]
+    return unit.removeprefix("epoch_")
+
+
+def throughput_of(metrics: dict) -> tuple[str, float] | None:
+    """``(unit, value)`` of the throughput among ``metrics`` (samples by default, a
+    recipe's own unit such as tokens): the epoch's where there is one, else the log
+    window's; None without either."""
+    found = {name.startswith("train/epoch_"): (unit, value)
+             for name, value in metrics.items()
+             if (unit := throughput_unit(name)) is not None}
+    return found.get(True) or found.get(False)
+
+
+def throughput_summary(metrics: dict) -> dict:
+    """The summary's throughput keys: ``throughput_unit`` and ``<unit>_per_sec``
+    (``samples_per_sec``, ``tokens_per_sec``), the last epoch's (the last window's in a
+    run that ended before an epoch did); runs before units had ``images_per_sec``."""
+    found = throughput_of(metrics)
+    unit, value = found if found else ("samples", None)
+    return {"throughput_unit": unit, f"{unit}_per_sec": value}
+
+
 #: Public metric names that were renamed, old -> new (CHANGELOG.md), and the version in
 #: which the old name stops working.
 RENAMED = {"train/loss": "train/epoch_loss"}
@@ -202,9 +251,9 @@ class EpochMetrics(dict):
 
     def __missing__(self, key):
         if key in RENAMED and RENAMED[key] in self:
-            from engine.errors import warn_once
+            from engine.errors import warn
 
-            warn_once(f"metrics[{key!r}] in engine_epoch_end is now {RENAMED[key]!r} (the "
+            warn(f"metrics[{key!r}] in engine_epoch_end is now {RENAMED[key]!r} (the "
                       f"epoch's mean); the old name works until {RENAMED_UNTIL}")
             return self[RENAMED[key]]
         raise KeyError(key)

@@ -35,10 +35,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 from typing import ClassVar
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, warn
 
 
 class Parallel:
@@ -128,18 +127,12 @@ class Parallel:
     def warn(self, message: str, *, every_node: bool = False) -> None:
         """Print ``warning: message`` once: on rank 0, or on local rank 0 of every node
         for facts about the node (its GPUs), named by host when there are several."""
-        said = self.__dict__.setdefault("_said", set())  # also if __init__ was overridden
-        if message in said:
+        if not (self.world.is_local_rank0 if every_node else self.world.is_rank0):
             return
-        said.add(message)
-        if every_node:
-            if not self.world.is_local_rank0:
-                return
-            if self.world.num_nodes > 1:
-                message = f"{self.world.host}: {message}"
-        elif not self.world.is_rank0:
-            return
-        print(f"warning: {message}", file=sys.stderr, flush=True)
+        if every_node and self.world.num_nodes > 1:
+            message = f"{self.world.host}: {message}"
+        # The mode's own set, also if __init__ was overridden.
+        warn(message, said=self.__dict__.setdefault("_said", set()))
 
     def warn_idle_gpus(self, used: int, how: str) -> None:
         """Warn loudly when this node has GPUs the mode leaves idle. ``used`` is the

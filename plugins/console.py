@@ -24,7 +24,7 @@ import time
 import attrs
 
 import engine
-from engine.context import throughput_of
+from engine.metrics import throughput_of
 
 #: A run is called data-bound when more than this fraction of its time waits for data.
 DATA_BOUND = 0.3

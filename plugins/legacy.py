@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Callable
 
 import engine
-from engine.errors import LaunchError, warn_once
+from engine.errors import LaunchError, warn
 from engine.launch_env import int_variable, parent_cmdline, require_variables
 from engine.launcher import Launcher
 from engine.world import World
@@ -135,7 +135,7 @@ class LegacyLauncher(Launcher):
     def launch(self, worker: Callable[[World], object]) -> list:
         (world,) = self.worlds()
         if world.is_rank0:
-            warn_once(f"python -m {LEGACY_MODULE} is deprecated and torchrun replaces it: "
+            warn(f"python -m {LEGACY_MODULE} is deprecated and torchrun replaces it: "
                       "torchrun --nproc-per-node N $(which engine-run) RECIPE ... runs the "
                       "same workers (no --local-rank argument, no --use_env needed)")
         return [worker(world)]

@@ -19,7 +19,7 @@ import json
 import math
 import pathlib
 
-from engine.context import throughput_unit
+from engine.metrics import throughput_unit
 from engine.errors import EngineError
 
 INSTALL = 'pip install -e ".[report]"'

@@ -285,7 +285,7 @@ def _measure_settings(job, world, settings, budget_s, full_step, conn) -> None:
     import torch
 
     from engine import data, loader_settings
-    from engine.context import seed_everything
+    from engine.worker_setup import seed_everything
     from engine.engine import Engine
     from engine.parallel import choose_parallel
     from engine.plugin_manager import build_plugin_manager
