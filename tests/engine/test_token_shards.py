@@ -8,6 +8,7 @@ import collections
 import json
 import pickle
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -92,26 +93,41 @@ def test_the_shards_command_writes_a_folder_and_refuses_bad_input(tmp_path):
         assert says in proc.stderr
 
 
-def test_a_tokenizer_file_needs_the_tokenizers_package_or_works_with_it(tmp_path):
-    text = tmp_path / "t.txt"
-    text.write_text("a b a b c\n" * 20)
-    try:
-        import tokenizers
-    except ImportError:
-        proc = run_cli_here("shards", str(text), "--out", str(tmp_path / "s"),
-                            "--tokenizer", str(tmp_path / "tokenizer.json"))
-        assert proc.returncode == 2 and "needs the tokenizers package" in proc.stderr
-        return
+def test_without_the_tokenizers_package_a_tokenizer_file_is_refused_in_one_line(
+        tmp_path, monkeypatch):
+    (tmp_path / "t.txt").write_text("a b\n")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers fails
+    proc = run_cli_here("shards", str(tmp_path / "t.txt"), "--out", str(tmp_path / "s"),
+                        "--tokenizer", "tokenizer.json")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert ("--tokenizer tokenizer.json: a tokenizer file needs the tokenizers package "
+            "(pip install tokenizers); or use --tokenizer bytes") in proc.stderr
+
+
+def test_a_hugging_face_tokenizer_file_gives_its_ids(tmp_path):
+    """The tokenizers package (in the dev extras): its ids, uint16 for a small
+    vocabulary and uint32 beyond 65,536; a file that is no tokenizer.json is one line."""
+    tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers
 
-    tokenizer = tokenizers.Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "[UNK]": 3},
-                                                      unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    run_cli_here("shards", str(text), "--out", str(tmp_path / "s"),
-                 "--tokenizer", str(tmp_path / "tokenizer.json"), check=True)
-    windows = TokenShards(tmp_path / "s", 4)
-    assert windows.vocab_size == 4 and windows[0][0].tolist() == [0, 1, 0, 1]
+    text = tmp_path / "t.txt"
+    text.write_text("a b a b w70000\n" * 20)
+
+    for size, dtype in ((4, "uint16"), (70_001, "uint32")):
+        vocab = {"[UNK]": 0, "a": 1, "b": 2, **{f"w{i}": i for i in range(3, size)}}
+        tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        tokenizer.save(str(tmp_path / "tokenizer.json"))
+        run_cli_here("shards", str(text), "--out", str(tmp_path / "s"),
+                     "--tokenizer", str(tmp_path / "tokenizer.json"), check=True)
+        windows = TokenShards(tmp_path / "s", 4)
+        last = 70_000 if size > 70_000 else 0  # w70000, or unknown
+        assert windows.vocab_size == size and windows.dtype == dtype
+        assert windows[0][0].tolist() == [1, 2, 1, 2] and windows[0][1].tolist()[-1] == last
+    proc = run_cli_here("shards", str(text), "--out", str(tmp_path / "s"),
+                        "--tokenizer", str(text))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert f"--tokenizer {text}: not a Hugging Face tokenizer.json" in proc.stderr
 
 
 # ---------------------------------------------- real runs: another number of processes
