@@ -7,6 +7,7 @@
     engine-run tune-workers RECIPE [options]        measure DataLoader num_workers
     engine-run runs [DIR]                           a table of the runs under DIR
     engine-run report RUN_DIR [-o FILE.png]         a PNG of a run's loss and metric curves
+    engine-run shards TEXT... --out DIR             token shards from text files
     engine-run sbatch RECIPE [options]              print an sbatch script (slurm plugin)
 
 Plugins add commands through the ``engine_register_commands`` hook.
@@ -34,6 +35,7 @@ COMMANDS = {
     "runs": "engine.commands.runs",
     "report": "engine.commands.report",
     "export": "engine.commands.export",
+    "shards": "engine.commands.shards",
 }
 #: What a command name looks like (a recipe is a path: it has a '/' or a '.').
 COMMAND_NAME = re.compile(r"[a-z][a-z0-9-]*\Z")

@@ -5,13 +5,17 @@ embedding), trained to predict the next character.
     engine-run recipes/char_lm.py                       # Python's own library, ~3 min on 2 CPUs
     engine-run recipes/char_lm.py data.path=book.txt epochs=4 model.layers=6
     engine-run recipes/char_lm.py precision=bf16
+    engine-run shards book.txt --out shards && engine-run recipes/char_lm.py data.shards=shards
 
 Text every machine has, without a download: by default the source files of Python's
 standard library (the top-level ``*.py`` files of ``sysconfig``'s ``stdlib`` folder, in
 sorted order, up to ``data.max_chars``), every ``data.val_every``-th file held out for
 validation, so that no file is in both sets. ``data.path`` trains on any UTF-8 text
 file instead (its last tenth validates). Characters are UTF-8 bytes: a vocabulary of
-256 that fits every text, with no vocabulary file to carry around.
+256 that fits every text, with no vocabulary file to carry around. ``data.shards``
+trains on token shards (``engine-run shards``, engine/token_shards.py, any tokenizer:
+the vocabulary is the index's): its windows of ``model.context + 1`` tokens, every
+``data.val_every``-th one held out for validation, each training window once per epoch.
 
 The recipe owns its steps: ``train_step`` (next-character cross-entropy) and
 ``eval_step`` (summed loss and token count), and ``eval_metrics`` turns the reduced
@@ -36,7 +40,7 @@ import attrs
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from engine import TrainConfig
 from engine.errors import ConfigError
@@ -60,6 +64,9 @@ class DataConfig:
     val_every: int = 10  # every N-th library file validates (the last tenth of data.path)
     train_windows: int = 14_400  # training windows per epoch, at fixed random offsets
     val_windows: int = 400  # validation windows at most, spread evenly over the text
+    # A token-shard folder (engine-run shards): its windows instead of the text above
+    # (path, max_chars and train_windows then unused: an epoch is every training window).
+    shards: str = ""
 
 
 @attrs.define
@@ -125,15 +132,15 @@ shard_units = (Block,)
 
 
 class CharTransformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, vocab: int = VOCAB):
         super().__init__()
         self.context = cfg.context
-        self.tokens = nn.Embedding(VOCAB, cfg.width)
+        self.tokens = nn.Embedding(vocab, cfg.width)
         self.positions = nn.Embedding(cfg.context, cfg.width)
         self.dropout = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.norm = nn.LayerNorm(cfg.width)
-        self.head = nn.Linear(cfg.width, VOCAB, bias=False)
+        self.head = nn.Linear(cfg.width, vocab, bias=False)
         self.apply(self._init)
         self.head.weight = self.tokens.weight  # tied: one matrix reads and writes characters
 
@@ -153,7 +160,15 @@ class CharTransformer(nn.Module):
 
 
 def build_model(cfg: Config) -> nn.Module:
-    return CharTransformer(cfg.model)
+    return CharTransformer(cfg.model, vocab_size(cfg.data))
+
+
+def vocab_size(data: DataConfig) -> int:
+    if not data.shards:
+        return VOCAB
+    from engine.token_shards import read_index
+
+    return int(read_index(data.shards)["vocab_size"])
 
 
 def build_optimizer(cfg: Config, model: nn.Module):
@@ -192,7 +207,7 @@ def train_step(batch, ctx):
     beside it the share of characters the model ranks first (``train/accuracy``)."""
     inputs, targets = batch
     logits = ctx.model(inputs)
-    loss = F.cross_entropy(logits.float().view(-1, VOCAB), targets.reshape(-1))
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1))
     hits = (logits.detach().argmax(dim=-1) == targets).float().mean()
     return {"loss": loss, "accuracy": hits}
 
@@ -200,7 +215,7 @@ def train_step(batch, ctx):
 def eval_step(batch, ctx):
     inputs, targets = batch
     logits = ctx.module(inputs)
-    loss = F.cross_entropy(logits.float().view(-1, VOCAB), targets.reshape(-1),
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1),
                            reduction="sum")
     return {"loss": loss, "count": targets.numel()}
 
@@ -223,7 +238,7 @@ def count_throughput(batch) -> int:
 def on_train_end(cfg: Config, ctx) -> None:
     """Rank 0 prints a sample of the trained model's text, seeded: two runs of the same
     config print the same."""
-    if cfg.sample_chars > 0:
+    if cfg.sample_chars > 0 and vocab_size(cfg.data) == VOCAB:  # bytes: text to print
         prompt = "def "
         # Every rank generates the same text: under --parallel fsdp each forward is a
         # collective (every unit is gathered from all ranks), so rank 0 cannot run alone.
@@ -327,7 +342,45 @@ def unigram_cross_entropy(train: torch.Tensor, val: torch.Tensor) -> float:
     return float(-log_p[val.long()].mean())
 
 
+def shard_datasets(cfg: Config, ctx):
+    """The shards' windows: every ``data.val_every``-th validates (at most
+    ``data.val_windows`` of them, spread evenly), the rest train."""
+    from engine.token_shards import TokenShards
+
+    windows = TokenShards(cfg.data.shards, cfg.model.context)
+    if cfg.data.val_every < 2 or len(windows) < cfg.data.val_every:
+        raise ConfigError(f"data.shards {cfg.data.shards}: {len(windows)} windows of "
+                          f"model.context={cfg.model.context} + 1 tokens, data.val_every="
+                          f"{cfg.data.val_every}: need data.val_every >= 2 and at least that "
+                          "many windows (more text, or a smaller model.context)")
+    every = cfg.data.val_every
+    held_out = torch.arange(0, len(windows), every)
+    held_out = held_out[torch.linspace(0, len(held_out) - 1, min(cfg.data.val_windows,
+                                                                 len(held_out))).long()]
+    train = NotEveryNth(windows, every)
+    ctx.print(f"char_lm: {len(windows):,} windows of {cfg.model.context + 1} tokens in "
+              f"{cfg.data.shards} ({windows.tokens:,} tokens, vocabulary "
+              f"{windows.vocab_size:,}): {len(train):,} train, {len(held_out):,} validate")
+    return train, Subset(windows, held_out.tolist())
+
+
+class NotEveryNth(Dataset):
+    """The windows whose index is not a multiple of ``every``, by arithmetic (a list of
+    a large corpus's window indices would take gigabytes in every process)."""
+
+    def __init__(self, windows, every: int):
+        self.windows, self.every = windows, every
+
+    def __len__(self):
+        return len(self.windows) - -(-len(self.windows) // self.every)
+
+    def __getitem__(self, index):
+        return self.windows[index + index // (self.every - 1) + 1]
+
+
 def build_datasets(cfg: Config, ctx):
+    if cfg.data.shards:
+        return shard_datasets(cfg, ctx)
     train_text, val_text = (as_tensor(t) for t in split_text(cfg.data))
     context = cfg.model.context
     for name, text in (("training", train_text), ("validation", val_text)):

@@ -119,3 +119,49 @@ def test_the_runs_model_loads_and_writes_its_sample_again(reference):
     assert done, stdout
     assert float(done.group(1)) == round(summary["wall_time_s"], 1)
     assert summary["wall_time_s"] > float(done.group(2)) + summary["training_time_s"] - 0.2
+
+
+# ------------------------------------------------------------------ data.shards=DIR
+
+
+def test_data_shards_trains_on_token_shards_with_every_nth_window_held_out(tmp_path):
+    """A text written as shards (engine-run shards): the recipe's training and
+    validation windows are disjoint and together every window of the shards; a short
+    1-process run on them trains and validates."""
+    from engine.recipe import load_recipe
+    from engine.token_shards import TokenShards
+
+    source = tmp_path / "text.py"
+    source.write_text("".join(f"x = {i:06d}\n" for i in range(1500)))  # no window twice
+    size = source.stat().st_size
+    shards = tmp_path / "shards"
+    run_cli_here("shards", str(source), "--out", str(shards), "--shard-tokens", "8000",
+                 check=True)
+    recipe = load_recipe(RECIPE).module
+    cfg = recipe.Config()
+    cfg.data.shards, cfg.model.context, cfg.data.val_windows = str(shards), 32, 10_000
+
+    class Ctx:
+        print = staticmethod(print)
+
+    train, val = recipe.build_datasets(cfg, Ctx())
+    windows = TokenShards(shards, 32)
+    assert len(train) + len(val) == len(windows) == (size // 8000) * (8000 // 33) + (size % 8000) // 33
+    every = {bytes(windows[i][0].tolist()) for i in range(len(windows))}
+    trained = {bytes(train[i][0].tolist()) for i in range(len(train))}
+    validated = {bytes(val[i][0].tolist()) for i in range(len(val))}
+    assert len(every) == len(windows) and trained | validated == every
+    assert len(trained) == len(train) and trained.isdisjoint(validated)
+    assert bytes(val[1][0].tolist()) == bytes(windows[cfg.data.val_every][0].tolist())
+
+    out = tmp_path / "run"
+    proc = run_cli(RECIPE, f"data.shards={shards}", "epochs=1", "batch_size=64",
+                   "model.width=32", "model.heads=2", "model.context=32", "model.layers=1",
+                   "data.val_windows=20", "sample_chars=20", f"out_dir={out}", "--nproc", "1",
+                   check=True)
+    assert f"in {shards} ({size:,} tokens, vocabulary 256): {len(train):,} train, 20 validate" \
+        in proc.stdout
+    summary = read_summary(out)
+    assert summary["global_step"] == -(-len(train) // 64)
+    assert summary["metrics"]["val/loss"] < math.log(256)  # below a uniform guess
+    assert "sample (20 characters after 'def '):" in proc.stdout

@@ -1,0 +1,220 @@
+"""Token shards: pre-tokenised data on disk, read as fixed-length windows.
+
+A shard folder holds ``index.json`` and shard files ``shard-00000.npy``, ... of token
+ids (numpy ``uint16`` when the vocabulary fits, else ``uint32``), each memory-mapped on
+first use: nothing is read until a window is. ``engine-run shards`` writes one
+(engine/commands/shards.py).
+
+:class:`TokenShards` is a map-style dataset: window ``i`` is the ``i``-th run of
+``seq_len + 1`` consecutive tokens, counted over the shards in the index's order, each
+shard cut into non-overlapping windows from its start (a shard's last tokens that do
+not fill a window are never read; no window spans two shards). Because windows are
+addressed by a global index, the engine's map-style path gives every guarantee it
+gives any indexable dataset: every window once per epoch, the order shuffled by
+(seed, epoch), and an exact resume mid-epoch at any number of processes (the snapshot
+records the epoch's global position, docs/data.md).
+
+numpy is required (memory maps); it is imported with this module, which the engine
+imports only when a recipe uses it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import pathlib
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from engine.atomic_io import atomic_write, atomic_write_text
+from engine.errors import ConfigError
+
+INDEX = "index.json"
+FORMAT = "ddp-engine token shards"
+VERSION = 1
+DTYPES = ("uint16", "uint32")
+WRITE_HINT = "write one with: engine-run shards TEXT... --out DIR"
+
+
+def read_index(folder: str | pathlib.Path) -> dict:
+    """The folder's index, checked: a one-line ConfigError names what is wrong."""
+    folder = pathlib.Path(folder)
+    path = folder / INDEX
+    if not path.is_file():
+        what = "does not exist" if not folder.exists() else f"has no {INDEX}"
+        raise ConfigError(f"token shards {folder} {what}; {WRITE_HINT}")
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"token shards: cannot read {path} ({exc}); {WRITE_HINT}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ConfigError(f"token shards: {path} is not a token-shard index (no "
+                          f"\"format\": {FORMAT!r}); {WRITE_HINT}")
+    if index.get("version") != VERSION or index.get("dtype") not in DTYPES:
+        raise ConfigError(f"token shards: {path} has version {index.get('version')!r} and "
+                          f"dtype {index.get('dtype')!r}; this engine reads version "
+                          f"{VERSION} with a dtype of {', '.join(DTYPES)}")
+    return index
+
+
+class TokenShards(Dataset):
+    """The windows of a shard folder: ``dataset[i]`` is ``(inputs, targets)``, int64
+    tensors of ``seq_len`` tokens, the targets shifted by one (next-token prediction).
+
+    ``index.json`` is read and every shard's length checked here; the memory maps are
+    opened in the process that reads (a DataLoader worker opens its own: a memory map
+    is not pickled into it).
+    """
+
+    def __init__(self, folder: str | pathlib.Path, seq_len: int):
+        if seq_len < 1:
+            raise ConfigError(f"token shards: seq_len must be >= 1, got {seq_len}")
+        self.folder, self.seq_len = pathlib.Path(folder), seq_len
+        self.index = read_index(self.folder)
+        self.dtype = np.dtype(self.index["dtype"])
+        self.vocab_size = int(self.index["vocab_size"])
+        self.files, counts = [], []
+        for shard in self.index["shards"]:
+            path = self.folder / shard["file"]
+            try:  # reads the .npy header only
+                found = np.load(path, mmap_mode="r")
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"token shards: cannot read shard {path} ({exc}); "
+                                  f"{WRITE_HINT}") from None
+            if found.dtype != self.dtype or found.shape != (shard["tokens"],):
+                raise ConfigError(f"token shards: {path} holds {found.shape} {found.dtype}, "
+                                  f"the index says ({shard['tokens']},) {self.dtype}; was "
+                                  "the folder written twice? write it again")
+            self.files.append(path)
+            counts.append(shard["tokens"] // (seq_len + 1))
+        #: starts[k]: the global index of shard k's first window; starts[-1]: the total.
+        self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
+        if self.starts[-1] == 0:
+            raise ConfigError(f"token shards {self.folder}: no window of seq_len + 1 = "
+                              f"{seq_len + 1} tokens fits in any shard (the longest has "
+                              f"{max((s['tokens'] for s in self.index['shards']), default=0)}"
+                              " tokens); use a shorter seq_len or more text per shard")
+        self._maps: list | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in the index's shards (including those no window reads)."""
+        return sum(shard["tokens"] for shard in self.index["shards"])
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getstate__(self):  # a worker opens its own maps
+        return {**self.__dict__, "_maps": None}
+
+    def window(self, index: int) -> np.ndarray:
+        """Window ``index``'s ``seq_len + 1`` tokens, as stored (a view of the map)."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} of {len(self)}")
+        if self._maps is None:
+            self._maps = [np.load(path, mmap_mode="r") for path in self.files]
+        shard = bisect.bisect_right(self.starts, index) - 1
+        start = (index - self.starts[shard]) * (self.seq_len + 1)
+        return self._maps[shard][start:start + self.seq_len + 1]
+
+    def __getitem__(self, index: int):
+        window = torch.from_numpy(self.window(int(index)).astype(np.int64))
+        return window[:-1], window[1:]
+
+
+# ------------------------------------------------------------------ writing shards
+
+
+def bytes_tokenizer() -> tuple[Callable[[str], list[int] | np.ndarray], int, str]:
+    """UTF-8 bytes: a vocabulary of 256 that fits every text, without a file."""
+    return (lambda text: np.frombuffer(text.encode(), dtype=np.uint8)), 256, "bytes"
+
+
+def hf_tokenizer(path: str) -> tuple[Callable[[str], list[int]], int, str]:
+    """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` package, imported here)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError(f"--tokenizer {path}: a tokenizer file needs the tokenizers "
+                          "package (pip install tokenizers); or use --tokenizer bytes") from None
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - its errors are plain Exceptions
+        raise ConfigError(f"--tokenizer {path}: not a Hugging Face tokenizer.json "
+                          f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+                          ) from None
+    return (lambda text: tokenizer.encode(text).ids), tokenizer.get_vocab_size(), str(path)
+
+
+def text_blocks(paths: Iterable[str | pathlib.Path], block_chars: int) -> Iterator[str]:
+    """The files' text in blocks of about ``block_chars`` characters, each cut after a
+    line's end (a tokenizer never sees a line split in two), files in the given order."""
+    for path in paths:
+        with open(path, encoding="utf-8", newline="") as f:
+            carry = ""
+            while block := read_text(f, path, block_chars):
+                block = carry + block
+                cut = block.rfind("\n") + 1
+                if cut == 0:
+                    carry = block
+                    continue
+                carry = block[cut:]
+                yield block[:cut]
+            if carry:
+                yield carry
+
+
+def read_text(f, path, chars: int) -> str:
+    try:
+        return f.read(chars)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"shards: {path} is not UTF-8 text ({exc.reason} at byte "
+                          f"{exc.start} of a block); give UTF-8 text files") from None
+
+
+def write_shards(texts: list[str | pathlib.Path], out: str | pathlib.Path, *,
+                 tokenizer: str = "bytes", shard_tokens: int = 100_000_000,
+                 block_chars: int = 1 << 24) -> dict:
+    """Tokenise ``texts`` (UTF-8 files, in order, concatenated) into shards of
+    ``shard_tokens`` tokens (the last one shorter) in ``out``, and write its index last,
+    atomically: a folder without an index was not finished. Returns the index."""
+    if shard_tokens < 2:
+        raise ConfigError(f"--shard-tokens must be >= 2, got {shard_tokens}")
+    for text in texts:
+        if not pathlib.Path(text).is_file():
+            raise ConfigError(f"shards: {text}: no such file; give UTF-8 text files")
+    encode, vocab_size, name = (bytes_tokenizer() if tokenizer == "bytes"
+                                else hf_tokenizer(tokenizer))
+    dtype = np.dtype("uint16" if vocab_size <= 1 << 16 else "uint32")
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / INDEX).unlink(missing_ok=True)  # unfinished until the new index is written
+    for old in out.glob("shard-*.npy"):  # an earlier write's, maybe more of them
+        old.unlink()
+    shards, pending, held = [], [], 0
+
+    def flush(count: int) -> None:
+        nonlocal pending, held
+        tokens = np.concatenate(pending) if pending else np.zeros(0, dtype)
+        shard, rest = tokens[:count], tokens[count:]
+        file = f"shard-{len(shards):05d}.npy"
+        atomic_write(out / file, lambda f: np.save(f, shard), sync_directory=False)
+        shards.append({"file": file, "tokens": int(len(shard))})
+        pending, held = [rest], len(rest)
+
+    for block in text_blocks(texts, block_chars):
+        ids = np.asarray(encode(block), dtype=dtype)
+        pending.append(ids)
+        held += len(ids)
+        while held >= shard_tokens:
+            flush(shard_tokens)
+    if held or not shards:
+        flush(held)
+    index = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
+             "vocab_size": vocab_size, "tokenizer": name,
+             "sources": [str(t) for t in texts], "shards": shards}
+    atomic_write_text(out / INDEX, json.dumps(index, indent=1) + "\n")
+    return index
