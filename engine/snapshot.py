@@ -419,7 +419,9 @@ def _say_what_a_new_length_does_to_the_schedule(eng, saved: dict | None, source:
     said = ", ".join(f"{key} changed since {source}: {old} -> {new}"
                      for key, (old, new) in changed.items())
     restore = " and ".join(changed)
-    eng.warn(f"{said}; the per-step schedule is rebuilt for the new length{span} and "
+    length = f"{eng.cfg.epochs} epochs" + (f" and max_steps={eng.cfg.max_steps}"
+                                          if getattr(eng.cfg, "max_steps", 0) else "")
+    eng.warn(f"{said}; the per-step schedule is rebuilt for {length}{span} and "
              f"continues at step {eng.state.step} of it, not of the old one: from the next "
              f"step the learning rate is the new schedule's (restore {restore} to continue "
              "the old schedule)")
