@@ -86,6 +86,38 @@ def killed_then_resumed(*args: str, tmp_path, step: int,
     return run_cli(*args, env=fault, check=True)
 
 
+def made_once_per_session(tmp_path_factory, name: str, make, timeout: float = 600
+                          ) -> pathlib.Path:
+    """``<session temp>/<name>``, made by ``make(folder)`` the first time a test of this
+    session asks for it, on any pytest-xdist worker: the others wait for it (a lock) and
+    then read it, rather than each worker making the same reference run again. A failed
+    ``make`` leaves it to the next asker. The folder is to be read, not written."""
+    import fcntl
+    import shutil
+    import time
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the controller's session folder, above each worker's
+    folder, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        deadline = time.monotonic() + timeout  # the maker's own run has a timeout too
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, f"{name}: another worker held it " \
+                    f"for {timeout} s"
+                time.sleep(0.2)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
+
 @contextlib.contextmanager
 def small_disk(folder: pathlib.Path, size: str):
     """A tmpfs of ``size`` mounted on ``folder``: a real full disk (ENOSPC from the

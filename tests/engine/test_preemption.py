@@ -122,16 +122,18 @@ def test_slurm_job_signalled_mid_run_is_requeued_and_finishes_identically(tmp_pa
     import json
     import subprocess
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     train = (RECIPE, "epochs=12", "checkpoint.every_steps=0")
-    reference = tmp_path / "reference"
-    run_cli(*train, f"out_dir={reference}", "--launcher", "spawn", "--nproc", "2",
-            "--threads", "1", check=True)
-
     out = tmp_path / "run"
     script = run_cli("sbatch", *train, f"out_dir={out}", "--nodes", "1",
                      "--procs-per-node", "2", "--cpus-per-task", "2",
                      "--layout", "task-per-node", check=True).stdout
+    # The uninterrupted run goes on while the job waits for the scheduler (no other
+    # run_cli until it is joined: the warm start runs one command at a time).
+    reference, background = tmp_path / "reference", ThreadPoolExecutor(1)
+    uninterrupted = background.submit(run_cli, *train, f"out_dir={reference}", "--launcher",
+                                      "spawn", "--nproc", "2", "--threads", "1", check=True)
     assert "#SBATCH --signal=USR1@90" in script and "#SBATCH --requeue" in script
     job_file = tmp_path / "job.sh"
     job_file.write_text(script)
@@ -153,6 +155,8 @@ def test_slurm_job_signalled_mid_run_is_requeued_and_finishes_identically(tmp_pa
                 summary = json.loads((out / "summary.json").read_text())
     finally:
         subprocess.run(["scancel", job], timeout=30)
+        uninterrupted.result(timeout=300)  # raises what the run raised
+        background.shutdown()
     log = (out / f"slurm-{job}.out").read_text()
     assert "pre-empted by SIGUSR1" in log and f"job {job} requeued" in log, log
     assert "resuming from" in log, log

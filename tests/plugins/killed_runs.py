@@ -9,7 +9,7 @@ import pathlib
 import signal
 
 from engine.testing import TINY_RECIPE, run_python
-from tests.conftest import engine_env, run_cli
+from tests.conftest import engine_env, made_once_per_session, run_cli
 
 #: A loop from the docs' pattern: it kills itself (SIGKILL) when its fourth epoch
 #: (index 3) starts, after the snapshot of its third.
@@ -51,16 +51,15 @@ ENGINE_RUN_KILL_STEP = 13
 
 
 def made_once(tmp_path_factory, name: str, source: str, run) -> pathlib.Path:
-    """``<basetemp>/<name>/run``, made by ``run(folder, script)`` the first time asked in
-    this test session, with ``source`` written to the folder's script first."""
-    base = tmp_path_factory.getbasetemp() / name
-    out = base / "run"
-    if not out.exists():
-        base.mkdir(exist_ok=True)
+    """``<session temp>/<name>/run``, made by ``run(folder, script, out)`` the first time
+    asked in this test session (on any xdist worker: made_once_per_session), with
+    ``source`` written to the folder's script first."""
+    def make(base: pathlib.Path) -> None:
         script = base / "script.py"
         script.write_text(source)
-        run(base, script, out)
-    return out
+        run(base, script, base / "run")
+
+    return made_once_per_session(tmp_path_factory, name, make) / "run"
 
 
 def killed_custom_loop(tmp_path_factory):

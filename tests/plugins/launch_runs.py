@@ -16,7 +16,8 @@ import time
 
 import attrs
 
-from tests.conftest import ENGINE_RUN, QUICK, REPO, engine_env, read_summary, run_cli
+from tests.conftest import (ENGINE_RUN, QUICK, REPO, engine_env, made_once_per_session,
+                            read_summary, run_cli)
 
 RECIPE = str(REPO / "recipes" / "cifar_ddp.py")
 ONE_THREAD = ("--threads", "1")
@@ -30,11 +31,12 @@ def train_args(out) -> list[str]:
 
 def reference_digest(tmp_path_factory) -> str:
     """weights_sha256 of ``engine-run RECIPE --launcher spawn --nproc 2 --threads 1``,
-    run once per test session and shared by the launcher test modules."""
-    out = tmp_path_factory.getbasetemp() / "launcher-reference"
-    if not (out / "summary.json").exists():
-        run_cli(*train_args(out), "--launcher", "spawn", "--nproc", "2", *ONE_THREAD,
-                check=True, timeout=RUN_TIMEOUT_S)
+    run once per test session (on whichever xdist worker first asks) and shared by the
+    launcher test modules."""
+    out = made_once_per_session(
+        tmp_path_factory, "launcher-reference",
+        lambda out: run_cli(*train_args(out), "--launcher", "spawn", "--nproc", "2",
+                            *ONE_THREAD, check=True, timeout=RUN_TIMEOUT_S))
     summary = finished(out)
     assert summary["launcher"] == "spawn"
     return summary["weights_sha256"]
