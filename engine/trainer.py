@@ -707,12 +707,12 @@ class Trainer:
             else:  # a stream's last group may be short: its step divides by accum still
                 group_size = accum
                 last_micro = batch_index - group_start == accum - 1 or stream.last
-            if count_units is not None and not (stream is not None and stream.padding):
+            padding = stream is not None and stream.padding  # trains nothing, counts nothing
+            if count_units is not None and not padding:
                 window.units += count_units(batch)
             with phases.span("forward/backward"):
-                loss = self.run_batch(batch, group_size, last_micro,
-                                      padding=stream is not None and stream.padding)
-            if not (stream is not None and stream.padding):
+                loss = self.run_batch(batch, group_size, last_micro, padding=padding)
+            if not padding:
                 window.add_batch(loss)
             eng.state.batch_in_epoch = batch_index + 1
             if last_micro and self.optimizer_step(loss, window):

@@ -32,6 +32,12 @@ class Config(TrainConfig):
     data: DataConfig = attrs.field(factory=DataConfig)
 
 
+def item(i: int):
+    """Item i: (i, features, label), made from its id alone."""
+    label = i % 3
+    return i, torch.randn(6, generator=torch.Generator().manual_seed(i)) + label, label
+
+
 class Stream(IterableDataset):
     """Items 0..size-1, made from their id; read from the epoch's start each time."""
 
@@ -40,9 +46,7 @@ class Stream(IterableDataset):
 
     def __iter__(self):
         for i in range(self.size):
-            g = torch.Generator().manual_seed(i)
-            label = i % 3
-            yield i, torch.randn(6, generator=g) + label, label
+            yield item(i)
 
 
 class StatefulStream(Stream):
@@ -59,8 +63,7 @@ class StatefulStream(Stream):
         while self.position < self.size:
             i = self.position
             self.position += 1
-            g = torch.Generator().manual_seed(i)
-            yield i, torch.randn(6, generator=g) + i % 3, i % 3
+            yield item(i)
 
     def state_dict(self):
         return {"position": self.position}
