@@ -50,9 +50,9 @@ from typing import Any, Callable, Iterator, Sequence
 import attrs
 
 from engine.context import WorkerContext
-from engine.worker_setup import callers_state_kept
 from engine.errors import ConfigError
 from engine.launching import LAUNCH, Worker
+from engine.worker_setup import callers_state_kept
 
 
 def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,

@@ -42,8 +42,9 @@ COMMAND_NAME = re.compile(r"[a-z][a-z0-9-]*\Z")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit codes (docs/configuration.md, engine/errors.py): 0 completed, 1 the run failed, 2 usage or
-    configuration, 75 pre-empted (run again to resume), 130 interrupted."""
+    """Exit codes (docs/configuration.md, engine/errors.py): 0 completed, 1 the run
+    failed, 2 usage or configuration, 75 pre-empted (run again to resume), 130
+    interrupted."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--traceback" in argv:
         os.environ[TRACEBACK_ENV] = "1"  # the workers (spawned or adopted) see it too

@@ -193,8 +193,8 @@ def warn_if_oversubscribed(local_processes: int) -> None:
     cpus, source = usable_cpus()
     if local_processes > cpus:
         warn(f"{local_processes} processes on this node share {cpus} usable CPU(s) "
-                  f"({source}): each gets 1 torch thread and they take turns, so training "
-                  f"will be slow; --nproc {cpus} or fewer fits the CPUs")
+             f"({source}): each gets 1 torch thread and they take turns, so training "
+             f"will be slow; --nproc {cpus} or fewer fits the CPUs")
 
 
 class Launch:
@@ -402,8 +402,6 @@ def report_worker_error(rank: int, exc: BaseException) -> None:
     print(with_rank(rank, text), file=sys.stderr, end="", flush=True)
 
 
-
-
 @attrs.frozen
 class Worker:
     """A job: what every worker process runs, whichever door launched it (the module
@@ -602,8 +600,9 @@ def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
     workers are spawned (guard the call with ``if __name__ == "__main__":``), and a
     failed worker raises an EngineError naming its rank. A pre-empted run returns its
     summary with ``status`` "preempted"; one stopped by Ctrl-C (its snapshot written)
-    raises KeyboardInterrupt (engine.errors.Interrupted, the summary as ``.summary``). ``max_restarts`` is engine-run's
-    --max-restarts (spawned workers are started again after a failure and resume).
+    raises KeyboardInterrupt (engine.errors.Interrupted, the summary as ``.summary``).
+    ``max_restarts`` is engine-run's --max-restarts (spawned workers are started again
+    after a failure and resume).
     """
     items = [f"{key}={_override_text(value)}" for key, value in overrides.items()]
     if launcher is not None:

@@ -254,7 +254,7 @@ class EpochMetrics(dict):
             from engine.errors import warn
 
             warn(f"metrics[{key!r}] in engine_epoch_end is now {RENAMED[key]!r} (the "
-                      f"epoch's mean); the old name works until {RENAMED_UNTIL}")
+                 f"epoch's mean); the old name works until {RENAMED_UNTIL}")
             return self[RENAMED[key]]
         raise KeyError(key)
 

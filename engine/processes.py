@@ -394,9 +394,10 @@ def exit_failed_worker(code: int, error_line: str | None = None,
                        traceback_text: str | None = "") -> NoReturn:
     """End a worker whose error is printed already, with exit code ``code``; in a
     worker this module spawned, its error is not printed: ``error_line`` and
-    ``traceback_text`` (engine.launching.worker_report) go to the launcher, which prints them once for all the workers
-    that failed alike (:func:`_failure_report`). ``traceback_text`` is None for an echo
-    of another rank's failure (PeerFailed), which only the launcher's last line names.
+    ``traceback_text`` (engine.launching.worker_report) go to the launcher, which prints
+    them once for all the workers that failed alike (:func:`_failure_report`).
+    ``traceback_text`` is None for an echo of another rank's failure (PeerFailed), which
+    only the launcher's last line names.
 
     In a worker this module spawned, :func:`exit_process` ends it: the teardown it skips
     came between a rank's error and the launcher's last line (with a rank stopped, the

@@ -146,8 +146,9 @@ class ConsoleLogger:
 
     @engine.hookimpl
     def engine_log(self, engine, metrics, step):
-        if self.bar is not None and "train/loss" not in metrics and (
-                "train/epoch_loss" not in metrics and any(k.startswith("val/") for k in metrics)):
+        validation_only = ("train/loss" not in metrics and "train/epoch_loss" not in metrics
+                           and any(k.startswith("val/") for k in metrics))
+        if self.bar is not None and validation_only:
             # A validation inside an epoch (val_every_steps, or the step max_steps ends
             # the run at): one line, as an epoch's.
             self._write("  ".join([f"step {step} (epoch {engine.state.epoch + 1}/"

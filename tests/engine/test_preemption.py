@@ -119,7 +119,6 @@ def test_the_plugin_guides_scheduler_requeues_and_the_log_says_so(tmp_path):
 def test_slurm_job_signalled_mid_run_is_requeued_and_finishes_identically(tmp_path):
     """On the local cluster: the script `engine-run sbatch` writes, SIGUSR1 mid-run
     (what --signal=USR1@90 sends), requeue, resume, same weights as uninterrupted."""
-    import json
     import subprocess
     import time
     from concurrent.futures import ThreadPoolExecutor
