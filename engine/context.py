@@ -44,6 +44,18 @@ from engine.stateful import SnapshotParts
 __all__ = ["RunOutcome", "WorkerContext", "utc_now", "weights_digests", "SUMMARY_METRICS",
            "throughput_of", "throughput_summary", "throughput_unit", "validation_summary"]
 
+#: Worker start moved to engine/worker_setup.py (0.2.0); still importable from here.
+_MOVED_TO_WORKER_SETUP = frozenset({"start_worker", "seed_everything",
+                                    "use_deterministic_kernels", "callers_state_kept"})
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_WORKER_SETUP:
+        from engine import worker_setup
+
+        return getattr(worker_setup, name)
+    raise AttributeError(f"module 'engine.context' has no attribute {name!r}")
+
 
 def utc_now(at: float | None = None) -> str:
     """An ISO 8601 timestamp in UTC, to the second (``2026-01-31T12:00:00+00:00``): now,
