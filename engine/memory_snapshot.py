@@ -1020,6 +1020,11 @@ class Background:
     def submit(self, job) -> None:
         import threading
 
+        # Imported here, never first in the thread: a process forked while the thread
+        # is in an import (a DataLoader worker at an epoch's start) would inherit that
+        # module's import lock held, and hang at its own import of it.
+        import xxhash  # noqa: F401
+
         if self.thread is None:
             import queue
 
