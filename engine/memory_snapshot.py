@@ -981,7 +981,7 @@ class MemorySnapshots:
                    if b.tensor is not None)
 
     def close(self) -> None:
-        self.background.wait()
+        self.background.stop()
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
@@ -1020,6 +1020,11 @@ class Background:
     def submit(self, job) -> None:
         import threading
 
+        # Imported here, never first in the thread: a process forked while the thread
+        # is in an import (a DataLoader worker at an epoch's start) would inherit that
+        # module's import lock held, and hang at its own import of it.
+        import xxhash  # noqa: F401
+
         if self.thread is None:
             import queue
 
@@ -1036,6 +1041,8 @@ class Background:
     def _serve(self) -> None:
         while True:
             job = self.queue.get()
+            if job is None:  # stop()
+                return
             try:
                 job()
             except Exception as exc:  # a peer gone, a buffer gone: the tier goes off
@@ -1046,6 +1053,16 @@ class Background:
                     self.pending -= 1
                     if not self.pending:
                         self.idle.set()
+
+    def stop(self) -> None:
+        """Wait for what is left, then end the thread (a later :meth:`submit` starts
+        another): a closed rank's pair leaves no thread behind."""
+        if self.thread is None:
+            return
+        self.wait()
+        self.queue.put(None)
+        self.thread.join(self.TIMEOUT_S)
+        self.thread = None
 
     def wait(self, event=None) -> None:
         """Until the thread has nothing left to do (or ``event``, :attr:`copied`, is

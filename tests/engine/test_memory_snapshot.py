@@ -439,4 +439,7 @@ def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(shm,
     assert torch.equal(whole["rng"]["ranks"][0]["torch"],
                        memory_snapshot.read_row(row)["rng"]["torch"])
     loaded.close()
+    thread = memory.background.thread
     memory.close()
+    thread.join(timeout=60)  # close ends it: no thread left behind per closed pair
+    assert not thread.is_alive() and memory.background.thread is None
