@@ -69,6 +69,13 @@ if _engine is not None:
         if engine.world.restart_count:
             with open(engine.out_dir / f"started-rank{engine.world.rank}.txt", "a") as f:
                 f.write(f"{process_started()!r} {time.time()!r}\n")
+            from engine import phases
+
+            # The worker's start-up phases, on time.time()'s clock: where the time goes.
+            shift = time.time() - time.monotonic()
+            with open(engine.out_dir / f"phases-rank{engine.world.rank}.json", "w") as f:
+                json.dump([(name, wall + shift) for name, wall, _, pid in phases._marks
+                           if pid == os.getpid()], f)
 
     @_engine.hookimpl
     def engine_train_step_end(engine, step, loss):
@@ -99,9 +106,12 @@ class KillLoop:
     def __init__(self, args, tmp: pathlib.Path):
         self.args, self.tmp = args, tmp
         self.rng = random.Random(args.seed)
-        self.train = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
-                      "--max-restarts", "3", str(BIN / "engine-run"), args.recipe,
-                      f"epochs={args.epochs}",
+        if args.launcher == "torchrun":
+            start = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
+                     "--max-restarts", "3", str(BIN / "engine-run")]
+        else:  # engine-run's own launcher restarts the workers (--max-restarts)
+            start = [str(BIN / "engine-run"), "--nproc", "2", "--max-restarts", "3"]
+        self.train = [*start, args.recipe, f"epochs={args.epochs}",
                       f"checkpoint.memory_every_steps={args.memory_every_steps}",
                       *args.overrides, "-p", PLUGIN]
         self.env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
@@ -212,6 +222,9 @@ class KillLoop:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=20)
+    p.add_argument("--launcher", choices=("torchrun", "spawn"), default="torchrun",
+                   help="who restarts the workers: torchrun --max-restarts 3, or "
+                        "engine-run's spawn launcher with --max-restarts 3")
     p.add_argument("--memory-every-steps", type=int, default=1)
     p.add_argument("--recipe", default=str(REPO / "tests" / "recipes" / "tiny_resume.py"))
     p.add_argument("--epochs", type=int, default=3)
