@@ -3,7 +3,9 @@
 :func:`spawn_workers` starts one process per world on this machine (the ``spawn``
 launcher, and ``slurm`` with one task per node), passes pre-emption signals on to them
 and, when one fails, stops the others and raises one :class:`~engine.errors.WorkerFailed`
-that names it. Inside a worker, :func:`exit_failed_worker` ends it after its error is
+that names it; with ``spares`` (the spawn launcher's ``--max-restarts``) the workers
+are forks of a warm zygote (engine/spares.py) instead of new interpreters. Inside a
+worker, :func:`exit_failed_worker` ends it after its error is
 printed and sends that error's line to the launcher; :func:`exit_process` ends a child
 process without the interpreter's teardown.
 """
@@ -69,8 +71,10 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
 
     ``spares``: an :class:`engine.spares.SparePool` whose zygote forks the workers
     instead of ``spawn``. ``restart_follows``: the caller restarts the workers after
-    a failure it may restart (a SIGKILL, an error): the others are killed at once,
-    not given the grace that lets them print why they stop (they resume anyway).
+    a failure it may restart: when a worker was killed (SIGKILL, the OOM killer) the
+    others are killed at once, not given the grace that lets them print why they stop
+    (they resume anyway); a worker that raised keeps it, so that the error that caused
+    the restart is printed, not only another rank's echo of it.
     """
     import multiprocessing
 
@@ -124,9 +128,11 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
                                   f"{INTERRUPT_WAIT_S:g}s and were killed; the same command "
                                   "resumes from the newest snapshot")
             failed = _wait_for_a_failure(context.processes, timeout=1.0)
-            if failed is not None and restart_follows and _restartable(
-                    context.processes[failed].exitcode, stopping):
-                _kill(context.processes)  # every worker is replaced: no grace
+            code = None if failed is None else context.processes[failed].exitcode
+            if restart_follows and _signal_name(code) and _restartable(code, stopping):
+                # Every worker is replaced, and a killed one has no error to report
+                # that the others' could echo first: no grace.
+                _kill(context.processes)
             elif failed is not None:
                 stopped, lingering = _stop_the_others(context.processes)
         # Every child has exited: what each sent is in its pipe.
