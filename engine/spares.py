@@ -158,7 +158,31 @@ def _spare_entry(fn, index, args, error_file, environ, listen_to) -> None:
     os.environ.update(environ)
     for signum in listen_to:
         signal.signal(signum, signal.SIG_DFL)
+    _end_with_the_launcher()
     _wrap(fn, index, args, error_file)
+
+
+def _end_with_the_launcher() -> None:
+    """torch has a spawned worker receive SIGINT when its parent, the launcher, dies
+    (prctl's parent-death signal: the worker stops at its next check point with its
+    snapshot). A fork's parent is the zygote, which outlives the launcher while its
+    forks hold its socket: so a thread waits for the launcher's end (its sentinel, a
+    pipe the launcher holds open) and sends this process the same SIGINT. It only
+    waits in the kernel, so the DataLoader workers this process forks inherit no lock
+    of it."""
+    import multiprocessing
+    import threading
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, name="engine-launcher-watch", daemon=True).start()
 
 
 #: What every run imports after its start (seconds of CPU a process): torch and the

@@ -1,5 +1,6 @@
 """engine/spares.py on real processes: a worker forked from the warm spare starts with
-the run's modules imported, the launcher's environment and the launcher as its parent;
+the run's modules imported, the launcher's environment and the launcher as its parent
+(watched: the fork ends with it);
 a spare that does not fork in time is one SpareError, never a hang, and its close ends
 it at once. (A run whose workers it forks, and replaces after a SIGKILL:
 tests/plugins/test_spawn.py.)"""
@@ -23,6 +24,7 @@ def _report(index: int, path: str) -> None:
     """A forked worker's body: what it found at its start."""
     import multiprocessing
     import signal
+    import threading
 
     with open(path, "w") as f:
         json.dump({"preloaded": sorted(m for m in ("torch._dynamo", "engine.trainer",
@@ -30,7 +32,10 @@ def _report(index: int, path: str) -> None:
                                        if m in sys.modules),
                    "parent": multiprocessing.parent_process().pid,
                    "asked": os.environ.get("SPARE_TEST_VALUE"),
-                   "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL},
+                   "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+                   # A fork's parent is the zygote: a thread ends it with the launcher.
+                   "watching": [t.name for t in threading.enumerate()
+                                if t.name == "engine-launcher-watch"]},
                   f)
 
 
@@ -54,7 +59,7 @@ def test_a_fork_of_the_spare_has_the_run_imported_and_the_launchers_environment(
             "preloaded": ["engine.plugins.ddp", "engine.trainer", "tiny_resume",
                           "torch._dynamo"],
             "parent": os.getpid(), "asked": "set after the spare started",
-            "sigterm_default": True}
+            "sigterm_default": True, "watching": ["engine-launcher-watch"]}
     finally:
         pool.close()
 
