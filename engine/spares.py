@@ -10,13 +10,15 @@ operation, then waits on its socket. Every worker of the run is a fork of it, th
 ones and each replacement after a failure, so a restart forks a ready process in
 milliseconds; the new workers resume from the memory tier (docs/checkpoints.md).
 
-This is stage A of issue 37 point 3: on a failure every worker is replaced (the
-survivors are killed at once, without the grace a run that ends gets), not only the
-failed one; the process group is formed again on a fresh port.
+This is stage A of issue 37 point 3: on a failure every worker is replaced, not only
+the failed one (after a kill, the survivors are killed at once, without the grace a
+run that ends gets: engine.processes.spawn_workers); the process group is formed again
+on a fresh port (plugins/spawn.py).
 
 The children run as those of ``spawn`` do: the launcher's ``sys.path`` and ``__main__``
 come with them, ``multiprocessing.parent_process()`` is the launcher, their environment
-is the launcher's at their start. What differs: variables read when a library loads
+is the launcher's at their start, and they stop (SIGINT) when the launcher dies. What
+differs: their parent process is the zygote, and variables read when a library loads
 (OMP_NUM_THREADS, ...) are those the zygote started with.
 """
 

@@ -11,6 +11,9 @@ when engine-run runs in a batch script, else the affinity mask): the world's ``c
 start again, up to N times, as ``torchrun --max-restarts`` does: each attempt's worlds
 carry ``restart_count`` and a fresh master port, and the workers resume from the run's
 newest snapshot (its folder and lock stay: this process holds the lock throughout).
+With restarts, every worker is a fork of a warm spare started before the first one
+(engine/spares.py), so that a restart forks a ready process instead of a new
+interpreter importing torch; a spare that forks nothing is one warning, then spawn.
 """
 
 from __future__ import annotations
