@@ -233,12 +233,17 @@ def _preload() -> None:
             load_recipe(preload["recipe"])
     except Exception as exc:  # noqa: BLE001 (the worker meets it and reports it)
         print(f"warning: the warm spare could not preload: {exc}", file=sys.stderr)
-    if threading.active_count() != 1:
-        # Forking a process with threads can deadlock the child: stop the zygote; the
-        # launcher then says so in one line.
-        print(f"error: the warm spare runs {threading.active_count()} threads after its "
-              "imports (the recipe's module starts one?); it cannot fork safely",
-              file=sys.stderr, flush=True)
+    # Forking a process with threads can deadlock the child, and a fork cannot use a
+    # CUDA context its parent created: stop the zygote; the launcher then says so in
+    # one line and spawns the workers.
+    cuda = sys.modules.get("torch.cuda")
+    unsafe = ([f"runs {threading.active_count()} threads"]
+              if threading.active_count() != 1 else [])
+    if cuda is not None and cuda.is_initialized():
+        unsafe.append("has initialised CUDA")
+    if unsafe:
+        print(f"warning: the warm spare {' and '.join(unsafe)} after its imports (the "
+              "recipe's module?): it cannot fork safely", file=sys.stderr, flush=True)
         os._exit(1)
 
 
