@@ -408,11 +408,16 @@ def working_directory_importable() -> None:
         sys.path.append(cwd)
 
 
-@functools.cache
 def packages_distributions() -> dict[str, list[str]]:
-    """importlib.metadata's top-level module -> distributions map, once per process: it
-    reads every installed distribution's file list (1-3 s of a worker's start with a
-    ``-p`` module; a warm spare, engine/spares.py, reads it before it forks)."""
+    """importlib.metadata's top-level module -> distributions map, read once per
+    process and ``sys.path``: it reads every installed distribution's file list (1-3 s
+    of a worker's start with a ``-p`` module; a warm spare, engine/spares.py, reads it
+    before it forks). A folder added to sys.path (a test's site) is read afresh."""
+    return _packages_distributions(tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=4)
+def _packages_distributions(path: tuple[str, ...]) -> dict[str, list[str]]:
     from importlib import metadata
 
     return metadata.packages_distributions()
