@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import io
 import os
-from multiprocessing import context, forkserver, popen_forkserver, reduction, spawn, util
+from multiprocessing import (connection, context, forkserver, popen_forkserver, reduction,
+                             spawn, util)
 
 
 class TorchForkServer(forkserver.ForkServer):
@@ -47,11 +48,21 @@ os.register_at_fork(after_in_child=_forget_server_in_child)
 
 
 class _Popen(popen_forkserver.Popen):
-    def _launch(self, process_obj) -> None:
-        # popen_forkserver.Popen._launch, with our server for the process-wide one.
+    #: How long the server may take to fork a child (None: no limit). A server that is
+    #: still importing answers after its imports; one that never answers would hold
+    #: the caller for ever.
+    timeout_s: float | None = None
+
+    @staticmethod
+    def _fork_server() -> TorchForkServer:
         global _server
         if _server is None:
             _server = TorchForkServer()
+        return _server
+
+    def _launch(self, process_obj) -> None:
+        # popen_forkserver.Popen._launch, with our server for the process-wide one.
+        server = self._fork_server()
         prep_data = spawn.get_preparation_data(process_obj._name)
         buf = io.BytesIO()
         context.set_spawning_popen(self)
@@ -60,13 +71,21 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             context.set_spawning_popen(None)
-        self.sentinel, w = _server.connect_to_new_process(self._fds)
+        self.sentinel, w = server.connect_to_new_process(self._fds)
         # The child's sentinel of its parent: it sees EOF when this process is gone.
         _parent_w = os.dup(w)
         self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
-        self.pid = forkserver.read_signed(self.sentinel)
+        if (self.timeout_s is not None
+                and not connection.wait([self.sentinel], self.timeout_s)):
+            raise TimeoutError(f"the fork server did not start a process within "
+                               f"{self.timeout_s:g}s")
+        try:
+            self.pid = forkserver.read_signed(self.sentinel)
+        except EOFError:
+            raise ChildProcessError("the fork server exited before it started the "
+                                    "process (its imports failed?)") from None
 
 
 class TorchForkServerProcess(context.ForkServerProcess):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import functools
 import inspect
 import os
 import re
@@ -407,13 +408,28 @@ def working_directory_importable() -> None:
         sys.path.append(cwd)
 
 
+def packages_distributions() -> dict[str, list[str]]:
+    """importlib.metadata's top-level module -> distributions map, read once per
+    process and ``sys.path``: it reads every installed distribution's file list (1-3 s
+    of a worker's start with a ``-p`` module; a warm spare, engine/spares.py, reads it
+    before it forks). A folder added to sys.path (a test's site) is read afresh."""
+    return _packages_distributions(tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=4)
+def _packages_distributions(path: tuple[str, ...]) -> dict[str, list[str]]:
+    from importlib import metadata
+
+    return metadata.packages_distributions()
+
+
 def module_version(module_name: str) -> tuple[str, str]:
     """(version, distribution) of a ``-p`` module: its distribution's, else its
     ``__version__``, else "-"."""
     from importlib import metadata
 
     top = module_name.split(":")[0].split(".")[0]
-    for dist in metadata.packages_distributions().get(top, []):
+    for dist in packages_distributions().get(top, []):
         try:
             return metadata.version(dist), dist
         except metadata.PackageNotFoundError:

@@ -3,7 +3,9 @@
 :func:`spawn_workers` starts one process per world on this machine (the ``spawn``
 launcher, and ``slurm`` with one task per node), passes pre-emption signals on to them
 and, when one fails, stops the others and raises one :class:`~engine.errors.WorkerFailed`
-that names it. Inside a worker, :func:`exit_failed_worker` ends it after its error is
+that names it; with ``spares`` (the spawn launcher's ``--max-restarts``) the workers
+are forks of a warm zygote (engine/spares.py) instead of new interpreters. Inside a
+worker, :func:`exit_failed_worker` ends it after its error is
 printed and sends that error's line to the launcher; :func:`exit_process` ends a child
 process without the interpreter's teardown.
 """
@@ -58,13 +60,21 @@ def _start_resource_tracker_deaf_to(signals) -> None:
 
 
 def spawn_workers(worker: Callable[[World], object], worlds: list[World],
-                  child_env: Mapping[str, str] | None = None) -> list:
+                  child_env: Mapping[str, str] | None = None, spares=None,
+                  restart_follows: bool = False) -> list:
     """Start one process per world on this machine, run ``worker`` in each, wait.
 
     ``child_env`` is set in every child before ``worker`` runs. A worker that fails
     stops the others (torch does that) and becomes one :class:`WorkerFailed` here,
     with the worker's exit code. Returns each worker's return value where it is a short
     string (a run's status), else None.
+
+    ``spares``: an :class:`engine.spares.SparePool` whose zygote forks the workers
+    instead of ``spawn``. ``restart_follows``: the caller restarts the workers after
+    a failure it may restart: when a worker was killed (SIGKILL, the OOM killer) the
+    others are killed at once, not given the grace that lets them print why they stop
+    (they resume anyway); a worker that raised keeps it, so that the error that caused
+    the restart is printed, not only another rank's echo of it.
     """
     import multiprocessing
 
@@ -75,9 +85,13 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
     # One pipe from each worker, not a multiprocessing queue: a queue's locks are named
     # semaphores (/dev/shm/sem.mp-*) that a run killed as a whole leaves behind.
     pipes = [multiprocessing.get_context(method).Pipe(duplex=False) for _ in worlds]
-    context = mp.start_processes(_entry, args=(worker, worlds, dict(child_env or {}),
-                                               [w for _, w in pipes], method == "fork"),
-                                 nprocs=len(worlds), join=False, start_method=method)
+    args = (worker, worlds, dict(child_env or {}), [w for _, w in pipes],
+            method == "fork" and spares is None)
+    if spares is not None:
+        context = spares.start(_entry, args, len(worlds), listen_to=FORWARDED_SIGNALS)
+    else:
+        context = mp.start_processes(_entry, args=args, nprocs=len(worlds), join=False,
+                                     start_method=method)
     for _, writer in pipes:
         writer.close()  # the workers have theirs
     readers = [r for r, _ in pipes]
@@ -114,7 +128,12 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
                                   f"{INTERRUPT_WAIT_S:g}s and were killed; the same command "
                                   "resumes from the newest snapshot")
             failed = _wait_for_a_failure(context.processes, timeout=1.0)
-            if failed is not None:
+            code = None if failed is None else context.processes[failed].exitcode
+            if restart_follows and _signal_name(code) and _restartable(code, stopping):
+                # Every worker is replaced, and a killed one has no error to report
+                # that the others' could echo first: no grace.
+                _kill(context.processes)
+            elif failed is not None:
                 stopped, lingering = _stop_the_others(context.processes)
         # Every child has exited: what each sent is in its pipe.
         return [next((sent for sent in _sent(r) if not isinstance(sent, tuple)), None)
@@ -150,10 +169,8 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
         failure = (f"worker rank {worlds[index].rank} "
                    + (f"was killed by {signal_name}" if signal_name
                       else f"exited with code {code}"))
-        restartable = not stopping and (code == EXIT_FAILED or (
-            signal_name is not None and signal_name != "SIGINT"))
         raise WorkerFailed(message, exit_code=0 if signal_name else code, failure=failure,
-                           restartable=restartable) from None
+                           restartable=_restartable(code, stopping)) from None
     except mp.ProcessRaisedException as exc:
         raise WorkerFailed(f"a worker failed:\n{exc}", exit_code=EXIT_FAILED,
                            failure="a worker raised an exception",
@@ -163,6 +180,15 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
             signal.signal(signum, handler)
         for reader in readers:
             reader.close()
+
+
+def _restartable(code: int | None, stopping: list) -> bool:
+    """Whether a worker that ended with exit code ``code`` may be restarted: killed by
+    a signal other than SIGINT, or failed with an error (not a usage error, not a
+    stop asked for: ``stopping`` holds the signals passed on)."""
+    signal_name = _signal_name(code)
+    return not stopping and (code == EXIT_FAILED or (
+        signal_name is not None and signal_name != "SIGINT"))
 
 
 #: After the first Ctrl-C, how long the workers get to reach their next check points

@@ -142,25 +142,9 @@ def _read(path: str) -> str:
 def serve() -> None:
     """The server: import what every run imports, then fork one child per request line
     on stdin; answer ``pid N`` when it started and ``exit CODE`` when it ended."""
-    import importlib
+    from engine.spares import import_run_modules
 
-    import torch
-    import torch._dynamo  # noqa: F401 (what the first optimizer imports: seconds)
-
-    import engine.cli  # noqa: F401
-    import engine.engine  # noqa: F401
-    from engine.plugin_manager import BUILTIN_PLUGINS
-
-    # What nearly every run imports after its start, once here instead of in every
-    # command and worker (a quarter of a second of CPU a run): the built-in plugins,
-    # packaging (plugin requirements) and tensorboard's writer (rank 0's logger).
-    for _, module in BUILTIN_PLUGINS:
-        importlib.import_module(module)
-    import packaging.requirements  # noqa: F401
-    import torch.utils.tensorboard  # noqa: F401
-    from tensorboard.compat.proto import summary_pb2  # noqa: F401
-
-    del torch
+    import_run_modules()  # what every command and worker imports, once here
     if threading.active_count() != 1:  # forking a threaded process can deadlock the child
         raise SystemExit(f"warm-start server: {threading.active_count()} threads after "
                          "the imports; cannot fork safely")

@@ -11,6 +11,9 @@ when engine-run runs in a batch script, else the affinity mask): the world's ``c
 start again, up to N times, as ``torchrun --max-restarts`` does: each attempt's worlds
 carry ``restart_count`` and a fresh master port, and the workers resume from the run's
 newest snapshot (its folder and lock stay: this process holds the lock throughout).
+With restarts, every worker is a fork of a warm spare started before the first one
+(engine/spares.py), so that a restart forks a ready process instead of a new
+interpreter importing torch; a spare that forks nothing is one warning, then spawn.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Callable
 import attrs
 
 import engine
-from engine.errors import LaunchError, WorkerFailed
+from engine.errors import LaunchError, WorkerFailed, warn
 from engine.launch_env import check_port_free, free_port, is_local_address
 from engine.launcher import Launcher
 from engine.processes import spawn_workers
@@ -132,21 +135,38 @@ class SpawnLauncher(Launcher):
         if len(worlds) == 1 and not most:
             _check_master_port(worlds[0])
             return [worker(worlds[0])]  # no point in a child process
+        # With restarts, every worker is a fork of a warm spare (engine/spares.py),
+        # started now: a restart then forks a ready process instead of a new
+        # interpreter that imports torch.
+        spares = _spares_for(worker) if most else None
+        spare_error = type(spares).error if spares is not None else ()
         restart = 0
-        while True:
-            _check_master_port(worlds[0])
-            try:
-                return spawn_workers(worker, worlds)
-            except WorkerFailed as failed:
-                if restart == most or not failed.restartable:
-                    raise  # the error and exit code of a run without restarts
-                restart += 1
-                which = f"all {len(worlds)} workers" if len(worlds) > 1 else "the worker"
-                print(f"{failed.failure}; restarting {which} (restart {restart} of {most})",
-                      file=sys.stderr, flush=True)
-            worlds = self._restarted(worlds, restart)
-            if hasattr(worker, "restarted"):  # a job (engine.launching.Worker): it
-                worker = worker.restarted()  # resumes, never starts afresh again
+        try:
+            while True:
+                _check_master_port(worlds[0])
+                try:
+                    return spawn_workers(worker, worlds, spares=spares,
+                                         restart_follows=restart < most)
+                except WorkerFailed as failed:
+                    if restart == most or not failed.restartable:
+                        raise  # the error and exit code of a run without restarts
+                    restart += 1
+                    which = (f"all {len(worlds)} workers" if len(worlds) > 1
+                             else "the worker")
+                    how = " from the warm spare" if spares is not None else ""
+                    print(f"{failed.failure}; restarting {which}{how} (restart {restart} "
+                          f"of {most})", file=sys.stderr, flush=True)
+                except spare_error as exc:
+                    warn(f"{exc}; starting the workers with spawn instead")
+                    spares.close()
+                    spares = None
+                    continue  # no worker ran: not a restart
+                worlds = self._restarted(worlds, restart)
+                if hasattr(worker, "restarted"):  # a job (engine.launching.Worker): it
+                    worker = worker.restarted()  # resumes, never starts afresh again
+        finally:
+            if spares is not None:
+                spares.close()
 
     def _restarted(self, worlds: list[World], count: int) -> list[World]:
         """The worlds of restart ``count``: torchrun's TORCHELASTIC_RESTART_COUNT, and
@@ -154,6 +174,17 @@ class SpawnLauncher(Launcher):
         store may linger on it)."""
         port = free_port() if self.options.master_port is None else worlds[0].master_port
         return [attrs.evolve(w, restart_count=count, master_port=port) for w in worlds]
+
+
+def _spares_for(worker):
+    """The warm spare of a launch with restarts (an engine.spares.SparePool): it
+    preloads the job's plugins (-p), and the recipe's module when the job names a
+    recipe file (engine-run's, engine.fit's with a path)."""
+    from engine.spares import SparePool  # only with restarts: multiprocessing's parts
+
+    recipe = getattr(worker, "recipe", None)
+    return SparePool(recipe if isinstance(recipe, str) else None,
+                     getattr(worker, "plugins", ()))
 
 
 def _check_master_port(first: World) -> None:

@@ -8,6 +8,7 @@ the kill to the first step the restarted workers finish is measured.
 
     python tools/memory_kill_loop.py                          # 20 kills, tiny_resume
     python tools/memory_kill_loop.py --kills 5 --memory-every-steps 3 --seed 1
+    python tools/memory_kill_loop.py --launcher spawn          # engine-run --max-restarts
     python tools/memory_kill_loop.py --recipe recipes/cifar_ddp.py --epochs 1 \\
         data.source=synthetic data.synthetic_size=2048
 
@@ -22,7 +23,12 @@ Kill -> first new step: the earliest time a restarted worker finished a step, mi
 kill's time; split into kill -> the first restarted worker process started (torchrun's
 detection and its start of the workers), -> its set-up done, the resume included
 (``engine_run_start``: Python, torch and the engine started, the snapshot agreed on and
-loaded), and the first step.
+loaded), and the first step; the last line gives the median end of each of the
+restarted workers' start-up phases (engine/phases.py: worker start, imports, process
+group, data and model...) after the kill.
+
+``--launcher spawn``: ``engine-run --nproc 2 --max-restarts 3`` instead, whose workers
+are forks of a warm spare (engine/spares.py) that replace every worker after a failure.
 
 One line per kill, then the totals. Exit status 0 when every kill passed.
 """
@@ -69,6 +75,13 @@ if _engine is not None:
         if engine.world.restart_count:
             with open(engine.out_dir / f"started-rank{engine.world.rank}.txt", "a") as f:
                 f.write(f"{process_started()!r} {time.time()!r}\n")
+            from engine import phases
+
+            # The worker's start-up phases, on time.time()'s clock: where the time goes.
+            shift = time.time() - time.monotonic()
+            with open(engine.out_dir / f"phases-rank{engine.world.rank}.json", "w") as f:
+                json.dump([(name, wall + shift) for name, wall, _, pid in phases._marks
+                           if pid == os.getpid()], f)
 
     @_engine.hookimpl
     def engine_train_step_end(engine, step, loss):
@@ -99,9 +112,12 @@ class KillLoop:
     def __init__(self, args, tmp: pathlib.Path):
         self.args, self.tmp = args, tmp
         self.rng = random.Random(args.seed)
-        self.train = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
-                      "--max-restarts", "3", str(BIN / "engine-run"), args.recipe,
-                      f"epochs={args.epochs}",
+        if args.launcher == "torchrun":
+            start = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
+                     "--max-restarts", "3", str(BIN / "engine-run")]
+        else:  # engine-run's own launcher restarts the workers (--max-restarts)
+            start = [str(BIN / "engine-run"), "--nproc", "2", "--max-restarts", "3"]
+        self.train = [*start, args.recipe, f"epochs={args.epochs}",
                       f"checkpoint.memory_every_steps={args.memory_every_steps}",
                       *args.overrides, "-p", PLUGIN]
         self.env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
@@ -143,9 +159,20 @@ class KillLoop:
                   "recomputed": reached - resumed_at, "kill_to_step_s": first[0] - killed_at,
                   "kill_to_process_s": started - killed_at,
                   "kill_to_set_up_s": set_up - killed_at,
-                  "identical": summary["weights_sha256"] == reference}
+                  "identical": summary["weights_sha256"] == reference,
+                  "phases": self.phases_after(out, killed_at)}
         self.check(trial, result)
         return result
+
+    @staticmethod
+    def phases_after(out: pathlib.Path, killed_at: float) -> dict[str, float]:
+        """Seconds from the kill to the end of each start-up phase of the restarted
+        workers (engine/phases.py), the later rank's: the first step needs them all."""
+        ends: dict[str, float] = {}
+        for path in out.glob("phases-rank*.json"):
+            for name, when in json.loads(path.read_text()):
+                ends[name] = max(ends.get(name, 0.0), when - killed_at)
+        return ends
 
     def check(self, trial: int, r: dict) -> None:
         wrong = []
@@ -206,12 +233,24 @@ class KillLoop:
               f"{', '.join(f'{t} {n}' for t, n in sorted(tiers.items(), key=str))}, "
               f"{len(self.problems)} problem(s), {time.monotonic() - started:.0f}s",
               flush=True)
+        # Where the time goes: the median end of each phase after the kill, in order.
+        names = list(dict.fromkeys(n for r in results for n in r["phases"]))
+        ends = [(n, statistics.median(r["phases"][n] for r in results if n in r["phases"]))
+                for n in names]
+        ends.append(("first new step", statistics.median(
+            [r["kill_to_step_s"] for r in results] or [float("nan")])))
+        print("where the time goes (median seconds after the kill at which each phase of "
+              "the restarted workers ended, the later rank's): " + ", ".join(
+                  f"{n} {t:.2f}" for n, t in ends), flush=True)
         return 0 if not self.problems and len(results) == args.kills else 1
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=20)
+    p.add_argument("--launcher", choices=("torchrun", "spawn"), default="torchrun",
+                   help="who restarts the workers: torchrun --max-restarts 3, or "
+                        "engine-run's spawn launcher with --max-restarts 3")
     p.add_argument("--memory-every-steps", type=int, default=1)
     p.add_argument("--recipe", default=str(REPO / "tests" / "recipes" / "tiny_resume.py"))
     p.add_argument("--epochs", type=int, default=3)

@@ -24,3 +24,6 @@ def test_one_kill_is_measured_and_passes():
                      r"and resumed [\d.]+s\), weights identical", line), line
     assert re.search(r"total: 1 kills .* 1/1 bit-identical, steps recomputed max 1, "
                      r"kill -> first new step median [\d.]+s max [\d.]+s", printed), printed
+    # Where the restart's time goes: the restarted workers' start-up phases, in order.
+    assert re.search(r"where the time goes .*: .*process group [\d.]+, .*data, model "
+                     r"[\d.]+, .*first new step [\d.]+$", printed, re.M), printed

@@ -1,0 +1,85 @@
+"""engine/spares.py on real processes: a worker forked from the warm spare starts with
+the run's modules imported, the launcher's environment and the launcher as its parent
+(watched: the fork ends with it);
+a spare that does not fork in time is one SpareError, never a hang, and its close ends
+it at once. (A run whose workers it forks, and replaces after a SIGKILL:
+tests/plugins/test_spawn.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from engine.spares import SpareError, SparePool, _SparePopen
+from tests.conftest import REPO
+
+RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
+
+
+def _report(index: int, path: str) -> None:
+    """A forked worker's body: what it found at its start."""
+    import multiprocessing
+    import signal
+    import threading
+
+    with open(path, "w") as f:
+        json.dump({"preloaded": sorted(m for m in ("torch._dynamo", "engine.trainer",
+                                                   "engine.plugins.ddp", "tiny_resume")
+                                       if m in sys.modules),
+                   "parent": multiprocessing.parent_process().pid,
+                   "asked": os.environ.get("SPARE_TEST_VALUE"),
+                   "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+                   # A fork's parent is the zygote: a thread ends it with the launcher.
+                   "watching": [t.name for t in threading.enumerate()
+                                if t.name == "engine-launcher-watch"]},
+                  f)
+
+
+@pytest.mark.slow
+def test_a_fork_of_the_spare_has_the_run_imported_and_the_launchers_environment(
+        tmp_path, monkeypatch):
+    import signal
+
+    pool = SparePool(RECIPE)
+    try:
+        # The zygote ignores SIGTERM (a signal to the process group must not kill it);
+        # the environment is the launcher's at the fork, not at the zygote's start.
+        pool.warm(deaf_to=(signal.SIGTERM,))
+        monkeypatch.setenv("SPARE_TEST_VALUE", "set after the spare started")
+        path = tmp_path / "report.json"
+        context = pool.start(_report, (str(path),), 1, listen_to=(signal.SIGTERM,))
+        deadline = time.monotonic() + 120
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the forked worker never ended"
+        assert json.loads(path.read_text()) == {
+            "preloaded": ["engine.plugins.ddp", "engine.trainer", "tiny_resume",
+                          "torch._dynamo"],
+            "parent": os.getpid(), "asked": "set after the spare started",
+            "sigterm_default": True, "watching": ["engine-launcher-watch"]}
+    finally:
+        pool.close()
+
+
+def _never_runs(index: int) -> None:
+    raise AssertionError("forked after the spare timed out")
+
+
+@pytest.mark.slow
+def test_a_spare_that_does_not_fork_in_time_is_one_error_and_is_ended_at_once(
+        monkeypatch):
+    # The zygote is still importing torch a hundredth of a second after its start.
+    monkeypatch.setattr(_SparePopen, "timeout_s", 0.01)
+    pool = SparePool()
+    started = time.monotonic()
+    with pytest.raises(SpareError) as raised:
+        pool.start(_never_runs, (), 1)
+    assert str(raised.value) == ("the warm spare process did not start worker 0: the "
+                                 "fork server did not start a process within 0.01s")
+    zygote = pool._server._forkserver_pid
+    pool.close()
+    assert time.monotonic() - started < 30
+    assert not os.path.exists(f"/proc/{zygote}"), "the zygote outlived close()"
