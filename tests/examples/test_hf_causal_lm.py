@@ -56,7 +56,7 @@ def data(tmp_path_factory):
 def streaming_args(data, out) -> tuple:
     return (RECIPE, *TINY, f"epochs={EPOCHS}", f"data.files={data / 'train-*.jsonl'}",
             f"data.val_files={data / 'val.jsonl'}", "num_workers=1",
-            "checkpoint.every_steps=2", f"out_dir={out}", "--nproc", "2")
+            "checkpoint.every_steps=10", f"out_dir={out}", "--nproc", "2")
 
 
 @pytest.fixture(scope="module")
