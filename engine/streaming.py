@@ -121,6 +121,17 @@ class StreamLoader:
                  prefetch_factor: int | None = None, **_ignored):
         from engine import data
 
+        if (num_workers > 1 and not getattr(dataset, "shards_itself", False)
+                and type(dataset).__module__.startswith("datasets.")):
+            # datasets' IterableDataset gives each loader worker its own files; the rule
+            # above would then keep every N-th item of a part: most items never trained.
+            raise ConfigError(
+                f"the training stream is a Hugging Face datasets {type(dataset).__name__}, "
+                f"which splits itself over the {num_workers} loader workers: split it over "
+                f"the processes too (datasets.distributed.split_dataset_by_node(dataset, "
+                f"rank=ctx.rank, world_size=ctx.world_size)) and set "
+                f"dataset.shards_itself = True, or use num_workers=1 "
+                f"(examples/hf_causal_lm.py does the first)")
         self.world = world
         self.num_workers = num_workers
         self.batch_size = micro_batch

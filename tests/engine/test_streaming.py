@@ -155,3 +155,25 @@ def test_a_batch_counts_the_samples_of_its_first_tensor():
     assert streaming.batch_samples((torch.arange(3), torch.zeros(3, 4))) == 3
     assert streaming.batch_samples({"ids": torch.zeros(1, 5)}) == 1
     assert streaming.batch_samples("text") == 0
+
+
+def test_a_hugging_face_stream_that_does_not_say_it_shards_itself_is_refused_with_workers():
+    """datasets' IterableDataset splits itself over loader workers (its files): under the
+    engine's item rule too, most items would be lost."""
+    from types import SimpleNamespace
+
+    from engine.errors import ConfigError
+
+    datasets = pytest.importorskip("datasets")
+    stream = datasets.Dataset.from_dict({"x": list(range(8))}).to_iterable_dataset(num_shards=4)
+    world = SimpleNamespace(rank=0, world_size=1)
+    with pytest.raises(ConfigError, match="splits itself over the 2 loader workers: split it "
+                                          "over the processes too") as caught:
+        streaming.StreamLoader(stream, micro_batch=2, world=world, num_workers=2,
+                               pin_memory=False, drop_last=False)
+    assert "\n" not in str(caught.value)
+    stream.shards_itself = True  # what examples/hf_causal_lm.py says
+    loader = streaming.StreamLoader(stream, micro_batch=2, world=world, num_workers=2,
+                                    pin_memory=False, drop_last=False)
+    loader.start_epoch(0, resumed=False)
+    assert sorted(x for batch in loader.loader for x in batch["x"].tolist()) == list(range(8))
