@@ -15,7 +15,8 @@ training. The rules (docs/data.md, "Streams"):
   ran out while others have not trains on a padding micro-batch (its last one again,
   with its loss multiplied by 0, so that DDP's gradient all-reduce still has every rank)
   until every rank is done. Every sample is trained on once per epoch, and no rank waits
-  in a collective for one that stopped.
+  in a collective for one that stopped. A snapshot taken while a rank pads keeps that
+  batch, so that a resume there has one to pad with.
 - Resume. The loader is torchdata's ``StatefulDataLoader``: when the dataset has
   ``state_dict``/``load_state_dict``, its state in every worker is part of the snapshot
   and a resume at the same world size and workers is exact. Without them the loader
@@ -120,6 +121,17 @@ class StreamLoader:
                  prefetch_factor: int | None = None, **_ignored):
         from engine import data
 
+        if (num_workers > 1 and not getattr(dataset, "shards_itself", False)
+                and type(dataset).__module__.startswith("datasets.")):
+            # datasets' IterableDataset gives each loader worker its own files; the rule
+            # above would then keep every N-th item of a part: most items never trained.
+            raise ConfigError(
+                f"the training stream is a Hugging Face datasets {type(dataset).__name__}, "
+                f"which splits itself over the {num_workers} loader workers: split it over "
+                f"the processes too (datasets.distributed.split_dataset_by_node(dataset, "
+                f"rank=ctx.rank, world_size=ctx.world_size)) and set "
+                f"dataset.shards_itself = True, or use num_workers=1 "
+                f"(examples/hf_causal_lm.py does the first)")
         self.world = world
         self.num_workers = num_workers
         self.batch_size = micro_batch
@@ -139,6 +151,11 @@ class StreamLoader:
         self.samples = 0
         self.peer_wait = 0.0  # seconds this epoch waited for the other ranks' flags
         self.position = None  # the loader's state after the last real batch handed out
+        # This rank's last real batch once its part of the epoch has ended (it pads with
+        # it): a snapshot keeps it, for a resume that starts in the padding.
+        self.ended_with = None
+        self.restored_padding = None  # that batch from a snapshot, for start_epoch
+        self.resumed_padding = None  # and for this epoch's iteration
         self.group = None  # the process group of the end-of-data flags (CPU)
 
     # ----------------------------------------------------------- the epoch
@@ -148,8 +165,10 @@ class StreamLoader:
         if callable(getattr(self.dataset.dataset, "set_epoch", None)):
             self.dataset.dataset.set_epoch(epoch)
         state, self.restored = self.restored, None
+        padding, self.restored_padding = self.restored_padding, None
         if resumed and state is not None:
             self.loader.load_state_dict(state)
+        self.resumed_padding = padding if resumed else None
 
     def __iter__(self):
         """The rank's batches, then padding until every rank's stream has ended. At each
@@ -159,6 +178,7 @@ class StreamLoader:
         is fetched with the loader's state after it, so a snapshot records the position
         of the batch trained on, not of the ones looked ahead at."""
         self.samples, self.padding, self.last, self.peer_wait = 0, False, False, 0.0
+        self.ended_with = None
         source, ahead, ended = iter(self.loader), collections.deque(), False
 
         def fill():
@@ -185,6 +205,10 @@ class StreamLoader:
             if real is not None:
                 last, self.position = real
                 self.samples += batch_samples(last)
+            elif last is None and self.resumed_padding is not None:
+                # resumed where this rank's part had ended: pad with the batch it padded
+                # with (weight 0: any batch of the stream's structure would do)
+                last, self.resumed_padding = self.resumed_padding, None
             elif last is None:
                 raise ConfigError(
                     f"rank {self.world.rank} has no batch of the training stream in this "
@@ -192,6 +216,8 @@ class StreamLoader:
                     f"{self.world.world_size * max(1, self.num_workers)} items (one per "
                     f"process and loader worker)")
             self.last = not more
+            if ended and not ahead:  # no real batch after this one on this rank
+                self.ended_with = last
             yield last
             if not more:
                 return
@@ -227,9 +253,11 @@ class StreamLoader:
         gathered, so that a rank-0 write holds them all)."""
         from engine import distributed
 
-        mine = self.position if batch_in_epoch else None
-        return {"ranks": distributed.all_gather_object(mine), "num_workers": self.num_workers,
-                "stateful": self.stateful}
+        mine = (self.position, self.ended_with) if batch_in_epoch else (None, None)
+        ranks = distributed.all_gather_object(mine)
+        return {"ranks": [position for position, _ in ranks],
+                "padding": [batch for _, batch in ranks],
+                "num_workers": self.num_workers, "stateful": self.stateful}
 
     def restore(self, stream: dict, saved_world: int, batch_in_epoch: int, warn) -> None:
         """Check that the snapshot's stream state can resume here, exactly, or refuse in
@@ -257,6 +285,7 @@ class StreamLoader:
                 f"this run has num_workers={self.num_workers}: the workers' stream states "
                 f"do not carry over; resume with num_workers={workers}")
         self.restored = stream["ranks"][self.world.rank]
+        self.restored_padding = stream.get("padding", [None] * saved_world)[self.world.rank]
         if not stream.get("stateful"):
             warn(f"the training stream has no state_dict/load_state_dict: the resume "
                  f"skips the {batch_in_epoch * self.batch_size} samples per process the "

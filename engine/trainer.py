@@ -142,10 +142,8 @@ class PendingCheck:
     epoch: int
     first_step: int
     step: int
-    batches: int
     per_sec: float  # the throughput, in the recipe's unit
     lr: float
-    extra_batches: int = 0  # the micro-batches of the recipe's extra metrics
 
 
 class LogWindow:
@@ -761,7 +759,8 @@ class Trainer:
             with self.autocast():
                 loss = self.train_step(batch, eng)
             if self.extras is not None:
-                self.extras.add(loss)
+                if not padding:  # it repeats a batch: its metrics count once
+                    self.extras.add(loss)
                 loss = loss["loss"]
             scaled = loss / group_size if group_size > 1 else loss
             if padding:
@@ -880,18 +879,23 @@ class Trainer:
         preempted = eng.preemption is not None and bool(eng.preemption)
         due_by_time = eng.is_rank0 and self.snapshots.due_by_time()
         memory_failed = self.memory is not None and self.memory.failed is not None
-        values = torch.stack([window.loss.float(), window.loss.new_tensor(float(preempted)),
-                              window.loss.new_tensor(float(due_by_time)),
-                              window.loss.new_tensor(float(memory_failed))])
         extra_batches = 0
         if self.extras is not None:
             extra_sums, extra_batches = self.extras.take_window()
+        # The micro-batch counts are summed too: a stream's ranks differ (one that ran
+        # out of data trains padding, which counts nothing, for whole windows).
+        values = torch.stack([window.loss.float(), window.loss.new_tensor(float(preempted)),
+                              window.loss.new_tensor(float(due_by_time)),
+                              window.loss.new_tensor(float(memory_failed)),
+                              window.loss.new_tensor(float(window.batches)),
+                              window.loss.new_tensor(float(extra_batches))])
+        if self.extras is not None:
             values = torch.cat([values, extra_sums.float()])
         started = PendingCheck(distributed.start_all_reduce_sum(values), eng.state.epoch,
                                first_step=eng.state.step - window.steps + 1,
-                               step=eng.state.step, batches=window.batches,
+                               step=eng.state.step,
                                per_sec=window.per_sec(now, self.throughput.count is not None),
-                               lr=self.current_lr(), extra_batches=extra_batches)
+                               lr=self.current_lr())
         window.restart(now)
         previous, self.pending = self.pending, started
         self.finish_check(previous)
@@ -911,16 +915,14 @@ class Trainer:
         if check is None:
             return
         eng = self.engine
-        loss_sum, preempted, due_by_time, memory_failed, *extra_sums = \
-            check.reduction.values()
-        # The mean over micro-batches (with accumulation, a step has several); NaN when
-        # on_nonfinite=skip skipped every step of the window.
-        loss = (loss_sum / check.batches / eng.world.world_size if check.batches
-                else math.nan)
+        loss_sum, preempted, due_by_time, memory_failed, batches, extra_batches, \
+            *extra_sums = check.reduction.values()
+        # The mean over all ranks' micro-batches (with accumulation, a step has several);
+        # NaN when on_nonfinite=skip skipped every step of the window.
+        loss = loss_sum / batches if batches else math.nan
         self.nonfinite.check_window(loss, first=check.first_step, last=check.step,
                                     epoch=check.epoch + 1)  # counted from 1
-        extras = ({} if self.extras is None else self.extras.means(
-            extra_sums, check.extra_batches * eng.world.world_size))
+        extras = ({} if self.extras is None else self.extras.means(extra_sums, extra_batches))
         metrics = {"train/loss": loss, **extras, self.throughput.metric: check.per_sec,
                    "lr": check.lr}
         eng.metrics.update(metrics)  # summary.json's train_loss: the last window's

@@ -2,6 +2,8 @@
 
 Its stream has 45 items over 2 ranks (and 2 workers each in the stateful runs): the
 ranks' parts differ in length. Each run records the sample ids it trained on per rank.
+The runs without state split it unevenly (rank 0 34 items, rank 1 11): rank 1 trains
+padding for whole log windows, and is killed while it pads.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ RECIPE = str(REPO / "tests" / "recipes" / "tiny_stream.py")
 SIZE, EPOCHS = 45, 2
 ARGS = (RECIPE, f"data.size={SIZE}", f"epochs={EPOCHS}", "checkpoint.every_steps=3")
 KILL_STEP = 16  # mid-epoch 2 (12 steps an epoch); the snapshot before it: step 15
+# data.uneven: 17 steps an epoch (rank 0's 34 items), rank 1's 11 items in its first 6;
+# killed in epoch 2's padding, after the snapshot of step 27
+UNEVEN, UNEVEN_KILL_STEP = ("data.uneven=true",), 28
 
 
 def consumed(out) -> dict[int, collections.Counter]:
@@ -51,8 +56,8 @@ def assert_exactly_once(out) -> None:
         assert max(seen.values()) == 1, f"epoch {epoch}: twice: {[s for s, n in seen.items() if n > 1]}"
 
 
-def kill_then(out, tmp, *extra) -> None:
-    env = engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP=str(KILL_STEP),
+def kill_then(out, tmp, *extra, step: int = KILL_STEP) -> None:
+    env = engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP=str(step),
                      ENGINE_FAULT_RANK="1", ENGINE_FAULT_ONCE=str(tmp / "once"))
     killed = run_cli(*ARGS, *extra, f"out_dir={out}", "--nproc", "2",
                      "-p", "tests.fault_plugin", env=env)
@@ -61,14 +66,15 @@ def kill_then(out, tmp, *extra) -> None:
 
 @pytest.fixture(scope="module")
 def skipping(tmp_path_factory):
-    """A stream without state_dict, killed mid-epoch; resumes refused at another world
-    size and another num_workers; then resumed (by skipping) with the same."""
+    """A stream without state_dict, split unevenly, killed mid-epoch while rank 1 pads;
+    resumes refused at another world size and another num_workers; then resumed (by
+    skipping) with the same."""
     tmp = tmp_path_factory.mktemp("skipping")
     out = tmp / "run"
-    kill_then(out, tmp)
-    other_world = run_cli(*ARGS, f"out_dir={out}", "--nproc", "1")
-    other_workers = run_cli(*ARGS, f"out_dir={out}", "--nproc", "2", "num_workers=1")
-    resumed = run_cli(*ARGS, f"out_dir={out}", "--nproc", "2", check=True)
+    kill_then(out, tmp, *UNEVEN, step=UNEVEN_KILL_STEP)
+    other_world = run_cli(*ARGS, *UNEVEN, f"out_dir={out}", "--nproc", "1")
+    other_workers = run_cli(*ARGS, *UNEVEN, f"out_dir={out}", "--nproc", "2", "num_workers=1")
+    resumed = run_cli(*ARGS, *UNEVEN, f"out_dir={out}", "--nproc", "2", check=True)
     return out, other_world, other_workers, resumed
 
 
@@ -98,13 +104,17 @@ def test_a_stateful_stream_with_workers_trains_every_sample_once_per_epoch_acros
 
 
 def test_a_stream_without_state_resumes_by_skipping_with_a_one_line_notice(skipping):
+    """Also: a rank that trains padding for whole log windows logs no NaN loss, and a
+    resume where that rank was padding pads with the batch the snapshot kept."""
     out, _, _, resumed = skipping
+    assert "epoch 2, step 27" in resumed.stdout
     notices = [line for line in resumed.stderr.splitlines() if "skips the" in line]
     assert notices == ["warning: the training stream has no state_dict/load_state_dict: "
-                       "the resume skips the 6 samples per process the epoch already "
+                       "the resume skips the 20 samples per process the epoch already "
                        "consumed by reading them again (their loading time; exact only if "
                        "the stream yields the same items in the same order again)"]
     assert_exactly_once(out)
+    assert read_summary(out)["global_step"] == 34
 
 
 def test_a_stream_resume_at_another_world_size_or_workers_is_refused_in_one_line(skipping):
@@ -145,3 +155,25 @@ def test_a_batch_counts_the_samples_of_its_first_tensor():
     assert streaming.batch_samples((torch.arange(3), torch.zeros(3, 4))) == 3
     assert streaming.batch_samples({"ids": torch.zeros(1, 5)}) == 1
     assert streaming.batch_samples("text") == 0
+
+
+def test_a_hugging_face_stream_that_does_not_say_it_shards_itself_is_refused_with_workers():
+    """datasets' IterableDataset splits itself over loader workers (its files): under the
+    engine's item rule too, most items would be lost."""
+    from types import SimpleNamespace
+
+    from engine.errors import ConfigError
+
+    datasets = pytest.importorskip("datasets")
+    stream = datasets.Dataset.from_dict({"x": list(range(8))}).to_iterable_dataset(num_shards=4)
+    world = SimpleNamespace(rank=0, world_size=1)
+    with pytest.raises(ConfigError, match="splits itself over the 2 loader workers: split it "
+                                          "over the processes too") as caught:
+        streaming.StreamLoader(stream, micro_batch=2, world=world, num_workers=2,
+                               pin_memory=False, drop_last=False)
+    assert "\n" not in str(caught.value)
+    stream.shards_itself = True  # what examples/hf_causal_lm.py says
+    loader = streaming.StreamLoader(stream, micro_batch=2, world=world, num_workers=2,
+                                    pin_memory=False, drop_last=False)
+    loader.start_epoch(0, resumed=False)
+    assert sorted(x for batch in loader.loader for x in batch["x"].tolist()) == list(range(8))

@@ -4,6 +4,9 @@ Each item is (sample id, features, label). ``train_step`` appends
 ``epoch step sample_id`` lines to ``<out_dir>/consumed-rank<R>.txt`` for every real
 micro-batch (a padding one, ``ctx.train_loader.padding``, is the engine's and trains
 nothing). ``data.stateful=true`` gives the stream state_dict/load_state_dict.
+``data.uneven=true`` (2 processes) makes the stream split itself, unevenly: rank 1
+takes the items ``i % 4 == 3``, rank 0 the rest, so rank 1 trains padding for many
+steps of each epoch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from engine import TrainConfig
 class DataConfig:
     size: int = 45  # not a multiple of 2 ranks x batch 2: the ranks' parts differ
     stateful: bool = False
+    uneven: bool = False
 
 
 @attrs.define
@@ -41,12 +45,15 @@ def item(i: int):
 class Stream(IterableDataset):
     """Items 0..size-1, made from their id; read from the epoch's start each time."""
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, rank: int | None = None):
+        self.size, self.rank = size, rank
+        if rank is not None:  # data.uneven
+            self.shards_itself = True
 
     def __iter__(self):
         for i in range(self.size):
-            yield item(i)
+            if self.rank is None or (i % 4 == 3) == (self.rank == 1):
+                yield item(i)
 
 
 class StatefulStream(Stream):
@@ -77,6 +84,8 @@ def build_model(cfg):
 
 
 def build_datasets(cfg, ctx):
+    if cfg.data.uneven:
+        return Stream(cfg.data.size, ctx.rank), None
     return (StatefulStream if cfg.data.stateful else Stream)(cfg.data.size), None
 
 
