@@ -16,7 +16,7 @@ import pytest
 
 from engine import testing
 from engine.testing import read_summary  # noqa: F401 (the tests import it from here)
-from tests import slurm_cluster
+from tests import profiling, slurm_cluster
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
@@ -140,6 +140,10 @@ def cifar_recipe() -> str:
 
 #: Overrides for a CIFAR run that takes a few seconds: small synthetic data, 1 epoch.
 QUICK = ("data.source=synthetic", "data.synthetic_size=512", "epochs=1", "log_every=4")
+
+
+def pytest_configure(config):
+    profiling.register(config)  # ENGINE_TEST_PROFILE=FOLDER: where the time goes
 
 
 # ---------------------------------------------------------------- what may be skipped
