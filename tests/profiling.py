@@ -176,6 +176,8 @@ class Profiler:
         if self.sampler is None:
             tag = f"{os.getpid()}"
             os.environ[TAG_ENV] = tag
+            # A pytest that a test starts (tests/test_conftest.py) profiles nothing.
+            os.environ.pop(PROFILE_ENV, None)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.sampler = Sampler(tag)
         record = {"test": item.nodeid, "worker": self.worker, "kinds": {}}
