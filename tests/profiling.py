@@ -170,6 +170,13 @@ class Profiler:
         self.worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         self.path = pathlib.Path(folder) / f"{self.worker}.jsonl"
         self.sampler: Sampler | None = None
+        self.record: dict = {}
+
+    def pytest_runtest_logreport(self, report):
+        # A test that failed or erred ran short: its figures say nothing of its cost.
+        if report.nodeid == self.record.get("test") and not report.passed:
+            failed = "failed" if report.when == "call" else "error"
+            self.record["outcome"] = failed if report.failed else "skipped"
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item):
@@ -180,7 +187,8 @@ class Profiler:
             os.environ.pop(PROFILE_ENV, None)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.sampler = Sampler(tag)
-        record = {"test": item.nodeid, "worker": self.worker, "kinds": {}}
+        record = self.record = {"test": item.nodeid, "worker": self.worker,
+                                "outcome": "passed", "kinds": {}}
         with self.sampler.lock:
             self.sampler.scan()
             self.sampler.test = record

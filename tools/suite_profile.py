@@ -22,6 +22,10 @@ def load(folder: pathlib.Path) -> list[dict]:
     # Only the suite's own tests: an inner pytest of tests/test_conftest.py runs modules
     # of a temporary folder (profiles from before it stopped writing here).
     records = [r for r in records if r["test"].startswith("tests/")]
+    failed = [r["test"] for r in records if r.get("outcome") in ("failed", "error")]
+    if failed:
+        print(f"suite_profile: {len(failed)} tests failed or erred (their figures are "
+              f"short): {', '.join(failed[:5])}{' ...' if len(failed) > 5 else ''}\n")
     if not records:
         sys.exit(f"suite_profile: no records in {folder}: run pytest with "
                  f"ENGINE_TEST_PROFILE={folder}")
