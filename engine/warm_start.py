@@ -54,6 +54,9 @@ class WarmStarter:
         self._server: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._pending = b""
+        #: CPU seconds (user + system) of the commands run so far, each with the workers
+        #: it reaped: the server reaps them, so they are in no rusage of the client's.
+        self.cpu_s = 0.0
         # Once: close() stops whichever server runs at exit (one after a restart too).
         atexit.register(self.close)
 
@@ -71,12 +74,12 @@ class WarmStarter:
             deadline = time.monotonic() + timeout
             pid = int(self._reply(server, "pid", deadline))
             try:
-                code = int(self._reply(server, "exit", deadline))
+                code = self._ended(server, deadline)
             except subprocess.TimeoutExpired:
                 # The command's whole session (its spawned workers too), as the timeout
                 # of subprocess.run would kill the process.
                 _kill_session(pid)
-                self._reply(server, "exit", time.monotonic() + 30)
+                self._ended(server, time.monotonic() + 30)
                 raise subprocess.TimeoutExpired([program, *request["argv"]], timeout,
                                                 _read(out), _read(err)) from None
             return subprocess.CompletedProcess([program, *request["argv"]], code,
@@ -90,6 +93,11 @@ class WarmStarter:
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
             self._pending = b""
         return self._server
+
+    def _ended(self, server: subprocess.Popen, deadline: float) -> int:
+        code, _, cpu_s = self._reply(server, "exit", deadline).partition(" ")
+        self.cpu_s += float(cpu_s or 0)
+        return int(code)
 
     def _reply(self, server: subprocess.Popen, key: str, deadline: float) -> str:
         # Raw reads and our own buffer: a buffered readline could swallow the next line,
@@ -141,7 +149,8 @@ def _read(path: str) -> str:
 
 def serve() -> None:
     """The server: import what every run imports, then fork one child per request line
-    on stdin; answer ``pid N`` when it started and ``exit CODE`` when it ended."""
+    on stdin; answer ``pid N`` when it started and ``exit CODE CPU_S`` when it ended
+    (CPU_S: its user and system CPU seconds, with those of the workers it reaped)."""
     from engine.spares import import_run_modules
 
     import_run_modules()  # what every command and worker imports, once here
@@ -154,8 +163,9 @@ def serve() -> None:
         if pid == 0:
             _child(request)  # never returns
         print(f"pid {pid}", flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(f"exit {os.waitstatus_to_exitcode(status)}", flush=True)
+        _, status, usage = os.wait4(pid, 0)
+        print(f"exit {os.waitstatus_to_exitcode(status)} "
+              f"{usage.ru_utime + usage.ru_stime:.3f}", flush=True)
 
 
 def _child(request: dict) -> None:

@@ -14,9 +14,18 @@ import sys
 
 import pytest
 
-from engine import testing
-from engine.testing import read_summary  # noqa: F401 (the tests import it from here)
-from tests import slurm_cluster
+# OpenMP threads that find no work sleep rather than spin (libgomp's default spins). The
+# suite runs more torch threads than the machine has cores (three pytest workers, each
+# run's processes, their threads): spinning threads then take the cores from those with
+# work. A ResNet step of the bench smoke test took 1.1 s of CPU and 12 s of wall time
+# spinning against 0.06 s and 0.5 s passive, on the loaded 2-core machine (issue 39).
+# Read once, when torch loads OpenMP: set here, before any import of torch, for this
+# process, and inherited by every process the tests start (engine_env copies os.environ).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from engine import testing  # noqa: E402 (after the OpenMP setting)
+from engine.testing import read_summary  # noqa: E402,F401 (the tests import it from here)
+from tests import profiling, slurm_cluster  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
@@ -142,6 +151,10 @@ def cifar_recipe() -> str:
 QUICK = ("data.source=synthetic", "data.synthetic_size=512", "epochs=1", "log_every=4")
 
 
+def pytest_configure(config):
+    profiling.register(config)  # ENGINE_TEST_PROFILE=FOLDER: where the time goes
+
+
 # ---------------------------------------------------------------- what may be skipped
 #
 # A skipped test is a test that did not run, and a green run must not hide that. The only
@@ -183,10 +196,17 @@ SLURM_SCOPE = "the local SLURM cluster"
 
 @functools.cache
 def _uses_the_slurm_cluster(path: pathlib.Path) -> bool:
+    """Whether the module's code (not a string in it: tests/test_conftest.py writes
+    modules marked slurm for an inner pytest) names ``pytest.mark.slurm``."""
+    import ast
+
     try:
-        return "mark.slurm" in path.read_text(encoding="utf-8")
-    except OSError:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
         return False
+    return any(isinstance(node, ast.Attribute) and node.attr == "slurm" and
+               isinstance(node.value, ast.Attribute) and node.value.attr == "mark"
+               for node in ast.walk(tree))
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent without it

@@ -129,3 +129,12 @@ def test_python_command_lines_run_as_in_a_new_interpreter(starter, tmp_path, how
         expected.returncode, expected.stdout, expected.stderr) == (
         3, expected.stdout, "")
     assert expected.stdout.startswith("__main__ ['3', 'x'] True\n")
+
+
+def test_the_cpu_of_each_command_is_counted(starter):
+    # The server reaps the commands, so no rusage of this process has their CPU:
+    # the server reports each one's (the suite's profile, tests/profiling.py, reads it).
+    burn = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass"
+    before = starter.cpu_s
+    starter.run(["-c", burn], env=engine_env(), cwd=REPO, timeout=120, python=True)
+    assert 0.5 <= starter.cpu_s - before < 60, starter.cpu_s - before

@@ -40,6 +40,8 @@ def test_cpu_smoke_runs_both_tables_each_mode_at_its_process_count(tmp_path):
         (None, "single", 1), (None, "dp", 1), (None, "ddp", 2)]
     assert all(r["hand"] > 0 and r["engine"] > 0 for r in rows)
     assert rows[0]["gain"] == 1.0 and rows[2]["vs_single"] == 1.0
+    # fp32 at ddp, a line of both tables, was measured once (one round: the same figures).
+    assert (rows[0]["hand"], rows[0]["engine"]) == (rows[4]["hand"], rows[4]["engine"])
     assert "CPU smoke test (not a measurement)" in proc.stdout
 
 
