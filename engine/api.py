@@ -52,7 +52,8 @@ import attrs
 from engine.context import WorkerContext
 from engine.errors import ConfigError
 from engine.launching import LAUNCH, Worker
-from engine.worker_setup import callers_state_kept
+from engine.worker_setup import (build_optimizer, callers_state_kept, open_checkpointer,
+                                 prepare_model, start_worker, training_loader)
 
 
 def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
@@ -141,8 +142,7 @@ class LoopJob(Worker):
                              _script_name(self.fn))
 
     def run(self, pm, cfg, world) -> tuple[str, Any]:
-        ctx = Context(pm, cfg, world, self.options)
-        ctx.recipe_path = script_path(self.fn)
+        ctx = Context(pm, cfg, world, self.options, recipe_path=script_path(self.fn))
         with ctx.lifecycle() as run:
             ctx.setup()
             value = self.fn(ctx, *self.args)
@@ -163,26 +163,25 @@ class Context(WorkerContext):
     (``engine.hookspecs.RunContext``).
     """
 
-    def __init__(self, pm, cfg, world, options: dict | None = None):
+    def __init__(self, pm, cfg, world, options: dict | None = None,
+                 recipe_path: str | None = None):
         from engine.stateful import TrainState
 
-        super().__init__(pm, cfg, world, options, TrainState())
+        super().__init__(pm, cfg, world, options, TrainState(), recipe_path=recipe_path)
         self._train_loaders: list = []
         self._resumed = False
 
     # ---------------------------------------------------------------- set-up
 
     def setup(self) -> None:
-        """Seed, threads, parallel mode, process group, checkpointer (as Engine.run).
-        config.json waits for the resume decision (:meth:`resume`)."""
-        from engine.worker_setup import start_worker
-
+        """Seed, threads, parallel mode, process group, checkpointer: the steps of
+        engine/worker_setup.py that Engine.run takes too. config.json waits for the
+        resume decision (:meth:`resume`)."""
         cfg, world = self.cfg, self.world
-        self.parallel = start_worker(self.pm, cfg, world, self.options)
+        self.run_parts.parallel = start_worker(self.pm, cfg, world, self.options)
         if self.is_rank0:
             self.out_dir.mkdir(parents=True, exist_ok=True)  # the loop may write there
-        self.checkpointer = self.pm.checkpointers.get(cfg.checkpointer)(
-            self.out_dir / "checkpoints", cfg, world)
+        self.run_parts.checkpointer = open_checkpointer(self.pm, cfg, world, self.out_dir)
 
     def finish(self, status: str, error: BaseException | None = None) -> dict:
         if status == "failed" and self.checkpointer is not None:  # the config is known
@@ -219,15 +218,12 @@ class Context(WorkerContext):
         if not (hasattr(optimizer, "state_dict") or callable(optimizer)):
             raise ConfigError(f"ctx.wrap(model, optimizer): {optimizer!r} is not a torch "
                               "optimizer (nor a function of the model that builds one)")
-        from engine.worker_setup import prepare_model
-
-        # Activation checkpointing, compile, the wrap: the steps engine-run takes.
-        self.model = prepare_model(model, self.cfg, self.parallel, self.device, self.print)
-        module = self.parallel.unwrap(self.model)
-        if not hasattr(optimizer, "state_dict"):
-            optimizer = optimizer(module)  # built on the wrapped model's parameters
-        _check_optimizer_holds(optimizer, module, self.parallel)
-        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        # Activation checkpointing, compile, the wrap, the optimizer: the steps engine-run
+        # takes (engine/worker_setup.py).
+        parts = self.run_parts
+        parts.model = prepare_model(model, self.cfg, parts.parallel, self.device, self.print)
+        optimizer = build_optimizer(optimizer, parts.module, parts.parallel)
+        parts.optimizer, parts.scheduler, parts.scaler = optimizer, scheduler, scaler
         # What snapshots hold (engine/stateful.py); the loop's own parts: ctx.add_state.
         self.add_core_parts(self.state, lambda: self.train_loader)
         # Counted on the host by a post-step hook: no device synchronisation.
@@ -253,23 +249,16 @@ class Context(WorkerContext):
         if not train:
             return data.val_loader(dataset, batch=micro_batch, world=self.world,
                                    num_workers=num_workers, pin_memory=pin_memory)
-        loader = data.train_loader(dataset, micro_batch=micro_batch, world=self.world,
-                                   seed=self.cfg.seed, num_workers=num_workers,
-                                   pin_memory=pin_memory, drop_last=drop_last)
-        if len(loader) == 0:
-            raise ConfigError(
-                f"the training set has {len(dataset)} samples, fewer than one batch of "
-                f"{micro_batch} per process; use a smaller batch_size or drop_last=False")
+        loader = training_loader(dataset, micro_batch=micro_batch, world=self.world,
+                                 seed=self.cfg.seed, num_workers=num_workers,
+                                 pin_memory=pin_memory, drop_last=drop_last,
+                                 drop_last_name="drop_last=False")
         if not self._train_loaders:  # the first one tells where the epoch stands
             loader.__class__ = data.PositionLoader
             loader.state = self.state
+            self.run_parts.train_loader = loader  # its position is the one snapshots record
         self._train_loaders.append(loader)
         return loader
-
-    @property
-    def train_loader(self):
-        """The first training loader (its position is the one snapshots record), or None."""
-        return self._train_loaders[0] if self._train_loaders else None
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle every training loader for ``epoch`` (``ctx.epochs`` does this).
@@ -379,14 +368,3 @@ class Context(WorkerContext):
             raise ConfigError(f"{what} needs the model: call "
                               "`model, optimizer = ctx.wrap(model, optimizer)` first")
 
-
-def _check_optimizer_holds(optimizer, module, parallel) -> None:
-    """An optimizer built before a wrap that replaced the parameters (fsdp's shards)
-    would step tensors the model no longer uses: nothing would train."""
-    held = {id(p) for p in module.parameters()}
-    if any(id(p) not in held for g in optimizer.param_groups for p in g["params"]):
-        raise ConfigError(
-            f"the optimizer holds parameters that the model no longer has after parallel "
-            f"mode {parallel.name!r} wrapped it (it replaces them); pass a function that "
-            "builds the optimizer instead: ctx.wrap(model, lambda m: "
-            "torch.optim.SGD(m.parameters(), lr=...))")

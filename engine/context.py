@@ -38,6 +38,7 @@ from engine.errors import RunError, one_line, warn
 from engine.metrics import (SUMMARY_METRICS, throughput_of, throughput_summary,
                             throughput_unit, validation_summary)
 from engine.stateful import SnapshotParts
+from engine.worker_setup import RunParts
 
 # The metric-name vocabulary is engine/metrics.py's; it stays importable from here for
 # plugins that import it from here.
@@ -85,27 +86,54 @@ def weights_digests(module, warn) -> dict:
     return {"weights_sha256": digests[0], "weights_sha256_per_rank": digests}
 
 
-class WorkerContext:
-    """One worker's run. Subclasses set up the model and data their own way; the
-    attributes below are None until they exist."""
+class _Part:
+    """An attribute of the run kept in its :class:`RunParts` record (``ctx.model`` is
+    ``ctx.run_parts.model``): recipes and hooks read it on the run, the training loop on
+    the record that engine/worker_setup.py's steps fill."""
 
-    def __init__(self, pm, cfg, world, options: dict[str, Any] | None, state):
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, ctx, owner=None):
+        return self if ctx is None else getattr(ctx.run_parts, self.name)
+
+    def __set__(self, ctx, value) -> None:
+        setattr(ctx.run_parts, self.name, value)
+
+
+class WorkerContext:
+    """One worker's run. Subclasses set up the model and data their own way (the steps
+    of engine/worker_setup.py); the parts are None until they exist."""
+
+    parallel = _Part()  # the parallel mode (engine.parallel.Parallel)
+    model = _Part()  # as trained: wrapped by the parallel mode
+    optimizer = _Part()
+    scheduler = _Part()
+    scaler = _Part()
+    loss_fn = _Part()
+    checkpointer = _Part()
+    train_loader = _Part()
+    val_loader = _Part()
+    micro_batch = _Part()
+    loader_settings = _Part()
+    steps_per_epoch = _Part()
+    total_steps = _Part()
+    memory = _Part()  # in-memory snapshots (engine/memory_snapshot.py), when on
+
+    def __init__(self, pm, cfg, world, options: dict[str, Any] | None, state,
+                 recipe_path: str | None = None, run_parts: RunParts | None = None):
         self.pm = pm
         self.cfg = cfg
         self.world = world
         self.options = dict(options or {})
         self.state = state  # engine.engine.TrainState: epoch, step, epochs_completed...
         self.metrics: dict[str, float] = {}  # the latest reduced or logged values
-        self.parallel = None  # the parallel mode (engine.parallel.Parallel)
-        self.model = None  # as trained: wrapped by the parallel mode
-        self.optimizer = None
-        self.scheduler = None
-        self.scaler = None
-        self.checkpointer = None
+        # What the loop drives, filled by engine/worker_setup.py's steps.
+        self.run_parts = run_parts if run_parts is not None else RunParts()
         self.preemption = None  # engine.preemption.PreemptionFlag while training
         # Everything a snapshot holds, part by part (engine/stateful.py).
         self.snapshot_parts = SnapshotParts()
-        self.recipe_path: str | None = None  # the recipe file, or the custom loop's script
+        self.recipe_path = recipe_path  # the recipe file, or the custom loop's script
         self.epochs_requested: int | None = None
         self.resumed_from: str | None = None  # the snapshot a resume loaded
         # Where the resume came from: {"tier": memory|peer|disk, "step", "steps_lost",
@@ -155,7 +183,7 @@ class WorkerContext:
     @property
     def module(self):
         """The model without its parallel wrapper (what snapshots hold)."""
-        return self.parallel.unwrap(self.model)
+        return self.run_parts.module
 
     # ----------------------------------------------------------- state parts
 
@@ -190,6 +218,23 @@ class WorkerContext:
         parts.add("metrics", stateful.Metrics(self.metrics))
         stateful.add_extra_parts(parts, self.pm, self, recipe_parts)
         parts.add("rng", stateful.RngStates(self.world, self.warn))
+
+    def record_resume(self, source, tier: str, step: int, reached: int,
+                      source_rank: int | None = None) -> None:
+        """What summary.json's ``resumed_from`` and ``resume`` report
+        (engine/snapshot.py's resume): the snapshot loaded, the tier (memory, peer or
+        disk), the step resumed at and the steps recomputed (when the interrupted run
+        said how far it got)."""
+        self.resumed_from = source
+        self.resume_record = {"tier": tier, "step": step,
+                              "steps_lost": max(0, reached - step) if reached else None,
+                              "source_rank": source_rank}
+
+    def drop_memory_snapshots(self):
+        """The in-memory snapshots, handed to the caller to remove: the run takes no
+        more (every rank turned the tier off together)."""
+        memory, self.run_parts.memory = self.run_parts.memory, None
+        return memory
 
     # --------------------------------------------------------- rank-0 output
 

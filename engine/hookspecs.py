@@ -80,6 +80,9 @@ class RunContext(Protocol):
     out_dir: pathlib.Path  #: the run's output folder
     state: Any  #: ``epoch``, ``step`` (optimizer steps), ``epochs_completed``...
     metrics: dict[str, float]  #: the latest reduced or logged values
+    #: ``engine.worker_setup.RunParts``: what the loop drives; the attributes from
+    #: ``parallel`` to ``checkpointer`` below are its fields.
+    run_parts: Any
     parallel: Any  #: the parallel mode (``engine.Parallel``)
     model: Any  #: as trained: wrapped by the parallel mode
     optimizer: Any

@@ -46,9 +46,6 @@ class Parallel:
     single_process: ClassVar[bool] = False
     #: Order in which ``--parallel auto`` asks the modes: lower numbers first.
     priority: ClassVar[int] = 100
-    #: The run's recipe (engine.recipe.Recipe) under engine-run, None in a loop of your
-    #: own: a mode may read a setting the recipe declares (fsdp: ``shard_units``).
-    recipe = None
 
     @classmethod
     def detect(cls, world) -> bool:
@@ -56,9 +53,12 @@ class Parallel:
         before any process group or CUDA device is set up)."""
         return False
 
-    def __init__(self, world, cfg):
+    def __init__(self, world, cfg, recipe=None):
         self.world = world
         self.cfg = cfg
+        # The run's recipe (engine.recipe.Recipe) under engine-run, None in a loop of
+        # your own: a mode may read a setting the recipe declares (fsdp: shard_units).
+        self.recipe = recipe
 
     # -------------------------------------------------------------- devices
 

@@ -164,7 +164,7 @@ def save_to_memory(eng) -> None:
 def turn_memory_off(eng, why: str) -> None:
     """Every rank, together: no more memory snapshots, their buffers removed, one
     warning (rank 0's); the run goes on with disk snapshots."""
-    memory, eng.memory = eng.memory, None
+    memory = eng.drop_memory_snapshots()
     if memory is not None:
         for problem in memory.remove():
             eng.warn_here(problem)
@@ -239,15 +239,13 @@ def resume(eng) -> None:
             _say_when_every_snapshot_is_unusable(eng)
         return
     restore(eng, load_snapshot(eng, pathlib.Path(chosen)), source=chosen)
-    # The summary reports it; setattr, as Engine and api.Context both come through here.
-    setattr(eng, "resumed_from", chosen)
     where = eng.state.position()
     restarts = (f" (restart {eng.world.restart_count})" if eng.world.restart_count else "")
     reached = memory.reached_before if memory is not None else 0
     lost = (f" ({reached - eng.state.step} steps lost)" if reached > eng.state.step
             else "")
     eng.print(f"resuming from {chosen}: {where}{restarts}{lost}")
-    _record_resume(eng, "disk", eng.state.step, reached)
+    eng.record_resume(chosen, "disk", eng.state.step, reached)
 
 
 def _step_of(path) -> int | None:
@@ -277,7 +275,6 @@ def _resume_from_memory(eng, memory, disk_step: int | None) -> bool:
     finally:
         for loaded in mine:
             loaded.close()
-    setattr(eng, "resumed_from", source)
     missing = choice.missing(eng.world.world_size)
     why = (f"rank(s) {', '.join(map(str, missing))} had no copy: sent by rank "
            f"{choice.source}" if missing else
@@ -285,8 +282,8 @@ def _resume_from_memory(eng, memory, disk_step: int | None) -> bool:
     lost = max(0, choice.reached - choice.step)
     eng.print(f"resumed from memory at step {choice.step} ({why}; {lost} step"
               f"{'' if lost == 1 else 's'} lost): {eng.state.position()}")
-    _record_resume(eng, "peer" if missing else "memory", choice.step, choice.reached,
-                   source_rank=choice.source if missing else None)
+    eng.record_resume(source, "peer" if missing else "memory", choice.step, choice.reached,
+                      source_rank=choice.source if missing else None)
     return True
 
 
@@ -297,16 +294,6 @@ def _forget_memory(eng, memory) -> None:
     if memory is not None:
         for problem in memory.remove():
             eng.warn_here(problem)
-
-
-def _record_resume(eng, tier: str, step: int, reached: int, source_rank=None) -> None:
-    """What summary.json's ``resume`` reports: the tier (memory, peer or disk), the
-    step resumed at and the steps recomputed (when the interrupted run said how far it
-    got)."""
-    eng.resume_record = {
-        "tier": tier, "step": step,
-        "steps_lost": max(0, reached - step) if reached else None,
-        "source_rank": source_rank}
 
 
 def _checked_resume_path(eng, chosen: str) -> str | CheckpointError:
