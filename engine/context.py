@@ -13,7 +13,7 @@ The end of a run, however it ends::
     checkpointer closed (quietly when the run failed: the first error is the one reported)
     summary built (weights digests, a collective, only when the run completed)
     compile time printed (rank 0, compile.enabled)
-    [engine_run_end]                    every rank
+    the run-end hook                    every rank (the hooks' order: docs/plugins.md)
     summary.json                        rank 0, always: completed, preempted, interrupted
                                         or failed
     process group destroyed             unless the run failed (a rank may be gone)

@@ -1,14 +1,12 @@
 """The training loop.
 
-``Trainer.fit`` in pseudocode, with the method that holds each part on the right
-(hooks in brackets)::
+``Trainer.fit`` in pseudocode, with the method that holds each part on the right (the
+hooks it fires, and when: docs/plugins.md, "Hooks in the order they fire")::
 
-    [engine_run_start]                                  (fired by Engine.run)
-    [engine_log] world_size at the step the run starts from (rank 0)       fit
+    log world_size at the step the run starts from (rank 0)          fit
     for epoch in epochs not yet completed:                          run_epoch
         sampler.set_epoch(epoch, from the global sample position a resumed snapshot
                           reached: the rest of the order split over these ranks)
-        [engine_epoch_start]
         for each micro-batch:                                       train_epoch
             batch to the device; forward and loss (the recipe's     run_batch
             train_step); backward (DDP
@@ -16,16 +14,14 @@
             after a group's last micro-step:                        optimizer_step
                 unless on_nonfinite=skip skips the step:
                     unscale (fp16), clip to grad_clip_norm          before_optimizer_step
-                    [engine_before_optimizer_step]    (not called when nobody implements it)
                     optimizer step
                 zero_grad(set_to_none=True), scheduler if per step
-                [engine_train_step_end]               (not called when nobody implements it)
                 every log_every steps: start one all-reduce of the  check_point
                     window's loss and the pre-emption and time-based snapshot
                     flags; finish the previous check point's, long done:   finish_check
-                    [engine_log] (rank 0), its flags recorded
+                    logged (rank 0), its flags recorded
                 unless the epoch ends here, every val_every_steps steps validate_if_due
-                    and where max_steps ends the run: validate, [engine_log]
+                    and where max_steps ends the run: validate, log
                     its val/* at the step, early stopping (may end the run)
                 a snapshot if due: to disk (every_steps, or a       snapshot_if_due
                     check's time flag), else into shared memory
@@ -40,9 +36,9 @@
             the final snapshot, stop                                end_in_epoch
         pre-empted (a check point said so, the last one included):
             snapshot, stop                                          run_epoch
-        [engine_validation_start] the recipe's eval_step, reduced   validate
-        [engine_validation_end] (every validation: the RNG states forked around it)
-        [engine_log] [engine_epoch_end]; scheduler if per epoch     step_scheduler
+        the recipe's eval_step, reduced (every validation: the     validate
+            RNG states forked around it)
+        log the epoch's metrics; scheduler if per epoch             step_scheduler
             (ReduceLROnPlateau: with scheduler_metric's reduced value)
         early stopping, pre-emption, snapshot if due (a check's time flag included;
             always after the last epoch, or at max_steps)
