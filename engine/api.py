@@ -49,9 +49,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 
+from engine import distributed, snapshot
+from engine.config import TrainConfig, check, differs_from_default, with_groups
 from engine.context import WorkerContext
 from engine.errors import ConfigError
-from engine.launching import LAUNCH, Worker
+from engine.launching import (LAUNCH, Launch, Worker, finish_config, interrupted_raises,
+                              library_options)
+from engine.stateful import TrainState
 from engine.worker_setup import (build_optimizer, callers_state_kept, open_checkpointer,
                                  prepare_model, start_worker, training_loader)
 
@@ -75,9 +79,6 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
     then be picklable), or in this process when the launcher adopted it (torchrun,
     SLURM, or a single process). A failed worker raises an EngineError naming it.
     """
-    from engine.config import TrainConfig, check
-    from engine.launching import Launch, interrupted_raises, library_options
-
     if not callable(fn):
         raise ConfigError(f"engine.launch needs a function to run in every worker, "
                           f"not {fn!r}")
@@ -133,9 +134,6 @@ class LoopJob(Worker):
         return f"{self.fn!r} and its arguments"
 
     def configure(self, pm):
-        from engine.config import with_groups
-        from engine.launching import finish_config
-
         # The plugins' config groups (cfg.ddp from the ddp plugin), as engine-run adds
         # them; to a copy: every process makes its own from the caller's.
         return finish_config(pm, with_groups(copy.deepcopy(self.cfg), pm.config_groups),
@@ -165,8 +163,6 @@ class Context(WorkerContext):
 
     def __init__(self, pm, cfg, world, options: dict | None = None,
                  recipe_path: str | None = None):
-        from engine.stateful import TrainState
-
         super().__init__(pm, cfg, world, options, TrainState(), recipe_path=recipe_path)
         self._train_loaders: list = []
         self._resumed = False
@@ -242,7 +238,7 @@ class Context(WorkerContext):
         Training loaders shuffle with a distributed sampler that ``ctx.epochs`` (or
         ``ctx.set_epoch``) moves to each new epoch; ``train=False`` gives a validation
         loader where every sample is seen exactly once over all ranks."""
-        from engine import data
+        from engine import data  # imports torch: kept out of engine.launch's launcher
 
         micro_batch = data.split_batch(batch_size, self.world_size, 1)
         pin_memory = self.device.type == "cuda"
@@ -264,7 +260,7 @@ class Context(WorkerContext):
         """Reshuffle every training loader for ``epoch`` (``ctx.epochs`` does this).
         For the epoch a snapshot stopped in (``ctx.state.epoch``) the loaders start
         where it stopped; ``ctx.state`` then follows this epoch."""
-        from engine import data
+        from engine import data  # imports torch (see loader)
 
         batches = self.state.batch_in_epoch if epoch == self.state.epoch else 0
         self.state.epoch, self.state.batch_in_epoch = epoch, batches
@@ -297,9 +293,6 @@ class Context(WorkerContext):
     def resume(self) -> None:
         """Load the latest good snapshot (or ``resume=PATH``) once; a no-op when there
         is none or ``resume=False``. Collective: every rank calls it."""
-        from engine import snapshot
-        from engine.config import differs_from_default
-
         self._need_model("ctx.resume")
         if self._resumed:
             return
@@ -319,8 +312,6 @@ class Context(WorkerContext):
         """Write a snapshot through the checkpoint plugin. Collective: every rank calls
         it (rank 0 writes, unless the checkpointer shards). Returns the path on the
         writing rank, else None."""
-        from engine import snapshot
-
         self._need_model("ctx.save")
         self.parallel.sync_buffers(self.model)  # BatchNorm statistics equal on every rank
         return snapshot.save(self)
@@ -330,9 +321,7 @@ class Context(WorkerContext):
     def reduce(self, metrics: dict[str, Any], op: str = "mean") -> dict[str, float]:
         """Combine scalars (numbers or one-element tensors) over all ranks in one
         collective; returns Python floats, the same on every rank. Collective."""
-        import torch
-
-        from engine import distributed
+        import torch  # kept out of engine.launch's launching process (as engine.data)
 
         if op not in ("mean", "sum"):
             raise ConfigError(f"ctx.reduce: op {op!r} is not one of: mean, sum")
@@ -359,8 +348,6 @@ class Context(WorkerContext):
                                 step=self.state.step if step is None else step)
 
     def barrier(self) -> None:
-        from engine import distributed
-
         distributed.barrier()
 
     def _need_model(self, what: str) -> None:

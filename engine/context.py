@@ -32,11 +32,15 @@ import attrs
 
 import engine
 from engine import config as config_mod
-from engine import phases
-from engine.compile import seconds_spent
+from engine import distributed, phases, stateful, worker_setup
+from engine.atomic_io import atomic_write_text
+from engine.checkpoint import model_digest, plain_keys
+from engine.compile import explain_failure, seconds_spent
+from engine.compile import report as compile_report
 from engine.errors import RunError, one_line, warn
 from engine.metrics import (SUMMARY_METRICS, throughput_of, throughput_summary,
                             throughput_unit, validation_summary)
+from engine.processes import spawned_here
 from engine.stateful import SnapshotParts
 from engine.worker_setup import RunParts
 
@@ -52,8 +56,6 @@ _MOVED_TO_WORKER_SETUP = frozenset({"start_worker", "seed_everything",
 
 def __getattr__(name: str):
     if name in _MOVED_TO_WORKER_SETUP:
-        from engine import worker_setup
-
         return getattr(worker_setup, name)
     raise AttributeError(f"module 'engine.context' has no attribute {name!r}")
 
@@ -69,9 +71,6 @@ def utc_now(at: float | None = None) -> str:
 def weights_digests(module, warn) -> dict:
     """Every rank digests its own copy of the weights: DDP promises they are equal, we
     check (a collective: every rank calls it)."""
-    from engine import distributed, stateful
-    from engine.checkpoint import model_digest, plain_keys
-
     if stateful.is_sharded(module):
         # One model spread over the ranks (fsdp): the digest of its full state, which
         # only rank 0 gathers; every rank reports that one.
@@ -202,8 +201,6 @@ class WorkerContext:
         optimizer, scheduler, scaler and checkpointer exist: ``progress`` is the loop's
         own (the TrainState, or the Trainer that owns it), ``loader`` returns the first
         training loader (or None); then the recipe's and the plugins' parts."""
-        from engine import stateful
-
         parts = self.snapshot_parts
         sharded = self.checkpointer.distributed_state_dict
         parts.add("model", stateful.ModelState(self.module, sharded))
@@ -307,8 +304,6 @@ class WorkerContext:
     def explain(self, exc: BaseException) -> BaseException:
         """The error the user should see for ``exc``: a failed torch.compile in one line
         (the Engine adds the parallel mode's hints)."""
-        from engine.compile import explain_failure
-
         failed = (None if self.model is None
                   else explain_failure(exc, self.module, self.cfg.compile))
         return failed or exc
@@ -320,9 +315,6 @@ class WorkerContext:
         its checkpointer already (a failed final write then fails the run). A run that
         ended by an exception (``error``; a KeyboardInterrupt for status "interrupted")
         is torn down as a failed one."""
-        from engine import distributed
-        from engine.processes import spawned_here
-
         abrupt = error is not None or status == "failed"
         if self.preemption is not None:
             # A second signal during the teardown of a pre-empted run changes nothing;
@@ -349,7 +341,7 @@ class WorkerContext:
     def summary(self, status: str, error: BaseException | None = None) -> dict:
         """The one summary, the same keys from both loops (``None`` where unknown).
         A collective when the run completed (weights digests): every rank calls it."""
-        import torch
+        import torch  # summary.json's torch_version; engine.context itself needs no torch
 
         summary = {
             "status": status,
@@ -424,9 +416,7 @@ class WorkerContext:
 
     def print_compile_time(self, summary: dict) -> None:
         """With compile.enabled: ``compile_s`` in the summary, and one line on rank 0."""
-        from engine.compile import report
-
-        summary["compile_s"], line = report(self.cfg.compile, self._compiled_before)
+        summary["compile_s"], line = compile_report(self.cfg.compile, self._compiled_before)
         if line:
             self.print(line)
 
@@ -453,8 +443,6 @@ class WorkerContext:
             return None  # a failing run's summary is written all the same
 
     def write_summary(self, summary: dict) -> None:
-        from engine.atomic_io import atomic_write_text
-
         path = self.out_dir / "summary.json"
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)

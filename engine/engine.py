@@ -19,10 +19,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from engine import phases
+from engine import config as config_mod
+from engine import distributed, health, memory_snapshot, phases, preemption, snapshot, stateful
 from engine.context import WorkerContext
 from engine.errors import EngineError, PeerFailed, RunError, first_line
 from engine.stateful import TrainState
+from engine.trainer import Trainer  # torch: only workers import engine.engine
 from engine.worker_setup import setup_recipe_run, start_worker
 
 
@@ -42,8 +44,6 @@ class Engine(WorkerContext):
     # ------------------------------------------------------------------- run
 
     def run(self) -> dict:
-        from engine import preemption
-
         cfg = self.cfg
         with self.lifecycle() as run:
             self.run_parts.parallel = start_worker(self.pm, cfg, self.world, self.options,
@@ -81,8 +81,6 @@ class Engine(WorkerContext):
     def explain(self, exc: BaseException) -> BaseException:
         """The error a user should see: a hint from the parallel mode, or, when a
         collective failed, which ranks stopped answering."""
-        from engine import distributed, health
-
         if isinstance(exc, EngineError) or not isinstance(exc, Exception):
             return exc
         explained = super().explain(exc)  # a compile failure
@@ -114,8 +112,6 @@ class Engine(WorkerContext):
             on_train_end(self.cfg, self)
 
     def _after_preemption(self) -> None:
-        from engine import preemption
-
         if self.preemption is not None and self.preemption.interrupted:
             # The one line of a Ctrl-C (the launcher adds none).
             self.print(f"interrupted at {self.state.position()}: snapshot written; the "
@@ -134,9 +130,6 @@ class Engine(WorkerContext):
     def _setup(self):
         """Data, model, optimizer and their companions (engine/worker_setup.py), the
         snapshot parts, the resume; returns the Trainer that will train them."""
-        from engine import snapshot
-        from engine.trainer import Trainer
-
         parts = setup_recipe_run(self, self.recipe)
         parts.memory = self._memory_snapshots()
         # Before the resume: its progress is a snapshot part. It checks the metrics the
@@ -153,9 +146,6 @@ class Engine(WorkerContext):
         """This rank's in-memory snapshots (checkpoint.memory_every_steps), or None: off,
         or a model sharded by fully_shard (each rank holds only its shard: a restart
         resumes from the newest disk snapshot, docs/checkpoints.md)."""
-        from engine import config as config_mod
-        from engine import stateful
-
         every = self.cfg.checkpoint.memory_every_steps
         if not every:
             return None
@@ -173,8 +163,6 @@ class Engine(WorkerContext):
         and this user's buffer folder checked on every rank. Collective. None, with one
         warning, when any rank cannot use its tmpfs safely: the tier is off everywhere
         together, since a memory snapshot is a collective."""
-        from engine import distributed, memory_snapshot
-
         opts = self.options
         ids = None
         if self.is_rank0:

@@ -162,7 +162,7 @@ def choose_parallel(registry, name: str, world) -> type[Parallel]:
 
 def visible_gpus() -> int:
     """How many GPUs this process sees (torch counts only CUDA_VISIBLE_DEVICES)."""
-    import torch
+    import torch  # engine-run's start-up imports every parallel mode: no torch there
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -15,7 +15,8 @@ import pathlib
 
 import engine
 from engine import config as config_mod
-from engine import distributed, phases
+from engine import distributed, memory_snapshot, phases, stateful
+from engine.checkpoint import read_manifest
 from engine.errors import CheckpointError, ConfigError
 
 #: Config keys a resumed run may change: they decide how long the run goes and how it
@@ -77,8 +78,6 @@ def capture_here(eng, config) -> tuple[dict, bytes]:
     does. The
     row goes to the other ranks off the step's path (MemorySnapshots.start_exchange);
     memory_snapshot.complete makes a snapshot whole again at a resume."""
-    from engine import memory_snapshot, stateful
-
     parts, states = eng.snapshot_parts, {}
     for name in parts.names():
         part = parts[name]
@@ -135,8 +134,6 @@ def save_to_memory(eng) -> None:
     tmpfs, a name taken) still starts the exchange, a collective, and raises
     ``memory.failed``: the ranks agree to turn the tier off at the next check point
     (trainer.py)."""
-    from engine import memory_snapshot
-
     memory = eng.memory
     with phases.carve(phases.MEMORY_SNAPSHOTS, within="training", label="memory snapshot"):
         if memory.config is None:  # the same at every step: converted and pickled once
@@ -178,8 +175,6 @@ def _every_rank_can_keep_them(eng, memory, state: dict) -> bool:
     but this user's own file is refused, engine/memory_snapshot.py). If one rank cannot,
     all turn them off together (a rank alone would leave the others' next snapshot, a
     collective, waiting), with one warning that says why."""
-    from engine import memory_snapshot
-
     needed, free = memory.room_for(state)
     each = needed / 2 / eng.world.local_world_size / 2**20  # MB, one buffer
     problem = None
@@ -251,8 +246,6 @@ def resume(eng) -> None:
 def _step_of(path) -> int | None:
     """The step of the disk snapshot ``latest()`` chose (its manifest's: latest() takes
     none without one)."""
-    from engine.checkpoint import read_manifest
-
     return None if path is None else (read_manifest(pathlib.Path(path)) or {}).get("step")
 
 
@@ -262,8 +255,6 @@ def _resume_from_memory(eng, memory, disk_step: int | None) -> bool:
     rank's is gone. Collective. False: none newer (the disk snapshot, if any, wins).
     Only this run's buffers count (the run id, engine/memory_snapshot.py); one that
     fails to load is a warning and the next tier."""
-    from engine import memory_snapshot
-
     mine = memory_snapshot.load_all(memory, eng.warn_here)
     try:
         choice = memory_snapshot.agree(memory, mine)

@@ -45,8 +45,11 @@ from typing import Any, Callable
 
 import attrs
 
-from engine import phases
+from engine import activation_checkpointing, distributed, health, loader_settings, phases
+from engine import run_dir
+from engine.compile import compile_model
 from engine.errors import ConfigError
+from engine.parallel import choose_parallel
 
 
 @attrs.define
@@ -96,7 +99,7 @@ def callers_state_kept():
         yield
     finally:
         if _threads_before is not None:
-            import torch
+            import torch  # lazily: see the module docstring
 
             torch.set_num_threads(_threads_before)
             _threads_before = None
@@ -107,9 +110,7 @@ def start_worker(pm, cfg, world, options: dict[str, Any], recipe=None):
     every RNG, share the CPUs, choose the parallel mode and its devices, create the
     process group, settle the run's folder. Returns the parallel mode, which reads the
     settings ``recipe`` declares (fsdp: ``shard_units``; None in a custom loop)."""
-    import torch
-
-    from engine import distributed, health, run_dir
+    import torch  # lazily: see the module docstring
 
     seed_everything(cfg.seed)
     if cfg.deterministic:
@@ -131,7 +132,7 @@ def use_deterministic_kernels() -> None:
     """Deterministic cuDNN and cuBLAS kernels (``deterministic=true``). Must run before
     the process's first CUDA matrix product: cuBLAS reads its workspace setting when it
     starts."""
-    import torch
+    import torch  # lazily: see the module docstring
 
     # cuBLAS is deterministic only with a fixed workspace (CUDA >= 10.2); a user's own
     # setting wins.
@@ -142,8 +143,8 @@ def use_deterministic_kernels() -> None:
 
 
 def seed_everything(seed: int) -> None:
-    import numpy as np
-    import torch
+    import numpy as np  # lazily, as torch
+    import torch  # lazily: see the module docstring
 
     random.seed(seed)
     np.random.seed(seed)
@@ -153,8 +154,6 @@ def seed_everything(seed: int) -> None:
 def parallel_mode(pm, cfg, world, recipe=None):
     """The run's parallel mode, checked, its device set up (before any process group):
     ``--parallel`` (or auto's choice), given the recipe whose settings it may read."""
-    from engine.parallel import choose_parallel
-
     parallel = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg,
                                                                        recipe=recipe)
     parallel.check()
@@ -167,8 +166,8 @@ def setup_recipe_run(ctx, recipe) -> RunParts:
     companions, the checkpointer, in ``ctx.run_parts`` (returned). The recipe's functions
     get ``ctx`` and see each part as soon as it exists (its ``build_scheduler`` reads
     ``ctx.total_steps``)."""
-    from engine import streaming
-    from engine.plan import precision_note
+    from engine import streaming  # imports torch: lazily
+    from engine.plan import precision_note  # imports torch: lazily
 
     cfg, world, parts = ctx.cfg, ctx.world, ctx.run_parts
     parts.micro_batch = micro_batch(cfg, world)
@@ -186,7 +185,7 @@ def setup_recipe_run(ctx, recipe) -> RunParts:
             train_set, micro_batch=parts.micro_batch, world=world, seed=cfg.seed,
             drop_last=cfg.drop_last, per_sample_seed=cfg.per_sample_seed, **loader_kwargs)
     if val_set is not None:
-        from engine import data
+        from engine import data  # imports torch: lazily
 
         parts.val_loader = data.val_loader(val_set, batch=parts.micro_batch, world=world,
                                            **loader_kwargs)
@@ -220,7 +219,7 @@ def setup_step_parts(parts: RunParts, recipe, cfg, say) -> RunParts:
 
 def micro_batch(cfg, world) -> int:
     """The samples one process feeds per forward pass (engine.data.split_batch)."""
-    from engine import data
+    from engine import data  # imports torch: lazily
 
     return data.split_batch(cfg.batch_size, world.world_size, cfg.grad_accum_steps)
 
@@ -229,8 +228,6 @@ def datasets(recipe, cfg, ctx):
     """The recipe's ``(train_set, val_set)``: its ``prepare_data`` first on each
     machine's local rank 0 (downloads, unpacking), the others waiting, then its
     ``build_datasets`` on every rank."""
-    from engine import distributed
-
     prepare = recipe.optional("prepare_data")
     if prepare is not None:
         with distributed.local_rank0_first(ctx.world):
@@ -245,8 +242,6 @@ def datasets(recipe, cfg, ctx):
 def loader_settings_for(cfg, world, device, num_workers=None):
     """num_workers (the config's, or ``num_workers``), persistence, prefetch, pinning,
     timeout: engine/loader_settings.py."""
-    from engine import loader_settings
-
     return loader_settings.choose(
         cfg.num_workers if num_workers is None else num_workers, cpus=world.cpu_share(),
         device_type=device.type, timeout_s=cfg.timeout_s)
@@ -257,7 +252,7 @@ def training_loader(dataset, *, micro_batch: int, world, seed: int, drop_last: b
     """The training loader of a map-style ``dataset`` (engine.data.train_loader): this
     rank's share, ``micro_batch`` samples a batch; refused, naming what to change
     (``drop_last_name``: how the caller spells it), when it would have no batch."""
-    from engine import data
+    from engine import data  # imports torch: lazily
 
     loader = data.train_loader(dataset, micro_batch=micro_batch, world=world, seed=seed,
                                drop_last=drop_last, **loader_kwargs)
@@ -272,7 +267,7 @@ def recipe_model(recipe, cfg):
     """The recipe's ``build_model(cfg)``, built right after seeding, as a hand-written
     loop would, so that the initial weights are the same as there; refused without
     parameters."""
-    import torch
+    import torch  # lazily: see the module docstring
 
     torch.manual_seed(cfg.seed)
     model = recipe.module.build_model(cfg)
@@ -286,9 +281,6 @@ def transform_model(model, cfg, device, say):
     """``model`` on ``device`` with the model transforms in torchtitan's order:
     activation checkpointing (``activation_checkpointing``), then torch.compile
     (``compile.*``). ``say``: how the run prints a line (rank 0's)."""
-    from engine import activation_checkpointing
-    from engine.compile import compile_model
-
     model = model.to(device)
     model = activation_checkpointing.apply(model, cfg.activation_checkpointing)
     return compile_model(model, cfg.compile, say)
@@ -349,7 +341,7 @@ def grad_scaler(precision: str, device):
     if device.type != "cuda":
         raise ConfigError("precision 'fp16' needs a CUDA device; on the CPU use "
                           "precision=bf16")
-    import torch
+    import torch  # lazily: see the module docstring
 
     return torch.amp.GradScaler("cuda")
 

@@ -20,13 +20,21 @@ The output ends with the best setting and the override that applies it.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import statistics
 import sys
 import time
+from multiprocessing import connection
 from typing import Any, Sequence
 
 import attrs
 
+from engine import worker_setup
 from engine.errors import ConfigError, EngineError, first_line, one_line
+from engine.launcher import LaunchOptions, choose_launcher, start_method
+from engine.launching import RecipeJob
+from engine.parallel import choose_parallel
+from engine.plugin_manager import build_plugin_manager
 
 #: Seconds a setting may take beyond its budget (process start, dataset, warm-up).
 STARTUP_ALLOWANCE_S = 180.0
@@ -119,13 +127,10 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
          out=None, rounds: int = 1) -> dict[str, Any]:
     """Measure every setting (``rounds`` times, cycling, medians); returns the
     measurements and what the engine would choose."""
+    # These import torch: kept out of the module, so that --help and a bad argument
+    # answer at once (as in _measure_settings, _full_step and _endless).
     from engine import data
-    from engine.launching import RecipeJob
-    from engine.launcher import LaunchOptions, choose_launcher
-    from engine.parallel import choose_parallel
-    from engine.plugin_manager import build_plugin_manager
     from engine.trainer import Throughput
-    from engine.worker_setup import loader_settings_for
 
     pm = build_plugin_manager(list(plugins))
     job = RecipeJob(tuple(plugins), {}, recipe=str(recipe_path), overrides=tuple(overrides))
@@ -138,7 +143,7 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
     device = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg).devices[0]
     cpus = world.cpu_share()
     per_process, where = cpus.count, cpus.reason
-    auto = loader_settings_for(cfg, world, device, "auto")
+    auto = worker_setup.loader_settings_for(cfg, world, device, "auto")
     batch_sizes = list(batch_sizes or [cfg.batch_size])
     for batch in batch_sizes:  # every batch size must split, before anything starts
         data.split_batch(batch, world.world_size, cfg.grad_accum_steps)
@@ -160,10 +165,6 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
 
 def _run_sweep(job, worlds, settings: list[Setting], budget_s: float, full_step: bool,
                out=None, unit: str = "samples") -> list[Measurement]:
-    import multiprocessing
-
-    from engine.launcher import start_method
-
     # As engine-run's launcher starts its workers: spawn, or fork with ENGINE_START_METHOD.
     # One pipe to each process, not a multiprocessing Queue and Barrier: their locks are
     # named semaphores (/dev/shm/sem.mp-*) that a sweep killed as a whole leaves behind.
@@ -225,11 +226,10 @@ class _Hub:
     def next_result(self, deadline: float) -> tuple[str, int | None, Any]:
         """The next ok or error (barriers are served on the way), or ``("timeout", None,
         None)`` at ``deadline``."""
-        from multiprocessing.connection import wait
-
         while True:
             remaining = deadline - time.monotonic()
-            ready = wait(self.conns, timeout=max(0.0, remaining)) if remaining > 0 else []
+            ready = (connection.wait(self.conns, timeout=max(0.0, remaining))
+                     if remaining > 0 else [])
             if not ready:
                 return "timeout", None, None
             for conn in ready:
@@ -250,8 +250,6 @@ class _Hub:
 
 
 def _median(setting: Setting, raw: list[Measurement]) -> Measurement:
-    import statistics
-
     mine = [m for m in raw if m.setting == setting]
     per_process = tuple(statistics.median(rates) for rates in zip(*(m.per_process
                                                                       for m in mine)))
@@ -282,11 +280,10 @@ def _barrier(conn, rank: int, timeout: float) -> None:
 
 
 def _measure_settings(job, world, settings, budget_s, full_step, conn) -> None:
-    import torch
+    import torch  # torch and the modules below: lazily, as in tune
 
-    from engine import data, worker_setup
+    from engine import data
     from engine.engine import Engine
-    from engine.plugin_manager import build_plugin_manager
     from engine.trainer import Throughput
 
     pm = build_plugin_manager(list(job.plugins))
@@ -350,7 +347,7 @@ def _full_step(recipe, cfg, ctx):
     """One micro-batch through the recipe's own ``train_step``, backward and the
     optimizer step, as the Trainer runs them, on the model that engine/worker_setup.py
     builds for a run (transformed, not wrapped: no process group here)."""
-    from engine import data, worker_setup
+    from engine import data  # imports torch: lazily, as in tune
     from engine.trainer import autocast_for
 
     parts = worker_setup.setup_step_parts(ctx.run_parts, recipe, cfg, ctx.print)
@@ -385,7 +382,7 @@ def samples_in(batch) -> int:
 
 def _endless(loader):
     """Batches across epoch boundaries, as training reads them."""
-    from engine.data import start_epoch
+    from engine.data import start_epoch  # imports torch: lazily, as in tune
 
     epoch = 0
     while True:
