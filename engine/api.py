@@ -49,10 +49,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 
+from engine import distributed, snapshot
+from engine.config import TrainConfig, check, differs_from_default, with_groups
 from engine.context import WorkerContext
 from engine.errors import ConfigError
-from engine.launching import LAUNCH, Worker
-from engine.worker_setup import callers_state_kept
+from engine.launching import (LAUNCH, Launch, Worker, finish_config, interrupted_raises,
+                              library_options)
+from engine.stateful import TrainState
+from engine.worker_setup import (build_optimizer, callers_state_kept, open_checkpointer,
+                                 prepare_model, start_worker, training_loader)
 
 
 def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
@@ -74,9 +79,6 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
     then be picklable), or in this process when the launcher adopted it (torchrun,
     SLURM, or a single process). A failed worker raises an EngineError naming it.
     """
-    from engine.config import TrainConfig, check
-    from engine.launching import Launch, interrupted_raises, library_options
-
     if not callable(fn):
         raise ConfigError(f"engine.launch needs a function to run in every worker, "
                           f"not {fn!r}")
@@ -132,17 +134,13 @@ class LoopJob(Worker):
         return f"{self.fn!r} and its arguments"
 
     def configure(self, pm):
-        from engine.config import with_groups
-        from engine.launching import finish_config
-
         # The plugins' config groups (cfg.ddp from the ddp plugin), as engine-run adds
         # them; to a copy: every process makes its own from the caller's.
         return finish_config(pm, with_groups(copy.deepcopy(self.cfg), pm.config_groups),
                              _script_name(self.fn))
 
     def run(self, pm, cfg, world) -> tuple[str, Any]:
-        ctx = Context(pm, cfg, world, self.options)
-        ctx.recipe_path = script_path(self.fn)
+        ctx = Context(pm, cfg, world, self.options, recipe_path=script_path(self.fn))
         with ctx.lifecycle() as run:
             ctx.setup()
             value = self.fn(ctx, *self.args)
@@ -163,26 +161,23 @@ class Context(WorkerContext):
     (``engine.hookspecs.RunContext``).
     """
 
-    def __init__(self, pm, cfg, world, options: dict | None = None):
-        from engine.stateful import TrainState
-
-        super().__init__(pm, cfg, world, options, TrainState())
+    def __init__(self, pm, cfg, world, options: dict | None = None,
+                 recipe_path: str | None = None):
+        super().__init__(pm, cfg, world, options, TrainState(), recipe_path=recipe_path)
         self._train_loaders: list = []
         self._resumed = False
 
     # ---------------------------------------------------------------- set-up
 
     def setup(self) -> None:
-        """Seed, threads, parallel mode, process group, checkpointer (as Engine.run).
-        config.json waits for the resume decision (:meth:`resume`)."""
-        from engine.worker_setup import start_worker
-
+        """Seed, threads, parallel mode, process group, checkpointer: the steps of
+        engine/worker_setup.py that Engine.run takes too. config.json waits for the
+        resume decision (:meth:`resume`)."""
         cfg, world = self.cfg, self.world
-        self.parallel = start_worker(self.pm, cfg, world, self.options)
+        self.run_parts.parallel = start_worker(self.pm, cfg, world, self.options)
         if self.is_rank0:
             self.out_dir.mkdir(parents=True, exist_ok=True)  # the loop may write there
-        self.checkpointer = self.pm.checkpointers.get(cfg.checkpointer)(
-            self.out_dir / "checkpoints", cfg, world)
+        self.run_parts.checkpointer = open_checkpointer(self.pm, cfg, world, self.out_dir)
 
     def finish(self, status: str, error: BaseException | None = None) -> dict:
         if status == "failed" and self.checkpointer is not None:  # the config is known
@@ -219,15 +214,12 @@ class Context(WorkerContext):
         if not (hasattr(optimizer, "state_dict") or callable(optimizer)):
             raise ConfigError(f"ctx.wrap(model, optimizer): {optimizer!r} is not a torch "
                               "optimizer (nor a function of the model that builds one)")
-        from engine.worker_setup import prepare_model
-
-        # Activation checkpointing, compile, the wrap: the steps engine-run takes.
-        self.model = prepare_model(model, self.cfg, self.parallel, self.device, self.print)
-        module = self.parallel.unwrap(self.model)
-        if not hasattr(optimizer, "state_dict"):
-            optimizer = optimizer(module)  # built on the wrapped model's parameters
-        _check_optimizer_holds(optimizer, module, self.parallel)
-        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        # Activation checkpointing, compile, the wrap, the optimizer: the steps engine-run
+        # takes (engine/worker_setup.py).
+        parts = self.run_parts
+        parts.model = prepare_model(model, self.cfg, parts.parallel, self.device, self.print)
+        optimizer = build_optimizer(optimizer, parts.module, parts.parallel)
+        parts.optimizer, parts.scheduler, parts.scaler = optimizer, scheduler, scaler
         # What snapshots hold (engine/stateful.py); the loop's own parts: ctx.add_state.
         self.add_core_parts(self.state, lambda: self.train_loader)
         # Counted on the host by a post-step hook: no device synchronisation.
@@ -246,36 +238,29 @@ class Context(WorkerContext):
         Training loaders shuffle with a distributed sampler that ``ctx.epochs`` (or
         ``ctx.set_epoch``) moves to each new epoch; ``train=False`` gives a validation
         loader where every sample is seen exactly once over all ranks."""
-        from engine import data
+        from engine import data  # imports torch: kept out of engine.launch's launcher
 
         micro_batch = data.split_batch(batch_size, self.world_size, 1)
         pin_memory = self.device.type == "cuda"
         if not train:
             return data.val_loader(dataset, batch=micro_batch, world=self.world,
                                    num_workers=num_workers, pin_memory=pin_memory)
-        loader = data.train_loader(dataset, micro_batch=micro_batch, world=self.world,
-                                   seed=self.cfg.seed, num_workers=num_workers,
-                                   pin_memory=pin_memory, drop_last=drop_last)
-        if len(loader) == 0:
-            raise ConfigError(
-                f"the training set has {len(dataset)} samples, fewer than one batch of "
-                f"{micro_batch} per process; use a smaller batch_size or drop_last=False")
+        loader = training_loader(dataset, micro_batch=micro_batch, world=self.world,
+                                 seed=self.cfg.seed, num_workers=num_workers,
+                                 pin_memory=pin_memory, drop_last=drop_last,
+                                 drop_last_name="drop_last=False")
         if not self._train_loaders:  # the first one tells where the epoch stands
             loader.__class__ = data.PositionLoader
             loader.state = self.state
+            self.run_parts.train_loader = loader  # its position is the one snapshots record
         self._train_loaders.append(loader)
         return loader
-
-    @property
-    def train_loader(self):
-        """The first training loader (its position is the one snapshots record), or None."""
-        return self._train_loaders[0] if self._train_loaders else None
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle every training loader for ``epoch`` (``ctx.epochs`` does this).
         For the epoch a snapshot stopped in (``ctx.state.epoch``) the loaders start
         where it stopped; ``ctx.state`` then follows this epoch."""
-        from engine import data
+        from engine import data  # imports torch (see loader)
 
         batches = self.state.batch_in_epoch if epoch == self.state.epoch else 0
         self.state.epoch, self.state.batch_in_epoch = epoch, batches
@@ -308,9 +293,6 @@ class Context(WorkerContext):
     def resume(self) -> None:
         """Load the latest good snapshot (or ``resume=PATH``) once; a no-op when there
         is none or ``resume=False``. Collective: every rank calls it."""
-        from engine import snapshot
-        from engine.config import differs_from_default
-
         self._need_model("ctx.resume")
         if self._resumed:
             return
@@ -330,8 +312,6 @@ class Context(WorkerContext):
         """Write a snapshot through the checkpoint plugin. Collective: every rank calls
         it (rank 0 writes, unless the checkpointer shards). Returns the path on the
         writing rank, else None."""
-        from engine import snapshot
-
         self._need_model("ctx.save")
         self.parallel.sync_buffers(self.model)  # BatchNorm statistics equal on every rank
         return snapshot.save(self)
@@ -341,9 +321,7 @@ class Context(WorkerContext):
     def reduce(self, metrics: dict[str, Any], op: str = "mean") -> dict[str, float]:
         """Combine scalars (numbers or one-element tensors) over all ranks in one
         collective; returns Python floats, the same on every rank. Collective."""
-        import torch
-
-        from engine import distributed
+        import torch  # kept out of engine.launch's launching process (as engine.data)
 
         if op not in ("mean", "sum"):
             raise ConfigError(f"ctx.reduce: op {op!r} is not one of: mean, sum")
@@ -370,8 +348,6 @@ class Context(WorkerContext):
                                 step=self.state.step if step is None else step)
 
     def barrier(self) -> None:
-        from engine import distributed
-
         distributed.barrier()
 
     def _need_model(self, what: str) -> None:
@@ -379,14 +355,3 @@ class Context(WorkerContext):
             raise ConfigError(f"{what} needs the model: call "
                               "`model, optimizer = ctx.wrap(model, optimizer)` first")
 
-
-def _check_optimizer_holds(optimizer, module, parallel) -> None:
-    """An optimizer built before a wrap that replaced the parameters (fsdp's shards)
-    would step tensors the model no longer uses: nothing would train."""
-    held = {id(p) for p in module.parameters()}
-    if any(id(p) not in held for g in optimizer.param_groups for p in g["params"]):
-        raise ConfigError(
-            f"the optimizer holds parameters that the model no longer has after parallel "
-            f"mode {parallel.name!r} wrapped it (it replaces them); pass a function that "
-            "builds the optimizer instead: ctx.wrap(model, lambda m: "
-            "torch.optim.SGD(m.parameters(), lr=...))")

@@ -13,7 +13,7 @@ The end of a run, however it ends::
     checkpointer closed (quietly when the run failed: the first error is the one reported)
     summary built (weights digests, a collective, only when the run completed)
     compile time printed (rank 0, compile.enabled)
-    [engine_run_end]                    every rank
+    the run-end hook                    every rank (the hooks' order: docs/plugins.md)
     summary.json                        rank 0, always: completed, preempted, interrupted
                                         or failed
     process group destroyed             unless the run failed (a rank may be gone)
@@ -32,12 +32,17 @@ import attrs
 
 import engine
 from engine import config as config_mod
-from engine import phases
-from engine.compile import seconds_spent
+from engine import distributed, phases, stateful, worker_setup
+from engine.atomic_io import atomic_write_text
+from engine.checkpoint import model_digest, plain_keys
+from engine.compile import explain_failure, seconds_spent
+from engine.compile import report as compile_report
 from engine.errors import RunError, one_line, warn
 from engine.metrics import (SUMMARY_METRICS, throughput_of, throughput_summary,
                             throughput_unit, validation_summary)
+from engine.processes import spawned_here
 from engine.stateful import SnapshotParts
+from engine.worker_setup import RunParts
 
 # The metric-name vocabulary is engine/metrics.py's; it stays importable from here for
 # plugins that import it from here.
@@ -51,8 +56,6 @@ _MOVED_TO_WORKER_SETUP = frozenset({"start_worker", "seed_everything",
 
 def __getattr__(name: str):
     if name in _MOVED_TO_WORKER_SETUP:
-        from engine import worker_setup
-
         return getattr(worker_setup, name)
     raise AttributeError(f"module 'engine.context' has no attribute {name!r}")
 
@@ -68,9 +71,6 @@ def utc_now(at: float | None = None) -> str:
 def weights_digests(module, warn) -> dict:
     """Every rank digests its own copy of the weights: DDP promises they are equal, we
     check (a collective: every rank calls it)."""
-    from engine import distributed, stateful
-    from engine.checkpoint import model_digest, plain_keys
-
     if stateful.is_sharded(module):
         # One model spread over the ranks (fsdp): the digest of its full state, which
         # only rank 0 gathers; every rank reports that one.
@@ -85,27 +85,54 @@ def weights_digests(module, warn) -> dict:
     return {"weights_sha256": digests[0], "weights_sha256_per_rank": digests}
 
 
-class WorkerContext:
-    """One worker's run. Subclasses set up the model and data their own way; the
-    attributes below are None until they exist."""
+class _Part:
+    """An attribute of the run kept in its :class:`RunParts` record (``ctx.model`` is
+    ``ctx.run_parts.model``): recipes and hooks read it on the run, the training loop on
+    the record that engine/worker_setup.py's steps fill."""
 
-    def __init__(self, pm, cfg, world, options: dict[str, Any] | None, state):
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, ctx, owner=None):
+        return self if ctx is None else getattr(ctx.run_parts, self.name)
+
+    def __set__(self, ctx, value) -> None:
+        setattr(ctx.run_parts, self.name, value)
+
+
+class WorkerContext:
+    """One worker's run. Subclasses set up the model and data their own way (the steps
+    of engine/worker_setup.py); the parts are None until they exist."""
+
+    parallel = _Part()  # the parallel mode (engine.parallel.Parallel)
+    model = _Part()  # as trained: wrapped by the parallel mode
+    optimizer = _Part()
+    scheduler = _Part()
+    scaler = _Part()
+    loss_fn = _Part()
+    checkpointer = _Part()
+    train_loader = _Part()
+    val_loader = _Part()
+    micro_batch = _Part()
+    loader_settings = _Part()
+    steps_per_epoch = _Part()
+    total_steps = _Part()
+    memory = _Part()  # in-memory snapshots (engine/memory_snapshot.py), when on
+
+    def __init__(self, pm, cfg, world, options: dict[str, Any] | None, state,
+                 recipe_path: str | None = None, run_parts: RunParts | None = None):
         self.pm = pm
         self.cfg = cfg
         self.world = world
         self.options = dict(options or {})
         self.state = state  # engine.engine.TrainState: epoch, step, epochs_completed...
         self.metrics: dict[str, float] = {}  # the latest reduced or logged values
-        self.parallel = None  # the parallel mode (engine.parallel.Parallel)
-        self.model = None  # as trained: wrapped by the parallel mode
-        self.optimizer = None
-        self.scheduler = None
-        self.scaler = None
-        self.checkpointer = None
+        # What the loop drives, filled by engine/worker_setup.py's steps.
+        self.run_parts = run_parts if run_parts is not None else RunParts()
         self.preemption = None  # engine.preemption.PreemptionFlag while training
         # Everything a snapshot holds, part by part (engine/stateful.py).
         self.snapshot_parts = SnapshotParts()
-        self.recipe_path: str | None = None  # the recipe file, or the custom loop's script
+        self.recipe_path = recipe_path  # the recipe file, or the custom loop's script
         self.epochs_requested: int | None = None
         self.resumed_from: str | None = None  # the snapshot a resume loaded
         # Where the resume came from: {"tier": memory|peer|disk, "step", "steps_lost",
@@ -155,7 +182,7 @@ class WorkerContext:
     @property
     def module(self):
         """The model without its parallel wrapper (what snapshots hold)."""
-        return self.parallel.unwrap(self.model)
+        return self.run_parts.module
 
     # ----------------------------------------------------------- state parts
 
@@ -174,8 +201,6 @@ class WorkerContext:
         optimizer, scheduler, scaler and checkpointer exist: ``progress`` is the loop's
         own (the TrainState, or the Trainer that owns it), ``loader`` returns the first
         training loader (or None); then the recipe's and the plugins' parts."""
-        from engine import stateful
-
         parts = self.snapshot_parts
         sharded = self.checkpointer.distributed_state_dict
         parts.add("model", stateful.ModelState(self.module, sharded))
@@ -190,6 +215,23 @@ class WorkerContext:
         parts.add("metrics", stateful.Metrics(self.metrics))
         stateful.add_extra_parts(parts, self.pm, self, recipe_parts)
         parts.add("rng", stateful.RngStates(self.world, self.warn))
+
+    def record_resume(self, source, tier: str, step: int, reached: int,
+                      source_rank: int | None = None) -> None:
+        """What summary.json's ``resumed_from`` and ``resume`` report
+        (engine/snapshot.py's resume): the snapshot loaded, the tier (memory, peer or
+        disk), the step resumed at and the steps recomputed (when the interrupted run
+        said how far it got)."""
+        self.resumed_from = source
+        self.resume_record = {"tier": tier, "step": step,
+                              "steps_lost": max(0, reached - step) if reached else None,
+                              "source_rank": source_rank}
+
+    def drop_memory_snapshots(self):
+        """The in-memory snapshots, handed to the caller to remove: the run takes no
+        more (every rank turned the tier off together)."""
+        memory, self.run_parts.memory = self.run_parts.memory, None
+        return memory
 
     # --------------------------------------------------------- rank-0 output
 
@@ -262,8 +304,6 @@ class WorkerContext:
     def explain(self, exc: BaseException) -> BaseException:
         """The error the user should see for ``exc``: a failed torch.compile in one line
         (the Engine adds the parallel mode's hints)."""
-        from engine.compile import explain_failure
-
         failed = (None if self.model is None
                   else explain_failure(exc, self.module, self.cfg.compile))
         return failed or exc
@@ -275,9 +315,6 @@ class WorkerContext:
         its checkpointer already (a failed final write then fails the run). A run that
         ended by an exception (``error``; a KeyboardInterrupt for status "interrupted")
         is torn down as a failed one."""
-        from engine import distributed
-        from engine.processes import spawned_here
-
         abrupt = error is not None or status == "failed"
         if self.preemption is not None:
             # A second signal during the teardown of a pre-empted run changes nothing;
@@ -304,7 +341,7 @@ class WorkerContext:
     def summary(self, status: str, error: BaseException | None = None) -> dict:
         """The one summary, the same keys from both loops (``None`` where unknown).
         A collective when the run completed (weights digests): every rank calls it."""
-        import torch
+        import torch  # summary.json's torch_version; engine.context itself needs no torch
 
         summary = {
             "status": status,
@@ -379,9 +416,7 @@ class WorkerContext:
 
     def print_compile_time(self, summary: dict) -> None:
         """With compile.enabled: ``compile_s`` in the summary, and one line on rank 0."""
-        from engine.compile import report
-
-        summary["compile_s"], line = report(self.cfg.compile, self._compiled_before)
+        summary["compile_s"], line = compile_report(self.cfg.compile, self._compiled_before)
         if line:
             self.print(line)
 
@@ -408,8 +443,6 @@ class WorkerContext:
             return None  # a failing run's summary is written all the same
 
     def write_summary(self, summary: dict) -> None:
-        from engine.atomic_io import atomic_write_text
-
         path = self.out_dir / "summary.json"
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -19,30 +19,9 @@ The ``engine`` argument is the worker's :class:`engine.engine.Engine` under
 :class:`engine.context.WorkerContext`, and :class:`RunContext` below lists what a plugin
 may use on either; anything else (``recipe``, ``train_loader``...) is ``Engine``-only.
 
-``engine-run`` calls them in this order (``engine.trainer.Trainer.fit`` holds the loop)::
-
-    engine_register_launchers / _parallel / _checkpointers     (start-up, every process)
-    engine_register_config_groups                                        (start-up, every process)
-    engine_addoption                                            (CLI start-up, historic)
-    engine_register_state                                       (each worker, set-up)
-    engine_run_start                                            (each worker)
-    engine_log                             (rank 0, world_size at the step training starts from)
-      for each epoch:
-        engine_epoch_start
-          for each optimizer step:
-            engine_before_optimizer_step   (skipped entirely when nobody implements it)
-            engine_train_step_end          (skipped entirely when nobody implements it)
-            engine_log                     (rank 0, every ``log_every`` steps)
-        engine_validation_start / _end     (when there is a validation set)
-        engine_log                         (rank 0, the epoch's metrics after validation)
-        engine_epoch_end
-    engine_exception                       (only when the run raised, before run_end)
-    engine_run_end                         (always, last; summary["status"] says how)
-    engine_requeue                         (rank 0, after a pre-emption snapshot)
-
-A custom loop (:func:`engine.launch`) fires the registration hooks (``engine_register_state``
-in ``ctx.wrap``), ``engine_log`` (on
-rank 0, from ``ctx.log``), ``engine_exception`` and ``engine_run_end``.
+The order in which ``engine-run`` and a custom loop fire them is written in one place,
+docs/plugins.md, "Hooks in the order they fire" (tests/engine/test_hookspecs.py checks
+that it names every hook below and that a run fires them so).
 
 Signatures only ever grow, by arguments that implementations may leave out (pluggy
 passes an implementation only the arguments it names). Each docstring ends with the
@@ -80,6 +59,9 @@ class RunContext(Protocol):
     out_dir: pathlib.Path  #: the run's output folder
     state: Any  #: ``epoch``, ``step`` (optimizer steps), ``epochs_completed``...
     metrics: dict[str, float]  #: the latest reduced or logged values
+    #: ``engine.worker_setup.RunParts``: what the loop drives; the attributes from
+    #: ``parallel`` to ``checkpointer`` below are its fields.
+    run_parts: Any
     parallel: Any  #: the parallel mode (``engine.Parallel``)
     model: Any  #: as trained: wrapped by the parallel mode
     optimizer: Any

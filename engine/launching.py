@@ -183,14 +183,15 @@ class Finished:
     result: Any
 
 
-def warn_if_oversubscribed(local_processes: int) -> None:
+def warn_if_oversubscribed(local_processes: int, share) -> None:
     """Processes beyond the CPUs this node may use run at a fraction of the speed each
     (they take turns on the CPUs and get one thread each); a warning, not an error: the
-    run is right, only slow, and a GPU node may not care."""
+    run is right, only slow, and a GPU node may not care. ``share``: the first local
+    worker's CpuShare (the CPUs its launcher shared, a SLURM allocation's included)."""
     from engine.errors import warn
     from engine.world import usable_cpus
 
-    cpus, source = usable_cpus()
+    cpus, source = share.shared or usable_cpus()
     if local_processes > cpus:
         warn(f"{local_processes} processes on this node share {cpus} usable CPU(s) "
              f"({source}): each gets 1 torch thread and they take turns, so training "
@@ -226,7 +227,8 @@ class Launch:
                                             launch_options(self.pm, self.cfg, job.options))
             check_max_restarts(self.launcher)
             self.worlds = self.launcher.worlds()
-        warn_if_oversubscribed(len(self.worlds) if self.launcher.spawns else 1)
+        warn_if_oversubscribed(len(self.worlds) if self.launcher.spawns else 1,
+                               self.worlds[0].cpu_share())
 
     def start(self) -> Finished:
         """Run the job in every worker of this node and wait. A failed spawned worker

@@ -46,9 +46,6 @@ class Parallel:
     single_process: ClassVar[bool] = False
     #: Order in which ``--parallel auto`` asks the modes: lower numbers first.
     priority: ClassVar[int] = 100
-    #: The run's recipe (engine.recipe.Recipe) under engine-run, None in a loop of your
-    #: own: a mode may read a setting the recipe declares (fsdp: ``shard_units``).
-    recipe = None
 
     @classmethod
     def detect(cls, world) -> bool:
@@ -56,9 +53,12 @@ class Parallel:
         before any process group or CUDA device is set up)."""
         return False
 
-    def __init__(self, world, cfg):
+    def __init__(self, world, cfg, recipe=None):
         self.world = world
         self.cfg = cfg
+        # The run's recipe (engine.recipe.Recipe) under engine-run, None in a loop of
+        # your own: a mode may read a setting the recipe declares (fsdp: shard_units).
+        self.recipe = recipe
 
     # -------------------------------------------------------------- devices
 
@@ -162,7 +162,7 @@ def choose_parallel(registry, name: str, world) -> type[Parallel]:
 
 def visible_gpus() -> int:
     """How many GPUs this process sees (torch counts only CUDA_VISIBLE_DEVICES)."""
-    import torch
+    import torch  # engine-run's start-up imports every parallel mode: no torch there
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -18,8 +18,7 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
         mode = parallel_cls(w, cfg)
         mode.check()
         devices.append(",".join(str(d) for d in mode.devices))
-    mode = parallel_cls(world, cfg)
-    mode.recipe = recipe
+    mode = parallel_cls(world, cfg, recipe=recipe)
     micro = split_batch(cfg.batch_size, world.world_size, cfg.grad_accum_steps)
     return {
         "recipe": str(recipe.path) if recipe.path else recipe.name,

@@ -15,7 +15,8 @@ import pathlib
 
 import engine
 from engine import config as config_mod
-from engine import distributed, phases
+from engine import distributed, memory_snapshot, phases, stateful
+from engine.checkpoint import read_manifest
 from engine.errors import CheckpointError, ConfigError
 
 #: Config keys a resumed run may change: they decide how long the run goes and how it
@@ -77,8 +78,6 @@ def capture_here(eng, config) -> tuple[dict, bytes]:
     does. The
     row goes to the other ranks off the step's path (MemorySnapshots.start_exchange);
     memory_snapshot.complete makes a snapshot whole again at a resume."""
-    from engine import memory_snapshot, stateful
-
     parts, states = eng.snapshot_parts, {}
     for name in parts.names():
         part = parts[name]
@@ -135,8 +134,6 @@ def save_to_memory(eng) -> None:
     tmpfs, a name taken) still starts the exchange, a collective, and raises
     ``memory.failed``: the ranks agree to turn the tier off at the next check point
     (trainer.py)."""
-    from engine import memory_snapshot
-
     memory = eng.memory
     with phases.carve(phases.MEMORY_SNAPSHOTS, within="training", label="memory snapshot"):
         if memory.config is None:  # the same at every step: converted and pickled once
@@ -164,7 +161,7 @@ def save_to_memory(eng) -> None:
 def turn_memory_off(eng, why: str) -> None:
     """Every rank, together: no more memory snapshots, their buffers removed, one
     warning (rank 0's); the run goes on with disk snapshots."""
-    memory, eng.memory = eng.memory, None
+    memory = eng.drop_memory_snapshots()
     if memory is not None:
         for problem in memory.remove():
             eng.warn_here(problem)
@@ -178,8 +175,6 @@ def _every_rank_can_keep_them(eng, memory, state: dict) -> bool:
     but this user's own file is refused, engine/memory_snapshot.py). If one rank cannot,
     all turn them off together (a rank alone would leave the others' next snapshot, a
     collective, waiting), with one warning that says why."""
-    from engine import memory_snapshot
-
     needed, free = memory.room_for(state)
     each = needed / 2 / eng.world.local_world_size / 2**20  # MB, one buffer
     problem = None
@@ -239,22 +234,18 @@ def resume(eng) -> None:
             _say_when_every_snapshot_is_unusable(eng)
         return
     restore(eng, load_snapshot(eng, pathlib.Path(chosen)), source=chosen)
-    # The summary reports it; setattr, as Engine and api.Context both come through here.
-    setattr(eng, "resumed_from", chosen)
     where = eng.state.position()
     restarts = (f" (restart {eng.world.restart_count})" if eng.world.restart_count else "")
     reached = memory.reached_before if memory is not None else 0
     lost = (f" ({reached - eng.state.step} steps lost)" if reached > eng.state.step
             else "")
     eng.print(f"resuming from {chosen}: {where}{restarts}{lost}")
-    _record_resume(eng, "disk", eng.state.step, reached)
+    eng.record_resume(chosen, "disk", eng.state.step, reached)
 
 
 def _step_of(path) -> int | None:
     """The step of the disk snapshot ``latest()`` chose (its manifest's: latest() takes
     none without one)."""
-    from engine.checkpoint import read_manifest
-
     return None if path is None else (read_manifest(pathlib.Path(path)) or {}).get("step")
 
 
@@ -264,8 +255,6 @@ def _resume_from_memory(eng, memory, disk_step: int | None) -> bool:
     rank's is gone. Collective. False: none newer (the disk snapshot, if any, wins).
     Only this run's buffers count (the run id, engine/memory_snapshot.py); one that
     fails to load is a warning and the next tier."""
-    from engine import memory_snapshot
-
     mine = memory_snapshot.load_all(memory, eng.warn_here)
     try:
         choice = memory_snapshot.agree(memory, mine)
@@ -277,7 +266,6 @@ def _resume_from_memory(eng, memory, disk_step: int | None) -> bool:
     finally:
         for loaded in mine:
             loaded.close()
-    setattr(eng, "resumed_from", source)
     missing = choice.missing(eng.world.world_size)
     why = (f"rank(s) {', '.join(map(str, missing))} had no copy: sent by rank "
            f"{choice.source}" if missing else
@@ -285,8 +273,8 @@ def _resume_from_memory(eng, memory, disk_step: int | None) -> bool:
     lost = max(0, choice.reached - choice.step)
     eng.print(f"resumed from memory at step {choice.step} ({why}; {lost} step"
               f"{'' if lost == 1 else 's'} lost): {eng.state.position()}")
-    _record_resume(eng, "peer" if missing else "memory", choice.step, choice.reached,
-                   source_rank=choice.source if missing else None)
+    eng.record_resume(source, "peer" if missing else "memory", choice.step, choice.reached,
+                      source_rank=choice.source if missing else None)
     return True
 
 
@@ -297,16 +285,6 @@ def _forget_memory(eng, memory) -> None:
     if memory is not None:
         for problem in memory.remove():
             eng.warn_here(problem)
-
-
-def _record_resume(eng, tier: str, step: int, reached: int, source_rank=None) -> None:
-    """What summary.json's ``resume`` reports: the tier (memory, peer or disk), the
-    step resumed at and the steps recomputed (when the interrupted run said how far it
-    got)."""
-    eng.resume_record = {
-        "tier": tier, "step": step,
-        "steps_lost": max(0, reached - step) if reached else None,
-        "source_rank": source_rank}
 
 
 def _checked_resume_path(eng, chosen: str) -> str | CheckpointError:

@@ -1,14 +1,12 @@
 """The training loop.
 
-``Trainer.fit`` in pseudocode, with the method that holds each part on the right
-(hooks in brackets)::
+``Trainer.fit`` in pseudocode, with the method that holds each part on the right (the
+hooks it fires, and when: docs/plugins.md, "Hooks in the order they fire")::
 
-    [engine_run_start]                                  (fired by Engine.run)
-    [engine_log] world_size at the step the run starts from (rank 0)       fit
+    log world_size at the step the run starts from (rank 0)          fit
     for epoch in epochs not yet completed:                          run_epoch
         sampler.set_epoch(epoch, from the global sample position a resumed snapshot
                           reached: the rest of the order split over these ranks)
-        [engine_epoch_start]
         for each micro-batch:                                       train_epoch
             batch to the device; forward and loss (the recipe's     run_batch
             train_step); backward (DDP
@@ -16,16 +14,14 @@
             after a group's last micro-step:                        optimizer_step
                 unless on_nonfinite=skip skips the step:
                     unscale (fp16), clip to grad_clip_norm          before_optimizer_step
-                    [engine_before_optimizer_step]    (not called when nobody implements it)
                     optimizer step
                 zero_grad(set_to_none=True), scheduler if per step
-                [engine_train_step_end]               (not called when nobody implements it)
                 every log_every steps: start one all-reduce of the  check_point
                     window's loss and the pre-emption and time-based snapshot
                     flags; finish the previous check point's, long done:   finish_check
-                    [engine_log] (rank 0), its flags recorded
+                    logged (rank 0), its flags recorded
                 unless the epoch ends here, every val_every_steps steps validate_if_due
-                    and where max_steps ends the run: validate, [engine_log]
+                    and where max_steps ends the run: validate, log
                     its val/* at the step, early stopping (may end the run)
                 a snapshot if due: to disk (every_steps, or a       snapshot_if_due
                     check's time flag), else into shared memory
@@ -40,9 +36,9 @@
             the final snapshot, stop                                end_in_epoch
         pre-empted (a check point said so, the last one included):
             snapshot, stop                                          run_epoch
-        [engine_validation_start] the recipe's eval_step, reduced   validate
-        [engine_validation_end] (every validation: the RNG states forked around it)
-        [engine_log] [engine_epoch_end]; scheduler if per epoch     step_scheduler
+        the recipe's eval_step, reduced (every validation: the     validate
+            RNG states forked around it)
+        log the epoch's metrics; scheduler if per epoch             step_scheduler
             (ReduceLROnPlateau: with scheduler_metric's reduced value)
         early stopping, pre-emption, snapshot if due (a check's time flag included;
             always after the last epoch, or at max_steps)
@@ -472,14 +468,15 @@ def autocast_for(precision: str, device):
 
 
 class Trainer:
-    def __init__(self, engine):
+    def __init__(self, engine, parts):
         self.engine = engine
+        self.run_parts = parts  # what the loop drives: model, optimizer, loaders (RunParts)
         self.cfg = engine.cfg
         hook = engine.pm.hook
         self.bind_step_hooks()
         self.log_hook = hook.engine_log if engine.is_rank0 else None
         self.clip_norm = self.cfg.grad_clip_norm
-        self.device = device = engine.device
+        self.device = device = parts.parallel.device
         self.autocast = autocast_for(self.cfg.precision, device)
         self.non_blocking = device.type == "cuda"
         # The loaders yield CPU tensors: on the CPU there is nothing to move, every batch.
@@ -495,7 +492,7 @@ class Trainer:
         self.nonfinite = NonFinitePolicy(self.cfg.on_nonfinite, device,
                                          engine.world.world_size, engine.warn)
         self.snapshots = SnapshotPolicy(self.cfg, engine.is_rank0)
-        self.memory = getattr(engine, "memory", None)  # in-memory snapshots, when on
+        self.memory = parts.memory  # in-memory snapshots, when on
         self.early_stopping = EarlyStopping(self.cfg.early_stopping, engine.state,
                                             by_steps=bool(self.cfg.val_every_steps))
         # The run's length by steps (0: the epochs decide), validation by steps (0: at
@@ -512,7 +509,7 @@ class Trainer:
         self.unchecked: list[tuple[str, str]] = []
         self.check_named_metrics()  # before the first step (and config.json)
         # ReduceLROnPlateau's metric (None: the scheduler steps without one), checked now.
-        self.scheduler_metric = scheduler_metric(engine.scheduler, self.cfg)
+        self.scheduler_metric = scheduler_metric(parts.scheduler, self.cfg)
         self.stop_requested = False  # the ranks agreed to stop (see engine/preemption.py)
         # A finished check point said a snapshot is due by time (every_minutes): the
         # next snapshot goes to disk (cleared when one is written).
@@ -589,8 +586,9 @@ class Trainer:
         eng, cfg = self.engine, self.cfg
         # The global position (samples all ranks consumed): a snapshot written by another
         # number of processes was converted to batches of this run (snapshot.restore).
-        data.start_epoch(eng.train_loader, epoch, start_sample=eng.state.batch_in_epoch
-                         * eng.micro_batch * eng.world.world_size)
+        data.start_epoch(self.run_parts.train_loader, epoch,
+                         start_sample=eng.state.batch_in_epoch * self.run_parts.micro_batch
+                         * eng.world.world_size)
         eng.pm.hook.engine_epoch_start(engine=eng, epoch=epoch)
         train_metrics = self.train_epoch(epoch)
         if self.ending is not None:  # max_steps or early stopping, inside the epoch
@@ -605,7 +603,7 @@ class Trainer:
         self.window = None  # the epoch is complete: a snapshot has no partial loss
         # DDP syncs buffers at the start of each forward; after the last one every
         # rank's BatchNorm statistics moved on their own. Equalise before validating.
-        eng.parallel.sync_buffers(eng.model)
+        self.run_parts.parallel.sync_buffers(self.run_parts.model)
         metrics = {**train_metrics, **self.validate(epoch)}
         metrics["lr"] = self.current_lr()
         health.epoch_barrier(cfg.timeout_s)
@@ -618,7 +616,7 @@ class Trainer:
         eng.state.batch_in_epoch = 0
         eng.state.epochs_completed = epoch + 1
         eng.pm.hook.engine_epoch_end(engine=eng, epoch=epoch, metrics=EpochMetrics(metrics))
-        if eng.scheduler is not None and cfg.scheduler_interval == "epoch":
+        if self.run_parts.scheduler is not None and cfg.scheduler_interval == "epoch":
             self.step_scheduler(metrics)
         if stop_early:  # the same decision on every rank: the metrics are reduced
             self.save_snapshot()
@@ -655,11 +653,11 @@ class Trainer:
         """The epoch's scheduler step; ReduceLROnPlateau's with its metric, reduced over
         the ranks already (the same value on every rank: no other collective)."""
         if self.scheduler_metric is None:
-            self.engine.scheduler.step()
+            self.run_parts.scheduler.step()
             return
         if self.scheduler_metric not in metrics:
             raise not_logged(SCHEDULER, self.scheduler_metric, sorted(metrics))
-        self.engine.scheduler.step(metrics[self.scheduler_metric])
+        self.run_parts.scheduler.step(metrics[self.scheduler_metric])
 
     def stop_early(self, again: bool = False) -> None:
         eng = self.engine
@@ -673,27 +671,29 @@ class Trainer:
 
     def train_epoch(self, epoch: int) -> dict:
         eng = self.engine
+        parts = self.run_parts
         accum = self.cfg.grad_accum_steps
-        eng.model.train()
+        parts.model.train()
         first_batch = eng.state.batch_in_epoch
         # A stream (engine/streaming.py) does not know its length: its loader says at
         # each micro-batch whether it is padding and whether it is the epoch's last.
-        stream = eng.train_loader if getattr(eng.train_loader, "stream", False) else None
-        end_batch = None if stream is not None else first_batch + len(eng.train_loader)
+        loader = parts.train_loader
+        stream = loader if getattr(loader, "stream", False) else None
+        end_batch = None if stream is not None else first_batch + len(parts.train_loader)
         self.epoch_end_batch = end_batch  # None: the stream's loader knows (.last)
-        window = self.window = LogWindow(eng.device, eng.micro_batch * accum
+        window = self.window = LogWindow(self.device, parts.micro_batch * accum
                                          * eng.world.world_size, first_batch,
                                          world_size=eng.world.world_size)
         count_units = self.throughput.count
         if stream is not None and count_units is None:  # a stream's batches may be short:
             count_units = streaming.batch_samples  # count its samples, not its steps
         if eng.is_rank0:
-            window.add_resumed(self.resumed_epoch_loss, eng.micro_batch)
+            window.add_resumed(self.resumed_epoch_loss, parts.micro_batch)
         self.resumed_epoch_loss = None  # the first epoch after a resume only
         steps_at_start = eng.state.step
         data_wait = 0.0
         epoch_start = fetch_start = time.perf_counter()
-        for i, batch in enumerate(phases.labelled(eng.train_loader, "data wait")):
+        for i, batch in enumerate(phases.labelled(parts.train_loader, "data wait")):
             data_wait += time.perf_counter() - fetch_start
             batch_index = first_batch + i
             # Micro-steps are grouped by absolute position, so a resumed epoch groups
@@ -753,9 +753,11 @@ class Trainer:
         A stream's ``padding`` micro-batch (engine/streaming.py) weighs 0: it only keeps
         this rank in the gradient all-reduces of ranks whose part of the stream is longer."""
         eng = self.engine
+        parts = self.run_parts
         if self.moves_batches:
             batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
-        with (contextlib.nullcontext() if last_micro else eng.parallel.no_sync(eng.model)):
+        with (contextlib.nullcontext() if last_micro
+              else parts.parallel.no_sync(parts.model)):
             with self.autocast():
                 loss = self.train_step(batch, eng)
             if self.extras is not None:
@@ -765,8 +767,8 @@ class Trainer:
             scaled = loss / group_size if group_size > 1 else loss
             if padding:
                 scaled = scaled * 0.0
-            if eng.scaler is not None:
-                eng.scaler.scale(scaled).backward()
+            if parts.scaler is not None:
+                parts.scaler.scale(scaled).backward()
             else:
                 scaled.backward()
         loss = loss.detach()
@@ -778,7 +780,8 @@ class Trainer:
         Returns True when the epoch must stop here (the ranks agreed on a pre-emption:
         run_epoch writes the snapshot)."""
         eng = self.engine
-        optimizer, scaler, state = eng.optimizer, eng.scaler, eng.state
+        parts = self.run_parts
+        optimizer, scaler, state = parts.optimizer, parts.scaler, eng.state
         taken = self.nonfinite.allow_step(state.step + 1)
         if self.nonfinite.skip:
             window.settle(taken)
@@ -792,8 +795,8 @@ class Trainer:
                 else:
                     optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if eng.scheduler is not None and self.cfg.scheduler_interval == "step":
-            eng.scheduler.step()
+        if parts.scheduler is not None and self.cfg.scheduler_interval == "step":
+            parts.scheduler.step()
         state.step += 1
         window.steps += 1
         if self.memory is not None:  # how far the run got: a restart says what it lost
@@ -839,7 +842,7 @@ class Trainer:
         """A snapshot into shared memory (snapshot_if_due finished the check in flight
         and acted on its flags)."""
         snapshot.save_to_memory(self.engine)
-        self.memory = self.engine.memory  # None when /dev/shm had no room for them
+        self.memory = self.run_parts.memory  # None when /dev/shm had no room for them
 
     def memory_off(self) -> None:
         """A rank's buffer could not be had after the first snapshot (a state that grew
@@ -858,13 +861,14 @@ class Trainer:
         gradients: unscaled (fp16), and already averaged over the ranks (DDP reduced
         them in that backward). Clip to ``grad_clip_norm``, then the plugins' hook."""
         eng = self.engine
-        if eng.scaler is not None:
+        parts = self.run_parts
+        if parts.scaler is not None:
             # scaler.step() then sees that they are unscaled and does not do it again.
-            eng.scaler.unscale_(eng.optimizer)
+            parts.scaler.unscale_(parts.optimizer)
         if self.clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(eng.model.parameters(), self.clip_norm)
+            torch.nn.utils.clip_grad_norm_(parts.model.parameters(), self.clip_norm)
         if self.before_step_hook is not None:
-            self.before_step_hook(engine=eng, step=step, optimizer=eng.optimizer)
+            self.before_step_hook(engine=eng, step=step, optimizer=parts.optimizer)
 
     def check_point(self, window: LogWindow) -> None:
         """Every ``log_every`` steps, on every rank: start one small all-reduce of the
@@ -943,10 +947,10 @@ class Trainer:
         eng = self.engine
         mine = torch.stack([window.total_loss(),
                             torch.tensor(batches + window.resumed_batches, dtype=torch.float64,
-                                         device=eng.device),
-                            torch.tensor(data_wait, dtype=torch.float64, device=eng.device),
+                                         device=self.device),
+                            torch.tensor(data_wait, dtype=torch.float64, device=self.device),
                             torch.tensor(window.epoch_units + window.units,
-                                         dtype=torch.float64, device=eng.device)])
+                                         dtype=torch.float64, device=self.device)])
         if self.extras is not None:  # their sums, then their micro-batches
             mine = torch.cat([mine, self.extras.take_epoch()])
         ranks = distributed.all_gather_tensor(mine).tolist()  # one read-back
@@ -986,17 +990,18 @@ class Trainer:
         batches = (eng.state.batch_in_epoch - window.first_batch - window.skipped_batches
                    + window.resumed_batches)
         totals = torch.stack([window.total_loss(), torch.tensor(
-            batches, dtype=torch.float64, device=eng.device)])
+            batches, dtype=torch.float64, device=self.device)])
         loss_sum, batch_count = (distributed.all_reduce_sum(totals) if reduce
                                  else totals).tolist()
-        return {"sum": loss_sum, "batches": batch_count, "micro_batch": eng.micro_batch}
+        return {"sum": loss_sum, "batches": batch_count,
+                "micro_batch": self.run_parts.micro_batch}
 
     def agree_to_stop(self) -> bool:
         """At an epoch boundary: did a pre-emption signal reach any rank?"""
         eng = self.engine
         if eng.preemption is None:
             return False
-        flag = torch.tensor([float(bool(eng.preemption))], device=eng.device)
+        flag = torch.tensor([float(bool(eng.preemption))], device=self.device)
         self.stop_requested = distributed.all_reduce_sum(flag).item() > 0
         return self.stop_requested
 
@@ -1008,14 +1013,15 @@ class Trainer:
         max_steps ends the run here (``self.ending``; the validation that an epoch's end
         would run). Early stopping may then end the run at this step."""
         eng = self.engine
-        if (eng.train_loader.last if self.epoch_end_batch is None
+        parts = self.run_parts
+        if (parts.train_loader.last if self.epoch_end_batch is None
                 else eng.state.batch_in_epoch >= self.epoch_end_batch):
             return
         if self.reached_max_steps():
             self.ending = "max_steps"
         elif not (self.val_every_steps and step % self.val_every_steps == 0):
             return
-        if eng.val_loader is None:
+        if parts.val_loader is None:
             return
         with phases.span("validation"):
             metrics = self.validate_in_epoch(step)
@@ -1028,8 +1034,10 @@ class Trainer:
         Training goes on exactly as without it (validate leaves the RNG states and the
         model's mode as they were; the training loader is not touched)."""
         eng = self.engine
+        parts = self.run_parts
         self.finish_pending()  # the window before the validation is logged first
-        eng.parallel.sync_buffers(eng.model)  # as at an epoch's end: rank 0's statistics
+        # As at an epoch's end: rank 0's statistics.
+        parts.parallel.sync_buffers(parts.model)
         metrics = self.validate(eng.state.epoch)
         eng.metrics.update(metrics)
         self.learn_val_names(metrics)
@@ -1044,8 +1052,7 @@ class Trainer:
         all-reduce. The RNG states are forked around it: a recipe's eval_step may draw
         (test-time augmentation), and training must go on as without the validation,
         wherever it falls (val_every_steps) and however often."""
-        eng = self.engine
-        if eng.val_loader is None:
+        if self.run_parts.val_loader is None:
             return {}
         saved = stateful.rng_state()
         try:
@@ -1055,16 +1062,17 @@ class Trainer:
 
     def validate_shard(self, epoch: int) -> dict:
         eng = self.engine
+        parts = self.run_parts
         eng.pm.hook.engine_validation_start(engine=eng, epoch=epoch)
         # The unwrapped module: no DDP collectives in forward, so ranks whose shard is
         # one batch shorter do not hang the others.
-        module = eng.module
+        module = parts.module
         was_training = module.training
         module.eval()
-        sums = MetricSums(eng.device, self.eval_metrics)
-        batches = (itertools.islice(eng.val_loader, self.cfg.limit_batches)
-                   if self.cfg.limit_batches else eng.val_loader)  # a smoke run's few
-        with eng.parallel.validation(eng.model):
+        sums = MetricSums(self.device, self.eval_metrics)
+        batches = (itertools.islice(parts.val_loader, self.cfg.limit_batches)
+                   if self.cfg.limit_batches else parts.val_loader)  # a smoke run's few
+        with parts.parallel.validation(parts.model):
             for batch in batches:
                 batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
                 with self.autocast():
@@ -1135,17 +1143,17 @@ class Trainer:
         needs every rank), and one all_gather tells every rank rank 0's names and who
         failed: a rank whose eval_step raised raises its error, the others stop as its
         peers, none waits."""
-        eng = self.engine
-        loader = eng.val_loader
+        parts = self.run_parts
+        loader = parts.val_loader
         if loader is None:
             return []
-        module = eng.module
+        module = parts.module
         was_training = module.training
         saved = stateful.rng_state()
         names, failure = None, None
         module.eval()
         try:
-            with eng.parallel.validation(eng.model):
+            with parts.parallel.validation(parts.model):
                 try:
                     names = self.first_batch_names(loader)
                 except Exception as exc:
@@ -1186,7 +1194,7 @@ class Trainer:
     # --------------------------------------------------------------- helpers
 
     def current_lr(self) -> float:
-        return float(self.engine.optimizer.param_groups[0]["lr"])
+        return float(self.run_parts.optimizer.param_groups[0]["lr"])
 
     def save_snapshot(self) -> None:
         # The window in flight is logged first: a run resumed from this snapshot starts

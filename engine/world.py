@@ -36,15 +36,15 @@ class World:
     #: CUDA_VISIBLE_DEVICES (spawn), so that the variable says nothing about which GPUs
     #: are a process's own; see engine.parallel.gpus_bound_by_launcher.
     shared_devices: bool = False
-    #: The CPUs of each local process where the launcher knows better than the default
-    #: rule of :meth:`cpu_share` (the slurm launcher: SLURM_CPUS_PER_TASK per task);
-    #: None: the default rule.
+    #: The CPUs of each local process, as the launcher counted them (spawn and torchrun:
+    #: the machine's share, a SLURM allocation's where there is one; slurm: its task's);
+    #: None: the default rule of :meth:`cpu_share`.
     cpus: CpuShare | None = None
 
     def cpu_share(self) -> CpuShare:
         """The CPUs this process may use, for its torch threads and its DataLoader
         workers alike: the launcher's answer (:attr:`cpus`), else the CPUs this process
-        may run on (:func:`usable_cpus`) shared by the processes of this node."""
+        may run on (the affinity mask) shared by the processes of this node."""
         if self.cpus is not None:
             return self.cpus
         return machine_share(self.local_world_size)
@@ -115,6 +115,9 @@ class CpuShare:
     count: int = attrs.field(validator=[attrs.validators.instance_of(int),
                                         attrs.validators.ge(1)])
     reason: str  # for the plan and tune-workers: "8 CPUs (affinity) shared by 2 ..."
+    #: ``(cpus, source)``: the CPUs that were shared and where that number came from
+    #: (the launching process's oversubscription warning); None where not known.
+    shared: tuple[int, str] | None = attrs.field(default=None, eq=False)
 
 
 def share_cpus(cpus: int, source: str, processes: int) -> CpuShare:
@@ -123,30 +126,29 @@ def share_cpus(cpus: int, source: str, processes: int) -> CpuShare:
     count = max(1, cpus // processes)
     found = f"{cpus} CPU{'s' if cpus != 1 else ''} ({source})"
     if processes == 1:
-        return CpuShare(count, f"{found} for this process")
-    return CpuShare(count, f"{found} shared by {processes} local processes = {count} each")
+        return CpuShare(count, f"{found} for this process", (cpus, source))
+    return CpuShare(count, f"{found} shared by {processes} local processes = {count} each",
+                    (cpus, source))
 
 
-def usable_cpus(environ: Mapping[str, str] | None = None) -> tuple[int, str]:
-    """The CPUs this process may run on, and where that comes from: the allocation
-    SLURM made (SLURM_CPUS_PER_TASK, set for every process of the allocation, the batch
-    script and what it starts included) where there is one, since a cluster that does
-    not bind tasks to their CPUs leaves the affinity mask at the whole node; else the
-    affinity mask."""
-    environ = os.environ if environ is None else environ
-    allocated = environ.get("SLURM_CPUS_PER_TASK", "")
-    if allocated.isdigit() and int(allocated) > 0:
-        return int(allocated), "SLURM_CPUS_PER_TASK"
+def usable_cpus(allocation: tuple[int, str] | None = None) -> tuple[int, str]:
+    """The CPUs this process may run on, and where that comes from: ``allocation``, the
+    ``(cpus, source)`` a scheduler allocated, where the launcher found one (a SLURM
+    allocation: plugins/slurm_hostlist.py's allocated_cpus; a cluster that does not bind
+    tasks to their CPUs leaves the affinity mask at the whole node); else the affinity
+    mask."""
+    if allocation is not None:
+        return allocation
     try:
         return len(os.sched_getaffinity(0)), "affinity"
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1, "affinity"
 
 
-def machine_share(processes: int, environ: Mapping[str, str] | None = None) -> CpuShare:
-    """The default rule: this machine's usable CPUs shared by its ``processes`` local
-    processes (what spawn and torchrun answer, and a launcher that does not say)."""
-    cpus, source = usable_cpus(environ)
+def machine_share(processes: int, allocation: tuple[int, str] | None = None) -> CpuShare:
+    """This machine's usable CPUs (:func:`usable_cpus`) shared by its ``processes``
+    local processes: what spawn and torchrun answer, and the default rule."""
+    cpus, source = usable_cpus(allocation)
     return share_cpus(cpus, source, processes)
 
 

@@ -13,7 +13,9 @@ the size of a transformer block keep the peak memory low and overlap communicati
 compute. Which submodules become units, first match wins:
 
 1. ``fsdp.shard=Block,Head`` (class names);
-2. the recipe's ``shard_units``: a tuple of module classes;
+2. the recipe's ``shard_units``: a tuple of module classes (the recipe reaches the
+   mode as its constructor's ``recipe`` argument: engine/worker_setup.py's
+   parallel_mode, the plan's describe);
 3. otherwise every direct child of the model that holds parameters.
 
 The options are this plugin's config group ``fsdp`` (:class:`FSDPConfig`):

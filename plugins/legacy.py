@@ -21,7 +21,8 @@ import engine
 from engine.errors import LaunchError, warn
 from engine.launch_env import int_variable, parent_cmdline, require_variables
 from engine.launcher import Launcher
-from engine.world import World
+from engine.plugins.slurm_hostlist import allocated_cpus
+from engine.world import World, machine_share
 
 REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LEGACY_MODULE = "torch.distributed.launch"
@@ -50,7 +51,8 @@ class LegacyLauncher(Launcher):
     name = "legacy"
     priority = 10  # before torchrun: modern torch.distributed.launch sets its variables
     reads = REQUIRED + ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+                        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                        "SLURM_CPUS_PER_TASK")
 
     @classmethod
     def detect(cls, environ, options) -> bool:
@@ -94,6 +96,9 @@ class LegacyLauncher(Launcher):
             restart_count=int_variable(env, "TORCHELASTIC_RESTART_COUNT", self.name,
                                        default=0),
             run_id=env.get("TORCHELASTIC_RUN_ID", ""),
+            # The machine's CPUs (a SLURM allocation's, inside one), shared by the
+            # processes the launch started.
+            cpus=machine_share(local_world_size, allocated_cpus(env)),
         )
         world.check()
         return [world]

@@ -209,10 +209,10 @@ class SlurmLauncher(Launcher):
         """SLURM gives each task SLURM_CPUS_PER_TASK CPUs of its own: all of them for a
         task that is one process, shared by the processes a task starts. None (the
         default rule) when the step did not ask for CPUs per task."""
-        allocated = self.environ.get("SLURM_CPUS_PER_TASK", "")
-        if not (allocated.isdigit() and int(allocated) > 0):
+        allocated = slurm.allocated_cpus(self.environ)
+        if allocated is None:
             return None
-        return share_cpus(int(allocated), "SLURM_CPUS_PER_TASK", self.processes_per_task)
+        return share_cpus(*allocated, self.processes_per_task)
 
     def worlds(self) -> list[World]:
         n = self._numbers()

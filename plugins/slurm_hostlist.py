@@ -6,6 +6,10 @@ and ranges; a range keeps the zero padding of its first number; several bracket 
 in one name expand in order (``a[1-2]-b[3-4]`` -> a1-b3, a1-b4, a2-b3, a2-b4), as
 ``scontrol show hostnames`` does. :func:`hostnames` adds ``scontrol`` as a cross-check
 where it is installed, and as a fallback for forms the parser here refuses.
+
+Also what the job's variables say beyond the lists, for the slurm launcher and for a
+launcher that runs inside an allocation (spawn, torchrun, legacy): the job's master
+port (:func:`master_port_for_job`) and the CPUs of each task (:func:`allocated_cpus`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import shutil
 import subprocess
 import sys
 import zlib
+
+from typing import Mapping
 
 from engine.errors import LaunchError
 
@@ -161,3 +167,15 @@ def master_port_for_job(job_id: str) -> int:
     if job_id.isdigit():
         return 15000 + int(job_id) % 10000
     return 15000 + zlib.crc32(job_id.encode()) % 10000
+
+
+def allocated_cpus(environ: Mapping[str, str]) -> tuple[int, str] | None:
+    """``(cpus, "SLURM_CPUS_PER_TASK")``: the CPUs SLURM allocated to each task of the
+    job, set for every process of the allocation (the batch script and what it starts,
+    torchrun's agents included); None outside an allocation, or where the job did not
+    ask for CPUs per task. A cluster that does not bind tasks to their CPUs leaves the
+    affinity mask at the whole node: this is the number to trust there."""
+    allocated = environ.get("SLURM_CPUS_PER_TASK", "")
+    if allocated.isdigit() and int(allocated) > 0:
+        return int(allocated), "SLURM_CPUS_PER_TASK"
+    return None

@@ -31,6 +31,7 @@ from engine.errors import LaunchError, WorkerFailed, warn
 from engine.launch_env import check_port_free, free_port, is_local_address
 from engine.launcher import Launcher
 from engine.processes import spawn_workers
+from engine.plugins.slurm_hostlist import allocated_cpus
 from engine.world import World, machine_share, tcp_endpoint
 
 
@@ -88,7 +89,8 @@ class SpawnLauncher(Launcher):
         host = socket.gethostname()
         layout = tuple((host if node == opts.node_rank else (addr if node == 0 else "?"),
                         nproc) for node in range(opts.nnodes))
-        cpus = machine_share(nproc, self.environ)  # this machine's CPUs, shared by all
+        # This machine's CPUs (a SLURM allocation's, inside one), shared by all.
+        cpus = machine_share(nproc, allocated_cpus(self.environ))
         worlds = [
             World(
                 rank=opts.node_rank * nproc + local_rank,

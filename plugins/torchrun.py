@@ -20,6 +20,7 @@ import engine
 from engine.errors import LaunchError
 from engine.launch_env import int_variable, require_variables
 from engine.launcher import Launcher
+from engine.plugins.slurm_hostlist import allocated_cpus
 from engine.world import World, machine_share
 
 REQUIRED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -89,8 +90,9 @@ class TorchrunLauncher(Launcher):
             restart_count=int_variable(env, "TORCHELASTIC_RESTART_COUNT", self.name,
                                        default=0),
             run_id="" if run_id == "none" else run_id,  # torchrun's default --rdzv-id
-            # The machine's CPUs, shared by the --nproc-per-node processes torchrun started.
-            cpus=machine_share(local_world_size, env),
+            # The machine's CPUs (a SLURM allocation's, inside one), shared by the
+            # --nproc-per-node processes torchrun started.
+            cpus=machine_share(local_world_size, allocated_cpus(env)),
         )
         world.check()
         return [world]

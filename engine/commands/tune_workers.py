@@ -20,13 +20,21 @@ The output ends with the best setting and the override that applies it.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import statistics
 import sys
 import time
+from multiprocessing import connection
 from typing import Any, Sequence
 
 import attrs
 
+from engine import worker_setup
 from engine.errors import ConfigError, EngineError, first_line, one_line
+from engine.launcher import LaunchOptions, choose_launcher, start_method
+from engine.launching import RecipeJob
+from engine.parallel import choose_parallel
+from engine.plugin_manager import build_plugin_manager
 
 #: Seconds a setting may take beyond its budget (process start, dataset, warm-up).
 STARTUP_ALLOWANCE_S = 180.0
@@ -119,11 +127,9 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
          out=None, rounds: int = 1) -> dict[str, Any]:
     """Measure every setting (``rounds`` times, cycling, medians); returns the
     measurements and what the engine would choose."""
-    from engine import data, loader_settings
-    from engine.launching import RecipeJob
-    from engine.launcher import LaunchOptions, choose_launcher
-    from engine.parallel import choose_parallel
-    from engine.plugin_manager import build_plugin_manager
+    # These import torch: kept out of the module, so that --help and a bad argument
+    # answer at once (as in _measure_settings, _full_step and _endless).
+    from engine import data
     from engine.trainer import Throughput
 
     pm = build_plugin_manager(list(plugins))
@@ -133,12 +139,11 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
                                LaunchOptions(nproc=nproc, init_method=cfg.init_method))
     worlds = launcher.worlds()
     world = worlds[0]
-    parallel = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg)
-    device_type = parallel.devices[0].type
+    # Its devices only: the launching process sets up no device, no process group.
+    device = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg).devices[0]
     cpus = world.cpu_share()
     per_process, where = cpus.count, cpus.reason
-    auto = loader_settings.choose("auto", cpus=cpus, device_type=device_type,
-                                  timeout_s=cfg.timeout_s)
+    auto = worker_setup.loader_settings_for(cfg, world, device, "auto")
     batch_sizes = list(batch_sizes or [cfg.batch_size])
     for batch in batch_sizes:  # every batch size must split, before anything starts
         data.split_batch(batch, world.world_size, cfg.grad_accum_steps)
@@ -154,16 +159,12 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
     unit = Throughput(recipe).unit
     raw = _run_sweep(job, worlds, settings * rounds, budget_s, full_step, out, unit)
     return {"measurements": [_median(setting, raw) for setting in settings], "rounds": rounds,
-            "auto": auto, "device": device_type, "processes": len(worlds), "cpus": where,
+            "auto": auto, "device": device.type, "processes": len(worlds), "cpus": where,
             "full_step": full_step, "recipe_batch_size": cfg.batch_size, "unit": unit}
 
 
 def _run_sweep(job, worlds, settings: list[Setting], budget_s: float, full_step: bool,
                out=None, unit: str = "samples") -> list[Measurement]:
-    import multiprocessing
-
-    from engine.launcher import start_method
-
     # As engine-run's launcher starts its workers: spawn, or fork with ENGINE_START_METHOD.
     # One pipe to each process, not a multiprocessing Queue and Barrier: their locks are
     # named semaphores (/dev/shm/sem.mp-*) that a sweep killed as a whole leaves behind.
@@ -225,11 +226,10 @@ class _Hub:
     def next_result(self, deadline: float) -> tuple[str, int | None, Any]:
         """The next ok or error (barriers are served on the way), or ``("timeout", None,
         None)`` at ``deadline``."""
-        from multiprocessing.connection import wait
-
         while True:
             remaining = deadline - time.monotonic()
-            ready = wait(self.conns, timeout=max(0.0, remaining)) if remaining > 0 else []
+            ready = (connection.wait(self.conns, timeout=max(0.0, remaining))
+                     if remaining > 0 else [])
             if not ready:
                 return "timeout", None, None
             for conn in ready:
@@ -250,8 +250,6 @@ class _Hub:
 
 
 def _median(setting: Setting, raw: list[Measurement]) -> Measurement:
-    import statistics
-
     mine = [m for m in raw if m.setting == setting]
     per_process = tuple(statistics.median(rates) for rates in zip(*(m.per_process
                                                                       for m in mine)))
@@ -282,22 +280,19 @@ def _barrier(conn, rank: int, timeout: float) -> None:
 
 
 def _measure_settings(job, world, settings, budget_s, full_step, conn) -> None:
-    import torch
+    import torch  # torch and the modules below: lazily, as in tune
 
-    from engine import data, loader_settings
-    from engine.worker_setup import seed_everything
+    from engine import data
     from engine.engine import Engine
-    from engine.parallel import choose_parallel
-    from engine.plugin_manager import build_plugin_manager
     from engine.trainer import Throughput
 
     pm = build_plugin_manager(list(job.plugins))
     recipe, cfg = job.load(pm)
-    seed_everything(cfg.seed)
+    worker_setup.seed_everything(cfg.seed)
     torch.set_num_threads(world.cpu_share().count)
-    ctx = Engine(pm, recipe, cfg, world, {})  # what build_datasets sees as ctx in a run
-    ctx.parallel = choose_parallel(pm.parallel_modes, cfg.parallel, world)(world, cfg)
-    ctx.parallel.setup_device()
+    # The parallel mode for its device: no process group (nothing here communicates).
+    parts = worker_setup.RunParts(parallel=worker_setup.parallel_mode(pm, cfg, world, recipe))
+    ctx = Engine(pm, recipe, cfg, world, {}, run_parts=parts)  # build_datasets' ctx in a run
     device = ctx.device
     timeout = budget_s + STARTUP_ALLOWANCE_S  # every wait below has this finite timeout
 
@@ -315,11 +310,10 @@ def _measure_settings(job, world, settings, budget_s, full_step, conn) -> None:
 
     for setting in settings:
         micro = data.split_batch(setting.batch_size, world.world_size, cfg.grad_accum_steps)
-        chosen = loader_settings.choose(setting.num_workers, cpus=world.cpu_share(),
-                                        device_type=device.type, timeout_s=cfg.timeout_s)
-        loader = data.train_loader(train_set, micro_batch=micro, world=world, seed=cfg.seed,
-                                   drop_last=cfg.drop_last, per_sample_seed=cfg.per_sample_seed,
-                                   **chosen.loader_kwargs())
+        chosen = worker_setup.loader_settings_for(cfg, world, device, setting.num_workers)
+        loader = worker_setup.training_loader(
+            train_set, micro_batch=micro, world=world, seed=cfg.seed, drop_last=cfg.drop_last,
+            per_sample_seed=cfg.per_sample_seed, **chosen.loader_kwargs())
         batches = _endless(loader)
         for _ in range(WARMUP_BATCHES):  # starts the workers (and the step's allocations)
             batch = next(batches)
@@ -350,23 +344,28 @@ def _measure_settings(job, world, settings, budget_s, full_step, conn) -> None:
 
 
 def _full_step(recipe, cfg, ctx):
-    """One micro-batch through the recipe's own ``train_step`` (on the model itself: no
-    process group here), backward and the optimizer step, as the Trainer runs them."""
-    from engine import data
+    """One micro-batch through the recipe's own ``train_step``, backward and the
+    optimizer step, as the Trainer runs them, on the model that engine/worker_setup.py
+    builds for a run (transformed, not wrapped: no process group here)."""
+    from engine import data  # imports torch: lazily, as in tune
     from engine.trainer import autocast_for
 
-    ctx.model = recipe.module.build_model(cfg).to(ctx.device)
-    ctx.optimizer = recipe.module.build_optimizer(cfg, ctx.model)
-    ctx.loss_fn = recipe.optional("loss_fn")
+    parts = worker_setup.setup_step_parts(ctx.run_parts, recipe, cfg, ctx.print)
     autocast = autocast_for(cfg.precision, ctx.device)
 
     def step(batch):
         batch = data.to_device(batch, ctx.device, non_blocking=True)
         with autocast():
             loss = recipe.train_step(batch, ctx)
-        (loss["loss"] if isinstance(loss, dict) else loss).backward()  # extras beside it
-        ctx.optimizer.step()
-        ctx.optimizer.zero_grad(set_to_none=True)
+        loss = loss["loss"] if isinstance(loss, dict) else loss  # extras beside it
+        if parts.scaler is not None:
+            parts.scaler.scale(loss).backward()
+            parts.scaler.step(parts.optimizer)
+            parts.scaler.update()
+        else:
+            loss.backward()
+            parts.optimizer.step()
+        parts.optimizer.zero_grad(set_to_none=True)
 
     return step
 
@@ -383,7 +382,7 @@ def samples_in(batch) -> int:
 
 def _endless(loader):
     """Batches across epoch boundaries, as training reads them."""
-    from engine.data import start_epoch
+    from engine.data import start_epoch  # imports torch: lazily, as in tune
 
     epoch = 0
     while True:

@@ -3,6 +3,7 @@ summary.json, the same keys from both (and from every end of a run)."""
 
 from __future__ import annotations
 
+import ast
 import datetime
 import json
 import textwrap
@@ -132,3 +133,81 @@ def test_the_summary_throughput_is_the_epochs_else_the_windows():
     assert throughput_summary(both) == {"throughput_unit": "tokens", "tokens_per_sec": 800.0}
     assert throughput_summary({"lr": 0.1}) == {"throughput_unit": "samples",
                                                "samples_per_sec": None}
+
+
+# ------------------------------------------------- who sets the run's attributes
+
+#: The names engine/ binds the run object to (the Engine, a Context: hooks' ``engine``,
+#: recipes' ``ctx``, the loop's ``eng``), and the Trainer's ``self.engine``.
+RUN_NAMES = {"engine", "eng", "ctx", "context", "run_ctx"}
+
+
+def run_object(node) -> bool:
+    """``node`` names the run object: one of RUN_NAMES, or ``self.engine``."""
+    return ((isinstance(node, ast.Name) and node.id in RUN_NAMES)
+            or (isinstance(node, ast.Attribute) and node.attr == "engine"
+                and isinstance(node.value, ast.Name) and node.value.id == "self"))
+
+
+def attribute_writes(tree) -> list[tuple[int, ast.Attribute]]:
+    """Every ``X.attr = ...`` (also augmented, annotated, in tuples) and
+    ``setattr(X, ...)``/``delattr(X, ...)``, as ``(line, target)``."""
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("setattr", "delattr") and node.args):
+            found.append((node.lineno, ast.Attribute(value=node.args[0], attr="?")))
+        for target in targets:
+            stack = [target]
+            while stack:
+                each = stack.pop()
+                if isinstance(each, (ast.Tuple, ast.List)):
+                    stack.extend(each.elts)
+                elif isinstance(each, ast.Attribute):
+                    found.append((each.lineno, each))
+    return found
+
+
+def test_no_engine_module_sets_attributes_on_the_run_object_from_outside():
+    """The run's attributes are set by its own classes (engine/context.py, engine.py,
+    api.py: through ``self``); what the loop drives goes into its RunParts record, which
+    only engine/worker_setup.py's steps fill from outside (``ctx.run_parts.model = ...``),
+    besides context.py's own attributes that stand for the record's fields
+    (``ctx.model``). engine/snapshot.py records a resume through ``ctx.record_resume``."""
+    from tests.engine.test_imports import ENGINE
+
+    outside, parts_outside = [], []
+    for path in sorted(ENGINE.rglob("*.py")):
+        where = path.relative_to(ENGINE.parent)
+        for line, target in attribute_writes(ast.parse(path.read_text(), str(path))):
+            if run_object(target.value):
+                outside.append(f"{where}:{line}: {ast.unparse(target)}")
+            elif (isinstance(target.value, ast.Attribute) and target.value.attr == "run_parts"
+                  and run_object(target.value.value)
+                  and path.name not in ("worker_setup.py", "context.py")):
+                parts_outside.append(f"{where}:{line}: {ast.unparse(target)}")
+    assert outside == [] and parts_outside == []
+
+
+def test_the_scan_sees_each_way_of_setting_an_attribute():
+    source = textwrap.dedent("""
+        ctx.model = m
+        eng.memory, other = None, 1
+        self.engine.steps: int = 1
+        eng.epochs_requested += 1
+        setattr(engine, "resumed_from", path)
+        ctx.run_parts.model = m
+        eng.state.epoch = 2       # the state's own attribute: not the run's
+        run.status = "completed"  # not a name of the run object
+    """)
+    writes = attribute_writes(ast.parse(source))
+    assert sorted((line, ast.unparse(t)) for line, t in writes if run_object(t.value)) == [
+        (2, "ctx.model"), (3, "eng.memory"), (4, "self.engine.steps"),
+        (5, "eng.epochs_requested"), (6, "engine.?")]
+    assert [ast.unparse(t) for _, t in writes if ast.unparse(t.value) == "ctx.run_parts"] == [
+        "ctx.run_parts.model"]

@@ -77,7 +77,7 @@ def test_build_scheduler_gets_the_run_length_when_it_takes_ctx():
     import types
 
     import engine
-    from engine.engine import build_scheduler
+    from engine.worker_setup import build_scheduler
     from engine.recipe import recipe_from_object
 
     seen = []

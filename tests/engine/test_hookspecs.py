@@ -5,6 +5,7 @@ to a file per rank during real engine-run runs."""
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -145,3 +146,29 @@ def test_a_failing_run_fires_exception_then_run_end(recorder):
         *[["train_step_end", step, "Tensor", []] for step in (1, 2, 3, 4)],
         ["log", 2, calls[7][2]], ["train_step_end", 5, "Tensor", []],
         ["exception", "RuntimeError", "recorder fails at step 5"], ["run_end", "failed"]]
+
+
+def documented_order() -> list[str]:
+    """The hooks named in docs/plugins.md's "Hooks in the order they fire" block, in
+    order (``engine_register_launchers / _parallel``: both registrations)."""
+    from tests.conftest import REPO
+
+    text = (REPO / "docs" / "plugins.md").read_text()
+    block = text.split("## Hooks in the order they fire", 1)[1].split("```text\n", 1)[1]
+    names = []
+    for line in block.split("```", 1)[0].splitlines():
+        first = re.match(r"\s*(engine_[a-z_]+)((?:\s*/\s*_[a-z_]+)*)", line)
+        if first:
+            stem = re.match(r"engine_[a-z]+", first.group(1)).group(0)  # engine_register
+            names += [first.group(1)] + [stem + tail for tail in
+                                         re.findall(r"/\s*(_[a-z_]+)", first.group(2))]
+    return names
+
+
+def test_the_one_written_order_names_every_hook():
+    """The order is written once (docs/plugins.md; engine/hookspecs.py points there): it
+    names every hook of engine/hookspecs.py and nothing else."""
+    import engine.hookspecs as specs
+
+    hooks = {name for name in dir(specs) if name.startswith("engine_")}
+    assert set(documented_order()) == hooks

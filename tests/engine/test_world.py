@@ -9,7 +9,7 @@ import pytest
 
 from engine.errors import LaunchError
 from engine.world import (CpuShare, World, check_init_method, format_world_table,
-                          share_cpus, usable_cpus, whole_world)
+                          machine_share, share_cpus, usable_cpus, whole_world)
 
 
 def world(**kw) -> World:
@@ -100,11 +100,10 @@ def test_the_default_rule_shares_this_machines_cpus_among_the_local_processes(mo
     assert two.count == max(1, affinity // 2)
     assert two.reason == (f"{affinity} CPUs (affinity) shared by 2 local processes = "
                           f"{max(1, affinity // 2)} each")
-    # Inside a SLURM allocation (a batch script that runs engine-run, or torchrun under
-    # srun), the allocation counts, not a mask a cluster without binding leaves whole.
+    # The world knows no scheduler: inside a SLURM allocation the launcher's answer
+    # (World.cpus) carries its CPUs (spawn, torchrun and legacy: tests/plugins).
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")
-    assert world().cpu_share() == CpuShare(3, "6 CPUs (SLURM_CPUS_PER_TASK) shared by 2 "
-                                              "local processes = 3 each")
+    assert world(world_size=4, local_world_size=2).cpu_share() == two
 
 
 def test_the_launchers_answer_wins_over_the_default():
@@ -122,8 +121,9 @@ def test_a_share_is_at_least_one_cpu_and_says_where_it_comes_from():
         CpuShare(0, "a launcher that counted nothing")
 
 
-def test_usable_cpus_reads_the_given_environment():
-    assert usable_cpus({"SLURM_CPUS_PER_TASK": "12"}) == (12, "SLURM_CPUS_PER_TASK")
-    affinity = len(os.sched_getaffinity(0))
-    for unusable in ({}, {"SLURM_CPUS_PER_TASK": ""}, {"SLURM_CPUS_PER_TASK": "0"}):
-        assert usable_cpus(unusable) == (affinity, "affinity")
+def test_usable_cpus_are_the_launchers_allocation_else_the_affinity_mask():
+    """The world knows no scheduler: a launcher inside a SLURM allocation passes what
+    plugins/slurm_hostlist.py read (tests/plugins/test_slurm_hostlist.py)."""
+    assert usable_cpus((12, "SLURM_CPUS_PER_TASK")) == (12, "SLURM_CPUS_PER_TASK")
+    assert usable_cpus() == (len(os.sched_getaffinity(0)), "affinity")
+    assert machine_share(4, (12, "SLURM_CPUS_PER_TASK")).shared == (12, "SLURM_CPUS_PER_TASK")

@@ -55,10 +55,8 @@ class Recipe:
 def mode(shard="", precision="32", recipe=None):
     world = World(rank=0, local_rank=0, world_size=2, local_world_size=2, num_nodes=1,
                   launcher="spawn", host="node-a", shared_devices=True)
-    parallel = FullyShardedDataParallel(world, Config(precision=precision,
-                                                      fsdp=FSDPConfig(shard=shard)))
-    parallel.recipe = recipe
-    return parallel
+    return FullyShardedDataParallel(world, Config(precision=precision,
+                                                  fsdp=FSDPConfig(shard=shard)), recipe=recipe)
 
 
 def unit_names(parallel, model):

@@ -25,6 +25,13 @@ def test_both_spellings_of_the_argument_reach_the_launcher(argv):
     assert build_parser().parse_intermixed_args(argv).local_rank == 1
 
 
+def test_inside_a_slurm_allocation_the_processes_share_its_cpus():
+    env = {**OLD_ENV, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "SLURM_CPUS_PER_TASK": "6"}
+    (world,) = LegacyLauncher(LaunchOptions(), env).worlds()
+    assert (world.cpu_share().count, world.cpu_share().reason) == (
+        3, "6 CPUs (SLURM_CPUS_PER_TASK) shared by 2 local processes = 3 each")
+
+
 @pytest.mark.parametrize("options, env", [
     (dict(local_rank=1), {}),                # --local-rank=1 (torch >= 2.0 without --use_env)
     (dict(), {"LOCAL_RANK": "1"}),           # --use_env: only the variable

@@ -108,3 +108,11 @@ def test_master_port_from_the_job_id():
     assert slurm.master_port_for_job("7") == 15007
     port = slurm.master_port_for_job("abc")
     assert 15000 <= port < 25000 and port == slurm.master_port_for_job("abc")
+
+
+def test_the_cpus_of_each_task_are_those_the_job_asked_for():
+    """SLURM_CPUS_PER_TASK, which every process of the allocation sees: what spawn,
+    torchrun and legacy share inside one (their tests), and the slurm launcher's task."""
+    assert slurm.allocated_cpus({"SLURM_CPUS_PER_TASK": "12"}) == (12, "SLURM_CPUS_PER_TASK")
+    for unasked in ({}, {"SLURM_CPUS_PER_TASK": ""}, {"SLURM_CPUS_PER_TASK": "0"}):
+        assert slurm.allocated_cpus(unasked) is None
