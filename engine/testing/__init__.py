@@ -29,7 +29,7 @@ or on the command line: ``pytest -p engine.testing``. Fixtures:
     stdout, stderr, out_dir and the parsed summary.json).
 ``run_engine(args, env=None, cwd=None, timeout=300, check=False)`` (a function)
     ``engine-run ARGS`` in a new process, forked from a server that has torch imported
-    (seconds saved per run: :mod:`engine.warm_start`; ``ENGINE_TEST_FORK=0`` runs a plain
+    (seconds saved per run: :mod:`engine.testing.warm_start`; ``ENGINE_TEST_FORK=0`` runs a plain
     subprocess instead), whose spawn launcher forks its workers from it as well
     (``ENGINE_START_METHOD=fork`` unless ``env`` says otherwise); ``read_summary(out_dir)``: a run's
     summary.json; ``engine_env(extra)``: the environment for a test run (CPU only, no
@@ -74,6 +74,7 @@ import attrs
 import pytest
 
 from engine.launch_env import START_METHOD_ENV
+from engine.testing import warm_start
 
 #: Variables of launchers and schedulers that would make a run adopt them; a test run
 #: starts its own workers, so they are removed.
@@ -166,10 +167,8 @@ def run_engine(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd
     """``engine-run ARGS`` in a new process (``env``: :func:`engine_env` unless given),
     output captured as text. ``check``: a failed run is an AssertionError showing the
     command and its output. The process is forked from a warm server that has torch
-    imported (:mod:`engine.warm_start`; ``ENGINE_TEST_FORK=0`` turns that off); with
+    imported (:mod:`engine.testing.warm_start`; ``ENGINE_TEST_FORK=0`` turns that off); with
     ``program`` (``["engine-run"]``), that program runs in a plain subprocess."""
-    from engine import warm_start
-
     env = dict(env) if env is not None else engine_env()
     if program is None and warm_start.enabled():
         # The server has torch imported: its spawn launchers fork their workers from it
@@ -189,8 +188,6 @@ def run_python(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd
     process forked from the same warm server, as :func:`run_engine` runs engine-run:
     for a tool or an example script, without a Python and torch start per call. Not
     for what a fresh interpreter imports (the server has torch imported)."""
-    from engine import warm_start
-
     env = dict(env) if env is not None else engine_env()
     if warm_start.enabled():
         proc = _warm_starter().run(args, env=env, cwd=cwd, timeout=timeout, python=True)
@@ -211,9 +208,7 @@ def _checked(proc: subprocess.CompletedProcess, check: bool,
 @functools.cache
 def _warm_starter():
     """One warm-start server per test session (started on its first command)."""
-    from engine.warm_start import WarmStarter
-
-    return WarmStarter()
+    return warm_start.WarmStarter()
 
 
 def plugin_options(pm, recipe, given: Mapping[str, Any] | None = None) -> dict[str, Any]:

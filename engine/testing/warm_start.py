@@ -88,7 +88,7 @@ class WarmStarter:
     def _started(self) -> subprocess.Popen:
         if self._server is None or self._server.poll() is not None:
             self._server = subprocess.Popen(
-                [sys.executable, "-c", "from engine.warm_start import serve; serve()"],
+                [sys.executable, "-c", "from engine.testing.warm_start import serve; serve()"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
             self._pending = b""
