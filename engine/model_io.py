@@ -24,8 +24,9 @@ import pathlib
 import sys
 
 from engine.atomic_io import atomic_write, file_checksum
-from engine.checkpoint import POINTERS, follow_pointer, model_digest, plain_keys
+from engine.checkpoint import POINTERS, follow_pointer
 from engine.errors import CheckpointError, ConfigError, untrusted_pickle
+from engine.stateful import load_model_state, model_digest, plain_keys
 
 PREFIX = "module."
 #: Where the model weights sit inside a container dict, in the order they are looked for.
@@ -196,8 +197,6 @@ def load_model(run, which: str | None = None, *, recipe=None, part: str = "model
     an object, as ``engine.fit`` takes it) when the one the run recorded is not at hand
     (moved, or an object given to ``engine.fit``). ``part="ema"``: the ema plugin's
     averaged weights instead of the trained ones."""
-    from engine.checkpoint import load_model_state
-
     path = snapshot_of(run, which)
     ckpt = read(path)
     config = ckpt.header("config") or _run_file(ckpt.path, "config.json").get("config")
