@@ -29,6 +29,8 @@ import contextlib
 import os
 import time
 
+from engine.atomic_io import proc_stat
+
 ENV = "ENGINE_PHASES"
 #: The phase that ends as the training loop starts (the Trainer's first mark): what
 #: comes before is start-up.
@@ -60,8 +62,6 @@ _armed = False
 def process_start() -> float:
     """When this process started, on the ``time.monotonic()`` clock (to the clock tick,
     10 ms on Linux); now where /proc cannot say."""
-    from engine.atomic_io import proc_stat
-
     try:
         start_ticks = int(proc_stat("self")[19])
         since_start = (time.clock_gettime(time.CLOCK_BOOTTIME)
@@ -142,7 +142,7 @@ def label_ranges(on: bool) -> None:
     """Label the engine's ranges from now on (``on``: a profiler records), or stop."""
     global _label
     if on:
-        from torch.profiler import record_function
+        from torch.profiler import record_function  # lazily: torch, when profiling
 
         _label = record_function
     else:

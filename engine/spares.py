@@ -27,13 +27,18 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import multiprocessing
 import os
 import signal
 import sys
 import tempfile
+import threading
+from multiprocessing.connection import wait
 from typing import Callable, Sequence
 
 from engine.fork_server import TorchForkServer, TorchForkServerProcess, _Popen
+from engine.plugin_manager import build_plugin_manager
+from engine.recipe import load_recipe
 
 #: What the zygote preloads, handed to it through its environment (its own start
 #: reads it; multiprocessing passes it no arguments of ours): the launcher's sys.path
@@ -107,7 +112,7 @@ class SparePool:
         """``torch.multiprocessing.start_processes(fn, args, nprocs, join=False)``,
         each process a fork of the zygote: a torch ProcessContext. ``listen_to``: the
         signals the zygote ignores, back to their default in each worker."""
-        from torch.multiprocessing.spawn import ProcessContext
+        from torch.multiprocessing.spawn import ProcessContext  # lazily: the launcher's
 
         self.warm(listen_to)
         processes, error_files = [], []
@@ -154,7 +159,7 @@ class SparePool:
 def _spare_entry(fn, index, args, error_file, environ, listen_to) -> None:
     """A fork of the zygote becoming a worker: the launcher's environment, the signals
     it ignores back to their default, then torch's wrapper as start_processes runs it."""
-    from torch.multiprocessing.spawn import _wrap
+    from torch.multiprocessing.spawn import _wrap  # torch: the zygote has it imported
 
     os.environ.clear()
     os.environ.update(environ)
@@ -172,10 +177,6 @@ def _end_with_the_launcher() -> None:
     pipe the launcher holds open) and sends this process the same SIGINT. It only
     waits in the kernel, so the DataLoader workers this process forks inherit no lock
     of it."""
-    import multiprocessing
-    import threading
-    from multiprocessing.connection import wait
-
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -216,20 +217,14 @@ def _preload() -> None:
     """In the zygote, as this module is preloaded: the launcher's sys.path, the run's
     modules, the recipe. A failure leaves that part for each worker to import; it
     never stops the zygote (the workers then start as cold as spawned ones)."""
-    import threading
-
     preload = json.loads(os.environ.pop(PRELOAD_ENV))
     sys.path[:] = preload["sys_path"]
     try:
         import_run_modules()
         for module in WORKER_MODULES:
             importlib.import_module(module)
-        from engine.plugin_manager import build_plugin_manager
-
         build_plugin_manager(preload["plugins"])  # imports the -p and installed ones
         if preload["recipe"]:
-            from engine.recipe import load_recipe
-
             load_recipe(preload["recipe"])
     except Exception as exc:  # noqa: BLE001 (the worker meets it and reports it)
         print(f"warning: the warm spare could not preload: {exc}", file=sys.stderr)

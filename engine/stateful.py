@@ -33,13 +33,19 @@ ema plugin's average under fsdp).
 from __future__ import annotations
 
 import hashlib
+import pickle
 import random
+import struct
 import sys
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import attrs
 
+from engine import distributed
 from engine.errors import CheckpointError, ConfigError, EngineError, first_line
+
+# torch, numpy and engine.data (which imports torch) are imported inside the functions
+# that use them: the launching process imports this module (engine.checkpoint does).
 
 #: Snapshot keys that are the header, not parts: a part may not take these names.
 HEADER = frozenset({"engine_version", "config", "recipe", "world_size", "epoch", "step",
@@ -481,12 +487,7 @@ def gather_rng_states() -> list[dict]:
     """Every rank's :func:`rng_state`, in one all_gather of a fixed-size byte tensor.
     torch's all_gather_object pickles and sends twice (sizes, then data), several times
     slower, and a memory snapshot every step gathers them every step."""
-    import pickle
-    import struct
-
     import torch
-
-    from engine import distributed
 
     state = rng_state()
     if not distributed.is_initialized():

@@ -44,12 +44,12 @@ import json
 import pathlib
 import sys
 
-from engine.stateful import add_module_prefix, model_digest, plain_keys
 from engine.errors import CheckpointError
 # The reading and writing are the package's (engine-run export and engine.load_model
 # use them too); this script adds inspect and the prefix conversions.
 from engine.model_io import (PREFIX, Checkpoint, check_output, export, file_sha256, read,
                              write_torch)
+from engine.stateful import add_module_prefix, model_digest, plain_keys
 
 
 # -------------------------------------------------------------------- inspect

@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -35,8 +36,10 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from typing import Mapping, Sequence
 
+from engine.cli import main
 from engine.processes import exit_process
 
 #: ``ENGINE_TEST_FORK=0``: every command in a real ``python -m engine`` subprocess.
@@ -151,6 +154,7 @@ def serve() -> None:
     """The server: import what every run imports, then fork one child per request line
     on stdin; answer ``pid N`` when it started and ``exit CODE CPU_S`` when it ended
     (CPU_S: its user and system CPU seconds, with those of the workers it reaped)."""
+    # the server's alone: the clients (every test process) need not import the run's modules
     from engine.spares import import_run_modules
 
     import_run_modules()  # what every command and worker imports, once here
@@ -184,8 +188,6 @@ def _child(request: dict) -> None:
             if request.get("python"):
                 code = _run_python(request["argv"])
             else:
-                from engine.cli import main
-
                 sys.argv = ["engine-run", *request["argv"]]
                 code = main(request["argv"])
         except SystemExit as exc:  # argparse (--help, usage errors) and sys.exit
@@ -193,8 +195,6 @@ def _child(request: dict) -> None:
                 print(exc.code, file=sys.stderr)
             code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except BaseException:  # noqa: BLE001 (the child must reach os._exit)
-        import traceback
-
         traceback.print_exc()
     finally:
         exit_process(code if isinstance(code, int) else 1)
@@ -203,8 +203,6 @@ def _child(request: dict) -> None:
 def _run_python(argv: list[str]) -> int:
     """What ``python ARGV`` does after its start: a script, ``-m MODULE`` or ``-c CODE``,
     run as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as that command sets them."""
-    import runpy
-
     if argv[:1] == ["-c"]:
         sys.argv = ["-c", *argv[2:]]
         sys.path.insert(0, "")
