@@ -29,8 +29,6 @@ import contextlib
 import os
 import time
 
-from engine.atomic_io import proc_stat
-
 ENV = "ENGINE_PHASES"
 #: The phase that ends as the training loop starts (the Trainer's first mark): what
 #: comes before is start-up.
@@ -62,6 +60,9 @@ _armed = False
 def process_start() -> float:
     """When this process started, on the ``time.monotonic()`` clock (to the clock tick,
     10 ms on Linux); now where /proc cannot say."""
+    # lazily: engine-run's start imports this module and needs no atomic_io (hashlib...)
+    from engine.atomic_io import proc_stat
+
     try:
         start_ticks = int(proc_stat("self")[19])
         since_start = (time.clock_gettime(time.CLOCK_BOOTTIME)

@@ -26,10 +26,12 @@ from multiprocessing.connection import wait
 from typing import Callable, Mapping, NoReturn
 
 from engine import phases
-from engine.atomic_io import proc_stat, process_state
 from engine.errors import EXIT_FAILED, EXIT_INTERRUPTED, Interrupted, WorkerFailed
 from engine.launch_env import start_method
 from engine.world import World
+
+# engine-run's start imports this module (engine.cli): engine.atomic_io (hashlib, ctypes)
+# and torch are imported inside the functions that read /proc or start workers.
 
 
 #: Signals the parent passes on to its workers: SIGUSR1 is SLURM's pre-emption warning
@@ -80,7 +82,7 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
     (they resume anyway); a worker that raised keeps it, so that the error that caused
     the restart is printed, not only another rank's echo of it.
     """
-    import torch.multiprocessing as mp  # lazily: the launcher imports this module
+    import torch.multiprocessing as mp  # lazily: see the imports
 
     method = start_method()
     _start_resource_tracker_deaf_to(FORWARDED_SIGNALS)
@@ -276,6 +278,8 @@ def _stop_the_others(processes) -> tuple[list[int], list[int]]:
     SIGTERM), give the others ``GRACE_S`` to stop by themselves, then SIGTERM, then
     SIGKILL. Returns the indices of the stopped ones and of those that had to be
     terminated."""
+    from engine.atomic_io import process_state  # lazily: see the imports
+
     stopped = [i for i, p in enumerate(processes)
                if p.exitcode is None and process_state(p.pid) in ("T", "t")]
     for index in stopped:
@@ -313,6 +317,8 @@ def process_identity(pid: int) -> str:
     kernel's boot id and the process's start time in clock ticks since boot (a PID
     alone may be reused, or belong to another machine or PID namespace); "" where
     /proc cannot say."""
+    from engine.atomic_io import proc_stat  # lazily: see the imports
+
     boot, fields = boot_id(), proc_stat(pid)
     return f"{boot}/{fields[19]}" if boot and len(fields) > 19 else ""
 
@@ -336,6 +342,8 @@ def kill_if_stopped(pid: int, identity: str) -> bool:
     """SIGKILL process ``pid`` if it is still the one ``identity`` names and it is
     stopped (state "T" or "t": SIGSTOP, a debugger): it can act on no other signal, and
     a launcher that asks it to stop waits in vain. True when it was killed."""
+    from engine.atomic_io import process_state  # lazily: see the imports
+
     if not identity or process_identity(pid) != identity:
         return False
     if process_state(pid) not in ("T", "t"):
