@@ -159,6 +159,11 @@ def serve() -> None:
     import packaging.requirements  # noqa: F401
     import torch.utils.tensorboard  # noqa: F401
     from tensorboard.compat.proto import summary_pb2  # noqa: F401
+    # torch.compile's stack (AOTAutograd, the aot_eager backend, inductor's passes that
+    # it borrows): ~0.9 s of CPU once here, instead of in every compiling worker of the
+    # compile tests and the combination matrix (its first compile: 1.2 -> 0.35 s).
+    import torch._dynamo.backends.debugging  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
 
     del torch
     if threading.active_count() != 1:  # forking a threaded process can deadlock the child
