@@ -169,6 +169,12 @@ def serve() -> None:
     if threading.active_count() != 1:  # forking a threaded process can deadlock the child
         raise SystemExit(f"warm-start server: {threading.active_count()} threads after "
                          "the imports; cannot fork safely")
+    # Everything imported so far moves to the collector's permanent generation: a forked
+    # child's collections no longer walk (and so write to, copying page by page) the
+    # objects it inherited.
+    import gc
+
+    gc.freeze()
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
