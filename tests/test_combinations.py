@@ -1,12 +1,12 @@
 """The feature-combination matrix (issue 40, tools/combinations.py): every row either
-trains, is SIGKILLed, restarts and ends with the weights of the same row never
-interrupted, or is refused before any worker starts with its one line; and
-docs/combinations.md is the matrix's table.
+trains, is SIGKILLed, restarts and ends with the weights of an uninterrupted run, or is
+refused before any worker starts with its one line; and docs/combinations.md is the
+matrix's table.
 
-Cost: one uninterrupted run per distinct arithmetic (the features that change what a
-step computes: parallel mode, precision, compile, accumulation; activation
-checkpointing, ema, the checkpointer and the memory tier must not) and one killed-and-
-restarted command per row (``--max-restarts 1``: the restart is in the same command)."""
+Cost: one killed-and-restarted command per row (``--max-restarts 1``: the restart is in
+the same command), and one uninterrupted plain run per distinct arithmetic (parallel
+mode, precision, compile, accumulation; the other features off: they must change no
+weight), shared by the rows alike in it."""
 
 from __future__ import annotations
 
@@ -35,21 +35,22 @@ TIMEOUT_S = 240
 
 def run_row(out, row, *extra: str, env=None):
     return run_cli(REPO / matrix.RECIPE, f"out_dir={out}", *matrix.arguments(row),
-                   *matrix.SNAPSHOTS, *extra, env=env, timeout=TIMEOUT_S)
+                   *matrix.COMMON, *extra, env=env, timeout=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """weights_sha256 of the uninterrupted run of a row's arithmetic, made on first
-    use."""
+    """weights_sha256 of a row's uninterrupted plain run (matrix.plain: the features
+    that change what a step computes, the others off), made on first use."""
     found = {}
     root = tmp_path_factory.mktemp("references")
 
     def reference(row) -> str:
-        key = tuple(row[name] for name in matrix.ARITHMETIC)
+        plain = matrix.plain(row)
+        key = label(plain)
         if key not in found:
-            out = root / "-".join(key)
-            proc = run_row(out, row)
+            out = root / key
+            proc = run_row(out, plain)
             assert proc.returncode == 0, proc.stderr
             found[key] = read_summary(out)["weights_sha256"]
         return found[key]

@@ -28,14 +28,23 @@ DOC = REPO / "docs" / "combinations.md"
 #: regional compile and fsdp's units name), STEPS optimizer steps.
 RECIPE = "tests/recipes/tiny_matrix.py"
 STEPS = 7
-#: A disk snapshot every 2 steps, and every rank SIGKILLed right after step 6 (before
+#: A disk snapshot every 2 steps (COMMON), and every rank SIGKILLed right after step 6 (before
 #: its snapshots): the newest disk snapshot is step 4's (step 2's under dcp-async, which
 #: commits a snapshot when the next one starts), the newest in shared memory step 5's.
-SNAPSHOTS = ("checkpoint.every_steps=2",)
+#: One torch thread per process (the parallel modes get one each on a 2-core machine,
+#: and single's second thread spins idle on such tiny ops: 40% of a row's CPU time).
+COMMON = ("checkpoint.every_steps=2", "--threads", "1")
 KILLED_AFTER = 6
 #: The features that change what a step computes: a row must end with the weights of
-#: an uninterrupted run alike in these (the others must change no weight).
+#: an uninterrupted run alike in these, the others left at their first value (off): they
+#: must change no weight.
 ARITHMETIC = ("parallel", "precision", "compile", "grad_accum_steps")
+
+
+def plain(row: Row) -> Row:
+    """``row``'s uninterrupted reference: its ARITHMETIC, every other feature off."""
+    return {name: row[name] if name in ARITHMETIC else next(iter(values))
+            for name, values in FACTORS.items()}
 
 
 def resumed_at(row: Row) -> tuple[str, int]:
@@ -174,15 +183,15 @@ def table() -> str:
         "Features are tested together, not only one at a time: every pair of values of two",
         "features below is trained together in some row of tests/test_combinations.py",
         "(pairwise coverage; a greedy generator picks the rows). Each supported row trains",
-        f"`{RECIPE}` ({STEPS} optimizer steps, `{' '.join(SNAPSHOTS)}`), is SIGKILLed on",
+        f"`{RECIPE}` ({STEPS} optimizer steps, `{' '.join(COMMON)}`), is SIGKILLed on",
         f"every rank right after step {KILLED_AFTER}, restarts (`--max-restarts 1`) and "
         "resumes: from shared",
         f"memory at step {KILLED_AFTER - 1} with the memory tier on, else from the newest "
         "disk snapshot (step",
         "4; step 2 under `dcp-async`, which commits a snapshot when the next one starts).",
         "It must end with the weights of an uninterrupted run alike in",
-        f"{', '.join(ARITHMETIC)}, bit for bit (`weights_sha256`): the other features",
-        "change no weight.",
+        f"{', '.join(ARITHMETIC)} with the other features off, bit for bit",
+        "(`weights_sha256`): they change no weight.",
         "",
         "How each value is set (`engine-run RECIPE ...`):",
         "",
