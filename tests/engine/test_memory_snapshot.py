@@ -17,6 +17,7 @@ import torch
 from engine import memory_snapshot
 from engine.memory_snapshot import MemorySnapshots
 from engine.testing import assert_same_snapshot
+from engine.testing import make_engine, make_plugin_manager, tiny_recipe  # noqa: F401 (fixtures)
 from engine.world import World
 from tests.conftest import small_disk
 
@@ -503,3 +504,30 @@ def test_a_forked_child_has_no_background_thread_to_wait_for(shm, tmp_path):
         memory.background.copied.set()
     assert os.waitstatus_to_exitcode(status) == 0
     memory.close()
+
+
+def test_a_run_that_fails_closes_its_memory_snapshots_and_keeps_their_files(
+        make_engine, shm):
+    """A run that ends by an exception (in-process: a notebook's, a test's) leaves no
+    background thread and no mapping behind; the buffers' files stay for its rerun."""
+    import engine as engine_pkg
+
+    class FailAtStep3:
+        @engine_pkg.hookimpl
+        def engine_train_step_end(self, engine, step, loss):
+            if step == 3:
+                raise RuntimeError("failed at step 3")
+
+    threads = torch.get_num_threads()  # the run sets its own
+    eng = make_engine("checkpoint.memory_every_steps=1", f"checkpoint.memory_dir={shm}",
+                      plugins=[FailAtStep3(), "no:console"])
+    try:
+        with pytest.raises(Exception, match="failed at step 3"):
+            eng.run()
+    finally:
+        torch.set_num_threads(threads)
+    memory = eng.memory
+    assert memory is not None and memory.saves == 2  # steps 1 and 2
+    assert memory.background.thread is None and memory.plan is None
+    assert all(b.fd is None and b.mapping is None for b in memory.buffers)
+    assert memory_snapshot.newest(memory.paths, memory.run_id).step == 2
