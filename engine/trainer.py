@@ -989,10 +989,12 @@ class Trainer:
             return None
         batches = (eng.state.batch_in_epoch - window.first_batch - window.skipped_batches
                    + window.resumed_batches)
-        totals = torch.stack([window.total_loss(), torch.tensor(
-            batches, dtype=torch.float64, device=self.device)])
-        loss_sum, batch_count = (distributed.all_reduce_sum(totals) if reduce
-                                 else totals).tolist()
+        if reduce:
+            totals = torch.stack([window.total_loss(), torch.tensor(
+                batches, dtype=torch.float64, device=self.device)])
+            loss_sum, batch_count = distributed.all_reduce_sum(totals).tolist()
+        else:  # a memory snapshot's, each step at memory_every_steps=1: no more ops
+            loss_sum, batch_count = window.total_loss().item(), float(batches)
         return {"sum": loss_sum, "batches": batch_count,
                 "micro_batch": self.run_parts.micro_batch}
 
