@@ -274,6 +274,46 @@ def test_each_rank_and_worker_takes_every_consumers_th_item_unless_the_stream_sh
     assert sorted(loader) == [2, 3, 6, 7, 10]
 
 
+class Positioned(Items):
+    """Items whose position is their state (it does not go back by itself)."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.position = 0
+
+    def __iter__(self):
+        while self.position < self.n:
+            self.position += 1
+            yield self.position - 1
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def test_a_validation_stream_gives_each_rank_its_part_from_the_start_every_time():
+    from types import SimpleNamespace
+
+    from engine import data
+
+    def loaders(stream, workers=0):
+        return [streaming.val_loader(stream, batch=2, num_workers=workers, pin_memory=False,
+                                     world=SimpleNamespace(rank=rank, world_size=2))
+                for rank in (0, 1)]
+
+    for stream in (Items(11), Positioned(11)):
+        ranks = loaders(stream)
+        parts = [[x for batch in loader for x in batch.tolist()] for loader in ranks]
+        assert parts == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9]]
+        # again: from the stream's start (a stateful stream from its first state)
+        assert [[x for batch in loader for x in batch.tolist()] for loader in ranks] == parts
+    # one batch's samples for the names check: the rank's first, else the stream's
+    assert [data.first_val_samples(loader) for loader in loaders(Items(3))] == [[0, 2], [1]]
+    assert [data.first_val_samples(loader) for loader in loaders(Items(1))] == [[0], [0]]
+
+
 def test_a_batch_counts_the_samples_of_its_first_tensor():
     assert streaming.batch_samples((torch.arange(3), torch.zeros(3, 4))) == 3
     assert streaming.batch_samples({"ids": torch.zeros(1, 5)}) == 1
