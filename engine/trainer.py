@@ -1176,11 +1176,10 @@ class Trainer:
         """:meth:`validation_names` on one rank: eval_step on its shard's first batch
         (a rank whose shard is empty takes the set's first samples: every rank runs
         one forward)."""
-        indices = (list(itertools.islice(iter(loader.sampler), loader.batch_size))
-                   or list(range(min(len(loader.dataset), loader.batch_size))))
-        if not indices:
+        samples = data.first_val_samples(loader)
+        if not samples:
             return []  # no validation sample: no val/* metric (MetricSums.reduce)
-        batch = loader.collate_fn([loader.dataset[i] for i in indices])
+        batch = loader.collate_fn(samples)
         batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
         with self.autocast():
             sums = self.eval_step(batch, self.engine)
