@@ -237,14 +237,24 @@ class Context(WorkerContext):
         loads ``batch_size / N`` samples per step (an uneven split is an error).
         Training loaders shuffle with a distributed sampler that ``ctx.epochs`` (or
         ``ctx.set_epoch``) moves to each new epoch; ``train=False`` gives a validation
-        loader where every sample is seen exactly once over all ranks."""
-        from engine import data  # imports torch: kept out of engine.launch's launcher
+        loader where every sample is seen exactly once over all ranks.
+
+        A stream (an IterableDataset, docs/data.md "Streams") gives each rank its part;
+        for training, its loader ends the epoch at the same micro-batch on every rank:
+        a rank whose part ran out gets padding batches meanwhile (``loader.padding`` is
+        true: multiply that loss by 0 and record nothing), and its position is in the
+        snapshots ``ctx.save()`` writes (create it before ``ctx.epochs()``)."""
+        # they import torch: kept out of engine.launch's launcher
+        from engine import data, streaming
 
         micro_batch = data.split_batch(batch_size, self.world_size, 1)
         pin_memory = self.device.type == "cuda"
         if not train:
-            return data.val_loader(dataset, batch=micro_batch, world=self.world,
-                                   num_workers=num_workers, pin_memory=pin_memory)
+            return streaming.val_loader(dataset, batch=micro_batch, world=self.world,
+                                        num_workers=num_workers, pin_memory=pin_memory)
+        if streaming.is_stream(dataset):
+            return self._stream_loader(dataset, micro_batch, num_workers=num_workers,
+                                       pin_memory=pin_memory, drop_last=drop_last)
         loader = training_loader(dataset, micro_batch=micro_batch, world=self.world,
                                  seed=self.cfg.seed, num_workers=num_workers,
                                  pin_memory=pin_memory, drop_last=drop_last,
@@ -253,6 +263,27 @@ class Context(WorkerContext):
             loader.__class__ = data.PositionLoader
             loader.state = self.state
             self.run_parts.train_loader = loader  # its position is the one snapshots record
+        self._train_loaders.append(loader)
+        return loader
+
+    def _stream_loader(self, dataset, micro_batch: int, **loader_kwargs):
+        """The training loader of a stream (engine/streaming.py), which counts the
+        batches it hands out in ``ctx.state`` (as PositionLoader does)."""
+        from engine import streaming  # imports torch (see loader)
+
+        if self._train_loaders:
+            raise ConfigError(
+                "ctx.loader: a training stream must be the run's first training loader "
+                "(snapshots record the first one's position); create it before the others")
+        if self._resumed and self.state.batch_in_epoch:
+            raise ConfigError(
+                "ctx.loader: the run resumed mid-epoch before its training stream had a "
+                "loader, so the stream's position was not restored; call ctx.loader "
+                "before ctx.epochs() or ctx.resume()")
+        loader = streaming.StreamLoader(dataset, micro_batch=micro_batch, world=self.world,
+                                        **loader_kwargs)
+        loader.counts_in = self.state
+        self.run_parts.train_loader = loader
         self._train_loaders.append(loader)
         return loader
 
@@ -265,6 +296,9 @@ class Context(WorkerContext):
         batches = self.state.batch_in_epoch if epoch == self.state.epoch else 0
         self.state.epoch, self.state.batch_in_epoch = epoch, batches
         for loader in self._train_loaders:
+            if getattr(loader, "stream", False):  # resumes its own position (restore)
+                data.start_epoch(loader, epoch, start_index=batches)
+                continue
             data.start_epoch(loader, epoch, start_sample=data.samples_consumed(
                 batches, loader.batch_size, self.world_size, len(loader.dataset)))
 

@@ -14,6 +14,7 @@ with replacement, e.g. class-balanced) and ``collate_fn`` (how samples become a 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import random
 import sys
@@ -187,8 +188,8 @@ def train_loader(dataset, *, micro_batch: int, world, seed: int, num_workers: in
         from engine.errors import ConfigError
 
         raise ConfigError(
-            f"{type(dataset).__name__} is an IterableDataset (a stream): engine-run trains "
-            "on streams (engine/streaming.py); ctx.loader needs a map-style dataset")
+            f"{type(dataset).__name__} is an IterableDataset (a stream): its training "
+            "loader is engine.streaming.StreamLoader (as engine-run and ctx.loader make it)")
     sampler = ResumableDistributedSampler(dataset, num_replicas=world.world_size,
                                           rank=world.rank, seed=seed,
                                           weights=getattr(dataset, "sample_weights", None))
@@ -239,7 +240,11 @@ class PositionLoader(DataLoader):
 def val_loader(dataset, *, batch: int, world, num_workers: int, pin_memory: bool,
                persistent_workers: bool | None = None, prefetch_factor: int | None = None,
                timeout: float = 0.0) -> DataLoader:
-    sampler = ShardSampler(len(dataset), world.world_size, world.rank)
+    """This rank's shard of a validation set, every sample once over the ranks: of a
+    map-style set, samples rank, rank+W, ...; an IterableDataset here is already this
+    rank's part of a stream (engine.streaming.val_loader's ValidationStream)."""
+    sampler = (None if isinstance(dataset, torch.utils.data.IterableDataset)
+               else ShardSampler(len(dataset), world.world_size, world.rank))
     # Its own generator, like the training loader's: creating its iterator must not
     # draw from the global RNG (how often that happens depends on persistent workers
     # and on resumes, and dropout draws from the same RNG).
@@ -251,6 +256,19 @@ def val_loader(dataset, *, batch: int, world, num_workers: int, pin_memory: bool
                                           else persistent_workers),
                       prefetch_factor=prefetch_factor, timeout=timeout,
                       collate_fn=getattr(dataset, "collate_fn", None))
+
+
+def first_val_samples(loader) -> list:
+    """One batch of samples of a validation loader, read from its dataset rather than
+    through the loader (its iterator, workers and generator stay untouched): this rank's
+    shard's first, or the set's first when the shard has none."""
+    size = loader.batch_size
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):  # ValidationStream
+        return (list(itertools.islice(iter(loader.dataset), size))
+                or list(itertools.islice(iter(loader.dataset.dataset), size)))
+    indices = (list(itertools.islice(iter(loader.sampler), size))
+               or list(range(min(len(loader.dataset), size))))
+    return [loader.dataset[i] for i in indices]
 
 
 def samples_consumed(batches: int, micro_batch: int, world_size: int, dataset_size: int

@@ -78,6 +78,14 @@ class Engine(WorkerContext):
             self._after_preemption()
         return run.summary
 
+    def finish(self, status: str, error: BaseException | None = None) -> dict:
+        if self.memory is not None:
+            # However the run ended (a run that completed removed them already): the
+            # buffers' files stay for a restart, their thread and mappings go. A failed
+            # run does not wait for the thread, which may wait on a gone peer.
+            self.memory.close(wait=error is None and status != "failed")
+        return super().finish(status, error)
+
     def explain(self, exc: BaseException) -> BaseException:
         """The error a user should see: a hint from the parallel mode, or, when a
         collective failed, which ranks stopped answering."""

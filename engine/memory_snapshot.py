@@ -27,8 +27,9 @@ A buffer is a header page, the payload, then the exchange region::
              (buffer a; informative, outside the checksum), the run id, where the
              exchange region starts, a JSON line (run folder, host, pid, rank, world
              size)
-    payload  [skeleton length][skeleton: the snapshot dict pickled with every tensor
-             replaced by (marker, offset, dtype, shape)][tensor bytes, 64-byte aligned]
+    payload  [skeleton length, where the data region starts][skeleton: the snapshot
+             dict pickled with every tensor replaced by (marker, offset, dtype, shape)]
+             [room for the skeleton to grow][data region: tensor bytes, 64-byte aligned]
     exchange [the payload's sequence number, rows, row size, xxh3-128][one row per
              rank: its RNG states and loss sums at the payload's step]
 
@@ -42,12 +43,21 @@ modes any rank's buffer with its rows restores any rank (:func:`complete`).
 
 A save writes into the buffer that does not hold the newest snapshot: it zeroes that
 buffer's sequence number first (a kill during the copy leaves it invalid, the other one
-valid), copies, then writes the header, the sequence number last. The tensors only the
-optimizer's step changes are copied, and the header written, by the background thread
-during the next step's forward and backward; that step's optimizer step waits for it
-(:meth:`MemorySnapshots.hold`). A reader takes the valid buffer (magic, sequence > 0,
-this run's id, the checksum) with the highest sequence, so a torn, stale or foreign
-buffer is never used; rows whose sequence or checksum does not match are none.
+valid), copies, then writes the header, the sequence number last. A reader takes the
+valid buffer (magic, sequence > 0, this run's id, the checksum) with the highest
+sequence, so a torn, stale or foreign buffer is never used; rows whose sequence or
+checksum does not match are none.
+
+What a save costs on the step's path (issue 37: at most 2% of the step at every step):
+the state is pickled once, in C, with a marker at each tensor (:func:`encode`); where it
+holds the same tensors as at the previous save (the usual case), the copies planned
+then (:class:`Plan`: numpy copies into views of both buffers) are done again, nothing
+re-derived. Large states and states on a GPU leave the copy of what only the
+optimizer's step changes, and the header, to the background thread during the next
+step's forward and backward; that step's optimizer step waits for it
+(:meth:`MemorySnapshots.hold`). A small state on the CPU is copied at once: there the
+thread's wake-up and the GIL going back and forth cost more than the copy
+(:data:`BACKGROUND_BYTES`).
 
 At a resume the ranks agree (:func:`agree`) on the newest snapshot every rank can
 restore: a memory snapshot newer than the newest disk snapshot, from the rank's own
@@ -69,6 +79,7 @@ import secrets
 import socket
 import stat
 import struct
+import weakref
 from typing import Any
 
 import attrs
@@ -80,7 +91,7 @@ FOLDER_PREFIX = "engine-memory-"  # + the user id
 RUN_ID_FILE = ".engine-memory-id"
 HEADER_BYTES = 4096
 ALIGN = 64
-MAGIC = b"ENGMEM\x00\x03"
+MAGIC = b"ENGMEM\x00\x04"
 # magic, sequence, step, epoch, payload length, checksum (16 bytes), step reached, run id,
 # where the exchange region starts (0: none)
 _HEADER = struct.Struct("<8sQQQQ16sQ16sQ")
@@ -97,6 +108,12 @@ _EXCHANGE_HEAD = 64
 ROW_BYTES = 8 + 16384 + 512
 #: What the checksum covers besides the payload: every field but itself and "reached".
 _SIGNED = struct.Struct("<8sQQQQ16s")
+#: The bytes of the tensors only the optimizer's step changes from which the background
+#: thread copies them during the next step (below, the save copies them at once): on the
+#: CPU a copy runs at 5-10 GB/s, so 4 MB take about as long as the thread's wake-up and
+#: the GIL's hand-overs cost on a machine without an idle core (CIFAR's 0.5 MB: 12% of
+#: the step through the thread, issue 37; docs/checkpoints.md).
+BACKGROUND_BYTES = 4 << 20
 #: Marks a tensor's place in the pickled skeleton: (MARKER, offset, dtype, shape).
 MARKER = "\x00engine-memory-tensor"
 #: Marks a value pickled once for every snapshot (the config): (PICKLED, its pickle).
@@ -230,68 +247,167 @@ def pickled(value) -> tuple:
 
 
 @functools.cache
-def _numpy_dtypes() -> frozenset:
+def _encoder_class():
+    """A pickler that pickles a state as it is, in C, and puts a marker (MARKER, offset,
+    dtype, shape) where each tensor is (its bytes go into the data region): the
+    skeleton. Only tensors and the few other objects that are not plain containers and
+    numbers reach Python (``reducer_override``); a walk over the state in Python cost
+    70 us a snapshot of the CIFAR network's (issue 37). Given the previous snapshot's
+    :class:`Plan`, a tensor where the plan has the same one (the same memory, dtype,
+    shape and strides) gets the plan's marker, made once."""
+    import io
+
     import torch
 
-    return frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
-                      torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
-                      torch.complex128})
+    names: dict = {}
+
+    class Encoder(pickle.Pickler):
+        def __init__(self, plan: Plan | None):
+            self.file = io.BytesIO()
+            super().__init__(self.file, protocol=pickle.HIGHEST_PROTOCOL)
+            self.plan = plan
+            self.same = plan is not None  # every tensor so far is the plan's
+            self.tensors: list[tuple[int, Any]] = []  # (offset, tensor)
+            self.key: list[tuple] = []  # where each tensor's bytes are, and their form
+            self.size = 0
+
+        def reducer_override(self, obj):
+            if not isinstance(obj, torch.Tensor):
+                return NotImplemented  # torch.Size, dtypes, OrderedDict: as pickle does
+            tensor = obj.detach() if obj.requires_grad else obj
+            if self.same:
+                index = len(self.tensors)
+                if index < len(self.plan.key):
+                    ptr, dtype, shape, stride = self.plan.key[index]
+                    if (tensor.data_ptr() == ptr and tensor.dtype == dtype
+                            and tensor.shape == shape and tensor.stride() == stride):
+                        offset, reduced, self.size = self.plan.markers[index]
+                        self.tensors.append((offset, tensor))
+                        return reduced
+                self.same = False
+                self.key = self.plan.key[:index]
+            dtype, shape = tensor.dtype, tensor.shape
+            name = names.get(dtype) or names.setdefault(dtype, str(dtype)[6:])  # "torch."
+            self.tensors.append((self.size, tensor))
+            self.key.append((tensor.data_ptr(), dtype, shape, tensor.stride()))
+            entry = (MARKER, self.size, name, tuple(shape))
+            self.size = _align(self.size + tensor.numel() * tensor.element_size())
+            return tuple, (entry,)  # unpickled as the marker tuple itself
+
+    return Encoder
+
+
+def encode(state: dict, plan: Plan | None = None):
+    """``state`` pickled with a marker in each tensor's place (:func:`_encoder_class`):
+    (the skeleton, the tensors with their offsets in the data region, the data region's
+    size, and None where ``plan`` holds these very tensors, else the key of a new
+    :class:`Plan`: where each tensor's bytes are, and their form)."""
+    encoder = _encoder_class()(plan)
+    encoder.dump(state)
+    same = encoder.same and len(encoder.tensors) == len(plan.key)
+    if plan is not None and not same and encoder.same:  # the plan's, and more or fewer
+        encoder.key = plan.key[:len(encoder.tensors)]
+    return (encoder.file.getvalue(), encoder.tensors, encoder.size,
+            None if same else encoder.key)
 
 
 def encode_plan(state: dict) -> tuple[bytes, list, int]:
     """The pickled skeleton of ``state`` (each tensor replaced by its marker), the
     tensors with their offsets in the data region, and the data region's size."""
-    import torch
+    return encode(state)[:3]
 
-    tensors: list[tuple[int, Any]] = []
-    size = 0
 
-    def walk(value):
-        nonlocal size
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach() if value.requires_grad else value
-            entry = (MARKER, size, str(tensor.dtype)[6:], tuple(tensor.shape))  # "torch."
-            tensors.append((size, tensor))
-            size = _align(size + tensor.numel() * tensor.element_size())
-            return entry
-        if isinstance(value, dict):
-            # Plain values (most of a config) are kept without a call each.
-            return {k: v if type(v) in _PLAIN else walk(v) for k, v in value.items()}
-        if type(value) in (list, tuple):
-            if set(map(type, value)) <= _PLAIN:
-                return value  # Python's RNG state: 625 ints, looked at in C
-            return type(value)(walk(v) for v in value)
-        return value
+#: The payload's own header: the skeleton's length, where the data region starts.
+_PAYLOAD = struct.Struct("<QQ")
 
-    skeleton = pickle.dumps(walk(state), protocol=pickle.HIGHEST_PROTOCOL)
-    return skeleton, tensors, size
+
+def data_start(skeleton_bytes: int) -> int:
+    """Where a plan puts the data region after a skeleton of ``skeleton_bytes``: with
+    room for it to grow (metrics, an epoch's loss sums, larger step numbers) while the
+    tensors stay where they are, so that the copies' views need not be made again."""
+    return _align(_PAYLOAD.size + skeleton_bytes + max(1024, skeleton_bytes // 8))
 
 
 def payload_size(skeleton: bytes, data_size: int) -> int:
-    return _align(8 + len(skeleton)) + data_size
+    return data_start(len(skeleton)) + data_size
 
 
-def write_payload(buf, skeleton: bytes, tensors: list) -> int:
-    """Write the payload into ``buf`` (a uint8 tensor at least :func:`payload_size`
-    long, on the CPU); returns its length."""
+class Plan:
+    """Where each tensor of a snapshot goes in the payload, and the copies that put it
+    there, made at a snapshot and reused by the next ones as long as the state holds
+    the same tensors (the same memory, dtype, shape and strides, in the same order:
+    :func:`encode`'s key): a snapshot then costs the skeleton's pickle and one numpy
+    copy per tensor (which releases the GIL), nothing re-derived. The plan keeps its
+    tensors alive, so another tensor cannot come to live at one's address while the
+    plan stands. ``held``: the addresses of the tensors only the optimizer's step
+    changes (:func:`held_by`), copied later by the background thread."""
+
+    def __init__(self, key: list, tensors: list, data_size: int, data_at: int,
+                 held: frozenset | None):
+        self.key = key
+        self.tensors = tensors
+        # Each tensor's marker as the encoder returns it, and where the next one starts.
+        self.markers = [
+            (offset, (tuple, ((MARKER, offset, str(t.dtype)[6:], tuple(t.shape)),)),
+             _align(offset + t.numel() * t.element_size())) for offset, t in tensors]
+        self.held = held is not None
+        self.data_at = data_at
+        self.data_size = data_size
+        self.later = [held is not None and t.data_ptr() in held for _, t in tensors]
+        offset, last = tensors[-1] if tensors else (0, None)
+        self.length = data_at + (offset + last.numel() * last.element_size()
+                                 if tensors else 0)
+        self.device = next((t.device for _, t in tensors if t.is_cuda), None)
+        #: Whether the background thread copies the held tensors: handing them over
+        #: costs a thread's wake-up and the GIL going back and forth, more than a copy
+        #: of a few MB where no core is idle (issue 37).
+        self.background = held is not None and (self.device is not None or sum(
+            t.numel() * t.element_size() for (_, t), h in zip(tensors, self.later) if h)
+            >= BACKGROUND_BYTES)
+        self.copies: dict = {}  # buffer index: (its array then, copies now, copies later)
+
+    def fits(self, skeleton: bytes, held) -> bool:
+        """Whether a state whose tensors are this plan's (:func:`encode`) can be saved
+        by it: its skeleton has room, the same tensors wait for the optimizer."""
+        return _PAYLOAD.size + len(skeleton) <= self.data_at and (held is not None) == self.held
+
+    def copies_into(self, index: int, buffer: Buffer) -> tuple[list, list]:
+        """The copies into ``buffer`` (this rank's ``index``): those to do now, and those
+        of the tensors the optimizer's step changes; made again when it was remapped."""
+        made = self.copies.get(index)
+        if made is None or made[0] is not buffer.array:
+            now, later = [], []
+            for (offset, tensor), is_later in zip(self.tensors, self.later):
+                copy = _copier(buffer, HEADER_BYTES + self.data_at + offset, tensor)
+                if copy is not None:
+                    (later if is_later else now).append(copy)
+            made = self.copies[index] = (buffer.array, now, later)
+        return made[1], made[2]
+
+
+def _copier(buffer: Buffer, at: int, tensor):
+    """One copy of ``tensor`` into ``buffer`` at ``at`` (a callable; None: no bytes).
+    From the CPU by numpy's copyto, which releases the GIL during the memcpy: torch's
+    copy_ hands a few hundred kB to its thread pool, whose wake-up cost milliseconds
+    per copy on a busy machine (measured: 1.8 ms against 22 us for 62,000 floats);
+    from a GPU, copy_ (a device-to-host copy)."""
     import numpy as np
+    import torch
 
-    array = buf.numpy()
-    array[:8] = np.frombuffer(struct.pack("<Q", len(skeleton)), dtype=np.uint8)
-    array[8:8 + len(skeleton)] = np.frombuffer(skeleton, dtype=np.uint8)
-    return write_tensors(buf, array, _align(8 + len(skeleton)), tensors)
-
-
-def write_tensors(buf, array, start: int, tensors: list) -> int:
-    """``tensors`` (offset, tensor) into the payload ``buf`` (and ``array``, the same
-    bytes), their data region at ``start``; returns where the last one ends."""
-    end = start
-    for offset, tensor in tensors:
-        n = tensor.numel() * tensor.element_size()
-        if n:
-            copy_bytes(buf, array, start + offset, n, tensor)
-        end = start + offset + n
-    return end
+    n = tensor.numel() * tensor.element_size()
+    if not n:
+        return None
+    if tensor.device.type == "cpu":
+        try:
+            source = tensor.numpy()
+        except (TypeError, RuntimeError):  # bfloat16 and others numpy lacks
+            source = (tensor.view(torch.uint8).numpy().reshape(-1)
+                      if tensor.is_contiguous() else None)
+        if source is not None:
+            target = buffer.array[at:at + n].view(source.dtype).reshape(source.shape)
+            return functools.partial(np.copyto, target, source)
+    target = buffer.tensor[at:at + n].view(tensor.dtype).view(tensor.shape)
+    return functools.partial(target.copy_, tensor)
 
 
 def held_by(optimizer) -> frozenset:
@@ -308,27 +424,14 @@ def held_by(optimizer) -> frozenset:
     return frozenset(held)
 
 
-def copy_bytes(buf, array, at: int, n: int, tensor) -> None:
-    """``tensor``'s ``n`` bytes into the buffer at ``at``. From the CPU by numpy's
-    memcpy: torch's copy_ hands a few hundred kB to its thread pool, whose wake-up cost
-    milliseconds per copy on a busy machine (measured: 1.8 ms against 22 us for 62,000
-    floats); from a GPU, copy_ (a device-to-host copy)."""
-    import torch
-
-    if tensor.device.type != "cpu":
-        buf[at:at + n].copy_(tensor.reshape(-1).view(torch.uint8))
-    elif tensor.dtype in _numpy_dtypes():
-        array[at:at + n] = tensor.numpy().reshape(-1).view("u1")
-    else:  # bfloat16 and others numpy lacks: their bytes
-        array[at:at + n] = tensor.reshape(-1).view(torch.uint8).numpy()
-
-
 class _SkeletonUnpickler(pickle.Unpickler):
     """Plain values only: the containers and numbers a state dict holds, torch's dtypes
     and sizes; anything else in a buffer is refused, as torch.load(weights_only=True)
     refuses it in a file."""
 
-    ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"),
+    # builtins.tuple: how the encoder writes a tensor's marker (_encoder_class).
+    ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "tuple"),
+               ("builtins", "set"),
                ("builtins", "frozenset"), ("builtins", "complex"), ("builtins", "slice")}
 
     def find_class(self, module, name):
@@ -347,9 +450,10 @@ def read_payload(buf) -> dict:
 
     import torch
 
-    length = struct.unpack("<Q", bytes(buf[:8].tolist()))[0]
-    skeleton = buf[8:8 + length].numpy().tobytes()
-    start = _align(8 + length)
+    length, start = _PAYLOAD.unpack(bytes(buf[:_PAYLOAD.size].tolist()))
+    if not _PAYLOAD.size + length <= start <= len(buf):
+        raise ValueError("its skeleton and data region overlap or lie outside the payload")
+    skeleton = buf[_PAYLOAD.size:_PAYLOAD.size + length].numpy().tobytes()
 
     def build(value):
         if isinstance(value, tuple) and len(value) == 2 and value[0] == PICKLED:
@@ -641,17 +745,48 @@ def make_row(loss) -> bytes:
     peer keeps in case this rank's buffers are lost. b"" when they do not fit in
     ROW_BYTES. In raw bytes, not as rng_state's tuples and tensors, which take
     longer to pickle."""
-    import random
 
     import torch
 
-    version, internal, gauss = random.getstate()
-    state = {"python": (version, struct.pack(f"<{len(internal)}I", *internal), gauss),
-             "numpy": _numpy_rng(), "torch": torch.get_rng_state().numpy().tobytes()}
+    state = {"python": _python_rng(), "numpy": _numpy_rng(),
+             "torch": torch.get_rng_state().numpy().tobytes()}
     if torch.cuda.is_initialized():  # (is_available asks the driver: 1 us, each time)
         state["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
     data = pickle.dumps({"rng": state, "loss": loss}, protocol=pickle.HIGHEST_PROTOCOL)
     return data if 8 + len(data) <= ROW_BYTES else b""
+
+
+def _python_rng() -> tuple:
+    """Python's global RNG state as (version, its 625 words as little-endian bytes,
+    gauss), as random.getstate() gives it. The getter makes a tuple of 625 ints
+    (20-50 us, and as much again to pack them); the generator's words are read straight
+    from the object instead (a CPython RandomObject: its index, then 624 words, after
+    the object's header), once checked against getstate() in this process: any other
+    layout reads them through getstate() each time."""
+    import random
+
+    inst = random.getstate.__self__  # the module's own generator
+    if _python_layout[0] is None:
+        _python_layout[0] = _raw_python(inst) == _packed_python(inst)
+    return _raw_python(inst) if _python_layout[0] else _packed_python(inst)
+
+
+_python_layout: list = [None]  # whether the generator's words can be read in place
+
+
+def _raw_python(inst) -> tuple:
+    import ctypes
+    import sys
+
+    if sys.byteorder != "little" or type(inst).__basicsize__ < 16 + 4 + 624 * 4:
+        return ()
+    raw = ctypes.string_at(id(inst) + 16, 4 + 624 * 4)  # after ob_refcnt, ob_type
+    return (inst.VERSION, raw[4:] + raw[:4], inst.gauss_next)  # words, then the index
+
+
+def _packed_python(inst) -> tuple:
+    version, internal, gauss = inst.getstate()
+    return (version, struct.pack(f"<{len(internal)}I", *internal), gauss)
 
 
 _numpy_seen: list = [None, None]  # numpy's raw generator state, and its state then
@@ -823,6 +958,7 @@ class MemorySnapshots:
         self.background = Background(self)
         self.exchanges = Exchanges(world.world_size, self.background)
         self.hook = None  # the next optimizer step's wait (hold)
+        self.plan: Plan | None = None  # the last save's (reused while the state allows)
 
     def check(self) -> str | None:
         """None when this user's buffer folder is safe to use (made if missing), else
@@ -876,61 +1012,74 @@ class MemorySnapshots:
             if self.buffers[i].tensor is None or self.buffers[i].capacity < needed:
                 self.buffers[i].map(capacity, self.info, self.raw_id, self.exchange_bytes)
 
-    def save(self, state: dict, *, step: int, epoch: int,
-             held: frozenset | None = None) -> None:
+    def save(self, state: dict, *, step: int, epoch: int, held=None) -> bool:
         """Copy ``state`` into the buffer that does not hold the newest snapshot. NoRoom
         or Unsafe when a buffer cannot be had; the newest snapshot stays valid.
 
-        ``held`` (:func:`held_by`): the tensors there are copied, the checksum taken and
-        the header written by the background thread (:class:`Background`), while the
-        next step's forward and backward run: the caller has the optimizer's next step
-        wait for it (:meth:`hold`). Until it is done the snapshot is not valid and the
+        ``held`` (:func:`held_by`'s set, or a callable that returns it, called only when
+        the plan is made): the tensors there are copied, the checksum taken and the
+        header written by the background thread (:class:`Background`), while the next
+        step's forward and backward run: the caller has the optimizer's next step wait
+        for it (:meth:`hold`). Until it is done the snapshot is not valid and the
         previous one is the newest. The skeleton (plain values a step may change in
-        place) and every other tensor are written before this returns."""
+        place) and every other tensor are written before this returns.
+
+        The copies are those of the :class:`Plan` the previous save made, as long as the
+        state holds the same tensors (the common case: a model's and optimizer's state
+        dicts hold the same tensors every step); else a new plan. Returns whether the
+        background thread finishes it (the caller then calls :meth:`hold`): only where
+        the tensors held are on a GPU or above :data:`BACKGROUND_BYTES`; a smaller copy
+        is done here, at once."""
         import torch
 
-        skeleton, tensors, data_size = encode_plan(state)
-        needed = payload_size(skeleton, data_size)
+        plan = self.plan
+        skeleton, tensors, data_size, key = encode(state, plan)
+        if key is not None or not plan.fits(skeleton, held):
+            plan = self.plan = Plan(key or plan.key, tensors, data_size,
+                                    data_start(len(skeleton)),
+                                    held() if callable(held) else held)
         index = 1 if self.newest_index == 0 else 0
         buffer = self.buffers[index]
         # Both at the first save (reserve), the target alone when the state grew.
-        self._reserve(needed, [index] if self.buffers[1 - index].tensor is not None
+        self._reserve(plan.data_at + plan.data_size,
+                      [index] if self.buffers[1 - index].tensor is not None
                       else [index, 1 - index])
+        now, later = plan.copies_into(index, buffer)
         stream = None
-        if any(tensor.is_cuda for _, tensor in tensors):
+        if plan.device is not None:
             buffer.pin()
             # The background copies go on the stream the step's kernels are on: after
             # the optimizer step that made the state, as the step's own copies would.
-            stream = torch.cuda.current_stream(next(t for _, t in tensors if t.is_cuda).device)
+            stream = torch.cuda.current_stream(plan.device)
         buffer.invalidate()
-        payload = buffer.payload(buffer.capacity)
-        later = [] if held is None else [(o, t) for o, t in tensors if t.data_ptr() in held]
-        now = [(o, t) for o, t in tensors if held is None or t.data_ptr() not in held]
-        write_payload(payload, skeleton, now)
-        start = _align(8 + len(skeleton))
-        last_offset, last = tensors[-1] if tensors else (0, None)
-        length = start + (last_offset + last.numel() * last.element_size() if tensors else 0)
+        array, at = buffer.array, HEADER_BYTES + _PAYLOAD.size
+        array[HEADER_BYTES:at] = bytearray(_PAYLOAD.pack(len(skeleton), plan.data_at))
+        array[at:at + len(skeleton)] = bytearray(skeleton)
+        for copy in now:
+            copy()
         self.sequence += 1
-        sequence, raw_id = self.sequence, self.raw_id
+        sequence, raw_id, length = self.sequence, self.raw_id, plan.length
 
         def finish() -> None:
             try:
                 with (contextlib.nullcontext() if stream is None
                       else torch.cuda.stream(stream)):
-                    write_tensors(payload, payload.numpy(), start, later)
+                    for copy in later:
+                        copy()
                 digest = checksum(_signed(sequence, step, epoch, length, raw_id),
-                                  buffer.array[HEADER_BYTES:HEADER_BYTES + length])
+                                  array[HEADER_BYTES:HEADER_BYTES + length])
                 buffer.write_header(sequence, step, epoch, length, raw_id, digest)
             finally:
                 self.background.copied.set()
 
         self.newest_index = index
         self.saves += 1
-        if held is None:
+        if not plan.background:
             finish()
-        else:
-            self.background.copied.clear()
-            self.background.submit(finish)
+            return False
+        self.background.copied.clear()
+        self.background.submit(finish)
+        return True
 
     def hold(self, optimizer) -> None:
         """Have ``optimizer``'s next step wait for the snapshot being finished in the
@@ -980,8 +1129,11 @@ class MemorySnapshots:
         return sum(HEADER_BYTES + b.capacity + self.exchange_bytes for b in self.buffers
                    if b.tensor is not None)
 
-    def close(self) -> None:
-        self.background.stop()
+    def close(self, wait: bool = True) -> None:
+        """End the background thread (waiting for what it has left unless not ``wait``:
+        a failed run) and unmap the buffers; their files stay."""
+        self.background.stop(wait)
+        self.plan = None  # its tensors and its views of the buffers
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
@@ -1010,9 +1162,16 @@ class Background:
 
     def __init__(self, memory: MemorySnapshots):
         self.memory = memory
+        self._forget()
+        _LIVE.add(self)
+
+    def _forget(self) -> None:
+        """No thread, nothing pending: at the start, and in a child forked from this
+        process (a DataLoader worker), which has not the thread and must not wait on
+        the queue, lock or events the parent's thread held at the fork."""
         import threading
 
-        self.queue = self.thread = self.idle = None
+        self.queue = self.thread = self.idle = self.lock = None
         self.pending = 0
         self.copied = threading.Event()  # clear while a snapshot's copy is in flight
         self.copied.set()
@@ -1054,14 +1213,18 @@ class Background:
                     if not self.pending:
                         self.idle.set()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
         """Wait for what is left, then end the thread (a later :meth:`submit` starts
-        another): a closed rank's pair leaves no thread behind."""
+        another): a closed rank's pair leaves no thread behind. ``wait=False`` (a run
+        that failed: a collective the thread waits for may never come): the thread ends
+        once its jobs are done or have failed, not waited for."""
         if self.thread is None:
             return
-        self.wait()
+        if wait:
+            self.wait()
         self.queue.put(None)
-        self.thread.join(self.TIMEOUT_S)
+        if wait:
+            self.thread.join(self.TIMEOUT_S)
         self.thread = None
 
     def wait(self, event=None) -> None:
@@ -1071,6 +1234,17 @@ class Background:
         if event is not None and not event.wait(self.TIMEOUT_S):
             raise RuntimeError(f"a memory snapshot's background copy and exchange did not "
                                f"finish in {self.TIMEOUT_S:.0f} s")
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every Background of this process
+
+
+def _forget_threads_in_child() -> None:
+    for background in list(_LIVE):
+        background._forget()
+
+
+os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
 class Exchanges:
@@ -1143,6 +1317,9 @@ class Exchanges:
                                       else self.rows.cpu().numpy())
 
         if work is None and target is None:
+            return
+        if work is None and not self.background.pending:
+            write()  # a single process, its snapshot whole: no thread to wake for it
             return
         self.background.submit(write)
 

@@ -11,6 +11,7 @@ only stores the dict and gives it back.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import engine
@@ -146,12 +147,13 @@ def save_to_memory(eng) -> None:
         if memory.failed is None:
             # What only the optimizer's step changes is copied during the next step's
             # forward and backward, finished before that optimizer step (memory.hold).
-            held = None
-            if eng.optimizer is not None:
-                memory.hold(eng.optimizer)
-                held = memory_snapshot.held_by(eng.optimizer)
+            # Asked only when the copies are planned again (memory.save), not each step.
+            held = (None if eng.optimizer is None
+                    else functools.partial(memory_snapshot.held_by, eng.optimizer))
             try:
-                memory.save(state, step=eng.state.step, epoch=eng.state.epoch, held=held)
+                if memory.save(state, step=eng.state.step, epoch=eng.state.epoch,
+                               held=held):
+                    memory.hold(eng.optimizer)  # its next step waits for the copy
                 saved = True
             except (memory_snapshot.NoRoom, memory_snapshot.Unsafe) as exc:
                 memory.failed = str(exc)

@@ -1,7 +1,7 @@
 """Iterable datasets (streams): their sharding, an epoch's common end, their resume.
 
 A recipe's ``build_datasets`` may return a ``torch.utils.data.IterableDataset`` for
-training. The rules (docs/data.md, "Streams"):
+training, for validation, or both. The rules (docs/data.md, "Streams"):
 
 - Sharding. Item i of the stream (counted from 0 each epoch) goes to the consumer
   ``rank * num_workers + worker_id`` for which ``i % (world_size * num_workers)`` is that
@@ -25,11 +25,16 @@ training. The rules (docs/data.md, "Streams"):
   another number of workers that replay cannot be exact: refused. At another world
   size the items a rank consumed are not a prefix of a stream: refused too (give
   addressable data as a map-style dataset, which resumes at any world size).
+- Validation on a stream (:class:`ValidationStream`): each rank validates its part
+  (the same rule), read from the stream's start every time (a stateful one from its
+  state when the loader was made), without lookahead or padding; nothing of it is in
+  a snapshot.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import time
 
 import torch
@@ -74,6 +79,36 @@ class ShardedStream(IterableDataset):
             self.next_index = i + 1
             if i % consumers == me:
                 yield item
+
+
+class ValidationStream(ShardedStream):
+    """This rank's and worker's items of a validation stream, from the stream's start at
+    every iteration (each validation reads the whole stream again: a dataset with
+    ``state_dict`` is put back to the state it had when the loader was made).
+    Validation needs no lookahead: its forwards do not communicate, so a rank whose
+    part is shorter simply finishes first, and the metrics' one reduction at the end
+    sums every rank's real counts. Its loader is its own: the training stream's
+    position and state stay as they were."""
+
+    def __init__(self, dataset, rank: int, world_size: int):
+        super().__init__(dataset, rank, world_size)
+        self.start = copy.deepcopy(dataset.state_dict()) if has_state(dataset) else None
+
+    def __iter__(self):
+        self.next_index = 0  # not where the last validation stopped (a worker's copy too)
+        if self.start is not None:
+            self.dataset.load_state_dict(copy.deepcopy(self.start))
+        return super().__iter__()
+
+
+def val_loader(dataset, *, world, **kwargs):
+    """engine.data.val_loader for any validation set: a stream's loader reads this
+    rank's part of it (ValidationStream)."""
+    from engine import data
+
+    if is_stream(dataset):
+        dataset = ValidationStream(dataset, world.rank, world.world_size)
+    return data.val_loader(dataset, world=world, **kwargs)
 
 
 class StatefulShardedStream(ShardedStream):
@@ -157,6 +192,9 @@ class StreamLoader:
         self.restored_padding = None  # that batch from a snapshot, for start_epoch
         self.resumed_padding = None  # and for this epoch's iteration
         self.group = None  # the process group of the end-of-data flags (CPU)
+        # A library loop's TrainState: each batch handed out counts in its batch_in_epoch
+        # (engine-run's loop counts them itself)
+        self.counts_in = None
 
     # ----------------------------------------------------------- the epoch
 
@@ -218,6 +256,8 @@ class StreamLoader:
             self.last = not more
             if ended and not ahead:  # no real batch after this one on this rank
                 self.ended_with = last
+            if self.counts_in is not None:
+                self.counts_in.batch_in_epoch += 1
             yield last
             if not more:
                 return

@@ -989,10 +989,12 @@ class Trainer:
             return None
         batches = (eng.state.batch_in_epoch - window.first_batch - window.skipped_batches
                    + window.resumed_batches)
-        totals = torch.stack([window.total_loss(), torch.tensor(
-            batches, dtype=torch.float64, device=self.device)])
-        loss_sum, batch_count = (distributed.all_reduce_sum(totals) if reduce
-                                 else totals).tolist()
+        if reduce:
+            totals = torch.stack([window.total_loss(), torch.tensor(
+                batches, dtype=torch.float64, device=self.device)])
+            loss_sum, batch_count = distributed.all_reduce_sum(totals).tolist()
+        else:  # a memory snapshot's, each step at memory_every_steps=1: no more ops
+            loss_sum, batch_count = window.total_loss().item(), float(batches)
         return {"sum": loss_sum, "batches": batch_count,
                 "micro_batch": self.run_parts.micro_batch}
 
@@ -1174,11 +1176,10 @@ class Trainer:
         """:meth:`validation_names` on one rank: eval_step on its shard's first batch
         (a rank whose shard is empty takes the set's first samples: every rank runs
         one forward)."""
-        indices = (list(itertools.islice(iter(loader.sampler), loader.batch_size))
-                   or list(range(min(len(loader.dataset), loader.batch_size))))
-        if not indices:
+        samples = data.first_val_samples(loader)
+        if not samples:
             return []  # no validation sample: no val/* metric (MetricSums.reduce)
-        batch = loader.collate_fn([loader.dataset[i] for i in indices])
+        batch = loader.collate_fn(samples)
         batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
         with self.autocast():
             sums = self.eval_step(batch, self.engine)

@@ -184,11 +184,9 @@ def setup_recipe_run(ctx, recipe) -> RunParts:
         parts.train_loader = training_loader(
             train_set, micro_batch=parts.micro_batch, world=world, seed=cfg.seed,
             drop_last=cfg.drop_last, per_sample_seed=cfg.per_sample_seed, **loader_kwargs)
-    if val_set is not None:
-        from engine import data  # imports torch: lazily
-
-        parts.val_loader = data.val_loader(val_set, batch=parts.micro_batch, world=world,
-                                           **loader_kwargs)
+    if val_set is not None:  # map-style, or a stream
+        parts.val_loader = streaming.val_loader(val_set, batch=parts.micro_batch,
+                                                world=world, **loader_kwargs)
     parts.model = prepare_model(recipe_model(recipe, cfg), cfg, parts.parallel, ctx.device,
                                 ctx.print)
     parts.optimizer = build_optimizer(

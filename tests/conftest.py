@@ -282,10 +282,12 @@ def _mark_slow(item) -> None:
 # measured longest (issue 39, longest first) are handed out first; the rest follow in
 # collection order. A module missing here only runs in its turn: no test depends on it.
 LONGEST_FIRST = (
-    "tests/engine/test_snapshot.py", "tests/plugins/test_checkpointer_contract.py",
+    "tests/test_combinations.py", "tests/engine/test_snapshot.py", "tests/plugins/test_checkpointer_contract.py",
     "tests/engine/test_memory_resume.py", "tests/engine/test_compile.py",
     "tests/plugins/test_async_file.py", "tests/engine/test_preemption.py",
     "tests/engine/test_trainer.py", "tests/tools/test_memory_kill_loop.py",
+    "tests/examples/test_hf_causal_lm.py", "tests/plugins/test_spawn.py",
+    "tests/engine/test_worker_setup.py",
     "tests/engine/commands/test_tune_workers.py", "tests/tools/test_bench_gpu_resnet.py",
     "tests/plugins/test_torchrun.py", "tests/examples/test_custom_loop.py",
     "tests/engine/test_processes.py", "tests/recipes/test_char_lm.py",

@@ -8,9 +8,11 @@ ENGINE_FAULT_ACTION  kill (SIGKILL itself), raise, hang, signal (SIGUSR1 to itse
                      deaf to it)
 ENGINE_FAULT_STEP    act right after this optimizer step ...
 ENGINE_FAULT_EPOCH   ... or at the start of this epoch
-ENGINE_FAULT_RANK    the rank that acts (default 0)
+ENGINE_FAULT_RANK    the rank that acts (default 0), or ``all``: every rank (a whole
+                     machine lost at once, no survivor left waiting on the dead)
 ENGINE_FAULT_ONCE    a marker file: act only when it does not exist yet (then create it),
-                     so that the resumed run goes through
+                     so that the resumed run goes through (with ``all``: one marker per
+                     rank, the path plus ``.rank<R>``)
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ import engine
 
 
 def _act(eng) -> None:
-    if eng.world.rank != int(os.environ.get("ENGINE_FAULT_RANK", "0")):
+    acting = os.environ.get("ENGINE_FAULT_RANK", "0")
+    if acting != "all" and eng.world.rank != int(acting):
         return
     marker = os.environ.get("ENGINE_FAULT_ONCE")
+    if marker and acting == "all":
+        marker = f"{marker}.rank{eng.world.rank}"
     if marker:
         path = pathlib.Path(marker)
         if path.exists():

@@ -49,8 +49,11 @@ snapshot are outside. Printed per workload, process count and N:
   capture (the snapshot dict, each rank its own share, no collective:
   engine.snapshot's capture_here) and its slowest parts (engine/stateful.py's; rng:
   this rank's exchange row), copy (skeleton, tensors into the buffer, checksum, header,
-  all at once here, where the loop leaves most of it to a background thread), and
+  waited for here, where the loop leaves a large state's to a background thread), and
   payload bytes / copy time;
+- the ratio on / off of the step's wall and process CPU time, paired by round (the
+  CPU time counts the background thread's and torch's threads' work as well: on a
+  machine without an idle core, what overlapping cannot hide);
 - weights: bit-identical to the run with snapshots off (a snapshot only reads), every
   round. Exit status 1 where they are not.
 """
@@ -145,9 +148,10 @@ def split_times(eng, times: int = 3) -> dict:
     """Where a memory snapshot's time goes, each the median of ``times`` after the
     loop: capture (the snapshot dict, each rank its own share: engine.snapshot's
     capture_here), each snapshot part's share of it (``rng``: this rank's exchange row),
-    and the copy (engine.memory_snapshot's save, all of it at once here: skeleton,
-    tensors into the buffer, checksum, header). These extra snapshots come after the
-    last step: the weights and the timed loop are untouched."""
+    and the copy (engine.memory_snapshot's save as the loop calls it, and the wait for
+    its background part: skeleton, tensors into the buffer, checksum, header). These
+    extra snapshots come after the last step: the weights and the timed loop are
+    untouched."""
     import time
 
     from engine import memory_snapshot, snapshot
@@ -166,7 +170,9 @@ def split_times(eng, times: int = 3) -> dict:
         start = time.perf_counter()
         state, _ = snapshot.capture_here(eng, eng.memory.config)
         middle = time.perf_counter()
-        eng.memory.save(state, step=eng.state.step, epoch=eng.state.epoch)
+        eng.memory.save(state, step=eng.state.step, epoch=eng.state.epoch,
+                        held=functools.partial(memory_snapshot.held_by, eng.optimizer))
+        eng.memory.finish()  # a large state's background copy: counted here
         spent["capture"].append(middle - start)
         spent["copy"].append(time.perf_counter() - middle)
     medians = {name: statistics.median(values) for name, values in spent.items()}
@@ -233,6 +239,7 @@ def summarize(workload: str, world_size: int, results: list[dict]) -> list[dict]
         cost_pct = [100 * c / per_step(off[r["round"]]) for c, r in zip(cost, runs)]
         cpu_pct = [100 * (per_step(r, "cpu_seconds") / per_step(off[r["round"]], "cpu_seconds")
                           - 1) for r in runs]
+        ratio = [per_step(r) / per_step(off[r["round"]]) for r in runs]
         # One snapshot: the median of a run's snapshots after its first (which maps
         # the buffers and checks /dev/shm's room), the median of that over the runs.
         one = [statistics.median(r["snapshot_times"][1:] or r["snapshot_times"])
@@ -249,6 +256,11 @@ def summarize(workload: str, world_size: int, results: list[dict]) -> list[dict]
             "step_on_ms": 1e3 * statistics.median(per_step(r) for r in runs),
             "cost_ms": overhead.spread([1e3 * c for c in cost]),
             "cost_pct": overhead.spread(cost_pct), "cpu_cost_pct": overhead.spread(cpu_pct),
+            "cpu_step_off_ms": 1e3 * statistics.median(
+                per_step(r, "cpu_seconds") for r in off.values()),
+            "cpu_step_on_ms": 1e3 * statistics.median(per_step(r, "cpu_seconds") for r in runs),
+            "ratio": overhead.spread(ratio),
+            "cpu_ratio": overhead.spread([1 + p / 100 for p in cpu_pct]),
             "window_cost_pct": window_cost_pct(every, runs, off),
             "snapshot_ms": 1e3 * snapshot_s, "snapshot_share_pct": overhead.spread(share),
             "first_snapshot_ms": 1e3 * statistics.median(
@@ -302,6 +314,18 @@ def report(rows: list[dict], args, log_path: str) -> None:
               f"{p['median']:6.2f} [{p['q1']:6.2f} {p['q3']:6.2f}]  "
               f"{r['cpu_cost_pct']['median']:6.2f} {window:>6} "
               f"{r['snapshot_share_pct']['median']:7.2f}  {same}")
+    print("ratio on / off per step, paired by round: median [quartiles]; of wall time and "
+          "of the loop's process CPU time (the training thread, the background thread and "
+          "torch's threads together: what a busy machine cannot hide), with the CPU ms per "
+          "step off and on (medians)")
+    print(f"{'workload':<8} {'procs':>5} {'N':>4}  {'wall ratio':<24} {'cpu ratio':<24} "
+          f"{'cpu off':>9} {'cpu on':>9}")
+    for r in rows:
+        w, c = r["ratio"], r["cpu_ratio"]
+        print(f"{r['workload']:<8} {r['processes']:>5} {r['every']:>4}  "
+              f"{w['median']:6.3f} [{w['q1']:6.3f} {w['q3']:6.3f}]   "
+              f"{c['median']:6.3f} [{c['q1']:6.3f} {c['q3']:6.3f}]   "
+              f"{r['cpu_step_off_ms']:7.3f}ms {r['cpu_step_on_ms']:7.3f}ms")
     print("one snapshot in the loop (the engine's clock; first: the run's first, which maps "
           "the buffers; then the median of the others); MB: its payload; GB/s: payload / "
           "one snapshot; after the loop (medians of 3): capture (the snapshot dict; its "

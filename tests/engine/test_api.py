@@ -229,6 +229,16 @@ def too_few_samples(ctx):
                drop_last=True)
 
 
+class Items(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(8))
+
+
+def stream_second(ctx):
+    ctx.loader(torch.utils.data.TensorDataset(torch.zeros(8, 2)), batch_size=4)
+    ctx.loader(Items(), batch_size=4)
+
+
 @pytest.mark.parametrize("fn, message", [
     (wrap_twice, "ctx.wrap was called twice; a Context trains one model (with one "
                  "optimizer)"),
@@ -240,6 +250,9 @@ def too_few_samples(ctx):
     (bad_reduce, "ctx.reduce: op 'max' is not one of: mean, sum"),
     (too_few_samples, "the training set has 3 samples, fewer than one batch of 4 per "
                       "process; use a smaller batch_size or drop_last=False"),
+    (stream_second, "ctx.loader: a training stream must be the run's first training "
+                    "loader (snapshots record the first one's position); create it before "
+                    "the others"),
 ])
 def test_misuse_inside_the_worker_is_a_clear_error(tmp_path, fn, message):
     with pytest.raises(ConfigError) as err:

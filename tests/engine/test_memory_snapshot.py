@@ -17,6 +17,7 @@ import torch
 from engine import memory_snapshot
 from engine.memory_snapshot import MemorySnapshots
 from engine.testing import assert_same_snapshot
+from engine.testing import make_engine, make_plugin_manager, tiny_recipe  # noqa: F401 (fixtures)
 from engine.world import World
 from tests.conftest import small_disk
 
@@ -396,13 +397,16 @@ def test_a_row_gives_back_this_ranks_rng_states_and_loss_sums():
         stateful.set_rng_state(saved)
 
 
-def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(shm, tmp_path):
+def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(
+        shm, tmp_path, monkeypatch):
     """What only the optimizer's step changes is copied by the background thread; the
     optimizer's next step waits for it, so the snapshot holds the weights before that
     step. Once done, the buffer holds the snapshot and, in its exchange region, this
     rank's row, from which a rank restores its RNG states."""
     import threading
 
+    # A small model's copy is done at once; this one's goes to the thread as a large one's.
+    monkeypatch.setattr(memory_snapshot, "BACKGROUND_BYTES", 0)
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -417,7 +421,7 @@ def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(shm,
     go = threading.Event()
     memory.start_exchange(row)
     memory.background.submit(lambda: go.wait(60))  # the thread busy: the copy waits
-    memory.save(state, step=1, epoch=0, held=memory_snapshot.held_by(optimizer))
+    assert memory.save(state, step=1, epoch=0, held=memory_snapshot.held_by(optimizer))
     memory.record_exchange(saved=True)
     memory.hold(optimizer)
     assert memory.newest() is None  # not valid until the copy is done
@@ -443,3 +447,87 @@ def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(shm,
     memory.close()
     thread.join(timeout=60)  # close ends it: no thread left behind per closed pair
     assert not thread.is_alive() and memory.background.thread is None
+
+
+def test_a_state_whose_tensors_change_is_planned_again_and_saved_whole(shm, tmp_path):
+    """The copies planned at one save serve the next ones while the state holds the
+    same tensors (their new values saved); a tensor replaced (a buffer reassigned), a
+    view of other strides, one more or one fewer, and a skeleton that outgrew its room
+    are planned again: every snapshot loads as it was saved."""
+    memory = memory_of(tmp_path, shm)
+
+    def saved_whole(state: dict, step: int) -> bool:
+        memory.save({**state, "step": step}, step=step, epoch=0)
+        slot = memory_snapshot.newest(memory.paths, RUN_ID)
+        assert_same_snapshot(memory_snapshot.load_slot(slot), {**state, "step": step})
+        slot.close()
+        return True
+
+    w, b = torch.randn(7, 5), torch.zeros(3)
+    assert saved_whole({"w": w, "b": b}, 1)
+    first = memory.plan
+    w.add_(1.0)  # in place, as an optimizer step: the same plan, the new values
+    assert saved_whole({"w": w, "b": b}, 2) and memory.plan is first
+    b = b + 1  # reassigned, as a module may do with a buffer
+    assert saved_whole({"w": w, "b": b}, 3) and memory.plan is not first
+    assert saved_whole({"w": w.t(), "b": b}, 4)  # the same memory, other strides
+    assert saved_whole({"w": w, "b": b, "more": torch.ones(2, dtype=torch.float64)}, 5)
+    assert saved_whole({"w": w}, 6)
+    assert saved_whole({"w": w, "log": "x" * 100_000}, 7)  # the data region moves on
+
+
+def test_a_forked_child_has_no_background_thread_to_wait_for(shm, tmp_path):
+    """A child forked while the background thread is busy (a DataLoader worker forked
+    during a snapshot's copy) inherits neither the thread nor its queue, lock and
+    events: its own wait returns at once, where it would wait for a thread it lacks."""
+    import threading
+
+    memory = memory_of(tmp_path, shm)
+    go = threading.Event()
+    memory.background.submit(lambda: go.wait(60))
+    memory.background.copied.clear()  # as while a snapshot's copy is in flight
+    memory.background.TIMEOUT_S = 5.0  # a child that waits fails, not hangs
+    pid = os.fork()
+    if pid == 0:  # the child: everything here ends in os._exit
+        try:
+            background = memory.background
+            background.wait()
+            background.wait(background.copied)
+            fine = background.thread is None and background.pending == 0
+        except BaseException:
+            fine = False
+        os._exit(0 if fine else 1)
+    try:
+        _, status = os.waitpid(pid, 0)
+    finally:
+        go.set()
+        memory.background.copied.set()
+    assert os.waitstatus_to_exitcode(status) == 0
+    memory.close()
+
+
+def test_a_run_that_fails_closes_its_memory_snapshots_and_keeps_their_files(
+        make_engine, shm):
+    """A run that ends by an exception (in-process: a notebook's, a test's) leaves no
+    background thread and no mapping behind; the buffers' files stay for its rerun."""
+    import engine as engine_pkg
+
+    class FailAtStep3:
+        @engine_pkg.hookimpl
+        def engine_train_step_end(self, engine, step, loss):
+            if step == 3:
+                raise RuntimeError("failed at step 3")
+
+    threads = torch.get_num_threads()  # the run sets its own
+    eng = make_engine("checkpoint.memory_every_steps=1", f"checkpoint.memory_dir={shm}",
+                      plugins=[FailAtStep3(), "no:console"])
+    try:
+        with pytest.raises(Exception, match="failed at step 3"):
+            eng.run()
+    finally:
+        torch.set_num_threads(threads)
+    memory = eng.memory
+    assert memory is not None and memory.saves == 2  # steps 1 and 2
+    assert memory.background.thread is None and memory.plan is None
+    assert all(b.fd is None and b.mapping is None for b in memory.buffers)
+    assert memory_snapshot.newest(memory.paths, memory.run_id).step == 2

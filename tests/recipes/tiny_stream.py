@@ -7,6 +7,11 @@ nothing). ``data.stateful=true`` gives the stream state_dict/load_state_dict.
 ``data.uneven=true`` (2 processes) makes the stream split itself, unevenly: rank 1
 takes the items ``i % 4 == 3``, rank 0 the rest, so rank 1 trains padding for many
 steps of each epoch.
+
+``data.val_size=N`` adds a validation stream of items 0..N-1 (split like the training
+one: by the engine's rule, or unevenly by the stream itself with ``data.uneven``); its
+metrics are the items validated (``val/items``) and the mean of their ids and squared
+ids, which equal those of 0..N-1 only when every item is validated exactly once.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ class DataConfig:
     size: int = 45  # not a multiple of 2 ranks x batch 2: the ranks' parts differ
     stateful: bool = False
     uneven: bool = False
+    val_size: int = 0
 
 
 @attrs.define
@@ -84,9 +90,11 @@ def build_model(cfg):
 
 
 def build_datasets(cfg, ctx):
+    rank = ctx.rank if cfg.data.uneven else None
+    val = Stream(cfg.data.val_size, rank) if cfg.data.val_size else None
     if cfg.data.uneven:
-        return Stream(cfg.data.size, ctx.rank), None
-    return (StatefulStream if cfg.data.stateful else Stream)(cfg.data.size), None
+        return Stream(cfg.data.size, rank), val
+    return (StatefulStream if cfg.data.stateful else Stream)(cfg.data.size), val
 
 
 def build_optimizer(cfg, model):
@@ -107,3 +115,14 @@ def train_step(batch, ctx):
                 _started = True
             f.writelines(f"{ctx.state.epoch} {ctx.state.step} {i}\n" for i in ids.tolist())
     return nn.functional.cross_entropy(ctx.model(x), y)
+
+
+def eval_step(batch, ctx):
+    ids, x, y = batch
+    ids = ids.double()
+    return {"id": ids.sum(), "id_sq": (ids ** 2).sum(), "count": len(ids)}
+
+
+def eval_metrics(sums):
+    return {"items": sums["count"], "id": sums["id"] / sums["count"],
+            "id_sq": sums["id_sq"] / sums["count"]}

@@ -39,10 +39,14 @@ def test_bench_memory_snapshot_reports_cost_bytes_and_identical_weights(tmp_path
         assert row["window_cost_pct"] is not None  # 5 divides the window of 20 steps
         assert {"model", "optimizer", "rng"} <= set(row["capture_parts_ms"])
         assert row["step_off_ms"] > 0 and row["reps"] == 1
-        # A line in each table: the cost, then the one snapshot's time and bytes.
-        cost, one = [li for li in proc.stdout.splitlines()
-                     if li.startswith(f"tiny         2 {row['every']:>4}")]
+        # A line in each table: the cost, the ratios on / off of wall and CPU time per
+        # step, then the one snapshot's time and bytes.
+        cost, ratio, one = [li for li in proc.stdout.splitlines()
+                            if li.startswith(f"tiny         2 {row['every']:>4}")]
         assert cost.endswith("bit-identical")
+        assert row["cpu_step_on_ms"] > 0 and row["cpu_ratio"]["median"] > 0
+        assert (f"{row['ratio']['median']:6.3f}" in ratio
+                and f"{row['cpu_ratio']['median']:6.3f}" in ratio)
         assert f"{row['payload_bytes'] / 1e6:8.3f}" in one and "rng " in one
     # Off is off: its runs took no memory snapshot and had no buffer.
     off = [r for r in result["runs"] if r["every"] == 0]
