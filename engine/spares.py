@@ -40,6 +40,10 @@ from engine.fork_server import TorchForkServer, TorchForkServerProcess, _Popen
 from engine.plugin_manager import build_plugin_manager
 from engine.recipe import load_recipe
 
+# torch is imported inside the functions that start or become workers: the launcher's
+# process, which imports this module (spawn with restarts), never imports torch; the
+# zygote imports it as it starts.
+
 #: What the zygote preloads, handed to it through its environment (its own start
 #: reads it; multiprocessing passes it no arguments of ours): the launcher's sys.path
 #: and the recipe file to import.
@@ -112,7 +116,7 @@ class SparePool:
         """``torch.multiprocessing.start_processes(fn, args, nprocs, join=False)``,
         each process a fork of the zygote: a torch ProcessContext. ``listen_to``: the
         signals the zygote ignores, back to their default in each worker."""
-        from torch.multiprocessing.spawn import ProcessContext  # lazily: the launcher's
+        from torch.multiprocessing.spawn import ProcessContext
 
         self.warm(listen_to)
         processes, error_files = [], []
@@ -159,7 +163,7 @@ class SparePool:
 def _spare_entry(fn, index, args, error_file, environ, listen_to) -> None:
     """A fork of the zygote becoming a worker: the launcher's environment, the signals
     it ignores back to their default, then torch's wrapper as start_processes runs it."""
-    from torch.multiprocessing.spawn import _wrap  # torch: the zygote has it imported
+    from torch.multiprocessing.spawn import _wrap
 
     os.environ.clear()
     os.environ.update(environ)

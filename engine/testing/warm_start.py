@@ -26,6 +26,8 @@ so forking it is safe. Linux only; ``ENGINE_TEST_FORK=0`` runs real subprocesses
 from __future__ import annotations
 
 import atexit
+import gc
+import importlib
 import json
 import os
 import runpy
@@ -162,8 +164,6 @@ def serve() -> None:
     # it borrows): ~0.9 s of CPU once here, instead of in every compiling worker of the
     # compile tests and the combination matrix (its first compile: 1.2 -> 0.35 s). Not
     # in import_run_modules: a run's spare would pay it whether or not it compiles.
-    import importlib
-
     for module in ("torch._dynamo.backends.debugging", "torch._inductor.compile_fx"):
         importlib.import_module(module)
     if threading.active_count() != 1:  # forking a threaded process can deadlock the child
@@ -172,8 +172,6 @@ def serve() -> None:
     # Everything imported so far moves to the collector's permanent generation: a forked
     # child's collections no longer walk (and so write to, copying page by page) the
     # objects it inherited.
-    import gc
-
     gc.freeze()
     for line in sys.stdin:
         request = json.loads(line)
