@@ -6,6 +6,8 @@ Those come in when a run needs them.
 
 from __future__ import annotations
 
+import importlib
+
 import pluggy
 
 __version__ = "0.2.0"
@@ -35,8 +37,6 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'engine' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -28,6 +28,7 @@ def apply(model, spec: str):
     names = parse_class_names(spec)
     if not names:
         return model
+    # torch.distributed's wrapper: only when asked (worker_setup imports this module)
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
 

@@ -29,9 +29,11 @@ checksum).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import io
+import mmap
 import os
 import pathlib
 import sys
@@ -46,7 +48,7 @@ LEGACY_CHECKSUMS = ("sha256",)
 def new_checksum(algorithm: str = CHECKSUM):
     """A hasher with ``update(bytes-like)`` and ``hexdigest()``."""
     if algorithm == CHECKSUM:
-        import xxhash
+        import xxhash  # lazily: see the module docstring
 
         return xxhash.xxh3_128()
     if algorithm in LEGACY_CHECKSUMS:
@@ -70,8 +72,6 @@ def _writeback_starter() -> Callable[[int, int, int], None] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         call = libc.sync_file_range
     except (OSError, AttributeError):
@@ -217,8 +217,6 @@ def atomic_write_text(path: pathlib.Path, text: str, *, sync_directory: bool = T
 def file_checksum(path: pathlib.Path, algorithm: str = CHECKSUM) -> str:
     """The checksum of the file at ``path``, read through a memory map (the page cache
     is hashed in place: no copy into a buffer)."""
-    import mmap
-
     digest = new_checksum(algorithm)
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size:

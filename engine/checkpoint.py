@@ -1,5 +1,5 @@
 """The checkpointer interface, the store that every file-based checkpointer is built
-on, and the state-dict helpers the core, the checkpointers and tools/ckpt.py share.
+on.
 
 Words (used the same way in the code, the docs and the messages):
 
@@ -16,18 +16,13 @@ Words (used the same way in the code, the docs and the messages):
 - **checkpoint** on its own names that storage side: the ``checkpoint.*`` config group
   (when to save, how many to keep), the ``checkpoints/`` folder, :class:`CheckpointError`.
 
-State-dict helpers:
-
-- :func:`model_digest`: the sha256 of a state_dict, the same on every machine.
-- :func:`load_model_state`: accepts keys with or without DDP's ``module.`` prefix and
-  torch.compile's ``_orig_mod.`` (:func:`plain_keys`), into a plain or compiled model, and
-  reports a mismatch as the missing and unexpected keys.
+The state-dict helpers (``model_digest``, ``plain_keys``, ``load_model_state``...) are
+the model state part's, in engine/stateful.py; they stay importable from here.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import pathlib
 import shutil
@@ -35,86 +30,22 @@ import time
 from typing import Any, Callable, ClassVar
 
 import engine
+from engine import stateful
 from engine.atomic_io import (atomic_write, atomic_write_text, check_file, checksum_entry,
                               fsync_directory, os_error_in, stale_temps)
 from engine.errors import CheckpointError, first_line, untrusted_pickle, warn
 from engine.metrics import improves, resolved_mode
 
-
-# ------------------------------------------------------------------ state dicts
-
-
-def model_digest(state_dict: dict) -> str:
-    """sha256 over (name, dtype, shape, bytes) of every tensor, keys sorted.
-
-    Tensors are moved to the CPU and made contiguous first, so the digest does not
-    depend on the device or the memory layout.
-    """
-    import torch
-
-    digest = hashlib.sha256()
-    for name in sorted(state_dict):
-        tensor = state_dict[name]
-        if not isinstance(tensor, torch.Tensor):
-            digest.update(f"{name}={tensor!r};".encode())
-            continue
-        t = tensor.detach().to("cpu").contiguous()
-        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
+#: The model's keys and digest moved beside the model state part, engine/stateful.py
+#: (after 0.2.0); still importable from here.
+_MOVED_TO_STATEFUL = frozenset({"COMPILED_SEGMENT", "add_module_prefix", "load_model_state",
+                                "model_digest", "plain_keys", "uncompiled_key"})
 
 
-#: The key segment of a module compiled by ``torch.compile(module)`` (an
-#: OptimizedModule keeps the original as its submodule ``_orig_mod``).
-COMPILED_SEGMENT = "_orig_mod"
-
-
-def plain_keys(state_dict: dict) -> dict:
-    """The keys a plain model has: without DDP/DataParallel's ``module.`` prefix (when
-    every key carries it) and without torch.compile's ``_orig_mod.`` at any depth (a
-    whole model compiled, or blocks of it)."""
-    if state_dict and all(k.startswith("module.") for k in state_dict):
-        state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
-    return {uncompiled_key(k): v for k, v in state_dict.items()}
-
-
-def uncompiled_key(key: str) -> str:
-    if COMPILED_SEGMENT not in key:
-        return key
-    return ".".join(part for part in key.split(".") if part != COMPILED_SEGMENT)
-
-
-def add_module_prefix(state_dict: dict) -> dict:
-    return {k if k.startswith("module.") else f"module.{k}": v for k, v in state_dict.items()}
-
-
-def load_model_state(model, state_dict: dict, source: str = "checkpoint") -> None:
-    """Load into a plain, compiled or DDP/DP-wrapped model, with or without the
-    ``module.`` and ``_orig_mod.`` parts of the keys."""
-    target = getattr(model, "module", model)
-    state_dict = plain_keys(state_dict)
-    # The plain key of each of the target's own keys (a compiled target's have _orig_mod).
-    own_key = {uncompiled_key(k): k for k in target.state_dict()}
-    expected = set(own_key)
-    given = set(state_dict)
-    missing = sorted(expected - given)
-    unexpected = sorted(given - expected)
-    if missing or unexpected:
-        def some(keys):
-            return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
-
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {some(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys: {some(unexpected)}")
-        raise CheckpointError(f"{source} does not match the model; " + "; ".join(parts))
-    try:
-        target.load_state_dict({own_key[k]: v for k, v in state_dict.items()})
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()
-        detail = next((line.strip() for line in first[1:] if line.strip()), first[0])
-        raise CheckpointError(f"{source} does not match the model: {detail}") from None
+def __getattr__(name: str):
+    if name in _MOVED_TO_STATEFUL:
+        return getattr(stateful, name)
+    raise AttributeError(f"module 'engine.checkpoint' has no attribute {name!r}")
 
 
 # ----------------------------------------------------------- the checkpointer

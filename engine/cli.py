@@ -23,10 +23,12 @@ import sys
 import traceback
 from typing import Sequence
 
+import engine
 from engine import phases
 from engine.errors import (EXIT_COMPLETED, EXIT_INTERRUPTED, EXIT_PREEMPTED, TRACEBACK_ENV,
                            EngineError, error_line, exit_code, traceback_wanted)
-from engine.launching import RecipeJob, blaming_plugins
+from engine.launching import Launch, RecipeJob, blaming_plugins
+from engine.processes import exit_process
 
 COMMANDS = {
     "plugins": "engine.commands.plugins",
@@ -72,9 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def version_line() -> str:
     """``engine-run 0.1.0 (torch 2.5.1, Python 3.11.7)``: torch's version from its
     installed metadata, without importing it (seconds)."""
-    from importlib import metadata
-
-    import engine
+    from importlib import metadata  # lazily: only --version reads it
 
     try:
         torch_version = metadata.version("torch")
@@ -88,6 +88,7 @@ def plugin_command(argv: Sequence[str]):
     """The plugin command that ``argv[0]`` names (``sbatch``), or None."""
     if not argv or not COMMAND_NAME.match(argv[0]) or os.path.exists(argv[0]):
         return None
+    # lazily: the built-in commands (engine-run runs, report...) start without it
     from engine.plugin_manager import build_plugin_manager
 
     return build_plugin_manager(plugin_args(argv)).commands().get(argv[0])
@@ -178,7 +179,7 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
 
 
 def run(argv: Sequence[str]) -> int:
-    from engine.plugin_manager import build_plugin_manager
+    from engine.plugin_manager import build_plugin_manager  # lazily: as plugin_command
 
     # --help works with a broken plugin installed: it is left out and named (a run
     # refuses to start with it).
@@ -192,8 +193,7 @@ def run(argv: Sequence[str]) -> int:
 
 
 def train(pm, argv: Sequence[str]) -> int:
-    from engine import plan
-    from engine.launching import Launch
+    from engine import plan  # imports torch: lazily
 
     parser = build_parser(pm)
     pm.hook.engine_addoption.call_historic(kwargs={"parser": parser})
@@ -243,8 +243,6 @@ def console_main() -> None:
     worker does (engine.processes.exit_process: exit handlers, flushed output, no
     interpreter teardown, which costs a torch program seconds after its work is done).
     Library callers use :func:`main`, which returns the exit code."""
-    from engine.processes import exit_process
-
     exit_process(main())
 
 

@@ -31,6 +31,9 @@ import sys
 
 from engine.errors import ConfigError, first_line
 
+# torch._dynamo is imported inside the functions, and only where a run has imported it
+# already: a run that never compiled reads nothing (and pays nothing) here.
+
 
 def compile_model(model, options, say=print):
     """``model`` compiled as ``options`` (a CompileConfig) say, in place; returned.

@@ -34,14 +34,13 @@ import engine
 from engine import config as config_mod
 from engine import distributed, phases, stateful, worker_setup
 from engine.atomic_io import atomic_write_text
-from engine.checkpoint import model_digest, plain_keys
 from engine.compile import explain_failure, seconds_spent
 from engine.compile import report as compile_report
 from engine.errors import RunError, one_line, warn
 from engine.metrics import (SUMMARY_METRICS, throughput_of, throughput_summary,
                             throughput_unit, validation_summary)
 from engine.processes import spawned_here
-from engine.stateful import SnapshotParts
+from engine.stateful import SnapshotParts, model_digest, plain_keys
 from engine.worker_setup import RunParts
 
 # The metric-name vocabulary is engine/metrics.py's; it stays importable from here for

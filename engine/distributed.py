@@ -33,16 +33,20 @@ import datetime
 import json
 import os
 import pathlib
+import socket
 import sys
 import time
 import uuid
 from typing import Callable
 
-from engine import phases
+from engine import health, phases
 from engine.atomic_io import process_state
 from engine.errors import LaunchError, first_line, one_line
-from engine.processes import process_identity, same_machine
+from engine.processes import end_when_exiting, process_identity, same_machine, spawned_here
 from engine.world import World, format_world_table, tcp_endpoint, whole_world
+
+# torch is imported inside the functions that use it: the launching process imports
+# this module (through the dcp plugin, engine.api) and must not pay for torch.
 
 #: How often a waiting rank re-reads the session id (a stale file's is replaced).
 POLL_S = 0.5
@@ -147,8 +151,6 @@ def open_store(world: World, timeout_s: float):
 def wait_reachable(world: World, host: str, port: int, timeout_s: float) -> None:
     """Knock until the master's port answers. torch's own client retries the same way,
     but logs a C++ stack trace for every attempt; this says it in one line."""
-    import socket
-
     deadline = time.monotonic() + timeout_s
     patience = Patience(deadline, timeout_s)
     try:
@@ -330,8 +332,6 @@ def stopped_local_peers(ranks: list[int]) -> list[int]:
     (:func:`engine.processes.end_when_exiting`), so that the launcher ends the job
     within timeout_s plus a few seconds. A stopped rank on another machine is out of
     this rank's reach: its launcher there decides."""
-    from engine.processes import end_when_exiting, spawned_here
-
     stopped = [r for r in ranks if r in _local_peers
                and process_state(_local_peers[r][0]) in ("T", "t")]
     if not spawned_here():
@@ -488,8 +488,6 @@ def all_gather_object(obj) -> list:
 def destroy() -> None:
     if is_initialized():
         import torch.distributed as dist
-
-        from engine import health
 
         health.release()
         dist.destroy_process_group()

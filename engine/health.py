@@ -15,6 +15,10 @@ import datetime
 import re
 
 from engine import phases
+from engine.errors import RunError, first_line
+
+# torch is imported inside the functions that use it: engine.distributed imports this
+# module, and the launching process imports that one without torch.
 
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
@@ -108,8 +112,6 @@ def missing_ranks(timeout_s: float = ROLL_CALL_S) -> list[int] | None:
 def epoch_barrier(timeout_s: float) -> None:
     """All ranks meet at the end of an epoch; a rank that does not come is named."""
     import torch.distributed as dist
-
-    from engine.errors import RunError, first_line
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 from typing import Mapping
 
 from engine.errors import LaunchError, warn
@@ -124,8 +125,6 @@ def _fork_unsafe() -> str | None:
     """Why this process cannot be forked safely, or None."""
     if not hasattr(os, "fork"):
         return "this platform cannot fork"
-    import threading
-
     if threading.active_count() > 1:
         return f"this process runs {threading.active_count()} Python threads"
     # Native threads: import torch starts one, idle in a futex, which DataLoader's forked

@@ -34,7 +34,10 @@ the plugin, through every door.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import inspect
+import multiprocessing
 import os
 import pathlib
 import pickle
@@ -47,9 +50,17 @@ from typing import Any, Sequence
 
 import attrs
 
-from engine.errors import (EXIT_INTERRUPTED, ConfigError, EngineError, Interrupted,
-                           PeerFailed, PluginCodeError, error_line, exit_code,
-                           traceback_wanted)
+from engine.errors import (EXIT_INTERRUPTED, CheckpointError, ConfigError, EngineError,
+                           Interrupted, PeerFailed, PluginCodeError, error_line, exit_code,
+                           traceback_wanted, warn)
+from engine.launch_env import start_method
+from engine.processes import exit_failed_worker, reports_to_launcher, with_rank
+from engine.world import usable_cpus
+
+# engine-run's start imports this module (engine.cli does): the engine modules that only
+# a run needs (config, plugin_manager, launcher, run_dir, snapshot, recipe...) are
+# imported inside the functions that use them, so that --help, --version and the
+# commands start without them; engine.engine and worker_setup import torch.
 
 #: What rank 0's value is called in the exchange folder of a library door.
 RESULT_FILE = "result.pickle"
@@ -116,8 +127,6 @@ def check_arguments(door: Door, options: dict) -> None:
     before any worker starts, in one line in the door's words: ``nproc`` and
     ``threads`` None or a positive int, ``resume`` a bool or None (the library doors)
     or the path of something that exists (where a worker would find no snapshot)."""
-    from engine.errors import CheckpointError
-
     def asked(name: str, value: Any) -> str:
         return f"{door.name}({name}={value!r})" if door.library else f"--{name} {value!r}"
 
@@ -188,9 +197,6 @@ def warn_if_oversubscribed(local_processes: int, share) -> None:
     (they take turns on the CPUs and get one thread each); a warning, not an error: the
     run is right, only slow, and a GPU node may not care. ``share``: the first local
     worker's CpuShare (the CPUs its launcher shared, a SLURM allocation's included)."""
-    from engine.errors import warn
-    from engine.world import usable_cpus
-
     cpus, source = share.shared or usable_cpus()
     if local_processes > cpus:
         warn(f"{local_processes} processes on this node share {cpus} usable CPU(s) "
@@ -312,8 +318,6 @@ def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
 def check_spawnable(job: "Worker") -> None:
     """Before spawning: a spawned worker imports the caller's main script and unpickles
     the job; say so in one line (naming the door) when that cannot work."""
-    import multiprocessing
-
     door = job.door.name
     if multiprocessing.parent_process() is not None:
         raise ConfigError(
@@ -339,8 +343,6 @@ def _refuse_a_script_without_a_file(door: str) -> None:
     """A main script read on stdin (``python - < train.py``) has no file that spawned
     workers could import: multiprocessing failed in each of them with a traceback
     (No such file or directory: '<stdin>'). Forked workers need no file."""
-    from engine.launch_env import start_method
-
     path = getattr(sys.modules.get("__main__"), "__file__", None)
     if path and not os.path.isfile(path) and start_method() == "spawn":
         raise ConfigError(
@@ -356,8 +358,6 @@ def _unguarded_main_script() -> pathlib.Path | None:
     A spawned worker imports the main script before it runs anything: an unguarded
     call would launch again there, and multiprocessing would fail in every worker with
     a traceback about "bootstrapping". Checked here, before any process starts."""
-    import ast
-
     frame = sys._getframe(1)
     while frame is not None:  # the main module's top-level frame, if it is a caller
         code, name = frame.f_code.co_name, frame.f_globals.get("__name__")
@@ -398,8 +398,6 @@ def worker_report(exc: BaseException) -> str:
 def report_worker_error(rank: int, exc: BaseException) -> None:
     """A worker's error as :func:`worker_report` shows it, or ``error: LINE``, every
     line marked with the rank."""
-    from engine.processes import with_rank
-
     text = worker_report(exc) or f"error: {error_line(exc)}\n"
     print(with_rank(rank, text), file=sys.stderr, end="", flush=True)
 
@@ -436,7 +434,6 @@ class Worker:
     def __call__(self, world) -> str:
         """Returns the run's status, which the launcher passes back."""
         from engine.plugin_manager import attribute, build_plugin_manager
-        from engine.processes import exit_failed_worker, reports_to_launcher
 
         here = os.getpid() == self.launching_pid
         pm = None
@@ -639,8 +636,7 @@ def interrupted_raises(finished: Finished):
 def _fit_argument_meant(exc, overrides: dict) -> ConfigError | None:
     """``engine.fit(nprocs=2)``: an unknown key close to one of fit's own arguments is
     that argument misspelt (as a config key it would suggest ``epochs``)."""
-    import difflib
-    import inspect
+    import difflib  # lazily: as the engine modules (see the imports)
 
     arguments = [p.name for p in inspect.signature(fit).parameters.values()
                  if p.kind is p.KEYWORD_ONLY]

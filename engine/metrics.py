@@ -30,7 +30,7 @@ import difflib
 import math
 import re
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, warn
 
 #: A word of a metric's name (its part after the last ``/``, split at anything that is
 #: not a letter or a digit) that says lower is better...
@@ -251,8 +251,6 @@ class EpochMetrics(dict):
 
     def __missing__(self, key):
         if key in RENAMED and RENAMED[key] in self:
-            from engine.errors import warn
-
             warn(f"metrics[{key!r}] in engine_epoch_end is now {RENAMED[key]!r} (the "
                  f"epoch's mean); the old name works until {RENAMED_UNTIL}")
             return self[RENAMED[key]]

@@ -23,9 +23,18 @@ import json
 import pathlib
 import sys
 
+import attrs
+
 from engine.atomic_io import atomic_write, file_checksum
-from engine.checkpoint import POINTERS, follow_pointer, model_digest, plain_keys
+from engine.checkpoint import POINTERS, follow_pointer
+from engine.config import _as_text, apply_overrides, flatten
 from engine.errors import CheckpointError, ConfigError, untrusted_pickle
+from engine.launching import _recipe_reference
+from engine.recipe import load_recipe, recipe_from_object
+from engine.stateful import load_model_state, model_digest, plain_keys
+
+# torch is imported inside the functions that use it: engine-run export and tools/ckpt.py
+# answer --help without it.
 
 PREFIX = "module."
 #: Where the model weights sit inside a container dict, in the order they are looked for.
@@ -127,7 +136,7 @@ def read(path: pathlib.Path) -> Checkpoint:
     ``model_state_dict``, as other tools save it)."""
     path = resolve(path)
     if path.is_dir():
-        from engine.plugins.dcp import DCPCheckpointer
+        from engine.plugins.dcp import DCPCheckpointer  # imports torch: lazily
 
         return Checkpoint(path, DCPCheckpointer(path.parent).load(path), "dcp snapshot",
                           "model")
@@ -196,8 +205,6 @@ def load_model(run, which: str | None = None, *, recipe=None, part: str = "model
     an object, as ``engine.fit`` takes it) when the one the run recorded is not at hand
     (moved, or an object given to ``engine.fit``). ``part="ema"``: the ema plugin's
     averaged weights instead of the trained ones."""
-    from engine.checkpoint import load_model_state
-
     path = snapshot_of(run, which)
     ckpt = read(path)
     config = ckpt.header("config") or _run_file(ckpt.path, "config.json").get("config")
@@ -217,10 +224,6 @@ def run_config(recipe, config: dict, source: str = "the run"):
     a snapshot's ``config``) applied, as ``--config`` applies a file. The plugins'
     config groups (``ddp``, ``fsdp``...) are not the recipe's and no model reads
     them: they are left out."""
-    import attrs
-
-    from engine.config import _as_text, apply_overrides, flatten
-
     cfg = recipe.make_config()
     ours = {f.name for f in attrs.fields(type(cfg))}
     items = [f"{key}={_as_text(value)}" for key, value in flatten(config).items()
@@ -235,11 +238,7 @@ def run_config(recipe, config: dict, source: str = "the run"):
 def _recipe(ckpt: Checkpoint, given):
     """The :class:`~engine.recipe.Recipe`: the one given, else the one the snapshot or
     the run's summary.json recorded."""
-    from engine.recipe import load_recipe, recipe_from_object
-
     if given is not None:
-        from engine.launching import _recipe_reference
-
         given = _recipe_reference(given)  # as engine.fit takes it: a file, module, object
         return load_recipe(given) if isinstance(given, str) else recipe_from_object(given)
     recorded = ckpt.header("recipe") or _run_file(ckpt.path, "summary.json").get("recipe")

@@ -60,6 +60,7 @@ _armed = False
 def process_start() -> float:
     """When this process started, on the ``time.monotonic()`` clock (to the clock tick,
     10 ms on Linux); now where /proc cannot say."""
+    # lazily: engine-run's start imports this module and needs no atomic_io (hashlib...)
     from engine.atomic_io import proc_stat
 
     try:
@@ -142,7 +143,7 @@ def label_ranges(on: bool) -> None:
     """Label the engine's ranges from now on (``on``: a profiler records), or stop."""
     global _label
     if on:
-        from torch.profiler import record_function
+        from torch.profiler import record_function  # lazily: torch, when profiling
 
         _label = record_function
     else:

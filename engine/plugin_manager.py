@@ -39,6 +39,7 @@ import inspect
 import os
 import re
 import sys
+from importlib import metadata
 from typing import Iterable, Mapping
 
 import attrs
@@ -312,11 +313,9 @@ def import_plugin(name: str, target: str) -> object:
 
 
 def installed_entry_points() -> list[EntryPoint]:
-    from importlib.metadata import entry_points
-
     found = []
     # importlib.metadata lists a distribution once even when it is on sys.path twice.
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         dist = ep.dist
         found.append(EntryPoint(ep.name, ep.value, dist.name if dist else "",
                                 dist.version if dist else "-"))
@@ -418,16 +417,12 @@ def packages_distributions() -> dict[str, list[str]]:
 
 @functools.lru_cache(maxsize=4)
 def _packages_distributions(path: tuple[str, ...]) -> dict[str, list[str]]:
-    from importlib import metadata
-
     return metadata.packages_distributions()
 
 
 def module_version(module_name: str) -> tuple[str, str]:
     """(version, distribution) of a ``-p`` module: its distribution's, else its
     ``__version__``, else "-"."""
-    from importlib import metadata
-
     top = module_name.split(":")[0].split(".")[0]
     for dist in packages_distributions().get(top, []):
         try:
@@ -446,6 +441,7 @@ def require_plugins(pm: EnginePluginManager, requirements: Iterable[str]) -> Non
 
     A name matches a loaded plugin's name or its distribution's; the specifier uses
     pip's rules (``>=0.3,<1``, ``~=0.3.1``, ``==0.3.*``)."""
+    # only a recipe with REQUIRED_PLUGINS needs packaging: imported here, not by every run
     from packaging.requirements import InvalidRequirement, Requirement
     from packaging.version import InvalidVersion, Version
 

@@ -12,18 +12,26 @@ process without the interpreter's teardown.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import sys
 import time
+from multiprocessing import resource_tracker
+from multiprocessing.connection import wait
 from typing import Callable, Mapping, NoReturn
 
 from engine import phases
 from engine.errors import EXIT_FAILED, EXIT_INTERRUPTED, Interrupted, WorkerFailed
 from engine.launch_env import start_method
 from engine.world import World
+
+# engine-run's start imports this module (engine.cli): engine.atomic_io (hashlib, ctypes)
+# and torch are imported inside the functions that read /proc or start workers.
 
 
 #: Signals the parent passes on to its workers: SIGUSR1 is SLURM's pre-emption warning
@@ -46,8 +54,6 @@ def _start_resource_tracker_deaf_to(signals) -> None:
     semaphores) runs in our process group: a pre-emption signal sent to the group would
     kill it (the default action), and it would come back printing tracebacks. Start it
     now with those signals ignored; an ignored signal stays ignored across its exec."""
-    from multiprocessing import resource_tracker
-
     try:
         previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in signals}
     except ValueError:  # not the main thread: leave it to multiprocessing
@@ -76,9 +82,7 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
     (they resume anyway); a worker that raised keeps it, so that the error that caused
     the restart is printed, not only another rank's echo of it.
     """
-    import multiprocessing
-
-    import torch.multiprocessing as mp
+    import torch.multiprocessing as mp  # lazily: see the imports
 
     method = start_method()
     _start_resource_tracker_deaf_to(FORWARDED_SIGNALS)
@@ -258,8 +262,6 @@ GRACE_S = 2.0
 
 def _wait_for_a_failure(processes, timeout: float) -> int | None:
     """Wait up to ``timeout`` for a worker to exit; the index of one that failed."""
-    from multiprocessing.connection import wait
-
     alive = {p.sentinel: i for i, p in enumerate(processes) if p.exitcode is None}
     for sentinel in wait(list(alive), timeout=timeout):
         process = processes[alive[sentinel]]
@@ -276,7 +278,7 @@ def _stop_the_others(processes) -> tuple[list[int], list[int]]:
     SIGTERM), give the others ``GRACE_S`` to stop by themselves, then SIGTERM, then
     SIGKILL. Returns the indices of the stopped ones and of those that had to be
     terminated."""
-    from engine.atomic_io import process_state
+    from engine.atomic_io import process_state  # lazily: see the imports
 
     stopped = [i for i, p in enumerate(processes)
                if p.exitcode is None and process_state(p.pid) in ("T", "t")]
@@ -315,7 +317,7 @@ def process_identity(pid: int) -> str:
     kernel's boot id and the process's start time in clock ticks since boot (a PID
     alone may be reused, or belong to another machine or PID namespace); "" where
     /proc cannot say."""
-    from engine.atomic_io import proc_stat
+    from engine.atomic_io import proc_stat  # lazily: see the imports
 
     boot, fields = boot_id(), proc_stat(pid)
     return f"{boot}/{fields[19]}" if boot and len(fields) > 19 else ""
@@ -340,7 +342,7 @@ def kill_if_stopped(pid: int, identity: str) -> bool:
     """SIGKILL process ``pid`` if it is still the one ``identity`` names and it is
     stopped (state "T" or "t": SIGSTOP, a debugger): it can act on no other signal, and
     a launcher that asks it to stop waits in vain. True when it was killed."""
-    from engine.atomic_io import process_state
+    from engine.atomic_io import process_state  # lazily: see the imports
 
     if not identity or process_identity(pid) != identity:
         return False
@@ -393,9 +395,6 @@ def exit_process(code: int, *, forked: bool = False,
     its own multiprocessing finalizers run, as when such a worker returns normally.
 
     ``last``: called after all that, right before the process ends."""
-    import atexit
-    import multiprocessing.util
-
     try:
         if forked:
             multiprocessing.util._exit_function()
@@ -430,8 +429,6 @@ def exit_failed_worker(code: int, error_line: str | None = None,
     job must end within timeout_s plus a few seconds). So it does in a worker that has
     just killed a stopped peer (:func:`end_when_exiting`). Anywhere else (the worker is
     the launching process itself) it raises SystemExit."""
-    import multiprocessing
-
     to_launcher, forked = _to_launcher or (None, False)
     if error_line and to_launcher is not None:
         with contextlib.suppress(Exception):  # the launcher is gone: nobody to tell

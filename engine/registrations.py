@@ -20,7 +20,11 @@ from typing import Any, Callable, Mapping
 
 import attrs
 
+# The base classes the registries check subclasses against: their modules import no torch.
+from engine.checkpoint import Checkpointer
 from engine.errors import EngineError, PluginError, first_line
+from engine.launcher import Launcher
+from engine.parallel import Parallel
 from engine.registry import NAME_PATTERN, Registry
 
 
@@ -30,11 +34,6 @@ class Registrations:
     ``_leave_out`` (which calls :meth:`discard_registrations`)."""
 
     def _init_registrations(self) -> None:
-        # The base modules import no torch, so the registries can check subclasses.
-        from engine.checkpoint import Checkpointer
-        from engine.launcher import Launcher
-        from engine.parallel import Parallel
-
         self.launchers = Registry("launcher", Launcher)
         self.parallel_modes = Registry("parallel mode", Parallel)
         self.checkpointers = Registry("checkpointer", Checkpointer)

@@ -36,12 +36,14 @@ from __future__ import annotations
 import datetime
 import glob
 import itertools
+import json
 import os
 import pathlib
 import re
 import shutil
 from typing import Iterable
 
+from engine import distributed
 from engine.errors import ConfigError
 
 #: Each placeholder and what it is filled with (as a regular expression, to find the
@@ -88,8 +90,6 @@ def refuse_unwritable(out_dir: str) -> None:
     folder of another user): said in the launching process, before any worker starts,
     instead of a worker's OSError traceback at its first write. The folder may not
     exist yet: its nearest existing parent is the one asked."""
-    import os
-
     path = pathlib.Path(fixed_part(out_dir)).absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -181,8 +181,6 @@ def _failed_before_training(summary: pathlib.Path) -> bool:
     """A summary.json that records a failed (or interrupted) run at step 0 (a recipe
     whose build_model raised, a bad argument found in the worker, Ctrl-C during the
     set-up); one that cannot be read counts as a run."""
-    import json
-
     try:
         record = json.loads(summary.read_text())
     except (OSError, ValueError):
@@ -194,8 +192,6 @@ def _failed_before_training(summary: pathlib.Path) -> bool:
 def completed_run(out_dir) -> tuple[dict, dict] | None:
     """(summary, config) of the completed run ``out_dir`` holds (its summary.json says
     "completed", and its config.json is there); None otherwise."""
-    import json
-
     if is_pattern(out_dir):
         return None
     try:
@@ -246,8 +242,6 @@ def settle(cfg, world, options: dict, files: Iterable[str]) -> None:
     (:func:`run_files`) first (before any rank writes: the others wait in the
     broadcast). Sets ``cfg.out_dir``. A collective when the process group exists: every
     rank calls it."""
-    from engine import distributed
-
     decision: str | BaseException | None = None
     if world.rank == 0:
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import fcntl
 import os
 import pathlib
 import socket
@@ -27,6 +28,7 @@ import stat
 from typing import Iterator
 
 from engine.errors import LaunchError
+from engine.run_dir import is_pattern
 
 LOCK_FILE = ".engine-lock"
 
@@ -40,10 +42,6 @@ _HELD: set[pathlib.Path] = set()
 def holding(out_dir: str, asked_by: str = "engine-run") -> Iterator[None]:
     """Hold ``out_dir``'s lock while the block runs; a LaunchError (exit 2) naming the
     holder when another run holds it."""
-    import fcntl
-
-    from engine.run_dir import is_pattern
-
     if is_pattern(out_dir):
         yield
         return

@@ -27,13 +27,22 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import multiprocessing
 import os
 import signal
 import sys
 import tempfile
+import threading
+from multiprocessing.connection import wait
 from typing import Callable, Sequence
 
 from engine.fork_server import TorchForkServer, TorchForkServerProcess, _Popen
+from engine.plugin_manager import build_plugin_manager
+from engine.recipe import load_recipe
+
+# torch is imported inside the functions that start or become workers: the launcher's
+# process, which imports this module (spawn with restarts), never imports torch; the
+# zygote imports it as it starts.
 
 #: What the zygote preloads, handed to it through its environment (its own start
 #: reads it; multiprocessing passes it no arguments of ours): the launcher's sys.path
@@ -172,10 +181,6 @@ def _end_with_the_launcher() -> None:
     pipe the launcher holds open) and sends this process the same SIGINT. It only
     waits in the kernel, so the DataLoader workers this process forks inherit no lock
     of it."""
-    import multiprocessing
-    import threading
-    from multiprocessing.connection import wait
-
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -216,20 +221,14 @@ def _preload() -> None:
     """In the zygote, as this module is preloaded: the launcher's sys.path, the run's
     modules, the recipe. A failure leaves that part for each worker to import; it
     never stops the zygote (the workers then start as cold as spawned ones)."""
-    import threading
-
     preload = json.loads(os.environ.pop(PRELOAD_ENV))
     sys.path[:] = preload["sys_path"]
     try:
         import_run_modules()
         for module in WORKER_MODULES:
             importlib.import_module(module)
-        from engine.plugin_manager import build_plugin_manager
-
         build_plugin_manager(preload["plugins"])  # imports the -p and installed ones
         if preload["recipe"]:
-            from engine.recipe import load_recipe
-
             load_recipe(preload["recipe"])
     except Exception as exc:  # noqa: BLE001 (the worker meets it and reports it)
         print(f"warning: the warm spare could not preload: {exc}", file=sys.stderr)

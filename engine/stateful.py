@@ -32,13 +32,20 @@ ema plugin's average under fsdp).
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 import random
+import struct
 import sys
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import attrs
 
+from engine import distributed
 from engine.errors import CheckpointError, ConfigError, EngineError, first_line
+
+# torch, numpy and engine.data (which imports torch) are imported inside the functions
+# that use them: the launching process imports this module (engine.checkpoint does).
 
 #: Snapshot keys that are the header, not parts: a part may not take these names.
 HEADER = frozenset({"engine_version", "config", "recipe", "world_size", "epoch", "step",
@@ -197,6 +204,82 @@ def is_sharded(module) -> bool:
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
+# ------------------------------------------------------ the model's keys and digest
+
+
+def model_digest(state_dict: dict) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every tensor, keys sorted.
+
+    Tensors are moved to the CPU and made contiguous first, so the digest does not
+    depend on the device or the memory layout.
+    """
+    import torch
+
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name]
+        if not isinstance(tensor, torch.Tensor):
+            digest.update(f"{name}={tensor!r};".encode())
+            continue
+        t = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+#: The key segment of a module compiled by ``torch.compile(module)`` (an
+#: OptimizedModule keeps the original as its submodule ``_orig_mod``).
+COMPILED_SEGMENT = "_orig_mod"
+
+
+def plain_keys(state_dict: dict) -> dict:
+    """The keys a plain model has: without DDP/DataParallel's ``module.`` prefix (when
+    every key carries it) and without torch.compile's ``_orig_mod.`` at any depth (a
+    whole model compiled, or blocks of it)."""
+    if state_dict and all(k.startswith("module.") for k in state_dict):
+        state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
+    return {uncompiled_key(k): v for k, v in state_dict.items()}
+
+
+def uncompiled_key(key: str) -> str:
+    if COMPILED_SEGMENT not in key:
+        return key
+    return ".".join(part for part in key.split(".") if part != COMPILED_SEGMENT)
+
+
+def add_module_prefix(state_dict: dict) -> dict:
+    return {k if k.startswith("module.") else f"module.{k}": v for k, v in state_dict.items()}
+
+
+def load_model_state(model, state_dict: dict, source: str = "checkpoint") -> None:
+    """Load into a plain, compiled or DDP/DP-wrapped model, with or without the
+    ``module.`` and ``_orig_mod.`` parts of the keys."""
+    target = getattr(model, "module", model)
+    state_dict = plain_keys(state_dict)
+    # The plain key of each of the target's own keys (a compiled target's have _orig_mod).
+    own_key = {uncompiled_key(k): k for k in target.state_dict()}
+    expected = set(own_key)
+    given = set(state_dict)
+    missing = sorted(expected - given)
+    unexpected = sorted(given - expected)
+    if missing or unexpected:
+        def some(keys):
+            return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {some(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {some(unexpected)}")
+        raise CheckpointError(f"{source} does not match the model; " + "; ".join(parts))
+    try:
+        target.load_state_dict({own_key[k]: v for k, v in state_dict.items()})
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()
+        detail = next((line.strip() for line in first[1:] if line.strip()), first[0])
+        raise CheckpointError(f"{source} does not match the model: {detail}") from None
+
+
 class ModelState:
     """The unwrapped module, under the keys of a plain model (without torch.compile's
     ``_orig_mod.``), so that a snapshot loads into a compiled and a plain model alike.
@@ -214,8 +297,6 @@ class ModelState:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
             return get_model_state_dict(self.module, options=options)  # plain keys
-        from engine.checkpoint import plain_keys
-
         # A model the user compiled (torch.compile) saves the keys a plain one has.
         return plain_keys(self.module.state_dict())
 
@@ -226,8 +307,6 @@ class ModelState:
 
             set_model_state_dict(self.module, state_dict, options=options)
             return
-        from engine.checkpoint import load_model_state
-
         # DDP's "module." prefix or not: load_model_state accepts both, and names the
         # missing and unexpected keys.
         load_model_state(self.module, state_dict, source="its model state")
@@ -408,12 +487,7 @@ def gather_rng_states() -> list[dict]:
     """Every rank's :func:`rng_state`, in one all_gather of a fixed-size byte tensor.
     torch's all_gather_object pickles and sends twice (sizes, then data), several times
     slower, and a memory snapshot every step gathers them every step."""
-    import pickle
-    import struct
-
     import torch
-
-    from engine import distributed
 
     state = rng_state()
     if not distributed.is_initialized():

@@ -136,7 +136,7 @@ def bytes_tokenizer() -> tuple[Callable[[str], list[int] | np.ndarray], int, str
 def hf_tokenizer(path: str) -> tuple[Callable[[str], list[int]], int, str]:
     """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` package, imported here)."""
     try:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # optional (an extra): only for --tokenizer
     except ImportError:
         raise ConfigError(f"--tokenizer {path}: a tokenizer file needs the tokenizers "
                           "package (pip install tokenizers); or use --tokenizer bytes") from None

@@ -45,10 +45,10 @@ def engine_env(**extra: str) -> dict[str, str]:
 
 def run_cli(*args: str, cwd=None, env=None, timeout: float = 240, check: bool = False,
             script: bool = False) -> subprocess.CompletedProcess:
-    """Run ``engine-run ARGS`` in a new process forked from a warm one (engine.warm_start:
-    the same engine.cli.main, without paying for Python and torch to start again);
-    stdout and stderr are captured as text. ``script``: run the installed ``engine-run``
-    script in a plain subprocess instead, as a user would."""
+    """Run ``engine-run ARGS`` in a new process forked from a warm one
+    (engine.testing.warm_start: the same engine.cli.main, without paying for Python and
+    torch to start again); stdout and stderr are captured as text. ``script``: run the
+    installed ``engine-run`` script in a plain subprocess instead, as a user would."""
     return testing.run_engine(args, env=env or engine_env(), cwd=cwd or REPO,
                               timeout=timeout, check=check,
                               program=[ENGINE_RUN] if script else None)
@@ -293,7 +293,7 @@ LONGEST_FIRST = (
     "tests/engine/test_processes.py", "tests/recipes/test_char_lm.py",
     "tests/plugins/test_fsdp.py", "tests/tools/test_bench_overhead.py",
     "tests/recipes/test_cifar_ddp.py", "tests/engine/test_launch_env.py",
-    "tests/engine/test_warm_start.py", "tests/engine/test_health.py",
+    "tests/engine/testing/test_warm_start.py", "tests/engine/test_health.py",
     "tests/engine/test_cli.py", "tests/engine/test_distributed.py",
     "tests/plugins/test_ddp.py", "tests/tools/test_bench_startup.py",
 )

@@ -52,7 +52,7 @@ def kind(command: str, parent_kind: str, parent_command: str, in_slurm_job: bool
     # its #! line, comes second).
     words = command.split(" ")
     program = " ".join(words[:3] if words[1:2] in (["-m"], ["-u"]) else words[:2])
-    if "engine.warm_start import serve" in command:
+    if "warm_start import serve" in command:  # engine.testing.warm_start's server
         return "warm-start server" if of_worker else "forked run (warm start) and its workers"
     if "multiprocessing.forkserver" in command:
         if command == parent_command:

@@ -44,12 +44,12 @@ import json
 import pathlib
 import sys
 
-from engine.checkpoint import add_module_prefix, model_digest, plain_keys
 from engine.errors import CheckpointError
 # The reading and writing are the package's (engine-run export and engine.load_model
 # use them too); this script adds inspect and the prefix conversions.
 from engine.model_io import (PREFIX, Checkpoint, check_output, export, file_sha256, read,
                              write_torch)
+from engine.stateful import add_module_prefix, model_digest, plain_keys
 
 
 # -------------------------------------------------------------------- inspect
@@ -127,7 +127,7 @@ def print_text(info: dict) -> None:
     m = info["model"]
     rows.append(("model", f"{m['tensors']} tensors, {m['values']} values, "
                           f"module. prefix: {m['module_prefix']}"))
-    rows.append(("digest", f"{m['digest']}  (engine.checkpoint.model_digest, without "
+    rows.append(("digest", f"{m['digest']}  (engine.stateful.model_digest, without "
                            "module.)"))
     if "optimizer" in info:
         o = info["optimizer"]

@@ -19,6 +19,15 @@ import platform
 import socket
 import sys
 
+import engine
+from engine import cli, cpu_bf16
+from engine.errors import EngineError, LaunchError
+from engine.launcher import (LaunchOptions, check_port_free, choose_launcher, detection_order,
+                             detects, is_local_address)
+from engine.plugin_manager import build_plugin_manager
+from engine.plugins.tracking import mlflow_store_problem
+from engine.world import format_world_table, tcp_endpoint
+
 OK, PROBLEM, NOTE = "ok", "PROBLEM", "note"
 
 HINTS = (
@@ -64,16 +73,9 @@ def main(argv) -> int:
         problems += status == PROBLEM
         print(f"  {status:<7} {text}")
 
-    import engine
-
     print(f"engine {engine.__version__}, Python {platform.python_version()} on "
           f"{socket.gethostname()} ({platform.system()} {platform.release()})")
     gpus = _torch_section()
-
-    from engine import cli
-    from engine.errors import EngineError
-    from engine.launcher import LaunchOptions, choose_launcher, detection_order, detects
-    from engine.plugin_manager import build_plugin_manager
 
     # A broken plugin is one of the problems doctor is for: named, not fatal.
     pm = build_plugin_manager(args.plugins, keep_going=True, 
@@ -111,8 +113,6 @@ def main(argv) -> int:
              f"({world.init_method})")
     _check_master(world, line, launcher)
     _check_ifname(line)
-    from engine.plugins.tracking import mlflow_store_problem
-
     store = mlflow_store_problem(None, environ)  # a run's mlflow.tracking_uri: --dry-run
     if store:
         line(PROBLEM, store)
@@ -129,8 +129,6 @@ def main(argv) -> int:
         print(f"variables read by {launcher.name}:")
         for key, value in sorted(variables.items()):
             print(f"  {key}={value}")
-    from engine.world import format_world_table
-
     print("world (as computed here):")
     for row in format_world_table(launcher.all_worlds()).splitlines():
         print(f"  {row}")
@@ -141,7 +139,7 @@ def main(argv) -> int:
 def _torch_section() -> int:
     """Print torch/CUDA/NCCL versions and the GPUs; return the number of GPUs."""
     try:
-        import torch
+        import torch  # here: a broken torch is reported, not fatal
     except Exception as exc:  # a broken install is exactly what doctor is for
         print(f"torch: cannot import ({type(exc).__name__}: {exc})")
         return 0
@@ -171,8 +169,6 @@ def _torch_section() -> int:
 
 def _cpu_line(torch) -> None:
     """The CPU's vector capability, and what precision=bf16 costs on it."""
-    from engine import cpu_bf16
-
     bf16 = {True: "yes", False: "no", None: "unknown"}[cpu_bf16.has_bf16(cpu_bf16.cpu_flags())]
     print(f"  CPU: {torch.backends.cpu.get_cpu_capability()} (torch's kernels), bf16 "
           f"hardware: {bf16}")
@@ -182,10 +178,6 @@ def _cpu_line(torch) -> None:
 
 
 def _check_master(world, line, launcher) -> None:
-    from engine.errors import LaunchError
-    from engine.launcher import check_port_free, is_local_address
-    from engine.world import tcp_endpoint
-
     if world.init_method.startswith("file://"):
         path = world.init_method[len("file://"):]
         folder = os.path.dirname(path) or "/"

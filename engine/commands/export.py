@@ -33,7 +33,7 @@ def main(argv) -> int:
     parser.add_argument("--part", choices=("model", "ema"), default="model",
                         help="the trained weights (model) or the ema plugin's average (ema)")
     args = parser.parse_args(argv)
-    from engine.model_io import export, read, snapshot_of
+    from engine.model_io import export, read, snapshot_of  # imports torch: not for --help
 
     ckpt = read(snapshot_of(args.run, args.which))
     print(f"{export(ckpt, pathlib.Path(args.output), args.part)} (from {ckpt.path})")

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 
+from engine.cli import build_parser, plugin_args
+from engine.plugin_manager import DISABLE_AUTOLOAD_ENV, build_plugin_manager
+
 
 def main(argv) -> int:
-    from engine.cli import build_parser, plugin_args
-    from engine.plugin_manager import DISABLE_AUTOLOAD_ENV, build_plugin_manager
-
     parser = argparse.ArgumentParser(
         prog="engine-run plugins",
         description="List the loaded plugins, their versions, hooks and components.")

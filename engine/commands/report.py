@@ -19,8 +19,11 @@ import json
 import math
 import pathlib
 
-from engine.metrics import throughput_unit
+from engine.atomic_io import atomic_write
+from engine.commands.runs import require_folder
 from engine.errors import EngineError
+from engine.metrics import throughput_unit
+from engine.plugins import csv_logger, tensorboard
 
 INSTALL = 'pip install -e ".[report]"'
 
@@ -36,8 +39,6 @@ def main(argv) -> int:
     parser.add_argument("-o", "--output", metavar="FILE.png",
                         help="where to write the PNG (default: RUN_DIR/report.png)")
     args = parser.parse_args(argv)
-    from engine.commands.runs import require_folder
-
     run_dir = require_folder(args.run_dir, "report", "a run's out_dir: engine-run report "
                                                      "RUN_DIR (engine-run runs lists them)")
     output = pathlib.Path(args.output) if args.output else run_dir / "report.png"
@@ -54,8 +55,6 @@ def main(argv) -> int:
     if curves.empty:
         raise EngineError(f"report: {source} holds no metric to plot; logged: "
                           f"{', '.join(sorted(series)) or 'nothing'}")
-    from engine.atomic_io import atomic_write
-
     png = render(curves, title=heading(run_dir))
     atomic_write(output, lambda f: f.write(png))
     print(f"wrote {output} ({curves.describe()}; from {source})")
@@ -68,8 +67,6 @@ def main(argv) -> int:
 def read_scalars(run_dir: pathlib.Path) -> tuple[Series, str]:
     """The run's scalars and where they came from, read by the loggers' own readers:
     the csv logger's metrics.csv, else the TensorBoard event files."""
-    from engine.plugins import csv_logger, tensorboard
-
     for logger in (csv_logger, tensorboard):
         try:
             found = logger.read_metrics(run_dir)
@@ -213,6 +210,7 @@ def unzip(pairs) -> tuple[list, list]:
 def render(curves: Curves, title: str) -> bytes:
     """The PNG: matplotlib's object API on the Agg canvas (no pyplot, no display, no
     global state touched)."""
+    # matplotlib is optional (the report extra): imported only to draw
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator

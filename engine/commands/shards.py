@@ -29,7 +29,7 @@ def main(argv) -> int:
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
                         help="tokens per shard file (default 100,000,000)")
     args = parser.parse_args(argv)
-    from engine.token_shards import write_shards
+    from engine.token_shards import write_shards  # imports torch: lazily
 
     index = write_shards(args.texts, args.out, tokenizer=args.tokenizer,
                          shard_tokens=args.shard_tokens)

@@ -160,3 +160,16 @@ def test_the_optional_loggers_are_not_imported_unless_enabled():
                          capture_output=True, timeout=120, cwd=ENGINE.parent)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_engine_run_starts_without_torch_or_the_modules_only_a_run_needs():
+    # engine.cli and engine.launching import these inside the functions that need them
+    # (the reason their imports stay there): --help, --version and the commands
+    # (engine-run runs, report...) start without them. In a new process, as above.
+    later = ("torch", "engine.config", "engine.plugin_manager", "engine.launcher",
+             "engine.snapshot", "engine.recipe")
+    code = f"import sys, engine.cli; print([m for m in {later!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], env=engine_env(), text=True,
+                         capture_output=True, timeout=120, cwd=ENGINE.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

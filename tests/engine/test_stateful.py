@@ -1,5 +1,6 @@
 """engine/stateful.py: a snapshot is the walk over the run's parts, and nothing outside
-the Trainer reaches into it."""
+the Trainer reaches into it; the model's keys (DDP's and torch.compile's parts stripped,
+loaded into any model) and its digest."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import os
 
 import pytest
 import torch
+from torch import nn
 
 import engine
 
 from engine.errors import CheckpointError, ConfigError
-from engine.stateful import SnapshotParts
+from engine.stateful import (SnapshotParts, add_module_prefix, load_model_state,
+                             model_digest, plain_keys)
 from tests import conftest
 from tests.conftest import REPO, read_summary, run_cli
 
@@ -241,3 +244,106 @@ def test_rng_states_travel_as_bytes_and_come_back_the_same():
     data = pickle.dumps(_rng_as_bytes(state), protocol=pickle.HIGHEST_PROTOCOL)
     assert len(data) <= RNG_BYTES
     assert_same_snapshot(_rng_from_bytes(pickle.loads(data)), state)
+
+
+# ------------------------------------------------------ the model's keys and digest
+
+
+def test_model_digest_ignores_device_layout_and_key_order_but_not_values():
+    weight = torch.arange(12.0).reshape(3, 4)
+    state = {"w": weight, "b": torch.ones(3), "n": 5}
+    transposed_twice = {"n": 5, "b": torch.ones(3), "w": weight.t().contiguous().t()}
+    assert not transposed_twice["w"].is_contiguous()
+    assert model_digest(state) == model_digest(transposed_twice)
+    changed = dict(state, w=weight.clone())
+    changed["w"][2, 3] += 1e-6
+    assert model_digest(changed) != model_digest(state)
+    assert model_digest(dict(state, w=weight.double())) != model_digest(state)
+
+
+def test_module_prefix_is_added_and_stripped_only_as_a_whole():
+    state = {"a.weight": 1, "b.bias": 2}
+    assert add_module_prefix(state) == {"module.a.weight": 1, "module.b.bias": 2}
+    assert plain_keys(add_module_prefix(state)) == state
+    mixed = {"module.a.weight": 1, "b.bias": 2}
+    assert plain_keys(mixed) == mixed
+    assert add_module_prefix(mixed) == {"module.a.weight": 1, "module.b.bias": 2}
+
+
+def test_loads_into_plain_and_ddp_wrapped_models_with_or_without_prefix(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    plain = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        wrapped = DDP(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)))
+        with_prefix = {f"module.{k}": v for k, v in source.state_dict().items()}
+        for target, state in ((plain, source.state_dict()), (plain, with_prefix),
+                              (wrapped, source.state_dict()), (wrapped, with_prefix)):
+            load_model_state(target, state)
+            got = getattr(target, "module", target).state_dict()
+            assert all(torch.equal(got[k], v) for k, v in source.state_dict().items())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_keys_are_plain_at_any_depth_and_with_ddp_prefix():
+    compiled = {"_orig_mod.0.weight": 1, "_orig_mod.2.bias": 2}
+    assert plain_keys(compiled) == {"0.weight": 1, "2.bias": 2}
+    blocks = {"layers.0._orig_mod.fc.weight": 1, "layers.1._orig_mod.fc.weight": 2,
+              "head.weight": 3}
+    assert plain_keys(blocks) == {"layers.0.fc.weight": 1, "layers.1.fc.weight": 2,
+                                  "head.weight": 3}
+    assert plain_keys(add_module_prefix(compiled)) == {"0.weight": 1, "2.bias": 2}
+    assert plain_keys({"my_orig_mod.weight": 1}) == {"my_orig_mod.weight": 1}
+
+
+def test_loads_across_compiled_and_plain_models():
+    """A model compiled whole (torch.compile's OptimizedModule) or by blocks takes plain
+    keys, and its own keys load into a plain model. torch.compile is lazy: nothing is
+    compiled here, only the wrappers and their state_dict keys are real."""
+    def net():
+        return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+    torch.manual_seed(0)
+    source = net()
+    whole = torch.compile(net())
+    by_block = net()
+    by_block[0] = torch.compile(by_block[0])
+    assert "_orig_mod.0.weight" in whole.state_dict()
+    assert "0._orig_mod.weight" in by_block.state_dict()
+    for target, state in ((whole, source.state_dict()), (by_block, source.state_dict()),
+                          (net(), whole.state_dict()), (net(), by_block.state_dict())):
+        load_model_state(target, state)
+        got = plain_keys(target.state_dict())
+        assert all(torch.equal(got[k], v) for k, v in source.state_dict().items())
+    with pytest.raises(CheckpointError, match="missing keys: 2.bias"):
+        load_model_state(whole, {k: v for k, v in source.state_dict().items()
+                                 if k != "2.bias"})
+
+
+def test_key_mismatch_names_missing_and_unexpected_keys():
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    state = dict(model.state_dict())
+    state["2.weight"] = state.pop("1.weight")
+    with pytest.raises(CheckpointError) as info:
+        load_model_state(model, state, source="ckpt.pt")
+    assert str(info.value) == ("ckpt.pt does not match the model; missing keys: 1.weight; "
+                               "unexpected keys: 2.weight")
+    state = dict(model.state_dict())
+    state["1.weight"] = torch.zeros(5, 5)
+    with pytest.raises(CheckpointError, match=r"ckpt.pt does not match the model: size "
+                                              r"mismatch for 1.weight"):
+        load_model_state(model, state, source="ckpt.pt")
+
+
+def test_the_model_key_helpers_still_import_from_engine_checkpoint():
+    from engine import checkpoint, stateful
+
+    for name in ("COMPILED_SEGMENT", "add_module_prefix", "load_model_state",
+                 "model_digest", "plain_keys", "uncompiled_key"):
+        assert getattr(checkpoint, name) is getattr(stateful, name), name

@@ -20,8 +20,8 @@ PY = "/venv/bin/python3"
 
 
 @pytest.mark.parametrize("command, parent, of_worker, expected", [
-    (f"{PY} -c from engine.warm_start import serve; serve()", "", True, "warm-start server"),
-    (f"{PY} -c from engine.warm_start import serve; serve()", "warm-start server", False,
+    (f"{PY} -c from engine.testing.warm_start import serve; serve()", "", True, "warm-start server"),
+    (f"{PY} -c from engine.testing.warm_start import serve; serve()", "warm-start server", False,
      "forked run (warm start) and its workers"),
     (f"{PY} /venv/bin/torchrun --standalone /venv/bin/engine-run r.py", "", True,
      "torchrun agent"),

@@ -29,7 +29,7 @@ or on the command line: ``pytest -p engine.testing``. Fixtures:
     stdout, stderr, out_dir and the parsed summary.json).
 ``run_engine(args, env=None, cwd=None, timeout=300, check=False)`` (a function)
     ``engine-run ARGS`` in a new process, forked from a server that has torch imported
-    (seconds saved per run: :mod:`engine.warm_start`; ``ENGINE_TEST_FORK=0`` runs a plain
+    (seconds saved per run: :mod:`engine.testing.warm_start`; ``ENGINE_TEST_FORK=0`` runs a plain
     subprocess instead), whose spawn launcher forks its workers from it as well
     (``ENGINE_START_METHOD=fork`` unless ``env`` says otherwise); ``read_summary(out_dir)``: a run's
     summary.json; ``engine_env(extra)``: the environment for a test run (CPU only, no
@@ -73,7 +73,18 @@ from typing import Any, Callable, Mapping, Sequence
 import attrs
 import pytest
 
+from engine.atomic_io import proc_stat
+from engine.cli import build_parser
+from engine.config import TrainConfig, apply_overrides, with_groups
 from engine.launch_env import START_METHOD_ENV
+from engine.launching import RecipeJob
+from engine.plugin_manager import build_plugin_manager
+from engine.recipe import load_recipe
+from engine.testing import warm_start
+from engine.world import World
+
+# torch (and engine.engine, which imports it) is imported inside the functions: loading
+# this pytest plugin imports no torch.
 
 #: Variables of launchers and schedulers that would make a run adopt them; a test run
 #: starts its own workers, so they are removed.
@@ -166,10 +177,8 @@ def run_engine(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd
     """``engine-run ARGS`` in a new process (``env``: :func:`engine_env` unless given),
     output captured as text. ``check``: a failed run is an AssertionError showing the
     command and its output. The process is forked from a warm server that has torch
-    imported (:mod:`engine.warm_start`; ``ENGINE_TEST_FORK=0`` turns that off); with
+    imported (:mod:`engine.testing.warm_start`; ``ENGINE_TEST_FORK=0`` turns that off); with
     ``program`` (``["engine-run"]``), that program runs in a plain subprocess."""
-    from engine import warm_start
-
     env = dict(env) if env is not None else engine_env()
     if program is None and warm_start.enabled():
         # The server has torch imported: its spawn launchers fork their workers from it
@@ -189,8 +198,6 @@ def run_python(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd
     process forked from the same warm server, as :func:`run_engine` runs engine-run:
     for a tool or an example script, without a Python and torch start per call. Not
     for what a fresh interpreter imports (the server has torch imported)."""
-    from engine import warm_start
-
     env = dict(env) if env is not None else engine_env()
     if warm_start.enabled():
         proc = _warm_starter().run(args, env=env, cwd=cwd, timeout=timeout, python=True)
@@ -211,18 +218,13 @@ def _checked(proc: subprocess.CompletedProcess, check: bool,
 @functools.cache
 def _warm_starter():
     """One warm-start server per test session (started on its first command)."""
-    from engine.warm_start import WarmStarter
-
-    return WarmStarter()
+    return warm_start.WarmStarter()
 
 
 def plugin_options(pm, recipe, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``engine.options`` as a worker of ``engine-run RECIPE`` gets it: the defaults of
     every command-line option, those the plugins add included (``engine_addoption``),
     then ``given`` (keyed by ``dest``, as ``engine.options`` is)."""
-    from engine.cli import build_parser
-    from engine.launching import RecipeJob
-
     parser = build_parser()
     pm.hook.engine_addoption.call_historic(kwargs={"parser": parser})
     options = RecipeJob.from_args(parser.parse_args([str(recipe)])).options
@@ -259,8 +261,6 @@ def tiny_recipe(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture
 def make_plugin_manager() -> Callable[..., Any]:
-    from engine.plugin_manager import build_plugin_manager
-
     def make(*plugins, autoload: bool = False):
         specs = [p for p in plugins if isinstance(p, str)]
         objects = {_object_name(p): p for p in plugins if not isinstance(p, str)}
@@ -275,10 +275,7 @@ def _object_name(plugin: object) -> str:
 
 @pytest.fixture
 def make_engine(make_plugin_manager, tiny_recipe, tmp_path) -> Callable[..., Any]:
-    from engine.config import apply_overrides, with_groups
-    from engine.engine import Engine
-    from engine.recipe import load_recipe
-    from engine.world import World
+    from engine.engine import Engine  # imports torch: lazily (see the imports)
 
     def make(*overrides: str, recipe=None, plugins: Sequence = (), autoload: bool = False,
              options: Mapping[str, Any] | None = None):
@@ -409,8 +406,6 @@ def corrupt_snapshot(path, how: str = "flip") -> None:
 
 def contract_config(keep_last: int = 0, best_metric: str = "", best_mode: str = "max"):
     """A TrainConfig whose ``checkpoint`` group holds these values."""
-    from engine.config import TrainConfig
-
     cfg = TrainConfig()
     cfg.checkpoint.keep_last = keep_last
     cfg.checkpoint.best_metric = best_metric
@@ -458,8 +453,6 @@ def _wait_until_group_is_gone(group: int, timeout: float = 60) -> None:
 def _live_processes():
     """(PID, its /proc/PID/stat fields) of every live process; zombies count as gone,
     and so does a process that ends while we look."""
-    from engine.atomic_io import proc_stat
-
     for entry in pathlib.Path("/proc").glob("[0-9]*"):
         fields = proc_stat(entry.name)
         if fields and fields[0] != "Z":

@@ -26,8 +26,11 @@ so forking it is safe. Linux only; ``ENGINE_TEST_FORK=0`` runs real subprocesses
 from __future__ import annotations
 
 import atexit
+import gc
+import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -35,8 +38,10 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from typing import Mapping, Sequence
 
+from engine.cli import main
 from engine.processes import exit_process
 
 #: ``ENGINE_TEST_FORK=0``: every command in a real ``python -m engine`` subprocess.
@@ -88,7 +93,7 @@ class WarmStarter:
     def _started(self) -> subprocess.Popen:
         if self._server is None or self._server.poll() is not None:
             self._server = subprocess.Popen(
-                [sys.executable, "-c", "from engine.warm_start import serve; serve()"],
+                [sys.executable, "-c", "from engine.testing.warm_start import serve; serve()"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
             self._pending = b""
@@ -151,6 +156,7 @@ def serve() -> None:
     """The server: import what every run imports, then fork one child per request line
     on stdin; answer ``pid N`` when it started and ``exit CODE CPU_S`` when it ended
     (CPU_S: its user and system CPU seconds, with those of the workers it reaped)."""
+    # the server's alone: the clients (every test process) need not import the run's modules
     from engine.spares import import_run_modules
 
     import_run_modules()  # what every command and worker imports, once here
@@ -158,8 +164,6 @@ def serve() -> None:
     # it borrows): ~0.9 s of CPU once here, instead of in every compiling worker of the
     # compile tests and the combination matrix (its first compile: 1.2 -> 0.35 s). Not
     # in import_run_modules: a run's spare would pay it whether or not it compiles.
-    import importlib
-
     for module in ("torch._dynamo.backends.debugging", "torch._inductor.compile_fx"):
         importlib.import_module(module)
     if threading.active_count() != 1:  # forking a threaded process can deadlock the child
@@ -168,8 +172,6 @@ def serve() -> None:
     # Everything imported so far moves to the collector's permanent generation: a forked
     # child's collections no longer walk (and so write to, copying page by page) the
     # objects it inherited.
-    import gc
-
     gc.freeze()
     for line in sys.stdin:
         request = json.loads(line)
@@ -198,8 +200,6 @@ def _child(request: dict) -> None:
             if request.get("python"):
                 code = _run_python(request["argv"])
             else:
-                from engine.cli import main
-
                 sys.argv = ["engine-run", *request["argv"]]
                 code = main(request["argv"])
         except SystemExit as exc:  # argparse (--help, usage errors) and sys.exit
@@ -207,8 +207,6 @@ def _child(request: dict) -> None:
                 print(exc.code, file=sys.stderr)
             code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except BaseException:  # noqa: BLE001 (the child must reach os._exit)
-        import traceback
-
         traceback.print_exc()
     finally:
         exit_process(code if isinstance(code, int) else 1)
@@ -217,8 +215,6 @@ def _child(request: dict) -> None:
 def _run_python(argv: list[str]) -> int:
     """What ``python ARGV`` does after its start: a script, ``-m MODULE`` or ``-c CODE``,
     run as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as that command sets them."""
-    import runpy
-
     if argv[:1] == ["-c"]:
         sys.argv = ["-c", *argv[2:]]
         sys.path.insert(0, "")

@@ -1,4 +1,4 @@
-"""engine/warm_start.py: engine-run commands forked from a warm server behave as the
+"""engine/testing/warm_start.py: engine-run commands forked from a warm server behave as the
 same commands in a plain subprocess: output, exit code, environment, signals, timeout."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine.warm_start import WarmStarter
+from engine.testing.warm_start import WarmStarter
 from tests.conftest import REPO, engine_env
 
 
@@ -138,3 +138,21 @@ def test_the_cpu_of_each_command_is_counted(starter):
     before = starter.cpu_s
     starter.run(["-c", burn], env=engine_env(), cwd=REPO, timeout=120, python=True)
     assert 0.5 <= starter.cpu_s - before < 60, starter.cpu_s - before
+
+
+def test_the_old_module_name_still_imports_and_warns_once_naming_the_new_one(
+        monkeypatch, capsys):
+    import engine
+    from engine import errors
+    from engine.testing import warm_start
+
+    monkeypatch.delitem(sys.modules, "engine.warm_start", raising=False)
+    monkeypatch.delattr(engine, "warm_start", raising=False)
+    for said in [m for m in errors._warned if "engine.warm_start" in m]:
+        errors._warned.discard(said)  # said by an earlier import in this process
+    from engine.warm_start import WarmStarter as old
+
+    assert old is warm_start.WarmStarter
+    assert capsys.readouterr().err == ("warning: engine.warm_start moved to "
+                                       "engine.testing.warm_start; import it from there "
+                                       "(the old name goes in a later release)\n")
