@@ -410,6 +410,18 @@ class EarlyStopping:
                 f"{s.epochs_without_improvement} {counted}; best {best}")
 
 
+def window_mean(loss_sum: float, batches: float, world_size: int) -> float:
+    """A log window's mean loss: ``loss_sum`` over ``batches``, both summed over the
+    ranks; NaN for no micro-batch. Where every rank trained as many (map-style data),
+    divided per rank, then by the ranks, as the logs always were: one division by the
+    product rounds differently (a last-digit change in metrics.csv with 3 processes)."""
+    if not batches:
+        return math.nan
+    if batches % world_size == 0:
+        return loss_sum / (batches // world_size) / world_size
+    return loss_sum / batches  # a stream's ranks differ: there is no per-rank count
+
+
 def scheduler_metric(scheduler, cfg) -> str | None:
     """The metric the run's scheduler steps on after each validation (``scheduler_metric``)
     when it is one that steps on a metric (torch's ReduceLROnPlateau, or any whose
@@ -923,7 +935,7 @@ class Trainer:
             *extra_sums = check.reduction.values()
         # The mean over all ranks' micro-batches (with accumulation, a step has several);
         # NaN when on_nonfinite=skip skipped every step of the window.
-        loss = loss_sum / batches if batches else math.nan
+        loss = window_mean(loss_sum, batches, eng.world.world_size)
         self.nonfinite.check_window(loss, first=check.first_step, last=check.step,
                                     epoch=check.epoch + 1)  # counted from 1
         extras = ({} if self.extras is None else self.extras.means(extra_sums, extra_batches))
