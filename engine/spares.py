@@ -83,14 +83,17 @@ class SparePool:
 
     def warm(self, deaf_to: Sequence[signal.Signals] = ()) -> None:
         """Start the zygote, if not running, with ``deaf_to`` ignored (a pre-emption
-        signal sent to the process group must not kill it; its forks listen again)."""
+        signal sent to the process group must not kill it; its forks listen again), and
+        SIGINT: multiprocessing's server ignores it only once its imports are done, and
+        a Ctrl-C during them printed the zygote's KeyboardInterrupt traceback."""
         if self._server is None:
             self._server = _SpareServer()
         preload = {"sys_path": sys.path, "recipe": self.recipe, "plugins": self.plugins}
         previous_env = os.environ.get(PRELOAD_ENV)
         os.environ[PRELOAD_ENV] = json.dumps(preload)
         try:
-            previous = {s: signal.signal(s, signal.SIG_IGN) for s in deaf_to}
+            previous = {s: signal.signal(s, signal.SIG_IGN)
+                        for s in (*deaf_to, signal.SIGINT)}
         except ValueError:  # not the main thread: the group's signals reach it
             previous = {}
         try:
@@ -109,6 +112,9 @@ class SparePool:
         signals the zygote ignores, back to their default in each worker."""
         from torch.multiprocessing.spawn import ProcessContext
 
+        # A spawned worker takes Ctrl-C as this process does: ignored where it is here
+        # (a job in the background), else Python's KeyboardInterrupt.
+        interruptible = signal.getsignal(signal.SIGINT) != signal.SIG_IGN
         self.warm(listen_to)
         processes, error_files = [], []
         environ = dict(os.environ)
@@ -121,7 +127,8 @@ class SparePool:
                 os.close(fd)
                 os.unlink(error_file)
                 process = _SpareProcess(target=_spare_entry, args=(
-                    fn, index, args, error_file, environ, tuple(listen_to)))
+                    fn, index, args, error_file, environ, tuple(listen_to),
+                    interruptible))
                 try:
                     process.start()
                 except (OSError, EOFError, TimeoutError, ChildProcessError) as exc:
@@ -151,15 +158,19 @@ class SparePool:
             os.waitpid(server._forkserver_pid, 0)
 
 
-def _spare_entry(fn, index, args, error_file, environ, listen_to) -> None:
+def _spare_entry(fn, index, args, error_file, environ, listen_to,
+                 interruptible=True) -> None:
     """A fork of the zygote becoming a worker: the launcher's environment, the signals
-    it ignores back to their default, then torch's wrapper as start_processes runs it."""
+    it ignores back to their default (SIGINT to Python's KeyboardInterrupt where the
+    launcher takes it), then torch's wrapper as start_processes runs it."""
     from torch.multiprocessing.spawn import _wrap
 
     os.environ.clear()
     os.environ.update(environ)
     for signum in listen_to:
         signal.signal(signum, signal.SIG_DFL)
+    if interruptible:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     _end_with_the_launcher()
     _wrap(fn, index, args, error_file)
 

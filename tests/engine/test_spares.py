@@ -33,15 +33,31 @@ def _report(index: int, path: str) -> None:
                    "parent": multiprocessing.parent_process().pid,
                    "asked": os.environ.get("SPARE_TEST_VALUE"),
                    "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+                   # Ctrl-C stops a worker as a spawned one (the zygote ignores it).
+                   "sigint_raises": (signal.getsignal(signal.SIGINT)
+                                     is signal.default_int_handler),
                    # A fork's parent is the zygote: a thread ends it with the launcher.
                    "watching": [t.name for t in threading.enumerate()
                                 if t.name == "engine-launcher-watch"]},
                   f)
 
 
+def _wait_for_python_to_handle_sigint(pid: int) -> None:
+    """Until the process has its SIGINT handled or ignored (/proc's masks): its
+    interpreter has started, and its imports (seconds of torch) are under way."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as f:
+            masks = dict(line.split(":\t", 1) for line in f if line.startswith("Sig"))
+        if (int(masks["SigCgt"], 16) | int(masks["SigIgn"], 16)) & 1 << (2 - 1):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} never set up SIGINT")
+
+
 @pytest.mark.slow
 def test_a_fork_of_the_spare_has_the_run_imported_and_the_launchers_environment(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, capfd):
     import signal
 
     pool = SparePool(RECIPE)
@@ -49,6 +65,11 @@ def test_a_fork_of_the_spare_has_the_run_imported_and_the_launchers_environment(
         # The zygote ignores SIGTERM (a signal to the process group must not kill it);
         # the environment is the launcher's at the fork, not at the zygote's start.
         pool.warm(deaf_to=(signal.SIGTERM,))
+        # A Ctrl-C reaches the whole process group, the zygote amid its imports too: it
+        # neither dies nor prints a traceback (the launcher decides what Ctrl-C does).
+        zygote = pool._server._forkserver_pid
+        _wait_for_python_to_handle_sigint(zygote)  # so a Ctrl-C would raise there
+        os.kill(zygote, signal.SIGINT)
         monkeypatch.setenv("SPARE_TEST_VALUE", "set after the spare started")
         path = tmp_path / "report.json"
         context = pool.start(_report, (str(path),), 1, listen_to=(signal.SIGTERM,))
@@ -59,7 +80,10 @@ def test_a_fork_of_the_spare_has_the_run_imported_and_the_launchers_environment(
             "preloaded": ["engine.plugins.ddp", "engine.trainer", "tiny_resume",
                           "torch._dynamo"],
             "parent": os.getpid(), "asked": "set after the spare started",
-            "sigterm_default": True, "watching": ["engine-launcher-watch"]}
+            "sigterm_default": True, "sigint_raises": True,
+            "watching": ["engine-launcher-watch"]}
+        assert "KeyboardInterrupt" not in capfd.readouterr().err
+        assert pool._server._forkserver_pid == zygote  # the same one, not a new one
     finally:
         pool.close()
 
