@@ -227,8 +227,6 @@ def _preload() -> None:
     """In the zygote, as this module is preloaded: the launcher's sys.path, the run's
     modules, the recipe. A failure leaves that part for each worker to import; it
     never stops the zygote (the workers then start as cold as spawned ones)."""
-    import threading
-
     preload = json.loads(os.environ.pop(PRELOAD_ENV))
     sys.path[:] = preload["sys_path"]
     try:
@@ -244,17 +242,16 @@ def _preload() -> None:
             load_recipe(preload["recipe"])
     except Exception as exc:  # noqa: BLE001 (the worker meets it and reports it)
         print(f"warning: the warm spare could not preload: {exc}", file=sys.stderr)
-    # Forking a process with threads can deadlock the child, and a fork cannot use a
-    # CUDA context its parent created: stop the zygote; the launcher then says so in
-    # one line and spawns the workers.
-    cuda = sys.modules.get("torch.cuda")
-    unsafe = ([f"runs {threading.active_count()} threads"]
-              if threading.active_count() != 1 else [])
-    if cuda is not None and cuda.is_initialized():
-        unsafe.append("has initialised CUDA")
+    # Forking a process with threads can deadlock the child (OpenMP's pool too, which a
+    # tensor operation in the recipe's module starts: not a Python thread), and a fork
+    # cannot use a CUDA context its parent created: the rule of ENGINE_START_METHOD=fork.
+    # Stop the zygote; the launcher then says so in one line and spawns the workers.
+    from engine.launch_env import fork_unsafe
+
+    unsafe = fork_unsafe()
     if unsafe:
-        print(f"warning: the warm spare {' and '.join(unsafe)} after its imports (the "
-              "recipe's module?): it cannot fork safely", file=sys.stderr, flush=True)
+        print(f"warning: the warm spare cannot fork safely after its imports (the "
+              f"recipe's module?): {unsafe}", file=sys.stderr, flush=True)
         os._exit(1)
 
 

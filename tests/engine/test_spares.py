@@ -107,3 +107,23 @@ def test_a_spare_that_does_not_fork_in_time_is_one_error_and_is_ended_at_once(
     pool.close()
     assert time.monotonic() - started < 30
     assert not os.path.exists(f"/proc/{zygote}"), "the zygote outlived close()"
+
+
+@pytest.mark.slow
+def test_a_recipe_that_starts_a_thread_pool_as_it_is_imported_is_not_forked(
+        tmp_path, capfd):
+    # A tensor operation at the recipe module's top level starts OpenMP's pool in the
+    # zygote: native threads, no Python one, and a fork using two threads could hang in
+    # it. The zygote refuses, as ENGINE_START_METHOD=fork does (engine.launch_env).
+    recipe = tmp_path / "pool_at_import.py"
+    recipe.write_text("import torch\n\ntorch.set_num_threads(2)\n"
+                      "_x = torch.randn(512, 512)\n(_x @ _x).sum()\n\n"
+                      "from tests.recipes.tiny_resume import *  # noqa\n")
+    pool = SparePool(str(recipe))
+    try:
+        with pytest.raises(SpareError):
+            pool.start(_never_runs, (), 1)
+    finally:
+        pool.close()
+    assert ("warning: the warm spare cannot fork safely after its imports (the recipe's "
+            "module?): this process runs") in capfd.readouterr().err
