@@ -164,6 +164,9 @@ class LogWindow:
         # micro-batches in skipped steps (the same on every rank: the ranks agree).
         self.kept_loss = torch.zeros((), device=device)
         self.kept_batches = self.skipped_batches = 0
+        # A stream's padding micro-batches this epoch (engine/streaming.py): trained with
+        # weight 0, in no loss sum, so in no count either.
+        self.padding_batches = 0
         # A resumed epoch's loss before the snapshot, in this run's micro-batches: the
         # epoch's metric covers the whole epoch. Rank 0 carries it (the sums are global).
         self.resumed_loss = 0.0
@@ -183,6 +186,12 @@ class LogWindow:
     def add_batch(self, loss) -> None:
         self.loss += loss
         self.batches += 1
+
+    def epoch_batches(self, batch_in_epoch: int) -> int:
+        """This rank's micro-batches in the epoch's loss sum so far, from where this run
+        started it: neither those of skipped steps nor a stream's padding."""
+        return (batch_in_epoch - self.first_batch - self.skipped_batches
+                - self.padding_batches)
 
     def settle(self, taken: bool) -> None:
         """``on_nonfinite=skip``, after each optimizer step: keep its micro-batches'
@@ -722,7 +731,9 @@ class Trainer:
                 window.units += count_units(batch)
             with phases.span("forward/backward"):
                 loss = self.run_batch(batch, group_size, last_micro, padding=padding)
-            if not padding:
+            if padding:
+                window.padding_batches += 1
+            else:
                 window.add_batch(loss)
             eng.state.batch_in_epoch = batch_index + 1
             if last_micro and self.optimizer_step(loss, window):
@@ -730,8 +741,8 @@ class Trainer:
             fetch_start = time.perf_counter()
         self.finish_pending()  # logged before the epoch's own metrics; run_epoch acts
         # on its flags (stop_requested, time_snapshot_due)
-        return self.epoch_metrics(epoch, window, batches=eng.state.batch_in_epoch - first_batch
-                                  - window.skipped_batches,
+        return self.epoch_metrics(epoch, window,
+                                  batches=window.epoch_batches(eng.state.batch_in_epoch),
                                   steps=eng.state.step - steps_at_start,
                                   epoch_start=epoch_start,
                                   # a stream's wait for the other ranks' end-of-data
@@ -999,8 +1010,7 @@ class Trainer:
         window, eng = self.window, self.engine
         if window is None:
             return None
-        batches = (eng.state.batch_in_epoch - window.first_batch - window.skipped_batches
-                   + window.resumed_batches)
+        batches = window.epoch_batches(eng.state.batch_in_epoch) + window.resumed_batches
         totals = torch.stack([window.total_loss(), torch.tensor(
             batches, dtype=torch.float64, device=self.device)])
         loss_sum, batch_count = (distributed.all_reduce_sum(totals) if reduce
