@@ -229,6 +229,12 @@ def _preload() -> None:
     never stops the zygote (the workers then start as cold as spawned ones)."""
     preload = json.loads(os.environ.pop(PRELOAD_ENV))
     sys.path[:] = preload["sys_path"]
+    # A recipe module that asks torch.cuda.is_available() as it is imported (a common
+    # line) would start the CUDA driver here (cudaGetDeviceCount) and poison every fork:
+    # torch then refuses CUDA in them ("Cannot re-initialize CUDA in forked
+    # subprocess"). With this, NVML answers where it works (a GPU machine), as torch
+    # documents; the forks get the launcher's environment back (_spare_entry).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     try:
         import_run_modules()
         for module in WORKER_MODULES:

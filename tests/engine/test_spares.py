@@ -127,3 +127,30 @@ def test_a_recipe_that_starts_a_thread_pool_as_it_is_imported_is_not_forked(
         pool.close()
     assert ("warning: the warm spare cannot fork safely after its imports (the recipe's "
             "module?): this process runs") in capfd.readouterr().err
+
+
+def _nvml_report(index: int, path: str, module: str) -> None:
+    with open(path, "w") as f:
+        json.dump([sys.modules[module].SEEN,
+                   os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")], f)
+
+
+@pytest.mark.slow
+def test_the_recipes_cuda_check_at_import_asks_nvml_in_the_zygote_only(tmp_path,
+                                                                        monkeypatch):
+    # torch.cuda.is_available() at a recipe's top level, in the zygote, would poison
+    # every fork for CUDA unless NVML answers (needs a GPU to see the poison itself).
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    recipe = tmp_path / "nvml_probe.py"
+    recipe.write_text("import os\n\nSEEN = os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK')"
+                      "\n\nfrom tests.recipes.tiny_resume import *  # noqa\n")
+    pool = SparePool(str(recipe))
+    try:
+        path = tmp_path / "report.json"
+        context = pool.start(_nvml_report, (str(path), "nvml_probe"), 1)
+        deadline = time.monotonic() + 120
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the forked worker never ended"
+    finally:
+        pool.close()
+    assert json.loads(path.read_text()) == ["1", None]  # the worker: the launcher's
