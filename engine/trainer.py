@@ -256,11 +256,25 @@ class TrainExtras:
         self.window = torch.zeros(len(names), dtype=torch.float64, device=device)
         self.epoch = torch.zeros_like(self.window)
         self.window_batches = self.epoch_batches = 0
+        # on_nonfinite=skip: the window after the last step taken (LogWindow.settle).
+        self.kept = torch.zeros_like(self.window)
+        self.kept_batches = 0
 
     def add(self, out: dict) -> None:
         self.window += torch.stack([torch.as_tensor(out[n]).detach().double().to(
             self.window.device) for n in self.names])
         self.window_batches += 1
+
+    def settle(self, taken: bool) -> None:
+        """``on_nonfinite=skip``, after each optimizer step: keep its micro-batches'
+        metrics, or drop them with the step, as its losses are (one NaN metric of a
+        skipped step made the window's and the whole epoch's mean NaN)."""
+        if taken:
+            self.kept.copy_(self.window)
+            self.kept_batches = self.window_batches
+        else:
+            self.window.copy_(self.kept)
+            self.window_batches = self.kept_batches
 
     def take_window(self) -> tuple[torch.Tensor, int]:
         """The window's sums (a new tensor, for the check point's all-reduce) and its
@@ -269,7 +283,8 @@ class TrainExtras:
         self.epoch += self.window
         self.epoch_batches += batches
         self.window.zero_()
-        self.window_batches = 0
+        self.kept.zero_()
+        self.window_batches = self.kept_batches = 0
         return sums, batches
 
     def take_epoch(self) -> torch.Tensor:
@@ -808,6 +823,8 @@ class Trainer:
         taken = self.nonfinite.allow_step(state.step + 1)
         if self.nonfinite.skip:
             window.settle(taken)
+            if self.extras is not None:
+                self.extras.settle(taken)
         if taken:
             with phases.span("optimizer step"):
                 if self.clip_norm is not None or self.before_step_hook is not None:

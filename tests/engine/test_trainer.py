@@ -723,6 +723,22 @@ def test_train_step_extras_are_means_per_window_and_per_epoch():
     assert extras.take_epoch().tolist() == [0.0, 0.0, 0.0]  # the next epoch starts empty
 
 
+def test_a_skipped_steps_extras_leave_the_window_and_the_epoch():
+    # on_nonfinite=skip drops a skipped step's losses (LogWindow.settle); its extras
+    # went on, and one NaN among them made train/NAME and train/epoch_NAME NaN.
+    extras = TrainExtras(["accuracy"], CPU)
+    for values, taken in (((0.5, 1.0), True), ((float("nan"), 0.0), False), ((0.0,), True)):
+        for value in values:
+            extras.add({"loss": torch.tensor(1.0), "accuracy": torch.tensor(value)})
+        extras.settle(taken)
+    sums, batches = extras.take_window()
+    assert extras.means(sums.tolist(), batches) == {"train/accuracy": 0.5}
+    extras.add({"accuracy": torch.tensor(float("nan"))})
+    extras.settle(False)  # the next window's first step: nothing kept yet
+    *sums, batches = extras.take_epoch().tolist()
+    assert extras.means(sums, batches, prefix="train/epoch_") == {"train/epoch_accuracy": 0.5}
+
+
 def test_throughput_is_in_samples_unless_the_recipe_names_and_counts_its_unit():
     class Samples:
         Config = engine.TrainConfig
