@@ -1,8 +1,8 @@
 """engine/spares.py on real processes: a worker forked from the warm spare starts with
 the run's modules imported, the launcher's environment and the launcher as its parent
 (watched: the fork ends with it);
-a spare that does not fork in time is one SpareError, never a hang, and its close ends
-it at once. (A run whose workers it forks, and replaces after a SIGKILL:
+a spare that does not fork in time, or that cannot fork safely (a thread pool), is one
+SpareError, never a hang, and its close ends it at once. (A run whose workers it forks, and replaces after a SIGKILL:
 tests/plugins/test_spawn.py.)"""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import time
 import pytest
 
 from engine.spares import SpareError, SparePool, _SparePopen
-from tests.conftest import REPO
 
-RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
+#: A recipe module that notes what torch.cuda.is_available() would ask at its import.
+PROBE_RECIPE = ("import os\n\nSEEN = os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK')\n\n"
+                "from tests.recipes.tiny_resume import *  # noqa\n")
 
 
 def _report(index: int, path: str) -> None:
@@ -28,8 +29,13 @@ def _report(index: int, path: str) -> None:
 
     with open(path, "w") as f:
         json.dump({"preloaded": sorted(m for m in ("torch._dynamo", "engine.trainer",
-                                                   "engine.plugins.ddp", "tiny_resume")
+                                                   "engine.plugins.ddp", "spare_probe")
                                        if m in sys.modules),
+                   # torch.cuda.is_available() at a recipe's top level, in the zygote,
+                   # would poison every fork for CUDA unless NVML answers (a GPU shows
+                   # the poison itself); the worker has the launcher's variables.
+                   "nvml_check": [sys.modules["spare_probe"].SEEN,
+                                  os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")],
                    "parent": multiprocessing.parent_process().pid,
                    "asked": os.environ.get("SPARE_TEST_VALUE"),
                    "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
@@ -60,7 +66,10 @@ def test_a_fork_of_the_spare_has_the_run_imported_and_the_launchers_environment(
         tmp_path, monkeypatch, capfd):
     import signal
 
-    pool = SparePool(RECIPE)
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    recipe = tmp_path / "spare_probe.py"
+    recipe.write_text(PROBE_RECIPE)
+    pool = SparePool(str(recipe))
     try:
         # The zygote ignores SIGTERM (a signal to the process group must not kill it);
         # the environment is the launcher's at the fork, not at the zygote's start.
@@ -77,8 +86,9 @@ def test_a_fork_of_the_spare_has_the_run_imported_and_the_launchers_environment(
         while not context.join(timeout=1):
             assert time.monotonic() < deadline, "the forked worker never ended"
         assert json.loads(path.read_text()) == {
-            "preloaded": ["engine.plugins.ddp", "engine.trainer", "tiny_resume",
+            "preloaded": ["engine.plugins.ddp", "engine.trainer", "spare_probe",
                           "torch._dynamo"],
+            "nvml_check": ["1", None],
             "parent": os.getpid(), "asked": "set after the spare started",
             "sigterm_default": True, "sigint_raises": True,
             "watching": ["engine-launcher-watch"]}
@@ -128,29 +138,3 @@ def test_a_recipe_that_starts_a_thread_pool_as_it_is_imported_is_not_forked(
     assert ("warning: the warm spare cannot fork safely after its imports (the recipe's "
             "module?): this process runs") in capfd.readouterr().err
 
-
-def _nvml_report(index: int, path: str, module: str) -> None:
-    with open(path, "w") as f:
-        json.dump([sys.modules[module].SEEN,
-                   os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")], f)
-
-
-@pytest.mark.slow
-def test_the_recipes_cuda_check_at_import_asks_nvml_in_the_zygote_only(tmp_path,
-                                                                        monkeypatch):
-    # torch.cuda.is_available() at a recipe's top level, in the zygote, would poison
-    # every fork for CUDA unless NVML answers (needs a GPU to see the poison itself).
-    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
-    recipe = tmp_path / "nvml_probe.py"
-    recipe.write_text("import os\n\nSEEN = os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK')"
-                      "\n\nfrom tests.recipes.tiny_resume import *  # noqa\n")
-    pool = SparePool(str(recipe))
-    try:
-        path = tmp_path / "report.json"
-        context = pool.start(_nvml_report, (str(path), "nvml_probe"), 1)
-        deadline = time.monotonic() + 120
-        while not context.join(timeout=1):
-            assert time.monotonic() < deadline, "the forked worker never ended"
-    finally:
-        pool.close()
-    assert json.loads(path.read_text()) == ["1", None]  # the worker: the launcher's
