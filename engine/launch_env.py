@@ -105,7 +105,7 @@ START_METHODS = ("spawn", "fork")
 
 def start_method(environ: Mapping[str, str] = os.environ) -> str:
     """How local workers are started (``engine.processes.spawn_workers``): ``spawn``
-    unless ``ENGINE_START_METHOD`` says ``fork``, and only where :func:`_fork_unsafe`
+    unless ``ENGINE_START_METHOD`` says ``fork``, and only where :func:`fork_unsafe`
     finds no reason against it (another thread, a thread pool, CUDA); otherwise this
     warns once and spawns."""
     chosen = environ.get(START_METHOD_ENV, "").strip() or "spawn"
@@ -113,7 +113,7 @@ def start_method(environ: Mapping[str, str] = os.environ) -> str:
         raise LaunchError(f"{START_METHOD_ENV}={chosen!r} is not a start method; expected "
                           f"{' or '.join(START_METHODS)} (the default: spawn)")
     if chosen == "fork":
-        reason = _fork_unsafe()
+        reason = fork_unsafe()
         if reason:
             warn(f"{START_METHOD_ENV}=fork: {reason}, and a forked worker could hang; "
                       "starting the workers with spawn")
@@ -121,8 +121,9 @@ def start_method(environ: Mapping[str, str] = os.environ) -> str:
     return chosen
 
 
-def _fork_unsafe() -> str | None:
-    """Why this process cannot be forked safely, or None."""
+def fork_unsafe() -> str | None:
+    """Why this process cannot be forked safely, or None (the warm spare of
+    engine/spares.py asks too)."""
     if not hasattr(os, "fork"):
         return "this platform cannot fork"
     if threading.active_count() > 1:

@@ -60,6 +60,26 @@ class Parallel:
         # your own: a mode may read a setting the recipe declares (fsdp: shard_units).
         self.recipe = recipe
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        # A mode written before ``recipe`` was an argument (``__init__(self, world,
+        # cfg)``) keeps working: the engine passes recipe=, this sets the attribute.
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+        import inspect
+
+        params = inspect.signature(init).parameters.values()
+        if any(p.name == "recipe" or p.kind is p.VAR_KEYWORD for p in params):
+            return
+
+        @functools.wraps(init)
+        def __init__(self, world, cfg, *args, recipe=None, **kwargs):
+            init(self, world, cfg, *args, **kwargs)
+            self.recipe = recipe
+
+        cls.__init__ = __init__
+
     # -------------------------------------------------------------- devices
 
     @property

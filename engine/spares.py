@@ -92,14 +92,17 @@ class SparePool:
 
     def warm(self, deaf_to: Sequence[signal.Signals] = ()) -> None:
         """Start the zygote, if not running, with ``deaf_to`` ignored (a pre-emption
-        signal sent to the process group must not kill it; its forks listen again)."""
+        signal sent to the process group must not kill it; its forks listen again), and
+        SIGINT: multiprocessing's server ignores it only once its imports are done, and
+        a Ctrl-C during them printed the zygote's KeyboardInterrupt traceback."""
         if self._server is None:
             self._server = _SpareServer()
         preload = {"sys_path": sys.path, "recipe": self.recipe, "plugins": self.plugins}
         previous_env = os.environ.get(PRELOAD_ENV)
         os.environ[PRELOAD_ENV] = json.dumps(preload)
         try:
-            previous = {s: signal.signal(s, signal.SIG_IGN) for s in deaf_to}
+            previous = {s: signal.signal(s, signal.SIG_IGN)
+                        for s in (*deaf_to, signal.SIGINT)}
         except ValueError:  # not the main thread: the group's signals reach it
             previous = {}
         try:
@@ -118,6 +121,9 @@ class SparePool:
         signals the zygote ignores, back to their default in each worker."""
         from torch.multiprocessing.spawn import ProcessContext
 
+        # A spawned worker takes Ctrl-C as this process does: ignored where it is here
+        # (a job in the background), else Python's KeyboardInterrupt.
+        interruptible = signal.getsignal(signal.SIGINT) != signal.SIG_IGN
         self.warm(listen_to)
         processes, error_files = [], []
         environ = dict(os.environ)
@@ -130,7 +136,8 @@ class SparePool:
                 os.close(fd)
                 os.unlink(error_file)
                 process = _SpareProcess(target=_spare_entry, args=(
-                    fn, index, args, error_file, environ, tuple(listen_to)))
+                    fn, index, args, error_file, environ, tuple(listen_to),
+                    interruptible))
                 try:
                     process.start()
                 except (OSError, EOFError, TimeoutError, ChildProcessError) as exc:
@@ -160,15 +167,19 @@ class SparePool:
             os.waitpid(server._forkserver_pid, 0)
 
 
-def _spare_entry(fn, index, args, error_file, environ, listen_to) -> None:
+def _spare_entry(fn, index, args, error_file, environ, listen_to,
+                 interruptible=True) -> None:
     """A fork of the zygote becoming a worker: the launcher's environment, the signals
-    it ignores back to their default, then torch's wrapper as start_processes runs it."""
+    it ignores back to their default (SIGINT to Python's KeyboardInterrupt where the
+    launcher takes it), then torch's wrapper as start_processes runs it."""
     from torch.multiprocessing.spawn import _wrap
 
     os.environ.clear()
     os.environ.update(environ)
     for signum in listen_to:
         signal.signal(signum, signal.SIG_DFL)
+    if interruptible:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     _end_with_the_launcher()
     _wrap(fn, index, args, error_file)
 
@@ -223,6 +234,12 @@ def _preload() -> None:
     never stops the zygote (the workers then start as cold as spawned ones)."""
     preload = json.loads(os.environ.pop(PRELOAD_ENV))
     sys.path[:] = preload["sys_path"]
+    # A recipe module that asks torch.cuda.is_available() as it is imported (a common
+    # line) would start the CUDA driver here (cudaGetDeviceCount) and poison every fork:
+    # torch then refuses CUDA in them ("Cannot re-initialize CUDA in forked
+    # subprocess"). With this, NVML answers where it works (a GPU machine), as torch
+    # documents; the forks get the launcher's environment back (_spare_entry).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     try:
         import_run_modules()
         for module in WORKER_MODULES:
@@ -232,17 +249,16 @@ def _preload() -> None:
             load_recipe(preload["recipe"])
     except Exception as exc:  # noqa: BLE001 (the worker meets it and reports it)
         print(f"warning: the warm spare could not preload: {exc}", file=sys.stderr)
-    # Forking a process with threads can deadlock the child, and a fork cannot use a
-    # CUDA context its parent created: stop the zygote; the launcher then says so in
-    # one line and spawns the workers.
-    cuda = sys.modules.get("torch.cuda")
-    unsafe = ([f"runs {threading.active_count()} threads"]
-              if threading.active_count() != 1 else [])
-    if cuda is not None and cuda.is_initialized():
-        unsafe.append("has initialised CUDA")
+    # Forking a process with threads can deadlock the child (OpenMP's pool too, which a
+    # tensor operation in the recipe's module starts: not a Python thread), and a fork
+    # cannot use a CUDA context its parent created: the rule of ENGINE_START_METHOD=fork.
+    # Stop the zygote; the launcher then says so in one line and spawns the workers.
+    from engine.launch_env import fork_unsafe
+
+    unsafe = fork_unsafe()
     if unsafe:
-        print(f"warning: the warm spare {' and '.join(unsafe)} after its imports (the "
-              "recipe's module?): it cannot fork safely", file=sys.stderr, flush=True)
+        print(f"warning: the warm spare cannot fork safely after its imports (the "
+              f"recipe's module?): {unsafe}", file=sys.stderr, flush=True)
         os._exit(1)
 
 

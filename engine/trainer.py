@@ -164,6 +164,9 @@ class LogWindow:
         # micro-batches in skipped steps (the same on every rank: the ranks agree).
         self.kept_loss = torch.zeros((), device=device)
         self.kept_batches = self.skipped_batches = 0
+        # A stream's padding micro-batches this epoch (engine/streaming.py): trained with
+        # weight 0, in no loss sum, so in no count either.
+        self.padding_batches = 0
         # A resumed epoch's loss before the snapshot, in this run's micro-batches: the
         # epoch's metric covers the whole epoch. Rank 0 carries it (the sums are global).
         self.resumed_loss = 0.0
@@ -183,6 +186,12 @@ class LogWindow:
     def add_batch(self, loss) -> None:
         self.loss += loss
         self.batches += 1
+
+    def epoch_batches(self, batch_in_epoch: int) -> int:
+        """This rank's micro-batches in the epoch's loss sum so far, from where this run
+        started it: neither those of skipped steps nor a stream's padding."""
+        return (batch_in_epoch - self.first_batch - self.skipped_batches
+                - self.padding_batches)
 
     def settle(self, taken: bool) -> None:
         """``on_nonfinite=skip``, after each optimizer step: keep its micro-batches'
@@ -247,11 +256,25 @@ class TrainExtras:
         self.window = torch.zeros(len(names), dtype=torch.float64, device=device)
         self.epoch = torch.zeros_like(self.window)
         self.window_batches = self.epoch_batches = 0
+        # on_nonfinite=skip: the window after the last step taken (LogWindow.settle).
+        self.kept = torch.zeros_like(self.window)
+        self.kept_batches = 0
 
     def add(self, out: dict) -> None:
         self.window += torch.stack([torch.as_tensor(out[n]).detach().double().to(
             self.window.device) for n in self.names])
         self.window_batches += 1
+
+    def settle(self, taken: bool) -> None:
+        """``on_nonfinite=skip``, after each optimizer step: keep its micro-batches'
+        metrics, or drop them with the step, as its losses are (one NaN metric of a
+        skipped step made the window's and the whole epoch's mean NaN)."""
+        if taken:
+            self.kept.copy_(self.window)
+            self.kept_batches = self.window_batches
+        else:
+            self.window.copy_(self.kept)
+            self.window_batches = self.kept_batches
 
     def take_window(self) -> tuple[torch.Tensor, int]:
         """The window's sums (a new tensor, for the check point's all-reduce) and its
@@ -260,7 +283,8 @@ class TrainExtras:
         self.epoch += self.window
         self.epoch_batches += batches
         self.window.zero_()
-        self.window_batches = 0
+        self.kept.zero_()
+        self.window_batches = self.kept_batches = 0
         return sums, batches
 
     def take_epoch(self) -> torch.Tensor:
@@ -408,6 +432,18 @@ class EarlyStopping:
         counted = "validations" if self.by_steps else "epochs"
         return (f"early stopping: {self.metric} did not improve{compared} for "
                 f"{s.epochs_without_improvement} {counted}; best {best}")
+
+
+def window_mean(loss_sum: float, batches: float, world_size: int) -> float:
+    """A log window's mean loss: ``loss_sum`` over ``batches``, both summed over the
+    ranks; NaN for no micro-batch. Where every rank trained as many (map-style data),
+    divided per rank, then by the ranks, as the logs always were: one division by the
+    product rounds differently (a last-digit change in metrics.csv with 3 processes)."""
+    if not batches:
+        return math.nan
+    if batches % world_size == 0:
+        return loss_sum / (batches // world_size) / world_size
+    return loss_sum / batches  # a stream's ranks differ: there is no per-rank count
 
 
 def scheduler_metric(scheduler, cfg) -> str | None:
@@ -710,7 +746,9 @@ class Trainer:
                 window.units += count_units(batch)
             with phases.span("forward/backward"):
                 loss = self.run_batch(batch, group_size, last_micro, padding=padding)
-            if not padding:
+            if padding:
+                window.padding_batches += 1
+            else:
                 window.add_batch(loss)
             eng.state.batch_in_epoch = batch_index + 1
             if last_micro and self.optimizer_step(loss, window):
@@ -718,8 +756,8 @@ class Trainer:
             fetch_start = time.perf_counter()
         self.finish_pending()  # logged before the epoch's own metrics; run_epoch acts
         # on its flags (stop_requested, time_snapshot_due)
-        return self.epoch_metrics(epoch, window, batches=eng.state.batch_in_epoch - first_batch
-                                  - window.skipped_batches,
+        return self.epoch_metrics(epoch, window,
+                                  batches=window.epoch_batches(eng.state.batch_in_epoch),
                                   steps=eng.state.step - steps_at_start,
                                   epoch_start=epoch_start,
                                   # a stream's wait for the other ranks' end-of-data
@@ -785,6 +823,8 @@ class Trainer:
         taken = self.nonfinite.allow_step(state.step + 1)
         if self.nonfinite.skip:
             window.settle(taken)
+            if self.extras is not None:
+                self.extras.settle(taken)
         if taken:
             with phases.span("optimizer step"):
                 if self.clip_norm is not None or self.before_step_hook is not None:
@@ -923,7 +963,7 @@ class Trainer:
             *extra_sums = check.reduction.values()
         # The mean over all ranks' micro-batches (with accumulation, a step has several);
         # NaN when on_nonfinite=skip skipped every step of the window.
-        loss = loss_sum / batches if batches else math.nan
+        loss = window_mean(loss_sum, batches, eng.world.world_size)
         self.nonfinite.check_window(loss, first=check.first_step, last=check.step,
                                     epoch=check.epoch + 1)  # counted from 1
         extras = ({} if self.extras is None else self.extras.means(extra_sums, extra_batches))
@@ -987,8 +1027,7 @@ class Trainer:
         window, eng = self.window, self.engine
         if window is None:
             return None
-        batches = (eng.state.batch_in_epoch - window.first_batch - window.skipped_batches
-                   + window.resumed_batches)
+        batches = window.epoch_batches(eng.state.batch_in_epoch) + window.resumed_batches
         if reduce:
             totals = torch.stack([window.total_loss(), torch.tensor(
                 batches, dtype=torch.float64, device=self.device)])

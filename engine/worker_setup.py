@@ -294,9 +294,15 @@ def build_optimizer(build, module, parallel=None):
     """The optimizer: ``build`` when it is one already (a custom loop may build it
     before the wrap), else ``build(module)`` on the wrapped model's parameters; checked
     to hold only parameters the model has (fsdp's wrap replaces them with shards)."""
-    optimizer = build if hasattr(build, "state_dict") else build(module)
+    built_before = hasattr(build, "state_dict")
+    optimizer = build if built_before else build(module)
     held = {id(p) for p in module.parameters()}
     if any(id(p) not in held for g in optimizer.param_groups for p in g["params"]):
+        if not built_before:  # no wrap came between: the function added parameters
+            raise ConfigError(
+                "build_optimizer returned an optimizer holding parameters that are not "
+                "the model's (the model it was given): a parallel mode would not "
+                "synchronise them; build it from that model's parameters only")
         name = parallel.name if parallel is not None else "none"
         raise ConfigError(
             f"the optimizer holds parameters that the model no longer has after parallel "

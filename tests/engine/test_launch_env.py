@@ -57,7 +57,7 @@ if __name__ == "__main__":
         x = torch.randn(512, 512)
         (x @ x).sum()
     # One worker tells how workers start; a real interpreter, not a warm fork: the native
-    # threads _fork_unsafe counts are a new interpreter's (torch's idle one included).
+    # threads fork_unsafe counts are a new interpreter's (torch's idle one included).
     print(spawn_workers(forkprobe.worker, [World(rank=0, local_rank=0, world_size=1,
                                                  local_world_size=1)]))
 '''

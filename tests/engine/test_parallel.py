@@ -169,3 +169,21 @@ class PipelinePlugin:
 def test_a_third_party_mode_takes_part_in_auto(make_plugin_manager):
     pm = make_plugin_manager(PipelinePlugin())
     assert [auto(pm, n) for n in (1, 2, 4)] == ["single", "ddp", "pipeline"]
+
+
+def test_a_mode_whose_init_predates_the_recipe_argument_still_gets_it():
+    # A third-party mode's __init__(self, world, cfg): the engine now builds every mode
+    # as Mode(world, cfg, recipe=...), which raised TypeError for it.
+    from engine.parallel import Parallel
+
+    class OldStyle(Parallel):
+        name = "old-style"
+
+        def __init__(self, world, cfg):
+            super().__init__(world, cfg)
+            self.built = True
+
+    recipe = object()
+    mode = OldStyle("world", "cfg", recipe=recipe)
+    assert (mode.world, mode.cfg, mode.recipe, mode.built) == ("world", "cfg", recipe, True)
+    assert OldStyle("world", "cfg").recipe is None

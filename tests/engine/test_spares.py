@@ -1,8 +1,8 @@
 """engine/spares.py on real processes: a worker forked from the warm spare starts with
 the run's modules imported, the launcher's environment and the launcher as its parent
 (watched: the fork ends with it);
-a spare that does not fork in time is one SpareError, never a hang, and its close ends
-it at once. (A run whose workers it forks, and replaces after a SIGKILL:
+a spare that does not fork in time, or that cannot fork safely (a thread pool), is one
+SpareError, never a hang, and its close ends it at once. (A run whose workers it forks, and replaces after a SIGKILL:
 tests/plugins/test_spawn.py.)"""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import time
 import pytest
 
 from engine.spares import SpareError, SparePool, _SparePopen
-from tests.conftest import REPO
 
-RECIPE = str(REPO / "tests" / "recipes" / "tiny_resume.py")
+#: A recipe module that notes what torch.cuda.is_available() would ask at its import.
+PROBE_RECIPE = ("import os\n\nSEEN = os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK')\n\n"
+                "from tests.recipes.tiny_resume import *  # noqa\n")
 
 
 def _report(index: int, path: str) -> None:
@@ -28,27 +29,56 @@ def _report(index: int, path: str) -> None:
 
     with open(path, "w") as f:
         json.dump({"preloaded": sorted(m for m in ("torch._dynamo", "engine.trainer",
-                                                   "engine.plugins.ddp", "tiny_resume")
+                                                   "engine.plugins.ddp", "spare_probe")
                                        if m in sys.modules),
+                   # torch.cuda.is_available() at a recipe's top level, in the zygote,
+                   # would poison every fork for CUDA unless NVML answers (a GPU shows
+                   # the poison itself); the worker has the launcher's variables.
+                   "nvml_check": [sys.modules["spare_probe"].SEEN,
+                                  os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")],
                    "parent": multiprocessing.parent_process().pid,
                    "asked": os.environ.get("SPARE_TEST_VALUE"),
                    "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+                   # Ctrl-C stops a worker as a spawned one (the zygote ignores it).
+                   "sigint_raises": (signal.getsignal(signal.SIGINT)
+                                     is signal.default_int_handler),
                    # A fork's parent is the zygote: a thread ends it with the launcher.
                    "watching": [t.name for t in threading.enumerate()
                                 if t.name == "engine-launcher-watch"]},
                   f)
 
 
+def _wait_for_python_to_handle_sigint(pid: int) -> None:
+    """Until the process has its SIGINT handled or ignored (/proc's masks): its
+    interpreter has started, and its imports (seconds of torch) are under way."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as f:
+            masks = dict(line.split(":\t", 1) for line in f if line.startswith("Sig"))
+        if (int(masks["SigCgt"], 16) | int(masks["SigIgn"], 16)) & 1 << (2 - 1):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} never set up SIGINT")
+
+
 @pytest.mark.slow
 def test_a_fork_of_the_spare_has_the_run_imported_and_the_launchers_environment(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, capfd):
     import signal
 
-    pool = SparePool(RECIPE)
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    recipe = tmp_path / "spare_probe.py"
+    recipe.write_text(PROBE_RECIPE)
+    pool = SparePool(str(recipe))
     try:
         # The zygote ignores SIGTERM (a signal to the process group must not kill it);
         # the environment is the launcher's at the fork, not at the zygote's start.
         pool.warm(deaf_to=(signal.SIGTERM,))
+        # A Ctrl-C reaches the whole process group, the zygote amid its imports too: it
+        # neither dies nor prints a traceback (the launcher decides what Ctrl-C does).
+        zygote = pool._server._forkserver_pid
+        _wait_for_python_to_handle_sigint(zygote)  # so a Ctrl-C would raise there
+        os.kill(zygote, signal.SIGINT)
         monkeypatch.setenv("SPARE_TEST_VALUE", "set after the spare started")
         path = tmp_path / "report.json"
         context = pool.start(_report, (str(path),), 1, listen_to=(signal.SIGTERM,))
@@ -56,10 +86,14 @@ def test_a_fork_of_the_spare_has_the_run_imported_and_the_launchers_environment(
         while not context.join(timeout=1):
             assert time.monotonic() < deadline, "the forked worker never ended"
         assert json.loads(path.read_text()) == {
-            "preloaded": ["engine.plugins.ddp", "engine.trainer", "tiny_resume",
+            "preloaded": ["engine.plugins.ddp", "engine.trainer", "spare_probe",
                           "torch._dynamo"],
+            "nvml_check": ["1", None],
             "parent": os.getpid(), "asked": "set after the spare started",
-            "sigterm_default": True, "watching": ["engine-launcher-watch"]}
+            "sigterm_default": True, "sigint_raises": True,
+            "watching": ["engine-launcher-watch"]}
+        assert "KeyboardInterrupt" not in capfd.readouterr().err
+        assert pool._server._forkserver_pid == zygote  # the same one, not a new one
     finally:
         pool.close()
 
@@ -83,3 +117,24 @@ def test_a_spare_that_does_not_fork_in_time_is_one_error_and_is_ended_at_once(
     pool.close()
     assert time.monotonic() - started < 30
     assert not os.path.exists(f"/proc/{zygote}"), "the zygote outlived close()"
+
+
+@pytest.mark.slow
+def test_a_recipe_that_starts_a_thread_pool_as_it_is_imported_is_not_forked(
+        tmp_path, capfd):
+    # A tensor operation at the recipe module's top level starts OpenMP's pool in the
+    # zygote: native threads, no Python one, and a fork using two threads could hang in
+    # it. The zygote refuses, as ENGINE_START_METHOD=fork does (engine.launch_env).
+    recipe = tmp_path / "pool_at_import.py"
+    recipe.write_text("import torch\n\ntorch.set_num_threads(2)\n"
+                      "_x = torch.randn(512, 512)\n(_x @ _x).sum()\n\n"
+                      "from tests.recipes.tiny_resume import *  # noqa\n")
+    pool = SparePool(str(recipe))
+    try:
+        with pytest.raises(SpareError):
+            pool.start(_never_runs, (), 1)
+    finally:
+        pool.close()
+    assert ("warning: the warm spare cannot fork safely after its imports (the recipe's "
+            "module?): this process runs") in capfd.readouterr().err
+

@@ -146,6 +146,18 @@ def test_a_stream_without_state_resumes_by_skipping_with_a_one_line_notice(skipp
     assert read_summary(out)["global_step"] == 34
 
 
+def test_an_epochs_loss_counts_no_padding_micro_batch(skipping):
+    # Epoch 1: rank 1 pads from step 7 to 17. Its loss, the mean over every rank's real
+    # micro-batches, is a weighted mean of its windows' (train/loss): within their range.
+    # Counted with the padding it read 0.77 against windows of 0.85 to 1.27.
+    from engine.plugins.csv_logger import read_metrics
+
+    scalars, _ = read_metrics(skipping[0])
+    windows = [value for step, value in scalars["train/loss"] if step <= 17]
+    [(_, epoch_loss)] = [row for row in scalars["train/epoch_loss"] if row[0] == 17]
+    assert min(windows) <= epoch_loss <= max(windows), (epoch_loss, windows)
+
+
 def test_a_stream_resume_at_another_world_size_or_workers_is_refused_in_one_line(skipping):
     _, other_world, other_workers, _ = skipping
     for proc, says in ((other_world, "with 2 processes; this run has 1: the items each "

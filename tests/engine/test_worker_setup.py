@@ -100,3 +100,12 @@ def test_an_optimizer_of_parameters_the_model_lost_is_refused():
                            parts.model).param_groups[0]["lr"] == 0.1
     with pytest.raises(ConfigError, match="holds parameters that the model no longer has"):
         build_optimizer(torch.optim.SGD(stranger.parameters(), lr=0.1), model)
+    # A recipe's build_optimizer got the wrapped model's module: nothing was replaced,
+    # and ctx.wrap is not what it can change.
+    with pytest.raises(ConfigError) as err:
+        build_optimizer(lambda m: torch.optim.SGD([*m.parameters(), *stranger.parameters()],
+                                                  lr=0.1), model)
+    assert str(err.value) == (
+        "build_optimizer returned an optimizer holding parameters that are not the "
+        "model's (the model it was given): a parallel mode would not synchronise them; "
+        "build it from that model's parameters only")
