@@ -28,7 +28,7 @@ import attrs
 
 import engine
 from engine.errors import LaunchError, WorkerFailed, warn
-from engine.launch_env import check_port_free, free_port, is_local_address
+from engine.launch_env import check_port_free, free_port, is_local_address, start_method
 from engine.launcher import Launcher
 from engine.processes import spawn_workers
 from engine.plugins.slurm_hostlist import allocated_cpus
@@ -139,8 +139,10 @@ class SpawnLauncher(Launcher):
             return [worker(worlds[0])]  # no point in a child process
         # With restarts, every worker is a fork of a warm spare (engine/spares.py),
         # started now: a restart then forks a ready process instead of a new
-        # interpreter that imports torch.
-        spares = _spares_for(worker) if most else None
+        # interpreter that imports torch. Where the user chose to fork the workers
+        # from this process (ENGINE_START_METHOD=fork), it is the warm process: the
+        # replacements are its forks too, and a zygote would only add an interpreter.
+        spares = _spares_for(worker) if most and start_method() != "fork" else None
         spare_error = type(spares).error if spares is not None else ()
         restart = 0
         try:

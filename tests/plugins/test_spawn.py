@@ -10,6 +10,7 @@ import socket
 import pytest
 
 from engine.errors import LaunchError
+from engine.launch_env import START_METHOD_ENV
 from engine.launcher import LaunchOptions, free_port
 from engine.plugins.spawn import SpawnLauncher
 from tests.conftest import ENGINE_RUN, REPO, engine_env, run_cli
@@ -156,6 +157,7 @@ def test_max_restarts_replaces_a_killed_worker_from_the_warm_spare_to_identical_
     runs = tmp_path / "runs"
     env = engine_env(**{KILL_STEP: "6", KILL_RANK: "1"})
     env["PYTHONPATH"] += os.pathsep + str(REPO / "tools")
+    env[START_METHOD_ENV] = "spawn"  # the default: the warm spare (fork: the launcher)
     proc = run_cli(*train_args(runs / "version_{version}"), "checkpoint.every_steps=4",
                    "checkpoint.memory_every_steps=1", "--launcher", "spawn",
                    "--nproc", "2", *ONE_THREAD, "--max-restarts", "1", "-p",
