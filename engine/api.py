@@ -155,7 +155,7 @@ class LoopJob(Worker):
 class Context(WorkerContext):
     """One worker's view of the run, for a loop you write yourself.
 
-    It is also the ``engine`` argument of the hooks it fires (``engine_log``,
+    It is also the ``ctx`` argument of the hooks it fires (``engine_log``,
     ``engine_exception``, ``engine_run_end``): what it shares with ``engine-run``'s
     Engine (engine/context.py) is what hooks may rely on
     (``engine.hookspecs.RunContext``).
@@ -378,7 +378,7 @@ class Context(WorkerContext):
             return
         values = {name: float(value) for name, value in metrics.items()}
         self.metrics.update(values)
-        self.pm.hook.engine_log(engine=self, metrics=values,
+        self.pm.hook.engine_log(ctx=self, metrics=values,
                                 step=self.state.step if step is None else step)
 
     def barrier(self) -> None:

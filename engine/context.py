@@ -3,10 +3,10 @@
 
 A worker context holds the world, the config, the train state, the model and its
 companions once they exist, rank-0 output, and the end of the run: the one summary
-builder and its write rule. It is the ``engine`` argument of every hook;
-``engine.hookspecs.RunContext`` lists what a plugin may rely on. How a worker starts
-(seed, threads, process group) is engine/worker_setup.py's; what metric names mean,
-engine/metrics.py's.
+builder and its write rule. It is the ``ctx`` argument of every hook and of a recipe's
+functions; ``engine.hookspecs.RunContext`` lists what a plugin may rely on. How a
+worker starts (seed, threads, process group) is engine/worker_setup.py's; what metric
+names mean, engine/metrics.py's.
 
 The end of a run, however it ends::
 
@@ -287,7 +287,7 @@ class WorkerContext:
         try:
             yield run
         except BaseException as exc:
-            self.pm.hook.engine_exception(engine=self, exc=exc)
+            self.pm.hook.engine_exception(ctx=self, exc=exc)
             if isinstance(exc, KeyboardInterrupt):
                 # Ctrl-C before the training loop took it as a stop request, or a second
                 # one: an interruption (the newest snapshot resumes), not a failure.
@@ -328,7 +328,7 @@ class WorkerContext:
                 self.checkpointer.close()
         summary = self.summary(status, error)
         self.print_compile_time(summary)
-        self.pm.hook.engine_run_end(engine=self, summary=summary)
+        self.pm.hook.engine_run_end(ctx=self, summary=summary)
         if self.is_rank0:
             self.write_summary(summary)
         phases.mark("summary")

@@ -57,7 +57,7 @@ class Engine(WorkerContext):
                 self.print(f"smoke run: {cfg.max_steps} step(s) and {cfg.limit_batches} "
                            "validation batch(es) per process, one epoch, started afresh "
                            f"in {self.out_dir} (a real run never resumes from it)")
-            self.pm.hook.engine_run_start(engine=self)
+            self.pm.hook.engine_run_start(ctx=self)
             outcome = trainer.fit()
             phases.mark(phases.TRAINING_ENDS)
             # The last snapshot is durable (or its write failed) before the run counts
@@ -131,7 +131,7 @@ class Engine(WorkerContext):
         if self.is_rank0:
             if self.cfg.requeue:
                 # The scheduler's plugin answers (slurm: scontrol requeue).
-                message += "; " + (self.pm.hook.engine_requeue(engine=self)
+                message += "; " + (self.pm.hook.engine_requeue(ctx=self)
                                    or preemption.NOT_REQUEUED)
             preemption.report(message)
 

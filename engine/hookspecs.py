@@ -14,10 +14,13 @@ Each docstring states the hook's *kind* on a line ``Kind: ...``:
 - **first result**: implementations are called until one returns something other than
   ``None``; that value is the answer (``engine_requeue``).
 
-The ``engine`` argument is the worker's :class:`engine.engine.Engine` under
+The ``ctx`` argument is the run object: the worker's :class:`engine.engine.Engine` under
 ``engine-run``, or the :class:`engine.api.Context` of a custom loop: both are an
 :class:`engine.context.WorkerContext`, and :class:`RunContext` below lists what a plugin
 may use on either; anything else (``recipe``, ``train_loader``...) is ``Engine``-only.
+``engine`` is its name before 0.3: every hook with ``ctx`` also passes the same object
+as ``engine`` until 0.4.0, and a plugin that asks for ``engine`` is warned once at
+registration (engine/plugin_manager.py: :class:`RunHookCaller`).
 
 The order in which ``engine-run`` and a custom loop fire them is written in one place,
 docs/plugins.md, "Hooks in the order they fire" (tests/engine/test_hookspecs.py checks
@@ -32,21 +35,24 @@ that argument ("Since 0.1." / "``foo`` since 0.2.").
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import pluggy
+
+if TYPE_CHECKING:  # for the annotations only: the hooks' import stays light
+    from engine.context import WorkerContext
 
 hookspec = pluggy.HookspecMarker("engine")
 
 
-# ------------------------------------------------------------ the engine argument
+# --------------------------------------------------------------- the ctx argument
 
 
 @runtime_checkable
 class RunContext(Protocol):
-    """What a hook may use on its ``engine`` argument, under ``engine-run`` and in a
+    """What a hook may use on its ``ctx`` argument, under ``engine-run`` and in a
     custom loop alike (both are an :class:`engine.context.WorkerContext`). For type
-    checkers: ``def engine_log(engine: RunContext, metrics, step)``.
+    checkers: ``def engine_log(ctx: RunContext, metrics, step)``.
 
     Until set-up has made them, ``parallel``, ``model``, ``optimizer``, ``scheduler``,
     ``scaler`` and ``checkpointer`` are None (a custom loop has a model once it called
@@ -186,7 +192,7 @@ def engine_register_commands():
 def engine_addoption(parser):
     """Add command-line options to ``engine-run`` (an :class:`argparse.ArgumentParser`).
 
-    The parsed values reach every worker in ``engine.options`` (a dict keyed by the
+    The parsed values reach every worker in ``ctx.options`` (a dict keyed by the
     option's ``dest``); use a distinctive prefix (``--csv-every``) to avoid clashes.
 
     Kind: historic. Fires once in the ``engine-run`` process, before the command line
@@ -200,7 +206,7 @@ def engine_addoption(parser):
 
 
 @hookspec
-def engine_register_state(engine, parts):
+def engine_register_state(engine, parts, ctx: WorkerContext):
     """Add stateful parts to the run's snapshots: ``parts.add("ema", obj)`` where
     ``obj`` has ``state_dict()`` and ``load_state_dict(state_dict)`` (the protocol of
     torch.distributed.checkpoint's ``Stateful``). Every snapshot then holds
@@ -212,38 +218,41 @@ def engine_register_state(engine, parts):
     naming both.
 
     Kind: registration. Fires on every rank, once per run, one plugin at a time, after
-    the model (``engine.module``), optimizer, scheduler and scaler exist and before the
+    the model (``ctx.module``), optimizer, scheduler and scaler exist and before the
     resume: under ``engine-run`` in set-up, in a custom loop in ``ctx.wrap``.
 
     Since 0.2.
+    ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
 
 
 @hookspec
-def engine_run_start(engine):
+def engine_run_start(engine, ctx: WorkerContext):
     """The worker is set up (process group, model, optimizer, data, resumed state) and
-    about to train; ``engine.state`` already holds the resumed epoch and step.
+    about to train; ``ctx.state`` already holds the resumed epoch and step.
 
-    Kind: notification. Fires on every rank (``engine.is_rank0`` tells which), once per
+    Kind: notification. Fires on every rank (``ctx.is_rank0`` tells which), once per
     run, under ``engine-run`` only.
 
     Since 0.1.
+    ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
 
 
 @hookspec
-def engine_epoch_start(engine, epoch):
+def engine_epoch_start(engine, epoch, ctx: WorkerContext):
     """An epoch begins (after ``sampler.set_epoch``); ``epoch`` is its index, from 0 as
     ``sampler.set_epoch`` counts: the console's ``epoch epoch+1/N``.
 
     Kind: notification. Fires on every rank, under ``engine-run`` only.
 
     Since 0.1.
+    ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
 
 
 @hookspec
-def engine_train_step_end(engine, step, loss):
+def engine_train_step_end(engine, step, loss, ctx: WorkerContext):
     """One optimizer step finished; ``step`` is the global step count after it and
     ``loss`` the step's loss tensor, still on the device (calling ``.item()`` forces a
     host-device synchronisation every step: accumulate on the device instead).
@@ -251,15 +260,16 @@ def engine_train_step_end(engine, step, loss):
     Kind: notification. Fires on every rank. When no plugin implements this hook the
     Trainer does not call it at all, so it costs nothing. The Trainer looks once, after
     ``engine_run_start``: a plugin that needs it only in some runs may register an
-    object implementing it there, with ``engine.pm.register`` (the profiler does, when
+    object implementing it there, with ``ctx.pm.register`` (the profiler does, when
     ``profile.steps`` is set), and unregister it at ``engine_run_end``.
 
     Since 0.1.
+    ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
 
 
 @hookspec
-def engine_before_optimizer_step(engine, step, optimizer):
+def engine_before_optimizer_step(engine, step, optimizer, ctx: WorkerContext):
     """The gradients of optimizer step ``step`` (the global step count it will make)
     are complete and the optimizer is about to use them: for gradient clipping, logging
     gradient norms, or an exponential moving average of the weights.
@@ -275,18 +285,19 @@ def engine_before_optimizer_step(engine, step, optimizer):
     implements this hook the Trainer does not call it at all, so it costs nothing.
 
     Since 0.2.
+    ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
 
 
 @hookspec
-def engine_log(engine, metrics, step):
+def engine_log(engine, metrics, step, ctx: WorkerContext):
     """Scalars to record: ``metrics`` maps names such as ``train/loss``, ``val/loss``,
     ``train/samples_per_sec`` (``train/<unit>_per_sec`` in a recipe's own unit; the epoch's:
     ``train/epoch_samples_per_sec``) or ``lr``
     to Python floats, at global optimizer step ``step``. Logger plugins (console,
     TensorBoard, CSV, W&B...) implement this.
     ``train/loss`` is always the mean of one log window, ``train/epoch_loss`` the epoch's
-    mean (docs/outputs.md: metric names). ``engine.state.epoch`` is the index of the epoch the
+    mean (docs/outputs.md: metric names). ``ctx.state.epoch`` is the index of the epoch the
     metrics belong to (the epoch's own metrics included): epoch ``state.epoch + 1`` as
     the console counts.
 
@@ -298,11 +309,12 @@ def engine_log(engine, metrics, step):
     that step); in a custom loop, whenever it calls ``ctx.log``.
 
     Since 0.1.
+    ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
 
 
 @hookspec
-def engine_validation_start(engine, epoch):
+def engine_validation_start(engine, epoch, ctx: WorkerContext):
     """Validation of epoch ``epoch`` (from 0) is about to run, on the model in eval
     mode: a plugin may put other weights in place for it (the ema plugin's
     ``ema.evaluate=true``) and put them back in :func:`engine_validation_end`.
@@ -311,11 +323,12 @@ def engine_validation_start(engine, epoch):
     validation (when the recipe has a validation set), under ``engine-run`` only.
 
     Since 0.2.
+    ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
 
 
 @hookspec
-def engine_validation_end(engine, epoch, metrics):
+def engine_validation_end(engine, epoch, metrics, ctx: WorkerContext):
     """Validation of epoch ``epoch`` ended; ``metrics`` holds its reduced ``val/*``
     values (identical on every rank). The model is back in training mode afterwards.
 
@@ -323,25 +336,27 @@ def engine_validation_end(engine, epoch, metrics):
     epoch's ``engine_log``, under ``engine-run`` only.
 
     Since 0.2.
+    ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
 
 
 @hookspec
-def engine_epoch_end(engine, epoch, metrics):
+def engine_epoch_end(engine, epoch, metrics, ctx: WorkerContext):
     """An epoch finished; ``metrics`` holds the epoch's reduced metrics (Python floats,
-    identical on every rank). ``epoch`` is its index (from 0); ``engine.state.epoch`` and
-    ``engine.state.epochs_completed`` are already ``epoch + 1``, the number the console,
+    identical on every rank). ``epoch`` is its index (from 0); ``ctx.state.epoch`` and
+    ``ctx.state.epochs_completed`` are already ``epoch + 1``, the number the console,
     metrics.csv and summary.json give this epoch.
 
     Kind: notification. Fires on every rank, after that epoch's ``engine_log``, under
     ``engine-run`` only.
 
     Since 0.1.
+    ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
 
 
 @hookspec
-def engine_run_end(engine, summary):
+def engine_run_end(engine, summary, ctx: WorkerContext):
     """The run ended; ``summary`` is the dict that rank 0 writes to summary.json
     (``summary["status"]`` is ``"completed"``, ``"failed"`` or ``"preempted"``), the same
     keys under ``engine-run`` and in a custom loop (``engine.context.WorkerContext.summary``).
@@ -350,11 +365,12 @@ def engine_run_end(engine, summary):
     Kind: notification. Fires on every rank, last, however the run ended.
 
     Since 0.1.
+    ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
 
 
 @hookspec
-def engine_exception(engine, exc):
+def engine_exception(engine, exc, ctx: WorkerContext):
     """The run raised ``exc`` on this rank (the run still fails: this hook observes, it
     cannot recover).
 
@@ -362,6 +378,7 @@ def engine_exception(engine, exc):
     ``engine_run_end``.
 
     Since 0.1.
+    ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
 
 
@@ -369,7 +386,7 @@ def engine_exception(engine, exc):
 
 
 @hookspec(firstresult=True)
-def engine_requeue(engine):
+def engine_requeue(engine, ctx: WorkerContext):
     """The run stopped for a pre-emption (SIGUSR1/SIGTERM) and its snapshot is written:
     ask the scheduler that runs this job to start it again, so that it resumes. Return
     one line for the log saying what happened (``"job 42 requeued"``, or why not), or
@@ -383,6 +400,7 @@ def engine_requeue(engine):
     that ended ``"preempted"`` with ``requeue=true``, under ``engine-run`` only.
 
     Since 0.2.
+    ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
 
 

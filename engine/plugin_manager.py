@@ -48,7 +48,7 @@ import pluggy
 import engine
 from engine import hookspecs
 from engine.blame import attribute  # noqa: F401 (where engine.cli imports it from)
-from engine.errors import ConfigError, EngineError, PluginError, first_line
+from engine.errors import ConfigError, EngineError, PluginError, first_line, warn
 from engine.registrations import Registrations
 
 ENTRY_POINT_GROUP = "engine.plugins"
@@ -133,6 +133,25 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+#: The run object's hook argument, its name before 0.3 and the version that drops that.
+RUN_ARG, OLD_RUN_ARG, OLD_RUN_ARG_UNTIL = "ctx", "engine", "0.4.0"
+
+
+class RunHookCaller(pluggy.HookCaller):
+    """A hook with the run object. Called with ``ctx=`` (or ``engine=``, by code written
+    before 0.3), it passes the object under both names, so that implementations that ask
+    for either get it; every call site thus names it once."""
+
+    __slots__ = ()
+
+    def __call__(self, **kwargs):
+        if RUN_ARG in kwargs:
+            kwargs.setdefault(OLD_RUN_ARG, kwargs[RUN_ARG])
+        elif OLD_RUN_ARG in kwargs:
+            kwargs[RUN_ARG] = kwargs[OLD_RUN_ARG]
+        return super().__call__(**kwargs)
+
+
 class EnginePluginManager(Registrations, pluggy.PluginManager):
     """pluggy's manager plus a record of where each plugin came from (here) and what
     the plugins registered (engine/registrations.py: the registries ``launchers``,
@@ -142,6 +161,9 @@ class EnginePluginManager(Registrations, pluggy.PluginManager):
     def __init__(self, keep_going: bool = False) -> None:
         super().__init__("engine")
         self.add_hookspecs(hookspecs)
+        for caller in vars(self.hook).values():
+            if RUN_ARG in caller.spec.argnames:
+                caller.__class__ = RunHookCaller
         self.infos: dict[str, PluginInfo] = {}
         self._init_registrations()
         self.autoload = True
@@ -234,7 +256,10 @@ class EnginePluginManager(Registrations, pluggy.PluginManager):
 
         pluggy checks arguments too, but its message spans several lines; and it
         accepts an unknown hook silently when the name lacks the ``engine_`` prefix
-        (``@engine.hookimpl def egnine_run_end``), which would then never be called."""
+        (``@engine.hookimpl def egnine_run_end``), which would then never be called.
+        A plugin that asks for the run object by its name before 0.3, ``engine``, is
+        warned once (it still gets it: :class:`RunHookCaller`)."""
+        old_name = []  # the hooks that ask for the run object by its name before 0.3
         for attr in dir(plugin):
             opts = self.parse_hookimpl_opts(plugin, attr)
             if opts is None:
@@ -252,13 +277,23 @@ class EnginePluginManager(Registrations, pluggy.PluginManager):
                 raise PluginError(f'Plugin "{name}" implements unknown hook '
                                   f'"{hook_name}"{function}{hint}')
             provided = argnames(spec.function)
-            extra = [a for a in argnames(getattr(plugin, attr)) if a not in provided]
+            asked = argnames(getattr(plugin, attr))
+            extra = [a for a in asked if a not in provided]
             if extra:
+                if RUN_ARG in provided:  # as the docs name them; the old name still works
+                    provided = [RUN_ARG] + [a for a in provided
+                                            if a not in (RUN_ARG, OLD_RUN_ARG)]
                 raise PluginError(
                     f'Plugin "{name}" implements hook "{hook_name}" with argument(s) '
                     f"{', '.join(extra)} that the hook does not provide; it provides: "
                     f"{', '.join(provided) or 'no arguments'}"
                 )
+            if OLD_RUN_ARG in asked and RUN_ARG in provided:
+                old_name.append(hook_name)
+        if old_name:
+            warn(f'plugin "{name}" asks for the run object as "{OLD_RUN_ARG}" (in '
+                 f'{", ".join(sorted(old_name))}): the argument is "{RUN_ARG}" now, the '
+                 f'same object; "{OLD_RUN_ARG}" works until {OLD_RUN_ARG_UNTIL}')
 
     # ---------------------------------------------------------------- queries
 

@@ -4,10 +4,10 @@ A recipe defines (docs/writing-a-recipe.md walks through one)::
 
     class Config(engine.TrainConfig): ...          # attrs class, defaults for everything
     def build_model(cfg) -> nn.Module
-    def build_datasets(cfg, ctx) -> (train_dataset, val_dataset or None)
+    def build_datasets(cfg, ctx: WorkerContext) -> (train_dataset, val_dataset or None)
     def build_optimizer(cfg, model) -> torch.optim.Optimizer
-    def train_step(batch, ctx) -> loss  # the forward and the loss (below)
-    def eval_step(batch, ctx) -> dict   # the validation sums (below); with a val set
+    def train_step(batch, ctx: WorkerContext) -> loss  # the forward and the loss (below)
+    def eval_step(batch, ctx: WorkerContext) -> dict   # the sums (below); with a val set
 
 or, for ``(inputs, targets)`` classification batches, names the opt-in helper
 (its loss and argmax hits: engine/classification.py)::
@@ -30,7 +30,9 @@ and may define::
                                         # activation checkpointing
     REQUIRED_PLUGINS = ["name>=1.0"]    # plugins the recipe cannot run without
 
-``ctx`` is the worker's :class:`engine.engine.Engine` (``ctx.world``, ``ctx.is_rank0``,
+``ctx`` is the run object, an :class:`engine.context.WorkerContext` (:data:`StepFunction`
+types a step with it): the worker's :class:`engine.engine.Engine` under ``engine-run``,
+the same object the plugins' hooks get as ``ctx`` (``ctx.world``, ``ctx.is_rank0``,
 ``ctx.print(...)`` and ``ctx.warn(...)`` on rank 0, ``ctx.model``: the model as
 trained, wrapped by the parallel mode; ``ctx.module``: the model itself;
 ``ctx.loss_fn``: the recipe's or None).
@@ -63,12 +65,18 @@ import importlib.util
 import pathlib
 import sys
 import traceback
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 
 from engine.config import TrainConfig, check_redeclared
 from engine.errors import ConfigError
+
+if TYPE_CHECKING:  # for the annotations only: no import at start-up
+    from engine.context import WorkerContext
+
+#: A recipe's ``train_step`` or ``eval_step``: ``(batch, ctx) -> loss or dict``.
+StepFunction = Callable[[Any, "WorkerContext"], Any]
 
 REQUIRED = ("Config", "build_model", "build_datasets", "build_optimizer")
 #: What a recipe without its steps is told: the loop knows no task.
@@ -95,7 +103,7 @@ class Recipe:
         return getattr(self.module, name, None)
 
     @property
-    def train_step(self) -> Callable[..., Any]:
+    def train_step(self) -> StepFunction:
         return self.module.train_step
 
     def check_eval_step(self) -> None:

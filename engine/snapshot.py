@@ -47,30 +47,30 @@ MAY_CHANGE = frozenset({
 })
 
 
-def capture(eng, config: dict | None = None, parts: dict | None = None) -> dict:
+def capture(ctx, config: dict | None = None, parts: dict | None = None) -> dict:
     """The snapshot dict: a header, then every registered part's state
     (engine/stateful.py). Collective: every rank walks the parts (some gather).
     ``config``: the config as a dict, when the caller keeps it (it does not change
     while training); ``parts``: the parts' states, when the caller walked them."""
-    state = eng.state
+    state = ctx.state
     return {
         "engine_version": engine.__version__,
-        "config": config if config is not None else config_mod.to_dict(eng.cfg),
+        "config": config if config is not None else config_mod.to_dict(ctx.cfg),
         # The recipe file (or a custom loop's script): with the config, what
         # engine.load_model rebuilds the model from.
-        "recipe": eng.recipe_path,
-        "world_size": eng.world.world_size,
+        "recipe": ctx.recipe_path,
+        "world_size": ctx.world.world_size,
         # Where training stands, for tools that read a snapshot without the engine
         # (tools/ckpt.py inspect); a resume reads the parts, never these.
         "epoch": state.epoch,
         "step": state.step,
         "batch_in_epoch": state.batch_in_epoch,
         "epochs_completed": state.epochs_completed,
-        **(parts if parts is not None else eng.snapshot_parts.state_dict()),
+        **(parts if parts is not None else ctx.snapshot_parts.state_dict()),
     }
 
 
-def capture_here(eng, config) -> tuple[dict, bytes]:
+def capture_here(ctx, config) -> tuple[dict, bytes]:
     """A memory snapshot's dict, without a collective of its own, and this rank's
     exchange row (engine/memory_snapshot.py's make_row). Each rank keeps its own share
     where the disk snapshot gathers every rank's: ``progress`` its own loss sums (the
@@ -79,7 +79,7 @@ def capture_here(eng, config) -> tuple[dict, bytes]:
     does. The
     row goes to the other ranks off the step's path (MemorySnapshots.start_exchange);
     memory_snapshot.complete makes a snapshot whole again at a resume."""
-    parts, states = eng.snapshot_parts, {}
+    parts, states = ctx.snapshot_parts, {}
     for name in parts.names():
         part = parts[name]
         if isinstance(part, stateful.RngStates):
@@ -91,9 +91,9 @@ def capture_here(eng, config) -> tuple[dict, bytes]:
     loss = (states.get("progress") or {}).get("epoch_loss")
     row = memory_snapshot.make_row(None if loss is None else (loss["sum"], loss["batches"]))
     if "rng" in parts:
-        states["rng"] = {"world_size": eng.world.world_size, "rank": eng.world.rank,
+        states["rng"] = {"world_size": ctx.world.world_size, "rank": ctx.world.rank,
                          "row": row}
-    return capture(eng, config, states), row
+    return capture(ctx, config, states), row
 
 
 def upgrade(snap: dict) -> dict:
@@ -117,30 +117,30 @@ def upgrade(snap: dict) -> dict:
     return snap
 
 
-def save(eng) -> pathlib.Path | None:
+def save(ctx) -> pathlib.Path | None:
     """Write a snapshot; rank 0 only unless the checkpointer shards over all ranks.
     Collective (capture). Returns the path on the ranks that saved."""
     with phases.carve(phases.SNAPSHOTS, within="training", label="snapshot"):
-        state = capture(eng)
-        if not (eng.checkpointer.all_ranks or eng.is_rank0):
+        state = capture(ctx)
+        if not (ctx.checkpointer.all_ranks or ctx.is_rank0):
             return None
-        return eng.checkpointer.save(state, epoch=eng.state.epoch, step=eng.state.step,
-                                     metrics=dict(eng.metrics))
+        return ctx.checkpointer.save(state, epoch=ctx.state.epoch, step=ctx.state.step,
+                                     metrics=dict(ctx.metrics))
 
 
-def save_to_memory(eng) -> None:
+def save_to_memory(ctx) -> None:
     """Copy a snapshot into this rank's shared-memory buffer (engine/memory_snapshot.py).
     Every rank saves its own, with no collective to wait for (capture_here): the rows
     the ranks exchange go off the step's path. A rank whose buffer cannot be had (a full
     tmpfs, a name taken) still starts the exchange, a collective, and raises
     ``memory.failed``: the ranks agree to turn the tier off at the next check point
     (trainer.py)."""
-    memory = eng.memory
+    memory = ctx.memory
     with phases.carve(phases.MEMORY_SNAPSHOTS, within="training", label="memory snapshot"):
         if memory.config is None:  # the same at every step: converted and pickled once
-            memory.config = memory_snapshot.pickled(config_mod.to_dict(eng.cfg))
-        state, row = capture_here(eng, memory.config)
-        if not memory.saves and not _every_rank_can_keep_them(eng, memory, state):
+            memory.config = memory_snapshot.pickled(config_mod.to_dict(ctx.cfg))
+        state, row = capture_here(ctx, memory.config)
+        if not memory.saves and not _every_rank_can_keep_them(ctx, memory, state):
             return
         memory.start_exchange(row)  # every rank: a collective, not waited for
         saved = False
@@ -148,37 +148,37 @@ def save_to_memory(eng) -> None:
             # What only the optimizer's step changes is copied during the next step's
             # forward and backward, finished before that optimizer step (memory.hold).
             # Asked only when the copies are planned again (memory.save), not each step.
-            held = (None if eng.optimizer is None
-                    else functools.partial(memory_snapshot.held_by, eng.optimizer))
+            held = (None if ctx.optimizer is None
+                    else functools.partial(memory_snapshot.held_by, ctx.optimizer))
             try:
-                if memory.save(state, step=eng.state.step, epoch=eng.state.epoch,
+                if memory.save(state, step=ctx.state.step, epoch=ctx.state.epoch,
                                held=held):
-                    memory.hold(eng.optimizer)  # its next step waits for the copy
+                    memory.hold(ctx.optimizer)  # its next step waits for the copy
                 saved = True
             except (memory_snapshot.NoRoom, memory_snapshot.Unsafe) as exc:
                 memory.failed = str(exc)
         memory.record_exchange(saved)
 
 
-def turn_memory_off(eng, why: str) -> None:
+def turn_memory_off(ctx, why: str) -> None:
     """Every rank, together: no more memory snapshots, their buffers removed, one
     warning (rank 0's); the run goes on with disk snapshots."""
-    memory = eng.drop_memory_snapshots()
+    memory = ctx.drop_memory_snapshots()
     if memory is not None:
         for problem in memory.remove():
-            eng.warn_here(problem)
-    eng.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: {why}; the "
+            ctx.warn_here(problem)
+    ctx.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: {why}; the "
              "run goes on with disk snapshots")
 
 
-def _every_rank_can_keep_them(eng, memory, state: dict) -> bool:
+def _every_rank_can_keep_them(ctx, memory, state: dict) -> bool:
     """Before the first memory snapshot: whether every rank can keep two: room for them
     in the tmpfs of every machine, and both buffers reserved (a name taken by anything
     but this user's own file is refused, engine/memory_snapshot.py). If one rank cannot,
     all turn them off together (a rank alone would leave the others' next snapshot, a
     collective, waiting), with one warning that says why."""
     needed, free = memory.room_for(state)
-    each = needed / 2 / eng.world.local_world_size / 2**20  # MB, one buffer
+    each = needed / 2 / ctx.world.local_world_size / 2**20  # MB, one buffer
     problem = None
     if needed > free:
         problem = (f"they need 2 x {each:.1f} MB per rank in {memory.shm}, and it has "
@@ -194,15 +194,15 @@ def _every_rank_can_keep_them(eng, memory, state: dict) -> bool:
                 if p]
     if problems:
         rank, why = problems[0]
-        turn_memory_off(eng, f"rank {rank}: {why}" if eng.world.world_size > 1 else why)
+        turn_memory_off(ctx, f"rank {rank}: {why}" if ctx.world.world_size > 1 else why)
         return False
-    if eng.options.get("verbose"):
-        eng.print(f"in-memory snapshots: every {memory.every_steps} step(s), 2 x "
+    if ctx.options.get("verbose"):
+        ctx.print(f"in-memory snapshots: every {memory.every_steps} step(s), 2 x "
                   f"{each:.1f} MB per rank in {memory.folder}")
     return True
 
 
-def resume(eng) -> None:
+def resume(ctx) -> None:
     """Continue from the newest snapshot every rank can restore (a memory snapshot newer
     than the latest good disk snapshot, see :func:`_resume_from_memory`), from
     ``--resume PATH``, or start fresh.
@@ -211,38 +211,38 @@ def resume(eng) -> None:
     disagree about whether there is something to resume.
     """
     phases.mark("data, model")
-    opts = eng.options
-    memory = getattr(eng, "memory", None)
+    opts = ctx.options
+    memory = getattr(ctx, "memory", None)
     if opts.get("no_resume"):
-        _forget_memory(eng, memory)
+        _forget_memory(ctx, memory)
         return
     chosen = disk_step = None
-    if eng.is_rank0 or eng.checkpointer.all_ranks:
+    if ctx.is_rank0 or ctx.checkpointer.all_ranks:
         if opts.get("resume"):
-            chosen = _checked_resume_path(eng, str(opts["resume"]))
+            chosen = _checked_resume_path(ctx, str(opts["resume"]))
         else:
-            latest = eng.checkpointer.latest()
+            latest = ctx.checkpointer.latest()
             chosen = str(latest) if latest is not None else None
             disk_step = _step_of(latest)
     chosen, disk_step = distributed.broadcast_object((chosen, disk_step))
     if isinstance(chosen, CheckpointError):
         raise chosen
     if memory is not None:
-        if not opts.get("resume") and _resume_from_memory(eng, memory, disk_step):
+        if not opts.get("resume") and _resume_from_memory(ctx, memory, disk_step):
             return
-        _forget_memory(eng, memory)
+        _forget_memory(ctx, memory)
     if chosen is None:
-        if eng.is_rank0:
-            _say_when_every_snapshot_is_unusable(eng)
+        if ctx.is_rank0:
+            _say_when_every_snapshot_is_unusable(ctx)
         return
-    restore(eng, load_snapshot(eng, pathlib.Path(chosen)), source=chosen)
-    where = eng.state.position()
-    restarts = (f" (restart {eng.world.restart_count})" if eng.world.restart_count else "")
+    restore(ctx, load_snapshot(ctx, pathlib.Path(chosen)), source=chosen)
+    where = ctx.state.position()
+    restarts = (f" (restart {ctx.world.restart_count})" if ctx.world.restart_count else "")
     reached = memory.reached_before if memory is not None else 0
-    lost = (f" ({reached - eng.state.step} steps lost)" if reached > eng.state.step
+    lost = (f" ({reached - ctx.state.step} steps lost)" if reached > ctx.state.step
             else "")
-    eng.print(f"resuming from {chosen}: {where}{restarts}{lost}")
-    eng.record_resume(chosen, "disk", eng.state.step, reached)
+    ctx.print(f"resuming from {chosen}: {where}{restarts}{lost}")
+    ctx.record_resume(chosen, "disk", ctx.state.step, reached)
 
 
 def _step_of(path) -> int | None:
@@ -251,94 +251,94 @@ def _step_of(path) -> int | None:
     return None if path is None else (read_manifest(pathlib.Path(path)) or {}).get("step")
 
 
-def _resume_from_memory(eng, memory, disk_step: int | None) -> bool:
+def _resume_from_memory(ctx, memory, disk_step: int | None) -> bool:
     """Resume from the newest memory snapshot when one is newer than the disk snapshot:
     this rank's own buffer, or a healthy peer's sent over the process group where this
     rank's is gone. Collective. False: none newer (the disk snapshot, if any, wins).
     Only this run's buffers count (the run id, engine/memory_snapshot.py); one that
     fails to load is a warning and the next tier."""
-    mine = memory_snapshot.load_all(memory, eng.warn_here)
+    mine = memory_snapshot.load_all(memory, ctx.warn_here)
     try:
         choice = memory_snapshot.agree(memory, mine)
         memory.reached_before = choice.reached
         if not choice.newer_than(disk_step):
             return False
         source = f"memory (step {choice.step})"
-        restore(eng, memory_snapshot.fetch(memory, choice, mine), source=source)
+        restore(ctx, memory_snapshot.fetch(memory, choice, mine), source=source)
     finally:
         for loaded in mine:
             loaded.close()
-    missing = choice.missing(eng.world.world_size)
+    missing = choice.missing(ctx.world.world_size)
     why = (f"rank(s) {', '.join(map(str, missing))} had no copy: sent by rank "
            f"{choice.source}" if missing else
-           f"restart {eng.world.restart_count}" if eng.world.restart_count else "rerun")
+           f"restart {ctx.world.restart_count}" if ctx.world.restart_count else "rerun")
     lost = max(0, choice.reached - choice.step)
-    eng.print(f"resumed from memory at step {choice.step} ({why}; {lost} step"
-              f"{'' if lost == 1 else 's'} lost): {eng.state.position()}")
-    eng.record_resume(source, "peer" if missing else "memory", choice.step, choice.reached,
+    ctx.print(f"resumed from memory at step {choice.step} ({why}; {lost} step"
+              f"{'' if lost == 1 else 's'} lost): {ctx.state.position()}")
+    ctx.record_resume(source, "peer" if missing else "memory", choice.step, choice.reached,
                       source_rank=choice.source if missing else None)
     return True
 
 
-def _forget_memory(eng, memory) -> None:
+def _forget_memory(ctx, memory) -> None:
     """A run that did not resume from its memory snapshots removes them: they are older
     than what it resumed from (or belong to the run it starts afresh over), and a
     restart before its first memory snapshot must not take them."""
     if memory is not None:
         for problem in memory.remove():
-            eng.warn_here(problem)
+            ctx.warn_here(problem)
 
 
-def _checked_resume_path(eng, chosen: str) -> str | CheckpointError:
+def _checked_resume_path(ctx, chosen: str) -> str | CheckpointError:
     """``--resume PATH`` as given, once the checkpointer's own check (its manifest's
     size and checksum) passes: a bit-flipped snapshot loaded without a word before, and
     training went on from damaged weights. Rank 0 decides; the others get its answer.
     No way around it: the checkpointer's load refuses a damaged file too."""
-    chosen = str(eng.checkpointer.resolve(chosen))
+    chosen = str(ctx.checkpointer.resolve(chosen))
     if not pathlib.Path(chosen).exists():
         return CheckpointError(f"--resume {chosen!r}: no such snapshot")
-    problem = eng.checkpointer.verify(pathlib.Path(chosen)) if eng.is_rank0 else None
+    problem = ctx.checkpointer.verify(pathlib.Path(chosen)) if ctx.is_rank0 else None
     if problem is None:
         return chosen
     return CheckpointError(f"--resume {chosen!r}: the snapshot fails its check ({problem}); "
                            "resume from another snapshot")
 
 
-def _say_when_every_snapshot_is_unusable(eng) -> None:
+def _say_when_every_snapshot_is_unusable(ctx) -> None:
     """No good snapshot among those in the checkpoint folder (each was reported as
     unusable): the run starts over, and says so in one line rather than leaving it to
     be inferred from the warnings. Not refused: a run killed during its first save
     leaves a snapshot without its manifest, and must start again by itself."""
-    found = eng.checkpointer.snapshots()
+    found = ctx.checkpointer.snapshots()
     if found:
-        eng.warn(f"none of the {len(found)} snapshot(s) in {eng.checkpointer.directory} is "
+        ctx.warn(f"none of the {len(found)} snapshot(s) in {ctx.checkpointer.directory} is "
                  "usable (see above): training restarts from step 0")
 
 
-def load_snapshot(eng, path: pathlib.Path) -> dict:
+def load_snapshot(ctx, path: pathlib.Path) -> dict:
     """The snapshot at ``path``, through the checkpointer; nothing is changed yet."""
-    if eng.checkpointer.distributed_state_dict:
+    if ctx.checkpointer.distributed_state_dict:
         # A sharded format loads in place: the sharded parts' own state dicts (model,
         # optimizer, and any part whose ``sharded`` is true: ema under fsdp) say what to
         # read and where (get_state_dict creates the optimizer state if it has none yet).
-        parts = eng.snapshot_parts
-        return eng.checkpointer.load(path, template={
+        parts = ctx.snapshot_parts
+        return ctx.checkpointer.load(path, template={
             name: parts[name].state_dict() for name in parts.names()
             if name in ("model", "optimizer") or getattr(parts[name], "sharded", False)})
     # Onto the CPU: load_state_dict copies into the model's and optimizer's devices,
     # and the RNG states must stay CPU tensors (a GPU resume crashed restoring them).
-    return eng.checkpointer.load(path, map_location="cpu")
+    return ctx.checkpointer.load(path, map_location="cpu")
 
 
-def restore(eng, snap: dict, source: str) -> None:
+def restore(ctx, snap: dict, source: str) -> None:
     """Put ``snap`` (from :func:`load_snapshot`) into every registered part, after
     checking its config against this run's."""
     snap = upgrade(snap)
-    lr_change = check_config(eng, snap.get("config"), source)
-    eng.snapshot_parts.load_state_dict(snap, source=source, warn=eng.warn)
+    lr_change = check_config(ctx, snap.get("config"), source)
+    ctx.snapshot_parts.load_state_dict(snap, source=source, warn=ctx.warn)
     if lr_change is not None:
-        _apply_lr(eng, *lr_change, source)
-    _say_what_a_new_length_does_to_the_schedule(eng, snap.get("config"), source)
+        _apply_lr(ctx, *lr_change, source)
+    _say_what_a_new_length_does_to_the_schedule(ctx, snap.get("config"), source)
 
 
 # ------------------------------------------------------------ a changed config
@@ -356,65 +356,65 @@ def config_changes(saved: dict, current: dict) -> dict[str, tuple]:
     return {k: (old[k], new[k]) for k in old.keys() & new.keys() if old[k] != new[k]}
 
 
-def check_config(eng, saved: dict | None, source: str) -> tuple | None:
+def check_config(ctx, saved: dict | None, source: str) -> tuple | None:
     """Refuse a resume whose config changed a key that breaks exact resume (see
     :data:`MAY_CHANGE`), or load it anyway with ``--resume-anyway`` and say what
     changed. Returns ``(old lr, new lr)`` when the learning rate is to be applied."""
     if not isinstance(saved, dict):
         return None  # written before snapshots held their config
-    changes = config_changes(saved, config_mod.to_dict(eng.cfg))
+    changes = config_changes(saved, config_mod.to_dict(ctx.cfg))
     lr = changes.pop("lr", None)
     # With a scheduler the learning rate is the scheduler's (its state holds the base
     # lrs it scales): a new cfg.lr could only be mixed into it, so it counts as a change
     # that breaks the resume. Without one, the new lr is applied (_apply_lr).
-    if lr is not None and eng.scheduler is not None:
+    if lr is not None and ctx.scheduler is not None:
         changes["lr"], lr = lr, None
-    refused = {k: v for k, v in sorted(changes.items()) if not may_change(k, eng.cfg)}
+    refused = {k: v for k, v in sorted(changes.items()) if not may_change(k, ctx.cfg)}
     if refused:
         listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in refused.items())
-        if not eng.options.get("resume_anyway"):
+        if not ctx.options.get("resume_anyway"):
             raise ConfigError(
                 f"cannot resume {source}: the config changed {listed}, which would mix two "
                 "runs; put the values back, pass --resume-anyway to load the snapshot "
                 "with the new values, or --no-resume --overwrite to start fresh")
-        eng.warn(f"--resume-anyway: resuming {source} although the config changed "
+        ctx.warn(f"--resume-anyway: resuming {source} although the config changed "
                  f"{listed}; the run is no longer an exact continuation"
                  + ("; the learning rate stays the scheduler's" if "lr" in refused else ""))
     return lr
 
 
-def _say_what_a_new_length_does_to_the_schedule(eng, saved: dict | None, source: str) -> None:
+def _say_what_a_new_length_does_to_the_schedule(ctx, saved: dict | None, source: str) -> None:
     """A per-step schedule is built for the run's total steps (Engine.total_steps): a
     resume with other ``epochs`` continues on a schedule of another length, so the
     learning rate jumps to the new schedule's value at this step. Said, not refused:
     it is how a run is extended."""
-    if not isinstance(saved, dict) or eng.scheduler is None:
+    if not isinstance(saved, dict) or ctx.scheduler is None:
         return
-    changed = {key: (saved[key], getattr(eng.cfg, key)) for key in ("epochs", "max_steps")
-               if key in saved and saved[key] != getattr(eng.cfg, key)}
-    if not changed or eng.cfg.scheduler_interval != "step":
+    changed = {key: (saved[key], getattr(ctx.cfg, key)) for key in ("epochs", "max_steps")
+               if key in saved and saved[key] != getattr(ctx.cfg, key)}
+    if not changed or ctx.cfg.scheduler_interval != "step":
         return
-    total = getattr(eng, "total_steps", None)
+    total = getattr(ctx, "total_steps", None)
     span = f" ({total} steps)" if total else ""
     said = ", ".join(f"{key} changed since {source}: {old} -> {new}"
                      for key, (old, new) in changed.items())
     restore = " and ".join(changed)
-    length = f"{eng.cfg.epochs} epochs" + (f" and max_steps={eng.cfg.max_steps}"
-                                          if getattr(eng.cfg, "max_steps", 0) else "")
-    eng.warn(f"{said}; the per-step schedule is rebuilt for {length}{span} and "
-             f"continues at step {eng.state.step} of it, not of the old one: from the next "
+    length = f"{ctx.cfg.epochs} epochs" + (f" and max_steps={ctx.cfg.max_steps}"
+                                          if getattr(ctx.cfg, "max_steps", 0) else "")
+    ctx.warn(f"{said}; the per-step schedule is rebuilt for {length}{span} and "
+             f"continues at step {ctx.state.step} of it, not of the old one: from the next "
              f"step the learning rate is the new schedule's (restore {restore} to continue "
              "the old schedule)")
 
 
-def _apply_lr(eng, old: float, new: float, source: str) -> None:
+def _apply_lr(ctx, old: float, new: float, source: str) -> None:
     """Set a changed ``lr`` on the loaded optimizer, which would otherwise keep the
     snapshot's while config.json says the new one. A param group at another lr (a
     recipe's per-group multiple of cfg.lr) is scaled by new/old, keeping the ratio."""
-    for group in eng.optimizer.param_groups:
+    for group in ctx.optimizer.param_groups:
         if group["lr"] == old or not old:
             group["lr"] = new
         else:
             group["lr"] = group["lr"] * new / old
-    eng.warn(f"lr changed since {source}: {old!r} -> {new!r}, applied to every optimizer "
+    ctx.warn(f"lr changed since {source}: {old!r} -> {new!r}, applied to every optimizer "
              "param group")

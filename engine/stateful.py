@@ -17,7 +17,7 @@ save or restore it. The core registers, in this order::
     loader      where the epoch stands: the batches consumed per rank and the global
                 sample position, at which another number of processes resumes
     metrics     the latest reduced values (what the summary reports after a resume)
-    ...         the recipe's ``state_parts(cfg, engine)`` and the plugins'
+    ...         the recipe's ``state_parts(cfg, ctx)`` and the plugins'
                 ``engine_register_state(engine, parts)``
     rng         every rank's RNG states (gathered: a collective)
 
@@ -550,20 +550,20 @@ class RngStates:
                       "is: see docs/checkpoints.md, Changing the number of processes)")
 
 
-def add_extra_parts(parts: SnapshotParts, pm, engine, recipe_parts=None) -> None:
-    """The recipe's parts (``state_parts(cfg, engine)``: a dict of name to part), then
-    each plugin's ``engine_register_state(engine, parts)``, one plugin at a time so that
+def add_extra_parts(parts: SnapshotParts, pm, ctx, recipe_parts=None) -> None:
+    """The recipe's parts (``state_parts(cfg, ctx)``: a dict of name to part), then
+    each plugin's ``engine_register_state(ctx, parts)``, one plugin at a time so that
     a name taken twice names both owners."""
     if recipe_parts is not None:
         parts.current_owner = "the recipe (state_parts)"
-        found = recipe_parts(engine.cfg, engine)
+        found = recipe_parts(ctx.cfg, ctx)
         if not isinstance(found, dict):
-            raise ConfigError("the recipe's state_parts(cfg, engine) must return a dict of "
+            raise ConfigError("the recipe's state_parts(cfg, ctx) must return a dict of "
                               f"name to part, not {type(found).__name__}")
         for name, part in found.items():
             parts.add(name, part)
     for impl in pm.hook.engine_register_state.get_hookimpls():
         parts.current_owner = f"plugin {impl.plugin_name!r}"
-        given = {"engine": engine, "parts": parts}
+        given = {"ctx": ctx, "engine": ctx, "parts": parts}  # engine: the old name
         impl.function(*[given[a] for a in impl.argnames])
     parts.current_owner = "the engine"

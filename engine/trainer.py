@@ -504,13 +504,13 @@ def autocast_for(precision: str, device):
 
 
 class Trainer:
-    def __init__(self, engine, parts):
-        self.engine = engine
+    def __init__(self, ctx, parts):
+        self.ctx = ctx
         self.run_parts = parts  # what the loop drives: model, optimizer, loaders (RunParts)
-        self.cfg = engine.cfg
-        hook = engine.pm.hook
+        self.cfg = ctx.cfg
+        hook = ctx.pm.hook
         self.bind_step_hooks()
-        self.log_hook = hook.engine_log if engine.is_rank0 else None
+        self.log_hook = hook.engine_log if ctx.is_rank0 else None
         self.clip_norm = self.cfg.grad_clip_norm
         self.device = device = parts.parallel.device
         self.autocast = autocast_for(self.cfg.precision, device)
@@ -518,7 +518,7 @@ class Trainer:
         # The loaders yield CPU tensors: on the CPU there is nothing to move, every batch.
         self.moves_batches = device.type != "cpu"
         # The recipe's steps (its own, or a helper it names: engine/classification.py).
-        recipe = engine.recipe
+        recipe = ctx.recipe
         self.train_step = self.first_train_step
         self.checked_train_step = recipe.train_step
         self.eval_step = recipe.optional("eval_step")
@@ -526,10 +526,10 @@ class Trainer:
         self.throughput = Throughput(recipe)
         self.extras: TrainExtras | None = None  # train_step returns a dict (first_train_step)
         self.nonfinite = NonFinitePolicy(self.cfg.on_nonfinite, device,
-                                         engine.world.world_size, engine.warn)
-        self.snapshots = SnapshotPolicy(self.cfg, engine.is_rank0)
+                                         ctx.world.world_size, ctx.warn)
+        self.snapshots = SnapshotPolicy(self.cfg, ctx.is_rank0)
         self.memory = parts.memory  # in-memory snapshots, when on
-        self.early_stopping = EarlyStopping(self.cfg.early_stopping, engine.state,
+        self.early_stopping = EarlyStopping(self.cfg.early_stopping, ctx.state,
                                             by_steps=bool(self.cfg.val_every_steps))
         # The run's length by steps (0: the epochs decide), validation by steps (0: at
         # epochs' ends only), and why the run ends inside an epoch once it does
@@ -560,7 +560,7 @@ class Trainer:
         Bound again when training starts, after engine_run_start, where a plugin may
         register an implementation for this run only (the profiler's, when
         profile.steps is set)."""
-        hook = self.engine.pm.hook
+        hook = self.ctx.pm.hook
         self.step_end_hook = (hook.engine_train_step_end
                               if hook.engine_train_step_end.get_hookimpls() else None)
         self.before_step_hook = (hook.engine_before_optimizer_step if
@@ -573,17 +573,17 @@ class Trainer:
         (the TrainState: epoch, step, early-stopping count) and the epoch's loss sums so
         far, so that a resumed epoch reports the whole epoch's. Collective (the sums are
         gathered from every rank)."""
-        return {**self.engine.state.state_dict(), "epoch_loss": self.epoch_loss_so_far()}
+        return {**self.ctx.state.state_dict(), "epoch_loss": self.epoch_loss_so_far()}
 
     def local_state_dict(self) -> dict:
         """The same with this rank's own loss sums, without a collective: for a memory
         snapshot, which sums them over the ranks at a resume (engine/snapshot.py's
         capture_here)."""
-        return {**self.engine.state.state_dict(),
+        return {**self.ctx.state.state_dict(),
                 "epoch_loss": self.epoch_loss_so_far(reduce=False)}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.engine.state.load_state_dict(state_dict)
+        self.ctx.state.load_state_dict(state_dict)
         # Added to the first epoch after the resume (LogWindow.add_resumed).
         self.resumed_epoch_loss = state_dict.get("epoch_loss")
 
@@ -594,38 +594,38 @@ class Trainer:
         (every epoch, or early stopping) or "preempted" (a snapshot was written)."""
         phases.mark(phases.TRAINING_STARTS)
         self.bind_step_hooks()
-        eng = self.engine
+        ctx = self.ctx
         if self.log_hook is not None:  # how many processes train from this step on:
             # engine-run report marks where a resumed run took over, and with how many
-            self.log_hook(engine=eng, step=eng.state.step,
-                          metrics={"world_size": float(eng.world.world_size)})
-        if self.engine.state.stopped_early:  # resumed from the end of an early-stopped run
+            self.log_hook(ctx=ctx, step=ctx.state.step,
+                          metrics={"world_size": float(ctx.world.world_size)})
+        if self.ctx.state.stopped_early:  # resumed from the end of an early-stopped run
             self.stop_early(again=True)
             return "completed"
         if self.reached_max_steps():  # resumed where max_steps ended the run
-            eng.print(f"already complete: {eng.out_dir} holds a finished run of "
-                      f"{eng.state.step} steps (max_steps={self.max_steps}), nothing to "
-                      f"train; to train on, ask for more (max_steps={eng.state.step + 1} "
+            ctx.print(f"already complete: {ctx.out_dir} holds a finished run of "
+                      f"{ctx.state.step} steps (max_steps={self.max_steps}), nothing to "
+                      f"train; to train on, ask for more (max_steps={ctx.state.step + 1} "
                       "or more, or 0 for the epochs')")
             return "completed"
-        while self.engine.state.epoch < self.cfg.epochs:
-            if not self.run_epoch(self.engine.state.epoch):
+        while self.ctx.state.epoch < self.cfg.epochs:
+            if not self.run_epoch(self.ctx.state.epoch):
                 break
         # max_steps reached as a pre-emption came: the run is complete all the same.
         return "preempted" if self.stop_requested and self.ending is None else "completed"
 
     def reached_max_steps(self) -> bool:
-        return bool(self.max_steps) and self.engine.state.step >= self.max_steps
+        return bool(self.max_steps) and self.ctx.state.step >= self.max_steps
 
     def run_epoch(self, epoch: int) -> bool:
         """Train one epoch, validate, log, snapshot if due. False when the run stops."""
-        eng, cfg = self.engine, self.cfg
+        ctx, cfg = self.ctx, self.cfg
         # The global position (samples all ranks consumed): a snapshot written by another
         # number of processes was converted to batches of this run (snapshot.restore).
         data.start_epoch(self.run_parts.train_loader, epoch,
-                         start_sample=eng.state.batch_in_epoch * self.run_parts.micro_batch
-                         * eng.world.world_size)
-        eng.pm.hook.engine_epoch_start(engine=eng, epoch=epoch)
+                         start_sample=ctx.state.batch_in_epoch * self.run_parts.micro_batch
+                         * ctx.world.world_size)
+        ctx.pm.hook.engine_epoch_start(ctx=ctx, epoch=epoch)
         train_metrics = self.train_epoch(epoch)
         if self.ending is not None:  # max_steps or early stopping, inside the epoch
             return self.end_in_epoch()
@@ -643,15 +643,15 @@ class Trainer:
         metrics = {**train_metrics, **self.validate(epoch)}
         metrics["lr"] = self.current_lr()
         health.epoch_barrier(cfg.timeout_s)
-        eng.metrics.update(metrics)
+        ctx.metrics.update(metrics)
         self.learn_val_names(metrics)
-        stop_early = self.early_stopping.update(metrics, epoch, eng.state.step)
-        if self.log_hook is not None:  # while engine.state.epoch is still this epoch's
-            self.log_hook(engine=eng, metrics=metrics, step=eng.state.step)
-        eng.state.epoch = epoch + 1
-        eng.state.batch_in_epoch = 0
-        eng.state.epochs_completed = epoch + 1
-        eng.pm.hook.engine_epoch_end(engine=eng, epoch=epoch, metrics=EpochMetrics(metrics))
+        stop_early = self.early_stopping.update(metrics, epoch, ctx.state.step)
+        if self.log_hook is not None:  # while ctx.state.epoch is still this epoch's
+            self.log_hook(ctx=ctx, metrics=metrics, step=ctx.state.step)
+        ctx.state.epoch = epoch + 1
+        ctx.state.batch_in_epoch = 0
+        ctx.state.epochs_completed = epoch + 1
+        ctx.pm.hook.engine_epoch_end(ctx=ctx, epoch=epoch, metrics=EpochMetrics(metrics))
         if self.run_parts.scheduler is not None and cfg.scheduler_interval == "epoch":
             self.step_scheduler(metrics)
         if stop_early:  # the same decision on every rank: the metrics are reduced
@@ -659,9 +659,9 @@ class Trainer:
             self.stop_early()
             return False
         # The run's last epoch, or max_steps reached at this epoch's last step.
-        last = eng.state.epoch == cfg.epochs or self.reached_max_steps()
+        last = ctx.state.epoch == cfg.epochs or self.reached_max_steps()
         stop = not last and self.agree_to_stop()
-        due = self.snapshots.due_at_epoch_end(eng.state.epoch) or last
+        due = self.snapshots.due_at_epoch_end(ctx.state.epoch) or last
         # time_snapshot_due: the epoch's last check point (finished at its end) said so.
         if stop or due or self.time_snapshot_due:
             self.save_snapshot()
@@ -696,21 +696,21 @@ class Trainer:
         self.run_parts.scheduler.step(metrics[self.scheduler_metric])
 
     def stop_early(self, again: bool = False) -> None:
-        eng = self.engine
-        where = (f"at step {eng.state.step}" if self.val_every_steps
-                 else f"after epoch {eng.state.epochs_completed}")
-        eng.print(self.early_stopping.message() + (
+        ctx = self.ctx
+        where = (f"at step {ctx.state.step}" if self.val_every_steps
+                 else f"after epoch {ctx.state.epochs_completed}")
+        ctx.print(self.early_stopping.message() + (
             f" (this run already stopped early {where}; "
             "start a new one with --no-resume or another out_dir)" if again else ""))
 
     # ----------------------------------------------------------------- epoch
 
     def train_epoch(self, epoch: int) -> dict:
-        eng = self.engine
+        ctx = self.ctx
         parts = self.run_parts
         accum = self.cfg.grad_accum_steps
         parts.model.train()
-        first_batch = eng.state.batch_in_epoch
+        first_batch = ctx.state.batch_in_epoch
         # A stream (engine/streaming.py) does not know its length: its loader says at
         # each micro-batch whether it is padding and whether it is the epoch's last.
         loader = parts.train_loader
@@ -718,15 +718,15 @@ class Trainer:
         end_batch = None if stream is not None else first_batch + len(parts.train_loader)
         self.epoch_end_batch = end_batch  # None: the stream's loader knows (.last)
         window = self.window = LogWindow(self.device, parts.micro_batch * accum
-                                         * eng.world.world_size, first_batch,
-                                         world_size=eng.world.world_size)
+                                         * ctx.world.world_size, first_batch,
+                                         world_size=ctx.world.world_size)
         count_units = self.throughput.count
         if stream is not None and count_units is None:  # a stream's batches may be short:
             count_units = streaming.batch_samples  # count its samples, not its steps
-        if eng.is_rank0:
+        if ctx.is_rank0:
             window.add_resumed(self.resumed_epoch_loss, parts.micro_batch)
         self.resumed_epoch_loss = None  # the first epoch after a resume only
-        steps_at_start = eng.state.step
+        steps_at_start = ctx.state.step
         data_wait = 0.0
         epoch_start = fetch_start = time.perf_counter()
         for i, batch in enumerate(phases.labelled(parts.train_loader, "data wait")):
@@ -750,15 +750,15 @@ class Trainer:
                 window.padding_batches += 1
             else:
                 window.add_batch(loss)
-            eng.state.batch_in_epoch = batch_index + 1
+            ctx.state.batch_in_epoch = batch_index + 1
             if last_micro and self.optimizer_step(loss, window):
                 break
             fetch_start = time.perf_counter()
         self.finish_pending()  # logged before the epoch's own metrics; run_epoch acts
         # on its flags (stop_requested, time_snapshot_due)
         return self.epoch_metrics(epoch, window,
-                                  batches=window.epoch_batches(eng.state.batch_in_epoch),
-                                  steps=eng.state.step - steps_at_start,
+                                  batches=window.epoch_batches(ctx.state.batch_in_epoch),
+                                  steps=ctx.state.step - steps_at_start,
                                   epoch_start=epoch_start,
                                   # a stream's wait for the other ranks' end-of-data
                                   # flags is waiting for peers, not for data
@@ -790,14 +790,14 @@ class Trainer:
         all-reduces the gradients only in the backward of a group's last micro-batch.
         A stream's ``padding`` micro-batch (engine/streaming.py) weighs 0: it only keeps
         this rank in the gradient all-reduces of ranks whose part of the stream is longer."""
-        eng = self.engine
+        ctx = self.ctx
         parts = self.run_parts
         if self.moves_batches:
             batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
         with (contextlib.nullcontext() if last_micro
               else parts.parallel.no_sync(parts.model)):
             with self.autocast():
-                loss = self.train_step(batch, eng)
+                loss = self.train_step(batch, ctx)
             if self.extras is not None:
                 if not padding:  # it repeats a batch: its metrics count once
                     self.extras.add(loss)
@@ -817,9 +817,9 @@ class Trainer:
         """After a group's last micro-batch: step, hooks, check point, snapshot if due.
         Returns True when the epoch must stop here (the ranks agreed on a pre-emption:
         run_epoch writes the snapshot)."""
-        eng = self.engine
+        ctx = self.ctx
         parts = self.run_parts
-        optimizer, scaler, state = parts.optimizer, parts.scaler, eng.state
+        optimizer, scaler, state = parts.optimizer, parts.scaler, ctx.state
         taken = self.nonfinite.allow_step(state.step + 1)
         if self.nonfinite.skip:
             window.settle(taken)
@@ -842,7 +842,7 @@ class Trainer:
         if self.memory is not None:  # how far the run got: a restart says what it lost
             self.memory.note_reached(state.step)
         if self.step_end_hook is not None:
-            self.step_end_hook(engine=eng, step=state.step, loss=loss)
+            self.step_end_hook(ctx=ctx, step=state.step, loss=loss)
         if state.step % self.cfg.log_every == 0:
             with phases.span("check point"):
                 self.check_point(window)  # finishes the previous check: its flags
@@ -881,7 +881,7 @@ class Trainer:
     def memory_snapshot(self) -> None:
         """A snapshot into shared memory (snapshot_if_due finished the check in flight
         and acted on its flags)."""
-        snapshot.save_to_memory(self.engine)
+        snapshot.save_to_memory(self.ctx)
         self.memory = self.run_parts.memory  # None when /dev/shm had no room for them
 
     def memory_off(self) -> None:
@@ -890,17 +890,17 @@ class Trainer:
         check point, since a memory snapshot is a collective; the run goes on with disk
         snapshots."""
         failed = self.memory.failed
-        snapshot.turn_memory_off(self.engine, failed or "another rank's buffer could not "
-                                 "grow (see its warning)")
-        if failed and not self.engine.is_rank0:  # rank 0's warning said "another rank"
-            self.engine.warn_here(failed)
+        snapshot.turn_memory_off(self.ctx, failed or "another rank's buffer could not "
+                              "grow (see its warning)")
+        if failed and not self.ctx.is_rank0:  # rank 0's warning said "another rank"
+            self.ctx.warn_here(failed)
         self.memory = None
 
     def before_optimizer_step(self, step: int) -> None:
         """Between the last backward of a group and the optimizer step, on the true
         gradients: unscaled (fp16), and already averaged over the ranks (DDP reduced
         them in that backward). Clip to ``grad_clip_norm``, then the plugins' hook."""
-        eng = self.engine
+        ctx = self.ctx
         parts = self.run_parts
         if parts.scaler is not None:
             # scaler.step() then sees that they are unscaled and does not do it again.
@@ -908,7 +908,7 @@ class Trainer:
         if self.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(parts.model.parameters(), self.clip_norm)
         if self.before_step_hook is not None:
-            self.before_step_hook(engine=eng, step=step, optimizer=parts.optimizer)
+            self.before_step_hook(ctx=ctx, step=step, optimizer=parts.optimizer)
 
     def check_point(self, window: LogWindow) -> None:
         """Every ``log_every`` steps, on every rank: start one small all-reduce of the
@@ -918,10 +918,10 @@ class Trainer:
         pre-emption therefore stops the run one window after the ranks saw it, or at
         once where a snapshot at this step waits for the sums anyway (snapshot_if_due).
         The flags are recorded (finish_check); optimizer_step acts on them."""
-        eng = self.engine
+        ctx = self.ctx
         now = time.perf_counter()
-        preempted = eng.preemption is not None and bool(eng.preemption)
-        due_by_time = eng.is_rank0 and self.snapshots.due_by_time()
+        preempted = ctx.preemption is not None and bool(ctx.preemption)
+        due_by_time = ctx.is_rank0 and self.snapshots.due_by_time()
         memory_failed = self.memory is not None and self.memory.failed is not None
         extra_batches = 0
         if self.extras is not None:
@@ -935,9 +935,9 @@ class Trainer:
                               window.loss.new_tensor(float(extra_batches))])
         if self.extras is not None:
             values = torch.cat([values, extra_sums.float()])
-        started = PendingCheck(distributed.start_all_reduce_sum(values), eng.state.epoch,
-                               first_step=eng.state.step - window.steps + 1,
-                               step=eng.state.step,
+        started = PendingCheck(distributed.start_all_reduce_sum(values), ctx.state.epoch,
+                               first_step=ctx.state.step - window.steps + 1,
+                               step=ctx.state.step,
                                per_sec=window.per_sec(now, self.throughput.count is not None),
                                lr=self.current_lr())
         window.restart(now)
@@ -958,20 +958,20 @@ class Trainer:
         the same steps, so every rank records the same."""
         if check is None:
             return
-        eng = self.engine
+        ctx = self.ctx
         loss_sum, preempted, due_by_time, memory_failed, batches, extra_batches, \
             *extra_sums = check.reduction.values()
         # The mean over all ranks' micro-batches (with accumulation, a step has several);
         # NaN when on_nonfinite=skip skipped every step of the window.
-        loss = window_mean(loss_sum, batches, eng.world.world_size)
+        loss = window_mean(loss_sum, batches, ctx.world.world_size)
         self.nonfinite.check_window(loss, first=check.first_step, last=check.step,
                                     epoch=check.epoch + 1)  # counted from 1
         extras = ({} if self.extras is None else self.extras.means(extra_sums, extra_batches))
         metrics = {"train/loss": loss, **extras, self.throughput.metric: check.per_sec,
                    "lr": check.lr}
-        eng.metrics.update(metrics)  # summary.json's train_loss: the last window's
+        ctx.metrics.update(metrics)  # summary.json's train_loss: the last window's
         if self.log_hook is not None:
-            self.log_hook(engine=eng, step=check.step, metrics=metrics)
+            self.log_hook(ctx=ctx, step=check.step, metrics=metrics)
         if preempted > 0:
             self.stop_requested = True
         if due_by_time > 0:
@@ -984,7 +984,7 @@ class Trainer:
         """One collective per epoch: every rank's loss sum, batch count and data wait,
         gathered; the loss is the mean over all ranks' batches, the data wait the
         slowest rank's (one rank starved of data holds every other at the next step)."""
-        eng = self.engine
+        ctx = self.ctx
         mine = torch.stack([window.total_loss(),
                             torch.tensor(batches + window.resumed_batches, dtype=torch.float64,
                                          device=self.device),
@@ -999,7 +999,7 @@ class Trainer:
         units = sum(r[3] for r in ranks)  # counted units: a stream's ranks differ
         elapsed = time.perf_counter() - epoch_start  # after .tolist(): the device is done
         mean_loss = loss_sum / batch_count if batch_count else math.nan  # all skipped
-        self.nonfinite.check_epoch(mean_loss, epoch + 1, eng.state.step)  # from 1
+        self.nonfinite.check_epoch(mean_loss, epoch + 1, ctx.state.step)  # from 1
         # The epoch's means have names of their own (train/epoch_NAME), as train/epoch_loss:
         # train/NAME is always one log window's mean.
         extras = {} if self.extras is None else self.extras.means(
@@ -1024,10 +1024,10 @@ class Trainer:
         """For a snapshot (collective: every rank takes part): the epoch's loss sum and
         micro-batch count over all ranks so far, with the micro-batch size they are in;
         None between epochs. ``reduce=False``: this rank's alone, no collective."""
-        window, eng = self.window, self.engine
+        window, ctx = self.window, self.ctx
         if window is None:
             return None
-        batches = window.epoch_batches(eng.state.batch_in_epoch) + window.resumed_batches
+        batches = window.epoch_batches(ctx.state.batch_in_epoch) + window.resumed_batches
         if reduce:
             totals = torch.stack([window.total_loss(), torch.tensor(
                 batches, dtype=torch.float64, device=self.device)])
@@ -1039,10 +1039,10 @@ class Trainer:
 
     def agree_to_stop(self) -> bool:
         """At an epoch boundary: did a pre-emption signal reach any rank?"""
-        eng = self.engine
-        if eng.preemption is None:
+        ctx = self.ctx
+        if ctx.preemption is None:
             return False
-        flag = torch.tensor([float(bool(eng.preemption))], device=self.device)
+        flag = torch.tensor([float(bool(ctx.preemption))], device=self.device)
         self.stop_requested = distributed.all_reduce_sum(flag).item() > 0
         return self.stop_requested
 
@@ -1053,10 +1053,10 @@ class Trainer:
         validates there): a validation when ``val_every_steps`` divides the step, or when
         max_steps ends the run here (``self.ending``; the validation that an epoch's end
         would run). Early stopping may then end the run at this step."""
-        eng = self.engine
+        ctx = self.ctx
         parts = self.run_parts
         if (parts.train_loader.last if self.epoch_end_batch is None
-                else eng.state.batch_in_epoch >= self.epoch_end_batch):
+                else ctx.state.batch_in_epoch >= self.epoch_end_batch):
             return
         if self.reached_max_steps():
             self.ending = "max_steps"
@@ -1066,7 +1066,7 @@ class Trainer:
             return
         with phases.span("validation"):
             metrics = self.validate_in_epoch(step)
-        if self.early_stopping.update(metrics, eng.state.epoch, step):
+        if self.early_stopping.update(metrics, ctx.state.epoch, step):
             self.ending = "early stopping"
 
     def validate_in_epoch(self, step: int) -> dict:
@@ -1074,16 +1074,16 @@ class Trainer:
         logged at that step and join the run's (the next snapshot's, for the best one).
         Training goes on exactly as without it (validate leaves the RNG states and the
         model's mode as they were; the training loader is not touched)."""
-        eng = self.engine
+        ctx = self.ctx
         parts = self.run_parts
         self.finish_pending()  # the window before the validation is logged first
         # As at an epoch's end: rank 0's statistics.
         parts.parallel.sync_buffers(parts.model)
-        metrics = self.validate(eng.state.epoch)
-        eng.metrics.update(metrics)
+        metrics = self.validate(ctx.state.epoch)
+        ctx.metrics.update(metrics)
         self.learn_val_names(metrics)
         if self.log_hook is not None:
-            self.log_hook(engine=eng, metrics=metrics, step=step)
+            self.log_hook(ctx=ctx, metrics=metrics, step=step)
         return metrics
 
     @torch.no_grad()
@@ -1102,9 +1102,9 @@ class Trainer:
             stateful.set_rng_state(saved)
 
     def validate_shard(self, epoch: int) -> dict:
-        eng = self.engine
+        ctx = self.ctx
         parts = self.run_parts
-        eng.pm.hook.engine_validation_start(engine=eng, epoch=epoch)
+        ctx.pm.hook.engine_validation_start(ctx=ctx, epoch=epoch)
         # The unwrapped module: no DDP collectives in forward, so ranks whose shard is
         # one batch shorter do not hang the others.
         module = parts.module
@@ -1117,10 +1117,10 @@ class Trainer:
             for batch in batches:
                 batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
                 with self.autocast():
-                    sums.add(self.eval_step(batch, eng))
+                    sums.add(self.eval_step(batch, ctx))
         module.train(was_training)
         metrics = sums.reduce()
-        eng.pm.hook.engine_validation_end(engine=eng, epoch=epoch, metrics=metrics)
+        ctx.pm.hook.engine_validation_end(ctx=ctx, epoch=epoch, metrics=metrics)
         return metrics
 
     # --------------------------------------------------------- named metrics
@@ -1221,7 +1221,7 @@ class Trainer:
         batch = loader.collate_fn(samples)
         batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
         with self.autocast():
-            sums = self.eval_step(batch, self.engine)
+            sums = self.eval_step(batch, self.ctx)
         MetricSums(self.device, self.eval_metrics).add(sums)  # what it returns is checked
         if self.eval_metrics is None:
             return [f"val/{name}" for name in sums if name != "count"]
@@ -1241,6 +1241,6 @@ class Trainer:
         # after it and would never log it. (Callers have finished it already; its flags
         # are recorded either way, for the loop to act on.)
         self.finish_pending()
-        snapshot.save(self.engine)
+        snapshot.save(self.ctx)
         self.snapshots.saved()
         self.time_snapshot_due = False

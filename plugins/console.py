@@ -35,12 +35,12 @@ def data_wait_text(wait: float) -> str:
     return f"{'data-bound' if wait > DATA_BOUND else 'data wait'}: {wait:.0%} waiting"
 
 
-def data_bound_hint(engine) -> str:
-    settings = getattr(engine, "loader_settings", None)
+def data_bound_hint(ctx) -> str:
+    settings = getattr(ctx, "loader_settings", None)
     workers = (f"num_workers={settings.num_workers} per process" if settings is not None
-               else f"num_workers={engine.cfg.num_workers}")
+               else f"num_workers={ctx.cfg.num_workers}")
     return (f"hint: the training waits for data ({workers}); measure better settings with "
-            f"`engine-run tune-workers {engine.recipe.path}`, or give the job more CPUs "
+            f"`engine-run tune-workers {ctx.recipe.path}`, or give the job more CPUs "
             "(SLURM: --cpus-per-task)")
 
 
@@ -121,8 +121,8 @@ class ConsoleLogger:
         self.postfix: dict[str, str] = {}
 
     @engine.hookimpl
-    def engine_run_start(self, engine):
-        if not engine.is_rank0:
+    def engine_run_start(self, ctx):
+        if not ctx.is_rank0:
             return
         import threading
 
@@ -133,26 +133,26 @@ class ConsoleLogger:
             # several processes; ours is one): a killed rank 0 leaked it, and the
             # resource tracker's warning about it became the job's last line.
             tqdm.set_lock(threading.RLock())
-        cfg = engine.cfg
-        self.last_step = engine.state.step
+        cfg = ctx.cfg
+        self.last_step = ctx.state.step
         self.postfix = {}
-        self.bar = tqdm(total=engine.total_steps, initial=self.last_step,
-                        desc=engine.recipe.name, unit="step", dynamic_ncols=True,
+        self.bar = tqdm(total=ctx.total_steps, initial=self.last_step,
+                        desc=ctx.recipe.name, unit="step", dynamic_ncols=True,
                         disable=None, file=sys.stderr, mininterval=0.5)
         every_s = (getattr(cfg, "console", None) or ConsoleConfig()).progress_every_s
         # tqdm turned itself off where stderr is no terminal (disable=None): lines instead.
-        self.lines = (ProgressLines(every_s, self.last_step, engine.steps_per_epoch,
+        self.lines = (ProgressLines(every_s, self.last_step, ctx.steps_per_epoch,
                                     cfg.epochs) if self.bar.disable and every_s else None)
 
     @engine.hookimpl
-    def engine_log(self, engine, metrics, step):
+    def engine_log(self, ctx, metrics, step):
         validation_only = ("train/loss" not in metrics and "train/epoch_loss" not in metrics
                            and any(k.startswith("val/") for k in metrics))
         if self.bar is not None and validation_only:
             # A validation inside an epoch (val_every_steps, or the step max_steps ends
             # the run at): one line, as an epoch's.
-            self._write("  ".join([f"step {step} (epoch {engine.state.epoch + 1}/"
-                                   f"{engine.cfg.epochs})"] + [
+            self._write("  ".join([f"step {step} (epoch {ctx.state.epoch + 1}/"
+                                   f"{ctx.cfg.epochs})"] + [
                 f"{key.replace('/', ' ')} {value:.4f}" for key, value in metrics.items()
                 if key.startswith("val/")]))
             return
@@ -173,17 +173,17 @@ class ConsoleLogger:
                 print(line, file=sys.stderr, flush=True)
 
     @engine.hookimpl
-    def engine_epoch_end(self, engine, epoch, metrics):
-        if not engine.is_rank0:
+    def engine_epoch_end(self, ctx, epoch, metrics):
+        if not ctx.is_rank0:
             return
         wait = metrics.get("train/data_wait_fraction")
         if self.bar is not None:
-            self.bar.update(engine.state.step - self.last_step)
-            self.last_step = engine.state.step
+            self.bar.update(ctx.state.step - self.last_step)
+            self.last_step = ctx.state.step
             if wait is not None:
                 self.postfix["data_wait"] = f"{wait:.0%}"
                 self.bar.set_postfix(self.postfix, refresh=True)
-        parts = [f"epoch {epoch + 1}/{engine.cfg.epochs}"]
+        parts = [f"epoch {epoch + 1}/{ctx.cfg.epochs}"]
         # The validation metrics are the recipe's (its eval_step's; by default val/loss
         # and, for class-index targets, val/accuracy), in the order it returns them.
         shown = [("train/epoch_loss", "train loss (epoch mean)", ".4f")]
@@ -200,28 +200,28 @@ class ConsoleLogger:
             parts.append(data_wait_text(wait))
         message = "  ".join(parts)
         if wait is not None and wait > DATA_BOUND:
-            message += "\n" + data_bound_hint(engine)
+            message += "\n" + data_bound_hint(ctx)
         self._write(message)
 
     @engine.hookimpl
-    def engine_run_end(self, engine, summary):
-        if not engine.is_rank0:
+    def engine_run_end(self, ctx, summary):
+        if not ctx.is_rank0:
             return
         if self.bar is not None:
             self.bar.close()
             self.bar = None
         self.lines = None
         if summary["status"] == "completed":
-            steps, max_steps = summary["global_step"], getattr(engine.cfg, "max_steps", 0)
-            if 0 < max_steps <= steps and summary["epochs_completed"] < engine.cfg.epochs:
-                trained = f"{steps} steps (max_steps, in epoch {engine.state.epoch + 1})"
+            steps, max_steps = summary["global_step"], getattr(ctx.cfg, "max_steps", 0)
+            if 0 < max_steps <= steps and summary["epochs_completed"] < ctx.cfg.epochs:
+                trained = f"{steps} steps (max_steps, in epoch {ctx.state.epoch + 1})"
             else:
                 trained = f"{summary['epochs_completed']} epochs"
             # A resumed run's count is the run's, not this command's: say where it began.
             resumed = summary.get("resume") or {}
             since = f" (resumed at step {resumed['step']})" if resumed.get("step") else ""
             self._write(f"done: {trained}{since} in {done_time(summary)}, results in "
-                        f"{engine.out_dir}")
+                        f"{ctx.out_dir}")
 
     def _write(self, message: str) -> None:
         if self.bar is not None:

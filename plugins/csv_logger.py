@@ -110,32 +110,32 @@ class CsvLogger:
         self.resumed = False
 
     @engine.hookimpl
-    def engine_run_start(self, engine):
-        if not engine.is_rank0:
+    def engine_run_start(self, ctx):
+        if not ctx.is_rank0:
             return
-        self.resumed = engine.resumed_from is not None
-        self._open(engine, keep_below=engine.state.step + 1)  # the snapshot's step kept
+        self.resumed = ctx.resumed_from is not None
+        self._open(ctx, keep_below=ctx.state.step + 1)  # the snapshot's step kept
 
     @engine.hookimpl
-    def engine_log(self, engine, metrics, step):
+    def engine_log(self, ctx, metrics, step):
         if self.file is None:
             # A custom loop: keep what an interrupted run logged before this step.
-            self.resumed = engine.resumed_from is not None
-            self._open(engine, keep_below=step)
-        epoch = engine.state.epoch + 1  # the epoch in progress, counted from 1
+            self.resumed = ctx.resumed_from is not None
+            self._open(ctx, keep_below=step)
+        epoch = ctx.state.epoch + 1  # the epoch in progress, counted from 1
         self.writer.writerows([step, epoch, name, repr(float(value))]
                               for name, value in metrics.items() if value is not None)
         # One write per call: a kill loses nothing logged before (the module docstring).
         self.file.flush()
 
     @engine.hookimpl
-    def engine_run_end(self, engine, summary):
+    def engine_run_end(self, ctx, summary):
         if self.file is not None:
             self.file.close()
         self.__init__()  # the next run in this process (tests, engine.launch) starts clean
 
-    def _open(self, engine, keep_below: int) -> None:
-        path = engine.out_dir / FILE_NAME
+    def _open(self, ctx, keep_below: int) -> None:
+        path = ctx.out_dir / FILE_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = ([row for row in read_rows(path) if row[0] < keep_below]
                 if self.resumed and path.exists() else [])

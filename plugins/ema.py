@@ -280,39 +280,39 @@ def _options(cfg) -> EmaConfig:
 
 
 @engine.hookimpl
-def engine_register_state(engine, parts):
-    options = _options(engine.cfg)
+def engine_register_state(ctx, parts):
+    options = _options(ctx.cfg)
     if options.evaluate and not options.enabled:
         raise ConfigError("config key 'ema.evaluate': there is no average to evaluate "
                           "unless ema.enabled=true")
     if options.enabled:
         from engine.stateful import is_sharded
 
-        if is_sharded(engine.module):  # fsdp: AveragedModel's deepcopy would fail
-            average = ShardedMovingAverage(engine.module, engine.optimizer, options.decay,
+        if is_sharded(ctx.module):  # fsdp: AveragedModel's deepcopy would fail
+            average = ShardedMovingAverage(ctx.module, ctx.optimizer, options.decay,
                                            options.every_steps,
-                                           engine.checkpointer.distributed_state_dict)
+                                           ctx.checkpointer.distributed_state_dict)
         else:
-            average = ExponentialMovingAverage(engine.module, engine.optimizer,
+            average = ExponentialMovingAverage(ctx.module, ctx.optimizer,
                                                options.decay, options.every_steps)
         parts.add("ema", average)
 
 
-def _evaluated_average(engine) -> ExponentialMovingAverage | None:
-    if not _options(engine.cfg).evaluate or "ema" not in engine.snapshot_parts:
+def _evaluated_average(ctx) -> ExponentialMovingAverage | None:
+    if not _options(ctx.cfg).evaluate or "ema" not in ctx.snapshot_parts:
         return None
-    return engine.snapshot_parts["ema"]
+    return ctx.snapshot_parts["ema"]
 
 
 @engine.hookimpl
-def engine_validation_start(engine):
-    average = _evaluated_average(engine)
+def engine_validation_start(ctx):
+    average = _evaluated_average(ctx)
     if average is not None:
         average.swap_in()
 
 
 @engine.hookimpl
-def engine_validation_end(engine):
-    average = _evaluated_average(engine)
+def engine_validation_end(ctx):
+    average = _evaluated_average(ctx)
     if average is not None:
         average.swap_out()

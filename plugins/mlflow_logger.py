@@ -84,13 +84,13 @@ class MLflowLogger:
         self.sent_at = 0.0
 
     @engine.hookimpl
-    def engine_run_start(self, engine):
-        if engine.is_rank0 and self.client is None:
-            self._start(engine)
+    def engine_run_start(self, ctx):
+        if ctx.is_rank0 and self.client is None:
+            self._start(ctx)
 
     @engine.hookimpl
-    def engine_log(self, engine, metrics, step):
-        if self.client is None and not self._start(engine):
+    def engine_log(self, ctx, metrics, step):
+        if self.client is None and not self._start(ctx):
             return
         from mlflow.entities import Metric
 
@@ -101,18 +101,18 @@ class MLflowLogger:
             self._send()
 
     @engine.hookimpl
-    def engine_epoch_end(self, engine, epoch, metrics):
+    def engine_epoch_end(self, ctx, epoch, metrics):
         if self.client is not None:
             self._send()
 
     @engine.hookimpl
-    def engine_run_end(self, engine, summary):
+    def engine_run_end(self, ctx, summary):
         if self.client is None:
             return
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)
-        self.pending += [Metric(f"summary/{key}", value, now_ms, engine.state.step)
+        self.pending += [Metric(f"summary/{key}", value, now_ms, ctx.state.step)
                          for key, value in summary_scalars(summary).items()]
         client, run_id = self.client, self.run_id
         status = STATUSES.get(summary["status"], "FAILED")
@@ -127,13 +127,13 @@ class MLflowLogger:
             try:
                 send()
             except Exception as exc:
-                engine.warn(f"mlflow: could not record the run's {what} in MLflow run "
-                            f"{run_id}: {type(exc).__name__}: {first_line(exc)}")
+                ctx.warn(f"mlflow: could not record the run's {what} in MLflow run "
+                         f"{run_id}: {type(exc).__name__}: {first_line(exc)}")
         self.__init__()  # the next run in this process (tests, engine.launch) starts clean
 
-    def _start(self, engine) -> bool:
+    def _start(self, ctx) -> bool:
         """Create the MLflow run on rank 0 when enabled; True if there is one."""
-        found = enabled(engine, "mlflow", extra="mlflow")
+        found = enabled(ctx, "mlflow", extra="mlflow")
         if found is None:
             return False
         options = found[0]
@@ -141,16 +141,16 @@ class MLflowLogger:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=options.tracking_uri)
-        name = options.experiment or experiment_name(engine)
+        name = options.experiment or experiment_name(ctx)
         experiment = client.get_experiment_by_name(name)
         experiment_id = (experiment.experiment_id if experiment is not None
                          else client.create_experiment(name))
-        tags = {"engine.out_dir": str(engine.out_dir),
-                "engine.resumed_from": str(engine.resumed_from or "")}
-        run = client.create_run(experiment_id, run_name=run_name(engine, options.run_name),
+        tags = {"engine.out_dir": str(ctx.out_dir),
+                "engine.resumed_from": str(ctx.resumed_from or "")}
+        run = client.create_run(experiment_id, run_name=run_name(ctx, options.run_name),
                                 tags=tags)
         self.client, self.run_id = client, run.info.run_id
-        params = [Param(key, str(value)) for key, value in flat_config(engine.cfg).items()]
+        params = [Param(key, str(value)) for key, value in flat_config(ctx.cfg).items()]
         for first in range(0, len(params), 100):  # MLflow takes 100 params per batch
             client.log_batch(self.run_id, params=params[first:first + 100])
         self.sent_at = time.monotonic()

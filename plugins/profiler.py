@@ -81,15 +81,15 @@ class StepProfiler:
     of the step before the window (the warm-up) and stopped at its end. A per-run
     plugin object: its ``engine_train_step_end`` exists only on a rank that records."""
 
-    def __init__(self, eng, start: int, end: int, memory: bool):
-        self.engine = eng
+    def __init__(self, ctx, start: int, end: int, memory: bool):
+        self.ctx = ctx
         self.start, self.end, self.memory = start, end, memory
-        self.folder = eng.out_dir / FOLDER / f"steps{start}-{end}"
-        self.cuda = eng.device.type == "cuda"
+        self.folder = ctx.out_dir / FOLDER / f"steps{start}-{end}"
+        self.cuda = ctx.device.type == "cuda"
         self.profiler = None
         # Where the profiler starts: the warm-up step before the window if this run
         # trains it, else the window's (or the resumed run's) first step.
-        self.begin_at = max(eng.state.step, start - 1)
+        self.begin_at = max(ctx.state.step, start - 1)
 
     def action(self, step: int):
         from torch.profiler import ProfilerAction
@@ -114,7 +114,7 @@ class StepProfiler:
             # first step this profiler sees, which step_num then names.
             schedule=lambda n: self.action(max(n, step)),
             on_trace_ready=tensorboard_trace_handler(
-                str(self.folder), worker_name=f"rank{self.engine.rank}"))
+                str(self.folder), worker_name=f"rank{self.ctx.rank}"))
         self.profiler.step_num = step  # ProfilerStep#N is the engine's step N
         if self.memory and self.cuda:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
@@ -138,21 +138,21 @@ class StepProfiler:
         profiler, self.profiler = self.profiler, None
         profiler.stop()
         phases.label_ranges(False)
-        if self.engine.pm.is_registered(self):  # the rest of the run calls nothing of it
-            self.engine.pm.unregister(self)
+        if self.ctx.pm.is_registered(self):  # the rest of the run calls nothing of it
+            self.ctx.pm.unregister(self)
         if self.memory and self.cuda:
             import torch
 
             self.folder.mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(
-                str(self.folder / f"rank{self.engine.rank}.memory.pickle"))
+                str(self.folder / f"rank{self.ctx.rank}.memory.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
-        last = min(self.end, self.engine.state.step) - 1  # a run may end inside the window
+        last = min(self.end, self.ctx.state.step) - 1  # a run may end inside the window
         # TensorBoard shows nothing of a trace without its PyTorch profiler plugin.
-        self.engine.print(f"profiler: steps {self.start} to {last} traced in "
-                          f"{self.folder} (open with https://ui.perfetto.dev, or "
-                          f"tensorboard --logdir {self.folder.parent} after "
-                          "pip install torch-tb-profiler)")
+        self.ctx.print(f"profiler: steps {self.start} to {last} traced in "
+                       f"{self.folder} (open with https://ui.perfetto.dev, or "
+                       f"tensorboard --logdir {self.folder.parent} after "
+                       "pip install torch-tb-profiler)")
 
 
 _PER_RUN = "profiler-steps"
@@ -169,38 +169,38 @@ def engine_register_run_files():
 
 
 @engine.hookimpl
-def engine_run_start(engine):
-    options = getattr(engine.cfg, "profile", None) or ProfileConfig()
+def engine_run_start(ctx):
+    options = getattr(ctx.cfg, "profile", None) or ProfileConfig()
     window = parse_steps(options.steps)
     if window is None:
         return
     start, end = window
-    total = engine.total_steps  # None for a stream, whose length nobody knows
+    total = ctx.total_steps  # None for a stream, whose length nobody knows
     if total is not None and end > total:
         raise ConfigError(f"config key 'profile.steps': {options.steps!r} ends beyond the "
                           f"run: it takes {total} optimizer steps (0 to {total - 1}); "
                           f"choose END <= {total}")
-    if engine.state.step >= end:
-        engine.warn(f"profile.steps={options.steps}: this run resumed after step "
-                    f"{engine.state.step - 1}, past the window; nothing is profiled")
+    if ctx.state.step >= end:
+        ctx.warn(f"profile.steps={options.steps}: this run resumed after step "
+                 f"{ctx.state.step - 1}, past the window; nothing is profiled")
         return
-    if options.ranks == "0" and not engine.is_rank0:
+    if options.ranks == "0" and not ctx.is_rank0:
         return
-    profiler = StepProfiler(engine, start, end, options.memory)
+    profiler = StepProfiler(ctx, start, end, options.memory)
     if options.memory and not profiler.cuda:
-        engine.warn("profile.memory=true: the memory snapshot needs CUDA; on the CPU the "
-                    "trace records the allocations only")
+        ctx.warn("profile.memory=true: the memory snapshot needs CUDA; on the CPU the "
+                 "trace records the allocations only")
     phases.arm(True)
-    engine.pm.register(profiler, name=_PER_RUN)
-    if profiler.begin_at == engine.state.step:
-        profiler.begin(engine.state.step)
+    ctx.pm.register(profiler, name=_PER_RUN)
+    if profiler.begin_at == ctx.state.step:
+        profiler.begin(ctx.state.step)
 
 
 @engine.hookimpl
-def engine_run_end(engine):
+def engine_run_end(ctx):
     phases.arm(False)
-    profiler = engine.pm.get_plugin(_PER_RUN)
+    profiler = ctx.pm.get_plugin(_PER_RUN)
     if profiler is not None:  # the run ended before the window did
         profiler.finish()  # writes what it recorded
-        if engine.pm.is_registered(profiler):  # it never began (pre-empted before it)
-            engine.pm.unregister(profiler)
+        if ctx.pm.is_registered(profiler):  # it never began (pre-empted before it)
+            ctx.pm.unregister(profiler)

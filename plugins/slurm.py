@@ -304,7 +304,7 @@ def requeue(environ: Mapping[str, str]) -> str | None:
 
 
 @engine.hookimpl
-def engine_requeue(engine):
+def engine_requeue(ctx):
     return requeue(os.environ)
 
 

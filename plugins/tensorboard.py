@@ -32,17 +32,17 @@ class TensorBoardLogger:
         self.resumed_step = 0  # the step the run started (or resumed) from
 
     @engine.hookimpl
-    def engine_run_start(self, engine):
-        self.resumed_step = engine.state.step
-        if engine.is_rank0 and self.writer is None:
+    def engine_run_start(self, ctx):
+        self.resumed_step = ctx.state.step
+        if ctx.is_rank0 and self.writer is None:
             # Importing tensorboard takes most of a second: here, not inside the loop
             # at the first log interval.
-            self.writer = self._open(engine)
+            self.writer = self._open(ctx)
 
     @engine.hookimpl
-    def engine_log(self, engine, metrics, step):
+    def engine_log(self, ctx, metrics, step):
         if self.writer is None:
-            self.writer = self._open(engine)
+            self.writer = self._open(ctx)
         # One event holding every metric of the call, not one add_scalar (one event,
         # one queue hand-off to the writer thread, two pure-Python CRC32Cs) per metric:
         # far less CPU per call (docs/plugins.md has the measurement). TensorBoard
@@ -54,21 +54,21 @@ class TensorBoardLogger:
             self.writer._get_file_writer().add_summary(Summary(value=values), step)
 
     @engine.hookimpl
-    def engine_epoch_end(self, engine, epoch, metrics):
+    def engine_epoch_end(self, ctx, epoch, metrics):
         if self.writer is not None:
             # The epoch number as console and metrics.csv show it (from 1), at the step
             # the epoch ended: TensorBoard's x axis is the step.
-            self.writer.add_scalar("epoch", epoch + 1, engine.state.step)
+            self.writer.add_scalar("epoch", epoch + 1, ctx.state.step)
             self.writer.flush()  # so that a running TensorBoard shows whole epochs
 
     @engine.hookimpl
-    def engine_run_end(self, engine, summary):
+    def engine_run_end(self, ctx, summary):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
         self.resumed_step = 0
 
-    def _open(self, engine):
+    def _open(self, ctx):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
@@ -79,7 +79,7 @@ class TensorBoardLogger:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         self.summary_type = Summary
-        folder = engine.out_dir / FOLDER
+        folder = ctx.out_dir / FOLDER
         purge = {}
         if self.resumed_step:
             purge = {"purge_step": self.resumed_step + 1}

@@ -79,12 +79,12 @@ def _refuses_file_store() -> bool:
         return False
 
 
-def enabled(engine, group: str, extra: str) -> tuple[Any, Any] | None:
+def enabled(ctx, group: str, extra: str) -> tuple[Any, Any] | None:
     """``(options, package)`` when this rank is rank 0 and ``cfg.<group>.enabled`` is set
     (the package imported then, not before), else None. A config built without the
     plugin manager has no such group: disabled."""
-    options = getattr(engine.cfg, group, None)
-    if not (engine.is_rank0 and options is not None and options.enabled):
+    options = getattr(ctx.cfg, group, None)
+    if not (ctx.is_rank0 and options is not None and options.enabled):
         return None
     return options, import_package(group, extra, group)
 
@@ -102,12 +102,12 @@ def summary_scalars(summary: dict) -> dict[str, float]:
             if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
-def run_name(engine, given: str | None) -> str:
+def run_name(ctx, given: str | None) -> str:
     """The tracking run's name: the one given, else the out_dir's folder name."""
-    return given or engine.out_dir.name
+    return given or ctx.out_dir.name
 
 
-def experiment_name(engine) -> str:
+def experiment_name(ctx) -> str:
     """The recipe's name (its file's stem); a custom loop's script's."""
-    path = getattr(engine, "recipe_path", None)
+    path = getattr(ctx, "recipe_path", None)
     return pathlib.Path(path).stem if path else "engine"

@@ -72,19 +72,19 @@ class WandbLogger:
         self.run = None
 
     @engine.hookimpl
-    def engine_run_start(self, engine):
-        if engine.is_rank0 and self.run is None:
-            self._start(engine)
+    def engine_run_start(self, ctx):
+        if ctx.is_rank0 and self.run is None:
+            self._start(ctx)
 
     @engine.hookimpl
-    def engine_log(self, engine, metrics, step):
-        if self.run is None and not self._start(engine):
+    def engine_log(self, ctx, metrics, step):
+        if self.run is None and not self._start(ctx):
             return
         self.run.log({name: value for name, value in metrics.items() if value is not None},
                      step=step)
 
     @engine.hookimpl
-    def engine_run_end(self, engine, summary):
+    def engine_run_end(self, ctx, summary):
         if self.run is None:
             return
         run, status = self.run, summary["status"]
@@ -97,26 +97,26 @@ class WandbLogger:
         except Exception as exc:
             # The run's outcome is decided; the other plugins' engine_run_end (files to
             # close) must still run.
-            engine.warn(f"wandb: could not record the end of W&B run {run.id}: "
-                        f"{type(exc).__name__}: {first_line(exc)}")
+            ctx.warn(f"wandb: could not record the end of W&B run {run.id}: "
+                     f"{type(exc).__name__}: {first_line(exc)}")
 
-    def _start(self, engine) -> bool:
+    def _start(self, ctx) -> bool:
         """Start (or, after a resume, continue) the W&B run on rank 0 when enabled."""
-        found = enabled(engine, "wandb", extra="wandb")
+        found = enabled(ctx, "wandb", extra="wandb")
         if found is None:
             return False
         options, wandb = found
-        id_file = engine.out_dir / RUN_ID_FILE
+        id_file = ctx.out_dir / RUN_ID_FILE
         run_id = None
-        if engine.resumed_from is not None and id_file.exists():
+        if ctx.resumed_from is not None and id_file.exists():
             run_id = id_file.read_text().strip() or None
-        engine.out_dir.mkdir(parents=True, exist_ok=True)
+        ctx.out_dir.mkdir(parents=True, exist_ok=True)
         from engine.config import to_dict
 
         self.run = wandb.init(
-            project=options.project or experiment_name(engine), entity=options.entity,
-            name=run_name(engine, options.name), mode=options.mode,
-            dir=options.dir or str(engine.out_dir), config=to_dict(engine.cfg),
+            project=options.project or experiment_name(ctx), entity=options.entity,
+            name=run_name(ctx, options.name), mode=options.mode,
+            dir=options.dir or str(ctx.out_dir), config=to_dict(ctx.cfg),
             id=run_id, resume="allow" if run_id else None,
             # Another run of this process (a test, engine.launch twice) gets its own.
             reinit="create_new", settings=wandb.Settings(console="off"))

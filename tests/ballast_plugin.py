@@ -17,17 +17,17 @@ import engine
 
 
 class Ballast:
-    def __init__(self, eng, megabytes: float, grow_at: int = 0):
+    def __init__(self, ctx, megabytes: float, grow_at: int = 0):
         import torch
 
-        self.engine = eng
+        self.ctx = ctx
         self.tensor = torch.empty(int(megabytes * 2**20) // 4, dtype=torch.float32)
         self.grow_at = grow_at  # 0: never
 
     def state_dict(self) -> dict:
         import torch
 
-        step = self.engine.state.step
+        step = self.ctx.state.step
         if self.grow_at and step >= self.grow_at:
             self.tensor = torch.empty(self.tensor.numel() * 2, dtype=torch.float32)
             self.grow_at = 0  # once
@@ -46,6 +46,6 @@ class Ballast:
 
 
 @engine.hookimpl
-def engine_register_state(engine, parts):
-    parts.add("ballast", Ballast(engine, float(os.environ.get("ENGINE_BALLAST_MB", "32")),
+def engine_register_state(ctx, parts):
+    parts.add("ballast", Ballast(ctx, float(os.environ.get("ENGINE_BALLAST_MB", "32")),
                                  int(os.environ.get("ENGINE_BALLAST_GROW_AT", "0"))))

@@ -86,12 +86,12 @@ def _wait_delivered(pid: int, signum: int, timeout_s: float = 60) -> None:
 
 
 @engine.hookimpl
-def engine_train_step_end(engine, step, loss):
+def engine_train_step_end(ctx, step, loss):
     if str(step) == os.environ.get("ENGINE_FAULT_STEP"):
-        _act(engine)
+        _act(ctx)
 
 
 @engine.hookimpl
-def engine_epoch_start(engine, epoch):
+def engine_epoch_start(ctx, epoch):
     if str(epoch) == os.environ.get("ENGINE_FAULT_EPOCH"):
-        _act(engine)
+        _act(ctx)

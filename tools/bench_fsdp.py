@@ -107,26 +107,26 @@ _probe: dict = {"losses": []}
 
 
 @engine.hookimpl
-def engine_run_start(engine):
+def engine_run_start(ctx):
     _probe.clear()  # one probe per run (a session's process runs several)
     _probe["losses"] = []
 
 
 @engine.hookimpl
-def engine_before_optimizer_step(engine, step, optimizer):
-    _probe["bytes"] = state_bytes(engine.module, optimizer)  # the last step's stays
+def engine_before_optimizer_step(ctx, step, optimizer):
+    _probe["bytes"] = state_bytes(ctx.module, optimizer)  # the last step's stays
 
 
 @engine.hookimpl
-def engine_train_step_end(engine, step, loss):
+def engine_train_step_end(ctx, step, loss):
     _probe["losses"].append(loss.item())  # a host sync per step: the probe run only
 
 
 @engine.hookimpl
-def engine_run_end(engine, summary):
+def engine_run_end(ctx, summary):
     # Rank 0's (the larger shard when they differ), in the run's folder: rank 0's.
-    if engine.world.rank == 0:
-        (pathlib.Path(engine.cfg.out_dir) / "probe.json").write_text(json.dumps(_probe))
+    if ctx.world.rank == 0:
+        (pathlib.Path(ctx.cfg.out_dir) / "probe.json").write_text(json.dumps(_probe))
 
 
 # ------------------------------------------------------------------- the two sides

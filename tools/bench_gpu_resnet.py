@@ -181,17 +181,17 @@ class EpochTimer:
         self.start = 0.0
 
     @staticmethod
-    def _sync(engine):
-        synchronize(engine.device)
+    def _sync(ctx):
+        synchronize(ctx.device)
 
     @hookimpl
-    def engine_epoch_start(self, engine, epoch):
-        self._sync(engine)
+    def engine_epoch_start(self, ctx, epoch):
+        self._sync(ctx)
         self.start = time.perf_counter()
 
     @hookimpl
-    def engine_epoch_end(self, engine, epoch, metrics):
-        self._sync(engine)
+    def engine_epoch_end(self, ctx, epoch, metrics):
+        self._sync(ctx)
         self.seconds.append(time.perf_counter() - self.start)
 
 

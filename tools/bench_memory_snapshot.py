@@ -100,14 +100,14 @@ _marks: list[tuple[float, int]] = []
 
 
 @engine.hookimpl
-def engine_run_start(engine):
+def engine_run_start(ctx):
     from engine import phases
 
     _marks[:] = [phases.carved(phases.MEMORY_SNAPSHOTS)[::2]]  # one per run
 
 
 @engine.hookimpl
-def engine_train_step_end(engine, step, loss):
+def engine_train_step_end(ctx, step, loss):
     # Fires before the step's own snapshot: it sees the previous step's. Both variants
     # pay for this call alike.
     from engine import phases
@@ -118,7 +118,7 @@ def engine_train_step_end(engine, step, loss):
 
 
 @engine.hookimpl
-def engine_epoch_end(engine, epoch, metrics):
+def engine_epoch_end(ctx, epoch, metrics):
     """At the epoch's end (after the timed loop, before the run removes its buffers):
     each snapshot's time in the loop, the newest buffer's payload bytes, the bytes both
     buffers hold, the tensor bytes of the model and optimizer, and where one snapshot's
@@ -128,19 +128,19 @@ def engine_epoch_end(engine, epoch, metrics):
 
     from engine import memory_snapshot
 
-    engine_train_step_end(engine, None, None)  # the last step's snapshot
-    memory = engine.memory
+    engine_train_step_end(ctx, None, None)  # the last step's snapshot
+    memory = ctx.memory
     if memory is not None:
         memory.finish()  # the last snapshot's background copy
     slot = memory_snapshot.newest(memory.paths) if memory is not None else None
-    tensors = [*engine.module.state_dict().values(),
-               *(v for s in engine.optimizer.state.values() for v in s.values())]
+    tensors = [*ctx.module.state_dict().values(),
+               *(v for s in ctx.optimizer.state.values() for v in s.values())]
     probe = {"snapshot_times": [b[0] - a[0] for a, b in zip(_marks, _marks[1:])],
              "payload_bytes": slot.length if slot else 0,
              "held_bytes": memory.bytes_held() if memory is not None else 0,
              "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors
                                  if isinstance(t, torch.Tensor)),
-             **(split_times(engine) if slot else {})}
+             **(split_times(ctx) if slot else {})}
     pathlib.Path(os.environ[PROBE_FILE]).write_text(json.dumps(probe))
 
 

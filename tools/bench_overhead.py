@@ -196,8 +196,8 @@ class CPUClockPlugin:
         self.clock = None
 
     @hookimpl
-    def engine_run_start(self, engine):
-        self.clock = engine.train_loader = LoopCPUClock(engine.train_loader)
+    def engine_run_start(self, ctx):
+        self.clock = ctx.train_loader = LoopCPUClock(ctx.train_loader)
 
 
 def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: str,

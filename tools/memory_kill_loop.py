@@ -69,29 +69,29 @@ def process_started() -> float:
 
 if _engine is not None:
     @_engine.hookimpl
-    def engine_run_start(engine):
+    def engine_run_start(ctx):
         """A restarted worker's times: its process start, and its set-up (resume
         included) done."""
-        if engine.world.restart_count:
-            with open(engine.out_dir / f"started-rank{engine.world.rank}.txt", "a") as f:
+        if ctx.world.restart_count:
+            with open(ctx.out_dir / f"started-rank{ctx.world.rank}.txt", "a") as f:
                 f.write(f"{process_started()!r} {time.time()!r}\n")
             from engine import phases
 
             # The worker's start-up phases, on time.time()'s clock: where the time goes.
             shift = time.time() - time.monotonic()
-            with open(engine.out_dir / f"phases-rank{engine.world.rank}.json", "w") as f:
+            with open(ctx.out_dir / f"phases-rank{ctx.world.rank}.json", "w") as f:
                 json.dump([(name, wall + shift) for name, wall, _, pid in phases._marks
                            if pid == os.getpid()], f)
 
     @_engine.hookimpl
-    def engine_train_step_end(engine, step, loss):
-        rank, restart = engine.world.rank, engine.world.restart_count
+    def engine_train_step_end(ctx, step, loss):
+        rank, restart = ctx.world.rank, ctx.world.restart_count
         now = time.time()
-        with open(engine.out_dir / f"steps-rank{rank}.txt", "a") as f:
+        with open(ctx.out_dir / f"steps-rank{rank}.txt", "a") as f:
             f.write(f"{now!r} {step} {restart}\n")
         if (restart == 0 and str(step) == os.environ.get(KILL_STEP)
                 and str(rank) == os.environ.get(KILL_RANK)):
-            (engine.out_dir / "killed").write_text(f"{time.time()!r}\n")
+            (ctx.out_dir / "killed").write_text(f"{time.time()!r}\n")
             os.kill(os.getpid(), signal.SIGKILL)
 
 

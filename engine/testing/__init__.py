@@ -18,8 +18,8 @@ or on the command line: ``pytest -p engine.testing``. Fixtures:
     groups and ``out_dir`` in a temporary folder, ``engine.options`` with every option's
     default, those the plugins add included, updated by ``options``:
     ``{"csv_every": 5}``), for calling hooks directly:
-    ``eng.pm.hook.engine_log(engine=eng, metrics={"train/loss": 1.0}, step=1)``, then
-    ``engine.testing.fire_run_end(eng)`` for ``engine_run_end`` with a real summary.
+    ``ctx.pm.hook.engine_log(ctx=ctx, metrics={"train/loss": 1.0}, step=1)``, then
+    ``engine.testing.fire_run_end(ctx)`` for ``engine_run_end`` with a real summary.
 ``tiny_recipe``
     The path of a recipe that trains a small network on synthetic data in a second or
     two (``Config``: epochs=2, batch_size=32, log_every=2, 256 samples).
@@ -158,11 +158,11 @@ def write_distribution(site, name: str, version: str,
     return site
 
 
-def fire_run_end(eng, status: str = "completed") -> dict:
+def fire_run_end(ctx, status: str = "completed") -> dict:
     """Fire ``engine_run_end`` on an engine from ``make_engine`` with the summary a real
     run would have (``status``, ``epochs_completed``, ``wall_time_s``...); returns it."""
-    summary = eng.summary(status)
-    eng.pm.hook.engine_run_end(engine=eng, summary=summary)
+    summary = ctx.summary(status)
+    ctx.pm.hook.engine_run_end(ctx=ctx, summary=summary)
     return summary
 
 

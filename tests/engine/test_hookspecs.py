@@ -25,8 +25,8 @@ RECORDER = textwrap.dedent('''
         with open(path, "a") as f:
             f.write(json.dumps(values) + "\\n")
 
-    def rank_record(engine, *values):
-        record(f"rank{engine.world.rank}.jsonl", *values)
+    def rank_record(ctx, *values):
+        record(f"rank{ctx.world.rank}.jsonl", *values)
 
     def engine_register_launchers(registry):
         record(f"register-{os.getpid()}.jsonl", "launchers", registry.kind)
@@ -40,28 +40,28 @@ RECORDER = textwrap.dedent('''
     def engine_addoption(parser):
         parser.add_argument("--recorder-tag", default="-")
 
-    def engine_run_start(engine):
-        rank_record(engine, "run_start", engine.state.step, engine.options["recorder_tag"])
+    def engine_run_start(ctx):
+        rank_record(ctx, "run_start", ctx.state.step, ctx.options["recorder_tag"])
 
-    def engine_epoch_start(engine, epoch):
-        rank_record(engine, "epoch_start", epoch)
+    def engine_epoch_start(ctx, epoch):
+        rank_record(ctx, "epoch_start", epoch)
 
-    def engine_train_step_end(engine, step, loss):
-        rank_record(engine, "train_step_end", step, type(loss).__name__, list(loss.shape))
+    def engine_train_step_end(ctx, step, loss):
+        rank_record(ctx, "train_step_end", step, type(loss).__name__, list(loss.shape))
         if step == int(os.environ.get("RECORDER_FAIL_AT_STEP", "0")):
             raise RuntimeError(f"recorder fails at step {step}")
 
-    def engine_log(engine, metrics, step):
-        rank_record(engine, "log", step, sorted(metrics))
+    def engine_log(ctx, metrics, step):
+        rank_record(ctx, "log", step, sorted(metrics))
 
-    def engine_epoch_end(engine, epoch, metrics):
-        rank_record(engine, "epoch_end", epoch, sorted(metrics))
+    def engine_epoch_end(ctx, epoch, metrics):
+        rank_record(ctx, "epoch_end", epoch, sorted(metrics))
 
-    def engine_exception(engine, exc):
-        rank_record(engine, "exception", type(exc).__name__, str(exc))
+    def engine_exception(ctx, exc):
+        rank_record(ctx, "exception", type(exc).__name__, str(exc))
 
-    def engine_run_end(engine, summary):
-        rank_record(engine, "run_end", summary["status"])
+    def engine_run_end(ctx, summary):
+        rank_record(ctx, "run_end", summary["status"])
 ''')
 
 

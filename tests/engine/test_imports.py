@@ -151,9 +151,9 @@ def test_the_optional_loggers_are_not_imported_unless_enabled():
                                                                    pm.config_groups))
         for name in ("mlflow", "wandb"):
             plugin = pm.get_plugin(name)
-            plugin.engine_run_start(engine=eng)
-            plugin.engine_log(engine=eng, metrics={"train/loss": 1.0}, step=1)
-            plugin.engine_run_end(engine=eng, summary={"status": "completed"})
+            plugin.engine_run_start(ctx=eng)
+            plugin.engine_log(ctx=eng, metrics={"train/loss": 1.0}, step=1)
+            plugin.engine_run_end(ctx=eng, summary={"status": "completed"})
         print(sorted(m for m in ("mlflow", "wandb") if m in sys.modules))
     """)
     out = subprocess.run([sys.executable, "-c", code], env=engine_env(), text=True,

@@ -288,7 +288,7 @@ def test_an_argument_the_hook_lacks_names_plugin_hook_and_argument(site, write_m
         build_plugin_manager([name])
     assert str(err.value) == (
         f'Plugin "{name}" implements hook "engine_log" with argument(s) colour that the '
-        "hook does not provide; it provides: engine, metrics, step")
+        "hook does not provide; it provides: ctx, metrics, step")
 
 
 def test_methods_are_checked_without_self(site):
@@ -301,7 +301,7 @@ def test_methods_are_checked_without_self(site):
         build_plugin_manager(objects={"my-logger": Logger()})
     assert str(err.value) == (
         'Plugin "my-logger" implements hook "engine_epoch_end" with argument(s) epochs '
-        "that the hook does not provide; it provides: engine, epoch, metrics")
+        "that the hook does not provide; it provides: ctx, epoch, metrics")
 
 
 def test_an_implementation_may_take_fewer_arguments(site):
@@ -370,7 +370,7 @@ BROKEN = {
                       "'engine_log'?"),
     "bad argument": ("def engine_log(engine, colour):\n    pass\n",
                      'Plugin "bad" implements hook "engine_log" with argument(s) colour that '
-                     "the hook does not provide; it provides: engine, metrics, step"),
+                     "the hook does not provide; it provides: ctx, metrics, step"),
     # Its launcher is registered before engine_register_parallel raises: it goes too.
     "registration raises": ("""
 from engine.launcher import Launcher
@@ -512,3 +512,51 @@ def test_a_recipe_with_missing_plugins_stops_engine_run(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr == ("engine-run: error: Missing required plugins: engine-mlflow>=2 "
                            "(not installed)\n")
+
+
+class OldNamePlugin:
+    """A plugin written before 0.3: it asks for the run object as ``engine``."""
+
+    def __init__(self):
+        self.got = []
+
+    @engine.hookimpl
+    def engine_log(self, engine, metrics, step):
+        self.got.append(("log", engine, step))
+
+    @engine.hookimpl
+    def engine_epoch_start(self, engine, epoch):
+        self.got.append(("epoch_start", engine, epoch))
+
+
+class NewNamePlugin(OldNamePlugin):
+    @engine.hookimpl
+    def engine_log(self, ctx, metrics, step):
+        self.got.append(("log", ctx, step))
+
+    @engine.hookimpl
+    def engine_epoch_start(self, ctx, epoch):
+        self.got.append(("epoch_start", ctx, epoch))
+
+
+def test_the_run_objects_old_hook_argument_name_works_with_one_warning(capfd):
+    """``engine`` became ``ctx`` in 0.3: a plugin asking for ``engine`` gets the same
+    object, with one warning at registration naming ``ctx``; a caller passing either
+    name reaches both kinds of plugin; the built-in plugins ask for ``ctx``."""
+    old, new, run = OldNamePlugin(), NewNamePlugin(), object()
+    pm = build_plugin_manager(["no:console", "no:tensorboard", "no:csv"], autoload=False,
+                              objects={"old-name-plugin": old, "new-name-plugin": new})
+    err = capfd.readouterr().err
+    assert err.count("warning:") == 1, err
+    assert ('warning: plugin "old-name-plugin" asks for the run object as "engine" (in '
+            'engine_epoch_start, engine_log): the argument is "ctx" now, the same object; '
+            '"engine" works until 0.4.0') in err
+    pm.hook.engine_log(ctx=run, metrics={}, step=3)
+    pm.hook.engine_epoch_start(engine=run, epoch=1)  # a caller written before 0.3
+    assert old.got == new.got == [("log", run, 3), ("epoch_start", run, 1)]
+    builtin = build_plugin_manager(autoload=False)
+    asking_engine = [(impl.plugin_name, caller.name)
+                     for caller in vars(builtin.hook).values()
+                     for impl in caller.get_hookimpls() if "engine" in impl.argnames]
+    assert asking_engine == []
+    assert "asks for the run object" not in capfd.readouterr().err

@@ -90,7 +90,7 @@ def test_the_plugin_guides_scheduler_requeues_and_the_log_says_so(tmp_path):
     scheduler's requeue, and rank 0 logs its line."""
     guide = (REPO / "docs" / "plugins.md").read_text()
     (tmp_path / "scheduler_plugin.py").write_text(
-        python_block_after(guide, "### `engine_requeue(engine)`"))
+        python_block_after(guide, "### `engine_requeue(ctx)`"))
     bin_dir, asked = tmp_path / "bin", tmp_path / "asked"
     bin_dir.mkdir()
     scheduler = bin_dir / "my-scheduler"  # a real program on PATH, as the example runs

@@ -209,7 +209,7 @@ def python_block_after(text: str, heading: str) -> str:
 def test_the_plugin_guides_state_part_example_runs_and_resumes(tmp_path):
     guide = (REPO / "docs" / "plugins.md").read_text()
     (tmp_path / "steps_seen.py").write_text(
-        python_block_after(guide, "### `engine_register_state(engine, parts)`"))
+        python_block_after(guide, "### `engine_register_state(ctx, parts)`"))
     env = conftest.engine_env(PYTHONPATH=f"{tmp_path}:{REPO}")
     args = (str(REPO / "tests" / "recipes" / "tiny_regression.py"), f"out_dir={tmp_path / 'r'}",
             "--nproc", "1", "-p", "steps_seen")

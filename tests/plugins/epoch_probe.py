@@ -11,8 +11,8 @@ import engine
 
 
 @engine.hookimpl
-def engine_epoch_end(engine, epoch, metrics):
-    if engine.is_rank0:
+def engine_epoch_end(ctx, epoch, metrics):
+    if ctx.is_rank0:
         with open(os.environ["ENGINE_EPOCH_PROBE"], "a") as f:
-            f.write(json.dumps({"epoch": epoch, "state.epoch": engine.state.epoch,
-                                "epochs_completed": engine.state.epochs_completed}) + "\n")
+            f.write(json.dumps({"epoch": epoch, "state.epoch": ctx.state.epoch,
+                                "epochs_completed": ctx.state.epochs_completed}) + "\n")

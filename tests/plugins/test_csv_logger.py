@@ -30,8 +30,8 @@ def train(logger, eng, first_step: int, epochs: int, steps_per_epoch: int = 8) -
         eng.state.epoch = epoch
         for _ in range(steps_per_epoch // 4):
             step += 4
-            logger.engine_log(engine=eng, metrics={"train/loss": step / 100}, step=step)
-        logger.engine_log(engine=eng, step=step,
+            logger.engine_log(ctx=eng, metrics={"train/loss": step / 100}, step=step)
+        logger.engine_log(ctx=eng, step=step,
                           metrics={"train/epoch_loss": step / 100, "val/accuracy": 0.5})
         eng.state.epoch = epoch + 1
     eng.state.step = step
@@ -40,16 +40,16 @@ def train(logger, eng, first_step: int, epochs: int, steps_per_epoch: int = 8) -
 def test_header_epoch_column_and_every_call_on_disk_when_it_returns(make_engine):
     eng, logger = make_engine(), CsvLogger()
     path = eng.out_dir / "metrics.csv"
-    logger.engine_run_start(engine=eng)
-    logger.engine_log(engine=eng, metrics={"train/loss": 0.5, "lr": 0.1, "x": None}, step=4)
+    logger.engine_run_start(ctx=eng)
+    logger.engine_log(ctx=eng, metrics={"train/loss": 0.5, "lr": 0.1, "x": None}, step=4)
     # On disk at once (another reader sees it: what a SIGKILL now would leave).
     assert read(path) == [HEADER, ["4", "1", "train/loss", "0.5"], ["4", "1", "lr", "0.1"]]
-    logger.engine_log(engine=eng, metrics={"train/epoch_loss": 0.25, "val/acc": 0.75}, step=8)
+    logger.engine_log(ctx=eng, metrics={"train/epoch_loss": 0.25, "val/acc": 0.75}, step=8)
     assert read(path)[3:] == [["8", "1", "train/epoch_loss", "0.25"], ["8", "1", "val/acc", "0.75"]]
     eng.state.epoch = 1  # the second epoch
-    logger.engine_log(engine=eng, metrics={"train/loss": 0.125}, step=12)
+    logger.engine_log(ctx=eng, metrics={"train/loss": 0.125}, step=12)
     assert read(path)[-1] == ["12", "2", "train/loss", "0.125"]
-    logger.engine_run_end(engine=eng, summary={"status": "preempted"})
+    logger.engine_run_end(ctx=eng, summary={"status": "preempted"})
     assert len(read(path)) == 6
 
 
@@ -57,9 +57,9 @@ def test_a_resume_drops_the_rows_after_the_snapshot_and_a_cut_short_line(make_en
     eng = make_engine()
     path = eng.out_dir / "metrics.csv"
     first = CsvLogger()
-    first.engine_run_start(engine=eng)
+    first.engine_run_start(ctx=eng)
     train(first, eng, first_step=0, epochs=2)  # steps 4, 8 (epoch 0), 12, 16 (epoch 1)
-    first.engine_log(engine=eng, metrics={"train/loss": 0.2}, step=20)
+    first.engine_log(ctx=eng, metrics={"train/loss": 0.2}, step=20)
     with open(path, "a") as f:
         f.write("24,3,train/lo")  # killed in the middle of a line
     before = read(path)
@@ -67,10 +67,10 @@ def test_a_resume_drops_the_rows_after_the_snapshot_and_a_cut_short_line(make_en
     # Resume from the snapshot at the end of epoch 1 (step 8).
     eng.state.step, eng.state.epoch, eng.resumed_from = 8, 1, "snapshot-e0001-s00000008.pt"
     second = CsvLogger()
-    second.engine_run_start(engine=eng)
+    second.engine_run_start(ctx=eng)
     assert read(path) == before[:5]  # header, 4, 8, 8, 8: what the snapshot had seen
     train(second, eng, first_step=8, epochs=1)
-    second.engine_run_end(engine=eng, summary={"status": "completed"})
+    second.engine_run_end(ctx=eng, summary={"status": "completed"})
     rows = read(path)
     assert rows.count(HEADER) == 1
     assert [(r[0], r[1], r[2]) for r in rows[1:]] == [
@@ -85,9 +85,9 @@ def test_the_reader_gives_the_curves_the_logger_wrote(make_engine):
     eng = make_engine()
     assert read_metrics(eng.out_dir) is None  # no metrics.csv: another reader's turn
     logger = CsvLogger()
-    logger.engine_run_start(engine=eng)
+    logger.engine_run_start(ctx=eng)
     train(logger, eng, first_step=0, epochs=2)
-    logger.engine_run_end(engine=eng, summary={"status": "completed"})
+    logger.engine_run_end(ctx=eng, summary={"status": "completed"})
     with open(eng.out_dir / "metrics.csv", "a") as f:
         f.write("12,2,train/loss,9.0\n")  # a writer that only appends, resumed at 12
     series, path = read_metrics(eng.out_dir)
@@ -102,8 +102,8 @@ def test_a_new_run_in_an_old_out_dir_starts_the_file_afresh(make_engine):
     (eng.out_dir).mkdir(parents=True)
     (eng.out_dir / "metrics.csv").write_text("step,epoch,name,value\n4,0,train/loss,9.0\n")
     logger = CsvLogger()
-    logger.engine_run_start(engine=eng)
-    logger.engine_run_end(engine=eng, summary={"status": "completed"})
+    logger.engine_run_start(ctx=eng)
+    logger.engine_run_end(ctx=eng, summary={"status": "completed"})
     assert read(eng.out_dir / "metrics.csv") == [HEADER]
 
 
@@ -115,8 +115,8 @@ def test_a_custom_loop_opens_at_its_first_log_and_keeps_the_earlier_rows(make_en
         "step,epoch,name,value\n5,0,loss,1.0\n10,1,loss,0.5\n15,1,loss,0.25\n")
     eng.resumed_from, eng.state.epoch = "snapshot", 1
     logger = CsvLogger()
-    logger.engine_log(engine=eng, metrics={"loss": 0.4}, step=10)
-    logger.engine_run_end(engine=eng, summary={"status": "completed"})
+    logger.engine_log(ctx=eng, metrics={"loss": 0.4}, step=10)
+    logger.engine_run_end(ctx=eng, summary={"status": "completed"})
     assert read(eng.out_dir / "metrics.csv") == [
         HEADER, ["5", "0", "loss", "1.0"], ["10", "2", "loss", "0.4"]]
 
@@ -125,8 +125,8 @@ def test_other_ranks_write_nothing(make_engine):
     eng = make_engine()
     eng.world = World(rank=1, local_rank=1, world_size=2, local_world_size=2)
     logger = CsvLogger()
-    logger.engine_run_start(engine=eng)
-    logger.engine_run_end(engine=eng, summary={"status": "completed"})
+    logger.engine_run_start(ctx=eng)
+    logger.engine_run_end(ctx=eng, summary={"status": "completed"})
     assert not (eng.out_dir / "metrics.csv").exists()
 
 

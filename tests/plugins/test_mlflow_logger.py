@@ -38,17 +38,17 @@ def test_params_metrics_by_epoch_summary_and_failed_status(make_engine, tmp_path
     eng = make_engine("lr=0.25")
     eng.cfg = enabled(eng, f"mlflow.tracking_uri={uri}", "mlflow.experiment=unit")
     logger = MLflowLogger()
-    logger.engine_run_start(engine=eng)
-    logger.engine_log(engine=eng, metrics={"train/loss": 0.5, "lr": 0.25}, step=4)
+    logger.engine_run_start(ctx=eng)
+    logger.engine_log(ctx=eng, metrics={"train/loss": 0.5, "lr": 0.25}, step=4)
     client, run = only_run(uri, "unit")
     assert run.info.status == "RUNNING" and run.info.run_name == "run"  # out_dir's name
     assert run.data.params["lr"] == "0.25" and run.data.params["mlflow.enabled"] == "True"
     assert client.get_metric_history(run.info.run_id, "train/loss") == []  # sent per epoch
-    logger.engine_log(engine=eng, metrics={"train/loss": 0.25, "val/accuracy": 0.5}, step=8)
-    logger.engine_epoch_end(engine=eng, epoch=0, metrics={})
+    logger.engine_log(ctx=eng, metrics={"train/loss": 0.25, "val/accuracy": 0.5}, step=8)
+    logger.engine_epoch_end(ctx=eng, epoch=0, metrics={})
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [(m.step, m.value) for m in history] == [(4, 0.5), (8, 0.25)]
-    logger.engine_run_end(engine=eng, summary=eng.summary("failed", ValueError("boom")))
+    logger.engine_run_end(ctx=eng, summary=eng.summary("failed", ValueError("boom")))
     _, run = only_run(uri, "unit")
     assert run.info.status == "FAILED"
     assert run.data.metrics["summary/global_step"] == 0
@@ -68,7 +68,7 @@ def test_enabled_without_the_package_is_one_line_naming_the_extra(make_engine, m
     eng.cfg = apply_overrides(with_groups(eng.cfg, {"mlflow": MLflowConfig}),
                               ["mlflow.enabled=true"], checked=False)
     with pytest.raises(PluginError) as info:
-        MLflowLogger().engine_run_start(engine=eng)
+        MLflowLogger().engine_run_start(ctx=eng)
     assert str(info.value).startswith("mlflow.enabled=true needs the mlflow package (")
     assert 'install it with pip install -e ".[mlflow]"' in str(info.value)
     assert "\n" not in str(info.value)
@@ -82,9 +82,9 @@ def test_a_store_failing_at_the_end_is_a_warning_not_an_exception(make_engine, t
     eng = make_engine()
     eng.cfg = enabled(eng, f"mlflow.tracking_uri={store.as_uri()}")
     logger = MLflowLogger()
-    logger.engine_run_start(engine=eng)
+    logger.engine_run_start(ctx=eng)
     shutil.rmtree(store)  # the store is gone: every call fails
-    logger.engine_run_end(engine=eng, summary=eng.summary("completed"))
+    logger.engine_run_end(ctx=eng, summary=eng.summary("completed"))
     err = capsys.readouterr().err
     assert "mlflow: could not record the run's status in MLflow run" in err
     assert logger.client is None

@@ -26,11 +26,11 @@ def scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
 
 def test_each_metric_of_a_log_call_is_its_own_scalar_at_the_step(make_engine):
     eng, logger = make_engine(), TensorBoardLogger()
-    logger.engine_run_start(engine=eng)
-    logger.engine_log(engine=eng, metrics={"train/loss": 0.5, "lr": 0.1, "x": None}, step=4)
-    logger.engine_log(engine=eng, metrics={"train/loss": math.nan, "val/acc": 0.75}, step=8)
-    logger.engine_log(engine=eng, metrics={"x": None}, step=9)  # nothing to write
-    logger.engine_run_end(engine=eng, summary={"status": "completed"})
+    logger.engine_run_start(ctx=eng)
+    logger.engine_log(ctx=eng, metrics={"train/loss": 0.5, "lr": 0.1, "x": None}, step=4)
+    logger.engine_log(ctx=eng, metrics={"train/loss": math.nan, "val/acc": 0.75}, step=8)
+    logger.engine_log(ctx=eng, metrics={"x": None}, step=9)  # nothing to write
+    logger.engine_run_end(ctx=eng, summary={"status": "completed"})
     found = scalars(eng.out_dir / "tensorboard")
     assert set(found) == {"train/loss", "lr", "val/acc"}
     assert found["lr"] == [(4, pytest.approx(0.1))] and found["val/acc"] == [(8, 0.75)]
@@ -48,8 +48,8 @@ def test_a_resumed_runs_event_file_sorts_after_one_begun_in_the_same_second(make
     old = folder / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.99999999.0"
     old.write_bytes(b"")
     eng.state.step = 8  # resumed from step 8
-    logger.engine_run_start(engine=eng)
-    logger.engine_run_end(engine=eng, summary={"status": "completed"})
+    logger.engine_run_start(ctx=eng)
+    logger.engine_run_end(ctx=eng, summary={"status": "completed"})
     names = sorted(p.name for p in folder.glob("events.out.tfevents.*"))
     assert len(names) == 2 and names[0] == old.name
 

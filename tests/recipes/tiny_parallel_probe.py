@@ -34,12 +34,12 @@ _counts = {"buckets": 0, "rounds": 0}
 
 
 @engine.hookimpl
-def engine_run_start(engine):
+def engine_run_start(ctx):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    chain, model = [], engine.model
+    chain, model = [], ctx.model
     while True:
         chain.append(type(model).__name__)
         if not hasattr(model, "module"):
@@ -47,37 +47,37 @@ def engine_run_start(engine):
         model = model.module
     _record.update({
         "wrappers": chain,
-        "devices": [str(d) for d in engine.parallel.devices],
+        "devices": [str(d) for d in ctx.parallel.devices],
         "backend": dist.get_backend() if dist.is_initialized() else None,
-        "parameters_on": str(next(engine.module.parameters()).device),
+        "parameters_on": str(next(ctx.module.parameters()).device),
         "sync_batchnorm_layers": sum(type(m).__name__ == "SyncBatchNorm"
-                                     for m in engine.module.modules()),
+                                     for m in ctx.module.modules()),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "train_loader": {"pin_memory": engine.train_loader.pin_memory,
-                         "num_workers": engine.train_loader.num_workers},
+        "train_loader": {"pin_memory": ctx.train_loader.pin_memory,
+                         "num_workers": ctx.train_loader.num_workers},
     })
-    if isinstance(engine.model, DDP):
-        _record["ddp"] = {k: getattr(engine.model, k) for k in DDP_SETTINGS}
-        engine.model.register_comm_hook(_counts, counting_allreduce)
+    if isinstance(ctx.model, DDP):
+        _record["ddp"] = {k: getattr(ctx.model, k) for k in DDP_SETTINGS}
+        ctx.model.register_comm_hook(_counts, counting_allreduce)
 
 
 @engine.hookimpl
-def engine_train_step_end(engine, step, loss):
+def engine_train_step_end(ctx, step, loss):
     # The rank-tally buffer right after each step, before anything at the epoch's end
     # could touch it (a host sync per step: fine in a test).
-    buffers = dict(engine.module.named_buffers())
+    buffers = dict(ctx.module.named_buffers())
     if "tally.tally" in buffers:
         _record["tally_after_last_step"] = buffers["tally.tally"].item()
 
 
 @engine.hookimpl
-def engine_run_end(engine, summary):
+def engine_run_end(ctx, summary):
     import torch
 
-    out = pathlib.Path(engine.cfg.out_dir)
+    out = pathlib.Path(ctx.cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rank = engine.world.rank
-    record = {**_record, **_counts, "steps": engine.state.step, "status": summary["status"]}
+    rank = ctx.world.rank
+    record = {**_record, **_counts, "steps": ctx.state.step, "status": summary["status"]}
     (out / f"probe-rank{rank}.json").write_text(json.dumps(record, indent=1))
-    if engine.model is not None:
-        torch.save(engine.module.state_dict(), out / f"weights-rank{rank}.pt")
+    if ctx.model is not None:
+        torch.save(ctx.module.state_dict(), out / f"weights-rank{rank}.pt")

@@ -5,9 +5,9 @@ logger plugin is written, so it takes a name and a file of its own.)
 
 A logger needs two hooks, and so would a W&B or MLflow plugin: ``engine_log`` (rank 0
 only: a dict of floats and the global step; open the file or the remote run on the
-first call, ``engine.cfg`` holds the config to record) and ``engine_run_end`` (flush and
+first call, ``ctx.cfg`` holds the config to record) and ``engine_run_end`` (flush and
 close; ``summary["status"]`` says how the run ended). ``engine_addoption`` adds a
-command-line option whose value arrives in ``engine.options``.
+command-line option whose value arrives in ``ctx.options``.
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ class CsvLogger:
                             help="CSV logger: the file under out_dir (default rows.csv)")
 
     @engine.hookimpl
-    def engine_log(self, engine, metrics, step):
+    def engine_log(self, ctx, metrics, step):
         if self.file is None:
-            self._open(engine.out_dir / (engine.options.get("csv_file") or "rows.csv"))
+            self._open(ctx.out_dir / (ctx.options.get("csv_file") or "rows.csv"))
         for name in sorted(metrics):
             if metrics[name] is not None:
                 self.writer.writerow([step, name, repr(float(metrics[name]))])
         self.file.flush()  # a crash loses at most the rows of the current call
 
     @engine.hookimpl
-    def engine_run_end(self, engine, summary):
+    def engine_run_end(self, ctx, summary):
         if self.file is not None:
             self.file.close()
             self.file = self.writer = None

@@ -12,11 +12,11 @@ def read_rows(path):
 
 
 def test_one_row_per_metric_then_closed(make_engine):
-    eng = make_engine(plugins=[engine_csv_logger.CsvLogger()])
-    eng.pm.hook.engine_log(engine=eng, metrics={"train/loss": 0.5, "lr": 0.1}, step=3)
-    eng.pm.hook.engine_log(engine=eng, metrics={"train/loss": 0.25}, step=6)
-    fire_run_end(eng)
-    assert read_rows(eng.out_dir / "rows.csv") == [
+    ctx = make_engine(plugins=[engine_csv_logger.CsvLogger()])
+    ctx.pm.hook.engine_log(ctx=ctx, metrics={"train/loss": 0.5, "lr": 0.1}, step=3)
+    ctx.pm.hook.engine_log(ctx=ctx, metrics={"train/loss": 0.25}, step=6)
+    fire_run_end(ctx)
+    assert read_rows(ctx.out_dir / "rows.csv") == [
         ["step", "name", "value"],
         ["3", "lr", "0.1"], ["3", "train/loss", "0.5"], ["6", "train/loss", "0.25"]]
 
