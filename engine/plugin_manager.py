@@ -137,6 +137,17 @@ def normalize(name: str) -> str:
 RUN_ARG, OLD_RUN_ARG, OLD_RUN_ARG_UNTIL = "ctx", "engine", "0.4.0"
 
 
+def _speaks_for_the_run() -> bool:
+    """Whether a warning about the run's plugins is this process's to say, once a run:
+    not in a worker engine-run's launcher started (the launcher said it), and only on
+    rank 0 where each rank is started by another tool (torchrun's RANK, srun's
+    SLURM_PROCID)."""
+    from engine import processes  # multiprocessing: not at engine-run's start
+
+    return (not processes.started_by_this_launcher()
+            and all(os.environ.get(name, "0") == "0" for name in ("RANK", "SLURM_PROCID")))
+
+
 class RunHookCaller(pluggy.HookCaller):
     """A hook with the run object. Called with ``ctx=`` (or ``engine=``, by code written
     before 0.3), it passes the object under both names, so that implementations that ask
@@ -290,7 +301,7 @@ class EnginePluginManager(Registrations, pluggy.PluginManager):
                 )
             if OLD_RUN_ARG in asked and RUN_ARG in provided:
                 old_name.append(hook_name)
-        if old_name:
+        if old_name and _speaks_for_the_run():
             warn(f'plugin "{name}" asks for the run object as "{OLD_RUN_ARG}" (in '
                  f'{", ".join(sorted(old_name))}): the argument is "{RUN_ARG}" now, the '
                  f'same object; "{OLD_RUN_ARG}" works until {OLD_RUN_ARG_UNTIL}')

@@ -448,6 +448,13 @@ def exit_failed_worker(code: int, error_line: str | None = None,
 #: In a worker spawn_workers started: its pipe to the launcher, and whether it was
 #: forked.
 _to_launcher: tuple | None = None
+
+
+def started_by_this_launcher() -> bool:
+    """Whether this process is a worker that engine-run's own launcher started (spawn,
+    a warm spare's fork): what the launcher said at its start, the workers need not
+    say again."""
+    return _to_launcher is not None
 #: A failed worker's error travels as (ERROR, line, traceback); short, so that the send
 #: never waits for a reader (a pipe holds 64 kB).
 ERROR = "error"

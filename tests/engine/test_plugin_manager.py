@@ -560,3 +560,14 @@ def test_the_run_objects_old_hook_argument_name_works_with_one_warning(capfd):
                      for impl in caller.get_hookimpls() if "engine" in impl.argnames]
     assert asking_engine == []
     assert "asks for the run object" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("rank_variable", ["RANK", "SLURM_PROCID"])
+def test_the_old_name_warning_is_rank_0s_where_another_tool_starts_the_ranks(
+        capfd, monkeypatch, rank_variable):
+    """Under torchrun or srun every rank registers the plugins: rank 0 alone says it
+    (engine-run's own workers never do: their launcher said it)."""
+    monkeypatch.setenv(rank_variable, "1")
+    build_plugin_manager(["no:console", "no:tensorboard", "no:csv"], autoload=False,
+                         objects={f"old-name-plugin-{rank_variable}": OldNamePlugin()})
+    assert "asks for the run object" not in capfd.readouterr().err
