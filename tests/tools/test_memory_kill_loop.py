@@ -1,6 +1,9 @@
-"""tools/memory_kill_loop.py, smoke-sized: one worker killed under torchrun, its run
-compared with an uninterrupted one. (The engine's side, a resume from memory and its
-steps lost, is tests/engine/test_memory_resume.py's; this shows the tool measures it.)"""
+"""tools/memory_kill_loop.py, smoke-sized: one worker killed under the spawn launcher
+(its warm spare), its run compared with an uninterrupted one. (The engine's side, a
+resume from memory and its steps lost, under torchrun too, is
+tests/engine/test_memory_resume.py's; this shows the tool measures it. The spawn mode:
+9 CPU-s against torchrun mode's 24, whose fresh worker interpreters the engine tests
+already pay.)"""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from tests.conftest import REPO
 
 def test_one_kill_is_measured_and_passes():
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "memory_kill_loop.py"),
-                           "--kills", "1", "--epochs", "1", "--seed", "0"],
+                           "--kills", "1", "--epochs", "1", "--seed", "0", "--launcher", "spawn"],
                           capture_output=True, text=True, timeout=300)
     printed = proc.stdout
     assert proc.returncode == 0, printed + proc.stderr
