@@ -46,7 +46,7 @@ import attrs
 import pluggy
 
 import engine
-from engine import hookspecs
+from engine import hookspecs, processes
 from engine.blame import attribute  # noqa: F401 (where engine.cli imports it from)
 from engine.errors import ConfigError, EngineError, PluginError, first_line, warn
 from engine.registrations import Registrations
@@ -142,8 +142,6 @@ def _speaks_for_the_run() -> bool:
     not in a worker engine-run's launcher started (the launcher said it), and only on
     rank 0 where each rank is started by another tool (torchrun's RANK, srun's
     SLURM_PROCID)."""
-    from engine import processes  # multiprocessing: not at engine-run's start
-
     return (not processes.started_by_this_launcher()
             and all(os.environ.get(name, "0") == "0" for name in ("RANK", "SLURM_PROCID")))
 
