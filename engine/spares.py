@@ -37,7 +37,9 @@ from multiprocessing.connection import wait
 from typing import Callable, Sequence
 
 from engine.fork_server import TorchForkServer, TorchForkServerProcess, _Popen
-from engine.plugin_manager import build_plugin_manager
+from engine.launch_env import fork_unsafe
+from engine.plugin_manager import (BUILTIN_PLUGINS, build_plugin_manager,
+                                   packages_distributions)
 from engine.recipe import load_recipe
 
 # torch is imported inside the functions that start or become workers: the launcher's
@@ -221,8 +223,6 @@ def import_run_modules() -> None:
     workers or commands, so that they need not."""
     for module in RUN_MODULES:
         importlib.import_module(module)
-    from engine.plugin_manager import BUILTIN_PLUGINS, packages_distributions
-
     for _, module in BUILTIN_PLUGINS:
         importlib.import_module(module)
     packages_distributions()  # what a -p module's version is looked up in
@@ -253,8 +253,6 @@ def _preload() -> None:
     # tensor operation in the recipe's module starts: not a Python thread), and a fork
     # cannot use a CUDA context its parent created: the rule of ENGINE_START_METHOD=fork.
     # Stop the zygote; the launcher then says so in one line and spawns the workers.
-    from engine.launch_env import fork_unsafe
-
     unsafe = fork_unsafe()
     if unsafe:
         print(f"warning: the warm spare cannot fork safely after its imports (the "

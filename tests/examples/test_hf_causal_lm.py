@@ -11,6 +11,7 @@ windows before rank 0 and trains padding until the epoch ends. A run SIGKILLed m
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -84,6 +85,7 @@ def test_a_streamed_dataset_trains_every_window_and_pads_the_shorter_rank(stream
     # trained padding only.
     assert "hf_causal_lm: streaming 2 file(s)" in whole.stdout
     assert summary["val_loss"] == pytest.approx(summary["val_loss"])  # not NaN
+    assert math.isfinite(summary["val_loss"])  # a number (approx(None) == None), finite
     assert "non-finite" not in whole.stderr
 
 
