@@ -567,7 +567,14 @@ def test_the_old_name_warning_is_rank_0s_where_another_tool_starts_the_ranks(
         capfd, monkeypatch, rank_variable):
     """Under torchrun or srun every rank registers the plugins: rank 0 alone says it
     (engine-run's own workers never do: their launcher said it)."""
-    monkeypatch.setenv(rank_variable, "1")
-    build_plugin_manager(["no:console", "no:tensorboard", "no:csv"], autoload=False,
-                         objects={f"old-name-plugin-{rank_variable}": OldNamePlugin()})
+    def register(rank: str) -> None:
+        monkeypatch.setenv(rank_variable, rank)
+        name, plugin = f"old-name-plugin-{rank_variable}-{rank}", OldNamePlugin()
+        pm = build_plugin_manager(["no:console", "no:tensorboard", "no:csv"],
+                                  autoload=False, objects={name: plugin})
+        assert pm.get_plugin(name) is plugin  # registered: a silence that means something
+
+    register("0")  # the same registration on rank 0 says it
+    assert "asks for the run object" in capfd.readouterr().err
+    register("1")
     assert "asks for the run object" not in capfd.readouterr().err
