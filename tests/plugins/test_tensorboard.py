@@ -38,10 +38,16 @@ def test_each_metric_of_a_log_call_is_its_own_scalar_at_the_step(make_engine):
     assert math.isnan(found["train/loss"][1][1])
 
 
-def test_a_resumed_runs_event_file_sorts_after_one_begun_in_the_same_second(make_engine):
+def test_a_resumed_runs_event_file_sorts_after_one_begun_in_the_same_second(
+        make_engine, monkeypatch):
     # TensorBoard reads event files in name order (seconds, host, pid as text); a resumed
     # run's file must come after the interrupted run's, or its purge_step applies to the
-    # old points' past and the curves fold back.
+    # old points' past and the curves fold back. The clock stands still but for sleeps:
+    # the resumed run begins in the old file's second however loaded the machine is (a
+    # real second ticking over would pass the test without the wait).
+    clock = [int(time.time()) + 0.25]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    monkeypatch.setattr(time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
     eng, logger = make_engine(), TensorBoardLogger()
     folder = eng.out_dir / "tensorboard"
     folder.mkdir(parents=True)
