@@ -81,7 +81,13 @@ def test_a_fork_of_the_spare_has_the_run_imported_and_the_launchers_environment(
         os.kill(zygote, signal.SIGINT)
         monkeypatch.setenv("SPARE_TEST_VALUE", "set after the spare started")
         path = tmp_path / "report.json"
-        context = pool.start(_report, (str(path),), 1, listen_to=(signal.SIGTERM,))
+        # A launcher that takes Ctrl-C (a terminal's engine-run: Python's handler, whatever
+        # this test runner inherited; CI runs it with SIGINT ignored).
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            context = pool.start(_report, (str(path),), 1, listen_to=(signal.SIGTERM,))
+        finally:
+            signal.signal(signal.SIGINT, previous)
         deadline = time.monotonic() + 120
         while not context.join(timeout=1):
             assert time.monotonic() < deadline, "the forked worker never ended"
@@ -93,6 +99,15 @@ def test_a_fork_of_the_spare_has_the_run_imported_and_the_launchers_environment(
             "sigterm_default": True, "sigint_raises": True,
             "watching": ["engine-launcher-watch"]}
         assert "KeyboardInterrupt" not in capfd.readouterr().err
+        # A launcher in the background (Ctrl-C ignored): its forks ignore it too.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            context = pool.start(_report, (str(path),), 1, listen_to=(signal.SIGTERM,))
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the forked worker never ended"
+        assert json.loads(path.read_text())["sigint_raises"] is False
         assert pool._server._forkserver_pid == zygote  # the same one, not a new one
     finally:
         pool.close()
