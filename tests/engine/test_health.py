@@ -113,3 +113,50 @@ def test_destroy_releases_the_side_group_before_the_world_group(tmp_path):
     proc = subprocess.run([sys.executable, "-c", RELEASE_PROBE, str(tmp_path / "store")],
                           capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout.split()) == (0, ["True", "False"]), proc.stderr
+
+
+BOARD_PROBE = """
+import json, sys, time
+import torch.distributed as dist
+from engine import health
+rank, folder = int(sys.argv[1]), sys.argv[2]
+store = dist.FileStore(folder + "/store", 2)
+dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=rank,
+                        world_size=2)
+health.prepare(30.0)
+health.keep_failure_board(dist.PrefixStore("failed/", store))
+dist.barrier()
+before = health.a_rank_failed()
+dist.barrier()
+if rank == 1:
+    health.announce_own_failure(1)
+dist.barrier()
+if rank == 0:
+    # Rank 1 is alive and does not come to the roll call (it exits slowly): it is
+    # missing, and it said why.
+    print(json.dumps([before, health.a_rank_failed(), health.missing_ranks(),
+                      health.ranks_that_failed([0, 1])]))
+    open(folder + "/done", "w").close()
+else:
+    deadline = time.monotonic() + 120
+    while not __import__("os").path.exists(folder + "/done"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+"""
+
+
+def test_a_rank_that_announced_its_own_failure_is_told_from_one_that_stopped(tmp_path):
+    """The failure board (engine.health): a rank that fails by its own error says so
+    before its connections close, so the others' failed collective reads as its echo
+    even while it is still exiting, when the roll call finds it missing (a CI run
+    printed rank 0's echo as its own error: 'rank(s) 1 stopped answering')."""
+    import json
+    import subprocess
+    import sys
+
+    ranks = [subprocess.Popen([sys.executable, "-c", BOARD_PROBE, str(rank), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=120) for proc in ranks]
+    assert [proc.returncode for proc in ranks] == [0, 0], outputs
+    assert json.loads(outputs[0][0]) == [False, True, [1], [1]]
