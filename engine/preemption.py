@@ -19,8 +19,11 @@ snapshot, and the same command resumes. A second one ends the process at once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
+import struct
 import sys
 import time
 
@@ -30,6 +33,72 @@ import time
 DUPLICATE_WINDOW_S = 5.0
 
 
+#: Linux's SO_TIMESTAMP (the socket module does not name it): the kernel stamps each
+#: datagram with the time it was written.
+_SO_TIMESTAMP = getattr(socket, "SO_TIMESTAMP", 29 if sys.platform == "linux" else None)
+
+
+class _ArrivalClock:
+    """When each signal arrived, not when its Python handler ran. Python runs a handler
+    in the main thread between two bytecodes, so a main thread inside a long C call (a
+    collective waiting for a slow peer) runs it seconds late: a signal delivered twice
+    within milliseconds (to the whole process group, then forwarded by the launcher)
+    was taken for a second request, and the worker killed itself in the middle of its
+    pre-emption snapshot. Python's C-level handler writes one byte to the wakeup fd as
+    each signal arrives (signal.set_wakeup_fd); on a datagram socket with SO_TIMESTAMP
+    the kernel stamps that write, and the handler reads the stamps. Where that cannot
+    be set up (not the main thread, another wakeup fd in use: asyncio's), the
+    handler's own time stands in."""
+
+    def __init__(self) -> None:
+        self._sockets = None
+        self._pending: dict[int, list[float]] = {}
+        if _SO_TIMESTAMP is None:
+            return
+        reader, writer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            reader.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMP, 1)
+            reader.setblocking(False)
+            writer.setblocking(False)
+            previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        except (OSError, ValueError):  # no such option here, or not the main thread
+            reader.close()
+            writer.close()
+            return
+        if previous != -1:  # someone else's (an event loop's): leave it theirs
+            signal.set_wakeup_fd(previous)
+            reader.close()
+            writer.close()
+            return
+        self._sockets = (reader, writer)
+
+    def arrivals(self, signum: int) -> list[float]:
+        """The arrival times (time.time()) of ``signum`` not asked for before; [now]
+        where the stamps are not available."""
+        if self._sockets is not None:
+            while True:
+                try:
+                    data, ancillary, _, _ = self._sockets[0].recvmsg(
+                        1, socket.CMSG_SPACE(struct.calcsize("ll")))
+                except (BlockingIOError, OSError):
+                    break
+                for level, kind, stamp in ancillary:
+                    if (level, kind) == (socket.SOL_SOCKET, _SO_TIMESTAMP) and data:
+                        seconds, micros = struct.unpack("ll", stamp[:struct.calcsize("ll")])
+                        self._pending.setdefault(data[0], []).append(seconds + micros / 1e6)
+        return self._pending.pop(signum, None) or [time.time()]
+
+    def close(self) -> None:
+        if self._sockets is not None:
+            with contextlib.suppress(ValueError):  # not the main thread: left as it is
+                current = signal.set_wakeup_fd(-1)
+                if current != self._sockets[1].fileno():  # an event loop's since: keep it
+                    signal.set_wakeup_fd(current)
+            for sock in self._sockets:
+                sock.close()
+            self._sockets = None
+
+
 class PreemptionFlag:
     """Set by a signal; read by the Trainer at step boundaries."""
 
@@ -37,6 +106,7 @@ class PreemptionFlag:
         self.signal_name: str | None = None
         self._first_at = 0.0
         self._previous = {}
+        self._clock: _ArrivalClock | None = None
 
     def __bool__(self) -> bool:
         return self.signal_name is not None
@@ -55,6 +125,7 @@ class PreemptionFlag:
                 self._previous[signum] = signal.signal(signum, self._handle)
             except ValueError:  # not the main thread (a library user's thread)
                 return
+        self._clock = _ArrivalClock()
 
     def uninstall(self, ignore_more: bool = False) -> None:
         """Put the previous handlers back; with ``ignore_more`` (the pre-emption snapshot
@@ -65,12 +136,16 @@ class PreemptionFlag:
         for signum, previous in self._previous.items():
             signal.signal(signum, signal.SIG_IGN if ignore_more else previous)
         self._previous.clear()
+        if self._clock is not None:
+            self._clock.close()
+            self._clock = None
 
     def _handle(self, signum, frame) -> None:
+        arrivals = self._clock.arrivals(signum) if self._clock else [time.time()]
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
-            self._first_at = time.monotonic()
-        elif time.monotonic() - self._first_at > self._window(signum):
+            self._first_at = arrivals.pop(0)
+        if any(at - self._first_at > self._window(signum) for at in arrivals):
             # A second request, later: the user (or the scheduler) means it. Die as asked
             # (SIGINT: a KeyboardInterrupt, which the worker ends on without a traceback).
             self.uninstall()

@@ -203,6 +203,45 @@ def test_a_signal_delivered_twice_at_once_is_one_request_and_a_later_one_kills()
     assert (saved.returncode, saved.stdout.strip()) == (0, "alive SIGUSR1"), saved.stderr
 
 
+LATE_HANDLER_PROBE = """
+import os, signal, sys, threading, time
+from engine import preemption
+preemption.DUPLICATE_WINDOW_S = 1.0
+flag = preemption.PreemptionFlag()
+flag.install()
+os.kill(os.getpid(), signal.SIGUSR1)  # the first request, handled at once
+# The same request again a few milliseconds later (the launcher's forward), while the
+# main thread is busy for longer than the window (a collective waiting for a slow peer):
+# the kernel delivers it to the other thread, and Python runs its handler only when the
+# main thread comes back.
+sender = threading.Thread(target=lambda: (time.sleep(0.05),
+                                          os.kill(os.getpid(), signal.SIGUSR1)))
+sender.start()
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+time.sleep(float(sys.argv[1]))
+sender.join()
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+print("alive", flag.signal_name)
+"""
+
+
+def test_a_duplicate_handled_late_is_still_the_same_request():
+    """Its handler runs 2 s after the first one's, but it arrived 0.05 s after it: the
+    arrival counts (a CI run's worker killed itself mid-snapshot on such a duplicate).
+    A real second request (sent 1.5 s later, past the 1 s window) still kills."""
+    import signal
+    import subprocess
+    import sys
+
+    late = subprocess.run([sys.executable, "-c", LATE_HANDLER_PROBE, "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert (late.returncode, late.stdout.strip()) == (0, "alive SIGUSR1"), late.stderr
+    later = subprocess.run([sys.executable, "-c", LATE_HANDLER_PROBE.replace(
+        "time.sleep(0.05)", "time.sleep(1.5)"), "2"],
+        capture_output=True, text=True, timeout=60)
+    assert later.returncode == -signal.SIGUSR1, later
+
+
 def test_sigusr1_to_the_whole_process_group_gives_one_snapshot_and_a_clean_stop(tmp_path):
     """What `kill -- -PGID`, `scancel --signal=USR1` and the SLURM time limit do: each
     worker gets the signal directly and again forwarded by the launcher."""
