@@ -11,11 +11,17 @@ is allowed.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import enum
 import functools
+import inspect
+import io
+import json
 import pathlib
 import re
+import textwrap
+import tokenize
 import types
 import typing
 from typing import Any, Literal, Mapping
@@ -483,6 +489,9 @@ def check(cfg: TrainConfig) -> None:
             # launching process, --dry-run and engine.launch (the trackers' stores).
             group.check()
     _check_out_dir(str(cfg.out_dir))
+    # Here, not at the top: engine.run_dir imports engine.distributed (multiprocessing,
+    # subprocess: some 30 ms), which importing the config (a recipe, engine-run's
+    # commands, `import engine`'s TrainConfig) does not need.
     from engine.run_dir import placeholders
 
     placeholders(str(cfg.out_dir))  # an unknown {name} is refused now, not at the start
@@ -590,21 +599,21 @@ def load_config_file(path: str) -> list[str]:
 
 def _parse(text: str, suffix: str, path: str) -> Any:
     if suffix == ".json":
-        import json
-
         return json.loads(text)
     if suffix == ".toml":
         try:
+            # The parsers are imported for the format read: tomli and PyYAML are optional
+            # packages (a clear error when missing), and PyYAML takes 20-50 ms to import.
             import tomllib
         except ImportError:  # Python 3.10: the same parser as a package
             try:
-                import tomli as tomllib
+                import tomli as tomllib  # optional: see above
             except ImportError:
                 raise ConfigError(f"--config {path}: reading TOML on Python < 3.11 needs "
                                   "tomli (pip install tomli); or give a .json file") from None
         return tomllib.loads(text)
     try:
-        import yaml
+        import yaml  # optional: see above
     except ImportError:
         raise ConfigError(f"--config {path}: reading YAML needs PyYAML (pip install "
                           "pyyaml); or give a .toml or .json file") from None
@@ -694,12 +703,6 @@ def field_descriptions(cls: type) -> dict[str, str]:
 
 
 def _field_comments(klass: type) -> dict[str, str]:
-    import ast
-    import inspect
-    import io
-    import textwrap
-    import tokenize
-
     try:
         source = textwrap.dedent(inspect.getsource(klass))
     except (OSError, TypeError):  # made at run time (a plugin group added to it)

@@ -24,6 +24,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
+from engine.errors import CheckpointError, ConfigError
+
 
 class ResumableDistributedSampler(DistributedSampler):
     """torch's DistributedSampler order, resumable at a global position.
@@ -151,8 +153,6 @@ class ShardSampler(Sampler):
 
 def split_batch(global_batch: int, world_size: int, accum: int) -> int:
     """The micro-batch one process feeds per forward pass; exact, or a clear error."""
-    from engine.errors import ConfigError
-
     per_process, remainder = divmod(global_batch, world_size)
     if remainder or per_process == 0:
         good = max(world_size, global_batch - remainder)
@@ -185,8 +185,6 @@ def train_loader(dataset, *, micro_batch: int, world, seed: int, num_workers: in
                  prefetch_factor: int | None = None, timeout: float = 0.0,
                  per_sample_seed: bool = False) -> DataLoader:
     if isinstance(dataset, torch.utils.data.IterableDataset):
-        from engine.errors import ConfigError
-
         raise ConfigError(
             f"{type(dataset).__name__} is an IterableDataset (a stream): its training "
             "loader is engine.streaming.StreamLoader (as engine-run and ctx.loader make it)")
@@ -283,8 +281,6 @@ def batches_at(position: int, micro_batch: int, world_size: int, dataset_size: i
     """The inverse of :func:`samples_consumed` for another number of processes: the
     micro-batches per rank that bring the epoch to global ``position``. A position
     between two global batches cannot be reached: an error that says so."""
-    from engine.errors import CheckpointError
-
     per_batch = micro_batch * world_size
     if position >= dataset_size:  # the epoch was consumed: start past its end
         return -(-dataset_size // per_batch)

@@ -68,21 +68,35 @@ that has it and its rows over the process group; else the disk snapshot.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import fcntl
 import functools
+import io
 import json
 import mmap
 import os
 import pathlib
 import pickle
+import queue
+import random
 import re
 import secrets
 import socket
 import stat
 import struct
+import sys
+import threading
 import weakref
 from typing import Any
 
 import attrs
+
+from engine import distributed
+from engine.atomic_io import atomic_write_text
+
+# torch, numpy and xxhash are imported inside the functions that use them: engine.snapshot
+# imports this module, and the launching processes import that one without them
+# (engine-run's check for a completed run, engine.api for engine.launch).
 
 #: Where the buffers live: a tmpfs, so that they outlive the process but not the machine.
 SHM = pathlib.Path("/dev/shm")
@@ -200,8 +214,6 @@ def claim_run_id(run_dir, fresh: bool) -> tuple[str | None, str]:
     """Rank 0 at the start: (the id ``run_dir`` had, the run's id). The old one is
     kept unless the run starts ``fresh`` or has none; a new one is written (atomically)
     into the folder."""
-    from engine.atomic_io import atomic_write_text
-
     old = run_id_of(run_dir)
     if old is not None and not fresh:
         return old, old
@@ -255,8 +267,6 @@ def _encoder_class():
     70 us a snapshot of the CIFAR network's (issue 37). Given the previous snapshot's
     :class:`Plan`, a tensor where the plan has the same one (the same memory, dtype,
     shape and strides) gets the plan's marker, made once."""
-    import io
-
     import torch
 
     names: dict = {}
@@ -446,8 +456,6 @@ class _SkeletonUnpickler(pickle.Unpickler):
 def read_payload(buf) -> dict:
     """The snapshot dict in the payload ``buf`` (a uint8 tensor), its tensors copied out
     (the buffer is written again by later snapshots)."""
-    import io
-
     import torch
 
     length, start = _PAYLOAD.unpack(bytes(buf[:_PAYLOAD.size].tolist()))
@@ -570,8 +578,6 @@ class Buffer:
         SIGBUS during a copy). The header gets the magic, the run id and ``info`` at
         once, so that a clean-up knows whose the file is before its first snapshot.
         Unsafe when the name is taken by anything but this user's regular file."""
-        import fcntl
-
         import numpy as np
 
         size = HEADER_BYTES + payload_bytes + exchange_bytes
@@ -763,8 +769,6 @@ def _python_rng() -> tuple:
     from the object instead (a CPython RandomObject: its index, then 624 words, after
     the object's header), once checked against getstate() in this process: any other
     layout reads them through getstate() each time."""
-    import random
-
     inst = random.getstate.__self__  # the module's own generator
     if _python_layout[0] is None:
         _python_layout[0] = _raw_python(inst) == _packed_python(inst)
@@ -775,9 +779,6 @@ _python_layout: list = [None]  # whether the generator's words can be read in pl
 
 
 def _raw_python(inst) -> tuple:
-    import ctypes
-    import sys
-
     if sys.byteorder != "little" or type(inst).__basicsize__ < 16 + 4 + 624 * 4:
         return ()
     raw = ctypes.string_at(id(inst) + 16, 4 + 624 * 4)  # after ob_refcnt, ob_type
@@ -799,8 +800,6 @@ def _numpy_rng() -> dict:
     it cannot have moved: the same raw state, and no normal deviate cached then (a
     cached one is drawn later without moving the generator; caching one moves it). In
     a training loop it seldom moves: the loader's workers draw in their own processes."""
-    import ctypes
-
     import numpy as np
 
     try:
@@ -820,8 +819,6 @@ def _numpy_rng() -> dict:
 def read_row(row: bytes) -> dict | None:
     """:func:`make_row`'s dict, its RNG states as engine.stateful.rng_state gives them;
     None for an empty row (the states did not fit)."""
-    import io
-
     import numpy as np
     import torch
 
@@ -909,8 +906,6 @@ def load_slot(slot: Slot) -> dict:
 def writer_gone(path: pathlib.Path) -> bool:
     """Whether no process holds the buffer at ``path`` open for writing (its writer's
     flock, :class:`Buffer`): the kernel drops it however the writer ended."""
-    import fcntl
-
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -1169,24 +1164,18 @@ class Background:
         """No thread, nothing pending: at the start, and in a child forked from this
         process (a DataLoader worker), which has not the thread and must not wait on
         the queue, lock or events the parent's thread held at the fork."""
-        import threading
-
         self.queue = self.thread = self.idle = self.lock = None
         self.pending = 0
         self.copied = threading.Event()  # clear while a snapshot's copy is in flight
         self.copied.set()
 
     def submit(self, job) -> None:
-        import threading
-
         # Imported here, never first in the thread: a process forked while the thread
         # is in an import (a DataLoader worker at an epoch's start) would inherit that
         # module's import lock held, and hang at its own import of it.
         import xxhash  # noqa: F401
 
         if self.thread is None:
-            import queue
-
             self.queue, self.idle, self.lock = queue.SimpleQueue(), threading.Event(), \
                 threading.Lock()
             self.thread = threading.Thread(target=self._serve, daemon=True,
@@ -1265,8 +1254,6 @@ class Exchanges:
 
     def start(self, row: bytes) -> None:
         import numpy as np
-
-        from engine import distributed
 
         self.background.wait()  # the previous rows are written, the tensors free
         spread = distributed.is_initialized()
@@ -1485,8 +1472,6 @@ def agree(memory: MemorySnapshots, mine: list[Loaded]) -> MemoryChoice:
     holding it can send with the missing ranks' own rows (their RNG states and loss
     sums). A snapshot of another number of processes needs no rows: its RNG states are
     not restored."""
-    from engine import distributed
-
     world_size = memory.world.world_size
     held = [(m.step, m.slot.rows is not None
              or m.state.get("world_size") != world_size) for m in mine]
@@ -1514,8 +1499,6 @@ def fetch(memory: MemorySnapshots, choice: MemoryChoice, mine: list[Loaded]) -> 
     own). Then each rank's RNG states go into place, and the epoch's loss sums, kept per
     rank, are summed over the ranks. Collective."""
     import torch
-
-    from engine import distributed
 
     rank, world_size = memory.world.rank, memory.world.world_size
     own = next((m for m in mine if m.step == choice.step), None)
@@ -1550,8 +1533,6 @@ def complete(state: dict, rank: int, world_size: int, rows) -> dict:
     disk snapshot holds them, this rank's in place (from its own row, or from the
     sender's exchange ``rows`` where it was sent), and the epoch's loss sums over every
     rank. Collective where the loss sums are kept (mid-epoch)."""
-    from engine import distributed
-
     part = state.get("rng") or {}
     if "row" not in part:  # a whole state (a test's, or an older form): as it is
         return state

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 from typing import ClassVar
 
@@ -67,8 +68,6 @@ class Parallel:
         init = cls.__dict__.get("__init__")
         if init is None:
             return
-        import inspect
-
         params = inspect.signature(init).parameters.values()
         if any(p.name == "recipe" or p.kind is p.VAR_KEYWORD for p in params):
             return

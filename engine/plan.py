@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+# torch at the top, as engine.data imports it: only processes that run or plan one import
+# this module (engine.cli's train, the workers).
+import torch
+
 from engine import config as config_mod
+from engine import cpu_bf16, loader_settings, memory_snapshot
 from engine.data import split_batch
+from engine.parallel import choose_parallel
 from engine.world import format_world_table
 
 
@@ -60,8 +67,6 @@ def memory_plan(recipe, cfg) -> str | None:
         return None
     if cfg.parallel == "fsdp":  # each rank holds a shard (engine.Engine._memory_snapshots)
         return "off with parallel=fsdp: a restart resumes from the newest disk snapshot"
-    from engine import memory_snapshot
-
     folder = memory_snapshot.user_folder(cfg.checkpoint.memory_dir)
     where = f"every {every} step(s), 2 buffers per rank in {folder}"
     try:
@@ -76,8 +81,6 @@ def memory_plan(recipe, cfg) -> str | None:
 
 def _state_bytes(recipe, cfg) -> tuple[int, int]:
     """The model's state and (an estimate of) its optimizer's, in bytes."""
-    import torch
-
     with torch.device("meta"):
         model = recipe.module.build_model(cfg)
         optimizer = recipe.module.build_optimizer(cfg, model)
@@ -101,8 +104,6 @@ def _state_per_parameter(optimizer) -> int:
 
 
 def _free_space(folder: str) -> str:
-    import os
-
     try:
         stat = os.statvfs(folder)
     except OSError:
@@ -115,14 +116,10 @@ def precision_note(precision: str, devices: list[str]) -> str | None:
     on a CPU without bf16 hardware (engine/cpu_bf16.py)."""
     if precision != "bf16" or not all(d.startswith("cpu") for d in devices):
         return None
-    from engine import cpu_bf16
-
     return cpu_bf16.note_here()
 
 
 def _loader_plan(cfg, world, parallel_cls) -> dict[str, Any]:
-    from engine import loader_settings
-
     device = parallel_cls(world, cfg).devices[0]
     settings = loader_settings.choose(
         cfg.num_workers, cpus=world.cpu_share(),
@@ -174,6 +171,4 @@ def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True,
 def resolve_parallel_name(name: str, world, registry) -> str:
     """The parallel mode to run: ``name``, or for ``auto`` the one the registered modes'
     own ``detect`` picks (engine.parallel.choose_parallel)."""
-    from engine.parallel import choose_parallel
-
     return choose_parallel(registry, name, world).name

@@ -35,11 +35,15 @@ from __future__ import annotations
 
 import collections
 import copy
+import logging
 import time
+import warnings
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
+from engine import data, distributed
 from engine.errors import CheckpointError, ConfigError
 
 
@@ -104,8 +108,6 @@ class ValidationStream(ShardedStream):
 def val_loader(dataset, *, world, **kwargs):
     """engine.data.val_loader for any validation set: a stream's loader reads this
     rank's part of it (ValidationStream)."""
-    from engine import data
-
     if is_stream(dataset):
         dataset = ValidationStream(dataset, world.rank, world.world_size)
     return data.val_loader(dataset, world=world, **kwargs)
@@ -125,10 +127,8 @@ class StatefulShardedStream(ShardedStream):
 
 def _stateful_dataloader():
     """torchdata's StatefulDataLoader (imported only when a recipe streams)."""
-    import logging
-    import warnings
-
     try:
+        # Here: torchdata is an optional extra (stream) that only a streaming run needs.
         from torchdata.stateful_dataloader import StatefulDataLoader
     except ImportError:
         raise ConfigError("the recipe's training set is an IterableDataset, which needs "
@@ -154,8 +154,6 @@ class StreamLoader:
     def __init__(self, dataset, *, micro_batch: int, world, num_workers: int,
                  pin_memory: bool, drop_last: bool, timeout: float = 0.0,
                  prefetch_factor: int | None = None, **_ignored):
-        from engine import data
-
         if (num_workers > 1 and not getattr(dataset, "shards_itself", False)
                 and type(dataset).__module__.startswith("datasets.")):
             # datasets' IterableDataset gives each loader worker its own files; the rule
@@ -263,12 +261,8 @@ class StreamLoader:
                 return
 
     def _start_flag(self, have: bool):
-        from engine import distributed
-
         if not distributed.is_initialized():
             return have
-        import torch.distributed as dist
-
         if self.group is None:
             self.group = (None if dist.get_backend() == "gloo"
                           else dist.new_group(backend="gloo"))
@@ -291,8 +285,6 @@ class StreamLoader:
     def position_state(self, batch_in_epoch: int) -> dict:
         """For the snapshot's loader part (a collective: every rank's loader state,
         gathered, so that a rank-0 write holds them all)."""
-        from engine import distributed
-
         mine = (self.position, self.ended_with) if batch_in_epoch else (None, None)
         ranks = distributed.all_gather_object(mine)
         return {"ranks": [position for position, _ in ranks],

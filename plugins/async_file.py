@@ -50,17 +50,28 @@ import contextlib
 import copy
 import errno
 import hashlib
+import mmap
+import multiprocessing
+import multiprocessing.util
 import os
 import pathlib
+import signal
 import sys
+import threading
 import time
 import types
+from multiprocessing import resource_tracker
+from multiprocessing.connection import Pipe
+from multiprocessing.reduction import DupFd
 
 import engine
 from engine.atomic_io import os_error_in, pid_alive
 from engine.checkpoint import disk_full_hint, warn
 from engine.errors import CheckpointError, first_line
 from engine.plugins.torch_file import TorchFileCheckpointer
+
+# torch is imported inside the functions that use it: the plugin manager loads every
+# built-in plugin without torch (engine-run plugins; a run's launching process).
 
 #: Seconds between checks that the writer (or, in the writer, the trainer) is alive.
 POLL_S = 0.5
@@ -214,8 +225,6 @@ def remove_stale_buffers(directory: pathlib.Path, folder: str = SHM) -> None:
 
 def map_buffer(fd: int, nbytes: int):
     """The shared memory behind ``fd`` as a uint8 tensor (torch keeps the map alive)."""
-    import mmap
-
     import torch
 
     memory = mmap.mmap(fd, max(nbytes, 1))
@@ -230,8 +239,6 @@ class _SharedFd:
         self.fd, self.nbytes = fd, nbytes
 
     def __reduce__(self):
-        from multiprocessing.reduction import DupFd
-
         return (_rebuild_buffer, (DupFd(self.fd), self.nbytes))
 
 
@@ -252,8 +259,6 @@ def writer_main(jobs, results, buffer, directory: str, checkpoint: dict | None) 
     import torch
 
     torch.set_num_threads(1)  # serialization does not use them; the trainer does
-    import multiprocessing
-    import signal
 
     # Ctrl-C, SLURM's pre-emption signal (USR1, then TERM) and a launcher's TERM reach
     # every process of the job. The trainer decides what they mean, and may well want
@@ -302,8 +307,6 @@ def write_error(exc: BaseException, directory: pathlib.Path) -> str:
 
 
 def job_signals() -> set:
-    import signal
-
     return {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP}
 
 
@@ -312,8 +315,6 @@ def _job_signals_blocked():
     """Around the start: the child inherits the blocked set, so no job signal can kill
     it before it has chosen to ignore them. Here they are only held back: one that
     arrives meanwhile is delivered when the set is restored, not lost."""
-    import signal
-
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, job_signals())
     try:
         yield
@@ -373,8 +374,6 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
         # Sent from a thread: a pipe takes 64 kB without a reader, a large model's job
         # may be more, and a stopped writer must not block the loop (wait() watches it
         # with a timeout). The writer's answer comes after it has read the whole job.
-        import threading
-
         threading.Thread(target=self._send, args=(self._jobs, job), daemon=True,
                          name="engine-checkpoint-job").start()
         self._pending = path
@@ -407,10 +406,8 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
             warn(f"the checkpoint writer process died (exit code {self._process.exitcode}) "
                  "while idle; starting a new one")
             self._forget_writer(keep_buffer=True)
-        import multiprocessing.util
-        from multiprocessing import resource_tracker
-        from multiprocessing.connection import Pipe
-
+        # Here, not at the top: it brings multiprocessing's fork server modules, which
+        # loading the plugin (every run's launching process) does not need.
         from engine.fork_server import TorchForkServerProcess
 
         jobs_out, self._jobs = Pipe(duplex=False)

@@ -19,11 +19,13 @@ do about it.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import attrs
 
 import engine
+from engine import phases
 from engine.metrics import throughput_of
 
 #: A run is called data-bound when more than this fraction of its time waits for data.
@@ -102,8 +104,6 @@ def done_time(summary: dict) -> str:
     """This segment's time (summary.json's ``wall_time_s``: from the command's start),
     how much of it passed before training began, and a resumed run's total:
     ``24.7s (start-up 12.0s)``, ``9.1s (start-up 5.2s; 31.0s over 2 segments)``."""
-    from engine import phases
-
     total, start_up = summary.get("wall_time_s"), phases.elapsed(until=phases.TRAINING_STARTS)
     if total is None:
         return "?"
@@ -124,8 +124,8 @@ class ConsoleLogger:
     def engine_run_start(self, ctx):
         if not ctx.is_rank0:
             return
-        import threading
 
+        # tqdm takes tens of ms to import: for rank 0's bar, not for loading the plugin.
         from tqdm import tqdm
 
         if not hasattr(tqdm, "_lock"):

@@ -35,6 +35,8 @@ store does. A crashed save's staging directory goes at the next start.
 from __future__ import annotations
 
 import contextlib
+import copy
+import datetime
 import pathlib
 import shutil
 import warnings
@@ -45,6 +47,9 @@ from engine.atomic_io import atomic_write, checksum_entry, file_checksum, fsync_
 from engine.checkpoint import SnapshotStore
 from engine.errors import CheckpointError, one_line, untrusted_pickle
 from engine.stateful import holds_dtensor
+
+# torch is imported inside the functions that use it: the plugin manager loads every
+# built-in plugin without torch (engine-run plugins; a run's launching process).
 
 STAGING = ".staging-"  # prefix of a directory being written (never resumed from)
 TRAIN_STATE = "train_state.pt"
@@ -232,8 +237,6 @@ class AsyncDCPCheckpointer(DCPCheckpointer):
     _group = None
 
     def save(self, state, *, epoch, step, metrics=None):
-        import copy
-
         import torch.distributed.checkpoint as dcp
 
         self.wait()
@@ -265,8 +268,6 @@ class AsyncDCPCheckpointer(DCPCheckpointer):
         """A gloo group for the background writes, made once (collectively: every
         rank saves at the same points). None without a process group."""
         if self._group is None and distributed.is_initialized():
-            import datetime
-
             import torch.distributed as dist
 
             # The run's bound on every wait (a rank that died is an error, not a hang).

@@ -30,6 +30,7 @@ With one process there is nothing to synchronise: the model trains unwrapped, as
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import attrs
@@ -37,6 +38,9 @@ import attrs
 import engine
 from engine.errors import ConfigError
 from engine.parallel import Parallel, gpu_group, visible_gpus
+
+# torch is imported inside the functions that use it: the plugin manager loads every
+# built-in plugin without torch (engine-run plugins; a run's launching process).
 
 
 @attrs.define
@@ -156,8 +160,6 @@ class DistributedDataParallel(Parallel):
         return model.module if isinstance(model, DDP) else model
 
     def no_sync(self, model):
-        import contextlib
-
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         # DDP.no_sync: gradients accumulate locally; the next step outside it reduces

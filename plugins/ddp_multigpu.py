@@ -48,6 +48,9 @@ from engine.errors import ConfigError
 from engine.parallel import gpus_bound_by_launcher, visible_gpus
 from engine.plugins.ddp import DistributedDataParallel
 
+# torch is imported inside the functions that use it: the plugin manager loads every
+# built-in plugin without torch (engine-run plugins; a run's launching process).
+
 
 class MultiGPUDistributedDataParallel(DistributedDataParallel):
     name = "ddp-multigpu"

@@ -23,6 +23,9 @@ import engine
 from engine.errors import ConfigError
 from engine.parallel import Parallel, require_single_process, visible_gpus
 
+# torch is imported inside the functions that use it: the plugin manager loads every
+# built-in plugin without torch (engine-run plugins; a run's launching process).
+
 
 class DataParallel(Parallel):
     name = "dp"

@@ -38,6 +38,10 @@ import attrs
 
 import engine
 from engine.errors import ConfigError
+from engine.stateful import is_sharded
+
+# torch is imported inside the functions that use it: the plugin manager loads every
+# built-in plugin without torch (engine-run plugins; a run's launching process).
 
 
 def _decay_in_range(instance, attribute, value) -> None:
@@ -286,8 +290,6 @@ def engine_register_state(ctx, parts):
         raise ConfigError("config key 'ema.evaluate': there is no average to evaluate "
                           "unless ema.enabled=true")
     if options.enabled:
-        from engine.stateful import is_sharded
-
         if is_sharded(ctx.module):  # fsdp: AveragedModel's deepcopy would fail
             average = ShardedMovingAverage(ctx.module, ctx.optimizer, options.decay,
                                            options.every_steps,

@@ -55,6 +55,9 @@ from engine.errors import ConfigError
 from engine.parallel import parse_class_names, select_blocks
 from engine.plugins.ddp import DistributedDataParallel
 
+# torch is imported inside the functions that use it: the plugin manager loads every
+# built-in plugin without torch (engine-run plugins; a run's launching process).
+
 
 @attrs.define
 class FSDPConfig:
@@ -101,6 +104,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
                 "precision 'fp16' with parallel mode 'fsdp': the gradient scaler cannot "
                 "unscale sharded gradients; use precision=bf16 (no scaler needed) or "
                 "--parallel ddp")
+        # Not at the top: engine-run plugins loads this plugin without engine.config.
         from engine.config import differs_from_default
 
         memory = self.cfg.checkpoint.memory_every_steps

@@ -40,6 +40,10 @@ from engine.plugins.tracking import (enabled, experiment_name, flat_config,
                                      mlflow_store_problem, require_package, run_name,
                                      summary_scalars)
 
+# mlflow is imported inside the functions that use it: an optional package (the mlflow
+# extra), imported only once the logger is enabled, and the plugin manager loads this
+# plugin in every run (test_the_optional_loggers_are_not_imported_unless_enabled).
+
 #: Send buffered metrics at a log interval once this many seconds passed since the last.
 FLUSH_EVERY_S = 30.0
 #: MLflow's limit on the entries of one log_batch call.

@@ -42,6 +42,9 @@ import engine
 from engine import phases
 from engine.errors import ConfigError
 
+# torch is imported inside the functions that use it: the plugin manager loads every
+# built-in plugin without torch (engine-run plugins; a run's launching process).
+
 FOLDER = "profile"
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 import engine
 from engine.parallel import Parallel, require_single_process, visible_gpus
 
+# torch is imported inside the functions that use it: the plugin manager loads every
+# built-in plugin without torch (engine-run plugins; a run's launching process).
+
 
 class SingleDevice(Parallel):
     name = "single"

@@ -309,6 +309,8 @@ def engine_requeue(ctx):
 
 
 def sbatch_command(argv) -> int:
+    # The command's module, when the command runs: it imports engine.cli, engine.launching
+    # and the plugin manager, which loads this plugin (a cycle at the top).
     from engine.plugins import slurm_sbatch
 
     return slurm_sbatch.main(argv)

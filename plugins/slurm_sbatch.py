@@ -30,7 +30,12 @@ import shlex
 import shutil
 import sys
 
+from engine.cli import plugin_args
 from engine.errors import ConfigError
+from engine.launching import RecipeJob
+from engine.plugin_manager import build_plugin_manager
+from engine.plugins.slurm import SlurmLauncher
+from engine.run_dir import fixed_part
 
 LAYOUTS = ("task-per-gpu", "task-per-node")
 
@@ -92,12 +97,6 @@ def make_script(args: argparse.Namespace, argv_text: str = "") -> str:
             "ddp needs one GPU per process")
     if args.signal_seconds < 0:
         raise ConfigError(f"--signal-seconds {args.signal_seconds} must be >= 0")
-
-    from engine.cli import plugin_args
-    from engine.launching import RecipeJob
-    from engine.plugin_manager import build_plugin_manager
-    from engine.plugins.slurm import SlurmLauncher
-    from engine.run_dir import fixed_part
 
     # A wrong path, override or component name fails here, not in the job; the plugins
     # the srun line loads (-p after --) may add config groups.

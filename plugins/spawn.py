@@ -34,6 +34,9 @@ from engine.processes import spawn_workers
 from engine.plugins.slurm_hostlist import allocated_cpus
 from engine.world import World, machine_share, tcp_endpoint
 
+# torch is imported inside the functions that use it: the plugin manager loads every
+# built-in plugin without torch (engine-run plugins; a run's launching process).
+
 
 def default_nproc() -> int:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

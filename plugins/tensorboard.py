@@ -22,6 +22,10 @@ import time
 import engine
 from engine.errors import PluginError
 
+# torch.utils.tensorboard and tensorboard are imported inside the functions that use them:
+# tensorboard is an optional package that takes most of a second to import, and the
+# plugin manager loads this plugin in every run's launching process.
+
 FOLDER = "tensorboard"
 
 

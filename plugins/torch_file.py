@@ -24,6 +24,9 @@ import pathlib
 import engine
 from engine.checkpoint import SnapshotStore
 
+# torch is imported inside the functions that use it: the plugin manager loads every
+# built-in plugin without torch (engine-run plugins; a run's launching process).
+
 
 def save_without_crc32(state: dict, fileobj) -> None:
     """torch.save, minus the CRC32 of every record in its zip container: the manifest's

@@ -91,6 +91,7 @@ def enabled(ctx, group: str, extra: str) -> tuple[Any, Any] | None:
 
 def flat_config(cfg) -> dict[str, Any]:
     """The resolved config as ``{"lr": 0.1, "ddp.bucket_cap_mb": 25.0, ...}``."""
+    # Not at the top: engine-run plugins loads this plugin without engine.config.
     from engine.config import flatten, to_dict
 
     return flatten(to_dict(cfg))

@@ -111,6 +111,7 @@ class WandbLogger:
         if ctx.resumed_from is not None and id_file.exists():
             run_id = id_file.read_text().strip() or None
         ctx.out_dir.mkdir(parents=True, exist_ok=True)
+        # Not at the top: engine-run plugins loads this plugin without engine.config.
         from engine.config import to_dict
 
         self.run = wandb.init(

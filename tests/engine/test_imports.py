@@ -1,12 +1,14 @@
 """No import cycles inside engine/: every ``import engine...`` and ``from engine...
 import`` statement of every module, function-local ones included (a lazy import hides
-a cycle from Python, not from the design), read with ast. And no optional package
-imported by a plain run: the optional loggers import theirs only when enabled."""
+a cycle from Python, not from the design), read with ast. No optional package
+imported by a plain run: the optional loggers import theirs only when enabled. And no
+import inside a function without its reason (issue 38)."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,6 +16,7 @@ import textwrap
 from tests.conftest import engine_env
 
 ENGINE = pathlib.Path(__file__).resolve().parents[2] / "engine"
+PLUGINS = ENGINE.parent / "plugins"
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -48,6 +51,57 @@ def imported(name: str, path: pathlib.Path, modules: dict) -> set[str]:
                 target = target.rpartition(".")[0]
             if target and target != name:
                 found.add(target)
+    return found
+
+
+def function_level_imports(tree: ast.AST) -> list[ast.stmt]:
+    """The import statements inside a function (a method's, a nested function's)."""
+    functions = [f for f in ast.walk(tree)
+                 if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    found = {node.lineno: node for function in functions for node in ast.walk(function)
+             if isinstance(node, (ast.Import, ast.ImportFrom))}
+    return [found[line] for line in sorted(found)]
+
+
+#: A module's rule for its function-level imports: a comment at the module's level (not
+#: indented) or a sentence of its docstring, e.g. "torch is imported inside the
+#: functions that use it: <who imports this module without torch>".
+MODULE_RULE = re.compile(r"imported\s+(only\s+)?inside", re.IGNORECASE)
+#: Comments that are tool pragmas, not reasons.
+PRAGMA = re.compile(r"#\s*(noqa\b[:\s\w,]*|type:\s*ignore\S*|pragma:.*)$")
+
+
+def unexplained_imports(path: pathlib.Path, root: pathlib.Path = ENGINE.parent) -> list:
+    """``file:line: statement`` for each function-level import of ``path`` without its
+    reason. The rule, kept simple: an import stays inside a function only to keep
+    start-up fast or to break a cycle, and says so either once for the module (see
+    :data:`MODULE_RULE`) or in a comment on it, on an import just above it or on a
+    comment line just above those (a run of imports, blank lines allowed between them,
+    shares its comment); a pragma such as ``# noqa: F401`` is no reason."""
+    source = path.read_text()
+    lines = source.splitlines()
+    tree = ast.parse(source, str(path))
+    docstring = ast.get_docstring(tree) or ""
+    if MODULE_RULE.search(docstring) or any(
+            line.startswith("#") and MODULE_RULE.search(line) for line in lines):
+        return []
+
+    def reason(line: str) -> bool:
+        comment = line.partition("#")[2].strip()
+        return bool(comment) and not PRAGMA.fullmatch("#" + comment)
+
+    found = []
+    run = 0  # the first line of the run of imports (blank lines between) this one ends
+    end = 0
+    for node in function_level_imports(tree):
+        if any(line.strip() for line in lines[end:node.lineno - 1]):
+            run = node.lineno
+        end = node.end_lineno
+        above = lines[run - 2] if run > 1 else ""
+        if not (any(reason(line) for line in lines[run - 1:end])
+                or above.lstrip().startswith("#") and reason(above)):
+            found.append(f"{path.relative_to(root)}:{node.lineno}: "
+                         f"{lines[node.lineno - 1].strip()}")
     return found
 
 
@@ -173,3 +227,36 @@ def test_engine_run_starts_without_torch_or_the_modules_only_a_run_needs():
                          capture_output=True, timeout=120, cwd=ENGINE.parent)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_every_import_inside_a_function_says_why(tmp_path):
+    # The rule itself, on modules made to pass and to fail it.
+    (tmp_path / "bare.py").write_text("import os\n\ndef f():\n    import json\n"
+                                      "    from typing import (\n        Any)\n"
+                                      "def g():\n    import numpy  # noqa: F401\n"
+                                      "    import torch  # a reason, for this line only\n"
+                                      "    x = 1\n    import yaml\n")
+    (tmp_path / "each.py").write_text("def f():\n    # optional: only YAML needs them\n"
+                                      "    import yaml\n    from yaml import (\n"
+                                      "        safe_load)\n    import toml\n"
+                                      "    from engine import data  # imports torch\n"
+                                      "def g():\n    import torch  # and those below\n"
+                                      "\n    from engine import trainer\n")
+    (tmp_path / "module.py").write_text("# torch is imported inside the functions: the "
+                                        "launcher imports this module\n"
+                                        "def f():\n    import torch\n")
+    bare = unexplained_imports(tmp_path / "bare.py", tmp_path)
+    assert [line.partition(": ")[2] for line in bare] == [
+        "import json", "from typing import (", "import numpy  # noqa: F401", "import yaml"]
+    assert bare[0] == "bare.py:4: import json"
+    assert unexplained_imports(tmp_path / "each.py", tmp_path) == []
+    assert unexplained_imports(tmp_path / "module.py", tmp_path) == []
+    # Then engine/ and plugins/ (engine/plugins may be a link to plugins/: read once).
+    files = sorted({p.resolve() for top in (ENGINE, PLUGINS) for p in top.rglob("*.py")})
+    found = [line for path in files for line in unexplained_imports(path)]
+    assert not found, (
+        "imports inside functions without their reason (issue 38: keep one there only to "
+        "keep start-up fast or to break a cycle, and say which in a comment on or just "
+        "above it, or once for the module: \"torch is imported inside the functions that "
+        "use it: <who imports this module without it>\"; else import it at the top):\n"
+        + "\n".join(found))
