@@ -82,7 +82,6 @@ def init(world: World, backend: str, timeout_s: float) -> None:
                                     f"engine/{session}/pg/", store),
                                 rank=world.rank, world_size=world.world_size,
                                 timeout=timeout)
-        health.keep_failure_board(dist.PrefixStore(f"engine/{session}/failed/", store))
     except Exception as exc:
         print_failure_table(world, backend)
         raise LaunchError(

@@ -89,15 +89,7 @@ class Engine(WorkerContext):
     def explain(self, exc: BaseException) -> BaseException:
         """The error a user should see: a hint from the parallel mode, or, when a
         collective failed, which ranks stopped answering."""
-        if not isinstance(exc, Exception):
-            return exc
-        collective = distributed.is_initialized() and health.is_collective_failure(exc)
-        if distributed.is_initialized() and not collective:
-            # Before this rank's connections close: the collective that fails on the
-            # others then reads as the echo of this error, however slowly this rank
-            # exits (a roll call that waited for it named it as stopped).
-            health.announce_own_failure(self.world.rank)
-        if isinstance(exc, EngineError):
+        if isinstance(exc, EngineError) or not isinstance(exc, Exception):
             return exc
         explained = super().explain(exc)  # a compile failure
         if explained is not exc:
@@ -106,12 +98,8 @@ class Engine(WorkerContext):
         hint = self.parallel.explain(exc) if self.parallel is not None else None
         if hint:
             return RunError(f"{type(exc).__name__}: {line}; hint: {hint}")
-        if collective:
-            # Another rank that said it failed by its own error needs no roll call:
-            # this rank's error is the echo of that one.
-            missing = None if health.a_rank_failed() else health.missing_ranks()
-            if missing and health.ranks_that_failed(missing) == missing:
-                missing = None  # they said so while the roll call waited for them
+        if distributed.is_initialized() and health.is_collective_failure(exc):
+            missing = health.missing_ranks()
             who = (f"rank(s) {', '.join(map(str, missing))} stopped answering" if missing
                    else "another rank failed or stopped answering")
             stopped = distributed.stopped_local_peers(missing or [])

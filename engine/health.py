@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import re
-import threading
 
 from engine import phases
 from engine.errors import RunError, first_line
@@ -32,56 +31,6 @@ _COLLECTIVE_FAILURE_MARKERS = (
     # collective started before the one that timed out, waited for after it).
     "Application timeout caused pair closure",
 )
-
-
-#: Where a rank that fails by an error of its own says so (a prefix store of this run's
-#: session; set by engine.distributed.init): a collective that fails on the others is
-#: then an echo of that error, however long the failed rank takes to exit.
-_BOARD: list = []
-#: The bound on one request to that board: its host may be the rank that is stopped.
-BOARD_S = 1.0
-
-
-def keep_failure_board(store) -> None:
-    _BOARD[:] = [store]
-
-
-def _ask_board(request):
-    """``request(store)``'s answer, or None when there is no board or it does not answer
-    within BOARD_S (a daemon thread: a stopped store host cannot hold this rank)."""
-    if not _BOARD:
-        return None
-    store, answer = _BOARD[0], []
-
-    def ask() -> None:
-        try:
-            answer.append(request(store))
-        except Exception:  # the store's host is gone: nothing to learn from it
-            pass
-
-    thread = threading.Thread(target=ask, name="engine-failure-board", daemon=True)
-    thread.start()
-    thread.join(BOARD_S)
-    return answer[0] if answer else None
-
-
-def announce_own_failure(rank: int) -> None:
-    """Say that this rank fails by its own error (not a collective's), before its
-    connections close: the others' failed collective is then an echo of it."""
-    def announce(store):
-        store.set(f"rank/{rank}", "failed")
-        store.add("count", 1)
-    _ask_board(announce)
-
-
-def a_rank_failed() -> bool:
-    """Whether any rank announced its own failure (one request, however many ranks)."""
-    return bool(_ask_board(lambda store: store.add("count", 0)))
-
-
-def ranks_that_failed(ranks: list[int]) -> list[int]:
-    """Of ``ranks``, those that announced their own failure."""
-    return [r for r in ranks if _ask_board(lambda store: store.check([f"rank/{r}"]))]
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -138,7 +87,6 @@ def release() -> None:
         _GROUPS.clear()
         for group in groups:
             dist.destroy_process_group(group)
-    _BOARD.clear()
 
 
 def missing_ranks(timeout_s: float = ROLL_CALL_S) -> list[int] | None:
