@@ -99,7 +99,9 @@ class Engine(WorkerContext):
         if hint:
             return RunError(f"{type(exc).__name__}: {line}; hint: {hint}")
         if distributed.is_initialized() and health.is_collective_failure(exc):
-            missing = health.missing_ranks()
+            # The roll call names ranks that stopped answering (a timeout); a closed
+            # connection is the echo of a peer's end, which its own error names.
+            missing = None if health.peer_is_gone(exc) else health.missing_ranks()
             who = (f"rank(s) {', '.join(map(str, missing))} stopped answering" if missing
                    else "another rank failed or stopped answering")
             stopped = distributed.stopped_local_peers(missing or [])

@@ -33,6 +33,19 @@ _COLLECTIVE_FAILURE_MARKERS = (
 )
 
 
+#: Texts of the errors a collective fails with when a peer's connection closed: that
+#: process has ended or is ending, and its own error (or its launcher) says why.
+_PEER_GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_is_gone(exc: BaseException) -> bool:
+    """Whether a failed collective failed because a peer closed its connection (not a
+    timeout): this rank's error is an echo of that peer's end, and a roll call has
+    nothing to name. (It could wait its whole bound for a peer still on its way out,
+    and then name it as one that stopped answering.)"""
+    return any(m in str(exc) for m in _PEER_GONE_MARKERS)
+
+
 def is_collective_failure(exc: BaseException) -> bool:
     import torch.distributed as dist
 

@@ -91,6 +91,23 @@ def test_every_way_gloo_reports_a_lost_peer_counts_as_a_failed_collective():
                                                   "for scalar outputs"))
 
 
+def test_a_closed_connection_is_an_echo_and_a_timeout_is_a_roll_call():
+    """A CI run: rank 1 raised, and rank 0's collective failed with "Connection reset by
+    peer"; its roll call then waited 2 s for rank 1, still on its way out, named it as
+    one that stopped answering, and rank 0's echo was printed. A closed connection
+    needs no roll call: the peer's own error names it."""
+    from engine.health import peer_is_gone
+
+    for text in ("[gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:61617: "
+                 "Connection reset by peer",
+                 "[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:1",
+                 "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Broken pipe"):
+        assert peer_is_gone(RuntimeError(text)), text
+    for text in ("Application timeout caused pair closure",
+                 "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv"):
+        assert not peer_is_gone(RuntimeError(text)), text
+
+
 RELEASE_PROBE = """
 import sys
 import torch.distributed as dist
