@@ -239,8 +239,8 @@ def resume(ctx) -> None:
     where = ctx.state.position()
     restarts = (f" (restart {ctx.world.restart_count})" if ctx.world.restart_count else "")
     reached = memory.reached_before if memory is not None else 0
-    lost = (f" ({reached - ctx.state.step} steps lost)" if reached > ctx.state.step
-            else "")
+    lost = reached - ctx.state.step
+    lost = f" ({lost} step{'' if lost == 1 else 's'} lost)" if lost > 0 else ""
     ctx.print(f"resuming from {chosen}: {where}{restarts}{lost}")
     ctx.record_resume(chosen, "disk", ctx.state.step, reached)
 

@@ -6,13 +6,14 @@ ENGINE_FAULT_ACTION  kill (SIGKILL itself), raise, hang, signal (SIGUSR1 to itse
                      process group, as a terminal sends it), interrupt-twice (the same,
                      then again once engine-run took the first, while this rank hangs
                      deaf to it)
-ENGINE_FAULT_STEP    act right after this optimizer step ...
+ENGINE_FAULT_STEP    act right after this optimizer step (or each of a comma list: 9,13) ...
 ENGINE_FAULT_EPOCH   ... or at the start of this epoch
 ENGINE_FAULT_RANK    the rank that acts (default 0), or ``all``: every rank (a whole
                      machine lost at once, no survivor left waiting on the dead)
 ENGINE_FAULT_ONCE    a marker file: act only when it does not exist yet (then create it),
                      so that the resumed run goes through (with ``all``: one marker per
-                     rank, the path plus ``.rank<R>``)
+                     rank, the path plus ``.rank<R>``; with a list of steps, one per
+                     step, the path plus ``.step<N>``)
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ import time
 import engine
 
 
-def _act(eng) -> None:
+def _act(eng, step: int | None = None) -> None:
     acting = os.environ.get("ENGINE_FAULT_RANK", "0")
     if acting != "all" and eng.world.rank != int(acting):
         return
     marker = os.environ.get("ENGINE_FAULT_ONCE")
     if marker and acting == "all":
         marker = f"{marker}.rank{eng.world.rank}"
+    if marker and step is not None and "," in os.environ.get("ENGINE_FAULT_STEP", ""):
+        marker = f"{marker}.step{step}"
     if marker:
         path = pathlib.Path(marker)
         if path.exists():
@@ -87,8 +90,8 @@ def _wait_delivered(pid: int, signum: int, timeout_s: float = 60) -> None:
 
 @engine.hookimpl
 def engine_train_step_end(ctx, step, loss):
-    if str(step) == os.environ.get("ENGINE_FAULT_STEP"):
-        _act(ctx)
+    if str(step) in os.environ.get("ENGINE_FAULT_STEP", "").split(","):
+        _act(ctx, step)
 
 
 @engine.hookimpl

@@ -1,5 +1,6 @@
 """Restarts that resume from memory (issue 26), on real torchrun processes: a worker
-killed mid-epoch comes back from its own in-memory snapshot, and a "node" whose
+killed mid-epoch comes back from its own in-memory snapshot (killed again at an epoch's
+start, from the newer disk snapshot: torchrun's restarts from disk), and a "node" whose
 shared memory is gone gets the snapshot from its healthy peer; both end with the
 weights of a run that was never interrupted."""
 
@@ -12,7 +13,7 @@ import pytest
 
 from engine.memory_snapshot import buffer_paths
 from tests.conftest import ENGINE_RUN, engine_env, read_summary, run_cli, small_disk
-from tests.engine.test_snapshot import (BASE, ELASTIC, EPOCHS, RECIPE, STEPS_PER_EPOCH,
+from tests.engine.test_snapshot import (BASE, ELASTIC, RECIPE, STEPS_PER_EPOCH,
                                         TORCHRUN, Agents, wait_for)
 
 #: tiny_resume with a memory snapshot every step and disk snapshots only at epoch ends,
@@ -43,30 +44,38 @@ def no_buffers_left(out, world_size: int = 2) -> bool:
     return not any(p.exists() for r in range(world_size) for p in buffer_paths(out, r))
 
 
-def test_a_worker_killed_mid_epoch_under_torchrun_resumes_from_memory_losing_one_step(
+def test_a_worker_killed_under_torchrun_resumes_from_memory_or_from_disk_whichever_is_newer(
         reference, tmp_path):
-    """Rank 1 SIGKILLed in the step-end hook of a mid-epoch step (after the epoch-end
-    disk snapshot before it, before that step's memory copy): torchrun restarts both
-    workers, which resume from the previous step's memory snapshot, not from disk."""
+    """Rank 1 SIGKILLed twice in one torchrun run (--max-restarts 2), in the step-end
+    hook, before that step's memory copy. Mid-epoch, after the epoch-end disk snapshot
+    before it: torchrun restarts both workers, which resume from the previous step's
+    memory snapshot, not from disk. At an epoch's first step, whose memory snapshot
+    before it is as old as the epoch-end disk one: from disk (and a run that resumed
+    twice ends with the uninterrupted weights)."""
+    import re
+
     from tests.plugins.launch_runs import run
 
-    # Neither an epoch's first step (the memory snapshot before it is as old as the disk
-    # one: the disk wins) nor its last; a disk snapshot is older than the memory one.
-    step = random.choice([s for s in range(STEPS_PER_EPOCH + 2, STEPS_PER_EPOCH * EPOCHS)
-                          if s % STEPS_PER_EPOCH not in (0, 1)])
+    # Neither an epoch's first step nor its last; in the second epoch, so that the disk
+    # snapshot before it is older than the memory one.
+    step = random.choice([s for s in range(STEPS_PER_EPOCH + 2, STEPS_PER_EPOCH * 2)])
+    epoch_start = STEPS_PER_EPOCH * 2 + 1
     out = tmp_path / "run"
-    env = engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP=str(step),
+    env = engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP=f"{step},{epoch_start}",
                      ENGINE_FAULT_RANK="1", ENGINE_FAULT_ONCE=str(tmp_path / "once"))
     proc = run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
                 ENGINE_RUN, RECIPE, *MEMORY, f"out_dir={out}", "-p", "tests.fault_plugin"],
                env=env, timeout=300)
-    assert (tmp_path / "once").exists(), "the worker was never killed"
+    for killed in (step, epoch_start):
+        assert (tmp_path / f"once.step{killed}").exists(), f"never killed at step {killed}"
     assert (f"resumed from memory at step {step - 1} (restart 1; 1 step lost)"
             in proc.stdout), proc.stdout
-    assert "resuming from " not in proc.stdout  # not from the disk snapshot
+    assert re.search(rf"^resuming from .*: the end of epoch 2, step {epoch_start - 1} "
+                     r"\(restart 2\) \(1 step lost\)$", proc.stdout, re.M), proc.stdout
+    assert proc.stdout.count("resuming from ") == 1  # the memory resume was not from disk
     summary = read_summary(out)
-    assert summary["resume"] == {"tier": "memory", "step": step - 1, "steps_lost": 1,
-                                 "source_rank": None}
+    assert summary["resume"]["tier"] == "disk"
+    assert summary["resume"]["step"] == epoch_start - 1
     assert (summary["launcher"], summary["global_step"]) == ("torchrun", 18)
     assert summary["weights_sha256"] == reference[2]  # BASE's: snapshots change nothing
     assert no_buffers_left(out), "a completed run leaves its shared-memory buffers"

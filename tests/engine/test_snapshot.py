@@ -95,23 +95,9 @@ def test_resume_from_a_missing_path_is_an_error(tmp_path):
     assert f"--resume '{tmp_path / 'nope.pt'}': no such snapshot" in proc.stderr
 
 
-def test_torchrun_max_restarts_resumes_a_killed_worker_to_identical_weights(
-        reference, tmp_path):
-    out = tmp_path / "run"
-    env = engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_STEP=str(mid_epoch_step()),
-                     ENGINE_FAULT_RANK="1", ENGINE_FAULT_ONCE=str(tmp_path / "once"))
-    from tests.plugins.launch_runs import run
-
-    from tests.conftest import ENGINE_RUN
-
-    proc = run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
-                ENGINE_RUN, RECIPE, *BASE, f"out_dir={out}", "-p", "tests.fault_plugin"],
-               env=env, timeout=400)
-    assert (tmp_path / "once").exists(), "the worker was never killed"
-    assert "(restart 1)" in proc.stdout, proc.stdout
-    summary = read_summary(out)
-    assert (summary["launcher"], summary["global_step"]) == ("torchrun", 18)
-    assert summary["weights_sha256"] == reference[2]
+# torchrun --max-restarts resuming a killed worker from a disk snapshot to identical
+# weights: tests/engine/test_memory_resume.py, whose one torchrun run resumes from memory
+# and then, killed at an epoch's start, from disk.
 
 
 # ------------------------------------------------- resuming with a changed config
