@@ -234,7 +234,7 @@ def pytest_xdist_make_scheduler(config, log):
 # test needs no marker to be placed right.
 
 STARTS_PROCESSES = re.compile(
-    r"\b(run_cli|run_recipe|run_engine|run_python|srun|torchrun_cmd|spawn_workers|"
+    r"\b(run_cli|run_recipe|run_engine|run_python|start_python|srun|torchrun_cmd|spawn_workers|"
     r"start_processes|"
     r"launch|mp\.spawn|AsyncFileCheckpointer|WarmStarter)\(|\bsubprocess\.|\bPopen\(")
 

@@ -37,6 +37,11 @@ or on the command line: ``pytest -p engine.testing``. Fixtures:
 ``run_python(args, env=None, cwd=None, timeout=300, check=False)`` (a function)
     ``python ARGS`` (a script, ``-m MODULE`` or ``-c CODE``) forked from the same warm
     server, for tools and example scripts.
+``start_engine(args, env=None, cwd=None)``, ``start_python(args, env=None, cwd=None)``
+    The same, started and returned at once, for processes that run side by side (ranks
+    that meet, a run that a test signals): a handle as subprocess.Popen's (``pid``, in a
+    session of its own, ``poll()``, ``wait()``, ``communicate(timeout)`` giving stdout
+    and stderr as text, ``kill()``: its whole session).
 ``write_distribution(site, name, version, entry_points, files)`` (a function)
     A minimal installed distribution in a folder, without pip: for tests of discovery.
 ``install_plugin(path)``
@@ -205,6 +210,35 @@ def run_python(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd
         proc = subprocess.run([sys.executable, *map(str, args)], env=env, cwd=cwd,
                               capture_output=True, text=True, timeout=timeout)
     return _checked(proc, check, "python")
+
+
+def start_engine(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd=None):
+    """``engine-run ARGS`` started as :func:`run_engine` runs it, returned at once: a
+    process handle with subprocess.Popen's ``pid`` (its own session), ``poll``,
+    ``wait``, ``kill`` and ``communicate`` (text output)."""
+    env = dict(env) if env is not None else engine_env()
+    if warm_start.enabled():
+        env.setdefault(START_METHOD_ENV, "fork")  # as run_engine
+        return _warm_starter().start(args, env=env, cwd=cwd)
+    return _popen([sys.executable, "-m", "engine", *map(str, args)], env, cwd)
+
+
+def start_python(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd=None):
+    """``python ARGS`` started as :func:`run_python` runs it, returned at once, as
+    :func:`start_engine` starts engine-run."""
+    env = dict(env) if env is not None else engine_env()
+    if warm_start.enabled():
+        return _warm_starter().start(args, env=env, cwd=cwd, python=True)
+    return _popen([sys.executable, *map(str, args)], env, cwd)
+
+
+def _popen(command: list[str], env: Mapping[str, str], cwd) -> subprocess.Popen:
+    """A plain subprocess as the warm server's children are: its own session, text
+    output captured, and ``kill()`` ending that session (its workers too)."""
+    proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc.kill = lambda: warm_start.kill_session(proc.pid)
+    return proc
 
 
 def _checked(proc: subprocess.CompletedProcess, check: bool,

@@ -12,7 +12,9 @@ function the ``engine-run`` script calls, so exit codes, signals and workers sta
 (PYTHONPATH entries are put on ``sys.path`` by hand; variables read when a library loads,
 such as OMP_NUM_THREADS, are the server's).
 
-The same server runs Python command lines (``run(..., python=True)``: ``SCRIPT ARGS``,
+Commands run side by side (:meth:`WarmStarter.start` returns a handle as
+subprocess.Popen does) or one at a time (:meth:`WarmStarter.run`). The same server runs
+Python command lines (``run(..., python=True)``: ``SCRIPT ARGS``,
 ``-m MODULE ARGS`` or ``-c CODE ARGS``, as after ``python``) through :mod:`runpy`, for the
 tools and example scripts a suite runs: ``__name__ == "__main__"``, ``sys.argv`` and the
 script's folder first on ``sys.path`` as in a new interpreter, and workers it spawns find
@@ -32,6 +34,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,12 +56,16 @@ def enabled() -> bool:
 
 
 class WarmStarter:
-    """The client side: one server process, started on first use, one command at a time."""
+    """The client side: one server process, started on first use; commands run side by
+    side (:meth:`start`) or one after the other (:meth:`run`), from any thread."""
 
     def __init__(self) -> None:
         self._server: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._pending = b""
+        self._next_id = 0
+        self._pids: dict[int, int] = {}  # request id -> its process's pid
+        self._exits: dict[int, int] = {}  # request id -> its exit code, once it ended
         #: CPU seconds (user + system) of the commands run so far, each with the workers
         #: it reaped: the server reaps them, so they are in no rusage of the client's.
         self.cpu_s = 0.0
@@ -67,28 +74,40 @@ class WarmStarter:
 
     def run(self, args: Sequence[str], *, env: Mapping[str, str], cwd, timeout: float,
             python: bool = False) -> subprocess.CompletedProcess:
-        """``engine-run ARGS``, or with ``python``, ``python ARGS``."""
+        """``engine-run ARGS``, or with ``python``, ``python ARGS``; waits for its end."""
+        deadline = time.monotonic() + timeout
+        process = self.start(args, env=env, cwd=cwd, timeout=timeout, python=python)
+        try:
+            out, err = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired as exc:
+            raise subprocess.TimeoutExpired(process.args, timeout, exc.output,
+                                            exc.stderr) from None
+        return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+    def start(self, args: Sequence[str], *, env: Mapping[str, str], cwd,
+              timeout: float = 300, python: bool = False) -> WarmProcess:
+        """Start ``engine-run ARGS`` (or ``python ARGS``) and return at once: a process
+        handle as subprocess.Popen's, its output captured (``communicate``). ``timeout``
+        bounds the wait for the server to fork it (its first start imports torch)."""
         program = "python" if python else "engine-run"
-        with self._lock, tempfile.TemporaryDirectory(prefix="engine-run-") as tmp:
-            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            request = {"argv": [str(a) for a in args], "env": dict(env), "python": python,
-                       "cwd": os.fspath(cwd or os.getcwd()), "out": out, "err": err}
+        folder = tempfile.mkdtemp(prefix="engine-run-")
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        with self._lock:
+            self._next_id += 1
+            ident = self._next_id
+            request = {"id": ident, "argv": [str(a) for a in args], "env": dict(env),
+                       "python": python, "cwd": os.fspath(cwd or os.getcwd()),
+                       "out": out, "err": err}
             server = self._started()
             server.stdin.write(json.dumps(request) + "\n")
             server.stdin.flush()
-            deadline = time.monotonic() + timeout
-            pid = int(self._reply(server, "pid", deadline))
-            try:
-                code = self._ended(server, deadline)
-            except subprocess.TimeoutExpired:
-                # The command's whole session (its spawned workers too), as the timeout
-                # of subprocess.run would kill the process.
-                _kill_session(pid)
-                self._ended(server, time.monotonic() + 30)
-                raise subprocess.TimeoutExpired([program, *request["argv"]], timeout,
-                                                _read(out), _read(err)) from None
-            return subprocess.CompletedProcess([program, *request["argv"]], code,
-                                               _read(out), _read(err))
+        deadline = time.monotonic() + timeout
+        while ident not in self._pids:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired([program, *request["argv"]], timeout)
+            self._read_replies(deadline)
+        return WarmProcess(self, ident, self._pids.pop(ident), [program, *request["argv"]],
+                           folder)
 
     def _started(self) -> subprocess.Popen:
         if self._server is None or self._server.poll() is not None:
@@ -99,30 +118,48 @@ class WarmStarter:
             self._pending = b""
         return self._server
 
-    def _ended(self, server: subprocess.Popen, deadline: float) -> int:
-        code, _, cpu_s = self._reply(server, "exit", deadline).partition(" ")
-        self.cpu_s += float(cpu_s or 0)
-        return int(code)
+    def _exit_code(self, ident: int, deadline: float) -> int | None:
+        """The exit code of request ``ident``, waiting for it until ``deadline``; None
+        when it is still running then."""
+        while ident not in self._exits:
+            self._read_replies(deadline)  # once at least: poll() reads what came
+            if ident not in self._exits and time.monotonic() >= deadline:
+                return None
+        return self._exits.pop(ident)
 
-    def _reply(self, server: subprocess.Popen, key: str, deadline: float) -> str:
-        # Raw reads and our own buffer: a buffered readline could swallow the next line,
-        # which select would then never report.
-        while b"\n" not in self._pending:
-            remaining = deadline - time.monotonic()
-            ready, _, _ = select.select([server.stdout], [], [], max(0.0, remaining))
-            if not ready:
-                raise subprocess.TimeoutExpired(key, remaining)
-            chunk = os.read(server.stdout.fileno(), 4096)
-            if not chunk:
-                self._server = None
-                raise RuntimeError(f"the warm-start server exited (code {server.wait()}); "
-                                   f"set {DISABLE_ENV}=0 to run real subprocesses")
-            self._pending += chunk
-        line, _, self._pending = self._pending.partition(b"\n")
-        found, _, value = line.decode().partition(" ")
-        if found != key:
-            raise RuntimeError(f"warm-start server: expected {key!r}, got {line!r}")
-        return value
+    def _read_replies(self, deadline: float) -> None:
+        """Read what the server answered (``pid ID PID``, ``exit ID CODE CPU_S``) for at
+        most a tenth of a second, or until ``deadline``: other threads may be waiting
+        for their own commands' answers."""
+        with self._lock:
+            server = self._server
+            if server is None:
+                raise RuntimeError("the warm-start server is gone")
+            if b"\n" not in self._pending:
+                wait = min(0.1, max(0.0, deadline - time.monotonic()))
+                ready, _, _ = select.select([server.stdout], [], [], wait)
+                if not ready:
+                    return
+                # Raw reads and our own buffer: a buffered readline could swallow the
+                # next line, which select would then never report.
+                chunk = os.read(server.stdout.fileno(), 4096)
+                if not chunk:
+                    self._server = None
+                    raise RuntimeError(f"the warm-start server exited (code "
+                                       f"{server.wait()}); set {DISABLE_ENV}=0 to run real "
+                                       "subprocesses")
+                self._pending += chunk
+            while b"\n" in self._pending:
+                line, _, self._pending = self._pending.partition(b"\n")
+                kind, ident, value = line.decode().split(" ", 2)
+                if kind == "pid":
+                    self._pids[int(ident)] = int(value)
+                elif kind == "exit":
+                    code, _, cpu_s = value.partition(" ")
+                    self.cpu_s += float(cpu_s or 0)
+                    self._exits[int(ident)] = int(code)
+                else:
+                    raise RuntimeError(f"warm-start server: unexpected answer {line!r}")
 
     def close(self) -> None:
         if self._server is not None and self._server.poll() is None:
@@ -134,7 +171,56 @@ class WarmStarter:
         self._server = None
 
 
-def _kill_session(pid: int) -> None:
+class WarmProcess:
+    """A command the server forked, as a subprocess.Popen with captured text output:
+    ``pid``, ``args``, ``returncode``, ``poll()``, ``wait()``, ``communicate()`` and
+    ``kill()`` (its whole session: its workers too, as a timeout of subprocess.run
+    kills the process)."""
+
+    def __init__(self, starter: WarmStarter, ident: int, pid: int, args: list[str],
+                 folder: str) -> None:
+        self._starter, self._ident, self._folder = starter, ident, folder
+        self.pid, self.args = pid, args
+        self.returncode: int | None = None
+        self._output: tuple[str, str] | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._starter._exit_code(self._ident, time.monotonic())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        if self.returncode is None:
+            self.returncode = self._starter._exit_code(self._ident, deadline)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Its stdout and stderr once it ended; on a timeout it is killed (its session),
+        and the TimeoutExpired carries what it had printed."""
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.wait(30)
+            out, err = self._read_output()
+            raise subprocess.TimeoutExpired(self.args, timeout, out, err) from None
+        return self._read_output()
+
+    def kill(self) -> None:
+        kill_session(self.pid)
+
+    def _read_output(self) -> tuple[str, str]:
+        if self._output is None:
+            self._output = (_read(os.path.join(self._folder, "stdout")),
+                            _read(os.path.join(self._folder, "stderr")))
+            shutil.rmtree(self._folder, ignore_errors=True)
+        return self._output
+
+
+def kill_session(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -154,8 +240,9 @@ def _read(path: str) -> str:
 
 def serve() -> None:
     """The server: import what every run imports, then fork one child per request line
-    on stdin; answer ``pid N`` when it started and ``exit CODE CPU_S`` when it ended
-    (CPU_S: its user and system CPU seconds, with those of the workers it reaped)."""
+    on stdin, at once (children run side by side); answer ``pid ID N`` when it started
+    and ``exit ID CODE CPU_S`` when it ended (CPU_S: its user and system CPU seconds,
+    with those of the workers it reaped). Each child's pidfd tells when it ended."""
     # the server's alone: the clients (every test process) need not import the run's modules
     from engine.spares import import_run_modules
 
@@ -173,15 +260,31 @@ def serve() -> None:
     # child's collections no longer walk (and so write to, copying page by page) the
     # objects it inherited.
     gc.freeze()
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _child(request)  # never returns
-        print(f"pid {pid}", flush=True)
-        _, status, usage = os.wait4(pid, 0)
-        print(f"exit {os.waitstatus_to_exitcode(status)} "
-              f"{usage.ru_utime + usage.ru_stime:.3f}", flush=True)
+    running: dict[int, tuple[int, int]] = {}  # a child's pidfd -> (request id, pid)
+    pending, reading = b"", True
+    while reading or running:
+        ready, _, _ = select.select([0] * reading + list(running), [], [])
+        for fd in ready:
+            if fd == 0:
+                chunk = os.read(0, 1 << 16)
+                reading = bool(chunk)  # the client closed its end: serve what runs
+                pending += chunk
+                while b"\n" in pending:
+                    line, _, pending = pending.partition(b"\n")
+                    request = json.loads(line)
+                    pid = os.fork()
+                    if pid == 0:
+                        for other in running:  # its siblings' handles are not its own
+                            os.close(other)
+                        _child(request)  # never returns
+                    running[os.pidfd_open(pid)] = (request["id"], pid)
+                    print(f"pid {request['id']} {pid}", flush=True)
+            else:
+                ident, pid = running.pop(fd)
+                os.close(fd)
+                _, status, usage = os.wait4(pid, 0)
+                print(f"exit {ident} {os.waitstatus_to_exitcode(status)} "
+                      f"{usage.ru_utime + usage.ru_stime:.3f}", flush=True)
 
 
 def _child(request: dict) -> None:

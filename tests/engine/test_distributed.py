@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
 from engine.launcher import free_port
+from engine.testing import start_python
 from tests.conftest import REPO, engine_env
 
 TIMEOUT_S = 4
@@ -70,14 +69,13 @@ def script(tmp_path_factory):
     return path
 
 
-def start_together(script, *processes: list[dict]) -> list[subprocess.Popen]:
-    """One process per list of cases; their inits start once all have imported torch."""
+def start_together(script, *processes: list[dict]) -> list:
+    """One process per list of cases, side by side (forked from the warm-start server,
+    which has torch imported); their inits start once all are up."""
     ready = script.parent / f"ready-{time.monotonic_ns()}"
     ready.mkdir()
     env = engine_env(READY_DIR=str(ready), READY_COUNT=str(len(processes)))
-    procs = [subprocess.Popen([sys.executable, str(script), json.dumps(cases)], cwd=REPO,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
+    procs = [start_python([script, json.dumps(cases)], cwd=REPO, env=env)
              for cases in processes]
     for p in procs:
         p.ready_dir = ready

@@ -247,20 +247,18 @@ def test_sigusr1_to_the_whole_process_group_gives_one_snapshot_and_a_clean_stop(
     worker gets the signal directly and again forwarded by the launcher."""
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
+    from engine.testing import start_engine
+
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine", RECIPE, "epochs=40", "checkpoint.every_steps=4",
-         f"out_dir={out}", "--nproc", "2", "--launcher", "spawn"],
-        env=engine_env(), cwd=REPO, start_new_session=True, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # In a session of its own, as a job step's processes are.
+    proc = start_engine([RECIPE, "epochs=40", "checkpoint.every_steps=4", f"out_dir={out}",
+                         "--nproc", "2", "--launcher", "spawn"], env=engine_env(), cwd=REPO)
     try:
         deadline = time.monotonic() + 120
         while not (out / "checkpoints" / "latest").exists():  # the handlers are up
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate(1)
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGUSR1)
         stdout, stderr = proc.communicate(timeout=120)

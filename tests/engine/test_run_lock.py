@@ -13,24 +13,23 @@ import pytest
 import engine
 from engine.errors import LaunchError
 from engine.run_lock import LOCK_FILE, holding
+from engine.testing import start_engine
 from tests import conftest
 from tests.conftest import REPO, read_summary, run_cli
 
 RECIPE = str(REPO / "tests" / "recipes" / "tiny_regression.py")
 
 
-def start_hanging_run(out, tmp_path) -> subprocess.Popen:
-    """A real 2-process engine-run that hangs after step 3 (rank 0), holding the lock."""
+def start_hanging_run(out, tmp_path):
+    """A real 2-process engine-run that hangs after step 3 (rank 0), holding the lock; in
+    a session of its own."""
     env = conftest.engine_env(ENGINE_FAULT_ACTION="hang", ENGINE_FAULT_STEP="3",
                               ENGINE_START_METHOD="fork")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine", RECIPE, "epochs=3", "checkpoint.every_steps=2",
-         f"out_dir={out}", "--nproc", "2", "-p", "tests.fault_plugin"],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True)
+    proc = start_engine([RECIPE, "epochs=3", "checkpoint.every_steps=2", f"out_dir={out}",
+                         "--nproc", "2", "-p", "tests.fault_plugin"], env=env, cwd=REPO)
     deadline = time.monotonic() + 120
     while not (out / "checkpoints" / "latest").exists():  # trained 2 steps: it holds it
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(1)
         time.sleep(0.2)
     return proc
 

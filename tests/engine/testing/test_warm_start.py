@@ -131,6 +131,35 @@ def test_python_command_lines_run_as_in_a_new_interpreter(starter, tmp_path, how
     assert expected.stdout.startswith("__main__ ['3', 'x'] True\n")
 
 
+MEET = """
+import pathlib, sys, time
+here, there = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+here.touch()
+deadline = time.monotonic() + 60
+while not there.exists():
+    assert time.monotonic() < deadline, "the other command never ran alongside"
+    time.sleep(0.01)
+print("met", here.name)
+"""
+
+
+def test_commands_started_side_by_side_run_at_once_and_end_apart(starter, tmp_path):
+    """Two commands that each wait for the other's file: one at a time, the first would
+    wait for ever (60 s, then fail). A third, still running, is killed with its session
+    while the others' results come back."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    first = starter.start(["-c", MEET, a, b], env=engine_env(), cwd=tmp_path, python=True)
+    second = starter.start(["-c", MEET, b, a], env=engine_env(), cwd=tmp_path, python=True)
+    sleeper = starter.start(["-c", "import time; time.sleep(300)"], env=engine_env(),
+                            cwd=tmp_path, python=True)
+    assert second.communicate(timeout=120) == ("met b\n", "")
+    assert (first.communicate(timeout=120), first.returncode) == (("met a\n", ""), 0)
+    assert sleeper.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeper.communicate(timeout=0.5)
+    assert sleeper.returncode == -9  # killed with its session, reaped by the server
+
+
 def test_the_cpu_of_each_command_is_counted(starter):
     # The server reaps the commands, so no rusage of this process has their CPU:
     # the server reports each one's (the suite's profile, tests/profiling.py, reads it).
