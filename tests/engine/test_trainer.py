@@ -145,8 +145,9 @@ def hand_written_clipped(rank: int = 0, world_size: int = 1, clip: float | None 
     return digest
 
 
-def _hand_written_worker(rank: int, port: int, results) -> None:
-    results[rank] = hand_written_clipped(rank, 2, port=port)
+#: One rank of the hand-written DDP loop: ``-c HAND_WRITTEN RANK PORT`` prints its digest.
+HAND_WRITTEN = ("import sys\nfrom tests.engine.test_trainer import hand_written_clipped\n"
+                "print(hand_written_clipped(int(sys.argv[1]), 2, port=int(sys.argv[2])))\n")
 
 
 def test_grad_clip_norm_equals_a_hand_written_loop_with_accumulation(tmp_path):
@@ -181,18 +182,17 @@ def engine_run_end(engine, summary):
 
 def test_grad_clip_norm_with_ddp_equals_a_hand_written_ddp_loop_and_the_hook_sees_it(
         tmp_path):
-    import torch.multiprocessing as mp
-
     from engine.launcher import free_port
+    from engine.testing import start_python
 
     out = tmp_path / "run"
     run_cli(TINY, *CLIP_RUN, f"grad_clip_norm={CLIP}", f"out_dir={out}", "--nproc", "2",
             "--parallel", "ddp", "-p", "tests.engine.test_trainer", check=True)
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(_hand_written_worker, args=(free_port(), results), nprocs=2,
-                           start_method="spawn")
-        digests = dict(results)
+    port = free_port()
+    ranks = [start_python(["-c", HAND_WRITTEN, rank, port], cwd=REPO) for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=240) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    digests = [out.strip().splitlines()[-1] for out, _ in outputs]
     assert digests[0] == digests[1]
     assert read_summary(out)["weights_sha256"] == digests[0]
     # engine_before_optimizer_step saw every step's gradients, clipped.
