@@ -26,8 +26,8 @@ PEER = (ELASTIC, "epochs=2", "size=60", "checkpoint.memory_every_steps=1")
 @pytest.fixture(scope="module")
 def elastic_reference(tmp_path_factory):
     """weights_sha256 of a 2-process PEER run never interrupted, as a future: the run
-    goes on in the background while the test's agents start and wait on each other
-    (the test starts no run_cli of its own: the warm start runs one at a time)."""
+    goes on in the background (a warm-start fork, beside any other command) while the
+    test's agents start and wait on each other."""
     from concurrent.futures import ThreadPoolExecutor
 
     out = tmp_path_factory.mktemp("elastic-reference")
