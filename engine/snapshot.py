@@ -167,8 +167,8 @@ def turn_memory_off(ctx, why: str) -> None:
     if memory is not None:
         for problem in memory.remove():
             ctx.warn_here(problem)
-    ctx.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: {why}; the "
-             "run goes on with disk snapshots")
+    ctx.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off at step "
+             f"{ctx.state.step}: {why}; the run goes on with disk snapshots")
 
 
 def _every_rank_can_keep_them(ctx, memory, state: dict) -> bool:

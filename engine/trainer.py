@@ -889,11 +889,13 @@ class Trainer:
         in a tmpfs that filled up meanwhile): every rank turns the tier off at the same
         check point, since a memory snapshot is a collective; the run goes on with disk
         snapshots."""
-        failed = self.memory.failed
-        snapshot.turn_memory_off(self.ctx, failed or "another rank's buffer could not "
-                              "grow (see its warning)")
-        if failed and not self.ctx.is_rank0:  # rank 0's warning said "another rank"
-            self.ctx.warn_here(failed)
+        # Every rank is here, at the same check point: one gather tells rank 0 which
+        # rank's buffer failed and why, for the one warning (once in a run).
+        failed = [(rank, why) for rank, why in enumerate(
+            distributed.all_gather_object(self.memory.failed)) if why]
+        rank, why = failed[0]
+        snapshot.turn_memory_off(self.ctx, f"rank {rank}: {why}"
+                                 if self.ctx.world.world_size > 1 else why)
         self.memory = None
 
     def before_optimizer_step(self, step: int) -> None:
