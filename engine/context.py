@@ -226,12 +226,6 @@ class WorkerContext:
                               "steps_lost": max(0, reached - step) if reached else None,
                               "source_rank": source_rank}
 
-    def drop_memory_snapshots(self):
-        """The in-memory snapshots, handed to the caller to remove: the run takes no
-        more (every rank turned the tier off together)."""
-        memory, self.run_parts.memory = self.run_parts.memory, None
-        return memory
-
     # --------------------------------------------------------- rank-0 output
 
     def print(self, *args, **kwargs) -> None:

@@ -67,6 +67,7 @@ class Engine(WorkerContext):
             if self.memory is not None:
                 # The run ended by itself, its last state on disk: the memory snapshots
                 # are of no more use. A failed or killed run keeps them for its restart.
+                # (Turned off during the run, they are gone already: nothing to remove.)
                 self.memory.remove()
             if outcome == "completed":
                 self.gather_weights()

@@ -90,6 +90,7 @@ import weakref
 from typing import Any
 
 import attrs
+from engine.shm import free_bytes, sweep, unlink_own
 
 from engine import distributed
 from engine.atomic_io import atomic_write_text
@@ -1108,7 +1109,7 @@ class MemorySnapshots:
         every local rank asks at once, before any allocates), and the bytes free in
         the tmpfs plus what this run's buffers already take there."""
         skeleton, _, data_size = encode_plan(state)
-        stat_ = os.statvfs(self.shm)
+        free = free_bytes(self.shm)
         held = 0
         for path in run_buffers(self.run_id, self.shm):
             try:
@@ -1117,7 +1118,9 @@ class MemorySnapshots:
                 pass
         per_rank = 2 * (HEADER_BYTES + payload_size(skeleton, data_size)
                         + self.exchange_bytes)
-        return per_rank * self.world.local_world_size, stat_.f_bavail * stat_.f_frsize + held
+        # Not to be asked (None): the reservation says whether there is room.
+        return (per_rank * self.world.local_world_size,
+                (float("inf") if free is None else free) + held)
 
     def bytes_held(self) -> int:
         """The bytes of this rank's mapped buffers (tools/bench_memory_snapshot.py)."""
@@ -1311,28 +1314,8 @@ class Exchanges:
         self.background.submit(write)
 
 
-def unlink_all(paths) -> list[str]:
-    """Remove those of ``paths`` that are this user's regular files (anything else at a
-    buffer's name is left as it is); a warning, not an error, for each that could not
-    go."""
-    problems = []
-    for path in paths:
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            problems.append(f"could not look at the memory snapshot {path}: "
-                            f"{exc.strerror or exc}")
-            continue
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            continue  # not this user's buffer: someone else's to remove, never ours
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as exc:
-            problems.append(f"could not remove the memory snapshot {path}: "
-                            f"{exc.strerror or exc}")
-    return problems
+#: Remove those of the paths that are this user's regular files (engine/shm.py).
+unlink_all = unlink_own
 
 
 def remove_leftovers(run_dir, run_id: str, shm: pathlib.Path = SHM,
@@ -1345,32 +1328,22 @@ def remove_leftovers(run_dir, run_id: str, shm: pathlib.Path = SHM,
     buffers, another host's (containers sharing the tmpfs), and those of an existing
     folder's run (which its rerun resumes from) stay. Returns what was removed and a
     warning for each buffer that could not be."""
-    folder, host = user_folder(shm), socket.gethostname()
-    here = os.path.realpath(os.fspath(run_dir))
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        return [], []
-    removed, problems = [], []
-    for name in names:
+    host, here = socket.gethostname(), os.path.realpath(os.fspath(run_dir))
+
+    def left_behind(name: str, path: pathlib.Path) -> bool:
         match = _NAME.fullmatch(name)
         if not match or (match["run_id"] == run_id and run_id != forget):
-            continue
-        path = folder / name
+            return False
         if match["run_id"] != forget:
             info = read_info(path)
             theirs = info.get("run_dir")
             if info.get("host") != host or not isinstance(theirs, str):
-                continue
+                return False
             if theirs != here and os.path.isdir(theirs):
-                continue
-        if not writer_gone(path):
-            continue
-        problem = unlink_all([path])
-        problems += problem
-        if not problem:
-            removed.append(path)
-    return removed, problems
+                return False
+        return writer_gone(path)
+
+    return sweep(user_folder(shm), left_behind)
 
 
 # ------------------------------------------------------------ agreeing at a resume

@@ -12,7 +12,9 @@ only stores the dict and gives it back.
 from __future__ import annotations
 
 import functools
+import math
 import pathlib
+import time
 
 import engine
 from engine import config as config_mod
@@ -128,55 +130,196 @@ def save(ctx) -> pathlib.Path | None:
                                      metrics=dict(ctx.metrics))
 
 
-def save_to_memory(ctx) -> None:
-    """Copy a snapshot into this rank's shared-memory buffer (engine/memory_snapshot.py).
-    Every rank saves its own, with no collective to wait for (capture_here): the rows
-    the ranks exchange go off the step's path. A rank whose buffer cannot be had (a full
-    tmpfs, a name taken) still starts the exchange, a collective, and raises
-    ``memory.failed``: the ranks agree to turn the tier off at the next check point
-    (trainer.py)."""
-    memory = ctx.memory
-    with phases.carve(phases.MEMORY_SNAPSHOTS, within="training", label="memory snapshot"):
-        if memory.config is None:  # the same at every step: converted and pickled once
-            memory.config = memory_snapshot.pickled(config_mod.to_dict(ctx.cfg))
-        state, row = capture_here(ctx, memory.config)
-        if not memory.saves and not _every_rank_can_keep_them(ctx, memory, state):
+class SnapshotPolicy:
+    """When a snapshot to disk is due: every ``every_steps`` optimizer steps, every
+    ``every_minutes`` of wall time (rank 0's clock; the ranks agree at a check point),
+    every ``every_epochs`` epochs, and after the last epoch."""
+
+    def __init__(self, cfg, is_rank0: bool):
+        self.every_steps = cfg.checkpoint.every_steps
+        self.every_epochs = cfg.checkpoint.every_epochs
+        self.every_seconds = cfg.checkpoint.every_minutes * 60 if is_rank0 else 0
+        self.epochs = cfg.epochs
+        self.last_time = time.monotonic()
+
+    def due_at_step(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def due_by_time(self) -> bool:
+        return bool(self.every_seconds) and (
+            time.monotonic() - self.last_time >= self.every_seconds)
+
+    def due_at_epoch_end(self, epochs_done: int) -> bool:
+        return bool(self.every_epochs and epochs_done % self.every_epochs == 0) or (
+            epochs_done == self.epochs)
+
+    def saved(self) -> None:
+        self.last_time = time.monotonic()
+
+
+class Snapshots:
+    """The run's snapshots, one layer: the training loop tells it when an optimizer step
+    ended (:meth:`step_ended`) and it decides: to disk (``every_steps``, or a check
+    point's time flag), into shared memory (``memory_every_steps``, while the memory
+    tier is on), or nothing. The loop asks only from step :attr:`next_due` on: where
+    nothing is due, a step costs it two attribute reads and a compare, no call. The
+    loop has it write the snapshots the loop itself decides (:meth:`save`: an epoch's
+    end, a pre-emption, the run's end).
+
+    It owns the memory tier (engine/memory_snapshot.py; ``memory``: the run's, as the
+    Engine opened it, or None): each step's progress note (:attr:`note_reached`), and
+    its switch-off where a rank's buffer cannot be had. A memory snapshot is a
+    collective, so every rank turns the tier off at the same check point: the check
+    point's all-reduce carries this layer's flags (:meth:`check_flags`) and
+    :meth:`agreed` acts on their sums.
+
+    ``finish_check``: the loop's, called before a snapshot at a step: the check point in
+    flight is finished (its window logged: a run resumed from the snapshot would never
+    log it) and its flags recorded, which may raise the time flag or turn the tier off
+    here; it returns True when they stop the run at this step (a pre-emption: the loop
+    writes the durable snapshot as the epoch stops)."""
+
+    def __init__(self, ctx, memory, finish_check):
+        self.ctx = ctx
+        self.policy = SnapshotPolicy(ctx.cfg, ctx.is_rank0)
+        self.finish_check = finish_check
+        self.memory = memory
+        # The tier's progress note, which the loop calls right after each optimizer
+        # step (a restart says how many steps it lost); None while the tier is off.
+        self.note_reached = None if memory is None else memory.note_reached
+        # A finished check point said a snapshot is due by time (every_minutes): the
+        # next snapshot goes to disk.
+        self.time_due = False
+        # The first step the loop asks at (step_ended): none is due by count before it,
+        # and no check point said one is due by time. 0 until the first step (a resume
+        # moves the count) and while a time flag waits for a snapshot to disk.
+        self.next_due = 0
+
+    # --------------------------------------------------------------- per step
+
+    def step_ended(self, step: int) -> None:
+        """After optimizer step ``step``, its check point and validation done (but not
+        where the run stops or ends at it: the loop writes that snapshot). A snapshot to
+        disk when ``every_steps`` is due or a check point said one is due by time, else
+        one into shared memory when ``memory_every_steps`` is due.
+
+        The check in flight is finished first (``finish_check``), and its flags count
+        as any check's: a pre-emption writes no snapshot here (the loop writes the
+        durable one as the epoch stops), a snapshot due by time goes to disk instead of
+        memory. Dropping them lost both whenever every check point had a snapshot at its
+        step (memory_every_steps=1): pre-emption waited for the epoch's end, or never
+        came in the last epoch."""
+        self.next_due = 0 if self.time_due else self._next_due(step)
+        to_disk = self.policy.due_at_step(step)
+        to_memory = self.memory is not None and self.memory.due(step)
+        if not (to_disk or to_memory or self.time_due):
             return
-        memory.start_exchange(row)  # every rank: a collective, not waited for
-        saved = False
-        if memory.failed is None:
-            # What only the optimizer's step changes is copied during the next step's
-            # forward and backward, finished before that optimizer step (memory.hold).
-            # Asked only when the copies are planned again (memory.save), not each step.
-            held = (None if ctx.optimizer is None
-                    else functools.partial(memory_snapshot.held_by, ctx.optimizer))
-            try:
-                if memory.save(state, step=ctx.state.step, epoch=ctx.state.epoch,
-                               held=held):
-                    memory.hold(ctx.optimizer)  # its next step waits for the copy
-                saved = True
-            except (memory_snapshot.NoRoom, memory_snapshot.Unsafe) as exc:
-                memory.failed = str(exc)
-        memory.record_exchange(saved)
+        if self.finish_check():
+            return
+        if to_disk or self.time_due:
+            self.save()
+        elif self.memory is not None:  # the finished check may have turned it off
+            self._to_memory()
 
+    def _next_due(self, step: int) -> float:
+        """The first step after ``step`` at which a snapshot is due by count (a
+        multiple of every_steps or of the memory tier's every_steps; it may have gone
+        off since: then the call finds nothing due)."""
+        counts = [n for n in (self.policy.every_steps,
+                              self.memory.every_steps if self.memory is not None else 0) if n]
+        return min((step // n + 1) * n for n in counts) if counts else math.inf
 
-def turn_memory_off(ctx, why: str) -> None:
-    """Every rank, together: no more memory snapshots, their buffers removed, one
-    warning (rank 0's); the run goes on with disk snapshots."""
-    memory = ctx.drop_memory_snapshots()
-    if memory is not None:
+    # ------------------------------------------------------ what the loop asks
+
+    def save(self) -> None:
+        """A snapshot to disk, now (the loop finished its check in flight first)."""
+        save(self.ctx)
+        self.policy.saved()
+        self.time_due = False
+
+    def due_at_epoch_end(self, epochs_done: int) -> bool:
+        """At an epoch's end: every_epochs, the last epoch, or a check point's time flag
+        (the epoch's last check point, finished at its end, may have raised it)."""
+        return self.policy.due_at_epoch_end(epochs_done) or self.time_due
+
+    def check_flags(self) -> tuple[bool, bool]:
+        """This rank's flags for a check point's all-reduce: a snapshot due by time
+        (rank 0's clock decides: the others' policy has no period), and this rank's
+        memory buffer could not be had (a full tmpfs, a background copy that failed)."""
+        return (self.policy.due_by_time(),
+                self.memory is not None and self.memory.failed is not None)
+
+    def agreed(self, due_by_time: bool, memory_failed: bool) -> None:
+        """A finished check point's sums of :meth:`check_flags`, the same on every rank:
+        the next snapshot goes to disk, or every rank turns the memory tier off."""
+        if due_by_time:
+            self.time_due = True
+            self.next_due = 0  # the loop asks at every step until a snapshot to disk
+        if memory_failed and self.memory is not None:
+            # Every rank is here, at the same check point: one gather tells rank 0 which
+            # rank's buffer failed and why, for the one warning (once in a run).
+            failed = [(rank, why) for rank, why in enumerate(
+                distributed.all_gather_object(self.memory.failed)) if why]
+            self._memory_off(*failed[0])
+
+    # ------------------------------------------------------------ memory tier
+
+    def _to_memory(self) -> None:
+        """Copy a snapshot into this rank's shared-memory buffer. Every rank saves its
+        own, with no collective to wait for (capture_here): the rows the ranks exchange
+        go off the step's path. A rank whose buffer cannot be had (a full tmpfs, a name
+        taken) still starts the exchange, a collective, and raises ``memory.failed``:
+        the ranks agree to turn the tier off at the next check point (:meth:`agreed`).
+        Before the first one they agree at once (_memory_problem)."""
+        ctx, memory = self.ctx, self.memory
+        with phases.carve(phases.MEMORY_SNAPSHOTS, within="training",
+                          label="memory snapshot"):
+            if memory.config is None:  # the same at every step: converted and pickled once
+                memory.config = memory_snapshot.pickled(config_mod.to_dict(ctx.cfg))
+            state, row = capture_here(ctx, memory.config)
+            if not memory.saves:
+                problem = _memory_problem(ctx, memory, state)  # collective
+                if problem is not None:
+                    self._memory_off(*problem)
+                    return
+            memory.start_exchange(row)  # every rank: a collective, not waited for
+            saved = False
+            if memory.failed is None:
+                # What only the optimizer's step changes is copied during the next
+                # step's forward and backward, finished before that optimizer step
+                # (memory.hold). Asked only when the copies are planned again
+                # (memory.save), not each step.
+                held = (None if ctx.optimizer is None
+                        else functools.partial(memory_snapshot.held_by, ctx.optimizer))
+                try:
+                    if memory.save(state, step=ctx.state.step, epoch=ctx.state.epoch,
+                                   held=held):
+                        memory.hold(ctx.optimizer)  # its next step waits for the copy
+                    saved = True
+                except (memory_snapshot.NoRoom, memory_snapshot.Unsafe) as exc:
+                    memory.failed = str(exc)
+            memory.record_exchange(saved)
+
+    def _memory_off(self, rank: int, why: str) -> None:
+        """Every rank, together: no more memory snapshots, their buffers removed, one
+        warning (rank 0's, naming the step, the rank and why); the run goes on with disk
+        snapshots. ``ctx.memory`` stays the tier the run opened: removing it again at
+        the run's end finds nothing."""
+        ctx, memory = self.ctx, self.memory
+        self.memory = self.note_reached = None
         for problem in memory.remove():
             ctx.warn_here(problem)
-    ctx.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: {why}; the "
-             "run goes on with disk snapshots")
+        where = f"rank {rank}: " if ctx.world.world_size > 1 else ""
+        ctx.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off at step "
+                 f"{ctx.state.step}: {where}{why}; the run goes on with disk snapshots")
 
 
-def _every_rank_can_keep_them(ctx, memory, state: dict) -> bool:
+def _memory_problem(ctx, memory, state: dict) -> tuple[int, str] | None:
     """Before the first memory snapshot: whether every rank can keep two: room for them
     in the tmpfs of every machine, and both buffers reserved (a name taken by anything
-    but this user's own file is refused, engine/memory_snapshot.py). If one rank cannot,
-    all turn them off together (a rank alone would leave the others' next snapshot, a
-    collective, waiting), with one warning that says why."""
+    but this user's own file is refused, engine/memory_snapshot.py). Collective: the
+    first rank that cannot, and why (all turn them off together: a rank alone would
+    leave the others' next snapshot, a collective, waiting); None when all can."""
     needed, free = memory.room_for(state)
     each = needed / 2 / ctx.world.local_world_size / 2**20  # MB, one buffer
     problem = None
@@ -193,13 +336,11 @@ def _every_rank_can_keep_them(ctx, memory, state: dict) -> bool:
     problems = [(rank, p) for rank, p in enumerate(distributed.all_gather_object(problem))
                 if p]
     if problems:
-        rank, why = problems[0]
-        turn_memory_off(ctx, f"rank {rank}: {why}" if ctx.world.world_size > 1 else why)
-        return False
+        return problems[0]
     if ctx.options.get("verbose"):
         ctx.print(f"in-memory snapshots: every {memory.every_steps} step(s), 2 x "
                   f"{each:.1f} MB per rank in {memory.folder}")
-    return True
+    return None
 
 
 def resume(ctx) -> None:

@@ -23,7 +23,8 @@ hooks it fires, and when: docs/plugins.md, "Hooks in the order they fire")::
                 unless the epoch ends here, every val_every_steps steps validate_if_due
                     and where max_steps ends the run: validate, log
                     its val/* at the step, early stopping (may end the run)
-                a snapshot if due: to disk (every_steps, or a       snapshot_if_due
+                this step ended: the snapshot layer writes a        Snapshots.step_ended
+                    snapshot if due, to disk (every_steps, or a     (engine/snapshot.py)
                     check's time flag), else into shared memory
                     (memory_every_steps); the check in flight is finished first,
                     its flags recorded
@@ -53,8 +54,9 @@ log interval and at the end of the epoch.
 
 The policies are small objects, each in one place: :class:`NonFinitePolicy` (what a
 non-finite loss does), :class:`LogWindow` (the losses and timing between two check
-points), :class:`SnapshotPolicy` (when a snapshot is due) and :class:`EarlyStopping`
-(when a validation metric stopped improving).
+points) and :class:`EarlyStopping` (when a validation metric stopped improving). When a
+snapshot is due, and where it goes, is the snapshot layer's (engine/snapshot.py's
+:class:`~engine.snapshot.Snapshots`): the loop tells it when a step ended.
 """
 
 from __future__ import annotations
@@ -300,33 +302,6 @@ class TrainExtras:
                 for n, v in zip(self.names, sums)}
 
 
-class SnapshotPolicy:
-    """When a snapshot is due: every ``every_steps`` optimizer steps, every
-    ``every_minutes`` of wall time (rank 0's clock; the ranks agree at a check point),
-    every ``every_epochs`` epochs, and after the last epoch."""
-
-    def __init__(self, cfg, is_rank0: bool):
-        self.every_steps = cfg.checkpoint.every_steps
-        self.every_epochs = cfg.checkpoint.every_epochs
-        self.every_seconds = cfg.checkpoint.every_minutes * 60 if is_rank0 else 0
-        self.epochs = cfg.epochs
-        self.last_time = time.monotonic()
-
-    def due_at_step(self, step: int) -> bool:
-        return bool(self.every_steps) and step % self.every_steps == 0
-
-    def due_by_time(self) -> bool:
-        return bool(self.every_seconds) and (
-            time.monotonic() - self.last_time >= self.every_seconds)
-
-    def due_at_epoch_end(self, epochs_done: int) -> bool:
-        return bool(self.every_epochs and epochs_done % self.every_epochs == 0) or (
-            epochs_done == self.epochs)
-
-    def saved(self) -> None:
-        self.last_time = time.monotonic()
-
-
 class MetricSums:
     """What ``eval_step`` returns, summed over the batches of a rank; then one
     all-reduce over the ranks, and every sum divided by the ``count`` sum, or, when the
@@ -527,8 +502,10 @@ class Trainer:
         self.extras: TrainExtras | None = None  # train_step returns a dict (first_train_step)
         self.nonfinite = NonFinitePolicy(self.cfg.on_nonfinite, device,
                                          ctx.world.world_size, ctx.warn)
-        self.snapshots = SnapshotPolicy(self.cfg, ctx.is_rank0)
-        self.memory = parts.memory  # in-memory snapshots, when on
+        # When a snapshot is due and where it goes (disk, shared memory); it finishes
+        # the check in flight before one (finish_before_snapshot).
+        self.snapshots = snapshot.Snapshots(ctx, parts.memory,
+                                            finish_check=self.finish_before_snapshot)
         self.early_stopping = EarlyStopping(self.cfg.early_stopping, ctx.state,
                                             by_steps=bool(self.cfg.val_every_steps))
         # The run's length by steps (0: the epochs decide), validation by steps (0: at
@@ -547,9 +524,6 @@ class Trainer:
         # ReduceLROnPlateau's metric (None: the scheduler steps without one), checked now.
         self.scheduler_metric = scheduler_metric(parts.scheduler, self.cfg)
         self.stop_requested = False  # the ranks agreed to stop (see engine/preemption.py)
-        # A finished check point said a snapshot is due by time (every_minutes): the
-        # next snapshot goes to disk (cleared when one is written).
-        self.time_snapshot_due = False
         self.window = None  # the epoch's LogWindow while it trains (snapshots read it)
         self.pending = None  # the check point whose all-reduce is in flight
         # The epoch's loss before the snapshot a resume loaded (see load_state_dict).
@@ -661,9 +635,7 @@ class Trainer:
         # The run's last epoch, or max_steps reached at this epoch's last step.
         last = ctx.state.epoch == cfg.epochs or self.reached_max_steps()
         stop = not last and self.agree_to_stop()
-        due = self.snapshots.due_at_epoch_end(ctx.state.epoch) or last
-        # time_snapshot_due: the epoch's last check point (finished at its end) said so.
-        if stop or due or self.time_snapshot_due:
+        if stop or last or self.snapshots.due_at_epoch_end(ctx.state.epoch):
             self.save_snapshot()
         return not (stop or last)
 
@@ -755,7 +727,7 @@ class Trainer:
                 break
             fetch_start = time.perf_counter()
         self.finish_pending()  # logged before the epoch's own metrics; run_epoch acts
-        # on its flags (stop_requested, time_snapshot_due)
+        # on its flags (stop_requested; the snapshot layer's time flag)
         return self.epoch_metrics(epoch, window,
                                   batches=window.epoch_batches(ctx.state.batch_in_epoch),
                                   steps=ctx.state.step - steps_at_start,
@@ -839,8 +811,8 @@ class Trainer:
             parts.scheduler.step()
         state.step += 1
         window.steps += 1
-        if self.memory is not None:  # how far the run got: a restart says what it lost
-            self.memory.note_reached(state.step)
+        if self.snapshots.note_reached is not None:  # the memory tier's: how far the run
+            self.snapshots.note_reached(state.step)  # got (a restart says what it lost)
         if self.step_end_hook is not None:
             self.step_end_hook(ctx=ctx, step=state.step, loss=loss)
         if state.step % self.cfg.log_every == 0:
@@ -851,50 +823,19 @@ class Trainer:
         self.validate_if_due(state.step)
         if self.ending is not None:
             return True  # the run ends here: run_epoch writes the final snapshot
-        if not self.stop_requested:
-            self.snapshot_if_due(state.step)  # may finish this step's check: its flags
+        # This step ended: a snapshot if due (disk, memory); asked from the step the
+        # layer says one may be due at. It may finish this step's check: its flags.
+        if not self.stop_requested and state.step >= self.snapshots.next_due:
+            self.snapshots.step_ended(state.step)
         return self.stop_requested
 
-    def snapshot_if_due(self, step: int) -> None:
-        """A snapshot to disk when ``every_steps`` is due or a check point said one is
-        due by time, else one into shared memory when ``memory_every_steps`` is due.
-
-        The check in flight is finished first: its window is logged (a run resumed from
-        this snapshot would never log it), and its flags count as any check's. A
-        pre-emption writes no snapshot here (run_epoch writes the durable one as the
-        epoch stops); a snapshot due by time goes to disk instead of memory. Dropping
-        them lost both whenever every check point had a snapshot at its step
-        (memory_every_steps=1): pre-emption waited for the epoch's end, or never came
-        in the last epoch."""
-        to_disk = self.snapshots.due_at_step(step)
-        to_memory = self.memory is not None and self.memory.due(step)
-        if not (to_disk or to_memory or self.time_snapshot_due):
-            return
-        self.finish_pending()  # may raise either flag, or turn the memory tier off
-        if self.stop_requested:
-            return
-        if to_disk or self.time_snapshot_due:
-            self.save_snapshot()
-        elif self.memory is not None:
-            self.memory_snapshot()
-
-    def memory_snapshot(self) -> None:
-        """A snapshot into shared memory (snapshot_if_due finished the check in flight
-        and acted on its flags)."""
-        snapshot.save_to_memory(self.ctx)
-        self.memory = self.run_parts.memory  # None when /dev/shm had no room for them
-
-    def memory_off(self) -> None:
-        """A rank's buffer could not be had after the first snapshot (a state that grew
-        in a tmpfs that filled up meanwhile): every rank turns the tier off at the same
-        check point, since a memory snapshot is a collective; the run goes on with disk
-        snapshots."""
-        failed = self.memory.failed
-        snapshot.turn_memory_off(self.ctx, failed or "another rank's buffer could not "
-                              "grow (see its warning)")
-        if failed and not self.ctx.is_rank0:  # rank 0's warning said "another rank"
-            self.ctx.warn_here(failed)
-        self.memory = None
+    def finish_before_snapshot(self) -> bool:
+        """The snapshot layer's, before a snapshot at a step: the check in flight is
+        finished (its window logged: a run resumed from the snapshot starts after it and
+        would never log it), its flags recorded. True when they stop the run here (a
+        pre-emption: run_epoch writes the durable snapshot as the epoch stops)."""
+        self.finish_pending()
+        return self.stop_requested
 
     def before_optimizer_step(self, step: int) -> None:
         """Between the last backward of a group and the optimizer step, on the true
@@ -916,13 +857,12 @@ class Trainer:
         finish the previous check point's. Waiting for the sums here would cost a DDP
         step's worth of latency every window; a window later they have long arrived. A
         pre-emption therefore stops the run one window after the ranks saw it, or at
-        once where a snapshot at this step waits for the sums anyway (snapshot_if_due).
+        once where a snapshot at this step waits for the sums anyway (Snapshots.step_ended).
         The flags are recorded (finish_check); optimizer_step acts on them."""
         ctx = self.ctx
         now = time.perf_counter()
         preempted = ctx.preemption is not None and bool(ctx.preemption)
-        due_by_time = ctx.is_rank0 and self.snapshots.due_by_time()
-        memory_failed = self.memory is not None and self.memory.failed is not None
+        due_by_time, memory_failed = self.snapshots.check_flags()
         extra_batches = 0
         if self.extras is not None:
             extra_sums, extra_batches = self.extras.take_window()
@@ -953,9 +893,10 @@ class Trainer:
     def finish_check(self, check: PendingCheck | None) -> None:
         """The mean loss of the check's window over all ranks, checked and logged. Its
         flags are recorded, whoever finished it (a check point, a snapshot, the epoch's
-        end): ``stop_requested`` when any rank was pre-empted, ``time_snapshot_due``
-        when rank 0 found a snapshot due by time. Every rank finishes the same checks at
-        the same steps, so every rank records the same."""
+        end): ``stop_requested`` when any rank was pre-empted; the snapshot layer's (a
+        snapshot due by time on rank 0's clock, a rank's memory buffer that failed:
+        Snapshots.agreed). Every rank finishes the same checks at the same steps, so
+        every rank records the same."""
         if check is None:
             return
         ctx = self.ctx
@@ -974,10 +915,7 @@ class Trainer:
             self.log_hook(ctx=ctx, step=check.step, metrics=metrics)
         if preempted > 0:
             self.stop_requested = True
-        if due_by_time > 0:
-            self.time_snapshot_due = True
-        if memory_failed > 0 and self.memory is not None:
-            self.memory_off()
+        self.snapshots.agreed(due_by_time > 0, memory_failed > 0)
 
     def epoch_metrics(self, epoch: int, window: LogWindow, *, batches: int, steps: int,
                       epoch_start: float, data_wait: float) -> dict:
@@ -1241,6 +1179,4 @@ class Trainer:
         # after it and would never log it. (Callers have finished it already; its flags
         # are recorded either way, for the loop to act on.)
         self.finish_pending()
-        snapshot.save(self.ctx)
-        self.snapshots.saved()
-        self.time_snapshot_due = False
+        self.snapshots.save()

@@ -73,7 +73,9 @@ class RunParts:
     # the run's (None: not known).
     steps_per_epoch: int | None = None
     total_steps: int | None = None
-    memory: Any = None  # in-memory snapshots (engine/memory_snapshot.py), when on
+    # In-memory snapshots (engine/memory_snapshot.py) as the run opened them, or None:
+    # set once; the snapshot layer (engine/snapshot.py's Snapshots) may turn them off.
+    memory: Any = None
 
     @property
     def module(self):

@@ -27,7 +27,8 @@ Why these choices:
   what keeps at most one snapshot in flight (memory stays bounded). The buffer is a
   /dev/shm file named after this process and checkpoint folder and unlinked as soon as
   it is open (see :func:`shared_buffer`): a kill leaves nothing there but in that
-  instant, and the next start removes such a leftover.
+  instant, and the next start removes such a leftover (this user's files alone,
+  engine/shm.py: a name someone else planted is left to them).
 - The writer rebuilds each tensor with ``torch.frombuffer`` at its offset: its own
   storage without a copy, so ``torch.save`` writes the same records as torch-file.
 
@@ -65,6 +66,7 @@ from multiprocessing.connection import Pipe
 from multiprocessing.reduction import DupFd
 
 import engine
+from engine import shm
 from engine.atomic_io import os_error_in, pid_alive
 from engine.checkpoint import disk_full_hint, warn
 from engine.errors import CheckpointError, first_line
@@ -78,7 +80,7 @@ POLL_S = 0.5
 #: Tensors start at multiples of this many bytes in the buffer (any dtype's alignment).
 ALIGN = 64
 #: Where shared memory comes from (torch's file_descriptor sharing uses shm_open).
-SHM = "/dev/shm"
+SHM = str(shm.SHM)
 MB = 1 << 20
 
 
@@ -166,12 +168,8 @@ def views_of(buffer, layout: list) -> list:
 def check_shared_memory(nbytes: int, folder: str = SHM) -> None:
     """Shared memory is only reserved when touched: too little of it would kill the
     trainer with SIGBUS in the middle of the copy. Docker gives containers 64 MB."""
-    try:
-        stat = os.statvfs(folder)
-    except OSError:
-        return  # not Linux-like: let torch try
-    free = stat.f_bavail * stat.f_frsize
-    if free < nbytes:
+    free = shm.free_bytes(folder)
+    if free is not None and free < nbytes:  # None: not to be asked, let torch try
         raise CheckpointError(
             f"the async checkpointer needs {nbytes / MB:.0f} MB of shared memory for a "
             f"snapshot, but {folder} has {free / MB:.0f} MB free; make it larger (docker: "
@@ -207,20 +205,18 @@ def shared_buffer(directory: pathlib.Path, nbytes: int, folder: str = SHM) -> in
     return fd
 
 
-def remove_stale_buffers(directory: pathlib.Path, folder: str = SHM) -> None:
+def remove_stale_buffers(directory: pathlib.Path, folder: str = SHM) -> list[str]:
     """Buffer names of this checkpoint folder whose process is gone (see
-    :func:`shared_buffer`). Only names that carry this folder's hash: another run's or
-    another user's shared memory is never touched."""
+    :func:`shared_buffer`). Only names that carry this folder's hash, and only this
+    user's files (engine/shm.py): another run's or another user's shared memory is
+    never touched. Returns a warning for each that could not be removed."""
     prefix = _shm_prefix(directory)
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return
-    for name in names:
+
+    def left_behind(name: str, _) -> bool:
         pid = name[len(prefix):]
-        if name.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid)):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(folder, name))
+        return name.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid))
+
+    return shm.sweep(folder, left_behind)[1]
 
 
 def map_buffer(fd: int, nbytes: int):
@@ -391,7 +387,8 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
         processes (see :func:`shared_buffer`)."""
         super().clean_up()
         if self.rank == 0:
-            remove_stale_buffers(self.directory)
+            for problem in remove_stale_buffers(self.directory):
+                warn(problem)
 
     @property
     def writer_pid(self) -> int | None:

@@ -2,7 +2,8 @@
 snapshots: ``-p tests.ballast_plugin`` with ENGINE_BALLAST_MB (default 32) registers a
 snapshot part "ballast" of that many MB of float32, every element the step the
 snapshot was taken at (ENGINE_BALLAST_GROW_AT=S: from step S on, twice that size: a
-state that grows, for the memory tier's no-room path). Its memory snapshots then take a large share of a step (32 MB
+state that grows, for the memory tier's no-room path; ENGINE_BALLAST_GROW_RANK=R: on
+rank R alone, the others' stay as they were). Its memory snapshots then take a large share of a step (32 MB
 per rank on tiny_resume, 2 processes: about half the training loop's time here, by
 ``engine-run -v``'s phases), so that kills land in the copy; and a resume checks that
 the part it got is whole: every element the step it says (a torn or mixed snapshot
@@ -47,5 +48,9 @@ class Ballast:
 
 @engine.hookimpl
 def engine_register_state(ctx, parts):
+    grow_at = int(os.environ.get("ENGINE_BALLAST_GROW_AT", "0"))
+    rank = os.environ.get("ENGINE_BALLAST_GROW_RANK")
+    if rank is not None and int(rank) != ctx.world.rank:
+        grow_at = 0
     parts.add("ballast", Ballast(ctx, float(os.environ.get("ENGINE_BALLAST_MB", "32")),
-                                 int(os.environ.get("ENGINE_BALLAST_GROW_AT", "0"))))
+                                 grow_at))

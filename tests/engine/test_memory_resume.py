@@ -256,23 +256,36 @@ def test_buffers_of_another_run_a_deleted_folder_or_a_fresh_start_are_never_resu
 
 def test_a_tmpfs_that_fills_up_after_the_first_snapshot_turns_the_tier_off_not_the_run(
         reference, tmp_path):
-    """A 2-process run whose memory snapshots hold a 1 MB ballast, in a 6 MB tmpfs of
-    its own (room for the 4 buffers at the start): at step 5 the state doubles and the
-    tmpfs has no room for the larger buffers (ENOSPC while reserving their pages, a
-    traceback that ended the run before). The ranks agree at the next check point: one
-    warning, the tier off on every rank, its buffers removed, and the run trains on
-    with disk snapshots to the weights of a run that never had memory snapshots."""
-    with small_disk(tmp_path / "tmpfs", "6m") as tiny:
+    """The no-room path on real processes. A 2-process run whose memory snapshots hold
+    a 1 MB ballast, in a 5 MB tmpfs of its own (room for the 4 buffers at the start): at
+    step 3 rank 1's state alone doubles, and the tmpfs has no room to grow its buffer
+    (ENOSPC while reserving the pages, from the kernel). Rank 0 saved that step. The
+    ranks agree at the next check point (step 4, log_every=2) to turn the tier off: one
+    warning, rank 0's, naming the rank and the cause; every rank's buffers removed; the
+    run trains on with disk snapshots (epoch ends and every_steps=4 after the tier went)
+    and completes, within the timeout, with the weights of a run that never had memory
+    snapshots."""
+    with small_disk(tmp_path / "tmpfs", "5m") as tiny:
         out = tmp_path / "run"
-        proc = run_cli(RECIPE, *MEMORY, f"checkpoint.memory_dir={tiny}", f"out_dir={out}",
-                       "--nproc", "2", "-p", "tests.ballast_plugin",
-                       env=engine_env(ENGINE_BALLAST_MB="1", ENGINE_BALLAST_GROW_AT="5"),
+        proc = run_cli(RECIPE, *BASE, "checkpoint.memory_every_steps=1",
+                       f"checkpoint.memory_dir={tiny}", f"out_dir={out}",
+                       "--nproc", "2", "-p", "tests.ballast_plugin", timeout=120,
+                       env=engine_env(ENGINE_BALLAST_MB="1", ENGINE_BALLAST_GROW_AT="3",
+                                      ENGINE_BALLAST_GROW_RANK="1"),
                        check=True)
         said = warnings_in(proc.stderr)
-        off = [w for w in said if "in-memory snapshots are off" in w]
-        assert len(off) == 1 and "No space left" in proc.stderr, proc.stderr
+        assert len(said) == 1, proc.stderr
+        buffer = tiny / f"engine-memory-{os.geteuid()}"
+        assert said[0].startswith(
+            "warning: checkpoint.memory_every_steps: in-memory snapshots are off at step "
+            f"4: rank 1: {buffer}/"), said[0]
+        assert said[0].endswith(": No space left on device; the run goes on with disk "
+                                "snapshots"), said[0]
         assert "Traceback" not in proc.stderr
         summary = read_summary(out)
         assert (summary["status"], summary["global_step"]) == ("completed", 18)
         assert summary["weights_sha256"] == reference[2]
-        assert list((tiny / f"engine-memory-{os.geteuid()}").iterdir()) == []
+        assert list(buffer.iterdir()) == []
+        # Disk snapshots went on after the tier went: keep_last=2 keeps the last two.
+        kept = sorted(p.name for p in (out / "checkpoints").glob("snapshot-*.pt"))
+        assert kept == ["snapshot-e0002-s00000016.pt", "snapshot-e0003-s00000018.pt"], kept

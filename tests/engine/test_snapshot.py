@@ -28,6 +28,61 @@ def mid_epoch_step() -> int:
 
 # Mid-epoch with 2 processes is covered with loader workers (2, 2, "mid"): the case
 # without them adds nothing the 1-process case does not show, at two 2-process runs.
+def test_snapshot_policy():
+    from engine.config import TrainConfig
+    from engine.snapshot import SnapshotPolicy
+
+    cfg = TrainConfig(epochs=5)
+    cfg.checkpoint.every_steps, cfg.checkpoint.every_epochs = 4, 2
+    policy = SnapshotPolicy(cfg, is_rank0=True)
+    assert [s for s in range(1, 13) if policy.due_at_step(s)] == [4, 8, 12]
+    assert [e for e in range(1, 6) if policy.due_at_epoch_end(e)] == [2, 4, 5]  # and last
+    assert not policy.due_by_time()  # every_minutes=0: never
+    cfg.checkpoint.every_minutes = 1e-9
+    assert SnapshotPolicy(cfg, is_rank0=True).due_by_time()
+    assert not SnapshotPolicy(cfg, is_rank0=False).due_by_time()  # rank 0's clock decides
+
+
+@pytest.mark.parametrize("every_steps, memory_every, first", [
+    (4, 3, 1), (4, 3, 6), (0, 5, 1), (6, 0, 8), (0, 0, 1)])
+def test_the_snapshot_layer_asks_for_a_snapshot_exactly_at_the_due_steps(
+        tmp_path, every_steps, memory_every, first):
+    """The loop asks the snapshot layer (step_ended) only from its next_due step on, to
+    cost nothing where no snapshot is due; it must still ask at every step a disk or
+    memory snapshot is due at, from the run's first step or a resumed one, and at every
+    step after a check point's time flag. The loop's finish_check, called before any
+    snapshot, answers "pre-empted" here, so that the layer's decisions are all that is
+    recorded."""
+    from types import SimpleNamespace
+
+    from engine.config import TrainConfig
+    from engine.memory_snapshot import MemorySnapshots
+    from engine.snapshot import Snapshots
+    from engine.world import World
+
+    cfg = TrainConfig(epochs=1)
+    cfg.checkpoint.every_steps = every_steps
+    ctx = SimpleNamespace(cfg=cfg, is_rank0=True)
+    memory = (MemorySnapshots(tmp_path, World(rank=0, local_rank=0, world_size=1,
+                                              local_world_size=1), memory_every,
+                              run_id="0" * 32, shm=tmp_path) if memory_every else None)
+    asked = []
+    layer = Snapshots(ctx, memory, finish_check=lambda: asked.append(step) or True)
+    def step_ended(step):  # as Trainer.optimizer_step asks
+        if step >= layer.next_due:
+            layer.step_ended(step)
+
+    for step in range(first, 31):
+        step_ended(step)
+    assert asked == [s for s in range(first, 31) if (every_steps and s % every_steps == 0)
+                     or (memory_every and s % memory_every == 0)]
+    asked.clear()
+    layer.agreed(due_by_time=True, memory_failed=False)  # a check point said so
+    for step in (31, 32):
+        step_ended(step)
+    assert asked == [31, 32]  # until a snapshot to disk is written
+
+
 @pytest.mark.parametrize("nproc, workers, where", [
     (1, 0, "epoch"),
     (2, 0, "epoch"),

@@ -15,7 +15,7 @@ import engine
 from engine.errors import ConfigError, EngineError
 from engine.recipe import recipe_from_object
 from engine.trainer import (EarlyStopping, LogWindow, MetricSums, NonFiniteLoss,
-                            NonFinitePolicy, SnapshotPolicy, Throughput, TrainExtras,
+                            NonFinitePolicy, Throughput, TrainExtras,
                             window_mean)
 from tests.conftest import REPO, read_summary, run_cli
 
@@ -578,20 +578,6 @@ def test_a_skipped_step_leaves_the_window_and_the_epoch_loss():
     window.settle(False)
     assert (window.loss.item(), window.batches, window.skipped_batches) == (0.0, 0, 3)
     assert window.total_loss().item() == 8.0
-
-
-def test_snapshot_policy():
-    from engine.config import TrainConfig
-
-    cfg = TrainConfig(epochs=5)
-    cfg.checkpoint.every_steps, cfg.checkpoint.every_epochs = 4, 2
-    policy = SnapshotPolicy(cfg, is_rank0=True)
-    assert [s for s in range(1, 13) if policy.due_at_step(s)] == [4, 8, 12]
-    assert [e for e in range(1, 6) if policy.due_at_epoch_end(e)] == [2, 4, 5]  # and last
-    assert not policy.due_by_time()  # every_minutes=0: never
-    cfg.checkpoint.every_minutes = 1e-9
-    assert SnapshotPolicy(cfg, is_rank0=True).due_by_time()
-    assert not SnapshotPolicy(cfg, is_rank0=False).due_by_time()  # rank 0's clock decides
 
 
 def early_stopping(mode="min", patience=2, min_delta=0.0, metric="val/loss"):

@@ -161,15 +161,20 @@ def test_no_named_semaphores_and_no_leftovers_of_killed_writers(checkpointer, tm
     """A kill leaves what the processes held: named semaphores (each multiprocessing
     Queue has three), the writer's temp file, the buffer's /dev/shm name if the kill
     came between its open and unlink. None of the first are made; the others are
-    removed at the next start and at close, and only this folder's."""
+    removed at the next start and at close, and only this folder's and this user's."""
     ck = checkpointer
     mine = sem_maps(os.getpid())
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    dead, gone = (subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+                  for _ in range(2))
     ck.directory.mkdir(parents=True)
     temp = ck.directory / f".snapshot-e0001-s00000001.pt.tmp-{dead}"
     shm = pathlib.Path("/dev/shm") / f"{_shm_prefix(ck.directory)}{dead}"
     others = pathlib.Path("/dev/shm") / f"{_shm_prefix(tmp_path / 'other')}{dead}"
+    # Another user's file at a name of this folder's (a guessed one): never ours to remove.
+    planted = pathlib.Path("/dev/shm") / f"{_shm_prefix(ck.directory)}{gone}"
+    planted.write_bytes(b"theirs")
+    os.chown(planted, 12345, 12345)  # the suite runs as root (docs/development.md)
 
     def leave_leftovers():
         for path in (temp, shm, others):
@@ -179,6 +184,7 @@ def test_no_named_semaphores_and_no_leftovers_of_killed_writers(checkpointer, tm
         leave_leftovers()
         ck.save(big_state(1.0, megabytes=2), epoch=1, step=2)  # the start
         assert not temp.exists() and not shm.exists() and others.exists()
+        assert planted.read_bytes() == b"theirs"
         assert sem_maps(ck.writer_pid) == set() and sem_maps(os.getpid()) == mine
         ck.wait()
         leave_leftovers()
@@ -187,8 +193,8 @@ def test_no_named_semaphores_and_no_leftovers_of_killed_writers(checkpointer, tm
         assert sorted(p.name for p in ck.directory.iterdir()) == [
             "latest", "snapshot-e0001-s00000002.pt", "snapshot-e0001-s00000002.pt.json"]
     finally:
-        others.unlink(missing_ok=True)
-        shm.unlink(missing_ok=True)
+        for path in (others, shm, planted):
+            path.unlink(missing_ok=True)
 
 
 def test_a_dead_writer_is_reported_not_waited_for(checkpointer):
