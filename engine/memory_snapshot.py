@@ -91,7 +91,7 @@ from typing import Any
 
 import attrs
 
-from engine import distributed
+from engine import distributed, stateful
 from engine.atomic_io import atomic_write_text
 
 # torch, numpy and xxhash are imported inside the functions that use them: engine.snapshot
@@ -428,9 +428,13 @@ def held_by(optimizer) -> frozenset:
     a plugin's part) is copied at once."""
     import torch
 
-    held = {p.data_ptr() for group in optimizer.param_groups for p in group["params"]}
+    def pointer(tensor) -> int:
+        # A DTensor's (fsdp) data_ptr() is 0: its local tensor's memory is the snapshot's.
+        return getattr(tensor, "_local_tensor", tensor).data_ptr()
+
+    held = {pointer(p) for group in optimizer.param_groups for p in group["params"]}
     for state in optimizer.state.values():
-        held.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+        held.update(pointer(v) for v in state.values() if isinstance(v, torch.Tensor))
     return frozenset(held)
 
 
@@ -1457,9 +1461,21 @@ class MemoryChoice:
     holders: list[int]
     reached: int
     source: int = 0
+    #: The newest step of a sharded (fsdp) snapshot that could not be used, and why.
+    unusable: tuple[int, str] | None = None
 
     def newer_than(self, disk_step: int | None) -> bool:
         return self.step >= 0 and (disk_step is None or self.step > disk_step)
+
+    def not_used(self, disk_step: int | None) -> str | None:
+        """The line that says why a sharded memory snapshot newer than the chosen one
+        and than ``disk_step`` (the disk snapshot's) was not used, or None."""
+        if self.unusable is None:
+            return None
+        step, why = self.unusable
+        if step <= max(self.step, -1 if disk_step is None else disk_step):
+            return None
+        return f"the memory snapshot of step {step} is not used: {why}"
 
     def missing(self, world_size: int) -> list[int]:
         return [r for r in range(world_size) if r not in self.holders]
@@ -1473,10 +1489,32 @@ def agree(memory: MemorySnapshots, mine: list[Loaded]) -> MemoryChoice:
     sums). A snapshot of another number of processes needs no rows: its RNG states are
     not restored."""
     world_size = memory.world.world_size
-    held = [(m.step, m.slot.rows is not None
-             or m.state.get("world_size") != world_size) for m in mine]
-    every = distributed.all_gather_object((held, memory.reached()))
-    return choose([h for h, _ in every], max(r for _, r in every))
+    held, sharded = [], []
+    for m in mine:
+        saved_world = m.state.get("world_size")
+        if not stateful.holds_shards(m.state.get("model")):
+            held.append((m.step, m.slot.rows is not None or saved_world != world_size))
+            continue
+        # fsdp: this rank's shards, which no other rank can use, of this number of
+        # processes only (another resumes from disk, whose dcp snapshots reshard).
+        sharded.append((m.step, saved_world))
+        if saved_world == world_size:
+            held.append((m.step, False))
+    every = distributed.all_gather_object((held, memory.reached(), sharded))
+    choice = choose([h for h, _, _ in every], max(r for _, r, _ in every))
+    newest = max(((s, w) for _, _, shards in every for s, w in shards), default=None)
+    if newest is not None and newest[0] > choice.step:
+        step, saved_world = newest
+        if saved_world != world_size:
+            why = (f"it holds the shards of {saved_world} processes (fsdp), this run has "
+                   f"{world_size}")
+        else:
+            lacking = [str(r) for r, (h, _, _) in enumerate(every)
+                       if all(s != step for s, _ in h)]
+            why = (f"rank(s) {', '.join(lacking)} had no copy, and under fsdp each rank's "
+                   "holds only its own shards: no peer can send them")
+        choice.unusable = (step, why)
+    return choice
 
 
 def choose(held: list[list[tuple[int, bool]]], reached: int) -> MemoryChoice:
