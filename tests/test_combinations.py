@@ -91,13 +91,14 @@ def test_a_row_killed_on_every_rank_restarts_and_ends_with_the_uninterrupted_wei
     assert summary["weights_sha256"] == references(row)
 
 
-@pytest.mark.parametrize("row, message", REFUSED, ids=[label(r) for r, _ in REFUSED])
-def test_a_refused_row_is_one_line_before_any_worker_starts(row, message, tmp_path):
-    out = tmp_path / "run"
-    proc = run_row(out, row)
-    assert proc.returncode == 2 and proc.stderr.strip() == f"engine-run: error: {message}", \
-        proc.stderr
-    assert not out.exists()  # refused before the run folder was made: no worker ran
+if REFUSED:  # none now: a parametrization over nothing is a skip, which fails the suite
+    @pytest.mark.parametrize("row, message", REFUSED, ids=[label(r) for r, _ in REFUSED])
+    def test_a_refused_row_is_one_line_before_any_worker_starts(row, message, tmp_path):
+        out = tmp_path / "run"
+        proc = run_row(out, row)
+        assert proc.returncode == 2 and proc.stderr.strip() == (
+            f"engine-run: error: {message}"), proc.stderr
+        assert not out.exists()  # refused before the run folder was made: no worker ran
 
 
 def test_every_pair_of_values_is_in_a_row_and_no_row_holds_a_refused_pair():
