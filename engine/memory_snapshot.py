@@ -946,6 +946,9 @@ class MemorySnapshots:
         self.newest_index: int | None = None
         self.saves = 0
         self.reached_before = 0  # how far the interrupted run had got (agree() says)
+        #: Whether this run's model is sharded (fsdp), set before a resume: a snapshot
+        #: of shards restores only a sharded model, one of whole tensors only a whole one.
+        self.sharded = False
         self.config = None  # the run's config, pickled once (snapshot.py, pickled())
         #: Why this rank's last save failed (a full tmpfs, a name taken since): the
         #: ranks agree at the next check point to turn the tier off (trainer.py).
@@ -1461,7 +1464,8 @@ class MemoryChoice:
     holders: list[int]
     reached: int
     source: int = 0
-    #: The newest step of a sharded (fsdp) snapshot that could not be used, and why.
+    #: The newest step of a snapshot passed over (fsdp shards or whole tensors where the
+    #: run is not alike: agree), and why.
     unusable: tuple[int, str] | None = None
 
     def newer_than(self, disk_step: int | None) -> bool:
@@ -1487,33 +1491,40 @@ def agree(memory: MemorySnapshots, mine: list[Loaded]) -> MemoryChoice:
     returns the same answer: the newest step that every rank holds, or that a rank
     holding it can send with the missing ranks' own rows (their RNG states and loss
     sums). A snapshot of another number of processes needs no rows: its RNG states are
-    not restored."""
+    not restored. A snapshot of fsdp shards is only its own rank's, at its number of
+    processes; shards or whole tensors only where this run's model is alike
+    (``memory.sharded``). The newest snapshot passed over for these reasons is the
+    choice's ``unusable``: rank 0 says why."""
     world_size = memory.world.world_size
-    held, sharded = [], []
+    held, unusable, sharded = [], [], []
     for m in mine:
         saved_world = m.state.get("world_size")
-        if not stateful.holds_shards(m.state.get("model")):
+        shards = stateful.holds_shards(m.state.get("model"))
+        if shards != memory.sharded:  # --parallel changed from or to fsdp: from disk
+            unusable.append((m.step, "it holds " + ("fsdp shards" if shards else
+                                                    "whole tensors") + ", this run's model "
+                             "is " + ("sharded (fsdp)" if memory.sharded else "whole")))
+        elif not shards:
             held.append((m.step, m.slot.rows is not None or saved_world != world_size))
-            continue
-        # fsdp: this rank's shards, which no other rank can use, of this number of
-        # processes only (another resumes from disk, whose dcp snapshots reshard).
-        sharded.append((m.step, saved_world))
-        if saved_world == world_size:
+        elif saved_world != world_size:  # another split: the disk's dcp snapshots reshard
+            unusable.append((m.step, f"it holds the shards of {saved_world} processes "
+                                     f"(fsdp), this run has {world_size}"))
+        else:  # fsdp: this rank's own shards, which no other rank can use
             held.append((m.step, False))
-    every = distributed.all_gather_object((held, memory.reached(), sharded))
-    choice = choose([h for h, _, _ in every], max(r for _, r, _ in every))
-    newest = max(((s, w) for _, _, shards in every for s, w in shards), default=None)
+            sharded.append(m.step)
+    every = distributed.all_gather_object((held, memory.reached(), unusable, sharded))
+    choice = choose([h for h, _, _, _ in every], max(r for _, r, _, _ in every))
+    found = [u for _, _, theirs, _ in every for u in theirs]
+    for step in {s for _, _, _, steps in every for s in steps}:
+        lacking = [str(r) for r, (h, _, _, _) in enumerate(every)
+                   if all(s != step for s, _ in h)]
+        if lacking:
+            found.append((step, f"rank(s) {', '.join(lacking)} had no copy, and under "
+                                "fsdp each rank's holds only its own shards: no peer can "
+                                "send them"))
+    newest = max(found, default=None)  # the same on every rank
     if newest is not None and newest[0] > choice.step:
-        step, saved_world = newest
-        if saved_world != world_size:
-            why = (f"it holds the shards of {saved_world} processes (fsdp), this run has "
-                   f"{world_size}")
-        else:
-            lacking = [str(r) for r, (h, _, _) in enumerate(every)
-                       if all(s != step for s, _ in h)]
-            why = (f"rank(s) {', '.join(lacking)} had no copy, and under fsdp each rank's "
-                   "holds only its own shards: no peer can send them")
-        choice.unusable = (step, why)
+        choice.unusable = newest
     return choice
 
 

@@ -259,6 +259,7 @@ def _resume_from_memory(ctx, memory, disk_step: int | None) -> bool:
     rank's is gone. Collective. False: none newer (the disk snapshot, if any, wins).
     Only this run's buffers count (the run id, engine/memory_snapshot.py); one that
     fails to load is a warning and the next tier."""
+    memory.sharded = stateful.is_sharded(ctx.module)  # which snapshots it can restore
     mine = memory_snapshot.load_all(memory, ctx.warn_here)
     try:
         choice = memory_snapshot.agree(memory, mine)
