@@ -153,7 +153,7 @@ class Engine(WorkerContext):
 
     def _memory_snapshots(self):
         """This rank's in-memory snapshots (checkpoint.memory_every_steps), or None: off.
-        Under fsdp each rank's hold its own shards (engine/stateful.py's to_shards)."""
+        Under fsdp each rank's snapshots hold its own shards (stateful.to_shards)."""
         every = self.cfg.checkpoint.memory_every_steps
         if not every:
             return None

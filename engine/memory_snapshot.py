@@ -62,7 +62,10 @@ thread's wake-up and the GIL going back and forth cost more than the copy
 At a resume the ranks agree (:func:`agree`) on the newest snapshot every rank can
 restore: a memory snapshot newer than the newest disk snapshot, from the rank's own
 buffer or, where its own is gone (a replaced machine, a wiped /dev/shm), sent by a rank
-that has it and its rows over the process group; else the disk snapshot.
+that has it and its rows over the process group; else the disk snapshot. Under fsdp a
+rank's buffer holds its own shards (engine/stateful.py's to_shards), which no other
+rank can use: a rank without its own copy, or another number of processes, resumes
+from disk.
 """
 
 from __future__ import annotations
@@ -1472,8 +1475,8 @@ class MemoryChoice:
         return self.step >= 0 and (disk_step is None or self.step > disk_step)
 
     def not_used(self, disk_step: int | None) -> str | None:
-        """The line that says why a sharded memory snapshot newer than the chosen one
-        and than ``disk_step`` (the disk snapshot's) was not used, or None."""
+        """The line that says why a memory snapshot newer than the chosen one and than
+        ``disk_step`` (the disk snapshot's) was passed over (``unusable``), or None."""
         if self.unusable is None:
             return None
         step, why = self.unusable
