@@ -19,8 +19,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from engine import config as config_mod
-from engine import distributed, health, memory_snapshot, phases, preemption, snapshot, stateful
+from engine import distributed, health, memory_snapshot, phases, preemption, snapshot
 from engine.context import WorkerContext
 from engine.errors import EngineError, PeerFailed, RunError, first_line
 from engine.stateful import TrainState
@@ -154,17 +153,10 @@ class Engine(WorkerContext):
         return trainer
 
     def _memory_snapshots(self):
-        """This rank's in-memory snapshots (checkpoint.memory_every_steps), or None: off,
-        or a model sharded by fully_shard (each rank holds only its shard: a restart
-        resumes from the newest disk snapshot, docs/checkpoints.md)."""
+        """This rank's in-memory snapshots (checkpoint.memory_every_steps), or None: off.
+        Under fsdp each rank's snapshots hold its own shards (stateful.to_shards)."""
         every = self.cfg.checkpoint.memory_every_steps
         if not every:
-            return None
-        if stateful.is_sharded(self.module):
-            if config_mod.differs_from_default(self.cfg.checkpoint, "memory_every_steps"):
-                self.warn("checkpoint.memory_every_steps is ignored with a sharded model "
-                          f"(parallel={self.cfg.parallel}): a restart resumes from the "
-                          "newest disk snapshot")
             return None
         return self._open_memory_snapshots(every)
 

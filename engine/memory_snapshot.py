@@ -62,7 +62,10 @@ thread's wake-up and the GIL going back and forth cost more than the copy
 At a resume the ranks agree (:func:`agree`) on the newest snapshot every rank can
 restore: a memory snapshot newer than the newest disk snapshot, from the rank's own
 buffer or, where its own is gone (a replaced machine, a wiped /dev/shm), sent by a rank
-that has it and its rows over the process group; else the disk snapshot.
+that has it and its rows over the process group; else the disk snapshot. Under fsdp a
+rank's buffer holds its own shards (engine/stateful.py's to_shards), which no other
+rank can use: a rank without its own copy, or another number of processes, resumes
+from disk.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ from typing import Any
 import attrs
 from engine.shm import free_bytes, sweep, unlink_own
 
-from engine import distributed
+from engine import distributed, stateful
 from engine.atomic_io import atomic_write_text
 
 # torch, numpy and xxhash are imported inside the functions that use them: engine.snapshot
@@ -429,9 +432,13 @@ def held_by(optimizer) -> frozenset:
     a plugin's part) is copied at once."""
     import torch
 
-    held = {p.data_ptr() for group in optimizer.param_groups for p in group["params"]}
+    def pointer(tensor) -> int:
+        # A DTensor's (fsdp) data_ptr() is 0: its local tensor's memory is the snapshot's.
+        return getattr(tensor, "_local_tensor", tensor).data_ptr()
+
+    held = {pointer(p) for group in optimizer.param_groups for p in group["params"]}
     for state in optimizer.state.values():
-        held.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+        held.update(pointer(v) for v in state.values() if isinstance(v, torch.Tensor))
     return frozenset(held)
 
 
@@ -943,6 +950,9 @@ class MemorySnapshots:
         self.newest_index: int | None = None
         self.saves = 0
         self.reached_before = 0  # how far the interrupted run had got (agree() says)
+        #: Whether this run's model is sharded (fsdp), set before a resume: a snapshot
+        #: of shards restores only a sharded model, one of whole tensors only a whole one.
+        self.sharded = False
         self.config = None  # the run's config, pickled once (snapshot.py, pickled())
         #: Why this rank's last save failed (a full tmpfs, a name taken since): the
         #: ranks agree at the next check point to turn the tier off (trainer.py).
@@ -1430,9 +1440,22 @@ class MemoryChoice:
     holders: list[int]
     reached: int
     source: int = 0
+    #: The newest step of a snapshot passed over (fsdp shards or whole tensors where the
+    #: run is not alike: agree), and why.
+    unusable: tuple[int, str] | None = None
 
     def newer_than(self, disk_step: int | None) -> bool:
         return self.step >= 0 and (disk_step is None or self.step > disk_step)
+
+    def not_used(self, disk_step: int | None) -> str | None:
+        """The line that says why a memory snapshot newer than the chosen one and than
+        ``disk_step`` (the disk snapshot's) was passed over (``unusable``), or None."""
+        if self.unusable is None:
+            return None
+        step, why = self.unusable
+        if step <= max(self.step, -1 if disk_step is None else disk_step):
+            return None
+        return f"the memory snapshot of step {step} is not used: {why}"
 
     def missing(self, world_size: int) -> list[int]:
         return [r for r in range(world_size) if r not in self.holders]
@@ -1444,12 +1467,41 @@ def agree(memory: MemorySnapshots, mine: list[Loaded]) -> MemoryChoice:
     returns the same answer: the newest step that every rank holds, or that a rank
     holding it can send with the missing ranks' own rows (their RNG states and loss
     sums). A snapshot of another number of processes needs no rows: its RNG states are
-    not restored."""
+    not restored. A snapshot of fsdp shards is only its own rank's, at its number of
+    processes; shards or whole tensors only where this run's model is alike
+    (``memory.sharded``). The newest snapshot passed over for these reasons is the
+    choice's ``unusable``: rank 0 says why."""
     world_size = memory.world.world_size
-    held = [(m.step, m.slot.rows is not None
-             or m.state.get("world_size") != world_size) for m in mine]
-    every = distributed.all_gather_object((held, memory.reached()))
-    return choose([h for h, _ in every], max(r for _, r in every))
+    held, unusable, sharded = [], [], []
+    for m in mine:
+        saved_world = m.state.get("world_size")
+        shards = stateful.holds_shards(m.state.get("model"))
+        if shards != memory.sharded:  # --parallel changed from or to fsdp: from disk
+            unusable.append((m.step, "it holds " + ("fsdp shards" if shards else
+                                                    "whole tensors") + ", this run's model "
+                             "is " + ("sharded (fsdp)" if memory.sharded else "whole")))
+        elif not shards:
+            held.append((m.step, m.slot.rows is not None or saved_world != world_size))
+        elif saved_world != world_size:  # another split: the disk's dcp snapshots reshard
+            unusable.append((m.step, f"it holds the shards of {saved_world} processes "
+                                     f"(fsdp), this run has {world_size}"))
+        else:  # fsdp: this rank's own shards, which no other rank can use
+            held.append((m.step, False))
+            sharded.append(m.step)
+    every = distributed.all_gather_object((held, memory.reached(), unusable, sharded))
+    choice = choose([h for h, _, _, _ in every], max(r for _, r, _, _ in every))
+    found = [u for _, _, theirs, _ in every for u in theirs]
+    for step in {s for _, _, _, steps in every for s in steps}:
+        lacking = [str(r) for r, (h, _, _, _) in enumerate(every)
+                   if all(s != step for s, _ in h)]
+        if lacking:
+            found.append((step, f"rank(s) {', '.join(lacking)} had no copy, and under "
+                                "fsdp each rank's holds only its own shards: no peer can "
+                                "send them"))
+    newest = max(found, default=None)  # the same on every rank
+    if newest is not None and newest[0] > choice.step:
+        choice.unusable = newest
+    return choice
 
 
 def choose(held: list[list[tuple[int, bool]]], reached: int) -> MemoryChoice:

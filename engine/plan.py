@@ -51,31 +51,35 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
         "checkpointer": cfg.checkpointer,
         # Sized only when the plan is shown (--dry-run, -v): sizing builds the recipe's
         # model in this process, which a plain run never needs.
-        "memory_snapshots": lambda: memory_plan(recipe, cfg),
+        "memory_snapshots": lambda: memory_plan(recipe, cfg, world.world_size),
         "out_dir": cfg.out_dir,
     }
 
 
-def memory_plan(recipe, cfg) -> str | None:
+def memory_plan(recipe, cfg, world_size: int = 1) -> str | None:
     """What ``checkpoint.memory_every_steps`` holds in /dev/shm, per rank: two buffers
     of a snapshot each. The model is built on the meta device (no memory, no weights
-    loaded) for its size; the optimizer's state is estimated from its kind. The recipe's
+    loaded) for its size; the optimizer's state is estimated from its kind. Under fsdp
+    a rank holds its shard: about 1/``world_size`` of both. The recipe's
     ``build_model`` runs here, in the launching process: whatever else it does (a
     download) happens once more (docs/writing-a-recipe.md)."""
     every = cfg.checkpoint.memory_every_steps
     if not every:
         return None
-    if cfg.parallel == "fsdp":  # each rank holds a shard (engine.Engine._memory_snapshots)
-        return "off with parallel=fsdp: a restart resumes from the newest disk snapshot"
     folder = memory_snapshot.user_folder(cfg.checkpoint.memory_dir)
     where = f"every {every} step(s), 2 buffers per rank in {folder}"
     try:
         model_bytes, optimizer_bytes = _state_bytes(recipe, cfg)
     except Exception:  # a recipe that cannot build on the meta device: said at run time
         return f"{where}, each the size of a snapshot (printed at the first one)"
+    shard = ""
+    if cfg.parallel == "fsdp" and world_size > 1:  # each rank holds its own shards
+        model_bytes, optimizer_bytes = -(-model_bytes // world_size), -(-optimizer_bytes
+                                                                         // world_size)
+        shard = f", this rank's shard of {world_size}"
     total = model_bytes + optimizer_bytes
     return (f"{where}: 2 x {total / 2**20:.1f} MB (model {model_bytes / 2**20:.1f} MB + "
-            f"optimizer state {optimizer_bytes / 2**20:.1f} MB"
+            f"optimizer state {optimizer_bytes / 2**20:.1f} MB{shard}"
             f"{_free_space(cfg.checkpoint.memory_dir)})")
 
 

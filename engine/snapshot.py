@@ -87,8 +87,10 @@ def capture_here(ctx, config) -> tuple[dict, bytes]:
         if isinstance(part, stateful.RngStates):
             continue  # below, once the loss sums are known
         # The Trainer's progress: its loss sums, which memory_snapshot.complete sums
-        # over the ranks at a resume (only it knows how to make them whole again).
-        here = getattr(part, "local_state_dict", None) if name == "progress" else None
+        # over the ranks at a resume (only it knows how to make them whole again). A
+        # sharded part (fsdp): this rank's own shards (engine/stateful.py).
+        here = getattr(part, "local_state_dict" if name == "progress"
+                       else "memory_state_dict", None)
         states[name] = here() if here is not None else part.state_dict()
     loss = (states.get("progress") or {}).get("epoch_loss")
     row = memory_snapshot.make_row(None if loss is None else (loss["sum"], loss["batches"]))
@@ -398,11 +400,15 @@ def _resume_from_memory(ctx, memory, disk_step: int | None) -> bool:
     rank's is gone. Collective. False: none newer (the disk snapshot, if any, wins).
     Only this run's buffers count (the run id, engine/memory_snapshot.py); one that
     fails to load is a warning and the next tier."""
+    memory.sharded = stateful.is_sharded(ctx.module)  # which snapshots it can restore
     mine = memory_snapshot.load_all(memory, ctx.warn_here)
     try:
         choice = memory_snapshot.agree(memory, mine)
         memory.reached_before = choice.reached
         if not choice.newer_than(disk_step):
+            notice = choice.not_used(disk_step)  # fsdp: a rank's shards lost, or resized
+            if notice:
+                ctx.print(notice)
             return False
         source = f"memory (step {choice.step})"
         restore(ctx, memory_snapshot.fetch(memory, choice, mine), source=source)

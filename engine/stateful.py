@@ -300,7 +300,19 @@ class ModelState:
         # A model the user compiled (torch.compile) saves the keys a plain one has.
         return plain_keys(self.module.state_dict())
 
+    def memory_state_dict(self) -> dict:
+        """What an in-memory snapshot holds: :meth:`state_dict`, or, for a model that
+        fully_shard split, this rank's own shards (:func:`to_shards`): the full state
+        would be a gather, a collective on every snapshot's path."""
+        if not is_sharded(self.module):
+            return self.state_dict()
+        return to_shards(plain_keys(self.module.state_dict()))
+
     def load_state_dict(self, state_dict: dict) -> None:
+        if holds_shards(state_dict):  # a memory snapshot's: this rank's shards, in place
+            load_model_state(self.module, from_shards(state_dict, mesh_of(self.module)),
+                             source="its model state")
+            return
         options = distributed_options(self.module, self.sharded)
         if options is not None:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -328,7 +340,24 @@ class OptimizerState:
             return get_optimizer_state_dict(self.module, self.optimizer, options=options)
         return self.optimizer.state_dict()
 
+    def memory_state_dict(self) -> dict:
+        """As :meth:`ModelState.memory_state_dict`: under fully_shard the optimizer's own
+        state dict (keyed by parameter index) with this rank's shards of its state."""
+        if not is_sharded(self.module):
+            return self.state_dict()
+        return to_shards(self.optimizer.state_dict())
+
     def load_state_dict(self, state_dict: dict) -> None:
+        if holds_shards(state_dict):
+            # A memory snapshot's: the optimizer's own loader takes it (a state it has
+            # not created yet, before its first step, included).
+            try:
+                self.optimizer.load_state_dict(from_shards(state_dict,
+                                                           mesh_of(self.module)))
+            except (ValueError, KeyError) as exc:
+                raise CheckpointError(f"optimizer state does not match: {first_line(exc)}"
+                                      ) from None
+            return
         options = distributed_options(self.module, self.sharded)
         if options is not None:
             from torch.distributed.checkpoint.state_dict import (StateDictOptions,
@@ -360,6 +389,103 @@ def holds_dtensor(tree) -> bool:
     if isinstance(tree, (list, tuple)):
         return any(holds_dtensor(v) for v in tree)
     return isinstance(tree, dtensor.DTensor)
+
+
+#: A DTensor's place in an in-memory snapshot (:func:`to_shards`): ``(SHARD, this
+#: rank's local tensor, the global shape, the global stride, the placements as text)``,
+#: plain values and a tensor, which the memory tier's restricted unpickler reads.
+SHARD = "\x00engine-shard"
+
+
+def to_shards(tree):
+    """``tree`` (nested dicts and lists) with each DTensor replaced by this rank's own
+    shard (:data:`SHARD`): no gather, no collective, no copy (the local tensor is the
+    DTensor's own storage, which the memory snapshot copies)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return tree
+    DTensor = dtensor.DTensor
+
+    def local(value):
+        if not isinstance(value, DTensor):
+            return None
+        # _local_tensor is what to_local() returns, without its autograd function.
+        return (SHARD, value._local_tensor, tuple(value.shape), tuple(value.stride()),
+                _placements_text(value.placements))
+
+    return _replaced(tree, local)
+
+
+def _replaced(tree, replace):
+    """``tree`` (nested dicts, lists and tuples) with each value for which ``replace``
+    gives something other than None replaced by that."""
+    new = replace(tree)
+    if new is not None:
+        return new
+    if isinstance(tree, dict):
+        return type(tree)((k, _replaced(v, replace)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_replaced(v, replace) for v in tree)
+    return tree
+
+
+def _placements_text(placements) -> str:
+    """``S0,R`` for (Shard(0), Replicate()): plain text, which a memory snapshot holds."""
+    text = []
+    for placement in placements:
+        if placement.is_shard():
+            text.append(f"S{placement.dim}")
+        elif placement.is_replicate():
+            text.append("R")
+        else:  # Partial: a pending reduction, never in a state dict
+            raise ValueError(f"a DTensor placed as {placement} cannot be snapshot")
+    return ",".join(text)
+
+
+def is_shard(value) -> bool:
+    return type(value) is tuple and len(value) == 5 and value[0] == SHARD
+
+
+def holds_shards(tree) -> bool:
+    """True when ``tree`` holds a shard of :func:`to_shards` (a memory snapshot's part
+    under fsdp)."""
+    if is_shard(tree):
+        return True
+    if isinstance(tree, dict):
+        return any(holds_shards(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(holds_shards(v) for v in tree)
+    return False
+
+
+def mesh_of(module):
+    """The device mesh a sharded module's parameters are spread over."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    for parameter in module.parameters():
+        if dtensor is not None and isinstance(parameter, dtensor.DTensor):
+            return parameter.device_mesh
+    raise CheckpointError("the memory snapshot holds fsdp shards and this run's model is "
+                          "not sharded: resume with --parallel fsdp, or from a disk "
+                          "snapshot with --resume PATH")
+
+
+def from_shards(tree, mesh):
+    """:func:`to_shards` undone: each shard a DTensor over ``mesh`` again, with its
+    saved shape, stride and placements (no collective: this rank's shard as it was)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def placement(text: str):
+        return Replicate() if text == "R" else Shard(int(text[1:]))
+
+    def build(value):
+        if not is_shard(value):
+            return None
+        _, local, shape, stride, placements = value
+        return DTensor.from_local(
+            local.to(mesh.device_type), mesh, [placement(p) for p in placements.split(",")],
+            run_check=False, shape=tuple(shape), stride=tuple(stride))
+
+    return _replaced(tree, build)
 
 
 def _holds_tensors(tree) -> bool:

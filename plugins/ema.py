@@ -38,7 +38,7 @@ import attrs
 
 import engine
 from engine.errors import ConfigError
-from engine.stateful import is_sharded
+from engine.stateful import from_shards, holds_shards, is_sharded, mesh_of, to_shards
 
 # torch is imported inside the functions that use it: the plugin manager loads every
 # built-in plugin without torch (engine-run plugins; a run's launching process).
@@ -207,9 +207,21 @@ class ShardedMovingAverage:
             average["n_averaged"] = torch.tensor(self.n_averaged, dtype=torch.long)
         return {"average": average, "steps": self.steps}
 
+    def memory_state_dict(self) -> dict:
+        """An in-memory snapshot's state (engine/snapshot.py's capture_here): this rank's
+        own shards and buffers as they are, whatever the checkpointer: no gather, no
+        broadcast on the snapshot's path; the restart at this number of processes puts
+        each rank's back. ``n_averaged`` as a number: a new tensor at every snapshot
+        would make the memory tier plan its copies again."""
+        average = {f"module.{alias}": self.average[name] for alias, name in self.aliases.items()}
+        average["n_averaged"] = self.n_averaged
+        return to_shards({"average": average, "steps": self.steps})
+
     def load_state_dict(self, state_dict: dict) -> None:
         import torch
 
+        if holds_shards(state_dict):  # a memory snapshot's (memory_state_dict)
+            state_dict = from_shards(state_dict, mesh_of(self.module))
         saved = state_dict["average"]
         missing = [name for name in self.names if f"module.{name}" not in saved]
         if missing:

@@ -28,9 +28,10 @@ The options are this plugin's config group ``fsdp`` (:class:`FSDPConfig`):
 
 Precision: ``precision=bf16`` is FSDP2's MixedPrecisionPolicy: parameters gathered and
 computed in bf16, the sharded fp32 parameters (and optimizer state) kept as they are.
-``fp16`` needs a gradient scaler that knows the shards: refused, use bf16. So is a
-chosen ``checkpoint.memory_every_steps`` (the memory tier keeps whole tensors; the
-default's is off under fsdp): a restart resumes from the newest disk snapshot.
+``fp16`` needs a gradient scaler that knows the shards: refused, use bf16.
+``checkpoint.memory_every_steps``: each rank's in-memory snapshot holds its own shards
+(engine/stateful.py's to_shards), so a restart at the same number of processes resumes
+from memory; a rank whose memory is gone, or another number of processes, from disk.
 
 The optimizer is built by the engine after the wrap, on the sharded parameters.
 Gradient accumulation turns off the gradients' reduce-scatter for the group's first
@@ -104,17 +105,6 @@ class FullyShardedDataParallel(DistributedDataParallel):
                 "precision 'fp16' with parallel mode 'fsdp': the gradient scaler cannot "
                 "unscale sharded gradients; use precision=bf16 (no scaler needed) or "
                 "--parallel ddp")
-        # Not at the top: engine-run plugins loads this plugin without engine.config.
-        from engine.config import differs_from_default
-
-        memory = self.cfg.checkpoint.memory_every_steps
-        if memory and differs_from_default(self.cfg.checkpoint, "memory_every_steps"):
-            # Chosen, not the default: refused now rather than ignored in the workers.
-            raise ConfigError(
-                f"checkpoint.memory_every_steps={memory} with parallel mode 'fsdp': "
-                "in-memory snapshots hold whole tensors, not a rank's shards; set "
-                "checkpoint.memory_every_steps=0 (a restart resumes from the newest disk "
-                "snapshot: checkpoint.every_steps) or use --parallel ddp")
 
     def setup_device(self):
         super().setup_device()

@@ -1,6 +1,8 @@
 """A plugin that injects faults, for tests: ``-p tests.fault_plugin`` plus variables.
 
-ENGINE_FAULT_ACTION  kill (SIGKILL itself), raise, hang, signal (SIGUSR1 to itself, or
+ENGINE_FAULT_ACTION  kill (SIGKILL itself), kill-wiping-memory (delete its own in-memory
+                     snapshots' buffers, then SIGKILL itself: a node replaced, its
+                     /dev/shm gone with it), raise, hang, signal (SIGUSR1 to itself, or
                      ENGINE_FAULT_SIGNAL: SIGTERM), stop (SIGSTOP itself: alive, but
                      answers nothing), interrupt (Ctrl-C: SIGINT to engine-run's whole
                      process group, as a terminal sends it), interrupt-twice (the same,
@@ -41,6 +43,10 @@ def _act(eng, step: int | None = None) -> None:
             return
         path.write_text(f"{eng.state.epoch} {eng.state.step}\n")
     action = os.environ.get("ENGINE_FAULT_ACTION", "kill")
+    if action == "kill-wiping-memory":
+        for path in eng.memory.paths:
+            path.unlink()  # fails loudly where the rank had no buffer to lose
+        action = "kill"
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "raise":

@@ -7,7 +7,7 @@ against the same engine with them off, on the CPU.
 
 Workloads (``--workloads``), each through engine.engine.Engine as engine-run's workers
 run it (tools/bench_overhead.py's ``through_engine``), ``single`` for 1 process, ``ddp``
-with gloo for 2:
+with gloo for 2 (``--parallel fsdp``: fully_shard, each rank's snapshot its shards):
 
 - ``cifar``: recipes/cifar_ddp.py's network, synthetic data, global batch 64, 200 steps
   (so that N = 100 takes two snapshots), 1 and 2 processes;
@@ -161,7 +161,9 @@ def split_times(eng, times: int = 3) -> dict:
                                      **{name: [] for name in parts.names()}}
     for _ in range(times):
         for name in parts.names():
-            part = getattr(parts[name], "local_state_dict", parts[name].state_dict)
+            # As capture_here takes it: a rank's own share (fsdp: its shards).
+            part = (getattr(parts[name], "local_state_dict", None)
+                    or getattr(parts[name], "memory_state_dict", parts[name].state_dict))
             if name == "rng":
                 part = functools.partial(memory_snapshot.make_row, None)
             start = time.perf_counter()
@@ -197,7 +199,8 @@ def one_run(every: int, rank: int, world_size: int, port: int, out_dir: str,
     os.environ[PROBE_FILE] = str(probe_path)
     before = phases.carved(phases.MEMORY_SNAPSHOTS)  # a process runs several engines
     seconds, cpu, digest, steps, (window_step, _) = overhead.through_engine(
-        MODES[world_size], rank, world_size, port, out_dir, run_args, WORKLOADS)
+        args.parallel or MODES[world_size], rank, world_size, port, out_dir, run_args,
+        WORKLOADS)
     wall, _, snapshots = (after - earlier for after, earlier in
                           zip(phases.carved(phases.MEMORY_SNAPSHOTS), before))
     probe = json.loads(probe_path.read_text())
@@ -378,6 +381,9 @@ def parse_args(argv=None):
                    help="a config override for every run, e.g. width=512 (repeatable)")
     p.add_argument("-p", "--plugin", action="append", default=[], metavar="SPEC",
                    help="engine-run's -p for every run (repeatable)")
+    p.add_argument("--parallel", choices=("single", "ddp", "fsdp"),
+                   help="the parallel mode of every session (default: single for 1 "
+                        "process, ddp for 2); fsdp: each rank's snapshot holds its shards")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
     args = p.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]

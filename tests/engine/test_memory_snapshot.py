@@ -80,6 +80,62 @@ def test_a_saved_snapshot_comes_back_whole_and_detached_from_the_buffer(shm, tmp
     assert_same_snapshot(loaded, state)
 
 
+def test_an_fsdp_models_snapshot_holds_its_shards_and_loads_them_back_bit_for_bit(
+        shm, tmp_path):
+    """Under fully_shard (one rank, in a process group of its own) the model's and the
+    optimizer's memory_state_dict hold the DTensors' local tensors with their shape and
+    placements (to_shards); through the tier's buffer they load into a fresh sharded
+    model, and into its optimizer before its first step (no state yet), so that the
+    next step is the same to the bit; a whole model refuses them in one line."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from engine.errors import CheckpointError
+    from engine.stateful import SHARD, ModelState, OptimizerState
+
+    def trained(steps: int):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+        fully_shard(model[0])
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        for _ in range(steps):
+            model(torch.randn(5, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return model, optimizer
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        model, optimizer = trained(2)
+        state = {**a_snapshot(2), "model": ModelState(model).memory_state_dict(),
+                 "optimizer": OptimizerState(model, optimizer).memory_state_dict()}
+        shard = state["model"]["0.weight"]
+        assert (shard[0], shard[2], shard[4]) == (SHARD, (3, 4), "S0")
+        assert state["optimizer"]["state"][0]["exp_avg"][0] == SHARD
+        memory = memory_of(tmp_path, shm)
+        memory.save(state, step=2, epoch=0)
+        loaded = memory_snapshot.load_slot(memory_snapshot.newest(memory.paths, RUN_ID))
+        fresh, fresh_optimizer = trained(0)
+        ModelState(fresh).load_state_dict(loaded["model"])
+        OptimizerState(fresh, fresh_optimizer).load_state_dict(loaded["optimizer"])
+        batch = torch.randn(5, 4)
+        for m, o in ((model, optimizer), (fresh, fresh_optimizer)):
+            m(batch).sum().backward()
+            o.step()
+        for a, b in zip(model.parameters(), fresh.parameters()):
+            assert torch.equal(a.to_local(), b.to_local())
+        with pytest.raises(CheckpointError, match="^the memory snapshot holds fsdp shards "
+                           "and this run's model is not sharded: resume with --parallel "
+                           "fsdp"):
+            ModelState(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))).load_state_dict(
+                loaded["model"])
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_folder_and_buffers_are_this_users_alone(shm, tmp_path):
     memory = memory_of(tmp_path, shm)
     memory.save(a_snapshot(1), step=1, epoch=0)

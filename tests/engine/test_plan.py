@@ -53,8 +53,12 @@ def test_the_memory_snapshots_line_gives_two_buffers_of_model_and_optimizer_stat
                         line), line
     cfg.momentum = 0.0  # plain SGD keeps no state
     assert "optimizer state 0.0 MB" in memory_plan(recipe, cfg)
-    cfg.parallel = "fsdp"  # each rank holds a shard: none are written (engine.py)
-    assert memory_plan(recipe, cfg).startswith("off with parallel=fsdp")
+    cfg.momentum = 0.9
+    cfg.parallel = "fsdp"  # each rank holds its shard: half of it with 2 processes
+    assert re.fullmatch(r"every 5 step\(s\), 2 buffers per rank in .*: 2 x 0\.2 MB "
+                        r"\(model 0\.1 MB \+ optimizer state 0\.1 MB, this rank's shard "
+                        r"of 2; \d+ MB free there\)", memory_plan(recipe, cfg, 2)), \
+        memory_plan(recipe, cfg, 2)
 
 
 def test_only_a_shown_plan_builds_the_model_in_the_launching_process(tmp_path):

@@ -105,14 +105,10 @@ def test_a_unit_with_two_dtypes_and_fp16_are_refused_in_one_line():
         mode(precision="fp16").check()
 
 
-def test_a_chosen_memory_tier_is_refused_in_one_line_and_the_defaults_is_left_off():
+def test_a_chosen_memory_tier_is_accepted():
+    """Each rank's memory snapshot holds its own shards (issue 37): no longer refused."""
     parallel = mode()
-    parallel.check()  # the default memory_every_steps: off under fsdp, silently
     parallel.cfg.checkpoint.memory_every_steps = 1
-    with pytest.raises(ConfigError, match=r"^checkpoint.memory_every_steps=1 with parallel "
-                       "mode 'fsdp': .*set checkpoint.memory_every_steps=0"):
-        parallel.check()
-    parallel.cfg.checkpoint.memory_every_steps = 0
     parallel.check()
 
 
