@@ -347,6 +347,25 @@ class OptimizerState:
             return self.state_dict()
         return to_shards(self.optimizer.state_dict())
 
+    def _keyed_by_name(self, state_dict: dict) -> dict:
+        """``state_dict`` (keyed by index) keyed by the names torch's state_dict helpers
+        give this optimizer's parameters: the index counts the parameters of every
+        group in order, and the helpers list the names in the same order."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_optimizer_state_dict)
+
+        named = get_optimizer_state_dict(self.module, self.optimizer,
+                                         options=StateDictOptions())
+        names = [name for group in named["param_groups"] for name in group["params"]]
+        try:
+            return {"state": {names[i]: v for i, v in state_dict["state"].items()},
+                    "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                     for g in state_dict["param_groups"]]}
+        except IndexError:
+            raise CheckpointError(
+                f"optimizer state does not match: it holds more parameters than this "
+                f"model's optimizer ({len(names)})") from None
+
     def load_state_dict(self, state_dict: dict) -> None:
         if holds_shards(state_dict):
             # A memory snapshot's: the optimizer's own loader takes it (a state it has
@@ -367,14 +386,38 @@ class OptimizerState:
                 # Nothing to slice into shards (plain SGD keeps no state), and torch's
                 # full-state loader fails on that ("Expected device to be set").
                 options = StateDictOptions()
+            if _keyed_by_index(state_dict):
+                # A whole model's optimizer (a run under ddp or single resumed under
+                # fsdp): torch's loader here wants the parameters' names.
+                state_dict = self._keyed_by_name(state_dict)
             set_optimizer_state_dict(self.module, self.optimizer, state_dict,
                                      options=options)
+            return
+        if state_dict.get("param_groups") and not _keyed_by_index(state_dict):
+            # Keyed by the parameters' names: a sharded run's, gathered by a single-file
+            # checkpointer (fsdp resumed under ddp or single). torch's helper maps the
+            # names onto this optimizer (a plain loader took the first key for an index).
+            # The helper's module, imported where a sharded run's state is loaded.
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            try:
+                set_optimizer_state_dict(self.module, self.optimizer, state_dict)
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise CheckpointError(f"optimizer state does not match: {first_line(exc)}"
+                                      ) from None
             return
         try:
             self.optimizer.load_state_dict(state_dict)
         except (ValueError, KeyError) as exc:
             raise CheckpointError(f"optimizer state does not match: {first_line(exc)}"
                                   ) from None
+
+
+def _keyed_by_index(state_dict: dict) -> bool:
+    """True for an optimizer state in torch's own form (``optimizer.state_dict()``: the
+    parameters by their index), False for the named form of torch's state_dict helpers."""
+    groups = state_dict.get("param_groups") or [{}]
+    return any(isinstance(p, int) for p in groups[0].get("params", ()))
 
 
 def holds_dtensor(tree) -> bool:

@@ -347,3 +347,65 @@ def test_the_model_key_helpers_still_import_from_engine_checkpoint():
     for name in ("COMPILED_SEGMENT", "add_module_prefix", "load_model_state",
                  "model_digest", "plain_keys", "uncompiled_key"):
         assert getattr(checkpoint, name) is getattr(stateful, name), name
+
+
+def test_an_optimizers_state_crosses_between_whole_and_sharded_models(tmp_path):
+    """``parallel`` may change at a resume (snapshot.MAY_CHANGE): a whole model's
+    optimizer state (torch's own form, keyed by parameter index: a ddp or single run's
+    torch-file snapshot) loads into an fsdp model's optimizer, and an fsdp run's
+    gathered one (keyed by name) into a whole model's; the next step is the same either
+    way. (Before, the first failed in torch's loader with a KeyError.)"""
+    import io
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from engine.stateful import OptimizerState
+
+    def model_and_optimizer(sharded: bool, steps: int = 0):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+        if sharded:
+            fully_shard(model[0])
+            fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        for _ in range(steps):
+            model(torch.randn(5, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return model, optimizer
+
+    def full(tensor):
+        return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+    def next_step(model, optimizer, batch):
+        model(batch).sum().backward()
+        optimizer.step()
+        return [full(p).detach().clone() for p in model.parameters()]
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        for saved_sharded in (False, True):
+            model, optimizer = model_and_optimizer(saved_sharded, steps=2)
+            # What a single-file checkpointer stores and reads back (the whole form,
+            # gathered under fsdp): a copy, not the live state's tensors.
+            buffer = io.BytesIO()
+            torch.save(OptimizerState(model, optimizer).state_dict(), buffer)
+            buffer.seek(0)
+            saved = torch.load(buffer, weights_only=True)
+            into, into_optimizer = model_and_optimizer(not saved_sharded)
+            with torch.no_grad():
+                for target, source in zip(into.parameters(), model.parameters()):
+                    value = full(source)
+                    if hasattr(target, "to_local"):
+                        target.to_local().copy_(value)
+                    else:
+                        target.copy_(value)
+            OptimizerState(into, into_optimizer).load_state_dict(saved)
+            batch = torch.randn(5, 4)
+            expected = next_step(model, optimizer, batch)
+            for a, b in zip(next_step(into, into_optimizer, batch), expected):
+                assert torch.equal(a, b), saved_sharded
+    finally:
+        dist.destroy_process_group()
