@@ -89,22 +89,13 @@ def test_an_fsdp_models_snapshot_holds_its_shards_and_loads_them_back_bit_for_bi
     next step is the same to the bit; a whole model refuses them in one line."""
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.fsdp import fully_shard
 
     from engine.errors import CheckpointError
     from engine.stateful import SHARD, ModelState, OptimizerState
+    from tests.engine.test_stateful import tiny_adamw_run
 
     def trained(steps: int):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
-        fully_shard(model[0])
-        fully_shard(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-        for _ in range(steps):
-            model(torch.randn(5, 4)).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return model, optimizer
+        return tiny_adamw_run(sharded=True, steps=steps)
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
                             rank=0, world_size=1)

@@ -349,6 +349,24 @@ def test_the_model_key_helpers_still_import_from_engine_checkpoint():
         assert getattr(checkpoint, name) is getattr(stateful, name), name
 
 
+def tiny_adamw_run(sharded: bool, steps: int = 0):
+    """A two-layer model (each layer and the whole fully_shard-ed with ``sharded``, in
+    the caller's process group) and its AdamW after ``steps`` steps, seeded."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    if sharded:
+        fully_shard(model[0])
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
 def test_an_optimizers_state_crosses_between_whole_and_sharded_models(tmp_path):
     """``parallel`` may change at a resume (snapshot.MAY_CHANGE): a whole model's
     optimizer state (torch's own form, keyed by parameter index: a ddp or single run's
@@ -358,22 +376,8 @@ def test_an_optimizers_state_crosses_between_whole_and_sharded_models(tmp_path):
     import io
 
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     from engine.stateful import OptimizerState
-
-    def model_and_optimizer(sharded: bool, steps: int = 0):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
-        if sharded:
-            fully_shard(model[0])
-            fully_shard(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-        for _ in range(steps):
-            model(torch.randn(5, 4)).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return model, optimizer
 
     def full(tensor):
         return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
@@ -387,14 +391,14 @@ def test_an_optimizers_state_crosses_between_whole_and_sharded_models(tmp_path):
                             rank=0, world_size=1)
     try:
         for saved_sharded in (False, True):
-            model, optimizer = model_and_optimizer(saved_sharded, steps=2)
+            model, optimizer = tiny_adamw_run(saved_sharded, steps=2)
             # What a single-file checkpointer stores and reads back (the whole form,
             # gathered under fsdp): a copy, not the live state's tensors.
             buffer = io.BytesIO()
             torch.save(OptimizerState(model, optimizer).state_dict(), buffer)
             buffer.seek(0)
             saved = torch.load(buffer, weights_only=True)
-            into, into_optimizer = model_and_optimizer(not saved_sharded)
+            into, into_optimizer = tiny_adamw_run(not saved_sharded)
             with torch.no_grad():
                 for target, source in zip(into.parameters(), model.parameters()):
                     value = full(source)
