@@ -22,7 +22,7 @@ from typing import Any
 from engine import distributed, health, memory_snapshot, phases, preemption, snapshot
 from engine.context import WorkerContext
 from engine.errors import EngineError, PeerFailed, RunError, first_line
-from engine.stateful import TrainState
+from engine.stateful import TrainState, is_sharded
 from engine.trainer import Trainer  # torch: only workers import engine.engine
 from engine.worker_setup import setup_recipe_run, start_worker
 
@@ -181,7 +181,7 @@ class Engine(WorkerContext):
             old, run_id = ids
             memory = memory_snapshot.MemorySnapshots(
                 self.out_dir, self.world, every, run_id=run_id,
-                shm=self.cfg.checkpoint.memory_dir)
+                shm=self.cfg.checkpoint.memory_dir, sharded=is_sharded(self.module))
             problem = memory.check()
             if problem is None and self.world.is_local_rank0:
                 # --no-resume and --resume PATH: none of the run's snapshots is wanted.

@@ -936,7 +936,7 @@ class MemorySnapshots:
     the run ends by itself."""
 
     def __init__(self, run_dir, world, every_steps: int, run_id: str,
-                 shm: pathlib.Path = SHM):
+                 shm: pathlib.Path = SHM, sharded: bool = False):
         self.run_dir = pathlib.Path(run_dir)
         self.world = world
         self.every_steps = every_steps
@@ -950,9 +950,9 @@ class MemorySnapshots:
         self.newest_index: int | None = None
         self.saves = 0
         self.reached_before = 0  # how far the interrupted run had got (agree() says)
-        #: Whether this run's model is sharded (fsdp), set before a resume: a snapshot
-        #: of shards restores only a sharded model, one of whole tensors only a whole one.
-        self.sharded = False
+        #: Whether this run's model is sharded (fsdp): a snapshot of shards restores
+        #: only a sharded model, one of whole tensors only a whole one.
+        self.sharded = sharded
         self.config = None  # the run's config, pickled once (snapshot.py, pickled())
         #: Why this rank's last save failed (a full tmpfs, a name taken since): the
         #: ranks agree at the next check point to turn the tier off (trainer.py).

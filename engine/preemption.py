@@ -38,6 +38,10 @@ DUPLICATE_WINDOW_S = 5.0
 _SO_TIMESTAMP = getattr(socket, "SO_TIMESTAMP", 29 if sys.platform == "linux" else None)
 
 
+#: The kernel's stamp: a struct timeval (seconds, microseconds).
+_TIMEVAL = struct.Struct("ll")
+
+
 class _ArrivalClock:
     """When each signal arrived, not when its Python handler ran. Python runs a handler
     in the main thread between two bytecodes, so a main thread inside a long C call (a
@@ -50,9 +54,11 @@ class _ArrivalClock:
     be set up (not the main thread, another wakeup fd in use: asyncio's), the
     handler's own time stands in."""
 
-    def __init__(self) -> None:
+    def __init__(self, signums) -> None:
         self._sockets = None
-        self._pending: dict[int, list[float]] = {}
+        # The signals whose arrivals are kept: the wakeup fd gets a byte for every
+        # signal with a Python handler (a DataLoader's SIGCHLD too).
+        self._pending: dict[int, list[float]] = {int(s): [] for s in signums}
         if _SO_TIMESTAMP is None:
             return
         reader, writer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -79,14 +85,16 @@ class _ArrivalClock:
             while True:
                 try:
                     data, ancillary, _, _ = self._sockets[0].recvmsg(
-                        1, socket.CMSG_SPACE(struct.calcsize("ll")))
+                        1, socket.CMSG_SPACE(_TIMEVAL.size))
                 except (BlockingIOError, OSError):
                     break
                 for level, kind, stamp in ancillary:
                     if (level, kind) == (socket.SOL_SOCKET, _SO_TIMESTAMP) and data:
-                        seconds, micros = struct.unpack("ll", stamp[:struct.calcsize("ll")])
-                        self._pending.setdefault(data[0], []).append(seconds + micros / 1e6)
-        return self._pending.pop(signum, None) or [time.time()]
+                        seconds, micros = _TIMEVAL.unpack(stamp[:_TIMEVAL.size])
+                        if data[0] in self._pending:
+                            self._pending[data[0]].append(seconds + micros / 1e6)
+        arrived, self._pending[signum] = self._pending.get(signum) or [time.time()], []
+        return arrived
 
     def close(self) -> None:
         if self._sockets is not None:
@@ -125,7 +133,7 @@ class PreemptionFlag:
                 self._previous[signum] = signal.signal(signum, self._handle)
             except ValueError:  # not the main thread (a library user's thread)
                 return
-        self._clock = _ArrivalClock()
+        self._clock = _ArrivalClock(self._previous)
 
     def uninstall(self, ignore_more: bool = False) -> None:
         """Put the previous handlers back; with ``ignore_more`` (the pre-emption snapshot

@@ -261,7 +261,7 @@ class Snapshots:
             # Every rank is here, at the same check point: one gather tells rank 0 which
             # rank's buffer failed and why, for the one warning (once in a run).
             failed = [(rank, why) for rank, why in enumerate(
-                distributed.all_gather_object(self.memory.failed)) if why]
+                distributed.all_gather_object(self.memory.failed)) if why is not None]
             self._memory_off(*failed[0])
 
     # ------------------------------------------------------------ memory tier
@@ -400,7 +400,6 @@ def _resume_from_memory(ctx, memory, disk_step: int | None) -> bool:
     rank's is gone. Collective. False: none newer (the disk snapshot, if any, wins).
     Only this run's buffers count (the run id, engine/memory_snapshot.py); one that
     fails to load is a warning and the next tier."""
-    memory.sharded = stateful.is_sharded(ctx.module)  # which snapshots it can restore
     mine = memory_snapshot.load_all(memory, ctx.warn_here)
     try:
         choice = memory_snapshot.agree(memory, mine)

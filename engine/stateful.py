@@ -420,18 +420,24 @@ def _keyed_by_index(state_dict: dict) -> bool:
     return any(isinstance(p, int) for p in groups[0].get("params", ()))
 
 
+def _anywhere(tree, test) -> bool:
+    """True when ``test`` holds for ``tree`` or for anything in it (nested dicts, lists
+    and tuples), the containers themselves included."""
+    if test(tree):
+        return True
+    if isinstance(tree, dict):
+        return any(_anywhere(v, test) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_anywhere(v, test) for v in tree)
+    return False
+
+
 def holds_dtensor(tree) -> bool:
     """True when ``tree`` (nested dicts and lists) holds a DTensor: a sharded part's
     state, which a sharded checkpointer stores as shards. Without importing DTensor: a
     run that never imported it has none."""
     dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None:
-        return False
-    if isinstance(tree, dict):
-        return any(holds_dtensor(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return any(holds_dtensor(v) for v in tree)
-    return isinstance(tree, dtensor.DTensor)
+    return dtensor is not None and _anywhere(tree, lambda v: isinstance(v, dtensor.DTensor))
 
 
 #: A DTensor's place in an in-memory snapshot (:func:`to_shards`): ``(SHARD, this
@@ -492,13 +498,7 @@ def is_shard(value) -> bool:
 def holds_shards(tree) -> bool:
     """True when ``tree`` holds a shard of :func:`to_shards` (a memory snapshot's part
     under fsdp)."""
-    if is_shard(tree):
-        return True
-    if isinstance(tree, dict):
-        return any(holds_shards(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return any(holds_shards(v) for v in tree)
-    return False
+    return _anywhere(tree, is_shard)
 
 
 def mesh_of(module):
@@ -533,11 +533,7 @@ def from_shards(tree, mesh):
 
 def _holds_tensors(tree) -> bool:
     """True when ``tree`` (nested dicts and lists) holds a tensor of one dimension or more."""
-    if isinstance(tree, dict):
-        return any(_holds_tensors(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return any(_holds_tensors(v) for v in tree)
-    return getattr(tree, "dim", lambda: 0)() > 0
+    return _anywhere(tree, lambda v: getattr(v, "dim", lambda: 0)() > 0)
 
 
 class LoaderPosition:

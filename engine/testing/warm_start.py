@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from typing import Mapping, Sequence
 
 from engine.cli import main
@@ -181,6 +182,9 @@ class WarmProcess:
                  folder: str) -> None:
         self._starter, self._ident, self._folder = starter, ident, folder
         self.pid, self.args = pid, args
+        # Its output folder goes with the handle when nobody read it (a test that only
+        # waited for it, or killed it).
+        weakref.finalize(self, shutil.rmtree, folder, True)
         self.returncode: int | None = None
         self._output: tuple[str, str] | None = None
 
