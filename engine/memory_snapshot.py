@@ -93,7 +93,7 @@ import weakref
 from typing import Any
 
 import attrs
-from engine.shm import free_bytes, sweep, unlink_own
+from engine.shm import SHM, free_bytes, sweep, unlink_own
 
 from engine import distributed, stateful
 from engine.atomic_io import atomic_write_text
@@ -102,8 +102,8 @@ from engine.atomic_io import atomic_write_text
 # imports this module, and the launching processes import that one without them
 # (engine-run's check for a completed run, engine.api for engine.launch).
 
-#: Where the buffers live: a tmpfs, so that they outlive the process but not the machine.
-SHM = pathlib.Path("/dev/shm")
+# Where the buffers live (engine.shm.SHM): a tmpfs, so that they outlive the process but
+# not the machine.
 FOLDER_PREFIX = "engine-memory-"  # + the user id
 #: The run's id, in the run folder: a buffer without it is not this run's.
 RUN_ID_FILE = ".engine-memory-id"
@@ -1154,7 +1154,7 @@ class MemorySnapshots:
         self.close()
         self.sequence = 0
         self.newest_index = None
-        return unlink_all(self.paths)
+        return unlink_own(self.paths)
 
 
 class Background:
@@ -1322,10 +1322,6 @@ class Exchanges:
             write()  # a single process, its snapshot whole: no thread to wake for it
             return
         self.background.submit(write)
-
-
-#: Remove those of the paths that are this user's regular files (engine/shm.py).
-unlink_all = unlink_own
 
 
 def remove_leftovers(run_dir, run_id: str, shm: pathlib.Path = SHM,
