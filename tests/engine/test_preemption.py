@@ -214,10 +214,15 @@ os.kill(os.getpid(), signal.SIGUSR1)  # the first request, handled at once
 # main thread is busy for longer than the window (a collective waiting for a slow peer):
 # the kernel delivers it to the other thread, and Python runs its handler only when the
 # main thread comes back.
-sender = threading.Thread(target=lambda: (time.sleep(0.05),
-                                          os.kill(os.getpid(), signal.SIGUSR1)))
-sender.start()
+# The main thread blocks it before the sender starts (which inherits the mask and lifts
+# it for itself): the sender is the one thread the kernel can deliver it to.
+def send():
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+    time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGUSR1)
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+sender = threading.Thread(target=send)
+sender.start()
 time.sleep(float(sys.argv[1]))
 sender.join()
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
