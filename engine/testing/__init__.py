@@ -185,7 +185,7 @@ def run_engine(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd
     imported (:mod:`engine.testing.warm_start`; ``ENGINE_TEST_FORK=0`` turns that off); with
     ``program`` (``["engine-run"]``), that program runs in a plain subprocess."""
     env = dict(env) if env is not None else engine_env()
-    if program is None and warm_start.enabled():
+    if program is None and _forkable(env):
         # The server has torch imported: its spawn launchers fork their workers from it
         # too, unless the test chose (2-5 s saved per run; engine.launch_env.start_method).
         env.setdefault(START_METHOD_ENV, "fork")
@@ -204,7 +204,7 @@ def run_python(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd
     for a tool or an example script, without a Python and torch start per call. Not
     for what a fresh interpreter imports (the server has torch imported)."""
     env = dict(env) if env is not None else engine_env()
-    if warm_start.enabled():
+    if _forkable(env):
         proc = _warm_starter().run(args, env=env, cwd=cwd, timeout=timeout, python=True)
     else:
         proc = subprocess.run([sys.executable, *map(str, args)], env=env, cwd=cwd,
@@ -217,7 +217,7 @@ def start_engine(args: Sequence[str], *, env: Mapping[str, str] | None = None, c
     process handle with subprocess.Popen's ``pid`` (its own session), ``poll``,
     ``wait``, ``kill`` and ``communicate`` (text output)."""
     env = dict(env) if env is not None else engine_env()
-    if warm_start.enabled():
+    if _forkable(env):
         env.setdefault(START_METHOD_ENV, "fork")  # as run_engine
         return _warm_starter().start(args, env=env, cwd=cwd)
     return _popen([sys.executable, "-m", "engine", *map(str, args)], env, cwd)
@@ -227,9 +227,18 @@ def start_python(args: Sequence[str], *, env: Mapping[str, str] | None = None, c
     """``python ARGS`` started as :func:`run_python` runs it, returned at once, as
     :func:`start_engine` starts engine-run."""
     env = dict(env) if env is not None else engine_env()
-    if warm_start.enabled():
+    if _forkable(env):
         return _warm_starter().start(args, env=env, cwd=cwd, python=True)
     return _popen([sys.executable, *map(str, args)], env, cwd)
+
+
+def _forkable(env: Mapping[str, str]) -> bool:
+    """Whether a command with environment ``env`` may be a fork of the warm server: not
+    one that may use a GPU of this machine. The server's imports ask torch about CUDA
+    (inductor's do), and torch refuses CUDA in a fork of a process that asked ("Cannot
+    re-initialize CUDA in forked subprocess"): such a command is a fresh process."""
+    return warm_start.enabled() and (env.get("CUDA_VISIBLE_DEVICES") == ""
+                                     or not os.path.exists("/dev/nvidiactl"))
 
 
 def _popen(command: list[str], env: Mapping[str, str], cwd) -> subprocess.Popen:
