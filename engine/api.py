@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 
-from engine import distributed, snapshot
+from engine import distributed, loader_settings, snapshot
 from engine.config import TrainConfig, check, differs_from_default, with_groups
 from engine.context import WorkerContext
 from engine.errors import ConfigError
@@ -248,7 +248,7 @@ class Context(WorkerContext):
         from engine import data, streaming
 
         micro_batch = data.split_batch(batch_size, self.world_size, 1)
-        pin_memory = self.device.type == "cuda"
+        pin_memory = loader_settings.pinned(num_workers, self.device.type)
         if not train:
             return streaming.val_loader(dataset, batch=micro_batch, world=self.world,
                                         num_workers=num_workers, pin_memory=pin_memory)

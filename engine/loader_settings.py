@@ -14,7 +14,11 @@ to:
   step (measured in docs/data.md);
 - workers are persistent (no re-fork of every worker at each epoch), keep at least
   :data:`MIN_BATCHES_IN_FLIGHT` batches in flight (``prefetch_factor``), pin memory
-  only when the batches go to a CUDA device, and time out instead of hanging.
+  only when the batches go to a CUDA device, and time out instead of hanging;
+- without workers nothing is pinned (:func:`pinned`): the pinning copy would run on
+  the training thread, where it is one more copy on the step's path and, as an
+  OpenMP region of one thread per CPU, leaves that pool spin-waiting on every CPU
+  between steps. With workers torch's pinning thread does it, with one thread.
 
 ``engine-run tune-workers RECIPE`` measures instead of guessing; its table shows how
 close this choice comes to the best one on a given machine.
@@ -63,6 +67,15 @@ class LoaderSettings:
         return f"{self.num_workers} per process, {extras} ({self.reason})"
 
 
+def pinned(num_workers: int, device_type: str) -> bool:
+    """Whether a loader pins its batches: for a CUDA device, where workers load them.
+    Without workers the training thread would pin each batch itself, with torch's
+    OpenMP pool: on an H200 with 16 CPUs the CIFAR step then burned 45 ms of process
+    CPU in 16 spin-waiting threads, against 3 ms unpinned in the same wall time
+    (docs/performance.md, ``python tools/bench_gpu_host_cpu.py``)."""
+    return device_type == "cuda" and num_workers > 0
+
+
 def auto_workers(per_process_cpus: int) -> int:
     """All CPUs but the training process's, at least 1 and at most MAX_AUTO_WORKERS."""
     return max(1, min(per_process_cpus - 1, MAX_AUTO_WORKERS))
@@ -88,11 +101,11 @@ def choose(requested: int | str, *, cpus: CpuShare, device_type: str,
         if workers >= 2 * per_process:
             reason += f"; {workers} workers compete for {per_process} CPUs"
     if workers == 0:
-        return LoaderSettings(0, False, device_type == "cuda", None, 0.0, reason)
+        return LoaderSettings(0, False, pinned(0, device_type), None, 0.0, reason)
     return LoaderSettings(
         num_workers=workers,
         persistent_workers=True,
-        pin_memory=device_type == "cuda",
+        pin_memory=pinned(workers, device_type),
         prefetch_factor=max(2, math.ceil(MIN_BATCHES_IN_FLIGHT / workers)),
         timeout_s=float(timeout_s),
         reason=reason,

@@ -60,9 +60,12 @@ def test_auto_is_capped():
     assert settings.reason.endswith(f", capped at {loader_settings.MAX_AUTO_WORKERS}")
 
 
-def test_pinned_memory_only_for_cuda():
+def test_pinned_memory_only_for_cuda_and_only_where_workers_load():
     assert not auto(cpus=8, local=1, device="cpu").pin_memory
     assert auto(cpus=8, local=1, device="cuda").pin_memory
+    # The training thread would pin each batch itself, with an OpenMP pool that then
+    # spins on every CPU (loader_settings.pinned).
+    assert not choose(0, cpus=shared(8, 1), device_type="cuda", timeout_s=60).pin_memory
 
 
 def test_the_seeds_oct_node_both_slurm_layouts_give_the_same_answer():
