@@ -18,8 +18,10 @@ hooks it fires, and when: docs/plugins.md, "Hooks in the order they fire")::
                 zero_grad(set_to_none=True), scheduler if per step
                 every log_every steps: start one all-reduce of the  check_point
                     window's loss and the pre-emption and time-based snapshot
-                    flags; finish the previous check point's, long done:   finish_check
-                    logged (rank 0), its flags recorded
+                    flags (and the memory interval each rank's measured costs
+                    allow); finish the previous check point's, long done:  finish_check
+                    logged (rank 0), its flags recorded (the ranks take the
+                    longest interval proposed)
                 unless the epoch ends here, every val_every_steps steps validate_if_due
                     and where max_steps ends the run: validate, log
                     its val/* at the step, early stopping (may end the run)
@@ -854,7 +856,8 @@ class Trainer:
 
     def check_point(self, window: LogWindow) -> None:
         """Every ``log_every`` steps, on every rank: start one small all-reduce of the
-        window's loss and the ranks' pre-emption and time-based snapshot flags, then
+        window's loss, the ranks' pre-emption and time-based snapshot flags and the
+        memory interval each proposes (Snapshots.check_flags), then
         finish the previous check point's. Waiting for the sums here would cost a DDP
         step's worth of latency every window; a window later they have long arrived. A
         pre-emption therefore stops the run one window after the ranks saw it, or at
