@@ -137,6 +137,9 @@ class WorkerContext:
         # Where the resume came from: {"tier": memory|peer|disk, "step", "steps_lost",
         # "source_rank"} (engine/snapshot.py), or None.
         self.resume_record: dict | None = None
+        # summary.json's memory_snapshots: the memory tier's interval and what its
+        # snapshots cost (engine/snapshot.py's MemoryCost.record); None without the tier.
+        self.memory_record: dict | None = None
         self._weights: dict | None = None  # the weights digests, once gathered
         self._warned: set[str] = set()
         self._compiled_before = seconds_spent()  # torch.compile's count (compile_s)
@@ -358,6 +361,8 @@ class WorkerContext:
             "resumed_from": _path_or_none(self.resumed_from),
             # Where the resume came from: tier (memory, peer, disk), step, steps_lost.
             "resume": self.resume_record,
+            # The memory tier's interval (a crash loses at most that many steps) and cost.
+            "memory_snapshots": self.memory_record,
             "final_checkpoint": self._checkpoint(status, "latest"),
             # checkpoint.best_metric set: the snapshot best by it (kept past keep_last).
             "best_checkpoint": self._checkpoint(status, "best"),

@@ -154,11 +154,13 @@ class Engine(WorkerContext):
 
     def _memory_snapshots(self):
         """This rank's in-memory snapshots (checkpoint.memory_every_steps), or None: off.
-        Under fsdp each rank's snapshots hold its own shards (stateful.to_shards)."""
+        Under fsdp each rank's snapshots hold its own shards (stateful.to_shards). auto
+        starts at every step, which measures their cost; the ranks then agree on the
+        interval it allows at their check points (engine/snapshot.py's Snapshots)."""
         every = self.cfg.checkpoint.memory_every_steps
         if not every:
             return None
-        return self._open_memory_snapshots(every)
+        return self._open_memory_snapshots(1 if every == "auto" else every)
 
     def _open_memory_snapshots(self, every: int):
         """The run's id (rank 0 keeps it in the run folder: new when the run starts

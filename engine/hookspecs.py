@@ -79,6 +79,8 @@ class RunContext(Protocol):
     epochs_requested: int | None
     resumed_from: str | None  #: the snapshot a resume loaded, or None
     resume_record: dict | None  #: summary.json's ``resume``: tier, step, steps_lost...
+    #: summary.json's ``memory_snapshots``: the memory tier's interval and its cost
+    memory_record: dict | None
 
     @property
     def is_rank0(self) -> bool: ...  #: global rank 0: the rank that writes and logs

@@ -13,6 +13,7 @@ from engine import config as config_mod
 from engine import cpu_bf16, loader_settings, memory_snapshot
 from engine.data import split_batch
 from engine.parallel import choose_parallel
+from engine.snapshot import MEMORY_BUDGET, MEMORY_INTERVALS
 from engine.world import format_world_table
 
 
@@ -68,6 +69,10 @@ def memory_plan(recipe, cfg, world_size: int = 1) -> str | None:
         return None
     folder = memory_snapshot.user_folder(cfg.checkpoint.memory_dir)
     where = f"every {every} step(s), 2 buffers per rank in {folder}"
+    if every == "auto":  # what a crash loses is known once the run measured the cost
+        where = (f"every N steps, N auto: the fewest (1 to {MEMORY_INTERVALS[-1]}) whose "
+                 f"snapshots cost at most {100 * MEMORY_BUDGET:g}% of the step time, "
+                 f"measured while training; 2 buffers per rank in {folder}")
     try:
         model_bytes, optimizer_bytes = _state_bytes(recipe, cfg)
     except Exception:  # a recipe that cannot build on the meta device: said at run time

@@ -159,6 +159,108 @@ class SnapshotPolicy:
         self.last_time = time.monotonic()
 
 
+#: ``checkpoint.memory_every_steps=auto``: the share of the training step's time the
+#: memory snapshots may take (issue 37). The interval is the smallest that keeps their
+#: measured cost within it: 1 where a snapshot is cheap against a step (a GPU with a
+#: large step), more where it is not (16 on a 2-core CPU's CIFAR at 2 processes).
+MEMORY_BUDGET = 0.02
+#: auto's intervals: powers of two, so that the snapshot steps of a new interval are
+#: multiples of the old one's or the reverse, and a crash while the interval changes
+#: still loses at most the larger of the two (Snapshots.agreed); at most 128 steps,
+#: near the fixed 100 it replaced, however expensive a snapshot is.
+MEMORY_INTERVALS = tuple(2**i for i in range(8))
+
+
+class MemoryCost:
+    """What this rank's memory snapshots cost against its training steps, measured at
+    each check point with the clocks the run keeps anyway: the snapshots' own
+    (engine/phases.py carves them out of the training phase) and the check point's
+    window (its wall time and steps). Totals since the first check point after the
+    tier's first snapshot: that one also reserves the buffers and agrees with the other
+    ranks that they could (a collective), which no later one does.
+
+    A window's step time is its wall time less the snapshots written in it (to memory
+    and to disk); a validation inside it (val_every_steps) counts as steps, which can
+    only make the interval shorter. The copy a large or GPU state leaves to the
+    background thread is not the snapshot's but the next optimizer step's wait, if any."""
+
+    def __init__(self):
+        self.snapshot_s = self.step_s = 0.0
+        self.snapshots = self.steps = 0
+        self.last = self.clocks()  # at the last check point, or the window's start
+        self.counting = False  # the last check came after the tier's first snapshot
+
+    @staticmethod
+    def clocks() -> tuple[float, int, float]:
+        """The memory snapshots' seconds and count, and the disk snapshots' seconds, so
+        far in this process."""
+        memory_s, _, memory_n = phases.carved(phases.MEMORY_SNAPSHOTS)
+        return memory_s, memory_n, phases.carved(phases.SNAPSHOTS)[0]
+
+    def window_started(self) -> None:
+        """An epoch's first window starts: what came between the last check point and
+        here (the epoch's end: its snapshots, validation) is in no window."""
+        self.last = self.clocks()
+
+    def measure(self, window_s: float, window_steps: int, saves: int) -> None:
+        """At a check point: its window's wall seconds and optimizer steps, and how many
+        memory snapshots this rank has written so far."""
+        now = self.clocks()
+        if self.counting and window_steps > 0:
+            memory_s, memory_n, disk_s = (a - b for a, b in zip(now, self.last))
+            self.snapshot_s += memory_s
+            self.snapshots += memory_n
+            self.step_s += max(0.0, window_s - memory_s - disk_s)
+            self.steps += window_steps
+        self.last, self.counting = now, saves > 0
+
+    def every_steps(self, current: int) -> int | None:
+        """The shortest interval (of MEMORY_INTERVALS) whose snapshots cost at most
+        MEMORY_BUDGET of the step time, or None before any was measured. Shorter than
+        ``current`` (the interval now) only where it keeps them within 80% of the
+        budget: a cost near a boundary would otherwise change it at every check point."""
+        if not (self.snapshots and self.steps and self.step_s > 0):
+            return None
+        needed = (self.snapshot_s / self.snapshots) / (MEMORY_BUDGET * self.step_s / self.steps)
+        every = shortest(needed)
+        return every if every >= current else min(current, shortest(needed / 0.8))
+
+    def percent(self, every_steps: int) -> float | None:
+        """The snapshots' cost at one every ``every_steps`` steps, in % of the step time."""
+        if not (self.snapshots and self.steps and self.step_s > 0):
+            return None
+        return 100 * (self.snapshot_s / self.snapshots) / (
+            every_steps * self.step_s / self.steps)
+
+    def record(self, every_steps: int, auto: bool) -> dict:
+        """summary.json's ``memory_snapshots``: the interval, whether auto chose it, what
+        one snapshot and one step took (rank 0's) and the snapshots' share at it."""
+        percent = self.percent(every_steps) if every_steps else None
+        return {"every_steps": every_steps, "auto": auto,
+                "snapshot_s": (round(self.snapshot_s / self.snapshots, 6)
+                               if self.snapshots else None),
+                "step_s": round(self.step_s / self.steps, 6) if self.steps else None,
+                "cost_percent": None if percent is None else round(percent, 3)}
+
+
+def shortest(needed: float) -> int:
+    """The shortest of MEMORY_INTERVALS of at least ``needed`` steps (the longest where
+    none is)."""
+    return next((n for n in MEMORY_INTERVALS if n >= needed), MEMORY_INTERVALS[-1])
+
+
+def proposal(every_steps: int | None) -> list[float]:
+    """A rank's proposed interval for the check point's all-reduce (a sum): one 1 at
+    its place in MEMORY_INTERVALS, all 0 for none. The sums say which intervals any
+    rank proposed: the largest is the one every rank's budget allows."""
+    return [float(n == every_steps) for n in MEMORY_INTERVALS]
+
+
+def agreed_interval(sums) -> int | None:
+    """The largest interval any rank proposed (:func:`proposal`'s sums), or None."""
+    return max((n for n, total in zip(MEMORY_INTERVALS, sums) if total > 0), default=None)
+
+
 class Snapshots:
     """The run's snapshots, one layer: the training loop tells it when an optimizer step
     ended (:meth:`step_ended`) and it decides: to disk (``every_steps``, or a check
@@ -196,6 +298,12 @@ class Snapshots:
         # and no check point said one is due by time. 0 until the first step (a resume
         # moves the count) and while a time flag waits for a snapshot to disk.
         self.next_due = 0
+        # What the memory snapshots cost (measured at check points, auto or not), and
+        # whether the ranks choose their interval from it (memory_every_steps=auto: from
+        # 1, every restart too, on whatever machines it runs now; Engine opens the tier).
+        self.memory_cost = MemoryCost()
+        self.auto = memory is not None and ctx.cfg.checkpoint.memory_every_steps == "auto"
+        self._record_memory()
 
     # --------------------------------------------------------------- per step
 
@@ -244,19 +352,53 @@ class Snapshots:
         (the epoch's last check point, finished at its end, may have raised it)."""
         return self.policy.due_at_epoch_end(epochs_done) or self.time_due
 
-    def check_flags(self) -> tuple[bool, bool]:
-        """This rank's flags for a check point's all-reduce: a snapshot due by time
-        (rank 0's clock decides: the others' policy has no period), and this rank's
-        memory buffer could not be had (a full tmpfs, a background copy that failed)."""
-        return (self.policy.due_by_time(),
-                self.memory is not None and self.memory.failed is not None)
+    def window_started(self) -> None:
+        """The loop's, as an epoch's first log window starts (MemoryCost.window_started)."""
+        if self.memory is not None:
+            self.memory_cost.window_started()
 
-    def agreed(self, due_by_time: bool, memory_failed: bool) -> None:
+    #: How many values :meth:`check_flags` gives the check point's all-reduce.
+    FLAGS = 2 + len(MEMORY_INTERVALS)
+
+    def check_flags(self, window_s: float, window_steps: int) -> list[float]:
+        """This rank's flags for a check point's all-reduce (summed over the ranks): a
+        snapshot due by time (rank 0's clock decides: the others' policy has no period),
+        this rank's memory buffer could not be had (a full tmpfs, a background copy that
+        failed), and under memory_every_steps=auto the interval its measured costs allow
+        (:func:`proposal`). ``window_s``, ``window_steps``: the check point's window, the
+        step time the costs are measured against."""
+        memory, every = self.memory, None
+        if memory is not None:
+            self.memory_cost.measure(window_s, window_steps, memory.saves)
+            if self.auto:
+                every = self.memory_cost.every_steps(memory.every_steps)
+            self._record_memory()
+        return [float(self.policy.due_by_time()),
+                float(memory is not None and memory.failed is not None), *proposal(every)]
+
+    def agreed(self, due_by_time: bool, memory_failed: bool, intervals=()) -> None:
         """A finished check point's sums of :meth:`check_flags`, the same on every rank:
-        the next snapshot goes to disk, or every rank turns the memory tier off."""
+        the next snapshot goes to disk, or every rank turns the memory tier off, or
+        (auto) every rank takes the largest interval any rank proposed, at this step.
+
+        A memory snapshot is a collective (the rows' all_gather), so the ranks must
+        write them at the same steps: they do, since each applies the same sums at the
+        same step. The intervals are powers of two and a snapshot is due at their
+        multiples, so the steps of the new interval fall on the old one's (a shorter
+        one) or the old one's on the new one's (a longer one): between the last
+        snapshot and the next there are never more steps than the larger of the two."""
         if due_by_time:
             self.time_due = True
             self.next_due = 0  # the loop asks at every step until a snapshot to disk
+        every = agreed_interval(intervals) if self.auto else None
+        if every is not None and self.memory is not None and every != self.memory.every_steps:
+            self.memory.every_steps = every
+            self.next_due = 0  # the next step asks: it may be due at the new interval
+            self._record_memory()
+            if self.ctx.options.get("verbose"):
+                self.ctx.print(f"in-memory snapshots: every {every} step(s) from step "
+                               f"{self.ctx.state.step} (auto, the longest any rank's costs "
+                               f"asked for; {self._cost_said(every)})")
         if memory_failed and self.memory is not None:
             # Every rank is here, at the same check point: one gather tells rank 0 which
             # rank's buffer failed and why, for the one warning (once in a run).
@@ -309,11 +451,28 @@ class Snapshots:
         the run's end finds nothing."""
         ctx, memory = self.ctx, self.memory
         self.memory = self.note_reached = None
+        self._record_memory()  # every_steps 0: a crash now goes back to the disk snapshot
         for problem in memory.remove():
             ctx.warn_here(problem)
         where = f"rank {rank}: " if ctx.world.world_size > 1 else ""
         ctx.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off at step "
                  f"{ctx.state.step}: {where}{why}; the run goes on with disk snapshots")
+
+
+    def _record_memory(self) -> None:
+        """summary.json's ``memory_snapshots`` (MemoryCost.record): the interval now and
+        what the snapshots cost; None while the run has no memory tier."""
+        if self.memory is None and not getattr(self.ctx, "memory_record", None):
+            return
+        every = self.memory.every_steps if self.memory is not None else 0
+        self.ctx.memory_record = self.memory_cost.record(every, self.auto)
+
+    def _cost_said(self, every: int) -> str:
+        """What a snapshot costs, for the verbose line of a new interval."""
+        percent = self.memory_cost.percent(every)
+        return (f"budget {100 * MEMORY_BUDGET:g}% of the step time" if percent is None else
+                f"here they cost {percent:.2f}% of the step time at it, budget "
+                f"{100 * MEMORY_BUDGET:g}%")
 
 
 def _memory_problem(ctx, memory, state: dict) -> tuple[int, str] | None:
@@ -340,7 +499,8 @@ def _memory_problem(ctx, memory, state: dict) -> tuple[int, str] | None:
     if problems:
         return problems[0]
     if ctx.options.get("verbose"):
-        ctx.print(f"in-memory snapshots: every {memory.every_steps} step(s), 2 x "
+        auto = " to start with (auto)" if ctx.cfg.checkpoint.memory_every_steps == "auto" else ""
+        ctx.print(f"in-memory snapshots: every {memory.every_steps} step(s){auto}, 2 x "
                   f"{each:.1f} MB per rank in {memory.folder}")
     return None
 

@@ -18,8 +18,10 @@ hooks it fires, and when: docs/plugins.md, "Hooks in the order they fire")::
                 zero_grad(set_to_none=True), scheduler if per step
                 every log_every steps: start one all-reduce of the  check_point
                     window's loss and the pre-emption and time-based snapshot
-                    flags; finish the previous check point's, long done:   finish_check
-                    logged (rank 0), its flags recorded
+                    flags (and the memory interval each rank's measured costs
+                    allow); finish the previous check point's, long done:  finish_check
+                    logged (rank 0), its flags recorded (the ranks take the
+                    longest interval proposed)
                 unless the epoch ends here, every val_every_steps steps validate_if_due
                     and where max_steps ends the run: validate, log
                     its val/* at the step, early stopping (may end the run)
@@ -692,6 +694,7 @@ class Trainer:
         window = self.window = LogWindow(self.device, parts.micro_batch * accum
                                          * ctx.world.world_size, first_batch,
                                          world_size=ctx.world.world_size)
+        self.snapshots.window_started()  # what the memory snapshots cost: from here
         count_units = self.throughput.count
         if stream is not None and count_units is None:  # a stream's batches may be short:
             count_units = streaming.batch_samples  # count its samples, not its steps
@@ -853,7 +856,8 @@ class Trainer:
 
     def check_point(self, window: LogWindow) -> None:
         """Every ``log_every`` steps, on every rank: start one small all-reduce of the
-        window's loss and the ranks' pre-emption and time-based snapshot flags, then
+        window's loss, the ranks' pre-emption and time-based snapshot flags and the
+        memory interval each proposes (Snapshots.check_flags), then
         finish the previous check point's. Waiting for the sums here would cost a DDP
         step's worth of latency every window; a window later they have long arrived. A
         pre-emption therefore stops the run one window after the ranks saw it, or at
@@ -862,17 +866,17 @@ class Trainer:
         ctx = self.ctx
         now = time.perf_counter()
         preempted = ctx.preemption is not None and bool(ctx.preemption)
-        due_by_time, memory_failed = self.snapshots.check_flags()
+        # The snapshot layer's flags (Snapshots.check_flags: a snapshot due by time, a
+        # memory buffer lost, the memory interval this rank's costs allow).
+        flags = self.snapshots.check_flags(now - window.start, window.steps)
         extra_batches = 0
         if self.extras is not None:
             extra_sums, extra_batches = self.extras.take_window()
         # The micro-batch counts are summed too: a stream's ranks differ (one that ran
         # out of data trains padding, which counts nothing, for whole windows).
-        values = torch.stack([window.loss.float(), window.loss.new_tensor(float(preempted)),
-                              window.loss.new_tensor(float(due_by_time)),
-                              window.loss.new_tensor(float(memory_failed)),
-                              window.loss.new_tensor(float(window.batches)),
-                              window.loss.new_tensor(float(extra_batches))])
+        values = torch.cat([window.loss.float().reshape(1), window.loss.new_tensor(
+            [float(preempted), float(window.batches), float(extra_batches), *flags],
+            dtype=torch.float32)])
         if self.extras is not None:
             values = torch.cat([values, extra_sums.float()])
         started = PendingCheck(distributed.start_all_reduce_sum(values), ctx.state.epoch,
@@ -900,8 +904,8 @@ class Trainer:
         if check is None:
             return
         ctx = self.ctx
-        loss_sum, preempted, due_by_time, memory_failed, batches, extra_batches, \
-            *extra_sums = check.reduction.values()
+        loss_sum, preempted, batches, extra_batches, *rest = check.reduction.values()
+        flags, extra_sums = rest[:snapshot.Snapshots.FLAGS], rest[snapshot.Snapshots.FLAGS:]
         # The mean over all ranks' micro-batches (with accumulation, a step has several);
         # NaN when on_nonfinite=skip skipped every step of the window.
         loss = window_mean(loss_sum, batches, ctx.world.world_size)
@@ -915,7 +919,7 @@ class Trainer:
             self.log_hook(ctx=ctx, step=check.step, metrics=metrics)
         if preempted > 0:
             self.stop_requested = True
-        self.snapshots.agreed(due_by_time > 0, memory_failed > 0)
+        self.snapshots.agreed(flags[0] > 0, flags[1] > 0, flags[2:])
 
     def epoch_metrics(self, epoch: int, window: LogWindow, *, batches: int, steps: int,
                       epoch_start: float, data_wait: float) -> dict:

@@ -4,6 +4,7 @@ against the same engine with them off, on the CPU.
     python tools/bench_memory_snapshot.py                   # every workload, 5 rounds
     python tools/bench_memory_snapshot.py --workloads cifar --procs 2 --reps 9
     python tools/bench_memory_snapshot.py --workloads mlp100 --every 10
+    python tools/bench_memory_snapshot.py --workloads cifar --every auto --sweep ''
 
 Workloads (``--workloads``), each through engine.engine.Engine as engine-run's workers
 run it (tools/bench_overhead.py's ``through_engine``), ``single`` for 1 process, ``ddp``
@@ -22,9 +23,10 @@ Sessions: one per workload and process count. Its processes start once and run e
 variant in turn, INTERLEAVED as in tools/bench_overhead.py: a warm-up round that is not
 counted, then ``--reps`` rounds, the order rotating every round, so that load from
 elsewhere on the machine hits every variant alike. The variants: memory snapshots off
-(``memory_every_steps=0``), every ``--every`` steps, and on the sessions that
-``--sweep`` names (default: CIFAR on 2 processes) every N for each N it lists, to choose
-the default of memory_every_steps from.
+(``memory_every_steps=0``), every ``--every`` steps (``auto``: the engine's default,
+from every step to the interval its measured costs allow; the N it ended with and
+the cost it measured are printed as "auto N" and "auto %"), and on the sessions that
+``--sweep`` names (default: CIFAR on 2 processes) every N for each N it lists.
 
 Timed: the training loop only (bench_overhead's LoopCPUClock: from the first request for
 a batch to the request that finds none left), so set-up, validation and the final disk
@@ -138,6 +140,9 @@ def engine_epoch_end(ctx, epoch, metrics):
     probe = {"snapshot_times": [b[0] - a[0] for a, b in zip(_marks, _marks[1:])],
              "payload_bytes": slot.length if slot else 0,
              "held_bytes": memory.bytes_held() if memory is not None else 0,
+             # summary.json's: the interval the run ended with (auto's choice) and the
+             # cost the engine measured.
+             "memory_record": ctx.memory_record,
              "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors
                                  if isinstance(t, torch.Tensor)),
              **(split_times(ctx) if slot else {})}
@@ -185,7 +190,7 @@ def split_times(eng, times: int = 3) -> dict:
 # ------------------------------------------------------------------------ sessions
 
 
-def one_run(every: int, rank: int, world_size: int, port: int, out_dir: str,
+def one_run(every: int | str, rank: int, world_size: int, port: int, out_dir: str,
             args) -> dict:
     """One run of the session's workload with memory_every_steps=``every``: the loop's
     wall and CPU seconds, steps, weights digest, the engine's clock of its memory
@@ -269,6 +274,11 @@ def summarize(workload: str, world_size: int, results: list[dict]) -> list[dict]
             "first_snapshot_ms": 1e3 * statistics.median(
                 r["snapshot_times"][0] for r in runs if r["snapshot_times"]),
             "payload_bytes": payload, "held_bytes": runs[-1]["held_bytes"],
+            # The interval each run ended with (auto: its choice) and the engine's
+            # measured cost at it, in % of the step (MemoryCost.record, rank 0's).
+            "chosen_every": [(r.get("memory_record") or {}).get("every_steps") for r in runs],
+            "engine_cost_pct": [(r.get("memory_record") or {}).get("cost_percent")
+                                for r in runs],
             "tensor_bytes": runs[-1]["tensor_bytes"],
             "bandwidth_gb_s": payload / snapshot_s / 1e9 if snapshot_s else 0.0,
             "capture_ms": 1e3 * statistics.median(r["capture_s"] for r in runs),
@@ -285,7 +295,7 @@ def window_cost_pct(every: int, runs: list[dict], off: dict) -> dict | None:
     """The per-step cost in % from the median windows of ``overhead.WINDOW`` steps,
     paired by round; None where N does not divide the window (most windows would hold
     no snapshot, or windows would differ in how many they hold) or no run has a window."""
-    if overhead.WINDOW % every or any(
+    if not isinstance(every, int) or overhead.WINDOW % every or any(
             r["window_step_s"] != r["window_step_s"] for r in runs):  # NaN: < 1 window
         return None
     return overhead.spread([100 * (r["window_step_s"] / off[r["round"]]["window_step_s"] - 1)
@@ -342,6 +352,14 @@ def report(rows: list[dict], args, log_path: str) -> None:
               f"{r['payload_bytes'] / 1e6:8.3f} {r['bandwidth_gb_s']:6.2f}  "
               f"{r['capture_ms']:10.3f} {r['copy_ms']:8.3f} {r['copy_gb_s']:6.2f}  "
               + ", ".join(f"{name} {ms:.3f}" for name, ms in parts))
+    auto = [r for r in rows if r["every"] == "auto"]
+    if auto:
+        print("auto: each round's interval at the run's end, and the engine's measured cost "
+              "at it in % of the step time (summary.json's memory_snapshots; budget 2%)")
+    for r in auto:
+        chosen = ", ".join(str(n) for n in r["chosen_every"])
+        cost = ", ".join("-" if c is None else f"{c:.2f}" for c in r["engine_cost_pct"])
+        print(f"  {r['workload']}, {r['processes']} process(es): N {chosen}; cost % {cost}")
 
 
 # ------------------------------------------------------------------------- main
@@ -359,6 +377,17 @@ def parse_sweep(text: str) -> dict[tuple[str, int], list[int]]:
             f"{text!r}: expected WORKLOAD:PROCS:N[,N...], e.g. cifar:2:10,100") from None
 
 
+def parse_every(text: str) -> int | str:
+    """--every: a number of steps (>= 1) or auto."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of steps or auto") \
+            from None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=5, help="counted rounds (plus 1 warm-up)")
@@ -366,8 +395,8 @@ def parse_args(argv=None):
                    help=f"comma-separated, from {', '.join(DEFAULTS)}")
     p.add_argument("--procs", help="comma-separated process counts (1, 2) for every "
                                    "workload (default: cifar and tiny 1,2; mlp100 1)")
-    p.add_argument("--every", type=int, default=1,
-                   help="N of memory_every_steps=N, against 0 (off)")
+    p.add_argument("--every", type=parse_every, default=1,
+                   help="N of memory_every_steps=N (or auto), against 0 (off)")
     p.add_argument("--sweep", type=parse_sweep, default="cifar:2:10,100",
                    metavar="WORKLOAD:PROCS:N,...",
                    help="more values of N on one session (default cifar:2:10,100; '': none)")
@@ -394,8 +423,9 @@ def parse_args(argv=None):
     args.procs = None if args.procs is None else [int(n) for n in args.procs.split(",")]
     if args.procs and not set(args.procs) <= set(MODES):
         p.error(f"--procs {','.join(map(str, args.procs))}: choose from 1, 2")
-    if args.reps < 1 or args.every < 1 or (args.steps is not None and args.steps < 1):
-        p.error("--reps, --every and --steps must be >= 1")
+    if args.reps < 1 or (args.every != "auto" and args.every < 1) or (
+            args.steps is not None and args.steps < 1):
+        p.error("--reps, --every and --steps must be >= 1 (--every: or auto)")
     args.threads_option = args.threads
     return args
 

@@ -70,6 +70,10 @@ def test_a_switched_group_takes_true_or_false_for_its_enabled_field():
      "every snapshot)"),
     ("checkpoint.every_steps=-5", "config key 'checkpoint.every_steps': -5 must be >= 0 (0 "
      "never by step count)"),
+    ("checkpoint.memory_every_steps=foo", "config key 'checkpoint.memory_every_steps': "
+     "'foo' is not an integer or one of: auto"),
+    ("checkpoint.memory_every_steps=-1", "config key 'checkpoint.memory_every_steps': -1 "
+     "must be >= 0 (0 no in-memory snapshots) or auto"),
 ])
 def test_bad_override_is_one_clear_line(override, message):
     with pytest.raises(ConfigError) as info:
@@ -93,6 +97,13 @@ def test_an_unknown_key_names_the_closest_and_where_every_key_is(override, messa
     with pytest.raises(ConfigError) as info:
         apply_overrides(Config(), [override])
     assert str(info.value) == message + "(every key: engine-run RECIPE --dry-run -v)"
+
+
+def test_the_memory_interval_is_auto_by_default_or_the_integer_given():
+    assert Config().checkpoint.memory_every_steps == "auto"
+    for text, value in (("auto", "auto"), ("0", 0), ("1", 1), ("250", 250)):
+        cfg = apply_overrides(Config(), [f"checkpoint.memory_every_steps={text}"])
+        assert cfg.checkpoint.memory_every_steps == value
 
 
 def test_convert_rejects_what_does_not_fit():

@@ -87,12 +87,14 @@ def test_a_verbose_run_prints_rank_0s_phases_once_and_the_commands_end(cifar_rec
     assert proc.stdout.count("phases (rank 0), seconds:") == 1
     table = proc.stdout.split("phases (rank 0), seconds:\n")[1].splitlines()
     rows = [re.fullmatch(r"  (\S.*?)\s+(\d+\.\d+)\s+(\d+\.\d+)  at\s+(\d+\.\d+)", line)
-            for line in table[1:15]]
+            for line in table[1:16]]
+    # The memory snapshots' row first: by default (auto) they start at the first step.
     assert [row.group(1) for row in rows] == [
         "command set-up", "worker start", "imports, plugins, recipe",
         "seed, threads, device", "process group", "health check groups", "data, model",
-        "resume, run-start hooks", "training", "snapshots while training", "final snapshot durable",
-        "closing digest", "summary", "process group destroyed"]
+        "resume, run-start hooks", "training", "memory snapshots while training",
+        "snapshots while training", "final snapshot durable", "closing digest", "summary",
+        "process group destroyed"]
     ends = [float(row.group(4)) for row in rows]
     assert ends == sorted(ends) and ends[-1] == pytest.approx(
         sum(float(row.group(2)) for row in rows), abs=0.01)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
@@ -81,6 +82,179 @@ def test_the_snapshot_layer_asks_for_a_snapshot_exactly_at_the_due_steps(
     for step in (31, 32):
         step_ended(step)
     assert asked == [31, 32]  # until a snapshot to disk is written
+
+
+def auto_layers(tmp_path, ranks: int = 2):
+    """A snapshot layer per rank at memory_every_steps=auto, each with its real memory
+    tier (nothing written: the loop's finish_check answers "pre-empted"), and the steps
+    each layer asked for a snapshot at."""
+    from types import SimpleNamespace
+
+    from engine.config import TrainConfig
+    from engine.memory_snapshot import MemorySnapshots
+    from engine.snapshot import Snapshots
+    from engine.world import World
+
+    cfg = TrainConfig(epochs=1)
+    assert cfg.checkpoint.memory_every_steps == "auto"  # the default
+    layers, asked = [], [[] for _ in range(ranks)]
+    for rank in range(ranks):
+        ctx = SimpleNamespace(cfg=cfg, is_rank0=rank == 0, options={},
+                              state=SimpleNamespace(step=0))
+        memory = MemorySnapshots(tmp_path, World(rank=rank, local_rank=rank,
+                                                 world_size=ranks, local_world_size=ranks),
+                                 1, run_id="0" * 32, shm=tmp_path)
+        layers.append(Snapshots(ctx, memory, finish_check=lambda r=rank: asked[r].append(
+            layers[r].ctx.state.step) or True))
+    return layers, asked
+
+
+def costs(layer, snapshot_s: float, step_s: float, snapshots: int = 10, steps: int = 10):
+    """What the layer's memory snapshots cost so far, as MemoryCost.measure totals them."""
+    cost = layer.memory_cost
+    cost.snapshot_s, cost.snapshots = snapshot_s * snapshots, snapshots
+    cost.step_s, cost.steps = step_s * steps, steps
+
+
+def test_auto_takes_the_shortest_interval_within_2_percent_of_the_step(tmp_path):
+    """The interval auto proposes: the shortest power of two whose snapshots cost at most
+    2% of the step (1 where a snapshot is nearly free, at most 128 however dear), shorter
+    than the one in force only with a margin (a cost near a boundary must not flip it at
+    every check point), none before anything was measured."""
+    from engine.snapshot import MEMORY_BUDGET, MemoryCost
+
+    assert MEMORY_BUDGET == 0.02
+    cost = MemoryCost()
+    assert cost.every_steps(1) is None and cost.record(1, True)["cost_percent"] is None
+    for snapshot_s, step_s, current, every in [
+            (0.0001, 0.1, 1, 1),     # 0.1% of a step: every step
+            (0.002, 0.1, 1, 1),      # exactly 2%
+            (0.0021, 0.1, 1, 2),
+            (0.023, 0.1, 1, 16),     # 23% (CIFAR at 2 processes here): 11.5 -> 16
+            (1.0, 0.1, 1, 128),      # ten steps' worth: the cap
+            (0.003, 0.1, 4, 2),      # 1.5: 2 is within 80% of the budget: shorter
+            (0.0039, 0.1, 4, 4),     # 1.95: 2 would be within budget, but near it
+            (0.0075, 0.1, 8, 8),     # 3.75: so would 4
+            (0.0060, 0.1, 8, 4)]:    # 3.0
+        costs(SimpleNamespace(memory_cost=cost), snapshot_s, step_s)
+        assert cost.every_steps(current) == every, (snapshot_s, step_s, current)
+        assert cost.percent(every) <= 100 * MEMORY_BUDGET or every == 128
+    costs(SimpleNamespace(memory_cost=cost), 0.024, 0.1)
+    assert cost.record(16, True) == {"every_steps": 16, "auto": True, "snapshot_s": 0.024,
+                                     "step_s": 0.1, "cost_percent": 1.5}
+
+
+def test_the_costs_are_the_carved_snapshot_times_from_the_window_after_the_first(tmp_path):
+    """MemoryCost.measure: the memory snapshots' time is the phase clock's (carve), the
+    step time the window's less the snapshots in it (memory and disk); the window with
+    the tier's first snapshot (which also reserves the buffers) is not counted."""
+    from engine import phases
+    from engine.snapshot import MemoryCost
+
+    cost = MemoryCost()
+
+    def snapshot(kind):
+        with phases.carve(kind, within="training"):
+            sum(range(20000))  # a cost, whatever it is: the clock's reading is compared
+
+    snapshot(phases.MEMORY_SNAPSHOTS)  # the first
+    cost.measure(window_s=5.0, window_steps=4, saves=1)
+    assert (cost.snapshots, cost.steps) == (0, 0)  # its window is not counted
+    before = phases.carved(phases.MEMORY_SNAPSHOTS)[0], phases.carved(phases.SNAPSHOTS)[0]
+    snapshot(phases.MEMORY_SNAPSHOTS)
+    snapshot(phases.MEMORY_SNAPSHOTS)
+    snapshot(phases.SNAPSHOTS)
+    cost.measure(window_s=5.0, window_steps=4, saves=3)
+    memory_s = phases.carved(phases.MEMORY_SNAPSHOTS)[0] - before[0]
+    disk_s = phases.carved(phases.SNAPSHOTS)[0] - before[1]
+    assert (cost.snapshots, cost.steps) == (2, 4)
+    assert cost.snapshot_s == pytest.approx(memory_s)
+    assert cost.step_s == pytest.approx(5.0 - memory_s - disk_s)
+    snapshot(phases.MEMORY_SNAPSHOTS)  # the epoch's end: in no window
+    cost.window_started()
+    cost.measure(window_s=1.0, window_steps=2, saves=4)
+    assert (cost.snapshots, cost.steps) == (2, 6)
+    assert cost.step_s == pytest.approx(6.0 - memory_s - disk_s)
+
+
+def test_ranks_that_propose_different_intervals_take_the_longest_at_the_same_step(tmp_path):
+    """memory_every_steps=auto on two ranks whose snapshots cost differently: each
+    proposes its own interval in the check point's flags, the all-reduce sums them, and
+    both take the longest at the same step, then ask for snapshots at the same steps
+    (a memory snapshot is a collective). As intervals change, the steps between two
+    snapshots are never more than the longer interval of the two (what a crash loses)."""
+    layers, asked = auto_layers(tmp_path)
+    costs(layers[0], snapshot_s=0.001, step_s=0.1)  # 1%: every step
+    costs(layers[1], snapshot_s=0.02, step_s=0.1)   # 20%: every 16 steps
+    step = 0
+    schedule = {}  # the step -> the interval in force when it was asked
+
+    def train(until):
+        nonlocal step
+        for step in range(step + 1, until + 1):
+            for layer in layers:
+                layer.ctx.state.step = step
+                if step >= layer.next_due:
+                    layer.step_ended(step)
+            schedule[step] = layers[0].memory.every_steps
+
+    def agree():
+        flags = [layer.check_flags(window_s=0.0, window_steps=0) for layer in layers]
+        sums = [sum(values) for values in zip(*flags)]  # what the all-reduce gives each
+        for layer in layers:
+            layer.agreed(sums[0] > 0, sums[1] > 0, sums[2:])
+
+    train(20)
+    agree()
+    assert [layer.memory.every_steps for layer in layers] == [16, 16]
+    assert [layer.ctx.memory_record["every_steps"] for layer in layers] == [16, 16]
+    train(70)
+    assert asked[0] == asked[1] == [*range(1, 21), 32, 48, 64]
+    # Rank 1's snapshots grow cheaper, dearer, then nearly free: 4, 32, then 1.
+    for snapshot_s, every, until in ((0.006, 4, 100), (0.05, 32, 200), (0.001, 1, 230)):
+        costs(layers[1], snapshot_s=snapshot_s, step_s=0.1)
+        agree()
+        first, before = step + 1, list(asked[0])
+        train(until)
+        # From the step after the agreement, at the new interval's multiples.
+        assert asked[0] == asked[1]
+        assert asked[0][len(before):] == [s for s in range(first, until + 1) if s % every == 0]
+    for before, after in zip(asked[0], asked[0][1:]):
+        assert after - before <= max(schedule[before], schedule[after]), (before, after)
+
+
+def test_two_ranks_whose_snapshots_cost_differently_snapshot_at_the_same_steps(
+        reference, tmp_path):
+    """memory_every_steps=auto (the default) on 2 gloo processes, rank 1's snapshots made
+    dear (its ballast part takes 0.3 s more: tests/ballast_plugin.py): from every step,
+    both ranks take rank 1's long interval at the same step and snapshot at the same
+    steps, though rank 0's own costs ask for a short one; summary.json says the interval
+    and what a snapshot costs; the weights are those of the run without (snapshots
+    never change what a step computes)."""
+    from engine.snapshot import MEMORY_BUDGET, shortest
+
+    out, record = tmp_path / "run", tmp_path / "record"
+    record.mkdir()
+    env = engine_env(ENGINE_BALLAST_MB="0.001", ENGINE_BALLAST_SLOW="1:0.3",
+                     ENGINE_BALLAST_RECORD=str(record))
+    run_cli(RECIPE, "epochs=3", "log_every=2", "checkpoint.every_steps=0", f"out_dir={out}",
+            "--nproc", "2", "-p", "tests.ballast_plugin", env=env, check=True)
+    summary = read_summary(out)
+    measured = [json.loads((record / f"memory-r{r}.json").read_text()) for r in (0, 1)]
+    assert summary["memory_snapshots"] == measured[0]
+    every = summary["memory_snapshots"]["every_steps"]
+    assert summary["memory_snapshots"]["auto"] and measured[1]["every_steps"] == every
+    own = [shortest(m["snapshot_s"] / (MEMORY_BUDGET * m["step_s"])) for m in measured]
+    # 0.3 s a snapshot against a tiny step: rank 1's asks for the longest (>= 32 where
+    # its step is under 0.47 s); rank 0's, whose steps wait for rank 1's snapshots,
+    # would take one every few steps: the agreed interval is the longer.
+    assert own[0] < every == own[1] >= 32, measured
+    steps = [(record / f"steps-r{r}").read_text().split() for r in (0, 1)]
+    # Both ranks snapshotted (the part's state_dict) at the same steps: every step until
+    # the check point at step 4 agreed on the interval, then only the disk snapshots at
+    # the epochs' ends (6 steps each).
+    assert steps[0] == steps[1] == ["1", "2", "3", "4", "6", "12", "18"], steps
+    assert summary["weights_sha256"] == reference[2]
 
 
 @pytest.mark.parametrize("nproc, workers, where", [
@@ -304,7 +478,10 @@ def test_a_run_stopped_mid_epoch_at_2_processes_resumes_at_1_and_3_seeing_each_s
     import shutil
 
     stopped = tmp_path / "stopped"
-    base = (ELASTIC, "slow_rank=2", "slow_s=0.05", "-p", "tests.fault_plugin")
+    # Without memory snapshots: one at step 1 (auto's first steps) would finish that
+    # step's check point at once, and the ranks would stop there (6 samples).
+    base = (ELASTIC, "slow_rank=2", "slow_s=0.05", "checkpoint.memory_every_steps=0", "-p",
+            "tests.fault_plugin")
     fault = engine_env(ENGINE_FAULT_ACTION="signal", ENGINE_FAULT_STEP="1",
                        ENGINE_FAULT_RANK="1")
     first = run_cli(*base, f"out_dir={stopped}", "--nproc", "2", env=fault)

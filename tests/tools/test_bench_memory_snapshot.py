@@ -1,7 +1,8 @@
-"""tools/bench_memory_snapshot.py, smoke-sized: memory snapshots every step and every 5
-steps against off, on the tiny workload in 2 gloo processes, 20 steps (one window). The numbers themselves are
-the benchmark's business; the count of snapshots, their bytes against the model's and
-optimizer's, and the identical weights are checked."""
+"""tools/bench_memory_snapshot.py, smoke-sized: memory snapshots at auto (every step
+until a check point measured them: here none does) and every 5 steps against off, on
+the tiny workload in 2 gloo processes, 20 steps (one window). The numbers themselves
+are the benchmark's business; the count of snapshots, their bytes against the model's
+and optimizer's, the interval auto used, and the identical weights are checked."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def test_bench_memory_snapshot_reports_cost_bytes_and_identical_weights(tmp_path
     out = tmp_path / "bench.json"
     proc = run_python(
         [TOOL, "--workloads", "tiny", "--procs", "2", "--steps", "20", "--reps", "1",
-         "--sweep", "tiny:2:5", "--json", str(out)],
+         "--every", "auto", "--sweep", "tiny:2:5", "--json", str(out)],
         # Forked rather than spawned, to save the processes' start (as bench_overhead's
         # smoke test); the weights must not tell.
         cwd=REPO, env=engine_env(ENGINE_START_METHOD="fork"), timeout=600)
@@ -26,7 +27,10 @@ def test_bench_memory_snapshot_reports_cost_bytes_and_identical_weights(tmp_path
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["workload"], r["processes"], r["every"], r["steps"], r["snapshots"])
-            for r in rows] == [("tiny", 2, 1, 20, 20), ("tiny", 2, 5, 20, 4)]
+            for r in rows] == [("tiny", 2, "auto", 20, 20), ("tiny", 2, 5, 20, 4)]
+    # auto's first check point (step 20) only starts the measuring: every step all along.
+    assert rows[0]["chosen_every"] == [1] and rows[1]["chosen_every"] == [5]
+    assert "  tiny, 2 process(es): N 1; cost % -" in proc.stdout  # nothing measured
     for row in rows:
         assert row["bit_identical"], row
         # The payload holds the model and its momentum (and more: RNG states, progress);
@@ -36,7 +40,8 @@ def test_bench_memory_snapshot_reports_cost_bytes_and_identical_weights(tmp_path
         assert row["snapshot_ms"] > 0 and row["bandwidth_gb_s"] > 0
         assert row["capture_ms"] > 0 and row["copy_ms"] > 0 and row["copy_gb_s"] > 0
         assert row["first_snapshot_ms"] > 0
-        assert row["window_cost_pct"] is not None  # 5 divides the window of 20 steps
+        # 5 divides the window of 20 steps; auto's interval is not known beforehand.
+        assert (row["window_cost_pct"] is None) == (row["every"] == "auto")
         assert {"model", "optimizer", "rng"} <= set(row["capture_parts_ms"])
         assert row["step_off_ms"] > 0 and row["reps"] == 1
         # A line in each table: the cost, the ratios on / off of wall and CPU time per
