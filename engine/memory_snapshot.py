@@ -95,7 +95,7 @@ from typing import Any
 import attrs
 from engine.shm import SHM, free_bytes, sweep, unlink_own
 
-from engine import distributed, stateful
+from engine import distributed, phases, stateful
 from engine.atomic_io import atomic_write_text
 
 # torch, numpy and xxhash are imported inside the functions that use them: engine.snapshot
@@ -1092,8 +1092,15 @@ class MemorySnapshots:
         background (:meth:`save`'s ``held``): a step pre-hook, removed after that step
         (:meth:`note_reached`)."""
         if self.hook is None:
-            self.hook = optimizer.register_step_pre_hook(
-                lambda *_: self.background.wait(self.background.copied))
+            self.hook = optimizer.register_step_pre_hook(self._wait_for_copy)
+
+    def _wait_for_copy(self, *_) -> None:
+        """The held optimizer step's pre-hook. Its wait is timed as the snapshot's cost
+        (phases.MEMORY_WAITS): memory_every_steps=auto must see it, or a copy of three
+        steps' length (206 MB from a GPU) would look free and be chosen every step."""
+        with phases.carve(phases.MEMORY_WAITS, within="training",
+                          label="memory snapshot copy wait"):
+            self.background.wait(self.background.copied)
 
     def finish(self) -> None:
         """Wait for what the background thread has yet to do (a snapshot's copy, the

@@ -46,6 +46,9 @@ _carved: dict[str, list] = {}
 #: The row of the snapshots written while training (taken out of the training phase).
 SNAPSHOTS = "snapshots while training"
 MEMORY_SNAPSHOTS = "memory snapshots while training"
+#: An optimizer step's wait for a memory snapshot's copy left to the background thread
+#: (a large or GPU state): the snapshot's cost too, paid a step later.
+MEMORY_WAITS = "waits for memory snapshot copies"
 
 #: The prefix of the engine's ranges in a trace: "engine: forward/backward".
 RANGE_PREFIX = "engine: "

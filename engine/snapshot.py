@@ -182,7 +182,9 @@ class MemoryCost:
     A window's step time is its wall time less the snapshots written in it (to memory
     and to disk); a validation inside it (val_every_steps) counts as steps, which can
     only make the interval shorter. The copy a large or GPU state leaves to the
-    background thread is not the snapshot's but the next optimizer step's wait, if any."""
+    background thread counts where the next optimizer step waits for it
+    (phases.MEMORY_WAITS); what it takes from the step's CPUs otherwise is in the step
+    time."""
 
     def __init__(self):
         self.snapshot_s = self.step_s = 0.0
@@ -192,9 +194,11 @@ class MemoryCost:
 
     @staticmethod
     def clocks() -> tuple[float, int, float]:
-        """The memory snapshots' seconds and count, and the disk snapshots' seconds, so
-        far in this process."""
+        """The memory snapshots' seconds (with the optimizer steps' waits for their
+        background copies) and count, and the disk snapshots' seconds, so far in this
+        process."""
         memory_s, _, memory_n = phases.carved(phases.MEMORY_SNAPSHOTS)
+        memory_s += phases.carved(phases.MEMORY_WAITS)[0]
         return memory_s, memory_n, phases.carved(phases.SNAPSHOTS)[0]
 
     def window_started(self) -> None:

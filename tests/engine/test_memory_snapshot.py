@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from engine import memory_snapshot
+from engine import memory_snapshot, phases
 from engine.memory_snapshot import MemorySnapshots
 from engine.testing import assert_same_snapshot
 from engine.testing import make_engine, make_plugin_manager, tiny_recipe  # noqa: F401 (fixtures)
@@ -472,6 +472,7 @@ def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(
     memory.record_exchange(saved=True)
     memory.hold(optimizer)
     assert memory.newest() is None  # not valid until the copy is done
+    waited_before, _, waits_before = phases.carved(phases.MEMORY_WAITS)
     stepper = threading.Thread(target=optimizer.step)
     stepper.start()
     stepper.join(timeout=0.5)
@@ -479,6 +480,9 @@ def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(
     go.set()
     stepper.join(timeout=60)
     assert not stepper.is_alive()
+    # The wait is the snapshot's cost (memory_every_steps=auto counts it).
+    waited, _, waits = phases.carved(phases.MEMORY_WAITS)
+    assert waits == waits_before + 1 and waited - waited_before >= 0.5
     memory.note_reached(2)  # after the step: the hook goes
     assert memory.hook is None and not optimizer._optimizer_step_pre_hooks
     memory.finish()

@@ -145,8 +145,10 @@ def test_auto_takes_the_shortest_interval_within_2_percent_of_the_step(tmp_path)
 
 
 def test_the_costs_are_the_carved_snapshot_times_from_the_window_after_the_first(tmp_path):
-    """MemoryCost.measure: the memory snapshots' time is the phase clock's (carve), the
-    step time the window's less the snapshots in it (memory and disk); the window with
+    """MemoryCost.measure: the memory snapshots' time is the phase clock's (carve), with
+    the optimizer's waits for their background copies (a copy of several steps' length
+    would otherwise look free), the step time the window's less the snapshots in it
+    (memory and disk); the window with
     the tier's first snapshot (which also reserves the buffers) is not counted."""
     from engine import phases
     from engine.snapshot import MemoryCost
@@ -160,12 +162,15 @@ def test_the_costs_are_the_carved_snapshot_times_from_the_window_after_the_first
     snapshot(phases.MEMORY_SNAPSHOTS)  # the first
     cost.measure(window_s=5.0, window_steps=4, saves=1)
     assert (cost.snapshots, cost.steps) == (0, 0)  # its window is not counted
-    before = phases.carved(phases.MEMORY_SNAPSHOTS)[0], phases.carved(phases.SNAPSHOTS)[0]
+    before = (phases.carved(phases.MEMORY_SNAPSHOTS)[0], phases.carved(phases.SNAPSHOTS)[0],
+              phases.carved(phases.MEMORY_WAITS)[0])
     snapshot(phases.MEMORY_SNAPSHOTS)
     snapshot(phases.MEMORY_SNAPSHOTS)
+    snapshot(phases.MEMORY_WAITS)  # an optimizer step waited for a background copy
     snapshot(phases.SNAPSHOTS)
     cost.measure(window_s=5.0, window_steps=4, saves=3)
-    memory_s = phases.carved(phases.MEMORY_SNAPSHOTS)[0] - before[0]
+    memory_s = (phases.carved(phases.MEMORY_SNAPSHOTS)[0] - before[0]
+                + phases.carved(phases.MEMORY_WAITS)[0] - before[2])
     disk_s = phases.carved(phases.SNAPSHOTS)[0] - before[1]
     assert (cost.snapshots, cost.steps) == (2, 4)
     assert cost.snapshot_s == pytest.approx(memory_s)
