@@ -169,6 +169,8 @@ MEMORY_BUDGET = 0.02
 #: still loses at most the larger of the two (Snapshots.agreed); at most 128 steps,
 #: near the fixed 100 it replaced, however expensive a snapshot is.
 MEMORY_INTERVALS = tuple(2**i for i in range(8))
+#: The tier's interval while auto's probe pauses it for a window (never due).
+PAUSED = 1 << 62
 
 
 class MemoryCost:
@@ -183,14 +185,21 @@ class MemoryCost:
     and to disk); a validation inside it (val_every_steps) counts as steps, which can
     only make the interval shorter. The copy a large or GPU state leaves to the
     background thread counts where the next optimizer step waits for it
-    (phases.MEMORY_WAITS); what it takes from the step's CPUs otherwise is in the step
-    time."""
+    (phases.MEMORY_WAITS). What no clock of theirs sees (that copy taking the CPUs the
+    step's threads need: 206 MB made a 67 ms CPU step 100-170 ms, its own clock saying
+    3 ms) is measured once, by comparing a window with a snapshot at every step with one
+    without (:meth:`probed`; Snapshots pauses the tier for that window)."""
 
     def __init__(self):
         self.snapshot_s = self.step_s = 0.0
         self.snapshots = self.steps = 0
         self.last = self.clocks()  # at the last check point, or the window's start
         self.counting = False  # the last check came after the tier's first snapshot
+        #: The last window's seconds per step, its memory snapshots included (its disk
+        #: snapshots not), or None after a window without steps.
+        self.window_step_s: float | None = None
+        #: Per snapshot, what it costs beyond its clocks (probed); None until measured.
+        self.hidden_s: float | None = None
 
     @staticmethod
     def clocks() -> tuple[float, int, float]:
@@ -210,22 +219,47 @@ class MemoryCost:
         """At a check point: its window's wall seconds and optimizer steps, and how many
         memory snapshots this rank has written so far."""
         now = self.clocks()
+        memory_s, memory_n, disk_s = (a - b for a, b in zip(now, self.last))
+        self.window_step_s = (max(0.0, window_s - disk_s) / window_steps
+                              if window_steps > 0 else None)
         if self.counting and window_steps > 0:
-            memory_s, memory_n, disk_s = (a - b for a, b in zip(now, self.last))
             self.snapshot_s += memory_s
             self.snapshots += memory_n
             self.step_s += max(0.0, window_s - memory_s - disk_s)
             self.steps += window_steps
         self.last, self.counting = now, saves > 0
 
+    def probed(self, with_snapshots_s: float, without_s: float) -> None:
+        """The probe's two windows' seconds per step: with a memory snapshot at every
+        step, and without any. Their difference is what a snapshot costs, all of it; what
+        its clocks do not show is added to every snapshot from now on. (A difference
+        below the clocks' is the load's noise: the clocks' then.)"""
+        clocked = self.snapshot_s / self.snapshots if self.snapshots else 0.0
+        self.hidden_s = max(0.0, with_snapshots_s - without_s - clocked)
+
+    def per_step(self) -> float | None:
+        """One step's time without the snapshots: the windows' less the snapshots' clocks
+        (measure) and less what the probe found they cost beyond them (at most half)."""
+        if not (self.steps and self.step_s > 0):
+            return None
+        hidden = (self.hidden_s or 0.0) * self.snapshots
+        return max(self.step_s - hidden, self.step_s / 2) / self.steps
+
+    def per_snapshot(self) -> float | None:
+        """One snapshot's cost: its clocks' mean and what the probe found beyond them."""
+        if not self.snapshots:
+            return None
+        return self.snapshot_s / self.snapshots + (self.hidden_s or 0.0)
+
     def every_steps(self, current: int) -> int | None:
         """The shortest interval (of MEMORY_INTERVALS) whose snapshots cost at most
         MEMORY_BUDGET of the step time, or None before any was measured. Shorter than
         ``current`` (the interval now) only where it keeps them within 80% of the
-        budget: a cost near a boundary would otherwise change it at every check point."""
-        if not (self.snapshots and self.steps and self.step_s > 0):
+        budget: a cost near a boundary would otherwise change it at every check point.
+        None until the probe measured what the clocks do not see."""
+        if self.hidden_s is None or not (self.snapshots and self.steps and self.step_s > 0):
             return None
-        needed = (self.snapshot_s / self.snapshots) / (MEMORY_BUDGET * self.step_s / self.steps)
+        needed = self.per_snapshot() / (MEMORY_BUDGET * self.per_step())
         every = shortest(needed)
         return every if every >= current else min(current, shortest(needed / 0.8))
 
@@ -233,17 +267,16 @@ class MemoryCost:
         """The snapshots' cost at one every ``every_steps`` steps, in % of the step time."""
         if not (self.snapshots and self.steps and self.step_s > 0):
             return None
-        return 100 * (self.snapshot_s / self.snapshots) / (
-            every_steps * self.step_s / self.steps)
+        return 100 * self.per_snapshot() / (every_steps * self.per_step())
 
     def record(self, every_steps: int, auto: bool) -> dict:
         """summary.json's ``memory_snapshots``: the interval, whether auto chose it, what
         one snapshot and one step took (rank 0's) and the snapshots' share at it."""
         percent = self.percent(every_steps) if every_steps else None
         return {"every_steps": every_steps, "auto": auto,
-                "snapshot_s": (round(self.snapshot_s / self.snapshots, 6)
+                "snapshot_s": (round(self.per_snapshot(), 6)
                                if self.snapshots else None),
-                "step_s": round(self.step_s / self.steps, 6) if self.steps else None,
+                "step_s": round(self.per_step(), 6) if self.steps and self.step_s > 0 else None,
                 "cost_percent": None if percent is None else round(percent, 3)}
 
 
@@ -307,6 +340,12 @@ class Snapshots:
         # 1, every restart too, on whatever machines it runs now; Engine opens the tier).
         self.memory_cost = MemoryCost()
         self.auto = memory is not None and ctx.cfg.checkpoint.memory_every_steps == "auto"
+        # auto's probe, by check point (the same on every rank, so the tier pauses and
+        # resumes at the same steps everywhere): the window of the first snapshot (it
+        # reserves the buffers: not counted), one with a snapshot at every step, one
+        # without any (the tier paused), then None: MemoryCost.probed compares the two.
+        self.probe = "first" if self.auto else None
+        self.probe_with_s = None  # the window with a snapshot at every step, per step
         self._record_memory()
 
     # --------------------------------------------------------------- per step
@@ -374,6 +413,8 @@ class Snapshots:
         memory, every = self.memory, None
         if memory is not None:
             self.memory_cost.measure(window_s, window_steps, memory.saves)
+            if self.probe is not None:
+                self._probe()
             if self.auto:
                 every = self.memory_cost.every_steps(memory.every_steps)
             self._record_memory()
@@ -463,13 +504,30 @@ class Snapshots:
                  f"{ctx.state.step}: {where}{why}; the run goes on with disk snapshots")
 
 
+    def _probe(self) -> None:
+        """auto's next probe stage, at a check point (:attr:`probe`)."""
+        cost, memory = self.memory_cost, self.memory
+        if cost.window_step_s is None:  # a window without steps: the stage waits
+            return
+        if self.probe == "first":
+            self.probe = "with"
+        elif self.probe == "with":
+            self.probe_with_s, self.probe = cost.window_step_s, "without"
+            memory.every_steps = PAUSED  # the next window takes none: a crash there
+            # goes back to the last one, at most a window and a step
+        else:
+            cost.probed(self.probe_with_s, cost.window_step_s)
+            self.probe, memory.every_steps = None, 1
+            self.next_due = 0  # the loop asks again from the next step
+
     def _record_memory(self) -> None:
         """summary.json's ``memory_snapshots`` (MemoryCost.record): the interval now and
         what the snapshots cost; None while the run has no memory tier."""
         if self.memory is None and not getattr(self.ctx, "memory_record", None):
             return
         every = self.memory.every_steps if self.memory is not None else 0
-        self.ctx.memory_record = self.memory_cost.record(every, self.auto)
+        self.ctx.memory_record = self.memory_cost.record(
+            1 if every == PAUSED else every, self.auto)
 
     def _cost_said(self, every: int) -> str:
         """What a snapshot costs, for the verbose line of a new interval."""
