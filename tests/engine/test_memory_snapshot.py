@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from engine import memory_snapshot
+from engine import memory_ring, memory_snapshot
 from engine.memory_snapshot import MemorySnapshots
 from engine.testing import assert_same_snapshot
 from engine.testing import make_engine, make_plugin_manager, tiny_recipe  # noqa: F401 (fixtures)
@@ -290,23 +290,32 @@ def test_only_leftovers_of_gone_writers_on_this_host_are_removed(shm, tmp_path):
             memory.info["host"] = "another-container"
         memory.save(a_snapshot(1), step=1, epoch=0)
         memory.save(a_snapshot(2), step=2, epoch=0)
+        # fsdp: the buffers that hold the predecessor's copies follow the same rules.
+        held = memory_snapshot.Buffer(memory_ring.held_paths(folder, 0, shm, ids[folder])[0])
+        held.map(4096, memory.info, bytes.fromhex(ids[folder]))
         if folder is live:
             writer = memory  # its descriptors stay open: the writer lives
+            held_writer = held
         else:
             memory.close()
+            held.close()
     gone.rmdir()
     live.rmdir()
     foreign.rmdir()
     new_id = "e" * 32  # a fresh start over "here": its old id's buffers are stale
     removed, problems = memory_snapshot.remove_leftovers(here, new_id, shm)
     assert problems == []
-    assert sorted(removed) == sorted(memory_snapshot.buffer_paths(here, 0, shm, ids[here])
-                                     + memory_snapshot.buffer_paths(gone, 0, shm, ids[gone]))
+    def buffers(folder):
+        return [*memory_snapshot.buffer_paths(folder, 0, shm, ids[folder]),
+                memory_ring.held_paths(folder, 0, shm, ids[folder])[0]]
+
+    assert sorted(removed) == sorted(buffers(here) + buffers(gone))
     for folder in (kept, live, foreign):
-        assert all(p.exists() for p in memory_snapshot.buffer_paths(folder, 0, shm, ids[folder]))
+        assert all(p.exists() for p in buffers(folder))
     writer.close()  # the writer is gone now: its buffers are leftovers
+    held_writer.close()
     removed, _ = memory_snapshot.remove_leftovers(here, new_id, shm)
-    assert sorted(removed) == sorted(memory_snapshot.buffer_paths(live, 0, shm, ids[live]))
+    assert sorted(removed) == sorted(buffers(live))
     # --no-resume / --resume PATH: every rank's buffers of the run go, whatever folder
     for rank in (0, 1):
         memory = memory_of(kept, shm, rank, ids[kept])
@@ -408,6 +417,33 @@ def test_the_ranks_choose_the_newest_step_each_rank_can_restore():
     assert choose([[(7, False), (6, True)], [(6, True)]], 7).holders == [0, 1]
     assert choose([[(7, False)], []], 7).step == -1  # nothing rank 1 could restore
     assert choose([[], []], 0).step == -1
+
+
+def test_under_fsdp_a_rank_without_its_snapshot_takes_its_successors_copy_or_disk():
+    """fsdp (engine/memory_ring.py): rank r's shards are in its own buffers and in the
+    copy rank (r + 1) % W holds; a step counts where every rank has one of the two, and
+    the choice names who sends what. Neither (a copy not yet arrived, or both nodes'
+    memory lost): an older step, or none, and rank 0's line names the ranks (disk)."""
+    choose, lacking = memory_snapshot.choose_sharded, memory_snapshot.lacking_sharded
+    # Every rank holds its own step 7: no transfer.
+    choice = choose([[7, 6], [7, 6], [7, 6]], [[7, 6], [7, 6], [7, 6]], 7)
+    assert (choice.step, choice.holders, choice.peers) == (7, [0, 1, 2], {})
+    # Rank 1's memory is gone (its own and its copy of rank 0's): rank 2 sends its copy.
+    choice = choose([[7, 6], [], [7, 6]], [[7, 6], [], [7, 6]], 8)
+    assert (choice.step, choice.peers, choice.source, choice.missing(3)) == \
+        (7, {1: 2}, 2, [1])
+    # Rank 0 lost too, whose copy rank 1 held: step 6 where rank 0's own is older...
+    assert choose([[6], [], [7, 6]], [[7, 6], [], [7, 6]], 8).step == 6
+    # ...none where its only copy was in rank 1's memory: the disk snapshot.
+    choice = choose([[], [], [7, 6]], [[7, 6], [], [7, 6]], 8)
+    assert choice.step == -1 and not choice.peers
+    assert lacking([[], [], [7, 6]], [[7, 6], [], [7, 6]], 7) == [0]  # 1: rank 2 has it
+    # Rank 1's step-7 copy had not reached rank 0 when rank 1's memory went: step 6.
+    choice = choose([[7, 6], []], [[6, 5], [7, 6]], 7)
+    assert (choice.step, choice.peers) == (6, {1: 0})
+    # Two processes, both lost: nothing (a single process never has copies).
+    assert choose([[], []], [[], []], 7).step == -1
+    assert choose([[3, 2]], [[]], 3).step == 3
 
 
 def test_a_row_gives_back_this_ranks_rng_states_and_loss_sums():
