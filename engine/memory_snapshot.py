@@ -64,8 +64,9 @@ restore: a memory snapshot newer than the newest disk snapshot, from the rank's 
 buffer or, where its own is gone (a replaced machine, a wiped /dev/shm), sent by a rank
 that has it and its rows over the process group; else the disk snapshot. Under fsdp a
 rank's buffer holds its own shards (engine/stateful.py's to_shards), which no other
-rank can use: a rank without its own copy, or another number of processes, resumes
-from disk.
+rank can use: its successor keeps a copy of it and sends it to a rank without its own
+(engine/memory_ring.py); two neighbours without theirs, or another number of
+processes, resume from disk.
 """
 
 from __future__ import annotations
@@ -1502,7 +1503,7 @@ def agree(memory: MemorySnapshots, mine: list[Loaded], copies=()) -> MemoryChoic
         elif saved_world != world_size:  # another split: the disk's dcp snapshots reshard
             unusable.append((m.step, f"it holds the shards of {saved_world} processes "
                                      f"(fsdp), this run has {world_size}"))
-        else:  # fsdp: this rank's own shards, which no other rank can use
+        else:  # fsdp: this rank's own shards (its successor has a copy: copies)
             held.append((m.step, False))
             sharded.append(m.step)
     every = distributed.all_gather_object((held, memory.reached(), unusable, sharded,
