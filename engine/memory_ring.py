@@ -103,14 +103,21 @@ class Ring:
 
     def _exchange(self, buffer, sequence: int) -> None:
         sends = self._send(buffer, sequence, self.next)
-        committed = self._receive_into_held()
-        self.ack_out[:] = self._bytes(struct.pack("<Q", committed))
-        sends.append(self._dist.isend(self.ack_out, self.prev, group=self.group,
-                                      tag=_TAG_ACK))
-        self._wait(self._dist.irecv(self.ack_in, self.next, group=self.group,
-                                    tag=_TAG_ACK), "the successor's acknowledgement")
+        try:
+            committed, damaged = self._receive_into_held()
+            # A damaged copy is acknowledged too (as none): the predecessor goes on.
+            self.ack_out[:] = self._bytes(struct.pack("<Q", committed))
+            sends.append(self._dist.isend(self.ack_out, self.prev, group=self.group,
+                                          tag=_TAG_ACK))
+            self._wait(self._dist.irecv(self.ack_in, self.next, group=self.group,
+                                        tag=_TAG_ACK), "the successor's acknowledgement")
+        except RuntimeError:
+            _settle(sends)
+            raise
         for work in sends:
             self._wait(work, "the copy to the successor")
+        if damaged:
+            raise RuntimeError(damaged)
 
     def _send(self, buffer, sequence: int, dst: int, newest: int = 0) -> list:
         """Start sending ``buffer``'s snapshot ``sequence`` (its header's fields, then its
@@ -136,13 +143,14 @@ class Ring:
                    f"rank {src}'s header")
         return _HEAD.unpack(self.head_in.numpy()[:_HEAD.size].tobytes())
 
-    def _receive_into_held(self) -> int:
+    def _receive_into_held(self) -> tuple[int, str | None]:
         """The predecessor's snapshot into the held buffer that does not hold the newest
         copy, checked, then committed (its sequence last). Returns the sequence
-        committed, 0 when the predecessor had none."""
+        committed (0: none, the predecessor had none or it arrived damaged), and what
+        was wrong with a damaged one."""
         sequence, step, epoch, length, digest, _ = self._receive_head(self.prev)
         if not sequence:
-            return 0
+            return 0, None
         target = self._older(length)
         target.invalidate()  # a kill from here on leaves it invalid, the other whole
         self._wait(self._dist.irecv(target.payload(length), self.prev, group=self.group,
@@ -150,10 +158,10 @@ class Ring:
         raw_id = self.memory.raw_id
         if ms.checksum(ms._signed(sequence, step, epoch, length, raw_id),
                        target.array[ms.HEADER_BYTES:ms.HEADER_BYTES + length]) != digest:
-            raise RuntimeError(f"the copy of rank {self.prev}'s memory snapshot of step "
-                               f"{step} arrived damaged (its checksum does not match)")
+            return 0, (f"the copy of rank {self.prev}'s memory snapshot of step {step} "
+                       "arrived damaged (its checksum does not match)")
         target.write_header(sequence, step, epoch, length, raw_id, digest)
-        return sequence
+        return sequence, None
 
     def _older(self, length: int):
         """The held buffer to write next, mapped with room for ``length``: the one whose
@@ -235,8 +243,6 @@ def fetch(memory, choice, mine: list, held: list) -> dict:
     holds, sent over the ring's group (header, then payload; the receiver checks the
     checksum). Then engine's memory_snapshot.complete (collective), as for a snapshot of
     its own."""
-    import torch
-
     ring, rank = memory.ring, memory.world.rank
     sends = []
     for receiver, sender in choice.peers.items():
@@ -245,6 +251,21 @@ def fetch(memory, choice, mine: list, held: list) -> dict:
             newest = max(m.slot.sequence for m in held)
             sends += ring._send(_SlotView(copy.slot), copy.slot.sequence, receiver,
                                 newest=newest)
+    try:
+        state = _own_or_received(memory, choice, mine)
+    except RuntimeError:
+        _settle(sends)
+        raise
+    for work in sends:
+        ring._wait(work, "the copy to its rank")
+    return ms.complete(state, rank, memory.world.world_size, None)
+
+
+def _own_or_received(memory, choice, mine: list) -> dict:
+    """This rank's snapshot of the chosen step: its own, or its successor's copy."""
+    import torch
+
+    ring, rank = memory.ring, memory.world.rank
     own = next((m for m in mine if m.step == choice.step), None)
     if own is not None:
         memory.newest_index = memory.paths.index(own.slot.path)
@@ -266,9 +287,18 @@ def fetch(memory, choice, mine: list, held: list) -> dict:
         # The next snapshot numbers above every copy the successor holds, so that its
         # held buffers keep overwriting the older one.
         memory.sequence = max(memory.sequence, newest)
+    return state
+
+
+def _settle(sends: list) -> None:
+    """Wait for ``sends`` where something else failed, their own errors left out (the
+    first failure says what happened): gloo drops a send whose work is freed before it
+    went out, and its receiver would wait for it until its timeout."""
     for work in sends:
-        ring._wait(work, "the copy to its rank")
-    return ms.complete(state, rank, memory.world.world_size, None)
+        try:
+            work.wait()
+        except RuntimeError:
+            pass
 
 
 class _SlotView:

@@ -127,6 +127,92 @@ def test_an_fsdp_models_snapshot_holds_its_shards_and_loads_them_back_bit_for_bi
         dist.destroy_process_group()
 
 
+def test_the_ring_keeps_the_newest_whole_copy_and_gives_it_back_checked(shm, tmp_path):
+    """engine/memory_ring.py between 2 real gloo processes (forked: no imports to
+    repeat), each the other's successor: each snapshot's copy goes into the held buffer
+    with the older copy; one that arrives damaged is refused and leaves the newest whole
+    copy; at a resume where both ranks' own snapshots are gone, they agree on the
+    copies' step and each gets its own back from the other, checked: the same snapshot
+    to the bit."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=_ring_rank, args=(rank, shm, tmp_path))
+             for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(120)
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+    assert [p.exitcode for p in ranks] == [0, 0], "a rank failed: its traceback is above"
+
+
+def _ring_snapshot(step: int, rank: int) -> dict:
+    """A memory snapshot of rank ``rank``'s fsdp shards, of 2 processes."""
+    from engine.stateful import SHARD
+
+    state = a_snapshot(step)
+    torch.manual_seed(100 * step + rank)
+    return {**state, "world_size": 2, "model": {
+        "shard": (SHARD, torch.randn(3 + rank, 4), (7, 4), 0, "S0"), **state["model"]}}
+
+
+def _ring_rank(rank: int, shm, tmp_path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 2),
+                            rank=rank, world_size=2)
+    warnings = []
+    memory = MemorySnapshots(tmp_path, world(rank, 2), every_steps=1, run_id=RUN_ID,
+                             shm=shm, sharded=True)
+    memory.ring = memory_ring.Ring(memory, timeout_s=20)  # a failure is a timeout
+
+    def save_and_copy(step: int, damage: bool = False) -> None:
+        memory.save(_ring_snapshot(step, rank), step=step, epoch=0)
+        buffer = memory.buffers[memory.newest_index]
+        if damage:  # changed after its checksum was taken: as a flaky link would
+            buffer.array[memory_snapshot.HEADER_BYTES + 200] ^= 0xFF
+        memory.ring._exchange(buffer, memory.sequence)
+
+    def held_steps() -> list[int]:
+        copies = memory_ring.load_held(memory, warnings.append)
+        for copy in copies:
+            copy.close()
+        return [c.step for c in copies]
+
+    for step in (1, 2, 3):
+        save_and_copy(step)
+    assert held_steps() == [3, 2]
+    # Rank 1's copy arrives damaged at rank 0: refused there; rank 1 goes on (rank 0
+    # acknowledges it as none, so nobody waits for its timeout).
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="^the copy of rank 1's memory snapshot of "
+                                               "step 4 arrived damaged"):
+            save_and_copy(4)
+        assert held_steps() == [3]  # step 2's buffer went for step 4's, never committed
+    else:
+        save_and_copy(4, damage=True)
+        assert held_steps() == [4, 3]
+    copies = memory_ring.load_held(memory, warnings.append)
+    choice = memory_snapshot.agree(memory, [], copies)  # its own snapshots "are gone"
+    # Step 4: rank 0 holds no whole copy of rank 1's; step 3: each its successor's copy.
+    assert (choice.step, choice.holders, choice.peers) == (3, [], {0: 1, 1: 0})
+    assert_same_snapshot(memory_ring.fetch(memory, choice, [], copies),
+                         _ring_snapshot(3, rank))
+    assert memory.sequence >= copies[0].slot.sequence
+    assert warnings == []
+    for copy in copies:
+        copy.close()
+    memory.remove()
+    assert not any(p.exists() for p in memory.ring.paths)
+    from engine import health
+
+    health.release()
+    dist.destroy_process_group()
+
+
 def test_the_folder_and_buffers_are_this_users_alone(shm, tmp_path):
     memory = memory_of(tmp_path, shm)
     memory.save(a_snapshot(1), step=1, epoch=0)
