@@ -32,8 +32,10 @@ failed background copy.
 
 At a resume at the same number of processes, a rank whose own snapshot of a step is
 gone, but whose successor holds a whole copy of it, gets it from the successor over the
-same group (:func:`choose`, :func:`fetch`); a resume at another number of processes
-resumes from the disk's dcp snapshot, as before (the shards are another split).
+same group (engine/memory_snapshot.py's agree and choose_sharded, then :func:`fetch`);
+a resume at another number of processes resumes from the disk's dcp snapshot, as
+before (the shards are another split). A copy that arrives damaged is refused (never
+committed, acknowledged as none) and fails the job as a lost peer does.
 """
 
 from __future__ import annotations
