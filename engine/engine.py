@@ -19,7 +19,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from engine import distributed, health, memory_snapshot, phases, preemption, snapshot
+from engine import (distributed, health, memory_ring, memory_snapshot, phases, preemption,
+                    snapshot)
 from engine.context import WorkerContext
 from engine.errors import EngineError, PeerFailed, RunError, first_line
 from engine.stateful import TrainState, is_sharded
@@ -198,5 +199,7 @@ class Engine(WorkerContext):
             self.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: "
                       f"{problems[0]}; the run goes on with disk snapshots")
             return None
+        if memory_ring.wanted(memory):  # fsdp: a copy of each rank's at its successor
+            memory.ring = memory_ring.Ring(memory, self.cfg.timeout_s)  # collective
         return memory
 

@@ -79,13 +79,23 @@ def _side_group(name: str):
 def prepare(timeout_s: float) -> None:
     """Create the gloo side groups up front (collectives: every rank, right after init),
     each with a finite timeout."""
-    import torch.distributed as dist
-
     for name, seconds in (("epoch", timeout_s), ("roll_call", ROLL_CALL_S)):
-        if name not in _GROUPS:
-            _GROUPS[name] = dist.new_group(backend="gloo",
-                                           timeout=datetime.timedelta(seconds=seconds))
+        gloo_group(name, seconds)
     phases.mark("health check groups")
+
+
+def gloo_group(name: str, seconds: float):
+    """The gloo side group ``name`` with a timeout of ``seconds``, created on the first
+    call (a collective: every rank at once), destroyed with the others by
+    :func:`release`. Also the memory tier's ring (engine/memory_ring.py): a group of its
+    own, for the transfers its background thread makes while the training thread uses
+    the main group."""
+    if name not in _GROUPS:
+        import torch.distributed as dist
+
+        _GROUPS[name] = dist.new_group(backend="gloo",
+                                       timeout=datetime.timedelta(seconds=seconds))
+    return _GROUPS[name]
 
 
 def release() -> None:

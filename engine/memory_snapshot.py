@@ -64,8 +64,9 @@ restore: a memory snapshot newer than the newest disk snapshot, from the rank's 
 buffer or, where its own is gone (a replaced machine, a wiped /dev/shm), sent by a rank
 that has it and its rows over the process group; else the disk snapshot. Under fsdp a
 rank's buffer holds its own shards (engine/stateful.py's to_shards), which no other
-rank can use: a rank without its own copy, or another number of processes, resumes
-from disk.
+rank can use: its successor keeps a copy of it and sends it to a rank without its own
+(engine/memory_ring.py); two neighbours without theirs, or another number of
+processes, resume from disk.
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ BACKGROUND_BYTES = 4 << 20
 MARKER = "\x00engine-memory-tensor"
 #: Marks a value pickled once for every snapshot (the config): (PICKLED, its pickle).
 PICKLED = "\x00engine-memory-pickled"
-_NAME = re.compile(r"(?P<run_id>[0-9a-f]{32})-r(?P<rank>\d+)-[ab]")
+# "-held-": the copies of the predecessor's snapshots under fsdp (engine/memory_ring.py).
+_NAME = re.compile(r"(?P<run_id>[0-9a-f]{32})-r(?P<rank>\d+)-(?:held-)?[ab]")
 
 
 class Unsafe(Exception):
@@ -965,6 +967,9 @@ class MemorySnapshots:
         self.exchanges = Exchanges(world.world_size, self.background)
         self.hook = None  # the next optimizer step's wait (hold)
         self.plan: Plan | None = None  # the last save's (reused while the state allows)
+        #: Under fsdp with more than one process, the copies to and from the ring's
+        #: neighbours (engine/memory_ring.py's Ring; the Engine opens it); else None.
+        self.ring = None
 
     def check(self) -> str | None:
         """None when this user's buffer folder is safe to use (made if missing), else
@@ -1007,6 +1012,8 @@ class MemorySnapshots:
         maps again). NoRoom or Unsafe when a buffer cannot be had."""
         skeleton, _, data_size = encode_plan(state)
         self._reserve(payload_size(skeleton, data_size), range(2))
+        if self.ring is not None:  # the predecessor's copies: about as large as its own
+            self.ring.reserve(payload_size(skeleton, data_size))
 
     def _reserve(self, needed: int, indices) -> None:
         if all(b.fd is None for b in self.buffers):  # this process's first: the folder
@@ -1119,6 +1126,9 @@ class MemorySnapshots:
     def record_exchange(self, saved: bool) -> None:
         self.exchanges.record(self.buffers[self.newest_index] if saved else None,
                               self.sequence)
+        if self.ring is not None:  # after the copy and the rows, in the same thread
+            self.ring.copy(self.buffers[self.newest_index] if saved else None,
+                           self.sequence)
 
 
     def room_for(self, state: dict) -> tuple[int, int]:
@@ -1135,6 +1145,8 @@ class MemorySnapshots:
                 pass
         per_rank = 2 * (HEADER_BYTES + payload_size(skeleton, data_size)
                         + self.exchange_bytes)
+        if self.ring is not None:  # two copies of the predecessor's, about as large
+            per_rank += 2 * (HEADER_BYTES + payload_size(skeleton, data_size))
         # Not to be asked (None): the reservation says whether there is room.
         return (per_rank * self.world.local_world_size,
                 (float("inf") if free is None else free) + held)
@@ -1154,14 +1166,17 @@ class MemorySnapshots:
             self.hook = None
         for buffer in self.buffers:
             buffer.close()
+        if self.ring is not None:
+            self.ring.close()
 
     def remove(self) -> list[str]:
-        """Unmap and unlink both buffers (the run ended, or they are stale); returns a
-        warning for each that could not be removed."""
+        """Unmap and unlink both buffers, and the predecessor's copies (the run ended,
+        or they are stale); returns a warning for each that could not be removed."""
         self.close()
         self.sequence = 0
         self.newest_index = None
-        return unlink_own(self.paths)
+        return unlink_own(self.paths) + (self.ring.remove() if self.ring is not None
+                                         else [])
 
 
 class Background:
@@ -1446,6 +1461,9 @@ class MemoryChoice:
     #: The newest step of a snapshot passed over (fsdp shards or whole tensors where the
     #: run is not alike: agree), and why.
     unusable: tuple[int, str] | None = None
+    #: Under fsdp: {a rank without its own snapshot of the step: its successor, which
+    #: holds a copy and sends it} (engine/memory_ring.py).
+    peers: dict = attrs.field(factory=dict)
 
     def newer_than(self, disk_step: int | None) -> bool:
         return self.step >= 0 and (disk_step is None or self.step > disk_step)
@@ -1464,7 +1482,7 @@ class MemoryChoice:
         return [r for r in range(world_size) if r not in self.holders]
 
 
-def agree(memory: MemorySnapshots, mine: list[Loaded]) -> MemoryChoice:
+def agree(memory: MemorySnapshots, mine: list[Loaded], copies=()) -> MemoryChoice:
     """Collective: every rank says which memory snapshots it holds (their steps, and
     whether their exchange rows are whole) and how far the run had got; every rank
     returns the same answer: the newest step that every rank holds, or that a rank
@@ -1473,7 +1491,11 @@ def agree(memory: MemorySnapshots, mine: list[Loaded]) -> MemoryChoice:
     not restored. A snapshot of fsdp shards is only its own rank's, at its number of
     processes; shards or whole tensors only where this run's model is alike
     (``memory.sharded``). The newest snapshot passed over for these reasons is the
-    choice's ``unusable``: rank 0 says why."""
+    choice's ``unusable``: rank 0 says why.
+
+    Under fsdp a rank's shards are also in its successor's copy (``copies``: this rank's
+    copies of its predecessor's snapshots, engine/memory_ring.py's load_held): a step
+    counts where every rank has its own or its successor has the copy."""
     world_size = memory.world.world_size
     held, unusable, sharded = [], [], []
     for m in mine:
@@ -1488,19 +1510,24 @@ def agree(memory: MemorySnapshots, mine: list[Loaded]) -> MemoryChoice:
         elif saved_world != world_size:  # another split: the disk's dcp snapshots reshard
             unusable.append((m.step, f"it holds the shards of {saved_world} processes "
                                      f"(fsdp), this run has {world_size}"))
-        else:  # fsdp: this rank's own shards, which no other rank can use
+        else:  # fsdp: this rank's own shards (its successor has a copy: copies)
             held.append((m.step, False))
             sharded.append(m.step)
-    every = distributed.all_gather_object((held, memory.reached(), unusable, sharded))
-    choice = choose([h for h, _, _, _ in every], max(r for _, r, _, _ in every))
-    found = [u for _, _, theirs, _ in every for u in theirs]
-    for step in {s for _, _, _, steps in every for s in steps}:
-        lacking = [str(r) for r, (h, _, _, _) in enumerate(every)
-                   if all(s != step for s, _ in h)]
+    every = distributed.all_gather_object((held, memory.reached(), unusable, sharded,
+                                           [m.step for m in copies]))
+    reached = max(r for _, r, _, _, _ in every)
+    own, ring = [steps for _, _, _, steps, _ in every], [c for *_, c in every]
+    if memory.sharded:  # each rank's own shards, or its successor's copy of them
+        choice = choose_sharded(own, ring, reached)
+    else:
+        choice = choose([h for h, *_ in every], reached)
+    found = [u for _, _, theirs, _, _ in every for u in theirs]
+    for step in {s for steps in own for s in steps}:
+        lacking = lacking_sharded(own, ring, step)
         if lacking:
-            found.append((step, f"rank(s) {', '.join(lacking)} had no copy, and under "
-                                "fsdp each rank's holds only its own shards: no peer can "
-                                "send them"))
+            found.append((step, f"rank(s) {', '.join(map(str, lacking))} had no copy, "
+                                "and under fsdp a rank's shards are only in its own memory "
+                                "and its successor's: no other peer can send them"))
     newest = max(found, default=None)  # the same on every rank
     if newest is not None and newest[0] > choice.step:
         choice.unusable = newest
@@ -1520,12 +1547,39 @@ def choose(held: list[list[tuple[int, bool]]], reached: int) -> MemoryChoice:
     return MemoryChoice(-1, [], reached)
 
 
+def choose_sharded(own: list[list[int]], copies: list[list[int]],
+                   reached: int) -> MemoryChoice:
+    """:func:`agree`'s answer under fsdp at the same number of processes (``own[r]``:
+    the steps of rank r's own snapshots; ``copies[r]``: those of the copies rank r
+    holds of its predecessor's, engine/memory_ring.py): the newest step every rank can
+    restore from its own snapshot or its successor's copy. The choice's ``peers``:
+    {each rank without its own: the successor that sends it}."""
+    world_size = len(own)
+    for step in sorted({s for steps in own + copies for s in steps}, reverse=True):
+        if lacking_sharded(own, copies, step):
+            continue
+        holders = [r for r in range(world_size) if step in own[r]]
+        peers = {r: (r + 1) % world_size for r in range(world_size) if r not in holders}
+        return MemoryChoice(step, holders, reached,
+                            source=next(iter(peers.values()), 0), peers=peers)
+    return MemoryChoice(-1, [], reached)
+
+
+def lacking_sharded(own: list[list[int]], copies: list[list[int]], step: int) -> list[int]:
+    """The ranks that can restore ``step`` neither from their own snapshot nor from
+    their successor's copy (:func:`choose_sharded`)."""
+    world_size = len(own)
+    return [r for r in range(world_size)
+            if step not in own[r] and step not in copies[(r + 1) % world_size]]
+
+
 def fetch(memory: MemorySnapshots, choice: MemoryChoice, mine: list[Loaded]) -> dict:
     """The chosen snapshot on every rank, as a resume restores it: its own, or, for the
     ranks that lack it, sent by ``choice.source`` with its exchange rows (one broadcast
     of its checked payload and rows; the ranks that hold it take part and keep their
     own). Then each rank's RNG states go into place, and the epoch's loss sums, kept per
-    rank, are summed over the ranks. Collective."""
+    rank, are summed over the ranks. Collective. (Under fsdp, where a rank gets its
+    successor's copy, engine/memory_ring.py's fetch instead.)"""
     import torch
 
     rank, world_size = memory.world.rank, memory.world.world_size

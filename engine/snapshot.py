@@ -18,7 +18,7 @@ import time
 
 import engine
 from engine import config as config_mod
-from engine import distributed, memory_snapshot, phases, stateful
+from engine import distributed, memory_ring, memory_snapshot, phases, stateful
 from engine.checkpoint import read_manifest
 from engine.errors import CheckpointError, ConfigError
 
@@ -623,8 +623,10 @@ def _resume_from_memory(ctx, memory, disk_step: int | None) -> bool:
     Only this run's buffers count (the run id, engine/memory_snapshot.py); one that
     fails to load is a warning and the next tier."""
     mine = memory_snapshot.load_all(memory, ctx.warn_here)
+    # fsdp: this rank's copies of its predecessor's snapshots (engine/memory_ring.py).
+    copies = memory_ring.load_held(memory, ctx.warn_here)
     try:
-        choice = memory_snapshot.agree(memory, mine)
+        choice = memory_snapshot.agree(memory, mine, copies)
         memory.reached_before = choice.reached
         if not choice.newer_than(disk_step):
             notice = choice.not_used(disk_step)  # fsdp: a rank's shards lost, or resized
@@ -632,13 +634,18 @@ def _resume_from_memory(ctx, memory, disk_step: int | None) -> bool:
                 ctx.print(notice)
             return False
         source = f"memory (step {choice.step})"
-        restore(ctx, memory_snapshot.fetch(memory, choice, mine), source=source)
+        # fsdp, a rank without its own: its successor's copy (engine/memory_ring.py).
+        snap = (memory_ring.fetch(memory, choice, mine, copies) if choice.peers
+                else memory_snapshot.fetch(memory, choice, mine))
+        restore(ctx, snap, source=source)
     finally:
-        for loaded in mine:
+        for loaded in mine + copies:
             loaded.close()
     missing = choice.missing(ctx.world.world_size)
+    # fsdp: each missing rank's successor sent its copy (one rank, the usual case).
+    senders = sorted(set(choice.peers.values())) or [choice.source]
     why = (f"rank(s) {', '.join(map(str, missing))} had no copy: sent by rank "
-           f"{choice.source}" if missing else
+           f"{', '.join(map(str, senders))}" if missing else
            f"restart {ctx.world.restart_count}" if ctx.world.restart_count else "rerun")
     lost = max(0, choice.reached - choice.step)
     ctx.print(f"resumed from memory at step {choice.step} ({why}; {lost} step"

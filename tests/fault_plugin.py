@@ -1,8 +1,9 @@
 """A plugin that injects faults, for tests: ``-p tests.fault_plugin`` plus variables.
 
 ENGINE_FAULT_ACTION  kill (SIGKILL itself), kill-wiping-memory (delete its own in-memory
-                     snapshots' buffers, then SIGKILL itself: a node replaced, its
-                     /dev/shm gone with it), raise, hang, signal (SIGUSR1 to itself, or
+                     snapshots' buffers and, under fsdp, the copies it holds of its
+                     predecessor's, then SIGKILL itself: a node replaced, its /dev/shm
+                     gone with it), raise, hang, signal (SIGUSR1 to itself, or
                      ENGINE_FAULT_SIGNAL: SIGTERM), stop (SIGSTOP itself: alive, but
                      answers nothing), interrupt (Ctrl-C: SIGINT to engine-run's whole
                      process group, as a terminal sends it), interrupt-twice (the same,
@@ -44,7 +45,11 @@ def _act(eng, step: int | None = None) -> None:
         path.write_text(f"{eng.state.epoch} {eng.state.step}\n")
     action = os.environ.get("ENGINE_FAULT_ACTION", "kill")
     if action == "kill-wiping-memory":
-        for path in eng.memory.paths:
+        # Its last snapshot sent on first (its copy at its successor under fsdp, the
+        # rows to every rank): a node lost between two snapshots.
+        eng.memory.finish()
+        ring = getattr(eng.memory, "ring", None)  # fsdp with more than one process
+        for path in [*eng.memory.paths, *(ring.paths if ring is not None else ())]:
             path.unlink()  # fails loudly where the rank had no buffer to lose
         action = "kill"
     if action == "kill":

@@ -91,13 +91,14 @@ def test_a_row_killed_on_every_rank_restarts_and_ends_with_the_uninterrupted_wei
     assert summary["weights_sha256"] == references(row)
 
 
-def test_under_fsdp_a_rank_whose_memory_is_wiped_resumes_from_disk_not_from_a_peers_shards(
+def test_under_fsdp_a_rank_whose_memory_is_wiped_resumes_from_its_peers_copy(
         references, tmp_path):
-    """fsdp with the memory tier: rank 1 deletes its buffers and is SIGKILLed after step
-    6 (its node replaced). Rank 0's snapshot holds rank 0's shards only, so no peer may
-    send it: every rank resumes from the step-4 disk snapshot, after one line saying why,
-    and ends with the uninterrupted weights (those of a run handed rank 0's shards would
-    not be). The plain fsdp reference is the matrix's own."""
+    """fsdp with the memory tier: rank 1 deletes its buffers and the copies it holds of
+    rank 0's (engine/memory_ring.py), and is SIGKILLed after step 6 (its node replaced),
+    before its step-6 snapshot. Rank 0 holds a copy of rank 1's step-5 snapshot (its
+    shards) and sends it: every rank resumes from memory at step 5, and ends with the
+    uninterrupted weights (those of a run handed rank 0's shards, or anything but rank
+    1's own, would not be). The plain fsdp reference is the matrix's own."""
     row = {**matrix.plain({**ROWS[0], "parallel": "fsdp"}), "memory tier": "on"}
     out = tmp_path / "run"
     fault = engine_env(ENGINE_FAULT_ACTION="kill-wiping-memory", ENGINE_FAULT_RANK="1",
@@ -106,14 +107,12 @@ def test_under_fsdp_a_rank_whose_memory_is_wiped_resumes_from_disk_not_from_a_pe
     proc = run_row(out, row, "--max-restarts", "1", "-p", "tests.fault_plugin", env=fault)
     assert proc.returncode == 0, proc.stderr
     assert "restarting" in proc.stderr, "the fault was not injected"
-    # Rank 0 may have saved step 6's before the launcher stopped it.
-    assert re.search(r"^the memory snapshot of step [56] is not used: rank\(s\) 1 had no "
-                     r"copy, and under fsdp each rank's holds only its own shards: no peer "
-                     r"can send them$", proc.stdout, re.M), proc.stdout
-    assert re.search(r"^resuming from .*: epoch 1, step 4, .*\(restart 1\)", proc.stdout,
-                     re.M), proc.stdout
+    step = matrix.KILLED_AFTER - 1
+    assert re.search(rf"^resumed from memory at step {step} \(rank\(s\) 1 had no copy: sent "
+                     r"by rank 0; 1 step lost\): epoch 1", proc.stdout, re.M), proc.stdout
     summary = read_summary(out)
-    assert (summary["resume"]["tier"], summary["resume"]["step"]) == ("disk", 4)
+    assert summary["resume"]["tier"] == "peer", summary["resume"]
+    assert (summary["resume"]["step"], summary["resume"]["source_rank"]) == (step, 0)
     assert (summary["status"], summary["global_step"]) == ("completed", matrix.STEPS)
     assert summary["weights_sha256"] == references(row)
 

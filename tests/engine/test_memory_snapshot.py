@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from engine import memory_snapshot, phases
+from engine import memory_ring, memory_snapshot, phases
 from engine.memory_snapshot import MemorySnapshots
 from engine.testing import assert_same_snapshot
 from engine.testing import make_engine, make_plugin_manager, tiny_recipe  # noqa: F401 (fixtures)
@@ -125,6 +125,92 @@ def test_an_fsdp_models_snapshot_holds_its_shards_and_loads_them_back_bit_for_bi
                 loaded["model"])
     finally:
         dist.destroy_process_group()
+
+
+def test_the_ring_keeps_the_newest_whole_copy_and_gives_it_back_checked(shm, tmp_path):
+    """engine/memory_ring.py between 2 real gloo processes (forked: no imports to
+    repeat), each the other's successor: each snapshot's copy goes into the held buffer
+    with the older copy; one that arrives damaged is refused and leaves the newest whole
+    copy; at a resume where both ranks' own snapshots are gone, they agree on the
+    copies' step and each gets its own back from the other, checked: the same snapshot
+    to the bit."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=_ring_rank, args=(rank, shm, tmp_path))
+             for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(120)
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+    assert [p.exitcode for p in ranks] == [0, 0], "a rank failed: its traceback is above"
+
+
+def _ring_snapshot(step: int, rank: int) -> dict:
+    """A memory snapshot of rank ``rank``'s fsdp shards, of 2 processes."""
+    from engine.stateful import SHARD
+
+    state = a_snapshot(step)
+    torch.manual_seed(100 * step + rank)
+    return {**state, "world_size": 2, "model": {
+        "shard": (SHARD, torch.randn(3 + rank, 4), (7, 4), 0, "S0"), **state["model"]}}
+
+
+def _ring_rank(rank: int, shm, tmp_path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 2),
+                            rank=rank, world_size=2)
+    warnings = []
+    memory = MemorySnapshots(tmp_path, world(rank, 2), every_steps=1, run_id=RUN_ID,
+                             shm=shm, sharded=True)
+    memory.ring = memory_ring.Ring(memory, timeout_s=20)  # a failure is a timeout
+
+    def save_and_copy(step: int, damage: bool = False) -> None:
+        memory.save(_ring_snapshot(step, rank), step=step, epoch=0)
+        buffer = memory.buffers[memory.newest_index]
+        if damage:  # changed after its checksum was taken: as a flaky link would
+            buffer.array[memory_snapshot.HEADER_BYTES + 200] ^= 0xFF
+        memory.ring._exchange(buffer, memory.sequence)
+
+    def held_steps() -> list[int]:
+        copies = memory_ring.load_held(memory, warnings.append)
+        for copy in copies:
+            copy.close()
+        return [c.step for c in copies]
+
+    for step in (1, 2, 3):
+        save_and_copy(step)
+    assert held_steps() == [3, 2]
+    # Rank 1's copy arrives damaged at rank 0: refused there; rank 1 goes on (rank 0
+    # acknowledges it as none, so nobody waits for its timeout).
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="^the copy of rank 1's memory snapshot of "
+                                               "step 4 arrived damaged"):
+            save_and_copy(4)
+        assert held_steps() == [3]  # step 2's buffer went for step 4's, never committed
+    else:
+        save_and_copy(4, damage=True)
+        assert held_steps() == [4, 3]
+    copies = memory_ring.load_held(memory, warnings.append)
+    choice = memory_snapshot.agree(memory, [], copies)  # its own snapshots "are gone"
+    # Step 4: rank 0 holds no whole copy of rank 1's; step 3: each its successor's copy.
+    assert (choice.step, choice.holders, choice.peers) == (3, [], {0: 1, 1: 0})
+    assert_same_snapshot(memory_ring.fetch(memory, choice, [], copies),
+                         _ring_snapshot(3, rank))
+    assert memory.sequence >= copies[0].slot.sequence
+    assert warnings == []
+    for copy in copies:
+        copy.close()
+    memory.remove()
+    assert not any(p.exists() for p in memory.ring.paths)
+    from engine import health
+
+    health.release()
+    dist.destroy_process_group()
 
 
 def test_the_folder_and_buffers_are_this_users_alone(shm, tmp_path):
@@ -290,23 +376,32 @@ def test_only_leftovers_of_gone_writers_on_this_host_are_removed(shm, tmp_path):
             memory.info["host"] = "another-container"
         memory.save(a_snapshot(1), step=1, epoch=0)
         memory.save(a_snapshot(2), step=2, epoch=0)
+        # fsdp: the buffers that hold the predecessor's copies follow the same rules.
+        held = memory_snapshot.Buffer(memory_ring.held_paths(folder, 0, shm, ids[folder])[0])
+        held.map(4096, memory.info, bytes.fromhex(ids[folder]))
         if folder is live:
             writer = memory  # its descriptors stay open: the writer lives
+            held_writer = held
         else:
             memory.close()
+            held.close()
     gone.rmdir()
     live.rmdir()
     foreign.rmdir()
     new_id = "e" * 32  # a fresh start over "here": its old id's buffers are stale
     removed, problems = memory_snapshot.remove_leftovers(here, new_id, shm)
     assert problems == []
-    assert sorted(removed) == sorted(memory_snapshot.buffer_paths(here, 0, shm, ids[here])
-                                     + memory_snapshot.buffer_paths(gone, 0, shm, ids[gone]))
+    def buffers(folder):
+        return [*memory_snapshot.buffer_paths(folder, 0, shm, ids[folder]),
+                memory_ring.held_paths(folder, 0, shm, ids[folder])[0]]
+
+    assert sorted(removed) == sorted(buffers(here) + buffers(gone))
     for folder in (kept, live, foreign):
-        assert all(p.exists() for p in memory_snapshot.buffer_paths(folder, 0, shm, ids[folder]))
+        assert all(p.exists() for p in buffers(folder))
     writer.close()  # the writer is gone now: its buffers are leftovers
+    held_writer.close()
     removed, _ = memory_snapshot.remove_leftovers(here, new_id, shm)
-    assert sorted(removed) == sorted(memory_snapshot.buffer_paths(live, 0, shm, ids[live]))
+    assert sorted(removed) == sorted(buffers(live))
     # --no-resume / --resume PATH: every rank's buffers of the run go, whatever folder
     for rank in (0, 1):
         memory = memory_of(kept, shm, rank, ids[kept])
@@ -408,6 +503,33 @@ def test_the_ranks_choose_the_newest_step_each_rank_can_restore():
     assert choose([[(7, False), (6, True)], [(6, True)]], 7).holders == [0, 1]
     assert choose([[(7, False)], []], 7).step == -1  # nothing rank 1 could restore
     assert choose([[], []], 0).step == -1
+
+
+def test_under_fsdp_a_rank_without_its_snapshot_takes_its_successors_copy_or_disk():
+    """fsdp (engine/memory_ring.py): rank r's shards are in its own buffers and in the
+    copy rank (r + 1) % W holds; a step counts where every rank has one of the two, and
+    the choice names who sends what. Neither (a copy not yet arrived, or both nodes'
+    memory lost): an older step, or none, and rank 0's line names the ranks (disk)."""
+    choose, lacking = memory_snapshot.choose_sharded, memory_snapshot.lacking_sharded
+    # Every rank holds its own step 7: no transfer.
+    choice = choose([[7, 6], [7, 6], [7, 6]], [[7, 6], [7, 6], [7, 6]], 7)
+    assert (choice.step, choice.holders, choice.peers) == (7, [0, 1, 2], {})
+    # Rank 1's memory is gone (its own and its copy of rank 0's): rank 2 sends its copy.
+    choice = choose([[7, 6], [], [7, 6]], [[7, 6], [], [7, 6]], 8)
+    assert (choice.step, choice.peers, choice.source, choice.missing(3)) == \
+        (7, {1: 2}, 2, [1])
+    # Rank 0 lost too, whose copy rank 1 held: step 6 where rank 0's own is older...
+    assert choose([[6], [], [7, 6]], [[7, 6], [], [7, 6]], 8).step == 6
+    # ...none where its only copy was in rank 1's memory: the disk snapshot.
+    choice = choose([[], [], [7, 6]], [[7, 6], [], [7, 6]], 8)
+    assert choice.step == -1 and not choice.peers
+    assert lacking([[], [], [7, 6]], [[7, 6], [], [7, 6]], 7) == [0]  # 1: rank 2 has it
+    # Rank 1's step-7 copy had not reached rank 0 when rank 1's memory went: step 6.
+    choice = choose([[7, 6], []], [[6, 5], [7, 6]], 7)
+    assert (choice.step, choice.peers) == (6, {1: 0})
+    # Two processes, both lost: nothing (a single process never has copies).
+    assert choose([[], []], [[], []], 7).step == -1
+    assert choose([[3, 2]], [[]], 3).step == 3
 
 
 def test_a_row_gives_back_this_ranks_rng_states_and_loss_sums():

@@ -1,0 +1,312 @@
+"""The ring of the memory tier under fsdp: each rank keeps a copy of its predecessor's
+memory snapshot, so that the loss of one node's memory still resumes from memory.
+
+Under fsdp a rank's memory snapshot holds its own shards (engine/stateful.py's
+to_shards), which no other rank has: where a node's memory is lost (a replaced machine,
+a wiped /dev/shm), the ddp way, a peer sending its own snapshot, cannot help. So at
+each snapshot rank r sends its committed snapshot (the payload as its buffer holds it,
+with the header's sequence, step, epoch, length and checksum) to rank (r + 1) % W,
+which keeps it in two buffers of its own, "held for rank r"::
+
+    /dev/shm/engine-memory-<uid>/<run id>-r<holder>-held-a     mode 0600
+    /dev/shm/engine-memory-<uid>/<run id>-r<holder>-held-b
+
+in the own buffers' format (engine/memory_snapshot.py's Buffer: the header, the
+payload, no exchange region), so the same checks read them (check_slot: this run's id,
+the sender's checksum over the header's fields and the payload) and the same rules
+clean them up (remove_leftovers, the writer's flock). A copy goes into the held buffer
+that does not hold the newest one, its sequence zeroed first and written last, so a
+transfer torn by a kill never replaces the last whole copy.
+
+Off the step's path: the copy is a job of the tier's background thread
+(:class:`~engine.memory_snapshot.Background`), after the snapshot's own copy and
+exchange, with point-to-point sends on a gloo group of its own, created once when the
+tier opens (a collective then; the main group's collectives run on the training thread
+meanwhile, and two threads' operations on one group are not safe). Sizes differ per
+rank, so a fixed header goes first with the length. The receiver checks the checksum
+before it commits, then acknowledges: once a rank's background thread is idle, its
+successor holds its snapshot. Every wait is bounded by the group's timeout (the run's
+``timeout_s``); a peer that dies mid-transfer makes the job fail, which raises
+``memory.failed``: the ranks turn the tier off at the next check point, as for any
+failed background copy.
+
+At a resume at the same number of processes, a rank whose own snapshot of a step is
+gone, but whose successor holds a whole copy of it, gets it from the successor over the
+same group (engine/memory_snapshot.py's agree and choose_sharded, then :func:`fetch`);
+a resume at another number of processes resumes from the disk's dcp snapshot, as
+before (the shards are another split). A copy that arrives damaged is refused (never
+committed, acknowledged as none) and fails the job as a lost peer does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pathlib
+import struct
+
+from engine import health, memory_snapshot as ms, stateful
+
+# torch is imported inside the functions that use it: engine.snapshot imports this
+# module, and the launching processes import that one without torch (engine-run's
+# check for a completed run, engine.api for engine.launch).
+
+#: A transfer's fixed header: sequence (0: none), step, epoch, payload length, the
+#: sender's checksum, and the highest sequence among the sender's held copies (a
+#: restore: the receiver's next snapshot numbers above it). Padded to HEAD_BYTES.
+_HEAD = struct.Struct("<QQQQ16sQ")
+HEAD_BYTES = 64
+#: Tags of the transfer's messages on the ring's group: the header, the payload, and
+#: the receiver's acknowledgement (the sequence it committed, 0: none).
+_TAG_HEAD, _TAG_PAYLOAD, _TAG_ACK = 1, 2, 3
+
+
+def held_paths(run_dir, rank: int, shm: pathlib.Path = ms.SHM,
+               run_id: str | None = None) -> tuple[pathlib.Path, ...]:
+    """The two buffers in which rank ``rank`` holds its predecessor's copies."""
+    return tuple(p.with_name(p.name[:-1] + "held-" + p.name[-1])
+                 for p in ms.buffer_paths(run_dir, rank, shm, run_id))
+
+
+def wanted(memory) -> bool:
+    """Whether the tier gets a ring: fsdp (each rank's snapshot only its own) and more
+    than one process. ddp and a single process need none: the state is replicated."""
+    return memory.sharded and memory.world.world_size > 1
+
+
+class Ring:
+    """This rank's side of the ring: what it sends its successor at each snapshot, and
+    the two buffers with its predecessor's copies. Created on every rank at once (the
+    group is a collective)."""
+
+    def __init__(self, memory, timeout_s: float):
+        import torch
+        import torch.distributed as dist
+
+        self.memory = memory
+        rank, world_size = memory.world.rank, memory.world.world_size
+        self.next, self.prev = (rank + 1) % world_size, (rank - 1) % world_size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.group = health.gloo_group("memory ring", timeout_s)
+        self.paths = held_paths(memory.run_dir, rank, memory.shm, memory.run_id)
+        self.buffers = [ms.Buffer(p) for p in self.paths]
+        self.info = {**memory.info, "holds_rank": self.prev}
+        # The messages' tensors, made once (the job runs at every snapshot).
+        self.head_out, self.head_in, self.ack_out, self.ack_in = (
+            torch.zeros(n, dtype=torch.uint8) for n in (HEAD_BYTES, HEAD_BYTES, 8, 8))
+        self._dist = dist
+
+    # ------------------------------------------------------ at each snapshot
+
+    def copy(self, buffer, sequence: int) -> None:
+        """After a snapshot (every rank, also one whose save failed: its successor waits
+        for its header): have the background thread send ``buffer``'s snapshot
+        ``sequence`` (None: none) to the successor and keep the predecessor's."""
+        self.memory.background.submit(lambda: self._exchange(buffer, sequence))
+
+    def _exchange(self, buffer, sequence: int) -> None:
+        sends = self._send(buffer, sequence, self.next)
+        try:
+            committed, damaged = self._receive_into_held()
+            # A damaged copy is acknowledged too (as none): the predecessor goes on.
+            self.ack_out[:] = self._bytes(struct.pack("<Q", committed))
+            sends.append(self._dist.isend(self.ack_out, self.prev, group=self.group,
+                                          tag=_TAG_ACK))
+            self._wait(self._dist.irecv(self.ack_in, self.next, group=self.group,
+                                        tag=_TAG_ACK), "the successor's acknowledgement")
+        except RuntimeError:
+            _settle(sends)
+            raise
+        for work in sends:
+            self._wait(work, "the copy to the successor")
+        if damaged:
+            raise RuntimeError(damaged)
+
+    def _send(self, buffer, sequence: int, dst: int, newest: int = 0) -> list:
+        """Start sending ``buffer``'s snapshot ``sequence`` (its header's fields, then its
+        payload, straight from the shared memory) to ``dst``; a header of sequence 0
+        where there is none. Returns the sends, not waited for."""
+        fields = ms._HEADER.unpack(buffer.array[:ms._HEADER.size].tobytes()) \
+            if buffer is not None and buffer.array is not None else None
+        if fields is None or fields[1] != sequence or not sequence:
+            head, payload = _HEAD.pack(0, 0, 0, 0, bytes(16), newest), None
+        else:
+            _, seq, step, epoch, length, digest, *_ = fields
+            head = _HEAD.pack(seq, step, epoch, length, digest, newest)
+            payload = buffer.tensor[ms.HEADER_BYTES:ms.HEADER_BYTES + length]
+        self.head_out.zero_()
+        self.head_out[:len(head)] = self._bytes(head)
+        sends = [self._dist.isend(self.head_out, dst, group=self.group, tag=_TAG_HEAD)]
+        if payload is not None and len(payload):
+            sends.append(self._dist.isend(payload, dst, group=self.group, tag=_TAG_PAYLOAD))
+        return sends
+
+    def _receive_head(self, src: int) -> tuple:
+        self._wait(self._dist.irecv(self.head_in, src, group=self.group, tag=_TAG_HEAD),
+                   f"rank {src}'s header")
+        return _HEAD.unpack(self.head_in.numpy()[:_HEAD.size].tobytes())
+
+    def _receive_into_held(self) -> tuple[int, str | None]:
+        """The predecessor's snapshot into the held buffer that does not hold the newest
+        copy, checked, then committed (its sequence last). Returns the sequence
+        committed (0: none, the predecessor had none or it arrived damaged), and what
+        was wrong with a damaged one."""
+        sequence, step, epoch, length, digest, _ = self._receive_head(self.prev)
+        if not sequence:
+            return 0, None
+        target = self._older(length)
+        target.invalidate()  # a kill from here on leaves it invalid, the other whole
+        self._wait(self._dist.irecv(target.payload(length), self.prev, group=self.group,
+                                    tag=_TAG_PAYLOAD), f"rank {self.prev}'s snapshot")
+        raw_id = self.memory.raw_id
+        if ms.checksum(ms._signed(sequence, step, epoch, length, raw_id),
+                       target.array[ms.HEADER_BYTES:ms.HEADER_BYTES + length]) != digest:
+            return 0, (f"the copy of rank {self.prev}'s memory snapshot of step {step} "
+                       "arrived damaged (its checksum does not match)")
+        target.write_header(sequence, step, epoch, length, raw_id, digest)
+        return sequence, None
+
+    def _older(self, length: int):
+        """The held buffer to write next, mapped with room for ``length``: the one whose
+        copy is older (or none), so that the newest whole copy stays."""
+        self.reserve(length)
+        sequences = [int(b.array[8:16].view("<u8")[0]) for b in self.buffers]
+        return self.buffers[0 if sequences[0] <= sequences[1] else 1]
+
+    def reserve(self, length: int) -> None:
+        """Both held buffers mapped with room for a payload of ``length`` (the first
+        snapshot: the own one's size, the predecessor's being alike; grown when a copy
+        is larger). NoRoom or Unsafe as for the own buffers."""
+        for buffer in self.buffers:
+            if buffer.tensor is None or buffer.capacity < length:
+                buffer.map(length + max(64 * 1024, length // 64), self.info,
+                           self.memory.raw_id)
+
+    def _wait(self, work, what: str) -> None:
+        # The group's timeout bounds it too; an explicit one says what was waited for.
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(f"the memory ring waited for {what}: {exc}") from None
+
+    @staticmethod
+    def _bytes(data: bytes):
+        import torch
+
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    # ------------------------------------------------------ the buffers' life
+
+    def close(self) -> None:
+        for buffer in self.buffers:
+            buffer.close()
+
+    def remove(self) -> list[str]:
+        self.close()
+        return ms.unlink_own(self.paths)
+
+
+# ------------------------------------------------------------ at a resume
+
+
+def load_held(memory, warn) -> list:
+    """The copies of the predecessor's snapshots this rank holds (engine's
+    memory_snapshot.Loaded, newest first) that are whole: this run's, their checksum
+    right, a snapshot of this number of processes' fsdp shards. None without a ring."""
+    ring = getattr(memory, "ring", None)
+    if ring is None:
+        return []
+    loaded = []
+    for path in ring.paths:
+        slot, problem = ms.check_slot(path, run_id=memory.run_id)
+        if problem is not None:
+            warn(f"the copy of rank {ring.prev}'s memory snapshot {problem}; not used")
+        if slot is None:
+            continue
+        try:
+            state = ms.load_slot(slot)
+            problem = ms._not_a_snapshot(state, slot.step) or (
+                None if stateful.holds_shards(state.get("model"))
+                and state.get("world_size") == memory.world.world_size else
+                "not fsdp shards of this number of processes")
+        except Exception as exc:  # whatever a damaged or forged payload raises
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem is None:
+            loaded.append(ms.Loaded(slot, state))
+        else:
+            warn(f"the copy of rank {ring.prev}'s memory snapshot {slot.path} does not "
+                 f"load ({problem}); not used")
+            slot.close()
+    return sorted(loaded, key=lambda m: -m.slot.sequence)
+
+
+def fetch(memory, choice, mine: list, held: list) -> dict:
+    """The chosen snapshot of each rank where some rank lacks its own (``choice.peers``,
+    engine/memory_snapshot.py's choose_sharded): its own, or the copy its successor
+    holds, sent over the ring's group (header, then payload; the receiver checks the
+    checksum). Then engine's memory_snapshot.complete (collective), as for a snapshot of
+    its own."""
+    ring, rank = memory.ring, memory.world.rank
+    sends = []
+    for receiver, sender in choice.peers.items():
+        if sender == rank:
+            copy = next(m for m in held if m.step == choice.step)
+            newest = max(m.slot.sequence for m in held)
+            sends += ring._send(_SlotView(copy.slot), copy.slot.sequence, receiver,
+                                newest=newest)
+    try:
+        state = _own_or_received(memory, choice, mine)
+    except RuntimeError:
+        _settle(sends)
+        raise
+    for work in sends:
+        ring._wait(work, "the copy to its rank")
+    return ms.complete(state, rank, memory.world.world_size, None)
+
+
+def _own_or_received(memory, choice, mine: list) -> dict:
+    """This rank's snapshot of the chosen step: its own, or its successor's copy."""
+    import torch
+
+    ring, rank = memory.ring, memory.world.rank
+    own = next((m for m in mine if m.step == choice.step), None)
+    if own is not None:
+        memory.newest_index = memory.paths.index(own.slot.path)
+        state = own.state
+    else:
+        sender = choice.peers[rank]
+        sequence, step, epoch, length, digest, newest = ring._receive_head(sender)
+        if sequence == 0 or step != choice.step:
+            raise RuntimeError(f"rank {sender} sent no copy of step {choice.step} of this "
+                               f"rank's memory snapshot")
+        payload = torch.empty(length, dtype=torch.uint8)
+        ring._wait(ring._dist.irecv(payload, sender, group=ring.group, tag=_TAG_PAYLOAD),
+                   f"rank {sender}'s copy of this rank's snapshot")
+        if ms.checksum(ms._signed(sequence, step, epoch, length, memory.raw_id),
+                       payload.numpy()) != digest:
+            raise RuntimeError(f"rank {sender}'s copy of this rank's memory snapshot of "
+                               f"step {step} arrived damaged (its checksum does not match)")
+        state = ms.read_payload(payload)
+        # The next snapshot numbers above every copy the successor holds, so that its
+        # held buffers keep overwriting the older one.
+        memory.sequence = max(memory.sequence, newest)
+    return state
+
+
+def _settle(sends: list) -> None:
+    """Wait for ``sends`` where something else failed, their own errors left out (the
+    first failure says what happened): gloo drops a send whose work is freed before it
+    went out, and its receiver would wait for it until its timeout."""
+    for work in sends:
+        try:
+            work.wait()
+        except RuntimeError:
+            pass
+
+
+class _SlotView:
+    """A checked held copy (engine's memory_snapshot.Slot) as :meth:`Ring._send` reads a
+    buffer: its header and payload, as mapped."""
+
+    def __init__(self, slot):
+        self.tensor = slot.tensor
+        self.array = slot.tensor.numpy()
