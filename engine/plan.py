@@ -59,7 +59,7 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
 
 def memory_plan(recipe, cfg, world_size: int = 1) -> str | None:
     """What ``checkpoint.memory_every_steps`` holds in /dev/shm, per rank: two buffers
-    of a snapshot each. The model is built on the meta device (no memory, no weights
+    of a snapshot each (four under fsdp: the ring's copies). The model is built on the meta device (no memory, no weights
     loaded) for its size; the optimizer's state is estimated from its kind. Under fsdp
     a rank holds its shard: about 1/``world_size`` of both. The recipe's
     ``build_model`` runs here, in the launching process: whatever else it does (a
@@ -68,11 +68,15 @@ def memory_plan(recipe, cfg, world_size: int = 1) -> str | None:
     if not every:
         return None
     folder = memory_snapshot.user_folder(cfg.checkpoint.memory_dir)
-    where = f"every {every} step(s), 2 buffers per rank in {folder}"
+    # fsdp: two more, the copies of the predecessor's shards (engine/memory_ring.py).
+    ring = cfg.parallel == "fsdp" and world_size > 1
+    buffers = "4 buffers per rank (2 its own, 2 its predecessor's)" if ring else \
+        "2 buffers per rank"
+    where = f"every {every} step(s), {buffers} in {folder}"
     if every == "auto":  # what a crash loses is known once the run measured the cost
         where = (f"every N steps, N auto: the fewest (1 to {MEMORY_INTERVALS[-1]}) whose "
                  f"snapshots cost at most {100 * MEMORY_BUDGET:g}% of the step time, "
-                 f"measured while training; 2 buffers per rank in {folder}")
+                 f"measured while training; {buffers} in {folder}")
     try:
         model_bytes, optimizer_bytes = _state_bytes(recipe, cfg)
     except Exception:  # a recipe that cannot build on the meta device: said at run time
@@ -83,7 +87,8 @@ def memory_plan(recipe, cfg, world_size: int = 1) -> str | None:
                                                                          // world_size)
         shard = f", this rank's shard of {world_size}"
     total = model_bytes + optimizer_bytes
-    return (f"{where}: 2 x {total / 2**20:.1f} MB (model {model_bytes / 2**20:.1f} MB + "
+    return (f"{where}: {4 if ring else 2} x {total / 2**20:.1f} MB (model "
+            f"{model_bytes / 2**20:.1f} MB + "
             f"optimizer state {optimizer_bytes / 2**20:.1f} MB{shard}"
             f"{_free_space(cfg.checkpoint.memory_dir)})")
 

@@ -40,7 +40,8 @@ def build_optimizer(cfg, model):
 
 def test_the_memory_snapshots_line_gives_two_buffers_of_model_and_optimizer_state():
     """The CIFAR net (62,006 parameters, 248,024 bytes of state) under SGD with momentum
-    (one buffer per parameter): 2 x 0.5 MB, built on the meta device."""
+    (one buffer per parameter): 2 x 0.5 MB, built on the meta device; under fsdp four
+    of a rank's shard."""
     recipe = load_recipe(REPO / "recipes" / "cifar_ddp.py")
     cfg = recipe.make_config()
     cfg.checkpoint.memory_every_steps = 0
@@ -54,8 +55,10 @@ def test_the_memory_snapshots_line_gives_two_buffers_of_model_and_optimizer_stat
     cfg.momentum = 0.0  # plain SGD keeps no state
     assert "optimizer state 0.0 MB" in memory_plan(recipe, cfg)
     cfg.momentum = 0.9
-    cfg.parallel = "fsdp"  # each rank holds its shard: half of it with 2 processes
-    assert re.fullmatch(r"every 5 step\(s\), 2 buffers per rank in .*: 2 x 0\.2 MB "
+    cfg.parallel = "fsdp"  # each rank holds its shard: half of it with 2 processes,
+    # and its predecessor's in two more buffers (the ring: engine/memory_ring.py)
+    assert re.fullmatch(r"every 5 step\(s\), 4 buffers per rank \(2 its own, 2 its "
+                        r"predecessor's\) in .*: 4 x 0\.2 MB "
                         r"\(model 0\.1 MB \+ optimizer state 0\.1 MB, this rank's shard "
                         r"of 2; \d+ MB free there\)", memory_plan(recipe, cfg, 2)), \
         memory_plan(recipe, cfg, 2)
