@@ -1140,7 +1140,10 @@ class MemorySnapshots:
         held = 0
         for path in run_buffers(self.run_id, self.shm):
             try:
-                held += os.lstat(path).st_size
+                # Its pages, not its size: another local rank's posix_fallocate may be
+                # under way, its pages taken from the free space before the size is set
+                # (tmpfs sets it at the end), and would look like someone else's.
+                held += os.lstat(path).st_blocks * 512
             except OSError:
                 pass
         per_rank = 2 * (HEADER_BYTES + payload_size(skeleton, data_size)
