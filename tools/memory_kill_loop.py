@@ -27,6 +27,11 @@ loaded), and the first step; the last line gives the median end of each of the
 restarted workers' start-up phases (engine/phases.py: worker start, imports, process
 group, data and model...) after the kill.
 
+``--wipe 3``: the third kill also deletes the killed rank's memory snapshots (under fsdp
+the copies it holds of its predecessor's too, engine/memory_ring.py): a node lost with
+its memory, which must resume from a peer's copy (summary.json's tier ``peer``):
+``python tools/memory_kill_loop.py --kills 5 --launcher spawn --wipe 3 parallel=fsdp``.
+
 ``--launcher spawn``: ``engine-run --nproc 2 --max-restarts 3`` instead, whose workers
 are forks of a warm spare (engine/spares.py) that replace every worker after a failure.
 
@@ -51,6 +56,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
 PLUGIN = pathlib.Path(__file__).stem
 KILL_STEP, KILL_RANK = "MEMORY_KILL_LOOP_STEP", "MEMORY_KILL_LOOP_RANK"
+WIPE = "MEMORY_KILL_LOOP_WIPE"  # set: the killed rank's memory goes with it (--wipe)
 
 # ------------------------------------------------------------------ the runs' plugin
 
@@ -91,6 +97,13 @@ if _engine is not None:
             f.write(f"{now!r} {step} {restart}\n")
         if (restart == 0 and str(step) == os.environ.get(KILL_STEP)
                 and str(rank) == os.environ.get(KILL_RANK)):
+            if os.environ.get(WIPE):  # a node lost with its memory: its buffers, and
+                # under fsdp the copies it holds of its predecessor's, once the snapshot
+                # before this step has gone out (its copy to the successor, its rows)
+                ctx.memory.finish()
+                ring = getattr(ctx.memory, "ring", None)
+                for path in [*ctx.memory.paths, *(ring.paths if ring is not None else ())]:
+                    path.unlink(missing_ok=True)
             (ctx.out_dir / "killed").write_text(f"{time.time()!r}\n")
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -142,7 +155,9 @@ class KillLoop:
     def kill(self, trial: int, reference: str, total_steps: int) -> dict | None:
         out = self.tmp / f"kill{trial}"
         step, rank = self.rng.randint(2, total_steps - 1), self.rng.randrange(2)
-        summary = self.run_once(out, **{KILL_STEP: str(step), KILL_RANK: str(rank)})
+        wiped = trial in self.args.wipe
+        summary = self.run_once(out, **{KILL_STEP: str(step), KILL_RANK: str(rank),
+                                        **({WIPE: "1"} if wiped else {})})
         if summary is None:
             return None
         if not (out / "killed").exists():
@@ -155,7 +170,8 @@ class KillLoop:
         resumed_at = first[1] - 1
         started, set_up = min(tuple(map(float, line.split())) for path in out.glob(
             "started-rank*.txt") for line in path.read_text().splitlines())
-        result = {"step": step, "rank": rank, "resume": summary.get("resume") or {},
+        result = {"step": step, "rank": rank, "wiped": wiped,
+                  "resume": summary.get("resume") or {},
                   "recomputed": reached - resumed_at, "kill_to_step_s": first[0] - killed_at,
                   "kill_to_process_s": started - killed_at,
                   "kill_to_set_up_s": set_up - killed_at,
@@ -180,6 +196,9 @@ class KillLoop:
             wrong.append("final weights differ from the uninterrupted run's")
         if r["recomputed"] > self.args.memory_every_steps:
             wrong.append(f"{r['recomputed']} steps recomputed > memory_every_steps")
+        if r["wiped"] and r["resume"].get("tier") != "peer":
+            wrong.append(f"its memory wiped, it resumed from {r['resume'].get('tier')}, "
+                         "not from a peer's copy")
         if r["resume"].get("steps_lost") != r["recomputed"]:
             wrong.append(f"summary.json says {r['resume'].get('steps_lost')} steps lost, "
                          f"the steps say {r['recomputed']}")
@@ -205,7 +224,8 @@ class KillLoop:
             if r is not None:
                 results.append(r)
                 tier = r["resume"].get("tier")
-                print(f"kill {trial}/{args.kills}: rank {r['rank']} at step {r['step']} -> "
+                print(f"kill {trial}/{args.kills}: rank {r['rank']} at step {r['step']}"
+                      f"{' (its memory wiped)' if r['wiped'] else ''} -> "
                       f"resumed from {tier} at step {r['resume'].get('step')}, "
                       f"{r['recomputed']} step(s) recomputed, kill -> first new step "
                       f"{r['kill_to_step_s']:.2f}s (new worker process "
@@ -248,6 +268,11 @@ class KillLoop:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=20)
+    p.add_argument("--wipe", type=lambda text: {int(k) for k in text.split(",") if k},
+                   default=set(), metavar="K,...",
+                   help="these kills (1 = the first) also delete the killed rank's memory "
+                        "snapshots, and under fsdp the copies it holds: a node lost with "
+                        "its memory, which must resume from a peer's copy")
     p.add_argument("--launcher", choices=("torchrun", "spawn"), default="torchrun",
                    help="who restarts the workers: torchrun --max-restarts 3, or "
                         "engine-run's spawn launcher with --max-restarts 3")
