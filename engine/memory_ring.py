@@ -158,8 +158,8 @@ class Ring:
         self._wait(self._dist.irecv(target.payload(length), self.prev, group=self.group,
                                     tag=_TAG_PAYLOAD), f"rank {self.prev}'s snapshot")
         raw_id = self.memory.raw_id
-        if ms.checksum(ms._signed(sequence, step, epoch, length, raw_id),
-                       target.array[ms.HEADER_BYTES:ms.HEADER_BYTES + length]) != digest:
+        if not ms.intact(target.array[ms.HEADER_BYTES:], sequence, step, epoch, length,
+                         raw_id, digest):
             return 0, (f"the copy of rank {self.prev}'s memory snapshot of step {step} "
                        "arrived damaged (its checksum does not match)")
         target.write_header(sequence, step, epoch, length, raw_id, digest)
@@ -222,20 +222,15 @@ def load_held(memory, warn) -> list:
             warn(f"the copy of rank {ring.prev}'s memory snapshot {problem}; not used")
         if slot is None:
             continue
-        try:
-            state = ms.load_slot(slot)
-            problem = ms._not_a_snapshot(state, slot.step) or (
-                None if stateful.holds_shards(state.get("model"))
-                and state.get("world_size") == memory.world.world_size else
-                "not fsdp shards of this number of processes")
-        except Exception as exc:  # whatever a damaged or forged payload raises
-            problem = f"{type(exc).__name__}: {exc}"
-        if problem is None:
-            loaded.append(ms.Loaded(slot, state))
+        one, problem = ms.load_checked(slot, also=lambda state: (
+            None if stateful.holds_shards(state.get("model"))
+            and state.get("world_size") == memory.world.world_size else
+            "not fsdp shards of this number of processes"))
+        if one is not None:
+            loaded.append(one)
         else:
             warn(f"the copy of rank {ring.prev}'s memory snapshot {slot.path} does not "
                  f"load ({problem}); not used")
-            slot.close()
     return sorted(loaded, key=lambda m: -m.slot.sequence)
 
 
@@ -281,8 +276,8 @@ def _own_or_received(memory, choice, mine: list) -> dict:
         payload = torch.empty(length, dtype=torch.uint8)
         ring._wait(ring._dist.irecv(payload, sender, group=ring.group, tag=_TAG_PAYLOAD),
                    f"rank {sender}'s copy of this rank's snapshot")
-        if ms.checksum(ms._signed(sequence, step, epoch, length, memory.raw_id),
-                       payload.numpy()) != digest:
+        if not ms.intact(payload.numpy(), sequence, step, epoch, length, memory.raw_id,
+                         digest):
             raise RuntimeError(f"rank {sender}'s copy of this rank's memory snapshot of "
                                f"step {step} arrived damaged (its checksum does not match)")
         state = ms.read_payload(payload)

@@ -513,6 +513,14 @@ def _signed(sequence: int, step: int, epoch: int, length: int, run_id: bytes) ->
 # ------------------------------------------------------------ one buffer
 
 
+def intact(payload, sequence: int, step: int, epoch: int, length: int, run_id: bytes,
+           digest: bytes) -> bool:
+    """Whether ``payload`` (its first ``length`` bytes) and those header fields are the
+    snapshot ``digest`` was computed over, as a save signs it: a buffer's own, or a copy
+    sent by the ring (engine/memory_ring.py)."""
+    return checksum(_signed(sequence, step, epoch, length, run_id), payload[:length]) == digest
+
+
 def _map(fd: int, size: int, writable: bool):
     """A memory map of ``size`` bytes of ``fd``, and a uint8 tensor over it. Read-only
     descriptors are mapped privately (copy on write, never written): torch wants a
@@ -725,9 +733,8 @@ def check_slot(path: pathlib.Path, verify: bool = True,
     elif run_id is not None and raw_id != bytes.fromhex(run_id):
         problem = (f"it carries run id {raw_id.hex()}, not this run's ({run_id}, in the "
                    f"run folder's {RUN_ID_FILE})")
-    elif HEADER_BYTES + length > size or (verify and checksum(
-            _signed(sequence, step, epoch, length, raw_id),
-            array[HEADER_BYTES:HEADER_BYTES + length]) != digest):
+    elif HEADER_BYTES + length > size or (verify and not intact(
+            array[HEADER_BYTES:], sequence, step, epoch, length, raw_id, digest)):
         problem = "its checksum does not match: damaged or altered"
     if problem is not None or not sequence:
         del array, tensor
@@ -1417,19 +1424,29 @@ def load_all(memory: MemorySnapshots, warn) -> list[Loaded]:
         memory.sequence = slots[0].sequence
     loaded = []
     for slot in slots:
-        try:
-            state = load_slot(slot)
-            problem = _not_a_snapshot(state, slot.step)
-        except Exception as exc:  # whatever a damaged or forged payload raises
-            problem = f"{type(exc).__name__}: {exc}"
-        if problem is None:
-            loaded.append(Loaded(slot, state))
+        one, problem = load_checked(slot)
+        if one is not None:
+            loaded.append(one)
         else:
             warn(f"the memory snapshot {slot.path} does not load ({problem}); not used")
-            slot.close()
     if loaded:
         memory.newest_index = memory.paths.index(loaded[0].slot.path)
     return loaded
+
+
+def load_checked(slot: Slot, also=None) -> tuple[Loaded | None, str | None]:
+    """``slot`` (its checks passed) decoded into a snapshot, or None and why not (then
+    closed): a skeleton with anything but plain values, a tensor outside the payload,
+    no config, another step than its header's, or what ``also(state)`` says (a text)."""
+    try:
+        state = load_slot(slot)
+        problem = _not_a_snapshot(state, slot.step) or (also(state) if also else None)
+    except Exception as exc:  # whatever a damaged or forged payload raises
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem is None:
+        return Loaded(slot, state), None
+    slot.close()
+    return None, problem
 
 
 def load_newest(memory: MemorySnapshots, warn) -> Loaded | None:
