@@ -257,27 +257,30 @@ class MemoryCost:
         ``current`` (the interval now) only where it keeps them within 80% of the
         budget: a cost near a boundary would otherwise change it at every check point.
         None until the probe measured what the clocks do not see."""
-        if self.hidden_s is None or not (self.snapshots and self.steps and self.step_s > 0):
+        percent = self.percent(1)
+        if self.hidden_s is None or percent is None:
             return None
-        needed = self.per_snapshot() / (MEMORY_BUDGET * self.per_step())
+        needed = percent / (100 * MEMORY_BUDGET)  # steps per snapshot within the budget
         every = shortest(needed)
         return every if every >= current else min(current, shortest(needed / 0.8))
 
     def percent(self, every_steps: int) -> float | None:
-        """The snapshots' cost at one every ``every_steps`` steps, in % of the step time."""
-        if not (self.snapshots and self.steps and self.step_s > 0):
+        """The snapshots' cost at one every ``every_steps`` steps, in % of the step time
+        (None before both were measured)."""
+        snapshot, step = self.per_snapshot(), self.per_step()
+        if snapshot is None or step is None:
             return None
-        return 100 * self.per_snapshot() / (every_steps * self.per_step())
+        return 100 * snapshot / (every_steps * step)
 
     def record(self, every_steps: int, auto: bool) -> dict:
         """summary.json's ``memory_snapshots``: the interval, whether auto chose it, what
         one snapshot and one step took (rank 0's) and the snapshots' share at it."""
-        percent = self.percent(every_steps) if every_steps else None
+        def rounded(value, digits=6):
+            return None if value is None else round(value, digits)
+
         return {"every_steps": every_steps, "auto": auto,
-                "snapshot_s": (round(self.per_snapshot(), 6)
-                               if self.snapshots else None),
-                "step_s": round(self.per_step(), 6) if self.steps and self.step_s > 0 else None,
-                "cost_percent": None if percent is None else round(percent, 3)}
+                "snapshot_s": rounded(self.per_snapshot()), "step_s": rounded(self.per_step()),
+                "cost_percent": rounded(self.percent(every_steps) if every_steps else None, 3)}
 
 
 def shortest(needed: float) -> int:
