@@ -42,6 +42,7 @@ from typing import Callable
 from engine import health, phases
 from engine.atomic_io import process_state
 from engine.errors import LaunchError, first_line, one_line
+from engine.launch_env import take_store_socket
 from engine.processes import end_when_exiting, process_identity, same_machine, spawned_here
 from engine.world import World, format_world_table, tcp_endpoint, whole_world
 
@@ -122,8 +123,10 @@ def open_store(world: World, timeout_s: float):
     if world.rank == 0 and not agent_store_serves(host, port):
         try:
             # wait_for_workers=False: the roll call below waits, and can say who is missing.
+            # A launcher that picked the port bound it already (launch_env.master_socket).
             return dist.TCPStore(host, port, world.world_size, is_master=True,
-                                 timeout=timeout, wait_for_workers=False, multi_tenant=True)
+                                 timeout=timeout, wait_for_workers=False, multi_tenant=True,
+                                 master_listen_fd=take_store_socket(port))
         except Exception as exc:
             text = first_line(exc)
             if "in use" in text.lower():

@@ -10,6 +10,7 @@ starts them the way :func:`start_method` says.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 import threading
@@ -56,10 +57,77 @@ def parent_cmdline() -> list[str]:
 # ------------------------------------------------------------------------ ports
 
 
+#: free_port draws from the ports below the kernel's ephemeral range down to this one,
+#: above those of SLURM jobs (plugins/slurm_hostlist.master_port_for_job: 15000-24999).
+LOWEST_FREE_PORT = 25000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a process that binds it later (a test's or a user's explicit
+    --master-port). It is drawn below the kernel's ephemeral range, whose ports the
+    kernel gives to every outgoing connection and so could give away in between; only a
+    process that binds this very port can take it. (Where this process hosts the store
+    itself, :func:`master_socket` holds the port from the start instead.)"""
+    low = _ephemeral_ports()[0]
+    draw = random.Random()  # not the global one: a seeded run would draw the same ports
+    for _ in range(64 if low - LOWEST_FREE_PORT >= 1000 else 0):
+        port = draw.randrange(LOWEST_FREE_PORT, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+        s.bind((host, 0))  # a machine whose ephemeral range starts low: the kernel picks
         return s.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def master_socket() -> socket.socket:
+    """A socket listening on a port the kernel picks, on every address of this machine:
+    the master port of a run whose launcher picks it. Rank 0's store serves on this very
+    socket (:func:`keep_store_socket`), so that no other process can take the port
+    between the pick and the store's start: a port picked free and bound by rank 0 a
+    second later was taken by another process's connection in between, once in a
+    hundred CI runs ("master port ... is already in use")."""
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True,
+                                    backlog=socket.SOMAXCONN)
+    return socket.create_server(("", 0), backlog=socket.SOMAXCONN)
+
+
+#: The master socket handed to this process (rank 0's) by its launcher, until its
+#: store takes it.
+_store_socket: socket.socket | None = None
+
+
+def keep_store_socket(sock: socket.socket) -> None:
+    """Rank 0's process keeps the master socket its launcher bound (:func:`master_socket`)
+    for its store to serve on."""
+    global _store_socket
+    _store_socket = sock
+
+
+def take_store_socket(port: int) -> int | None:
+    """The file descriptor of the master socket this process was handed, if it listens
+    on ``port``, for the store to own from now on; else None (the store binds the port)."""
+    global _store_socket
+    sock, _store_socket = _store_socket, None
+    if sock is None:
+        return None
+    if sock.getsockname()[1] != port:
+        sock.close()
+        return None
+    return sock.detach()
 
 
 def check_port_free(host: str, port: int, option: str = "--master-port PORT") -> None:

@@ -27,7 +27,7 @@ from typing import Callable, Mapping, NoReturn
 
 from engine import phases
 from engine.errors import EXIT_FAILED, EXIT_INTERRUPTED, Interrupted, WorkerFailed
-from engine.launch_env import start_method
+from engine.launch_env import keep_store_socket, start_method
 from engine.world import World
 
 # engine-run's start imports this module (engine.cli): engine.atomic_io (hashlib, ctypes)
@@ -67,7 +67,7 @@ def _start_resource_tracker_deaf_to(signals) -> None:
 
 def spawn_workers(worker: Callable[[World], object], worlds: list[World],
                   child_env: Mapping[str, str] | None = None, spares=None,
-                  restart_follows: bool = False) -> list:
+                  restart_follows: bool = False, store_socket=None) -> list:
     """Start one process per world on this machine, run ``worker`` in each, wait.
 
     ``child_env`` is set in every child before ``worker`` runs. A worker that fails
@@ -81,6 +81,10 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
     others are killed at once, not given the grace that lets them print why they stop
     (they resume anyway); a worker that raised keeps it, so that the error that caused
     the restart is printed, not only another rank's echo of it.
+
+    ``store_socket``: the master port's listening socket (launch_env.master_socket),
+    handed to rank 0's process for its store; this process closes its own copy once
+    the workers are started, so that the port listens only while rank 0 lives.
     """
     import torch.multiprocessing as mp  # lazily: see the imports
 
@@ -90,12 +94,16 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
     # semaphores (/dev/shm/sem.mp-*) that a run killed as a whole leaves behind.
     pipes = [multiprocessing.get_context(method).Pipe(duplex=False) for _ in worlds]
     args = (worker, worlds, dict(child_env or {}), [w for _, w in pipes],
-            method == "fork" and spares is None)
-    if spares is not None:
-        context = spares.start(_entry, args, len(worlds), listen_to=FORWARDED_SIGNALS)
-    else:
-        context = mp.start_processes(_entry, args=args, nprocs=len(worlds), join=False,
-                                     start_method=method)
+            method == "fork" and spares is None, store_socket)
+    try:
+        if spares is not None:
+            context = spares.start(_entry, args, len(worlds), listen_to=FORWARDED_SIGNALS)
+        else:
+            context = mp.start_processes(_entry, args=args, nprocs=len(worlds),
+                                         join=False, start_method=method)
+    finally:
+        if store_socket is not None:
+            store_socket.close()  # rank 0 has its own copy (or no worker started)
     for _, writer in pipes:
         writer.close()  # the workers have theirs
     readers = [r for r, _ in pipes]
@@ -479,11 +487,17 @@ def _error_sent(reader) -> tuple[str, str | None] | None:
 
 
 def _entry(index: int, worker: Callable[[World], object], worlds: list[World],
-           child_env: dict[str, str], pipes: list, forked: bool) -> None:
+           child_env: dict[str, str], pipes: list, forked: bool,
+           store_socket=None) -> None:
     global _to_launcher
     _to_launcher = (pipes[index], forked)
     phases.mark("worker start")
     os.environ.update(child_env)
+    if store_socket is not None:
+        if worlds[index].rank == 0:
+            keep_store_socket(store_socket)
+        else:
+            store_socket.close()  # only rank 0's store listens
     status = worker(worlds[index])
     # Only a short string travels back: a large object could fill the pipe, and the
     # child would then wait for a reader that only reads after every child has exited.

@@ -28,7 +28,7 @@ import attrs
 
 import engine
 from engine.errors import LaunchError, WorkerFailed, warn
-from engine.launch_env import check_port_free, free_port, is_local_address, start_method
+from engine.launch_env import check_port_free, is_local_address, master_socket, start_method
 from engine.launcher import Launcher
 from engine.processes import spawn_workers
 from engine.plugins.slurm_hostlist import allocated_cpus
@@ -120,10 +120,23 @@ class SpawnLauncher(Launcher):
 
     @property
     def _port(self) -> int:
-        # Picked once per launcher so that worlds() is stable between plan and launch.
+        # Picked once per launcher so that worlds() is stable between plan and launch:
+        # the port of a socket listening from now on, which rank 0's store takes over.
         if not hasattr(self, "_picked_port"):
-            self._picked_port = free_port()
+            self._store_socket = master_socket()
+            self._picked_port = self._store_socket.getsockname()[1]
         return self._picked_port
+
+    def _master_port_ready(self, first: World):
+        """The socket of the master port this launcher picked (bound since the pick),
+        to hand to rank 0; None where the user chose the port, once it is checked free."""
+        sock, self._store_socket = getattr(self, "_store_socket", None), None
+        if sock is not None and first.init_method == "env://":
+            return sock
+        if sock is not None:
+            sock.close()  # tcp:// or file:// chose the rendezvous, not the picked port
+        _check_master_port(first)
+        return None
 
     @property
     def _run_id(self) -> str:
@@ -138,7 +151,9 @@ class SpawnLauncher(Launcher):
     def launch(self, worker: Callable[[World], object]) -> list:
         worlds, most = self.worlds(), self.options.max_restarts
         if len(worlds) == 1 and not most:
-            _check_master_port(worlds[0])
+            store_socket = self._master_port_ready(worlds[0])
+            if store_socket is not None:
+                store_socket.close()  # a run of one process opens no store
             return [worker(worlds[0])]  # no point in a child process
         # With restarts, every worker is a fork of a warm spare (engine/spares.py),
         # started now: a restart then forks a ready process instead of a new
@@ -150,10 +165,10 @@ class SpawnLauncher(Launcher):
         restart = 0
         try:
             while True:
-                _check_master_port(worlds[0])
                 try:
                     return spawn_workers(worker, worlds, spares=spares,
-                                         restart_follows=restart < most)
+                                         restart_follows=restart < most,
+                                         store_socket=self._master_port_ready(worlds[0]))
                 except WorkerFailed as failed:
                     if restart == most or not failed.restartable:
                         raise  # the error and exit code of a run without restarts
@@ -167,6 +182,7 @@ class SpawnLauncher(Launcher):
                     warn(f"{exc}; starting the workers with spawn instead")
                     spares.close()
                     spares = None
+                    worlds = self._restarted(worlds, restart)  # its port went with it
                     continue  # no worker ran: not a restart
                 worlds = self._restarted(worlds, restart)
                 if hasattr(worker, "restarted"):  # a job (engine.launching.Worker): it
@@ -177,9 +193,12 @@ class SpawnLauncher(Launcher):
 
     def _restarted(self, worlds: list[World], count: int) -> list[World]:
         """The worlds of restart ``count``: torchrun's TORCHELASTIC_RESTART_COUNT, and
-        a fresh free port where this launcher picked the last one (the dead rank 0's
-        store may linger on it)."""
-        port = free_port() if self.options.master_port is None else worlds[0].master_port
+        a fresh port where this launcher picked the last one (the dead rank 0's store
+        may linger on it)."""
+        port = worlds[0].master_port
+        if self.options.master_port is None:
+            self._store_socket = master_socket()
+            port = self._store_socket.getsockname()[1]
         return [attrs.evolve(w, restart_count=count, master_port=port) for w in worlds]
 
 

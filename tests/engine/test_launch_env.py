@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from engine.errors import LaunchError
-from engine.launch_env import START_METHOD_ENV, check_port_free, require_variables, start_method
+from engine.launch_env import (LOWEST_FREE_PORT, START_METHOD_ENV, check_port_free, free_port,
+                               require_variables, start_method)
 from tests.conftest import REPO, engine_env
 
 
@@ -32,6 +33,18 @@ def test_port_in_use_is_found_before_starting():
     assert str(err.value) == (f"master port {port} on 127.0.0.1 is already in use; choose "
                               "another with --master-port PORT")
     check_port_free("127.0.0.1", port)  # free again once the listener is gone
+
+
+def test_a_free_port_is_drawn_where_no_connection_and_no_slurm_job_takes_it():
+    """Ports below the ephemeral range (which the kernel hands to outgoing connections)
+    and above the SLURM jobs' (15000-24999), different draws, each free."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    ports = {free_port() for _ in range(8)}
+    assert len(ports) > 1
+    for port in ports:
+        assert LOWEST_FREE_PORT == 25000 <= port < ephemeral_low
+        check_port_free("127.0.0.1", port)
 
 
 

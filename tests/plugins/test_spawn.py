@@ -73,6 +73,16 @@ def test_one_machine_picks_a_free_port_once():
     assert first == second and first[0].run_id and first[0].master_port > 0
 
 
+def test_the_picked_port_is_bound_from_the_pick_until_rank_0s_store_takes_it():
+    """A port picked free and bound a second later by rank 0 can be taken in between by
+    another process's connection (a CI run failed so: "master port ... is already in
+    use"): the launcher binds it as it picks it and hands rank 0 the socket."""
+    launcher = SpawnLauncher(LaunchOptions(nproc=2), {})
+    port = launcher.worlds()[0].master_port
+    with socket.socket() as other, pytest.raises(OSError, match="in use"):
+        other.bind(("127.0.0.1", port))
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(nproc=2, nnodes=2, node_rank=2, master_addr="h", master_port=1),
      "--node-rank 2 must lie in 0..1 for --nnodes 2"),
