@@ -28,7 +28,7 @@ A buffer is a header page, the payload, then the exchange region::
              exchange region starts, a JSON line (run folder, host, pid, rank, world
              size)
     payload  [skeleton length, where the data region starts][skeleton: the snapshot
-             dict pickled with every tensor replaced by (marker, offset, dtype, shape)]
+             dict pickled with every tensor replaced by engine.shm_codec's marker]
              [room for the skeleton to grow][data region: tensor bytes, 64-byte aligned]
     exchange [the payload's sequence number, rows, row size, xxh3-128][one row per
              rank: its RNG states and loss sums at the payload's step]
@@ -74,7 +74,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
-import functools
 import io
 import json
 import mmap
@@ -95,6 +94,8 @@ from typing import Any
 
 import attrs
 from engine.shm import SHM, free_bytes, sweep, unlink_own
+from engine.shm_codec import (PlainUnpickler, align, copier, decode, encode,  # noqa: F401
+                              marker)
 
 from engine import distributed, phases, stateful
 from engine.atomic_io import atomic_write_text
@@ -109,8 +110,8 @@ FOLDER_PREFIX = "engine-memory-"  # + the user id
 #: The run's id, in the run folder: a buffer without it is not this run's.
 RUN_ID_FILE = ".engine-memory-id"
 HEADER_BYTES = 4096
-ALIGN = 64
-MAGIC = b"ENGMEM\x00\x04"
+# 5: the skeleton's markers are engine.shm_codec's (4: tuples holding a marker string).
+MAGIC = b"ENGMEM\x00\x05"
 # magic, sequence, step, epoch, payload length, checksum (16 bytes), step reached, run id,
 # where the exchange region starts (0: none)
 _HEADER = struct.Struct("<8sQQQQ16sQ16sQ")
@@ -133,10 +134,6 @@ _SIGNED = struct.Struct("<8sQQQQ16s")
 #: the GIL's hand-overs cost on a machine without an idle core (CIFAR's 0.5 MB: 12% of
 #: the step through the thread, issue 37; docs/checkpoints.md).
 BACKGROUND_BYTES = 4 << 20
-#: Marks a tensor's place in the pickled skeleton: (MARKER, offset, dtype, shape).
-MARKER = "\x00engine-memory-tensor"
-#: Marks a value pickled once for every snapshot (the config): (PICKLED, its pickle).
-PICKLED = "\x00engine-memory-pickled"
 # "-held-": the copies of the predecessor's snapshots under fsdp (engine/memory_ring.py).
 _NAME = re.compile(r"(?P<run_id>[0-9a-f]{32})-r(?P<rank>\d+)-(?:held-)?[ab]")
 
@@ -248,83 +245,7 @@ def run_buffers(run_id: str, shm: pathlib.Path = SHM) -> list[pathlib.Path]:
                   if (m := _NAME.fullmatch(n)) and m["run_id"] == run_id)
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 # ------------------------------------------------------------ the payload
-
-
-_PLAIN = {int, float, bool, str, bytes, type(None)}
-
-
-def pickled(value) -> tuple:
-    """``value`` (plain values only, as a skeleton's) pickled now, for a snapshot to
-    hold as it is: a config the same at every snapshot costs its pickle once."""
-    return (PICKLED, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-@functools.cache
-def _encoder_class():
-    """A pickler that pickles a state as it is, in C, and puts a marker (MARKER, offset,
-    dtype, shape) where each tensor is (its bytes go into the data region): the
-    skeleton. Only tensors and the few other objects that are not plain containers and
-    numbers reach Python (``reducer_override``); a walk over the state in Python cost
-    70 us a snapshot of the CIFAR network's (issue 37). Given the previous snapshot's
-    :class:`Plan`, a tensor where the plan has the same one (the same memory, dtype,
-    shape and strides) gets the plan's marker, made once."""
-    import torch
-
-    names: dict = {}
-
-    class Encoder(pickle.Pickler):
-        def __init__(self, plan: Plan | None):
-            self.file = io.BytesIO()
-            super().__init__(self.file, protocol=pickle.HIGHEST_PROTOCOL)
-            self.plan = plan
-            self.same = plan is not None  # every tensor so far is the plan's
-            self.tensors: list[tuple[int, Any]] = []  # (offset, tensor)
-            self.key: list[tuple] = []  # where each tensor's bytes are, and their form
-            self.size = 0
-
-        def reducer_override(self, obj):
-            if not isinstance(obj, torch.Tensor):
-                return NotImplemented  # torch.Size, dtypes, OrderedDict: as pickle does
-            tensor = obj.detach() if obj.requires_grad else obj
-            if self.same:
-                index = len(self.tensors)
-                if index < len(self.plan.key):
-                    ptr, dtype, shape, stride = self.plan.key[index]
-                    if (tensor.data_ptr() == ptr and tensor.dtype == dtype
-                            and tensor.shape == shape and tensor.stride() == stride):
-                        offset, reduced, self.size = self.plan.markers[index]
-                        self.tensors.append((offset, tensor))
-                        return reduced
-                self.same = False
-                self.key = self.plan.key[:index]
-            dtype, shape = tensor.dtype, tensor.shape
-            name = names.get(dtype) or names.setdefault(dtype, str(dtype)[6:])  # "torch."
-            self.tensors.append((self.size, tensor))
-            self.key.append((tensor.data_ptr(), dtype, shape, tensor.stride()))
-            entry = (MARKER, self.size, name, tuple(shape))
-            self.size = _align(self.size + tensor.numel() * tensor.element_size())
-            return tuple, (entry,)  # unpickled as the marker tuple itself
-
-    return Encoder
-
-
-def encode(state: dict, plan: Plan | None = None):
-    """``state`` pickled with a marker in each tensor's place (:func:`_encoder_class`):
-    (the skeleton, the tensors with their offsets in the data region, the data region's
-    size, and None where ``plan`` holds these very tensors, else the key of a new
-    :class:`Plan`: where each tensor's bytes are, and their form)."""
-    encoder = _encoder_class()(plan)
-    encoder.dump(state)
-    same = encoder.same and len(encoder.tensors) == len(plan.key)
-    if plan is not None and not same and encoder.same:  # the plan's, and more or fewer
-        encoder.key = plan.key[:len(encoder.tensors)]
-    return (encoder.file.getvalue(), encoder.tensors, encoder.size,
-            None if same else encoder.key)
 
 
 def encode_plan(state: dict) -> tuple[bytes, list, int]:
@@ -341,7 +262,7 @@ def data_start(skeleton_bytes: int) -> int:
     """Where a plan puts the data region after a skeleton of ``skeleton_bytes``: with
     room for it to grow (metrics, an epoch's loss sums, larger step numbers) while the
     tensors stay where they are, so that the copies' views need not be made again."""
-    return _align(_PAYLOAD.size + skeleton_bytes + max(1024, skeleton_bytes // 8))
+    return align(_PAYLOAD.size + skeleton_bytes + max(1024, skeleton_bytes // 8))
 
 
 def payload_size(skeleton: bytes, data_size: int) -> int:
@@ -363,9 +284,8 @@ class Plan:
         self.key = key
         self.tensors = tensors
         # Each tensor's marker as the encoder returns it, and where the next one starts.
-        self.markers = [
-            (offset, (tuple, ((MARKER, offset, str(t.dtype)[6:], tuple(t.shape)),)),
-             _align(offset + t.numel() * t.element_size())) for offset, t in tensors]
+        self.markers = [(offset, marker(offset, t), align(offset + t.numel() * t.element_size()))
+                        for offset, t in tensors]
         self.held = held is not None
         self.data_at = data_at
         self.data_size = data_size
@@ -394,36 +314,12 @@ class Plan:
         if made is None or made[0] is not buffer.array:
             now, later = [], []
             for (offset, tensor), is_later in zip(self.tensors, self.later):
-                copy = _copier(buffer, HEADER_BYTES + self.data_at + offset, tensor)
+                copy = copier(buffer.array, buffer.tensor, HEADER_BYTES + self.data_at + offset,
+                              tensor)
                 if copy is not None:
                     (later if is_later else now).append(copy)
             made = self.copies[index] = (buffer.array, now, later)
         return made[1], made[2]
-
-
-def _copier(buffer: Buffer, at: int, tensor):
-    """One copy of ``tensor`` into ``buffer`` at ``at`` (a callable; None: no bytes).
-    From the CPU by numpy's copyto, which releases the GIL during the memcpy: torch's
-    copy_ hands a few hundred kB to its thread pool, whose wake-up cost milliseconds
-    per copy on a busy machine (measured: 1.8 ms against 22 us for 62,000 floats);
-    from a GPU, copy_ (a device-to-host copy)."""
-    import numpy as np
-    import torch
-
-    n = tensor.numel() * tensor.element_size()
-    if not n:
-        return None
-    if tensor.device.type == "cpu":
-        try:
-            source = tensor.numpy()
-        except (TypeError, RuntimeError):  # bfloat16 and others numpy lacks
-            source = (tensor.view(torch.uint8).numpy().reshape(-1)
-                      if tensor.is_contiguous() else None)
-        if source is not None:
-            target = buffer.array[at:at + n].view(source.dtype).reshape(source.shape)
-            return functools.partial(np.copyto, target, source)
-    target = buffer.tensor[at:at + n].view(tensor.dtype).view(tensor.shape)
-    return functools.partial(target.copy_, tensor)
 
 
 def held_by(optimizer) -> frozenset:
@@ -444,25 +340,6 @@ def held_by(optimizer) -> frozenset:
     return frozenset(held)
 
 
-class _SkeletonUnpickler(pickle.Unpickler):
-    """Plain values only: the containers and numbers a state dict holds, torch's dtypes
-    and sizes; anything else in a buffer is refused, as torch.load(weights_only=True)
-    refuses it in a file."""
-
-    # builtins.tuple: how the encoder writes a tensor's marker (_encoder_class).
-    ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "tuple"),
-               ("builtins", "set"),
-               ("builtins", "frozenset"), ("builtins", "complex"), ("builtins", "slice")}
-
-    def find_class(self, module, name):
-        import torch
-
-        if (module, name) in self.ALLOWED or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(__import__(module), name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a memory snapshot")
-
-
 def read_payload(buf) -> dict:
     """The snapshot dict in the payload ``buf`` (a uint8 tensor), its tensors copied out
     (the buffer is written again by later snapshots)."""
@@ -473,27 +350,15 @@ def read_payload(buf) -> dict:
         raise ValueError("its skeleton and data region overlap or lie outside the payload")
     skeleton = buf[_PAYLOAD.size:_PAYLOAD.size + length].numpy().tobytes()
 
-    def build(value):
-        if isinstance(value, tuple) and len(value) == 2 and value[0] == PICKLED:
-            return _SkeletonUnpickler(io.BytesIO(value[1])).load()
-        if isinstance(value, tuple) and len(value) == 4 and value[0] == MARKER:
-            _, offset, dtype, shape = value
-            dtype = getattr(torch, str(dtype), None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"a tensor of unknown dtype {value[2]!r}")
-            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-            if not n:
-                return torch.empty(shape, dtype=dtype)
-            if not 0 <= offset <= len(buf) - start - n:
-                raise ValueError("a tensor lies outside the payload")
-            return buf[start + offset:start + offset + n].view(dtype).view(shape).clone()
-        if isinstance(value, dict):
-            return {k: build(v) for k, v in value.items()}
-        if type(value) in (list, tuple) and not set(map(type, value)) <= _PLAIN:
-            return type(value)(build(v) for v in value)
-        return value
+    def tensor_at(offset: int, dtype, shape):
+        n = shape.numel() * dtype.itemsize
+        if not n:
+            return torch.empty(shape, dtype=dtype)
+        if not 0 <= offset <= len(buf) - start - n:
+            raise ValueError("a tensor lies outside the payload")
+        return buf[start + offset:start + offset + n].view(dtype).view(shape).clone()
 
-    return build(_SkeletonUnpickler(io.BytesIO(skeleton)).load())
+    return decode(skeleton, tensor_at)
 
 
 def checksum(fields: bytes, payload) -> bytes:
@@ -841,7 +706,7 @@ def read_row(row: bytes) -> dict | None:
 
     if not row:
         return None
-    plain = _SkeletonUnpickler(io.BytesIO(row)).load()
+    plain = PlainUnpickler(io.BytesIO(row)).load()
     rng = plain["rng"]
 
     def tensor(data: bytes, dtype=np.uint8):
@@ -962,7 +827,7 @@ class MemorySnapshots:
         #: Whether this run's model is sharded (fsdp): a snapshot of shards restores
         #: only a sharded model, one of whole tensors only a whole one.
         self.sharded = sharded
-        self.config = None  # the run's config, pickled once (snapshot.py, pickled())
+        self.config = None  # the run's config, pickled once (snapshot.py: shm_codec.Pickled)
         #: Why this rank's last save failed (a full tmpfs, a name taken since): the
         #: ranks agree at the next check point to turn the tier off (trainer.py).
         self.failed: str | None = None

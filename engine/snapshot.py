@@ -18,7 +18,7 @@ import time
 
 import engine
 from engine import config as config_mod
-from engine import distributed, memory_ring, memory_snapshot, phases, stateful
+from engine import distributed, memory_ring, memory_snapshot, phases, shm_codec, stateful
 from engine.checkpoint import read_manifest
 from engine.errors import CheckpointError, ConfigError
 
@@ -467,7 +467,7 @@ class Snapshots:
         with phases.carve(phases.MEMORY_SNAPSHOTS, within="training",
                           label="memory snapshot"):
             if memory.config is None:  # the same at every step: converted and pickled once
-                memory.config = memory_snapshot.pickled(config_mod.to_dict(ctx.cfg))
+                memory.config = shm_codec.Pickled(config_mod.to_dict(ctx.cfg))
             state, row = capture_here(ctx, memory.config)
             if not memory.saves:
                 problem = _memory_problem(ctx, memory, state)  # collective

@@ -1,7 +1,8 @@
 """Checkpointer ``async``: torch-file's files, written by a background process.
 
-``save()`` blocks the training loop only while the snapshot's tensors are copied into
-one shared-memory buffer (a memcpy; no serialization, no hashing, no disk). A writer
+``save()`` blocks the training loop only while the snapshot is pickled with a marker in
+each tensor's place and its tensors are copied into one shared-memory buffer (numpy
+copies; no hashing, no disk): the memory tier's codec (engine/shm_codec.py). A writer
 process then serializes, hashes, fsyncs and commits them exactly as ``torch-file``
 does (it *is* a :class:`TorchFileCheckpointer` on the other side of a pipe), so both
 produce the same layout and a run can switch between them and resume.
@@ -29,8 +30,10 @@ Why these choices:
   it is open (see :func:`shared_buffer`): a kill leaves nothing there but in that
   instant, and the next start removes such a leftover (this user's files alone,
   engine/shm.py: a name someone else planted is left to them).
-- The writer rebuilds each tensor with ``torch.frombuffer`` at its offset: its own
-  storage without a copy, so ``torch.save`` writes the same records as torch-file.
+- The writer unpickles the skeleton and rebuilds each tensor where its marker is, with
+  ``torch.frombuffer`` at its offset: its own storage without a copy, and every
+  container as it was (an OrderedDict with its ``_metadata``), so ``torch.save`` writes
+  the same records as torch-file.
 
 Errors: a failed write (a full disk, say: named as such, not as torch's "unexpected
 pos") is reported as a one-line :class:`~engine.errors.CheckpointError` by the next
@@ -48,7 +51,6 @@ its children.
 from __future__ import annotations
 
 import contextlib
-import copy
 import errno
 import hashlib
 import mmap
@@ -66,7 +68,7 @@ from multiprocessing.connection import Pipe
 from multiprocessing.reduction import DupFd
 
 import engine
-from engine import shm
+from engine import shm, shm_codec
 from engine.atomic_io import os_error_in, pid_alive
 from engine.checkpoint import disk_full_hint, warn
 from engine.errors import CheckpointError, first_line
@@ -77,92 +79,35 @@ from engine.plugins.torch_file import TorchFileCheckpointer
 
 #: Seconds between checks that the writer (or, in the writer, the trainer) is alive.
 POLL_S = 0.5
-#: Tensors start at multiples of this many bytes in the buffer (any dtype's alignment).
-ALIGN = 64
 #: Where shared memory comes from (torch's file_descriptor sharing uses shm_open).
 SHM = str(shm.SHM)
 MB = 1 << 20
 
 
-class _Slot:
-    """Stands for the ``index``-th tensor of a snapshot while it travels to the writer."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-    def __reduce__(self):
-        return (_Slot, (self.index,))
+def copy_into(buffer, tensors: list) -> None:
+    """The only work the training loop waits for: one copy per tensor (``tensors``:
+    (offset, tensor) as engine.shm_codec.encode gives them), numpy's, GIL released."""
+    array = buffer.numpy()
+    for offset, tensor in tensors:
+        copy = shm_codec.copier(array, buffer, offset, tensor)
+        if copy is not None:
+            copy()
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def split_tensors(state, tensors: list):
-    """A copy of ``state`` with every tensor replaced by a :class:`_Slot`; the tensors
-    are appended to ``tensors``. Containers keep their type (an OrderedDict keeps its
-    ``_metadata``), so the file the writer produces is the one torch-file would."""
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        tensors.append(state)
-        return _Slot(len(tensors) - 1)
-    if isinstance(state, dict):
-        out = copy.copy(state)
-        for key, value in state.items():
-            out[key] = split_tensors(value, tensors)
-        return out
-    if isinstance(state, list):
-        return [split_tensors(v, tensors) for v in state]
-    if isinstance(state, tuple):
-        items = [split_tensors(v, tensors) for v in state]
-        return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
-    return state
-
-
-def fill_slots(skeleton, tensors: list):
-    """The inverse of :func:`split_tensors` (in place where the container allows)."""
-    if isinstance(skeleton, _Slot):
-        return tensors[skeleton.index]
-    if isinstance(skeleton, dict):
-        for key, value in skeleton.items():
-            skeleton[key] = fill_slots(value, tensors)
-        return skeleton
-    if isinstance(skeleton, list):
-        return [fill_slots(v, tensors) for v in skeleton]
-    if isinstance(skeleton, tuple):
-        items = [fill_slots(v, tensors) for v in skeleton]
-        return type(skeleton)(*items) if hasattr(skeleton, "_fields") else tuple(items)
-    return skeleton
-
-
-def plan_layout(tensors: list) -> tuple[list[tuple], int]:
-    """(offset, dtype, shape, numel) of each tensor in the buffer, and the bytes needed."""
-    layout, offset = [], 0
-    for t in tensors:
-        layout.append((offset, t.dtype, tuple(t.shape), t.numel()))
-        offset += _align(t.numel() * t.element_size())
-    return layout, offset
-
-
-def copy_into(buffer, tensors: list, layout: list) -> None:
-    """The only work the training loop waits for: one copy per tensor."""
-    for t, (offset, dtype, shape, numel) in zip(tensors, layout):
-        if numel:
-            nbytes = numel * t.element_size()
-            buffer[offset:offset + nbytes].view(dtype).view(shape).copy_(t.detach())
-
-
-def views_of(buffer, layout: list) -> list:
-    """Tensors over the buffer's memory, each with a storage of its own (no copy)."""
+def decode(skeleton: bytes, buffer):
+    """The state the trainer encoded, each tensor a view of ``buffer`` with a storage
+    of its own (no copy), so that torch.save writes the records torch-file writes."""
     import torch
 
     memory = buffer.numpy()
-    return [torch.frombuffer(memory, dtype=dtype, count=numel, offset=offset).view(shape)
-            if numel else torch.empty(shape, dtype=dtype)
-            for offset, dtype, shape, numel in layout]
+
+    def view(offset: int, dtype, shape):
+        count = shape.numel()
+        if not count:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(memory, dtype=dtype, count=count, offset=offset).view(shape)
+
+    return shm_codec.decode(skeleton, view, plain=False)  # the trainer's own state
 
 
 def check_shared_memory(nbytes: int, folder: str = SHM) -> None:
@@ -281,7 +226,7 @@ def writer_main(jobs, results, buffer, directory: str, checkpoint: dict | None) 
         path = pathlib.Path(job["path"])
         error = None
         try:
-            state = fill_slots(job["skeleton"], views_of(buffer, job["layout"]))
+            state = decode(job["skeleton"], buffer)
             writer.directory.mkdir(parents=True, exist_ok=True)
             writer.write_and_commit(state, path, epoch=job["epoch"], step=job["step"],
                                     metrics=job["metrics"])
@@ -352,9 +297,7 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
 
     def save(self, state, *, epoch, step, metrics=None):
         self.wait()  # the previous write must be done: it reads the buffer we reuse
-        tensors: list = []
-        skeleton = split_tensors(state, tensors)
-        layout, nbytes = plan_layout(tensors)
+        skeleton, tensors, nbytes, _ = shm_codec.encode(state)
         if self._buffer is None or self._buffer.numel() < nbytes:
             # The writer maps the buffer it was started with: a new one, a new writer.
             self._stop_writer()
@@ -362,10 +305,10 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
             self.clean_up_once()
             self._buffer_fd = shared_buffer(self.directory, nbytes)
             self._buffer = map_buffer(self._buffer_fd, nbytes)
-        copy_into(self._buffer, tensors, layout)
+        copy_into(self._buffer, tensors)
         self._start_writer()
         path = self.directory / self.snapshot_name(epoch, step)
-        job = {"path": str(path), "skeleton": skeleton, "layout": layout,
+        job = {"path": str(path), "skeleton": skeleton,
                "epoch": epoch, "step": step, "metrics": dict(metrics or {})}
         # Sent from a thread: a pipe takes 64 kB without a reader, a large model's job
         # may be more, and a stopped writer must not block the loop (wait() watches it

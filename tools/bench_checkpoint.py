@@ -93,8 +93,8 @@ def timed(fn) -> float:
 def bench_size(nbytes: int, repeat: int, tensors: int, folder: pathlib.Path) -> dict:
     import torch
 
-    from engine.plugins.async_file import (AsyncFileCheckpointer, copy_into, plan_layout,
-                                           split_tensors)
+    from engine.plugins.async_file import AsyncFileCheckpointer, copy_into
+    from engine.shm_codec import encode
     from engine.plugins.torch_file import TorchFileCheckpointer
 
     state = make_state(nbytes, tensors)
@@ -138,11 +138,9 @@ def bench_size(nbytes: int, repeat: int, tensors: int, folder: pathlib.Path) -> 
     bare_path.unlink()
     state = make_state(nbytes, tensors)
 
-    tensors: list = []
-    split_tensors(state, tensors)
-    layout, floor_bytes = plan_layout(tensors)
+    _, tensors, floor_bytes, _ = encode(state)
     floor_buffer = torch.empty(floor_bytes, dtype=torch.uint8)
-    copy_into(floor_buffer, tensors, layout)  # untimed: the first touch faults pages in
+    copy_into(floor_buffer, tensors)  # untimed: the first touch faults pages in
     writer = AsyncFileCheckpointer(async_dir)
     try:
         first = timed(lambda: writer.save(state, epoch=1, step=0))
@@ -152,11 +150,11 @@ def bench_size(nbytes: int, repeat: int, tensors: int, folder: pathlib.Path) -> 
             # The floor goes before the save or after its write: never next to the
             # writer process, which would take its CPU and memory bandwidth.
             if r % 2 == 0:
-                floor.append(timed(lambda: copy_into(floor_buffer, tensors, layout)))
+                floor.append(timed(lambda: copy_into(floor_buffer, tensors)))
             blocking.append(timed(lambda: writer.save(state, epoch=1, step=r)))
             writer.wait()
             if r % 2 == 1:
-                floor.append(timed(lambda: copy_into(floor_buffer, tensors, layout)))
+                floor.append(timed(lambda: copy_into(floor_buffer, tensors)))
             for p in async_dir.glob("snapshot-*"):
                 if not p.name.endswith(f"s{r:08d}.pt") and not p.name.endswith(
                         f"s{r:08d}.pt.json"):
