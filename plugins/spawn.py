@@ -127,6 +127,12 @@ class SpawnLauncher(Launcher):
             self._picked_port = self._store_socket.getsockname()[1]
         return self._picked_port
 
+    @property
+    def port_held_by_starter(self) -> bool:
+        """Whether this launcher picked the master port (worlds() did): it holds the
+        port from the pick on (doctor does not report it as taken)."""
+        return getattr(self, "_store_socket", None) is not None
+
     def _master_port_ready(self, first: World):
         """The socket of the master port this launcher picked (bound since the pick),
         to hand to rank 0; None where the user chose the port, once it is checked free."""

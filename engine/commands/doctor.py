@@ -197,7 +197,10 @@ def _check_master(world, line, launcher) -> None:
             a.startswith("127.") or a == "::1" for a in addresses) and world.node_rank != 0:
         line(NOTE, f"{host} is a loopback address: other machines cannot reach it")
     if launcher.port_held_by_starter:
-        line(OK, f"port {port}: {launcher.name}'s agent holds it (the rendezvous store)")
+        line(OK, f"port {port}: " + (
+            f"{launcher.name} picked it and holds it for rank 0's rendezvous store"
+            if launcher.spawns else
+            f"{launcher.name}'s agent holds it (the rendezvous store)"))
     elif world.rank == 0 and is_local_address(host):
         try:
             check_port_free(host, port)

@@ -38,6 +38,7 @@ def test_plain_machine():
                                    ["slurm", "30", "no"], ["spawn", "1000", "yes"]]
     assert "ok      launcher spawn (detected)" in out
     assert "ranks 0, 1 of 2, local world size 2" in out
+    assert "spawn picked it and holds it for rank 0's rendezvous store" in out
     for title, _ in HINTS:
         assert f"  {title}: " in out
 
