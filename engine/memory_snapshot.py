@@ -94,7 +94,7 @@ from typing import Any
 
 import attrs
 from engine.shm import SHM, free_bytes, sweep, unlink_own
-from engine.shm_codec import (PlainUnpickler, align, copier, decode, encode,  # noqa: F401
+from engine.shm_codec import (PlainUnpickler, align, copier, decode, encode,
                               marker)
 
 from engine import distributed, phases, stateful
