@@ -656,12 +656,11 @@ class Agents:
     ``<tmp_path>/<name>.log``; ``with agents:`` kills what is left at the end."""
 
     def __init__(self, tmp_path, nnodes: str, *engine_args: str):
-        import socket
+        from engine.launch_env import free_port
 
         self.tmp_path, self.nnodes, self.engine_args = tmp_path, nnodes, engine_args
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        # Below the ephemeral ports: no connection can take it before agent a binds it.
+        self.port = free_port()
         self.procs, self.logs = {}, {}
 
     def start(self, name: str, is_host: bool = False) -> None:
