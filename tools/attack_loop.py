@@ -144,7 +144,13 @@ class Loop:
         time.sleep(rng.uniform(0.0, self.args.kill_window))
         with contextlib.suppress(ProcessLookupError):  # gone already
             os.killpg(proc.pid, signal.SIGKILL)
-        return proc.communicate(timeout=120)[0]
+        out = proc.communicate(timeout=120)[0]
+        # A run that finished within the window (its "done:" line printed, the kill at
+        # most in its exit) was not killed mid-run: it removed its memory snapshots as a
+        # finished run does, which is no torn buffer.
+        finished = proc.returncode == 0 or any(line.startswith("done: ")
+                                               for line in out.splitlines())
+        return None if finished else out
 
     @staticmethod
     def stop(proc) -> tuple[str, str]:
