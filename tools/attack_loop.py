@@ -145,10 +145,12 @@ class Loop:
         with contextlib.suppress(ProcessLookupError):  # gone already
             os.killpg(proc.pid, signal.SIGKILL)
         out = proc.communicate(timeout=120)[0]
-        # A run that finished within the window (its "done:" line printed, the kill at
-        # most in its exit) was not killed mid-run: it removed its memory snapshots as a
-        # finished run does, which is no torn buffer.
-        finished = proc.returncode == 0 or any(line.startswith("done: ")
+        # A run that trained its last epoch within the window (its line printed, the
+        # kill at most in its teardown) was not killed mid-run: its ranks remove their
+        # memory snapshots once their part of the last snapshot is durable, which is no
+        # torn buffer (a restart then resumes from a peer's or from disk).
+        last = f"epoch {self.args.epochs}/{self.args.epochs} "
+        finished = proc.returncode == 0 or any(line.startswith(("done: ", last))
                                                for line in out.splitlines())
         return None if finished else out
 
