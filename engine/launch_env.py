@@ -68,28 +68,29 @@ def free_port(host: str = "127.0.0.1") -> int:
     kernel gives to every outgoing connection and so could give away in between; only a
     process that binds this very port can take it. (Where this process hosts the store
     itself, :func:`master_socket` holds the port from the start instead.)"""
-    low = _ephemeral_ports()[0]
-    draw = random.Random()  # not the global one: a seeded run would draw the same ports
-    for _ in range(64 if low - LOWEST_FREE_PORT >= 1000 else 0):
-        port = draw.randrange(LOWEST_FREE_PORT, low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
+    low = ephemeral_low()
+    if low - LOWEST_FREE_PORT >= 1000:  # else the kernel picks, below
+        draw = random.Random()  # not the global one: a seeded run would draw the same
+        for _ in range(64):
+            port = draw.randrange(LOWEST_FREE_PORT, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))  # a machine whose ephemeral range starts low: the kernel picks
         return s.getsockname()[1]
 
 
-def _ephemeral_ports() -> tuple[int, int]:
+def ephemeral_low() -> int:
+    """The first of the ports the kernel gives to outgoing connections."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = map(int, f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def master_socket() -> socket.socket:
@@ -97,8 +98,8 @@ def master_socket() -> socket.socket:
     the master port of a run whose launcher picks it. Rank 0's store serves on this very
     socket (:func:`keep_store_socket`), so that no other process can take the port
     between the pick and the store's start: a port picked free and bound by rank 0 a
-    second later was taken by another process's connection in between, once in a
-    hundred CI runs ("master port ... is already in use")."""
+    second later was taken by another process's connection in between, and a CI run
+    failed with "master port ... is already in use"."""
     if socket.has_dualstack_ipv6():
         return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True,
                                     backlog=socket.SOMAXCONN)
