@@ -424,6 +424,10 @@ class Snapshots:
         return [float(self.policy.due_by_time()),
                 float(memory is not None and memory.failed is not None), *proposal(every)]
 
+    def agree_on(self, sums) -> None:
+        """A finished check point's sums of :meth:`check_flags`, as it laid them out."""
+        self.agreed(sums[0] > 0, sums[1] > 0, sums[2:])
+
     def agreed(self, due_by_time: bool, memory_failed: bool, intervals=()) -> None:
         """A finished check point's sums of :meth:`check_flags`, the same on every rank:
         the next snapshot goes to disk, or every rank turns the memory tier off, or

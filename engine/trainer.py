@@ -919,7 +919,7 @@ class Trainer:
             self.log_hook(ctx=ctx, step=check.step, metrics=metrics)
         if preempted > 0:
             self.stop_requested = True
-        self.snapshots.agreed(flags[0] > 0, flags[1] > 0, flags[2:])
+        self.snapshots.agree_on(flags)
 
     def epoch_metrics(self, epoch: int, window: LogWindow, *, batches: int, steps: int,
                       epoch_start: float, data_wait: float) -> dict:

@@ -250,7 +250,7 @@ def test_ranks_that_propose_different_intervals_take_the_longest_at_the_same_ste
         flags = [layer.check_flags(window_s=0.0, window_steps=0) for layer in layers]
         sums = [sum(values) for values in zip(*flags)]  # what the all-reduce gives each
         for layer in layers:
-            layer.agreed(sums[0] > 0, sums[1] > 0, sums[2:])
+            layer.agree_on(sums)
 
     train(20)
     agree()
