@@ -1,10 +1,9 @@
-"""Shared memory in a tmpfs (``/dev/shm``), as both of the engine's users of it need it:
-the memory tier's buffers (engine/memory_snapshot.py) and the async checkpointer's copy
-of a snapshot (plugins/async_file.py). Each asks how much room the tmpfs has before it
-takes any (:func:`free_bytes`), and each sweeps away at a start what a killed writer
-left there (:func:`sweep`: a tmpfs outlives the process). Which files are whose stays
-with each user; what may be removed, and how, is decided here once: only this user's
-regular files, never what someone else put at a name they could guess."""
+"""Shared memory in a tmpfs (``/dev/shm``): how much room it has (:func:`free_bytes`,
+asked by the memory tier, engine/memory_snapshot.py, and the async checkpointer,
+plugins/async_file.py, before they take any), and the sweep of what a killed writer of
+the memory tier left there (:func:`sweep`: a tmpfs outlives the process). What may be
+removed is decided here once: only this user's regular files, never what someone else
+put at a name they could guess."""
 
 from __future__ import annotations
 

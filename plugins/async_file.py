@@ -25,11 +25,10 @@ Why these choices:
   resource-sharer socket in /tmp/pymp-*: nothing of ours can be left there.
 - One buffer, reused: the first save allocates it (page faults), later saves only copy.
   That is only safe because a save waits for the previous write first, which is also
-  what keeps at most one snapshot in flight (memory stays bounded). The buffer is a
-  /dev/shm file named after this process and checkpoint folder and unlinked as soon as
-  it is open (see :func:`shared_buffer`): a kill leaves nothing there but in that
-  instant, and the next start removes such a leftover (this user's files alone,
-  engine/shm.py: a name someone else planted is left to them).
+  what keeps at most one snapshot in flight (memory stays bounded). The buffer is an
+  anonymous memory file (``memfd_create``): it has no name, so no other local user can
+  take or block one (a /dev/shm name could be planted first), and a kill leaves nothing
+  behind.
 - The writer unpickles the skeleton and rebuilds each tensor where its marker is, with
   ``torch.frombuffer`` at its offset: its own storage without a copy, and every
   container as it was (an OrderedDict with its ``_metadata``), so ``torch.save`` writes
@@ -52,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import mmap
 import multiprocessing
 import multiprocessing.util
@@ -69,7 +67,7 @@ from multiprocessing.reduction import DupFd
 
 import engine
 from engine import shm, shm_codec
-from engine.atomic_io import os_error_in, pid_alive
+from engine.atomic_io import os_error_in
 from engine.checkpoint import disk_full_hint, warn
 from engine.errors import CheckpointError, first_line
 from engine.plugins.torch_file import TorchFileCheckpointer
@@ -121,47 +119,21 @@ def check_shared_memory(nbytes: int, folder: str = SHM) -> None:
             "--shm-size) or use --checkpointer torch-file")
 
 
-def _shm_prefix(directory: pathlib.Path) -> str:
-    """The start of this checkpoint folder's buffer names in /dev/shm (then the pid)."""
-    digest = hashlib.sha256(str(pathlib.Path(directory).resolve()).encode()).hexdigest()
-    return f"engine-ckpt-{digest[:12]}-"
-
-
-def shared_buffer(directory: pathlib.Path, nbytes: int, folder: str = SHM) -> int:
-    """A file descriptor of ``nbytes`` of shared memory, with no name left behind.
-
-    The name (``engine-ckpt-<folder hash>-<pid>``) exists only between the open and the
-    unlink; :func:`remove_stale_buffers` removes one that a kill left in between."""
+def shared_buffer(nbytes: int, folder: str = SHM) -> int:
+    """A file descriptor of ``nbytes`` of shared memory without a name (nothing to
+    plant, block or leave behind), reserved now: its pages are otherwise only taken
+    when touched, and too little memory would kill the trainer with SIGBUS in the
+    middle of the copy. ``folder``'s free space is asked first, as a bound."""
     check_shared_memory(nbytes, folder)
-    name = os.path.join(folder, f"{_shm_prefix(directory)}{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(name)  # ours, from an earlier buffer killed in the same instant
-    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    os.unlink(name)
+    fd = os.memfd_create("engine-checkpoint", os.MFD_CLOEXEC)
     try:
-        # Reserve it now: tmpfs pages are otherwise only taken when touched, and a full
-        # /dev/shm would kill the trainer with SIGBUS in the middle of the copy.
         os.posix_fallocate(fd, 0, max(nbytes, 1))
     except OSError as exc:
         os.close(fd)
-        if exc.errno != errno.ENOSPC:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
             raise
         check_shared_memory(1 << 62, folder)  # raises, with the sizes
     return fd
-
-
-def remove_stale_buffers(directory: pathlib.Path, folder: str = SHM) -> list[str]:
-    """Buffer names of this checkpoint folder whose process is gone (see
-    :func:`shared_buffer`). Only names that carry this folder's hash, and only this
-    user's files (engine/shm.py): another run's or another user's shared memory is
-    never touched. Returns a warning for each that could not be removed."""
-    prefix = _shm_prefix(directory)
-
-    def left_behind(name: str, _) -> bool:
-        pid = name[len(prefix):]
-        return name.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid))
-
-    return shm.sweep(folder, left_behind)[1]
 
 
 def map_buffer(fd: int, nbytes: int):
@@ -303,7 +275,7 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
             self._stop_writer()
             self._free_buffer()  # first: both may not fit
             self.clean_up_once()
-            self._buffer_fd = shared_buffer(self.directory, nbytes)
+            self._buffer_fd = shared_buffer(nbytes)
             self._buffer = map_buffer(self._buffer_fd, nbytes)
         copy_into(self._buffer, tensors)
         self._start_writer()
@@ -324,14 +296,6 @@ class AsyncFileCheckpointer(TorchFileCheckpointer):
             end.send(job)
         except OSError:  # a broken pipe or a closed end: the writer is gone; wait() says how
             pass
-
-    def clean_up(self) -> None:
-        """The store's clean-up, plus this folder's shared-memory names of dead
-        processes (see :func:`shared_buffer`)."""
-        super().clean_up()
-        if self.rank == 0:
-            for problem in remove_stale_buffers(self.directory):
-                warn(problem)
 
     @property
     def writer_pid(self) -> int | None:
