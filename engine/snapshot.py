@@ -11,10 +11,12 @@ only stores the dict and gives it back.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import pathlib
 import time
+import warnings
 
 import engine
 from engine import config as config_mod
@@ -717,10 +719,13 @@ def restore(ctx, snap: dict, source: str) -> None:
     checking its config against this run's."""
     snap = upgrade(snap)
     lr_change = check_config(ctx, snap.get("config"), source)
+    length = _length_change(ctx, snap.get("config"), source)
+    start = schedule_start(ctx.scheduler, ctx.optimizer) if length else None
     ctx.snapshot_parts.load_state_dict(snap, source=source, warn=ctx.warn)
     if lr_change is not None:
         _apply_lr(ctx, *lr_change, source)
-    _say_what_a_new_length_does_to_the_schedule(ctx, snap.get("config"), source)
+    if length:
+        follow_new_length(ctx, start, length)
 
 
 # ------------------------------------------------------------ a changed config
@@ -765,28 +770,72 @@ def check_config(ctx, saved: dict | None, source: str) -> tuple | None:
     return lr
 
 
-def _say_what_a_new_length_does_to_the_schedule(ctx, saved: dict | None, source: str) -> None:
-    """A per-step schedule is built for the run's total steps (Engine.total_steps): a
-    resume with other ``epochs`` continues on a schedule of another length, so the
-    learning rate jumps to the new schedule's value at this step. Said, not refused:
-    it is how a run is extended."""
-    if not isinstance(saved, dict) or ctx.scheduler is None:
-        return
-    changed = {key: (saved[key], getattr(ctx.cfg, key)) for key in ("epochs", "max_steps")
-               if key in saved and saved[key] != getattr(ctx.cfg, key)}
-    if not changed or ctx.cfg.scheduler_interval != "step":
-        return
-    total = getattr(ctx, "total_steps", None)
-    span = f" ({total} steps)" if total else ""
-    said = ", ".join(f"{key} changed since {source}: {old} -> {new}"
-                     for key, (old, new) in changed.items())
-    restore = " and ".join(changed)
-    length = f"{ctx.cfg.epochs} epochs" + (f" and max_steps={ctx.cfg.max_steps}"
-                                          if getattr(ctx.cfg, "max_steps", 0) else "")
-    ctx.warn(f"{said}; the per-step schedule is rebuilt for {length}{span} and "
-             f"continues at step {ctx.state.step} of it, not of the old one: from the next "
-             f"step the learning rate is the new schedule's (restore {restore} to continue "
-             "the old schedule)")
+def _length_change(ctx, saved: dict | None, source: str) -> str | None:
+    """What changed of the run's length (``epochs``, ``max_steps``) since ``source``, when
+    the run has a scheduler that follows it (one stepping on a metric does not); None
+    otherwise. A scheduler the engine cannot replay refuses the resume."""
+    from engine.trainer import steps_on_metric  # imports torch: lazily
+    from torch.optim.lr_scheduler import LRScheduler
+
+    scheduler = ctx.scheduler
+    if not isinstance(saved, dict) or scheduler is None or steps_on_metric(scheduler):
+        return None
+    changed = ", ".join(f"{key} changed since {source}: {saved[key]} -> "
+                        f"{getattr(ctx.cfg, key)}" for key in ("epochs", "max_steps")
+                        if key in saved and saved[key] != getattr(ctx.cfg, key))
+    if changed and not isinstance(scheduler, LRScheduler):
+        raise ConfigError(
+            f"cannot resume: {changed}, and the scheduler "
+            f"{type(scheduler).__name__} is not a torch LRScheduler, which the engine "
+            "could rebuild for the new length; put the values back, or pass --no-resume "
+            "--overwrite to start a run of the new length")
+    return changed or None
+
+
+def schedule_start(scheduler, optimizer) -> tuple:
+    """Where the freshly built ``scheduler`` starts: its state and its optimizer's
+    param groups (without their parameters), copied before a snapshot is loaded."""
+    groups = [{k: v for k, v in group.items() if k != "params"}
+              for group in optimizer.param_groups]
+    return copy.deepcopy((scheduler.state_dict(), groups))
+
+
+def replay_schedule(scheduler, optimizer, start: tuple, steps: int) -> None:
+    """Put ``scheduler`` and its optimizer's hyperparameters back to ``start``
+    (:func:`schedule_start`) and step it ``steps`` times: exactly where a run of the
+    length it was built for stands after as many steps, whatever the schedule (a
+    length in its state, a chained formula reading the current lr, a closure)."""
+    state, groups = copy.deepcopy(start)
+    for group, fresh in zip(optimizer.param_groups, groups):
+        group.update(fresh)
+    scheduler.load_state_dict(state)
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()"
+        warnings.simplefilter("ignore")
+        for _ in range(steps):
+            scheduler.step()
+
+
+def follow_new_length(ctx, start: tuple, changed: str) -> None:
+    """A resume with another run length: the scheduler, built for the new length, is
+    brought to the steps the loaded one took (its own count, ChainedScheduler's first's)
+    instead of keeping the loaded state, which holds the old length (T_max,
+    total_steps, milestones...)."""
+    from torch.optim.lr_scheduler import ChainedScheduler
+
+    scheduler, optimizer = ctx.scheduler, ctx.optimizer
+    counter = (scheduler._schedulers[0] if isinstance(scheduler, ChainedScheduler)
+               else scheduler)
+    steps, old_lr = counter.last_epoch, optimizer.param_groups[0]["lr"]
+    replay_schedule(scheduler, optimizer, start, steps)
+    unit = "step" if ctx.cfg.scheduler_interval == "step" else "epoch"
+    length = (f"{ctx.cfg.epochs} epochs" + (f", max_steps={ctx.cfg.max_steps}"
+                                            if ctx.cfg.max_steps else "")
+              + (f" ({ctx.total_steps} steps)" if ctx.total_steps else ""))
+    ctx.warn(f"{changed}; the scheduler ({type(scheduler).__name__}, "
+             f"per {unit}) is rebuilt for {length} and brought to {unit} {steps} of it: "
+             f"the learning rate is the new schedule's from here on ({old_lr:.4g} -> "
+             f"{optimizer.param_groups[0]['lr']:.4g} now; put the old length back to "
+             "continue the old schedule)")
 
 
 def _apply_lr(ctx, old: float, new: float, source: str) -> None:

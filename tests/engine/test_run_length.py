@@ -150,3 +150,139 @@ def test_early_stopping_by_steps_ends_the_run_mid_epoch_and_the_best_is_the_vali
             f"validations; best {best:.4g} at step 2 (epoch 1)") in run.stdout, run.stdout
     assert summary["best_checkpoint"].endswith("snapshot-e0000-s00000002.pt")
     assert (out / "checkpoints" / "snapshot-e0000-s00000004.pt").is_file()
+
+
+# ------------------------------------------------ a new run length and the scheduler
+
+def _schedulers(total: int):
+    """One factory per torch scheduler family, each built for a run of ``total`` steps
+    (the recipe's build_scheduler reading ctx.total_steps)."""
+    from torch.optim import lr_scheduler as L
+
+    return {
+        "cosine": lambda o: L.CosineAnnealingLR(o, T_max=total),
+        "step": lambda o: L.StepLR(o, step_size=total // 4, gamma=0.5),
+        "multistep": lambda o: L.MultiStepLR(o, milestones=[total // 2, total * 3 // 4]),
+        "one-cycle": lambda o: L.OneCycleLR(o, max_lr=0.5, total_steps=total),
+        "linear": lambda o: L.LinearLR(o, start_factor=1.0, end_factor=0.0,
+                                       total_iters=total),
+        "lambda": lambda o: L.LambdaLR(o, lambda s: 1 - s / total),
+        "plateau": lambda o: L.ReduceLROnPlateau(o, patience=1),
+        "sequential": lambda o: L.SequentialLR(o, [
+            L.LinearLR(o, start_factor=0.1, total_iters=4),
+            L.CosineAnnealingLR(o, T_max=total - 4)], milestones=[4]),
+        "chained": lambda o: L.ChainedScheduler([
+            L.LinearLR(o, start_factor=0.1, total_iters=4),
+            L.CosineAnnealingLR(o, T_max=total)]),
+    }
+
+
+def _lrs(family: str, total: int, steps: range, resumed=None):
+    """The learning rate after each of ``steps`` of a schedule built for ``total`` steps
+    (from the start, or ``resumed(scheduler, optimizer)`` first); a plateau scheduler
+    steps on a loss that stops improving at step 12."""
+    import warnings
+
+    import torch
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, momentum=0.9)
+    scheduler = _schedulers(total)[family](optimizer)
+    if resumed is not None:
+        resumed(scheduler, optimizer)
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in steps:
+            if family == "plateau":
+                scheduler.step(max(12 - step, 0) + 1.0)
+            else:
+                scheduler.step()
+            out.append((optimizer.param_groups[0]["lr"],
+                        optimizer.param_groups[0]["momentum"]))
+    return out, scheduler, optimizer
+
+
+@pytest.mark.parametrize("family", list(_schedulers(10)))
+def test_a_longer_run_follows_the_new_schedule_whatever_the_scheduler(family):
+    """Trained 24 steps of a 24-step schedule, resumed as a 40-step run: from the resume
+    on, every step's learning rate (and one-cycle's momentum) is that of a 40-step run
+    from the start, as restore does it (the snapshot loaded into the schedule built for
+    the new length, then follow_new_length)."""
+    import types
+
+    from engine import snapshot
+    from engine.config import TrainConfig
+
+    _, old, old_optimizer = _lrs(family, 24, range(1, 25))
+    saved = (old.state_dict(), old_optimizer.state_dict())
+    warned = []
+
+    def resume(scheduler, optimizer):
+        cfg = TrainConfig(epochs=5, scheduler_interval="step")
+        ctx = types.SimpleNamespace(scheduler=scheduler, optimizer=optimizer, cfg=cfg,
+                                    total_steps=40, warn=warned.append)
+        changed = snapshot._length_change(ctx, {"epochs": 3, "max_steps": 0}, "the snapshot")
+        start = snapshot.schedule_start(scheduler, optimizer) if changed else None
+        scheduler.load_state_dict(saved[0])
+        optimizer.load_state_dict(saved[1])
+        if changed:
+            snapshot.follow_new_length(ctx, start, changed)
+
+    after, _, _ = _lrs(family, 40, range(25, 41), resumed=resume)
+    fresh, _, _ = _lrs(family, 40, range(1, 41))
+    assert after == fresh[24:]
+    if family == "plateau":  # it follows its metric, not the run's length: nothing said
+        assert warned == []
+    else:
+        assert warned[0].startswith(
+            "epochs changed since the snapshot: 3 -> 5; the scheduler (") and (
+            "per step) is rebuilt for 5 epochs (40 steps) and brought to step 24 of it: "
+            "the learning rate is the new schedule's from here on") in warned[0]
+
+
+def test_a_new_length_with_a_scheduler_the_engine_cannot_rebuild_refuses_the_resume():
+    import types
+
+    from engine import snapshot
+    from engine.config import TrainConfig
+
+    class Halving:  # a scheduler of the recipe's own: state_dict, load_state_dict, step
+        def step(self):
+            pass
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    ctx = types.SimpleNamespace(scheduler=Halving(), cfg=TrainConfig(epochs=5))
+    with pytest.raises(ConfigError, match="^cannot resume: epochs changed since s.pt: 3 -> "
+                       "5, and the scheduler Halving is not a torch LRScheduler"):
+        snapshot._length_change(ctx, {"epochs": 3}, "s.pt")
+
+
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_a_resume_with_more_epochs_trains_on_the_cosine_schedule_of_the_new_length(
+        tmp_path, interval):
+    """tiny_cosine's cosine over its run (24 steps of 3 epochs, or the 3 epochs),
+    resumed with epochs=5: each step's logged learning rate after the resume is that of
+    a cosine over 40 steps (5 epochs) from the start; it used to reach 0 and climb back,
+    or stay at 0 per epoch."""
+    import math
+
+    out = tmp_path / "run"
+    args = (str(REPO / "tests" / "recipes" / "tiny_cosine.py"), "--nproc", "1",
+            f"out_dir={out}", f"scheduler_interval={interval}", "log_every=1",
+            "checkpoint.memory_every_steps=0")
+    run_cli(*args, "epochs=3", check=True)
+    resumed = run_cli(*args, "epochs=5", check=True)
+    # lr after step s: a cosine from 0.05 over 40 steps, or over 5 epochs (8 steps each)
+    # stepped at each epoch's end, after its last step's lr is logged.
+    done = (lambda s: s / 40) if interval == "step" else (lambda s: (s - 1) // 8 / 5)
+    logged = dict(rows(out, "lr"))  # each step's (an epoch's end logs its last again)
+    assert list(logged) == list(range(1, 41))
+    for step, lr in list(logged.items())[24:]:
+        assert lr == pytest.approx(0.025 * (1 + math.cos(math.pi * done(step))), abs=1e-9)
+    assert f"is rebuilt for 5 epochs (40 steps) and brought to {interval} {24 if interval == 'step' else 3} of it: " \
+        f"the learning rate is the new schedule's from here on" in resumed.stderr
