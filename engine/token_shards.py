@@ -1,28 +1,19 @@
-"""Token shards: pre-tokenised data on disk, read as fixed-length windows.
-
-A shard folder holds ``index.json`` and shard files ``shard-00000.npy``, ... of token
-ids (numpy ``uint16`` when the vocabulary fits, else ``uint32``), each memory-mapped on
-first use: nothing is read until a window is. ``engine-run shards`` writes one
-(engine/commands/shards.py).
-
-:class:`TokenShards` is a map-style dataset: window ``i`` is the ``i``-th run of
-``seq_len + 1`` consecutive tokens, counted over the shards in the index's order, each
-shard cut into non-overlapping windows from its start (a shard's last tokens that do
-not fill a window are never read; no window spans two shards). Because windows are
-addressed by a global index, the engine's map-style path gives every guarantee it
-gives any indexable dataset: every window once per epoch, the order shuffled by
-(seed, epoch), and an exact resume mid-epoch at any number of processes (the snapshot
-records the epoch's global position, docs/data.md).
-
-numpy is required (memory maps); it is imported with this module, which the engine
-imports only when a recipe uses it.
+"""Token shards: pre-tokenised data on disk, read as fixed-length windows. A folder
+holds ``index.json`` and ``shard-00000.npy``, ... of token ids (``uint16`` when the
+vocabulary fits, else ``uint32``), memory-mapped; ``engine-run shards`` writes one
+(engine/commands/shards.py). :class:`TokenShards` is a map-style dataset of windows
+addressed by a global index, so every guarantee of map-style data holds (docs/data.md).
+numpy is required; the engine imports this module only when a recipe uses it.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import os
 import pathlib
+import shutil
+import tempfile
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -57,7 +48,29 @@ def read_index(folder: str | pathlib.Path) -> dict:
         raise ConfigError(f"token shards: {path} has version {index.get('version')!r} and "
                           f"dtype {index.get('dtype')!r}; this engine reads version "
                           f"{VERSION} with a dtype of {', '.join(DTYPES)}")
+    problem = _index_problem(index)
+    if problem:
+        raise ConfigError(f"token shards: {path} {problem}; {WRITE_HINT}")
     return index
+
+
+def _index_problem(index: dict) -> str | None:
+    def bad(key: str, value, what: str) -> str:
+        return f'has no "{key}" ({what})' if value is None else \
+            f'has "{key}" {value!r}, not {what}'
+
+    if type(index.get("vocab_size")) is not int or index["vocab_size"] < 1:
+        return bad("vocab_size", index.get("vocab_size"), "a vocabulary size")
+    if not isinstance(index.get("shards"), list):
+        return bad("shards", index.get("shards"), "a list of shards")
+    for k, shard in enumerate(index["shards"]):
+        shard = shard if isinstance(shard, dict) else {}
+        file, tokens = shard.get("file"), shard.get("tokens")
+        if not isinstance(file, str) or not file or pathlib.PurePath(file).name != file:
+            return f"in shard {k}: " + bad("file", file, "a file name in the folder")
+        if type(tokens) is not int or tokens < 0:
+            return f"in shard {file}: " + bad("tokens", tokens, "a count")
+    return None
 
 
 class TokenShards(Dataset):
@@ -79,7 +92,7 @@ class TokenShards(Dataset):
         self.files, counts = [], []
         for shard in self.index["shards"]:
             path = self.folder / shard["file"]
-            try:  # reads the .npy header only
+            try:  # a memory map: only the header is read here
                 found = np.load(path, mmap_mode="r")
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"token shards: cannot read shard {path} ({exc}); "
@@ -88,6 +101,13 @@ class TokenShards(Dataset):
                 raise ConfigError(f"token shards: {path} holds {found.shape} {found.dtype}, "
                                   f"the index says ({shard['tokens']},) {self.dtype}; was "
                                   "the folder written twice? write it again")
+            # Once per shard (one read of it), not per window: an id the model's
+            # embedding does not have would be an IndexError in the middle of training.
+            top = int(found.max()) if len(found) else -1
+            if top >= self.vocab_size:
+                raise ConfigError(f"token shards: {path} holds token id {top}, not below "
+                                  f"the vocabulary size {self.vocab_size} of its {INDEX}; "
+                                  "write it again with the tokenizer it names")
             self.files.append(path)
             counts.append(shard["tokens"] // (seq_len + 1))
         #: starts[k]: the global index of shard k's first window; starts[-1]: the total.
@@ -180,7 +200,9 @@ def write_shards(texts: list[str | pathlib.Path], out: str | pathlib.Path, *,
                  block_chars: int = 1 << 24) -> dict:
     """Tokenise ``texts`` (UTF-8 files, in order, concatenated) into shards of
     ``shard_tokens`` tokens (the last one shorter) in ``out``, and write its index last,
-    atomically: a folder without an index was not finished. Returns the index."""
+    atomically: a folder without an index was not finished. The shards are written in a
+    folder beside ``out`` first: a failure leaves what ``out`` held as it was. Returns
+    the index."""
     if shard_tokens < 2:
         raise ConfigError(f"--shard-tokens must be >= 2, got {shard_tokens}")
     for text in texts:
@@ -190,10 +212,8 @@ def write_shards(texts: list[str | pathlib.Path], out: str | pathlib.Path, *,
                                 else hf_tokenizer(tokenizer))
     dtype = np.dtype("uint16" if vocab_size <= 1 << 16 else "uint32")
     out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / INDEX).unlink(missing_ok=True)  # unfinished until the new index is written
-    for old in out.glob("shard-*.npy"):  # an earlier write's, maybe more of them
-        old.unlink()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.writing-", dir=out.parent))
     shards, pending, held = [], [], 0
 
     def flush(count: int) -> None:
@@ -201,18 +221,27 @@ def write_shards(texts: list[str | pathlib.Path], out: str | pathlib.Path, *,
         tokens = np.concatenate(pending) if pending else np.zeros(0, dtype)
         shard, rest = tokens[:count], tokens[count:]
         file = f"shard-{len(shards):05d}.npy"
-        atomic_write(out / file, lambda f: np.save(f, shard), sync_directory=False)
+        atomic_write(work / file, lambda f: np.save(f, shard), sync_directory=False)
         shards.append({"file": file, "tokens": int(len(shard))})
         pending, held = [rest], len(rest)
 
-    for block in text_blocks(texts, block_chars):
-        ids = np.asarray(encode(block), dtype=dtype)
-        pending.append(ids)
-        held += len(ids)
-        while held >= shard_tokens:
-            flush(shard_tokens)
-    if held or not shards:
-        flush(held)
+    try:
+        for block in text_blocks(texts, block_chars):
+            ids = np.asarray(encode(block), dtype=dtype)
+            pending.append(ids)
+            held += len(ids)
+            while held >= shard_tokens:
+                flush(shard_tokens)
+        if held or not shards:
+            flush(held)
+        out.mkdir(exist_ok=True)
+        (out / INDEX).unlink(missing_ok=True)  # unfinished until the new index is written
+        for old in out.glob("shard-*.npy"):  # an earlier write's, maybe more of them
+            old.unlink()
+        for shard in shards:
+            os.replace(work / shard["file"], out / shard["file"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     index = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
              "vocab_size": vocab_size, "tokenizer": name,
              "sources": [str(t) for t in texts], "shards": shards}

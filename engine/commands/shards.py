@@ -6,8 +6,8 @@ engine.token_shards.TokenShards (a recipe's ``data.shards=DIR``).
 
 The files are read in the given order as UTF-8 and tokenised in blocks cut at line
 ends: ``--tokenizer bytes`` (the default) makes each byte a token; a Hugging Face
-``tokenizer.json`` needs the ``tokenizers`` package. The index is written last and
-atomically: a folder without ``index.json`` was not finished.
+``tokenizer.json`` needs the ``tokenizers`` package. The shards are written beside
+``--out`` first (a failed write leaves its shards as they were), the index last.
 """
 
 from __future__ import annotations

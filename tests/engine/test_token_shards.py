@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine.errors import ConfigError
-from engine.token_shards import INDEX, TokenShards, write_shards
+from engine.token_shards import INDEX, WRITE_HINT, TokenShards, write_shards
 from tests.conftest import REPO, engine_env, read_summary, run_cli, run_cli_here
 
 SEQ_LEN = 7  # windows of 8 tokens
@@ -73,6 +73,62 @@ def test_bad_shard_folders_are_refused_in_one_line(shards, tmp_path):
     assert "shard-00001.npy holds (7,) uint16, the index says (100,) uint16" in refusal(broken)
     (broken / INDEX).write_text("{}")
     assert "is not a token-shard index" in refusal(broken)
+
+
+def damage(index: dict, how: str) -> None:
+    if how.startswith("no "):
+        key = how[3:]
+        del (index["shards"][1] if key == "file" else index)[key]
+    elif how == "a file elsewhere":
+        index["shards"][1]["file"] = "../shard-00001.npy"
+    else:
+        index["shards"][1]["tokens"] = "100"
+
+
+@pytest.mark.parametrize("how, says", [
+    ("no shards", 'has no "shards" (a list of shards)'),
+    ("no vocab_size", 'has no "vocab_size" (a vocabulary size)'),
+    ("no file", 'in shard 1: has no "file" (a file name in the folder)'),
+    ("a file elsewhere",
+     "in shard 1: has \"file\" '../shard-00001.npy', not a file name in the folder"),
+    ("tokens as text", "in shard shard-00001.npy: has \"tokens\" '100', not a count")])
+def test_a_damaged_index_is_one_line_naming_what_is_wrong(shards, tmp_path, how, says):
+    broken = tmp_path / "broken"
+    shutil.copytree(shards, broken)
+    index = json.loads((broken / INDEX).read_text())
+    damage(index, how)
+    (broken / INDEX).write_text(json.dumps(index))
+    with pytest.raises(ConfigError) as caught:
+        TokenShards(broken, SEQ_LEN)
+    assert str(caught.value) == f"token shards: {broken / INDEX} {says}; {WRITE_HINT}"
+    assert "\n" not in str(caught.value)
+
+
+def test_a_token_id_beyond_the_vocabulary_is_refused_at_open(shards, tmp_path):
+    """Checked once per shard when the dataset opens it, not per window: before, the
+    id reached the model's embedding as an IndexError traceback in training."""
+    broken = tmp_path / "broken"
+    shutil.copytree(shards, broken)
+    tokens = np.load(broken / "shard-00002.npy")
+    tokens[57] = 256  # the bytes tokenizer's vocabulary is 0..255
+    np.save(broken / "shard-00002.npy", tokens)
+    with pytest.raises(ConfigError) as caught:
+        TokenShards(broken, SEQ_LEN)
+    assert str(caught.value) == (
+        f"token shards: {broken / 'shard-00002.npy'} holds token id 256, not below the "
+        f"vocabulary size 256 of its {INDEX}; write it again with the tokenizer it names")
+
+
+def test_a_failed_shards_command_leaves_the_folders_shards_as_they_were(shards, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(shards, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    (tmp_path / "bad.bin").write_bytes(b"a line\n" * 100 + b"\xff\xfe\n")
+    proc = run_cli_here("shards", str(tmp_path / "bad.bin"), "--out", str(out),
+                        "--shard-tokens", "100")  # a shard is written before the error
+    assert proc.returncode == 2 and "bad.bin is not UTF-8 text" in proc.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.bin", "out"]
 
 
 def test_the_shards_command_writes_a_folder_and_refuses_bad_input(tmp_path):
