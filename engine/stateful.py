@@ -154,6 +154,7 @@ class TrainState:
     stopped_early: bool = False
     reference_metric: float | None = None
     best_step: int = 0
+    best_saved: float | None = None  # checkpoint.best_metric's best (Trainer.best_improved)
 
     # A stateful part (engine/stateful.py). The position in the epoch is the loader
     # part's (stateful.LoaderPosition), which converts it to another number of processes.

@@ -510,6 +510,9 @@ class Trainer:
                                             finish_check=self.finish_before_snapshot)
         self.early_stopping = EarlyStopping(self.cfg.early_stopping, ctx.state,
                                             by_steps=bool(self.cfg.val_every_steps))
+        best = self.cfg.checkpoint
+        self.best_mode = (resolved_mode(best.best_metric, best.best_mode,
+                                        "checkpoint.best_mode") if best.best_metric else None)
         # The run's length by steps (0: the epochs decide), validation by steps (0: at
         # epochs' ends only), and why the run ends inside an epoch once it does
         # ("max_steps", "early stopping": end_in_epoch), else None.
@@ -622,6 +625,7 @@ class Trainer:
         ctx.metrics.update(metrics)
         self.learn_val_names(metrics)
         stop_early = self.early_stopping.update(metrics, epoch, ctx.state.step)
+        new_best = self.best_improved(metrics)
         if self.log_hook is not None:  # while ctx.state.epoch is still this epoch's
             self.log_hook(ctx=ctx, metrics=metrics, step=ctx.state.step)
         ctx.state.epoch = epoch + 1
@@ -637,7 +641,7 @@ class Trainer:
         # The run's last epoch, or max_steps reached at this epoch's last step.
         last = ctx.state.epoch == cfg.epochs or self.reached_max_steps()
         stop = not last and self.agree_to_stop()
-        if stop or last or self.snapshots.due_at_epoch_end(ctx.state.epoch):
+        if stop or last or new_best or self.snapshots.due_at_epoch_end(ctx.state.epoch):
             self.save_snapshot()
         return not (stop or last)
 
@@ -823,12 +827,16 @@ class Trainer:
                 self.check_point(window)  # finishes the previous check: its flags
         # Before any snapshot at this step: a run resumed from it starts after the step
         # and its validation, and neither redoes nor skips it.
-        self.validate_if_due(state.step)
+        new_best = self.validate_if_due(state.step)
         if self.ending is not None:
             return True  # the run ends here: run_epoch writes the final snapshot
-        # This step ended: a snapshot if due (disk, memory); asked from the step the
-        # layer says one may be due at. It may finish this step's check: its flags.
-        if not self.stop_requested and state.step >= self.snapshots.next_due:
+        # This step ended: a snapshot to disk if its validation is the new best, else
+        # one if due (disk, memory), asked from the step the layer says one may be due
+        # at. Either may finish this step's check: its flags (a pre-emption: run_epoch
+        # writes the snapshot).
+        if new_best and not self.finish_before_snapshot():
+            self.snapshots.save()
+        elif not self.stop_requested and state.step >= self.snapshots.next_due:
             self.snapshots.step_ended(state.step)
         return self.stop_requested
 
@@ -990,26 +998,40 @@ class Trainer:
 
     # ------------------------------------------------------------ validation
 
-    def validate_if_due(self, step: int) -> None:
+    def validate_if_due(self, step: int) -> bool:
         """After optimizer step ``step``, unless the epoch ends with it (run_epoch
         validates there): a validation when ``val_every_steps`` divides the step, or when
         max_steps ends the run here (``self.ending``; the validation that an epoch's end
-        would run). Early stopping may then end the run at this step."""
+        would run). Early stopping may then end the run at this step. True when the
+        validation is the new best (best_improved)."""
         ctx = self.ctx
         parts = self.run_parts
         if (parts.train_loader.last if self.epoch_end_batch is None
                 else ctx.state.batch_in_epoch >= self.epoch_end_batch):
-            return
+            return False
         if self.reached_max_steps():
             self.ending = "max_steps"
         elif not (self.val_every_steps and step % self.val_every_steps == 0):
-            return
+            return False
         if parts.val_loader is None:
-            return
+            return False
         with phases.span("validation"):
             metrics = self.validate_in_epoch(step)
         if self.early_stopping.update(metrics, ctx.state.epoch, step):
             self.ending = "early stopping"
+        return self.best_improved(metrics)
+
+    def best_improved(self, metrics: dict) -> bool:
+        """Whether a validation's ``metrics`` beat the best value of
+        checkpoint.best_metric so far (the TrainState's, compared as the checkpointer
+        compares): the loop then writes a snapshot at this step whatever the snapshot
+        interval, so that checkpoints/best holds the best validated weights."""
+        name, state = self.cfg.checkpoint.best_metric, self.ctx.state
+        if not name or name not in metrics or not improves(metrics[name], state.best_saved,
+                                                           self.best_mode):
+            return False
+        state.best_saved = metrics[name]
+        return True
 
     def validate_in_epoch(self, step: int) -> dict:
         """A validation inside an epoch, after optimizer step ``step``: its metrics are

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 
 import pytest
+import torch
 
 from engine.config import apply_overrides
 from engine.errors import ConfigError
@@ -286,3 +287,30 @@ def test_a_resume_with_more_epochs_trains_on_the_cosine_schedule_of_the_new_leng
         assert lr == pytest.approx(0.025 * (1 + math.cos(math.pi * done(step))), abs=1e-9)
     assert f"is rebuilt for 5 epochs (40 steps) and brought to {interval} {24 if interval == 'step' else 3} of it: " \
         f"the learning rate is the new schedule's from here on" in resumed.stderr
+
+
+def test_the_best_snapshot_is_the_best_validation_whatever_the_snapshot_interval(tmp_path):
+    """tiny_regression at lr 0.1, validating every 2 steps with snapshots at epochs'
+    ends only (8 steps each): val/loss is lowest at step 4, then early stopping ends the
+    run 4 validations later (step 12). checkpoints/best, summary.json and early
+    stopping's message name step 4, and its weights give that validation's loss; the
+    best used to be the best of the snapshots the interval wrote (step 8's)."""
+    import engine
+    from tests.recipes.tiny_regression import make_data
+
+    out = tmp_path / "run"
+    run = run_cli(str(REPO / "tests" / "recipes" / "tiny_regression.py"), "--nproc", "1",
+                  f"out_dir={out}", "lr=0.1", "val_every_steps=2", "checkpoint.every_steps=0",
+                  "checkpoint.memory_every_steps=0", "checkpoint.best_metric=val/loss",
+                  "early_stopping.metric=val/loss", "early_stopping.patience=4", check=True)
+    losses = rows(out, "val/loss")
+    step, best = min(losses, key=lambda row: row[1])
+    assert step == 4 and read_summary(out)["global_step"] == 12, losses
+    name = "snapshot-e0000-s00000004.pt"
+    assert (out / "checkpoints" / "best").read_text().strip() == name
+    assert read_summary(out)["best_checkpoint"].endswith(name)
+    assert f"best {best:.4g} at step 4 (epoch 1)" in run.stdout, run.stdout
+    inputs, targets = make_data(24, seed=2).tensors
+    with torch.no_grad():
+        loss = (engine.load_model(out, which="best")(inputs) - targets).pow(2).mean()
+    assert float(loss) == pytest.approx(best, rel=1e-5)
