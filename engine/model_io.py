@@ -1,20 +1,11 @@
 """A run's trained model, back: :func:`load_model` (``engine.load_model``) rebuilds the
-recipe's model from the run's own config and loads a snapshot's weights into it, and
-:func:`export` writes a snapshot's weights to a file for inference (``engine-run
-export``, ``tools/ckpt.py export``).
-
-What a run leaves is enough to rebuild its model: every snapshot holds the resolved
-config (the recipe's defaults with the run's overrides applied) and the recipe's path;
-summary.json names the recipe too (a snapshot written before it recorded one). The
-weights are the plain model's in every snapshot: without DDP's ``module.``, without
-torch.compile's ``_orig_mod.``, full tensors under fsdp (a torch-file snapshot holds the
-gathered state, a dcp snapshot is read whole here from its shards).
-
-Only ``torch.load(weights_only=True)`` is used: a file that needs arbitrary pickled
-objects is refused, not executed. Output files are written crash-consistently (temp
-file, fsync, rename); the sha256 printed for a file is that of its bytes, as
-``sha256sum`` shows it. torch is imported when a function needs it, not with the
-module.
+recipe's model from the run's own config (every snapshot holds it, and the recipe's
+path) and loads a snapshot's weights into it, the plain model's whatever the parallel
+mode; :func:`export` writes them to a file for inference (``engine-run export``,
+``tools/ckpt.py export``). A snapshot is checked against its manifest as ``--resume``
+checks it, read with ``torch.load(weights_only=True)`` only; output files are written
+crash-consistently (docs/outputs.md). torch is imported when a function needs it (engine-run
+export and tools/ckpt.py answer --help without it).
 """
 
 from __future__ import annotations
@@ -26,15 +17,12 @@ import sys
 import attrs
 
 from engine.atomic_io import atomic_write, file_checksum
-from engine.checkpoint import POINTERS, follow_pointer
+from engine.checkpoint import POINTERS
 from engine.config import _as_text, apply_overrides, flatten
 from engine.errors import CheckpointError, ConfigError, untrusted_pickle
 from engine.launching import _recipe_reference
 from engine.recipe import load_recipe, recipe_from_object
 from engine.stateful import load_model_state, model_digest, plain_keys
-
-# torch is imported inside the functions that use it: engine-run export and tools/ckpt.py
-# answer --help without it.
 
 PREFIX = "module."
 #: Where the model weights sit inside a container dict, in the order they are looked for.
@@ -70,19 +58,32 @@ class Checkpoint:
 def resolve(path: pathlib.Path) -> pathlib.Path:
     """A pointer file (``checkpoints/latest``, ``checkpoints/best``), a checkpoints folder
     or a run folder stands for the snapshot its pointer names, as ``--resume`` takes them."""
-    path = follow_pointer(path)
+    path = pathlib.Path(path)
+    for pointer in (path, path / "latest", path / "checkpoints" / "latest"):
+        if pointer.name in POINTERS and pointer.is_file():
+            return pointed(pointer)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if path.is_dir() and not (path / ".metadata").exists():
-        pointer = path / "latest"
-        if not pointer.is_file():
-            raise CheckpointError(f"{path} is a folder but neither a dcp snapshot (no "
-                                  ".metadata) nor a checkpoints folder (no latest pointer)")
-        target = path / pointer.read_text().strip()
-        if not target.exists():
-            raise CheckpointError(f"{pointer} names {target.name}, which does not exist")
-        return target
+        raise CheckpointError(f"{path} is a folder but neither a dcp snapshot (no "
+                              ".metadata) nor a run or checkpoints folder (no latest pointer)")
     return path
+
+
+def pointed(pointer: pathlib.Path) -> pathlib.Path:
+    """The snapshot beside ``pointer`` that it names (one that is not text is taken as a
+    snapshot itself, as ``--resume`` takes it)."""
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return pointer
+    target = pointer.parent / name
+    if not name or pathlib.PurePath(name).name != name or name in (".", ".."):
+        raise CheckpointError(f"the pointer {pointer} names {name!r}, not a snapshot in its "
+                              "folder; give the snapshot itself, or write its file name there")
+    if not target.exists():
+        raise CheckpointError(f"{pointer} names {target.name}, which does not exist")
+    return target
 
 
 def snapshot_of(run, which: str | None = None) -> pathlib.Path:
@@ -130,16 +131,21 @@ def why_unloadable(path: pathlib.Path, exc: Exception) -> str:
     return f"{path} cannot be loaded (corrupt, truncated or not a torch file): {first}"
 
 
-def read(path: pathlib.Path) -> Checkpoint:
+def read(path: pathlib.Path, verify: bool = True) -> Checkpoint:
     """The checkpoint at ``path`` (resolved as :func:`resolve` does): an engine snapshot
-    of any checkpointer, or a plain state_dict file (also under ``state_dict`` or
-    ``model_state_dict``, as other tools save it)."""
-    path = resolve(path)
-    if path.is_dir():
-        from engine.plugins.dcp import DCPCheckpointer  # imports torch: lazily
+    of any checkpointer, checked against its manifest (unless not ``verify``), or a plain
+    state_dict file (also under ``state_dict`` or ``model_state_dict``)."""
+    from engine.plugins.dcp import DCPCheckpointer  # imports torch: lazily
+    from engine.plugins.torch_file import TorchFileCheckpointer
 
-        return Checkpoint(path, DCPCheckpointer(path.parent).load(path), "dcp snapshot",
-                          "model")
+    path = resolve(path)
+    store = (DCPCheckpointer if path.is_dir() else TorchFileCheckpointer)(path.parent)
+    problem = store.verify(path) if verify else None  # --resume's check: the manifest's
+    if problem is not None:
+        raise CheckpointError(f"snapshot {path} fails its check ({problem}); give "
+                              "another snapshot")
+    if path.is_dir():
+        return Checkpoint(path, store.load(path), "dcp snapshot", "model")
     import torch
 
     try:
@@ -297,12 +303,9 @@ SAFETENSORS_DTYPES = {
 
 def write_safetensors(weights: dict, out: pathlib.Path, metadata: dict[str, str]) -> str:
     """``weights`` in the safetensors format (https://huggingface.co/docs/safetensors):
-    8 bytes little-endian header length, a JSON header (each tensor's dtype, shape and
-    byte range; ``__metadata__`` strings), padded with spaces to 8 bytes, then the
-    tensors' bytes, little-endian, in header order. Every tensor gets bytes of its own
-    (tied weights are stored twice: the format has no aliasing). We write the format
-    ourselves, so the file is written crash-consistently like every other, with no
-    run-time dependency."""
+    the header's length (8 bytes, little-endian), a JSON header padded with spaces to 8
+    bytes, the tensors' bytes in header order (tied weights twice: no aliasing). Written
+    here, crash-consistently like every other file, with no run-time dependency."""
     import torch
 
     if sys.byteorder != "little":

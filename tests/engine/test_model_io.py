@@ -171,6 +171,50 @@ def test_bad_input_is_one_line(case, run, tmp_path):
     assert str(info.value) == expected
 
 
+def test_a_snapshot_with_a_flipped_weight_byte_is_refused_as_resume_refuses_it(run,
+                                                                               tmp_path):
+    """One byte of a weight flipped in the latest snapshot: torch.load reads it without
+    a word, so export wrote (and load_model returned) the wrong weights with exit 0;
+    now both check its manifest first, as --resume does."""
+    folder, _, models = run
+    snapshot = next((folder / "checkpoints").glob("snapshot-e0003-*.pt"))
+    data = bytearray(snapshot.read_bytes())
+    weight = models[3][0].weight.detach().numpy().tobytes()
+    at = data.find(weight)
+    assert at > 0 and data.find(weight, at + 1) < 0
+    data[at + 5] ^= 0x10
+    snapshot.write_bytes(bytes(data))
+    problem = TorchFileCheckpointer(snapshot.parent).verify(snapshot)
+    expected = f"snapshot {snapshot} fails its check ({problem}); give another snapshot"
+    with pytest.raises(CheckpointError) as info:
+        engine.load_model(folder)
+    assert str(info.value) == expected
+    out = tmp_path / "model.pt"
+    proc = run_cli_here("export", str(folder), str(out))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2, "", f"engine-run: error: {expected}\n")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+def test_a_pointer_that_leaves_its_folder_is_refused_naming_what_it_points_at(
+        run, tmp_path, absolute):
+    """A latest pointer naming a snapshot outside the checkpoints folder: the run folder
+    was said to have no pointer, the checkpoints folder loaded the file it named."""
+    folder, _, _ = run
+    pointer = folder / "checkpoints" / "latest"
+    shutil.copy(pointer.parent / pointer.read_text().strip(), tmp_path / "elsewhere.pt")
+    name = str(tmp_path / "elsewhere.pt") if absolute else "../../elsewhere.pt"
+    pointer.write_text(name + "\n")
+    expected = (f"the pointer {pointer} names {name!r}, not a snapshot in its folder; "
+                "give the snapshot itself, or write its file name there")
+    for given, which in ((folder, None), (folder / "checkpoints", None), (pointer, None),
+                         (folder, "latest")):
+        with pytest.raises(CheckpointError) as info:
+            engine.load_model(given, which)
+        assert str(info.value) == expected
+
+
 def test_export_best_and_a_bad_choice_from_the_command_line(run, tmp_path):
     folder, _, models = run
     out = tmp_path / "best.pt"
