@@ -212,7 +212,7 @@ class Launch:
     def __init__(self, job: "Worker", pm=None):
         from engine.launcher import check_max_restarts, choose_launcher
         from engine.plugin_manager import build_plugin_manager
-        from engine.run_dir import refuse_fresh_start, refuse_unwritable
+        from engine.run_dir import refuse_fresh_start, refuse_smoke_over_a_run, refuse_unwritable
 
         self.job = job
         check_arguments(job.door, job.options)
@@ -221,7 +221,9 @@ class Launch:
             self.cfg = job.configure(self.pm)
             if getattr(self.cfg, "limit_batches", 0):
                 # A smoke run starts afresh in its own folder every time: nothing of an
-                # earlier smoke run is resumed (finish_config chose the folder).
+                # earlier smoke run is resumed (finish_config chose the folder), and
+                # only an earlier smoke run is replaced.
+                refuse_smoke_over_a_run(self.cfg.out_dir)
                 self.job = job = attrs.evolve(job, options={
                     **job.options, "no_resume": True, "overwrite": True, "resume": None})
             refuse_unwritable(self.cfg.out_dir)

@@ -93,6 +93,9 @@ def refuse_unwritable(out_dir: str) -> None:
     path = pathlib.Path(fixed_part(out_dir)).absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
+    if not path.is_dir():
+        raise ConfigError(f"out_dir {out_dir!r}: {path} is a file, not a folder; give an "
+                          "out_dir that is a folder or is not there yet")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"out_dir {out_dir!r}: {path} cannot be written (a read-only "
                           "filesystem or no permission); give an out_dir the run can write")
@@ -181,28 +184,50 @@ def _failed_before_training(summary: pathlib.Path) -> bool:
     """A summary.json that records a failed (or interrupted) run at step 0 (a recipe
     whose build_model raised, a bad argument found in the worker, Ctrl-C during the
     set-up); one that cannot be read counts as a run."""
-    try:
-        record = json.loads(summary.read_text())
-    except (OSError, ValueError):
-        return False
-    return (isinstance(record, dict) and record.get("status") in ("failed", "interrupted")
-            and record.get("global_step") == 0)
+    record = _json(summary) or {}
+    return record.get("status") in ("failed", "interrupted") and record.get("global_step") == 0
 
 
 def completed_run(out_dir) -> tuple[dict, dict] | None:
     """(summary, config) of the completed run ``out_dir`` holds (its summary.json says
-    "completed", and its config.json is there); None otherwise."""
+    "completed", and its config.json is there); None otherwise. A ConfigError when its
+    counts are not counts (a summary.json edited by hand)."""
     if is_pattern(out_dir):
         return None
+    summary, config = _json(pathlib.Path(out_dir) / "summary.json"), _config(out_dir)
+    if summary is None or config is None or summary.get("status") != "completed":
+        return None
+    for key in ("epochs_completed", "global_step"):
+        value = summary.get(key)
+        if value is not None and (type(value) is not int or value < 0):
+            raise ConfigError(f"{pathlib.Path(out_dir) / 'summary.json'}: {key!r} is "
+                              f"{value!r}, not a count; fix it, or start over with "
+                              "--no-resume --overwrite")
+    return summary, config
+
+
+def _json(path: pathlib.Path) -> dict | None:
     try:
-        summary = json.loads((pathlib.Path(out_dir) / "summary.json").read_text())
-        config = json.loads((pathlib.Path(out_dir) / "config.json").read_text())
+        found = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(summary, dict) or not isinstance(config, dict) or \
-            summary.get("status") != "completed":
-        return None
-    return summary, config
+    return found if isinstance(found, dict) else None
+
+
+def _config(out_dir) -> dict | None:
+    return _json(pathlib.Path(out_dir) / "config.json")
+
+
+def refuse_smoke_over_a_run(out_dir: str) -> None:
+    """A smoke run replaces its folder (out_dir-smoke) each time, but only an earlier
+    smoke run: a ConfigError when the folder holds a run whose config.json does not say
+    it was one (limit_batches)."""
+    shown = holds_a_run(out_dir) if not is_pattern(out_dir) else []
+    if shown and not (_config(out_dir) or {}).get("limit_batches"):
+        raise ConfigError(f"smoke run: {out_dir} holds a run ({' and '.join(shown)}) that "
+                          "was not a smoke run (its config.json has no limit_batches), and "
+                          "a smoke run replaces its folder; move that run, or give the "
+                          "smoke run another out_dir")
 
 
 def refuse_fresh_start(out_dir: str, asked: str = "--no-resume",

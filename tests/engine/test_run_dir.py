@@ -5,10 +5,12 @@ gets rank 0's folder is tested with a real run in tests/engine/test_cli.py."""
 from __future__ import annotations
 
 import datetime
+import json
 import subprocess
 
 import pytest
 
+import engine
 from engine import run_dir
 from engine.config import TrainConfig, check
 from engine.errors import ConfigError
@@ -153,3 +155,57 @@ def test_an_out_dir_on_a_read_only_filesystem_is_one_line_before_any_worker(tmp_
             f"engine-run: error: out_dir '{out}': {out} cannot be written (a read-only "
             "filesystem or no permission); give an out_dir the run can write")
         assert "[rank" not in again.stderr  # no worker started
+
+
+def a_run(folder, limit_batches: int = 0, **summary) -> dict:
+    """A run's files, as a completed run leaves them; returns their bytes by name."""
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "checkpoints" / "snapshot-e0002-s00000010.pt").write_bytes(b"weights")
+    (folder / "summary.json").write_text(json.dumps(
+        {"status": "completed", "epochs_completed": 2, "global_step": 10, **summary}))
+    (folder / "config.json").write_text(json.dumps({"epochs": 2,
+                                                    "limit_batches": limit_batches}))
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+TINY = str(REPO / "tests" / "recipes" / "tiny_regression.py")
+
+
+def test_a_smoke_run_replaces_only_an_earlier_smoke_runs_folder(tmp_path):
+    """smoke=true where out_dir-smoke holds a completed real run replaced it without a
+    word; now refused in the launching process, the run left as it was. A folder
+    whose config.json says it was a smoke run is replaced as before."""
+    smoke = tmp_path / "run-smoke"
+    files = a_run(smoke)
+    with pytest.raises(ConfigError) as info:
+        engine.fit(TINY, nproc=1, out_dir=str(tmp_path / "run"), smoke=True)
+    assert str(info.value) == (
+        f"smoke run: {smoke} holds a run (snapshots and summary.json) that was not a "
+        "smoke run (its config.json has no limit_batches), and a smoke run replaces its "
+        "folder; move that run, or give the smoke run another out_dir")
+    assert {p.relative_to(smoke): p.read_bytes() for p in smoke.rglob("*")
+            if p.is_file()} == files
+    a_run(tmp_path / "earlier-smoke", limit_batches=2)
+    assert run_dir.refuse_smoke_over_a_run(str(tmp_path / "earlier-smoke")) is None
+
+
+def test_a_smoke_folder_that_is_a_file_is_said_to_be_a_file(tmp_path):
+    (tmp_path / "run-smoke").write_text("notes")
+    with pytest.raises(ConfigError) as info:
+        engine.fit(TINY, nproc=1, out_dir=str(tmp_path / "run"), smoke=True)
+    assert str(info.value) == (
+        f"out_dir '{tmp_path / 'run-smoke'}': {tmp_path / 'run-smoke'} is a file, not a "
+        "folder; give an out_dir that is a folder or is not there yet")
+
+
+@pytest.mark.parametrize("bad", [{"epochs_completed": "two"}, {"global_step": [10]}])
+def test_a_summary_with_counts_that_are_not_counts_is_one_line(tmp_path, bad):
+    """A rerun into a completed run's folder reads its summary.json in the launching
+    process: a ValueError traceback there before."""
+    a_run(tmp_path / "run", **bad)
+    [(key, value)] = bad.items()
+    with pytest.raises(ConfigError) as info:
+        engine.fit(TINY, nproc=1, out_dir=str(tmp_path / "run"), epochs=2)
+    assert str(info.value) == (
+        f"{tmp_path / 'run' / 'summary.json'}: {key!r} is {value!r}, not a count; fix "
+        "it, or start over with --no-resume --overwrite")
