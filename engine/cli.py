@@ -64,7 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EngineError as exc:
         if traceback_wanted():
             traceback.print_exc()
-        print(f"engine-run: error: {error_line(exc)}", file=sys.stderr)
+        # Said once where a message names its door already (the run lock's does).
+        line = error_line(exc).removeprefix("engine-run: ")
+        print(f"engine-run: error: {line}", file=sys.stderr)
         return exit_code(exc)
     except KeyboardInterrupt as exc:  # engine.errors.Interrupted says what became of it
         print(f"engine-run: {exc or 'interrupted'}", file=sys.stderr)

@@ -4,6 +4,7 @@ is what is tested)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
@@ -505,3 +506,20 @@ def test_a_recipe_changing_a_default_keeps_the_choices_and_dry_run_v_describes_k
     assert proc.stderr.count("\n") == 1 and (
         "Config.precision: the default 'fp8' is not one of: 32, bf16, fp16 "
         "(TrainConfig.precision); to change a default, give a value that is") in proc.stderr
+
+
+def test_an_error_that_names_its_door_is_prefixed_once(tmp_path):
+    """The run lock names the door asking for it ("engine-run: out_dir ... is in use"):
+    engine-run printed "engine-run: error: engine-run: ..."."""
+    from engine import run_lock
+    from tests.conftest import run_cli_here
+
+    out = tmp_path / "run"
+    with run_lock.holding(str(out), "engine-run"):  # held by this process
+        proc = run_cli_here(str(REPO / "tests" / "recipes" / "tiny_regression.py"),
+                            f"out_dir={out}", "--nproc", "1")
+    assert proc.returncode == 2
+    assert proc.stderr == (f"engine-run: error: out_dir {out} is in use by another run "
+                           f"(this process, pid {os.getpid()}); wait for it to end, give "
+                           "another out_dir, or use out_dir=.../version_{version} for a "
+                           "new folder each run\n")

@@ -46,7 +46,7 @@ def test_a_second_run_on_the_folder_is_refused_and_a_killed_holders_is_taken_ove
         second = run_cli(RECIPE, "epochs=3", f"out_dir={out}", "--nproc", "2")
         assert second.returncode == 2, second.stderr
         last = second.stderr.strip().splitlines()[-1]
-        assert last.startswith(f"engine-run: error: engine-run: out_dir {out} is in use by "
+        assert last.startswith(f"engine-run: error: out_dir {out} is in use by "
                                "another run (host "), last
         assert f", pid {first.pid}, started " in last
         assert last.endswith("); wait for it to end, give another out_dir, or use "
@@ -131,7 +131,7 @@ def test_a_lock_that_is_not_a_writable_file_is_one_line_and_its_target_untouched
         subprocess.run(["chattr", "-i", str(lock)], capture_output=True)
     assert proc.returncode == 2, proc.stderr
     [line] = proc.stderr.strip().splitlines()  # one line, no traceback
-    assert line.startswith(f"engine-run: error: engine-run: the run lock {lock} "), line
+    assert line.startswith(f"engine-run: error: the run lock {lock} "), line
     assert wrong in line and line.endswith("or give another out_dir"), line
     assert target.read_text() == "keep me\n"
     assert not (out / "summary.json").exists()  # refused before any worker started
