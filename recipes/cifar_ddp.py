@@ -36,7 +36,9 @@ class DataConfig:
     root: str = "./data"
     source: Literal["auto", "cifar10", "synthetic"] = "auto"
     download: bool = True  # try to download CIFAR-10 when it is not under root
-    synthetic_size: int = 10000  # training samples of the synthetic set (val: a fifth)
+    # Training samples of the synthetic set (val: a fifth); checked when set, so that a
+    # run without samples is refused before any worker starts.
+    synthetic_size: int = attrs.field(default=10000, validator=attrs.validators.ge(1))
 
 
 @attrs.define

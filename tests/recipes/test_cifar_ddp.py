@@ -173,3 +173,17 @@ def test_logged_loss_is_a_mean_per_micro_batch_with_accumulation(cifar_recipe, t
     epoch_loss = read_summary(out)["train_epoch_loss"]
     # lr is tiny, so every window's loss is close to the epoch mean (~2.3 for 10 classes).
     assert all(abs(value - epoch_loss) < 0.2 for value in logged), (logged, epoch_loss)
+
+
+def test_a_synthetic_set_without_samples_is_refused_before_any_worker(cifar_recipe,
+                                                                       tmp_path):
+    """data.synthetic_size=0 failed in the workers, and left summary.json and a lock
+    file in out_dir: now the config refuses it in the launching process."""
+    import engine
+
+    with pytest.raises(ConfigError) as info:
+        engine.fit(cifar_recipe, nproc=1, out_dir=str(tmp_path / "run"),
+                   **{"data.source": "synthetic", "data.synthetic_size": 0})
+    assert str(info.value) == ("config key 'data.synthetic_size': '0' is not allowed: "
+                               "'synthetic_size' must be >= 1: 0")
+    assert not (tmp_path / "run").exists()
