@@ -64,8 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EngineError as exc:
         if traceback_wanted():
             traceback.print_exc()
-        # Said once where a message names its door already (the run lock's does).
-        line = error_line(exc).removeprefix("engine-run: ")
+        line = error_line(exc).removeprefix("engine-run: ")  # the run lock names its door
         print(f"engine-run: error: {line}", file=sys.stderr)
         return exit_code(exc)
     except KeyboardInterrupt as exc:  # engine.errors.Interrupted says what became of it

@@ -19,7 +19,7 @@ import attrs
 from engine.atomic_io import atomic_write, file_checksum
 from engine.checkpoint import POINTERS
 from engine.config import _as_text, apply_overrides, flatten
-from engine.errors import CheckpointError, ConfigError, untrusted_pickle
+from engine.errors import CheckpointError, ConfigError, first_line, untrusted_pickle
 from engine.launching import _recipe_reference
 from engine.recipe import load_recipe, recipe_from_object
 from engine.stateful import load_model_state, model_digest, plain_keys
@@ -46,9 +46,7 @@ class Checkpoint:
         return self.obj if self.model_key is None else self.obj[self.model_key]
 
     def with_model(self, model: dict):
-        if self.model_key is None:
-            return model
-        return {**self.obj, self.model_key: model}
+        return model if self.model_key is None else {**self.obj, self.model_key: model}
 
     def header(self, key: str):
         """A key of an engine snapshot's header (``config``, ``recipe``), or None."""
@@ -56,8 +54,8 @@ class Checkpoint:
 
 
 def resolve(path: pathlib.Path) -> pathlib.Path:
-    """A pointer file (``checkpoints/latest``, ``checkpoints/best``), a checkpoints folder
-    or a run folder stands for the snapshot its pointer names, as ``--resume`` takes them."""
+    """A pointer file (``latest``, ``best``), a checkpoints folder or a run folder stands
+    for the snapshot its pointer names, as ``--resume`` takes them."""
     path = pathlib.Path(path)
     for pointer in (path, path / "latest", path / "checkpoints" / "latest"):
         if pointer.name in POINTERS and pointer.is_file():
@@ -71,8 +69,7 @@ def resolve(path: pathlib.Path) -> pathlib.Path:
 
 
 def pointed(pointer: pathlib.Path) -> pathlib.Path:
-    """The snapshot beside ``pointer`` that it names (one that is not text is taken as a
-    snapshot itself, as ``--resume`` takes it)."""
+    """The snapshot beside ``pointer`` that it names (a file not of text: itself)."""
     try:
         name = pointer.read_text().strip()
     except (OSError, UnicodeDecodeError):
@@ -87,9 +84,8 @@ def pointed(pointer: pathlib.Path) -> pathlib.Path:
 
 
 def snapshot_of(run, which: str | None = None) -> pathlib.Path:
-    """The snapshot ``run`` names: a snapshot (a ``.pt`` file or a ``.dcp`` folder), a
-    pointer file, or a run or checkpoints folder, whose ``which`` pointer (``latest``,
-    the default, or ``best``) names it."""
+    """The snapshot ``run`` (a snapshot, a pointer file, a run or checkpoints folder)
+    names; ``which``: the folder's ``latest`` (the default) or ``best`` pointer."""
     path = pathlib.Path(run)
     if which is None:
         return resolve(path)
@@ -123,8 +119,7 @@ def why_unloadable(path: pathlib.Path, exc: Exception) -> str:
     untrusted = untrusted_pickle(path, exc)
     if untrusted:
         return untrusted
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    first = lines[0] if lines else type(exc).__name__
+    first = first_line(exc, type(exc).__name__)
     if first.startswith("Weights only load failed"):
         first = "not a torch.save file"
     first = first.split(". ")[0]  # torch adds paragraphs of advice
@@ -165,16 +160,13 @@ def read(path: pathlib.Path, verify: bool = True) -> Checkpoint:
     raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state_dict")
 
 
-#: The snapshot parts that hold a whole set of the model's weights: the model's own, and
-#: the ema plugin's average (AveragedModel's state, or its sharded twin's under fsdp,
-#: keyed alike).
+#: The snapshot parts that hold a whole set of the model's weights (ema: its average).
 WEIGHT_PARTS = ("model", "ema")
 
 
 def part_weights(ckpt: Checkpoint, part: str = "model") -> dict:
-    """The weights snapshot part ``part`` holds, keyed as the model's: ``ema``'s average
-    (``module.``-prefixed keys and a count, which is dropped), whole whatever the
-    parallel mode and checkpointer (a dcp snapshot's shards are joined by the reader)."""
+    """The weights snapshot part ``part`` holds, whole, keyed as the model's (``ema``'s
+    average has ``module.``-prefixed keys and a count, which is dropped)."""
     import torch
 
     if part == "model":
@@ -211,8 +203,7 @@ def load_model(run, which: str | None = None, *, recipe=None, part: str = "model
     an object, as ``engine.fit`` takes it) when the one the run recorded is not at hand
     (moved, or an object given to ``engine.fit``). ``part="ema"``: the ema plugin's
     averaged weights instead of the trained ones."""
-    path = snapshot_of(run, which)
-    ckpt = read(path)
+    ckpt = read(snapshot_of(run, which))
     config = ckpt.header("config") or _run_file(ckpt.path, "config.json").get("config")
     if not isinstance(config, dict):
         raise CheckpointError(f"{ckpt.path} holds no config and no config.json is beside "
@@ -226,10 +217,8 @@ def load_model(run, which: str | None = None, *, recipe=None, part: str = "model
 
 
 def run_config(recipe, config: dict, source: str = "the run"):
-    """The recipe's ``Config`` with a run's resolved config (a nested dict: config.json,
-    a snapshot's ``config``) applied, as ``--config`` applies a file. The plugins'
-    config groups (``ddp``, ``fsdp``...) are not the recipe's and no model reads
-    them: they are left out."""
+    """The recipe's ``Config`` with a run's resolved config (config.json, a snapshot's
+    ``config``) applied as ``--config`` applies a file, the plugins' groups left out."""
     cfg = recipe.make_config()
     ours = {f.name for f in attrs.fields(type(cfg))}
     items = [f"{key}={_as_text(value)}" for key, value in flatten(config).items()
@@ -265,9 +254,8 @@ def _recipe(ckpt: Checkpoint, given):
 def _run_file(snapshot: pathlib.Path, name: str) -> dict:
     """``{"config": ...}`` from the run's config.json, or the run's summary.json, for a
     snapshot in ``<run>/checkpoints/``; empty when there is none."""
-    file = snapshot.parent.parent / name
     try:
-        data = json.loads(file.read_text())
+        data = json.loads((snapshot.parent.parent / name).read_text())
     except (OSError, ValueError):
         return {}
     if not isinstance(data, dict):

@@ -1,34 +1,19 @@
 """Run folders: ``out_dir`` patterns, and a fresh start in a folder that holds a run.
 
-``out_dir`` may contain placeholders, so that a new run does not overwrite (or silently
-resume) an old one::
+``out_dir`` may hold placeholders, so that a new run neither overwrites nor silently
+resumes an old one: ``{version}`` (one more than the highest among the pattern's folders,
+0 for the first; a deleted folder's number is not reused) and ``{time}`` (the start in
+UTC, 20261123-093012). The pattern is filled once per run, by rank 0 right after the
+process group exists, and broadcast (:func:`settle`): no rank's own clock or listing can
+disagree. Rank 0 claims the folder by creating it, so two runs started at once never
+share one. A new run is a new folder; ``--resume PATH`` inside a folder of the pattern,
+or the folder given as out_dir, continues it, and so does a job that starts again by
+itself (``restart_count`` above 0: the newest folder).
 
-    {version}   the next integer: one more than the highest among the existing folders
-                of the pattern, 0 for the first (out_dir=runs/cifar/version_{version}:
-                version_0, version_1, ...; a deleted folder's number is not reused)
-    {time}      the start time in UTC, sortable: 20261123-093012
-
-The pattern is filled ONCE per run, by rank 0, right after the process group exists;
-every other rank receives rank 0's answer in a broadcast (:func:`settle`). Every launcher
-(spawn on one or several nodes, torchrun, SLURM, ``engine.launch``) comes through there,
-and no rank's own clock or directory listing can disagree: two nodes reading the clock a
-second apart, or listing the folder while rank 0 creates version_3, would otherwise pick
-different folders. Rank 0 claims the folder by creating it, so two runs started at once
-under the same pattern never share one.
-
-What resume means with a pattern: a new ``engine-run`` is a new run (a new version).
-``--resume PATH`` to a snapshot inside a folder of the pattern continues that folder
-(``--resume runs/cifar/version_2/checkpoints/...``), as does giving the folder itself
-(``out_dir=runs/cifar/version_2``). A job that starts again by itself (torchrun
-``--max-restarts``, a SLURM requeue after pre-emption: the world's ``restart_count`` is
-above 0) continues the newest folder of the pattern, so it resumes where it stopped.
-
-Without a pattern, ``--no-resume`` in a folder that holds a run (snapshots or a
-summary.json; not the summary of a run that failed before its first step, which trained
-nothing) is refused unless ``--overwrite`` is given, which first removes the old
-run's files (:func:`run_files`: the engine's own, :data:`ENGINE_FILES`, and those each
-plugin declares with ``engine_register_run_files``, such as the loggers' metrics.csv and
-tensorboard/): two runs' TensorBoard event files in one folder show duplicate steps.
+Without a pattern, ``--no-resume`` in a folder that holds a run is refused unless
+``--overwrite`` is given, which first removes the old run's files (:func:`run_files`:
+the engine's and those each plugin declares with ``engine_register_run_files``).
+docs/configuration.md says more.
 """
 
 from __future__ import annotations
@@ -56,9 +41,8 @@ ENGINE_FILES = ("checkpoints", "summary.json", "config.json")
 
 
 def run_files(pm) -> tuple[str, ...]:
-    """What a run writes into its out_dir: the engine's files and the plugins' (the
-    loggers'...). ``--overwrite`` removes these and nothing else (a data folder or notes
-    the user keeps there stay)."""
+    """What a run writes into its out_dir, the engine's and the plugins' files: what
+    ``--overwrite`` removes, and nothing else (the user's data or notes there stay)."""
     return ENGINE_FILES + tuple(name for name in pm.run_files if name not in ENGINE_FILES)
 
 
@@ -86,10 +70,8 @@ def fixed_part(out_dir: str) -> str:
 
 
 def refuse_unwritable(out_dir: str) -> None:
-    """A ConfigError when the run could not write its folder (a read-only filesystem, a
-    folder of another user): said in the launching process, before any worker starts,
-    instead of a worker's OSError traceback at its first write. The folder may not
-    exist yet: its nearest existing parent is the one asked."""
+    """A ConfigError, in the launching process before any worker starts, when the run
+    could not write its folder (read-only, another user's, a file): the nearest that exists."""
     path = pathlib.Path(fixed_part(out_dir)).absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -181,20 +163,19 @@ def holds_a_run(out_dir) -> list[str]:
 
 
 def _failed_before_training(summary: pathlib.Path) -> bool:
-    """A summary.json that records a failed (or interrupted) run at step 0 (a recipe
-    whose build_model raised, a bad argument found in the worker, Ctrl-C during the
-    set-up); one that cannot be read counts as a run."""
+    """A summary.json of a failed (or interrupted) run at step 0, which trained nothing;
+    one that cannot be read counts as a run."""
     record = _json(summary) or {}
     return record.get("status") in ("failed", "interrupted") and record.get("global_step") == 0
 
 
 def completed_run(out_dir) -> tuple[dict, dict] | None:
-    """(summary, config) of the completed run ``out_dir`` holds (its summary.json says
-    "completed", and its config.json is there); None otherwise. A ConfigError when its
-    counts are not counts (a summary.json edited by hand)."""
+    """(summary, config) of the completed run ``out_dir`` holds, or None; a ConfigError
+    when its summary.json's counts are not counts (edited by hand)."""
     if is_pattern(out_dir):
         return None
-    summary, config = _json(pathlib.Path(out_dir) / "summary.json"), _config(out_dir)
+    summary, config = (_json(pathlib.Path(out_dir) / name)
+                       for name in ("summary.json", "config.json"))
     if summary is None or config is None or summary.get("status") != "completed":
         return None
     for key in ("epochs_completed", "global_step"):
@@ -214,16 +195,13 @@ def _json(path: pathlib.Path) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
-def _config(out_dir) -> dict | None:
-    return _json(pathlib.Path(out_dir) / "config.json")
-
-
 def refuse_smoke_over_a_run(out_dir: str) -> None:
     """A smoke run replaces its folder (out_dir-smoke) each time, but only an earlier
     smoke run: a ConfigError when the folder holds a run whose config.json does not say
     it was one (limit_batches)."""
-    shown = holds_a_run(out_dir) if not is_pattern(out_dir) else []
-    if shown and not (_config(out_dir) or {}).get("limit_batches"):
+    shown = holds_a_run(out_dir)  # none for a pattern: not a folder
+    if shown and not (_json(pathlib.Path(out_dir) / "config.json") or {}).get(
+            "limit_batches"):
         raise ConfigError(f"smoke run: {out_dir} holds a run ({' and '.join(shown)}) that "
                           "was not a smoke run (its config.json has no limit_batches), and "
                           "a smoke run replaces its folder; move that run, or give the "
@@ -262,11 +240,9 @@ def clear(out_dir, files: Iterable[str]) -> list[str]:
 
 
 def settle(cfg, world, options: dict, files: Iterable[str]) -> None:
-    """Decide the run's folder once, on rank 0, and give every rank the same answer:
-    fill the pattern, or with ``--no-resume --overwrite`` clear the old run's ``files``
-    (:func:`run_files`) first (before any rank writes: the others wait in the
-    broadcast). Sets ``cfg.out_dir``. A collective when the process group exists: every
-    rank calls it."""
+    """Decide the run's folder once, on rank 0 (fill the pattern, or with ``--no-resume
+    --overwrite`` clear the old run's ``files`` while the others wait), and set every
+    rank's ``cfg.out_dir`` to it: a collective when the process group exists."""
     decision: str | BaseException | None = None
     if world.rank == 0:
         try:

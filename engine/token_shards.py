@@ -12,7 +12,6 @@ import bisect
 import json
 import os
 import pathlib
-import shutil
 import tempfile
 from typing import Callable, Iterable, Iterator
 
@@ -21,7 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from engine.atomic_io import atomic_write, atomic_write_text
-from engine.errors import ConfigError
+from engine.errors import ConfigError, first_line
 
 INDEX = "index.json"
 FORMAT = "ddp-engine token shards"
@@ -44,10 +43,6 @@ def read_index(folder: str | pathlib.Path) -> dict:
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ConfigError(f"token shards: {path} is not a token-shard index (no "
                           f"\"format\": {FORMAT!r}); {WRITE_HINT}")
-    if index.get("version") != VERSION or index.get("dtype") not in DTYPES:
-        raise ConfigError(f"token shards: {path} has version {index.get('version')!r} and "
-                          f"dtype {index.get('dtype')!r}; this engine reads version "
-                          f"{VERSION} with a dtype of {', '.join(DTYPES)}")
     problem = _index_problem(index)
     if problem:
         raise ConfigError(f"token shards: {path} {problem}; {WRITE_HINT}")
@@ -59,6 +54,9 @@ def _index_problem(index: dict) -> str | None:
         return f'has no "{key}" ({what})' if value is None else \
             f'has "{key}" {value!r}, not {what}'
 
+    if index.get("version") != VERSION or index.get("dtype") not in DTYPES:
+        return (f"has version {index.get('version')!r} and dtype {index.get('dtype')!r}; "
+                f"this engine reads version {VERSION} with a dtype of {', '.join(DTYPES)}")
     if type(index.get("vocab_size")) is not int or index["vocab_size"] < 1:
         return bad("vocab_size", index.get("vocab_size"), "a vocabulary size")
     if not isinstance(index.get("shards"), list):
@@ -76,11 +74,8 @@ def _index_problem(index: dict) -> str | None:
 class TokenShards(Dataset):
     """The windows of a shard folder: ``dataset[i]`` is ``(inputs, targets)``, int64
     tensors of ``seq_len`` tokens, the targets shifted by one (next-token prediction).
-
-    ``index.json`` is read and every shard's length checked here; the memory maps are
-    opened in the process that reads (a DataLoader worker opens its own: a memory map
-    is not pickled into it).
-    """
+    The index and every shard are checked here; the memory maps a window is read from
+    are opened in the process that reads (a DataLoader worker opens its own)."""
 
     def __init__(self, folder: str | pathlib.Path, seq_len: int):
         if seq_len < 1:
@@ -103,8 +98,7 @@ class TokenShards(Dataset):
                                   "the folder written twice? write it again")
             # Once per shard (one read of it), not per window: an id the model's
             # embedding does not have would be an IndexError in the middle of training.
-            top = int(found.max()) if len(found) else -1
-            if top >= self.vocab_size:
+            if len(found) and (top := int(found.max())) >= self.vocab_size:
                 raise ConfigError(f"token shards: {path} holds token id {top}, not below "
                                   f"the vocabulary size {self.vocab_size} of its {INDEX}; "
                                   "write it again with the tokenizer it names")
@@ -120,8 +114,7 @@ class TokenShards(Dataset):
         self._maps: list | None = None
 
     @property
-    def tokens(self) -> int:
-        """Tokens in the index's shards (including those no window reads)."""
+    def tokens(self) -> int:  # in the index's shards, those that no window reads too
         return sum(shard["tokens"] for shard in self.index["shards"])
 
     def __len__(self) -> int:
@@ -164,8 +157,7 @@ def hf_tokenizer(path: str) -> tuple[Callable[[str], list[int]], int, str]:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 - its errors are plain Exceptions
         raise ConfigError(f"--tokenizer {path}: not a Hugging Face tokenizer.json "
-                          f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-                          ) from None
+                          f"({first_line(exc, type(exc).__name__)})") from None
     return (lambda text: tokenizer.encode(text).ids), tokenizer.get_vocab_size(), str(path)
 
 
@@ -176,13 +168,10 @@ def text_blocks(paths: Iterable[str | pathlib.Path], block_chars: int) -> Iterat
         with open(path, encoding="utf-8", newline="") as f:
             carry = ""
             while block := read_text(f, path, block_chars):
-                block = carry + block
-                cut = block.rfind("\n") + 1
-                if cut == 0:
-                    carry = block
-                    continue
+                cut = (block := carry + block).rfind("\n") + 1
                 carry = block[cut:]
-                yield block[:cut]
+                if cut:
+                    yield block[:cut]
             if carry:
                 yield carry
 
@@ -199,10 +188,8 @@ def write_shards(texts: list[str | pathlib.Path], out: str | pathlib.Path, *,
                  tokenizer: str = "bytes", shard_tokens: int = 100_000_000,
                  block_chars: int = 1 << 24) -> dict:
     """Tokenise ``texts`` (UTF-8 files, in order, concatenated) into shards of
-    ``shard_tokens`` tokens (the last one shorter) in ``out``, and write its index last,
-    atomically: a folder without an index was not finished. The shards are written in a
-    folder beside ``out`` first: a failure leaves what ``out`` held as it was. Returns
-    the index."""
+    ``shard_tokens`` tokens (the last one shorter) in ``out``, written beside it first (a
+    failure leaves what ``out`` held), its index last. Returns the index."""
     if shard_tokens < 2:
         raise ConfigError(f"--shard-tokens must be >= 2, got {shard_tokens}")
     for text in texts:
@@ -213,7 +200,6 @@ def write_shards(texts: list[str | pathlib.Path], out: str | pathlib.Path, *,
     dtype = np.dtype("uint16" if vocab_size <= 1 << 16 else "uint32")
     out = pathlib.Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.writing-", dir=out.parent))
     shards, pending, held = [], [], 0
 
     def flush(count: int) -> None:
@@ -225,7 +211,8 @@ def write_shards(texts: list[str | pathlib.Path], out: str | pathlib.Path, *,
         shards.append({"file": file, "tokens": int(len(shard))})
         pending, held = [rest], len(rest)
 
-    try:
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.writing-", dir=out.parent) as tmp:
+        work = pathlib.Path(tmp)
         for block in text_blocks(texts, block_chars):
             ids = np.asarray(encode(block), dtype=dtype)
             pending.append(ids)
@@ -240,8 +227,6 @@ def write_shards(texts: list[str | pathlib.Path], out: str | pathlib.Path, *,
             old.unlink()
         for shard in shards:
             os.replace(work / shard["file"], out / shard["file"])
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     index = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
              "vocab_size": vocab_size, "tokenizer": name,
              "sources": [str(t) for t in texts], "shards": shards}

@@ -1,15 +1,12 @@
-"""``engine-run export RUN OUT [--which latest|best] [--part model|ema]``: a run's trained weights in a file
-for inference.
+"""``engine-run export RUN OUT [--which latest|best] [--part model|ema]``: a run's
+trained weights in a file for inference (engine/model_io.py; docs/outputs.md).
 
     $ engine-run export runs/cifar_ddp model.safetensors --which best
     wrote model.safetensors: 10 tensors, model digest 0f3c..., sha256 9a1b... (from runs/cifar_ddp/checkpoints/snapshot-e0002-s00000314.pt)
 
-RUN is a run's out_dir (its ``latest`` snapshot, or ``best`` with ``--which best``), its
-checkpoints folder, a pointer file or a snapshot of any checkpointer. OUT ending in
-``.safetensors`` is written in that format (loadable with
-``safetensors.torch.load_file``), anything else with ``torch.save``; either way the
-plain model's keys (no ``module.`` or ``_orig_mod.``), full tensors under fsdp.
-``engine.load_model(RUN)`` gives the model itself (engine/model_io.py).
+RUN is a run's out_dir, its checkpoints folder, a pointer file or a snapshot of any
+checkpointer. OUT ending in ``.safetensors`` is written in that format, anything else
+with ``torch.save``; either way the plain model's keys, full tensors under fsdp.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""``engine-run shards TEXT... --out DIR``: token shards from text files, for
-engine.token_shards.TokenShards (a recipe's ``data.shards=DIR``).
+"""``engine-run shards TEXT... --out DIR``: token shards from UTF-8 text files, for
+engine.token_shards.TokenShards (a recipe's ``data.shards=DIR``; docs/data.md).
 
     $ engine-run shards book.txt notes.txt --out data/shards
     wrote data/shards: 1 shard, 1,234,567 tokens (uint16), tokenizer bytes (vocabulary 256)
-
-The files are read in the given order as UTF-8 and tokenised in blocks cut at line
-ends: ``--tokenizer bytes`` (the default) makes each byte a token; a Hugging Face
-``tokenizer.json`` needs the ``tokenizers`` package. The shards are written beside
-``--out`` first (a failed write leaves its shards as they were), the index last.
 """
 
 from __future__ import annotations
