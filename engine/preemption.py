@@ -43,16 +43,11 @@ _TIMEVAL = struct.Struct("ll")
 
 
 class _ArrivalClock:
-    """When each signal arrived, not when its Python handler ran. Python runs a handler
-    in the main thread between two bytecodes, so a main thread inside a long C call (a
-    collective waiting for a slow peer) runs it seconds late: a signal delivered twice
-    within milliseconds (to the whole process group, then forwarded by the launcher)
-    was taken for a second request, and the worker killed itself in the middle of its
-    pre-emption snapshot. Python's C-level handler writes one byte to the wakeup fd as
-    each signal arrives (signal.set_wakeup_fd); on a datagram socket with SO_TIMESTAMP
-    the kernel stamps that write, and the handler reads the stamps. Where that cannot
-    be set up (not the main thread, another wakeup fd in use: asyncio's), the
-    handler's own time stands in."""
+    """When each signal arrived, not when its Python handler ran (seconds later in a
+    main thread inside a long C call: a signal sent to the group and forwarded by the
+    launcher looked like two requests). Python writes a byte to the wakeup fd as each
+    signal arrives; a datagram socket with SO_TIMESTAMP has the kernel stamp it. Where
+    that cannot be set up (not the main thread, asyncio's fd), the handler's time."""
 
     def __init__(self, signums) -> None:
         self._sockets = None
@@ -161,10 +156,12 @@ class PreemptionFlag:
 
     @staticmethod
     def _window(signum) -> float:
-        """How soon a second signal counts as the first one again. Ctrl-C is never
-        delivered twice (the launcher does not pass it on to the workers of its process
-        group, which the terminal reached): a second one is the user's."""
-        return 0.0 if signum == signal.SIGINT else DUPLICATE_WINDOW_S
+        """How soon a second signal counts as the first one again. A second Ctrl-C is
+        the user's, but in a worker spawn_workers started: its launcher passes Ctrl-C
+        on (and kills it on a second one)."""
+        from engine.processes import spawned_here
+
+        return 0.0 if signum == signal.SIGINT and not spawned_here() else DUPLICATE_WINDOW_S
 
 
 #: What the log says when no plugin's scheduler runs this job (engine_requeue).

@@ -1,13 +1,10 @@
 """Local worker processes: started, watched, stopped and ended.
 
-:func:`spawn_workers` starts one process per world on this machine (the ``spawn``
-launcher, and ``slurm`` with one task per node), passes pre-emption signals on to them
-and, when one fails, stops the others and raises one :class:`~engine.errors.WorkerFailed`
-that names it; with ``spares`` (the spawn launcher's ``--max-restarts``) the workers
-are forks of a warm zygote (engine/spares.py) instead of new interpreters. Inside a
-worker, :func:`exit_failed_worker` ends it after its error is
-printed and sends that error's line to the launcher; :func:`exit_process` ends a child
-process without the interpreter's teardown.
+:func:`spawn_workers` starts one process per world on this machine (spawn, slurm with
+one task per node; with ``spares``, forks of a warm zygote: engine/spares.py), passes
+Ctrl-C and pre-emption signals on, and, when one fails, stops the others and raises one
+:class:`~engine.errors.WorkerFailed` that names it. In a worker,
+:func:`exit_failed_worker` sends its error to the launcher and ends it.
 """
 
 from __future__ import annotations
@@ -30,12 +27,11 @@ from engine.errors import EXIT_FAILED, EXIT_INTERRUPTED, Interrupted, WorkerFail
 from engine.launch_env import keep_store_socket, start_method
 from engine.world import World
 
-# engine-run's start imports this module (engine.cli): engine.atomic_io (hashlib, ctypes)
-# and torch are imported inside the functions that read /proc or start workers.
+# engine-run's start imports this module: engine.atomic_io and torch are imported
+# inside the functions that read /proc or start workers.
 
-
-#: Signals the parent passes on to its workers: SIGUSR1 is SLURM's pre-emption warning
-#: (sbatch --signal=USR1@90), SIGTERM a polite stop. The workers decide what to do.
+#: Signals the parent passes on to its workers (with Ctrl-C): SIGUSR1, SLURM's
+#: pre-emption warning (sbatch --signal=USR1@90), and SIGTERM, a polite stop.
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 #: What a worker killed by a signal most likely met.
 SIGNAL_CAUSES = {
@@ -50,10 +46,8 @@ SIGNAL_CAUSES = {
 
 
 def _start_resource_tracker_deaf_to(signals) -> None:
-    """multiprocessing's resource tracker (a helper process for shared memory and
-    semaphores) runs in our process group: a pre-emption signal sent to the group would
-    kill it (the default action), and it would come back printing tracebacks. Start it
-    now with those signals ignored; an ignored signal stays ignored across its exec."""
+    """Start multiprocessing's resource tracker (in our process group) deaf to
+    ``signals``: one sent to the group killed it, and it came back printing tracebacks."""
     try:
         previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in signals}
     except ValueError:  # not the main thread: leave it to multiprocessing
@@ -68,23 +62,16 @@ def _start_resource_tracker_deaf_to(signals) -> None:
 def spawn_workers(worker: Callable[[World], object], worlds: list[World],
                   child_env: Mapping[str, str] | None = None, spares=None,
                   restart_follows: bool = False, store_socket=None) -> list:
-    """Start one process per world on this machine, run ``worker`` in each, wait.
+    """Start one process per world on this machine (``child_env`` set in each), run
+    ``worker`` in each, wait; returns each worker's value where it is a short string (a
+    run's status), else None. A worker that fails stops the others and becomes one
+    :class:`WorkerFailed` here, with its exit code.
 
-    ``child_env`` is set in every child before ``worker`` runs. A worker that fails
-    stops the others (torch does that) and becomes one :class:`WorkerFailed` here,
-    with the worker's exit code. Returns each worker's return value where it is a short
-    string (a run's status), else None.
-
-    ``spares``: an :class:`engine.spares.SparePool` whose zygote forks the workers
-    instead of ``spawn``. ``restart_follows``: the caller restarts the workers after
-    a failure it may restart: when a worker was killed (SIGKILL, the OOM killer) the
-    others are killed at once, not given the grace that lets them print why they stop
-    (they resume anyway); a worker that raised keeps it, so that the error that caused
-    the restart is printed, not only another rank's echo of it.
-
-    ``store_socket``: the master port's listening socket (launch_env.master_socket),
-    handed to rank 0's process for its store; this process closes its own copy once
-    the workers are started, so that the port listens only while rank 0 lives.
+    ``spares``: an :class:`engine.spares.SparePool` whose zygote forks the workers.
+    ``restart_follows``: the caller restarts the workers after a restartable failure:
+    after a kill (SIGKILL, the OOM killer) the others are killed at once, without the
+    grace that lets them say why they stop. ``store_socket``: the master port's
+    listening socket, handed to rank 0 for its store (closed here once it started).
     """
     import torch.multiprocessing as mp  # lazily: see the imports
 
@@ -111,7 +98,7 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
     stopping = []  # the signals passed on: the run is being stopped, not restarted
     interrupted = []  # when the first Ctrl-C came (time.monotonic())
 
-    def forward(signum, frame):
+    def forward(signum, frame):  # the workers decide what to do
         if signum == signal.SIGINT:
             if interrupted:  # the second Ctrl-C: now
                 _kill(context.processes)
@@ -119,10 +106,10 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
                                   "command resumes from the newest snapshot")
             interrupted.append(time.monotonic())
         stopping.append(signum)
+        # A terminal's Ctrl-C reached the workers too, `kill -INT PID` only this process:
+        # a worker takes a second copy within moments as the same request.
         for process in context.processes:
-            # Ctrl-C reached the workers of our process group from the terminal already.
-            if process.is_alive() and (signum != signal.SIGINT
-                                       or os.getpgid(process.pid) != os.getpgrp()):
+            if process.is_alive():
                 os.kill(process.pid, signum)
 
     previous = {}
@@ -139,12 +126,12 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
                 raise Interrupted(f"interrupted: the workers did not stop within "
                                   f"{INTERRUPT_WAIT_S:g}s and were killed; the same command "
                                   "resumes from the newest snapshot")
+            if spares is not None:
+                spares.serving()  # a dead or stopped zygote: one warning, ended
             failed = _wait_for_a_failure(context.processes, timeout=1.0)
             code = None if failed is None else context.processes[failed].exitcode
             if restart_follows and _signal_name(code) and _restartable(code, stopping):
-                # Every worker is replaced, and a killed one has no error to report
-                # that the others' could echo first: no grace.
-                _kill(context.processes)
+                _kill(context.processes)  # all replaced, and no error to say: no grace
             elif failed is not None:
                 stopped, lingering = _stop_the_others(context.processes)
         # Every child has exited: what each sent is in its pipe.
@@ -160,17 +147,13 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
         index = _first_told(index, reports)
         code = context.processes[index].exitcode
         # A worker that raised sent its error; one that was killed could not.
-        # The one that stopped answering goes last: that line is the one users read.
-        signal_name = _signal_name(code)
+        signal_name, who = _signal_name(code), _ranks_of(worlds, [index])
         cause = SIGNAL_CAUSES.get(signal_name or "", "killed by hand?")
         message = _failure_report(worlds, index, code, reports)
         if signal_name:
-            message = (f"worker with local rank {worlds[index].local_rank} (rank "
-                       f"{worlds[index].rank}) was killed by {signal_name} ({cause})")
+            message = f"{who} was killed by {signal_name} ({cause})"
         elif not message:
-            message = (f"worker with local rank {worlds[index].local_rank} (rank "
-                       f"{worlds[index].rank}) exited with code {code}; its error is "
-                       "printed above")
+            message = f"{who} exited with code {code} and reported no error"
         if lingering:
             # Hung, or waiting for the failed one (a rendezvous): it cannot tell which.
             message += (f"; {_ranks_of(worlds, lingering)} was still running {GRACE_S:g}s "
@@ -195,16 +178,14 @@ def spawn_workers(worker: Callable[[World], object], worlds: list[World],
 
 
 def _restartable(code: int | None, stopping: list) -> bool:
-    """Whether a worker that ended with exit code ``code`` may be restarted: killed by
-    a signal other than SIGINT, or failed with an error (not a usage error, not a
-    stop asked for: ``stopping`` holds the signals passed on)."""
+    """Whether a worker that ended with ``code`` may be restarted: killed by a signal
+    but SIGINT, or failed (exit 1), unless a stop was asked for (``stopping``)."""
     signal_name = _signal_name(code)
     return not stopping and (code == EXIT_FAILED or (
         signal_name is not None and signal_name != "SIGINT"))
 
 
-#: After the first Ctrl-C, how long the workers get to reach their next check points
-#: and write the snapshot (engine/preemption.py) before they are killed.
+#: After the first Ctrl-C, how long the workers get to stop with their snapshot.
 INTERRUPT_WAIT_S = 30.0
 
 
@@ -233,12 +214,10 @@ def _first_told(index: int, reports: list) -> int:
 
 
 def _failure_report(worlds: list[World], index: int, code: int, reports: list) -> str:
-    """Print the failed workers' errors, each different one once (a traceback, or an
-    ``error:`` line, marked with the first rank that raised it), and return the
-    launcher's last line: worker ``index``'s error, naming the ranks that failed the
-    same way. An error that every worker raised alike and that needs no traceback (the
-    same ConfigError on every rank) is that last line alone. "" when ``index`` sent
-    none."""
+    """Print the failed workers' errors, each different one once (marked with the
+    first rank that raised it), and return the last line: worker ``index``'s error,
+    naming the ranks that failed alike ("" if it sent none). An error every worker
+    raised alike without a traceback is that last line alone."""
     told = reports[index]
     alike = [i for i, r in enumerate(reports) if i != index and told and r and r[0] == told[0]]
     if told and not told[1] and len(alike) == len(reports) - 1:
@@ -253,8 +232,7 @@ def _failure_report(worlds: list[World], index: int, code: int, reports: list) -
               end="", flush=True)
     if told is None:
         return ""
-    message = (f"worker with local rank {worlds[index].local_rank} (rank "
-               f"{worlds[index].rank}) exited with code {code}: {told[0]}")
+    message = f"{_ranks_of(worlds, [index])} exited with code {code}: {told[0]}"
     if alike:
         ranks = [worlds[i].rank for i in alike]
         message += (f"; rank{'s' if len(ranks) > 1 else ''} "
@@ -262,9 +240,8 @@ def _failure_report(worlds: list[World], index: int, code: int, reports: list) -
     return message
 
 
-#: After a worker fails, how long the others get to stop by themselves, and then to
-#: act on SIGTERM, before SIGKILL: a job whose rank failed must end within timeout_s
-#: plus a few seconds (torch's own waits are far longer).
+#: After a worker fails, how long the others get to stop by themselves, then to act on
+#: SIGTERM, before SIGKILL: a failed job ends within timeout_s plus a few seconds.
 GRACE_S = 2.0
 
 
@@ -281,11 +258,9 @@ def _wait_for_a_failure(processes, timeout: float) -> int | None:
 
 
 def _stop_the_others(processes) -> tuple[list[int], list[int]]:
-    """After a worker failed: SIGKILL the stopped workers at once (state "T" in
-    /proc/PID/stat: SIGSTOP, a debugger; they can neither notice the failure nor act on
-    SIGTERM), give the others ``GRACE_S`` to stop by themselves, then SIGTERM, then
-    SIGKILL. Returns the indices of the stopped ones and of those that had to be
-    terminated."""
+    """After a worker failed: SIGKILL the stopped workers (SIGSTOP, a debugger: deaf
+    to SIGTERM) at once, give the others ``GRACE_S`` to stop, then SIGTERM, then
+    SIGKILL. Returns the indices of the stopped ones and of those terminated."""
     from engine.atomic_io import process_state  # lazily: see the imports
 
     stopped = [i for i, p in enumerate(processes)
@@ -321,10 +296,8 @@ def _ranks_of(worlds: list[World], indices: list[int]) -> str:
 
 
 def process_identity(pid: int) -> str:
-    """What tells process ``pid`` apart from every other process, on any machine: the
-    kernel's boot id and the process's start time in clock ticks since boot (a PID
-    alone may be reused, or belong to another machine or PID namespace); "" where
-    /proc cannot say."""
+    """What tells process ``pid`` apart from any other, on any machine (a PID may be
+    reused): the kernel's boot id and its start time; "" where /proc cannot say."""
     from engine.atomic_io import proc_stat  # lazily: see the imports
 
     boot, fields = boot_id(), proc_stat(pid)
@@ -347,9 +320,8 @@ def same_machine(identity: str) -> bool:
 
 
 def kill_if_stopped(pid: int, identity: str) -> bool:
-    """SIGKILL process ``pid`` if it is still the one ``identity`` names and it is
-    stopped (state "T" or "t": SIGSTOP, a debugger): it can act on no other signal, and
-    a launcher that asks it to stop waits in vain. True when it was killed."""
+    """SIGKILL process ``pid`` if it is still the one ``identity`` names and stopped
+    (SIGSTOP, a debugger: deaf to any other signal). True when it was killed."""
     from engine.atomic_io import process_state  # lazily: see the imports
 
     if not identity or process_identity(pid) != identity:
@@ -361,18 +333,14 @@ def kill_if_stopped(pid: int, identity: str) -> bool:
     return True
 
 
-#: Stopped processes of ranks on this machine that this rank found missing after a
-#: failed collective, as (pid, identity): ended as this rank exits (end_stopped_peers).
+#: (pid, identity) of stopped local ranks found missing after a failed collective.
 _stopped_peers: list[tuple[int, str]] = []
 
 
 def end_when_exiting(pid: int, identity: str) -> None:
-    """Have :func:`exit_failed_worker` kill the stopped process ``pid`` (if it still is
-    the one ``identity`` names and still stopped), after this rank's error is printed:
-    torchrun's agent gives a stopped worker its 30 s grace after SIGTERM, which a
-    stopped process cannot act on, and srun without --kill-on-bad-exit waits for it
-    forever; a killed one ends the job at once. Killed last, right before this process
-    ends: the launcher stops every other worker as soon as it sees one die."""
+    """Have :func:`exit_failed_worker` kill the stopped process ``pid`` (if still the
+    one ``identity`` names, and stopped) right before this process ends: torchrun's
+    agent and srun wait for a stopped worker in vain; a killed one ends the job."""
     _stopped_peers.append((pid, identity))
 
 
@@ -384,25 +352,22 @@ def end_stopped_peers() -> None:
 
 def spawned_here() -> bool:
     """Whether this process is a worker :func:`spawn_workers` started: its launcher
-    watches it and its siblings, and names and kills a stopped one itself."""
+    watches it (names and kills a stopped one, passes Ctrl-C on) and reports the job's
+    first failure; what the launcher said at its start, it need not say again."""
     return _to_launcher is not None
+
+
+reports_to_launcher = started_by_this_launcher = spawned_here
 
 
 def exit_process(code: int, *, forked: bool = False,
                  last: Callable[[], object] | None = None) -> NoReturn:
-    """End this process with exit code ``code`` as a normal exit would, minus the
-    interpreter's teardown: the exit handlers run (multiprocessing's finalizers, the
-    checkpointers' at-exit closes, logging), stdout and stderr are flushed, then
-    ``os._exit``, whatever those raise. For a child process (a spawned worker, a
-    warm-started command): freeing every module of a torch program costs seconds of
-    CPU (docs/launchers.md), for nothing when the process ends.
-
-    ``forked``: a worker forked by multiprocessing, which holds copies of the launching
-    process's atexit handlers (its TemporaryDirectory removals among them: a failed
-    forked worker removed the folder ``engine.launch`` reads rank 0's result from). Only
-    its own multiprocessing finalizers run, as when such a worker returns normally.
-
-    ``last``: called after all that, right before the process ends."""
+    """End this process with exit code ``code`` as a normal exit would (the exit
+    handlers run, stdout and stderr are flushed), minus the interpreter's teardown of
+    every module (docs/launchers.md), then ``os._exit`` whatever those raise.
+    ``forked``: a worker forked by multiprocessing, whose copies of the launching
+    process's atexit handlers must not run (its TemporaryDirectory removals): only its
+    own multiprocessing finalizers run. ``last``: called right before the end."""
     try:
         if forked:
             multiprocessing.util._exit_function()
@@ -417,36 +382,21 @@ def exit_process(code: int, *, forked: bool = False,
         os._exit(code)
 
 
-def reports_to_launcher() -> bool:
-    """Whether this process is a worker :func:`spawn_workers` started, whose launcher
-    reports the first failure of the job."""
-    return _to_launcher is not None
-
-
 def exit_failed_worker(code: int, error_line: str | None = None,
                        traceback_text: str | None = "") -> NoReturn:
-    """End a worker whose error is printed already, with exit code ``code``; in a
-    worker this module spawned, its error is not printed: ``error_line`` and
-    ``traceback_text`` (engine.launching.worker_report) go to the launcher, which prints
-    them once for all the workers that failed alike (:func:`_failure_report`).
-    ``traceback_text`` is None for an echo of another rank's failure (PeerFailed), which
-    only the launcher's last line names.
-
-    In a worker this module spawned, :func:`exit_process` ends it: the teardown it skips
-    came between a rank's error and the launcher's last line (with a rank stopped, the
-    job must end within timeout_s plus a few seconds). So it does in a worker that has
-    just killed a stopped peer (:func:`end_when_exiting`). Anywhere else (the worker is
-    the launching process itself) it raises SystemExit."""
+    """End a worker with exit code ``code``. In a worker this module spawned, its error
+    is not printed yet: ``error_line`` and ``traceback_text`` go to the launcher, which
+    prints them once for the workers that failed alike (:func:`_failure_report`;
+    ``traceback_text`` None: an echo of another rank's failure). Such a worker, and one
+    that killed a stopped peer, ends by :func:`exit_process` (no teardown between its
+    error and the job's end); the launching process itself raises SystemExit."""
     to_launcher, forked = _to_launcher or (None, False)
     if error_line and to_launcher is not None:
         with contextlib.suppress(Exception):  # the launcher is gone: nobody to tell
             # The traceback's end is what tells the error: cut its start if too long.
             to_launcher.send((ERROR, error_line[:MAX_ERROR_LINE],
                               traceback_text and traceback_text[-MAX_TRACEBACK:]))
-    if _stopped_peers:
-        # The launcher that sees the stopped peer die stops the job at once (torchrun:
-        # SIGTERM to this rank): so the peer dies last, just before this process ends,
-        # which skips the interpreter's seconds of teardown.
+    if _stopped_peers:  # killed last: its death stops the job (torchrun: SIGTERM here)
         exit_process(code, last=end_stopped_peers)
     if multiprocessing.parent_process() is None:
         raise SystemExit(code)
@@ -457,17 +407,16 @@ def exit_failed_worker(code: int, error_line: str | None = None,
 #: forked.
 _to_launcher: tuple | None = None
 
-
-def started_by_this_launcher() -> bool:
-    """Whether this process is a worker that engine-run's own launcher started (spawn,
-    a warm spare's fork): what the launcher said at its start, the workers need not
-    say again."""
-    return _to_launcher is not None
 #: A failed worker's error travels as (ERROR, line, traceback); short, so that the send
 #: never waits for a reader (a pipe holds 64 kB).
 ERROR = "error"
 MAX_ERROR_LINE = 1000
 MAX_TRACEBACK = 12_000  # characters: up to 48 kB of UTF-8
+
+
+def _interrupted_once(signum, frame) -> NoReturn:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: the launcher kills
+    raise KeyboardInterrupt
 
 
 def _sent(reader) -> list:
@@ -492,6 +441,10 @@ def _entry(index: int, worker: Callable[[World], object], worlds: list[World],
     global _to_launcher
     _to_launcher = (pipes[index], forked)
     phases.mark("worker start")
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        # Until the run takes Ctrl-C as a stop request: one KeyboardInterrupt, not a
+        # second for the copy the launcher passes on.
+        signal.signal(signal.SIGINT, _interrupted_once)
     os.environ.update(child_env)
     if store_socket is not None:
         if worlds[index].rank == 0:
@@ -499,11 +452,6 @@ def _entry(index: int, worker: Callable[[World], object], worlds: list[World],
         else:
             store_socket.close()  # only rank 0's store listens
     status = worker(worlds[index])
-    # Only a short string travels back: a large object could fill the pipe, and the
-    # child would then wait for a reader that only reads after every child has exited.
+    # Only a short string: a large one could fill the pipe, read once all have exited.
     pipes[index].send(status if isinstance(status, str) and len(status) <= 64 else None)
-    # A worker that finished ends as a failed one does (exit_process): the exit handlers
-    # run (the checkpointers close), then the
-    # process ends without the interpreter freeing every module of a torch program,
-    # which took seconds per worker and held the command's end back.
-    exit_process(0, forked=forked)
+    exit_process(0, forked=forked)  # the exit handlers, not the interpreter's teardown

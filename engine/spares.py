@@ -1,30 +1,23 @@
 """Warm spares for the spawn launcher's restarts (``engine-run --max-restarts N``).
 
-A worker started with ``spawn`` pays a new interpreter, ``import torch``, the
-``torch._dynamo`` import that the first optimizer triggers, the engine's plugins and the
-recipe's module before its first line of training: 6-9 s of a 10 s restart on a busy
-2-core machine (tools/memory_kill_loop.py --launcher spawn). A :class:`SparePool` pays
-them once, before any failure: a zygote process (multiprocessing's fork server protocol,
-engine/fork_server.py) imports all of that, starts no thread and runs no tensor
-operation, then waits on its socket. Every worker of the run is a fork of it, the first
-ones and each replacement after a failure, so a restart forks a ready process in
-milliseconds; the new workers resume from the memory tier (docs/checkpoints.md).
+A spawned worker pays a new interpreter and the imports of torch, dynamo, the plugins
+and the recipe before its first step: most of a restart. A :class:`SparePool` pays
+them once: a zygote (multiprocessing's fork server protocol, engine/fork_server.py)
+imports all of that, starts no thread and runs no tensor operation, and every worker
+of the run is a fork of it, so a restart forks a ready process in milliseconds.
 
-This is stage A of issue 37 point 3: on a failure every worker is replaced, not only
-the failed one (after a kill, the survivors are killed at once, without the grace a
-run that ends gets: engine.processes.spawn_workers); the process group is formed again
-on a fresh port (plugins/spawn.py).
-
-The children run as those of ``spawn`` do: the launcher's ``sys.path`` and ``__main__``
-come with them, ``multiprocessing.parent_process()`` is the launcher, their environment
-is the launcher's at their start, and they stop (SIGINT) when the launcher dies. What
-differs: their parent process is the zygote, and variables read when a library loads
-(OMP_NUM_THREADS, ...) are those the zygote started with.
+The forks run as spawned workers do (the launcher's ``sys.path``, ``__main__`` and
+environment; ``multiprocessing.parent_process()`` is the launcher; SIGINT when it dies),
+but their parent is the zygote, and variables read as a library loads are the
+zygote's. The launcher sees each fork's end itself (a pidfd): a zygote that dies or
+stops is one warning (:meth:`SparePool.serving`), its forks run on, restarts spawn.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import importlib
 import json
 import multiprocessing
@@ -33,26 +26,28 @@ import signal
 import sys
 import tempfile
 import threading
+import time
+from multiprocessing import forkserver, util
 from multiprocessing.connection import wait
 from typing import Callable, Sequence
 
+from engine.atomic_io import process_state
+from engine.errors import warn
 from engine.fork_server import TorchForkServer, TorchForkServerProcess, _Popen
 from engine.launch_env import fork_unsafe
 from engine.plugin_manager import (BUILTIN_PLUGINS, build_plugin_manager,
                                    packages_distributions)
 from engine.recipe import load_recipe
 
-# torch is imported inside the functions that start or become workers: the launcher's
-# process, which imports this module (spawn with restarts), never imports torch; the
-# zygote imports it as it starts.
+# torch is imported by the functions that start or become workers: not by the launcher.
 
-#: What the zygote preloads, handed to it through its environment (its own start
-#: reads it; multiprocessing passes it no arguments of ours): the launcher's sys.path
-#: and the recipe file to import.
+#: What the zygote preloads (the launcher's sys.path, the recipe, the plugins), handed
+#: through its environment: multiprocessing passes it no arguments of ours.
 PRELOAD_ENV = "ENGINE_SPARE_PRELOAD"
-#: How long the zygote may take to fork a worker: its first fork waits for its
-#: imports (torch, dynamo, the engine, the recipe: 3-10 s on a busy machine).
+#: How long the zygote may take to fork a worker (its first fork waits for its imports),
+#: and to report the exit status of a fork that ended.
 START_TIMEOUT_S = 120.0
+REPORT_S = 5.0
 
 
 class SpareError(RuntimeError):
@@ -62,18 +57,33 @@ class SpareError(RuntimeError):
 class _SpareServer(TorchForkServer):
     def __init__(self) -> None:
         super().__init__()
-        # torch first: a failed engine import below still leaves it preloaded.
-        self._preload_modules = ["torch", __name__]
+        self._preload_modules = ["torch", __name__]  # torch even if the engine fails
 
 
 class _SparePopen(_Popen):
+    """A fork whose sentinel is its own pidfd, not the zygote's status pipe (which a
+    dead or stopped zygote never writes): :meth:`SparePool.exit_code` reads the status."""
+
     timeout_s = START_TIMEOUT_S
-    server: _SpareServer | None = None  # the pool's, set while it starts processes
+    pool: "SparePool | None" = None  # set while the pool starts processes
 
     @classmethod
     def _fork_server(cls) -> TorchForkServer:
-        assert cls.server is not None
-        return cls.server
+        assert cls.pool is not None and cls.pool._server is not None
+        return cls.pool._server
+
+    def _launch(self, process_obj) -> None:
+        super()._launch(process_obj)
+        self._pool, self._status = self.pool, self.sentinel
+        self.sentinel = os.pidfd_open(self.pid)
+        util.Finalize(self, os.close, (self.sentinel,))
+
+    def poll(self, flag=os.WNOHANG):
+        if self.returncode is None:
+            if not wait([self.sentinel], 0 if flag == os.WNOHANG else None):
+                return None
+            self.returncode = self._pool.exit_code(self.pid, self._status)
+        return self.returncode
 
 
 class _SpareProcess(TorchForkServerProcess):
@@ -91,12 +101,12 @@ class SparePool:
     def __init__(self, recipe: str | None = None, plugins: Sequence[str] = ()) -> None:
         self.recipe, self.plugins = recipe, list(plugins)
         self._server: _SpareServer | None = None
+        self.failed = False  # the zygote died, stopped or fell silent: restarts spawn
 
     def warm(self, deaf_to: Sequence[signal.Signals] = ()) -> None:
-        """Start the zygote, if not running, with ``deaf_to`` ignored (a pre-emption
-        signal sent to the process group must not kill it; its forks listen again), and
-        SIGINT: multiprocessing's server ignores it only once its imports are done, and
-        a Ctrl-C during them printed the zygote's KeyboardInterrupt traceback."""
+        """Start the zygote, if not running, deaf to ``deaf_to`` (a pre-emption signal
+        to the process group; its forks listen again) and to SIGINT from its start
+        (multiprocessing's server ignores it only after its imports)."""
         if self._server is None:
             self._server = _SpareServer()
         preload = {"sys_path": sys.path, "recipe": self.recipe, "plugins": self.plugins}
@@ -118,21 +128,19 @@ class SparePool:
                 os.environ[PRELOAD_ENV] = previous_env
 
     def start(self, fn: Callable, args: tuple, nprocs: int, listen_to=()):
-        """``torch.multiprocessing.start_processes(fn, args, nprocs, join=False)``,
-        each process a fork of the zygote: a torch ProcessContext. ``listen_to``: the
-        signals the zygote ignores, back to their default in each worker."""
+        """``torch.multiprocessing.start_processes(fn, args, nprocs, join=False)`` with
+        forks of the zygote. ``listen_to``: the signals the zygote ignores, back to
+        their default in each worker; SIGINT as this process takes it."""
         from torch.multiprocessing.spawn import ProcessContext
 
-        # A spawned worker takes Ctrl-C as this process does: ignored where it is here
-        # (a job in the background), else Python's KeyboardInterrupt.
         interruptible = signal.getsignal(signal.SIGINT) != signal.SIG_IGN
         self.warm(listen_to)
         processes, error_files = [], []
         environ = dict(os.environ)
-        _SparePopen.server = self._server
+        _SparePopen.pool = self
+        _adopt_orphans(True)
         try:
-            for index in range(nprocs):
-                # torch's own way to hand a worker's exception back: a file per worker.
+            for index in range(nprocs):  # torch's error file per worker
                 fd, error_file = tempfile.mkstemp(prefix="pytorch-errorfile-",
                                                   suffix=".pickle")
                 os.close(fd)
@@ -150,30 +158,66 @@ class SparePool:
                 processes.append(process)
                 error_files.append(error_file)
         finally:
-            _SparePopen.server = None
+            _SparePopen.pool = None
         return ProcessContext(processes, error_files)
 
+    def serving(self) -> bool:
+        """Whether the zygote serves; one that died or is stopped is one warning and is
+        ended: its forks run on as this process's children (:func:`_adopt_orphans`)."""
+        pid = self._server and self._server._forkserver_pid
+        if pid and not self.failed:
+            ended, status = os.waitpid(pid, os.WNOHANG)
+            if ended:
+                code = os.waitstatus_to_exitcode(status)
+                self._fail(f"exited with code {code}" if code >= 0 else
+                           f"was killed by {signal.Signals(-code).name}")
+            elif process_state(pid) in ("T", "t"):
+                self._fail("is stopped (SIGSTOP or a debugger) and was killed")
+        return not self.failed
+
+    def exit_code(self, pid: int, status_fd: int) -> int:
+        """The exit code of fork ``pid``, which ended: the zygote's report, or, once a
+        zygote gone, stopped or silent for ``REPORT_S`` is ended, this process's reap."""
+        deadline = time.monotonic() + REPORT_S
+        while self.serving() and time.monotonic() < deadline:
+            if wait([status_fd], 0.1):
+                with contextlib.suppress(EOFError, OSError):
+                    return forkserver.read_signed(status_fd)
+        if self.serving():
+            self._fail(f"did not report the end of its fork {pid} within {REPORT_S:g}s")
+        try:
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        except ChildProcessError:  # reaped by a zygote that died before telling
+            return 255
+
+    def _fail(self, what: str) -> None:
+        warn(f"the warm spare process (pid {self._server._forkserver_pid}) {what}; the "
+             "workers run on, and restarts start new ones with spawn")
+        self.failed = True
+        self.close()
+
     def close(self) -> None:
-        """End the zygote, once its workers have ended (they are its children: torch
-        has them receive SIGINT when it dies). It also ends by itself when this process
-        exits; SIGKILL here, since it may still be importing (a spare that timed out),
-        and it holds nothing worth a graceful end."""
+        """End the zygote (SIGKILL: it may still be importing; it holds nothing)."""
         server, self._server = self._server, None
-        if server is None or server._forkserver_pid is None:
-            return
-        with contextlib.suppress(OSError):
-            os.close(server._forkserver_alive_fd)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(server._forkserver_pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(server._forkserver_pid, 0)
+        if server is not None and server._forkserver_pid is not None:
+            with contextlib.suppress(OSError):
+                os.close(server._forkserver_alive_fd)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server._forkserver_pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(server._forkserver_pid, 0)
+        _adopt_orphans(False)
+
+
+def _adopt_orphans(adopt: bool) -> None:
+    """PR_SET_CHILD_SUBREAPER: the forks of a zygote that dies become our children."""
+    ctypes.CDLL(None, use_errno=True).prctl(36, int(adopt), 0, 0, 0)
 
 
 def _spare_entry(fn, index, args, error_file, environ, listen_to,
                  interruptible=True) -> None:
-    """A fork of the zygote becoming a worker: the launcher's environment, the signals
-    it ignores back to their default (SIGINT to Python's KeyboardInterrupt where the
-    launcher takes it), then torch's wrapper as start_processes runs it."""
+    """A fork becoming a worker: the launcher's environment and signals, then torch's
+    wrapper as start_processes runs it."""
     from torch.multiprocessing.spawn import _wrap
 
     os.environ.clear()
@@ -183,17 +227,21 @@ def _spare_entry(fn, index, args, error_file, environ, listen_to,
     if interruptible:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     _end_with_the_launcher()
-    _wrap(fn, index, args, error_file)
+    _wrap(functools.partial(_outliving_the_zygote, fn), index, args, error_file)
+
+
+def _outliving_the_zygote(fn, index, *args) -> None:
+    """``fn`` without torch's parent-death signal: it ends with the launcher instead."""
+    from torch.multiprocessing import _prctl_pr_set_pdeathsig
+
+    _prctl_pr_set_pdeathsig(0)
+    fn(index, *args)
 
 
 def _end_with_the_launcher() -> None:
-    """torch has a spawned worker receive SIGINT when its parent, the launcher, dies
-    (prctl's parent-death signal: the worker stops at its next check point with its
-    snapshot). A fork's parent is the zygote, which outlives the launcher while its
-    forks hold its socket: so a thread waits for the launcher's end (its sentinel, a
-    pipe the launcher holds open) and sends this process the same SIGINT. It only
-    waits in the kernel, so the DataLoader workers this process forks inherit no lock
-    of it."""
+    """SIGINT to this process when the launcher dies, as torch's parent-death signal
+    does for a spawned worker: a thread waits in the kernel (no lock a DataLoader
+    worker's fork could inherit) on the launcher's sentinel."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -205,13 +253,12 @@ def _end_with_the_launcher() -> None:
     threading.Thread(target=watch, name="engine-launcher-watch", daemon=True).start()
 
 
-#: What every run imports after its start (seconds of CPU a process): torch and the
-#: dynamo import the first optimizer triggers, the engine, packaging (plugin
-#: requirements) and tensorboard's writer (rank 0's logger); the built-in plugins too.
+#: What every run imports after its start: torch, dynamo (the first optimizer's), the
+#: engine, packaging (plugin requirements), tensorboard's writer; the plugins too.
 RUN_MODULES = ("torch", "torch._dynamo", "engine.cli", "engine.engine",
                "packaging.requirements", "torch.utils.tensorboard",
                "tensorboard.compat.proto.summary_pb2")
-#: What a worker imports as it sets up (a restarted worker's start: 0.4 s of CPU).
+#: What a worker imports as it sets up.
 WORKER_MODULES = ("engine.trainer", "engine.snapshot", "engine.memory_snapshot",
                   "engine.data", "engine.health", "engine.loader_settings", "engine.plan",
                   "engine.preemption", "engine.run_dir", "engine.streaming",
@@ -229,16 +276,12 @@ def import_run_modules() -> None:
 
 
 def _preload() -> None:
-    """In the zygote, as this module is preloaded: the launcher's sys.path, the run's
-    modules, the recipe. A failure leaves that part for each worker to import; it
-    never stops the zygote (the workers then start as cold as spawned ones)."""
+    """In the zygote: the launcher's sys.path, the run's modules, the recipe. A failed
+    import is left to each worker; it never stops the zygote."""
     preload = json.loads(os.environ.pop(PRELOAD_ENV))
     sys.path[:] = preload["sys_path"]
-    # A recipe module that asks torch.cuda.is_available() as it is imported (a common
-    # line) would start the CUDA driver here (cudaGetDeviceCount) and poison every fork:
-    # torch then refuses CUDA in them ("Cannot re-initialize CUDA in forked
-    # subprocess"). With this, NVML answers where it works (a GPU machine), as torch
-    # documents; the forks get the launcher's environment back (_spare_entry).
+    # torch.cuda.is_available() in a recipe module would start CUDA here and poison
+    # every fork ("Cannot re-initialize CUDA in forked subprocess"): NVML answers.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     try:
         import_run_modules()
@@ -249,10 +292,8 @@ def _preload() -> None:
             load_recipe(preload["recipe"])
     except Exception as exc:  # noqa: BLE001 (the worker meets it and reports it)
         print(f"warning: the warm spare could not preload: {exc}", file=sys.stderr)
-    # Forking a process with threads can deadlock the child (OpenMP's pool too, which a
-    # tensor operation in the recipe's module starts: not a Python thread), and a fork
-    # cannot use a CUDA context its parent created: the rule of ENGINE_START_METHOD=fork.
-    # Stop the zygote; the launcher then says so in one line and spawns the workers.
+    # A fork of a process with threads (OpenMP's pool too) can deadlock, and cannot use
+    # its parent's CUDA context: the launcher says so in one line and spawns instead.
     unsafe = fork_unsafe()
     if unsafe:
         print(f"warning: the warm spare cannot fork safely after its imports (the "

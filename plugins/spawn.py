@@ -13,7 +13,8 @@ carry ``restart_count`` and a fresh master port, and the workers resume from the
 newest snapshot (its folder and lock stay: this process holds the lock throughout).
 With restarts, every worker is a fork of a warm spare started before the first one
 (engine/spares.py), so that a restart forks a ready process instead of a new
-interpreter importing torch; a spare that forks nothing is one warning, then spawn.
+interpreter importing torch; a spare that forks nothing, dies or stops is one warning,
+then spawn.
 """
 
 from __future__ import annotations
@@ -179,6 +180,8 @@ class SpawnLauncher(Launcher):
                     if restart == most or not failed.restartable:
                         raise  # the error and exit code of a run without restarts
                     restart += 1
+                    if spares is not None and not spares.serving():
+                        spares = None  # it said so once: spawn from now on
                     which = (f"all {len(worlds)} workers" if len(worlds) > 1
                              else "the worker")
                     how = " from the warm spare" if spares is not None else ""

@@ -61,8 +61,9 @@ def test_local_workers_get_their_environment_and_signals_and_failures_are_named(
     assert [(tmp_path / f"env{r}").read_text() for r in range(2)] == ["share", "share"]
     # The parent passed the pre-emption signal on to both workers.
     assert (tmp_path / "usr1-0").exists() and (tmp_path / "usr1-1").exists()
-    assert str(err.value) == ("worker with local rank 1 (rank 1) exited with code 1; its "
-                              "error is printed above")
+    # It printed no error: the line points at none (it said "printed above").
+    assert str(err.value) == ("worker with local rank 1 (rank 1) exited with code 1 and "
+                              "reported no error")
     assert err.value.exit_code == 1
     # A failed run's code, but after the launcher passed a pre-emption signal on: the
     # run is being stopped, and spawn --max-restarts must not start it again.
@@ -184,3 +185,37 @@ def test_a_recipe_exception_on_every_rank_is_one_traceback_naming_the_others(tmp
     assert lines[-1].endswith("exited with code 1: ValueError: logits and targets differ "
                               f"in shape: (16, 4) vs (16,); rank {other} failed the same "
                               "way"), proc.stderr
+
+
+def test_sigint_to_the_launching_process_alone_stops_the_run_as_ctrl_c_does(tmp_path):
+    """`kill -INT PID` of engine-run (what `timeout -s INT`, a supervisor or an IDE's
+    stop button send): the launcher passes it on, and the run stops as a terminal's
+    Ctrl-C stops it: one line, a snapshot, summary.json "interrupted", exit 130 (it was
+    ignored for 30 s, then the workers were killed without either)."""
+    import re
+
+    from engine.testing import read_summary, start_engine
+    from tests.conftest import REPO, engine_env
+
+    out = tmp_path / "run"
+    proc = start_engine([REPO / "tests" / "recipes" / "tiny_resume.py", "epochs=40",
+                         "checkpoint.every_steps=4", "checkpoint.memory_every_steps=0",
+                         f"out_dir={out}", "--nproc", "2", "--launcher", "spawn"],
+                        env=engine_env(), cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints" / "latest").exists():  # step 4: handlers are up
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate(1)
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    line = re.fullmatch(r"interrupted at .*step (\d+)(, batch \d+ of the epoch)?: "
+                        r"snapshot written; the same command resumes", stderr.strip())
+    assert line, stderr
+    step = int(line.group(1))
+    assert (read_summary(out)["status"], read_summary(out)["global_step"]) == (
+        "interrupted", step)
+    assert (out / "checkpoints" / "latest").read_text().strip().endswith(f"s{step:08d}.pt")

@@ -153,3 +153,99 @@ def test_a_recipe_that_starts_a_thread_pool_as_it_is_imported_is_not_forked(
     assert ("warning: the warm spare cannot fork safely after its imports (the recipe's "
             "module?): this process runs") in capfd.readouterr().err
 
+
+
+# ------------------------------------------- a run whose zygote dies or stops (issue 50)
+
+def _run_with_spares(tmp_path, action: str):
+    """``engine-run --max-restarts 3`` of tiny_resume whose workers are forks of the
+    zygote, and whose rank 0 does ``action`` (tests/fault_plugin.py) once, after step 3
+    (a disk snapshot at step 2); returns the process, once rank 0 acted, its zygote's
+    PID and its workers' PIDs."""
+    from engine.atomic_io import proc_stat
+    from engine.launch_env import START_METHOD_ENV
+    from engine.testing import start_engine
+    from tests.conftest import REPO, engine_env
+
+    once = tmp_path / "once"
+    env = engine_env(ENGINE_FAULT_ACTION=action, ENGINE_FAULT_STEP="3",
+                     ENGINE_FAULT_ONCE=str(once), **{START_METHOD_ENV: "spawn"})
+    proc = start_engine([REPO / "tests" / "recipes" / "tiny_resume.py", "epochs=2",
+                         "checkpoint.every_steps=2", "checkpoint.memory_every_steps=0",
+                         f"out_dir={tmp_path / 'run'}", "--nproc", "2", "--launcher",
+                         "spawn", "--max-restarts", "3", "-p", "tests.fault_plugin"],
+                        env=env, cwd=REPO)
+    deadline = time.monotonic() + 120
+    while not once.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate(1)
+        time.sleep(0.05)
+
+    def children(pid) -> list[int]:
+        return sorted(int(p) for p in os.listdir("/proc") if p.isdigit()
+                      and (proc_stat(p) or "??")[1] == str(pid))
+
+    zygote = next(p for p in children(proc.pid)
+                  if b"forkserver" in open(f"/proc/{p}/cmdline", "rb").read())
+    return proc, zygote, children(zygote)
+
+
+@pytest.mark.slow
+def test_a_zygote_killed_mid_run_is_one_warning_and_its_forks_run_on(tmp_path):
+    """SIGKILL of the zygote, while rank 0 is stopped after step 3: the launcher says so
+    once and the run goes on to its end, each worker's end seen by the launcher itself
+    (it ended with exit 1 at once, "exited with code 255; its error is printed above",
+    when the statuses came through the zygote)."""
+    import signal
+
+    from engine.atomic_io import process_state
+    from engine.testing import read_summary
+
+    proc, zygote, workers = _run_with_spares(tmp_path, "stop")
+    try:
+        stopped = []
+        while not stopped:  # rank 0 stops itself right after its marker
+            stopped = [w for w in workers if process_state(w) == "T"]
+            time.sleep(0.01)
+        stopped = stopped[0]
+        os.kill(zygote, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while os.path.exists(f"/proc/{zygote}"):  # until the launcher reaped it
+            assert time.monotonic() < deadline, "the launcher never noticed"
+            time.sleep(0.05)
+        os.kill(stopped, signal.SIGCONT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert stderr.splitlines() == [
+        f"warning: the warm spare process (pid {zygote}) was killed by SIGKILL; the "
+        "workers run on, and restarts start new ones with spawn"], stderr
+    assert read_summary(tmp_path / "run")["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_a_stopped_zygote_is_killed_and_the_restart_spawns(tmp_path):
+    """SIGSTOP of the zygote, then SIGKILL of a worker: the launcher sees the worker's
+    end itself (it waited for ever on the stopped zygote to report it), kills the zygote
+    with one warning, and restarts both workers with spawn; the run completes."""
+    import re
+    import signal
+
+    from engine.testing import read_summary
+
+    proc, zygote, workers = _run_with_spares(tmp_path, "hang")
+    try:
+        os.kill(zygote, signal.SIGSTOP)
+        os.kill(workers[0], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    lines = stderr.splitlines()
+    assert lines[0] == (f"warning: the warm spare process (pid {zygote}) is stopped "
+                        "(SIGSTOP or a debugger) and was killed; the workers run on, and "
+                        "restarts start new ones with spawn"), stderr
+    assert re.fullmatch(r"worker rank [01] was killed by SIGKILL; restarting all 2 "
+                        r"workers \(restart 1 of 3\)", lines[1]), stderr
+    assert len(lines) == 2, stderr
+    assert read_summary(tmp_path / "run")["status"] == "completed"
