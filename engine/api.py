@@ -27,16 +27,10 @@ and batch split of ``engine.data``, the snapshots of ``engine.snapshot`` written
 the checkpoint plugins, and the ``engine_log`` / ``engine_run_end`` hooks, so logger
 plugins work unchanged.
 
-Resume: ``ctx.epochs(n)`` first loads the latest good snapshot in
-``<out_dir>/checkpoints`` (model, optimizer, scheduler, scaler, epoch, step, every
-rank's RNG states) and then yields the epochs still to run; after each epoch whose body
-completes it writes a snapshot (every ``cfg.checkpoint.every_epochs`` epochs, and after
-the last). A snapshot taken mid-epoch with ``ctx.save()`` resumes at that position: the
-first training loader (``ctx.loader``) counts the batches it hands out, and the
-resumed epoch's loaders yield only the rest of the epoch (at any number of processes:
-docs/library.md). ``launch(..., resume=False)`` starts fresh: refused where out_dir
-holds a run, unless ``overwrite=True`` removes that run's files first; ``resume=PATH``
-loads that snapshot.
+Resume: ``ctx.epochs(n)`` loads the latest good snapshot, then yields the epochs still
+to run, with a snapshot after each; one taken mid-epoch (``ctx.save()``, or Ctrl-C,
+after an optimizer step) resumes at that position (docs/library.md).
+``launch(..., resume=False)`` starts fresh, ``resume=PATH`` loads that snapshot.
 """
 
 from __future__ import annotations
@@ -55,6 +49,7 @@ from engine.context import WorkerContext
 from engine.errors import ConfigError
 from engine.launching import (LAUNCH, Launch, Worker, finish_config, interrupted_raises,
                               library_options)
+from engine.preemption import PreemptionFlag
 from engine.stateful import TrainState
 from engine.worker_setup import (build_optimizer, callers_state_kept, open_checkpointer,
                                  prepare_model, start_worker, training_loader)
@@ -67,17 +62,15 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None,
            max_restarts: int = 0) -> Any:
     """Run ``fn(ctx, *args)`` in every worker process and return its result.
 
-    ``fn`` must be picklable when workers are spawned: a module-level function (or a
-    picklable callable object), with the call guarded by ``if __name__ == "__main__"``.
-    ``config`` is an :class:`engine.TrainConfig` (or a subclass: ``seed``, ``out_dir``,
-    ``parallel``, ``checkpointer``, ``launcher``, ``init_method``, ``timeout_s`` and
-    ``checkpoint.*`` apply). ``plugins`` takes the ``-p`` arguments of ``engine-run``,
-    ``max_restarts`` its --max-restarts (the spawned workers are started again after a
-    failure; ``ctx.epochs`` resumes them from the newest snapshot).
+    ``fn`` must be picklable when workers are spawned (a module-level function, the
+    call guarded by ``if __name__ == "__main__"``). ``config``: an
+    :class:`engine.TrainConfig` or a subclass. ``plugins`` and ``max_restarts`` are
+    engine-run's ``-p`` and --max-restarts (``ctx.epochs`` resumes restarted workers).
 
-    Returns what ``fn`` returned on rank 0 when this call spawned the workers (it must
-    then be picklable), or in this process when the launcher adopted it (torchrun,
-    SLURM, or a single process). A failed worker raises an EngineError naming it.
+    Returns what ``fn`` returned on rank 0 (picklable, when this call spawned the
+    workers). A failed worker raises an EngineError naming it; Ctrl-C stops the workers
+    after an optimizer step with a snapshot and raises engine.errors.Interrupted (a
+    script that does not catch it exits 130, as engine-run).
     """
     if not callable(fn):
         raise ConfigError(f"engine.launch needs a function to run in every worker, "
@@ -143,23 +136,26 @@ class LoopJob(Worker):
         ctx = Context(pm, cfg, world, self.options, recipe_path=script_path(self.fn))
         with ctx.lifecycle() as run:
             ctx.setup()
-            value = self.fn(ctx, *self.args)
-            ctx.write_config_unless_resumed()
-            # The last snapshot is durable (or its write failed) before the run counts
-            # as completed.
-            ctx.checkpointer.close()
-            run.status = "completed"
+            try:
+                value, status = self.fn(ctx, *self.args), "completed"
+                ctx.write_config_unless_resumed()
+            except _Stopped:
+                status, value = "interrupted", None
+            ctx.checkpointer.close()  # the last snapshot durable before the run ends
+            run.status = status
+        if run.status == "interrupted":  # the line engine-run's Ctrl-C prints
+            ctx.print(f"interrupted at {ctx.state.position()}: snapshot written; the same "
+                      "command resumes", file=sys.stderr)
         return run.status, value
 
 
-class Context(WorkerContext):
-    """One worker's view of the run, for a loop you write yourself.
+class _Stopped(KeyboardInterrupt):
+    """Ctrl-C, agreed on by the ranks after an optimizer step, whose snapshot is written."""
 
-    It is also the ``ctx`` argument of the hooks it fires (``engine_log``,
-    ``engine_exception``, ``engine_run_end``): what it shares with ``engine-run``'s
-    Engine (engine/context.py) is what hooks may rely on
-    (``engine.hookspecs.RunContext``).
-    """
+
+class Context(WorkerContext):
+    """One worker's view of the run, for a loop you write yourself; also the ``ctx``
+    of the hooks it fires (what hooks may rely on: ``engine.hookspecs.RunContext``)."""
 
     def __init__(self, pm, cfg, world, options: dict | None = None,
                  recipe_path: str | None = None):
@@ -170,9 +166,8 @@ class Context(WorkerContext):
     # ---------------------------------------------------------------- set-up
 
     def setup(self) -> None:
-        """Seed, threads, parallel mode, process group, checkpointer: the steps of
-        engine/worker_setup.py that Engine.run takes too. config.json waits for the
-        resume decision (:meth:`resume`)."""
+        """Seed, threads, parallel mode, process group, checkpointer (as Engine.run);
+        config.json waits for the resume decision (:meth:`resume`)."""
         cfg, world = self.cfg, self.world
         self.run_parts.parallel = start_worker(self.pm, cfg, world, self.options)
         if self.is_rank0:
@@ -224,10 +219,27 @@ class Context(WorkerContext):
         self.add_core_parts(self.state, lambda: self.train_loader)
         # Counted on the host by a post-step hook: no device synchronisation.
         optimizer.register_step_post_hook(self._count_step)
+        if self.cfg.preemption:  # Ctrl-C: a stop after a step, with its snapshot
+            self.preemption, self._stop_sums = PreemptionFlag(), None
+            self.preemption.install(("SIGINT",))
         return self.model, optimizer
 
     def _count_step(self, optimizer, args, kwargs) -> None:
         self.state.step += 1
+        if self.preemption is not None and self._agree_to_stop():
+            self.save()
+            raise _Stopped
+
+    def _agree_to_stop(self) -> bool:
+        """Whether Ctrl-C reached any rank, as the Trainer learns it: a sum started every
+        ``log_every`` steps is read at the next (done by then: no wait)."""
+        if self.world_size == 1 or self.state.step % self.cfg.log_every:
+            return self.world_size == 1 and bool(self.preemption)
+        import torch  # as in reduce
+
+        sums, self._stop_sums = self._stop_sums, distributed.start_all_reduce_sum(
+            torch.tensor([float(bool(self.preemption))], device=self.device))
+        return sums is not None and sums.values()[0] > 0
 
     def loader(self, dataset, batch_size: int, *, train: bool = True,
                num_workers: int = 0, drop_last: bool = False):

@@ -94,10 +94,12 @@ class WorkerFailed(RunError, LaunchError):
         self.restartable = restartable
 
 
-class Interrupted(KeyboardInterrupt):
-    """The launching process's Ctrl-C ended the run without the workers' clean stop (a
-    second Ctrl-C, or workers that did not stop in time); the message says what became
-    of them. A KeyboardInterrupt, so that it passes every ``except Exception``."""
+class Interrupted(KeyboardInterrupt, SystemExit):
+    """Ctrl-C ended the run; the message says what became of the workers. A
+    KeyboardInterrupt, so that it passes every ``except Exception``; a SystemExit with
+    code 130, so that a script that does not catch it ends as engine-run does."""
+
+    code = EXIT_INTERRUPTED
 
 
 class PluginCodeError(RunError):

@@ -436,3 +436,80 @@ def test_two_processes_ddp_sharding_reduction_and_rank0_output(tmp_path, recorde
     assert error.startswith("ERROR WorkerFailed: worker with local rank 1 (rank 1) exited "
                             "with code 1: ValueError: boom on rank 1"), error
     assert "[rank 1] Traceback" in proc.stderr
+
+
+# ------------------------------------------------------------------ Ctrl-C
+
+
+CTRL_C_LOOP = textwrap.dedent("""
+    import pathlib
+    import sys
+
+    import torch
+
+    import engine
+
+
+    def train(ctx, epochs):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        model, optimizer = ctx.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        data = torch.utils.data.TensorDataset(torch.arange(64.0).repeat(4, 1).T,
+                                              torch.arange(64) % 2)
+        loader = ctx.loader(data, batch_size=8)  # 8 steps an epoch
+        for epoch in ctx.epochs(epochs):
+            for x, y in loader:
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                if ctx.state.step == 3:
+                    pathlib.Path(ctx.out_dir, "stepped").touch()
+        return ctx.state.step
+
+
+    if __name__ == "__main__":
+        config = engine.TrainConfig(out_dir=sys.argv[1], log_every=1)
+        print("RESULT", engine.launch(train, int(sys.argv[2]), nproc=2, config=config))
+""")
+
+
+def test_ctrl_c_in_a_custom_loop_is_one_line_a_snapshot_of_its_step_and_exit_130(
+        tmp_path):
+    """Ctrl-C (SIGINT to the script's process group, as a terminal sends it) during a
+    custom loop's training: the ranks stop after the same optimizer step with its
+    snapshot, the script ends with engine-run's line and exit code (it ended with an
+    engine.errors.Interrupted traceback, exit 1, no snapshot at the stop), and the same
+    command resumes there."""
+    import os
+    import re
+    import signal
+    import time
+
+    from engine.testing import start_python
+
+    script, out = tmp_path / "loop.py", tmp_path / "run"
+    script.write_text(CTRL_C_LOOP)
+    env = engine_env(ENGINE_START_METHOD="fork")  # workers forked: no start of their own
+    proc = start_python([str(script), str(out), "1000"], env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "stepped").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate(1)
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    # After an optimizer step: mid-epoch, or its last batch (no "end of epoch" yet).
+    line = re.fullmatch(r"interrupted at epoch (\d+), step (\d+), batch \d+ of the epoch: "
+                        r"snapshot written; the same command resumes", stderr.strip())
+    assert line and "RESULT" not in stdout, stderr
+    epoch, step = map(int, line.groups())
+    summary = read_summary(out)
+    assert (summary["status"], summary["global_step"]) == ("interrupted", step)
+    assert (out / "checkpoints" / "latest").read_text().strip().endswith(f"s{step:08d}.pt")
+    resumed = run_python([str(script), str(out), str(epoch)], env=env, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"RESULT {epoch * 8}" in resumed.stdout, resumed.stdout
+    assert read_summary(out)["resumed_from"].endswith(f"s{step:08d}.pt")
