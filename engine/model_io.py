@@ -4,8 +4,7 @@ path) and loads a snapshot's weights into it, the plain model's whatever the par
 mode; :func:`export` writes them to a file for inference (``engine-run export``,
 ``tools/ckpt.py export``). A snapshot is checked against its manifest as ``--resume``
 checks it, read with ``torch.load(weights_only=True)`` only; output files are written
-crash-consistently (docs/outputs.md). torch is imported when a function needs it (engine-run
-export and tools/ckpt.py answer --help without it).
+crash-consistently (docs/outputs.md).
 """
 
 from __future__ import annotations
@@ -23,6 +22,9 @@ from engine.errors import CheckpointError, ConfigError, first_line, untrusted_pi
 from engine.launching import _recipe_reference
 from engine.recipe import load_recipe, recipe_from_object
 from engine.stateful import load_model_state, model_digest, plain_keys
+
+# torch is imported inside the functions that use it: engine-run export and tools/ckpt.py
+# answer --help without it.
 
 PREFIX = "module."
 #: Where the model weights sit inside a container dict, in the order they are looked for.

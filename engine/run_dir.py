@@ -203,9 +203,8 @@ def refuse_smoke_over_a_run(out_dir: str) -> None:
     if shown and not (_json(pathlib.Path(out_dir) / "config.json") or {}).get(
             "limit_batches"):
         raise ConfigError(f"smoke run: {out_dir} holds a run ({' and '.join(shown)}) that "
-                          "was not a smoke run (its config.json has no limit_batches), and "
-                          "a smoke run replaces its folder; move that run, or give the "
-                          "smoke run another out_dir")
+                          "was not a smoke run (no limit_batches in its config.json), which "
+                          "the smoke run would replace; move it, or give another out_dir")
 
 
 def refuse_fresh_start(out_dir: str, asked: str = "--no-resume",

@@ -50,9 +50,8 @@ def read_index(folder: str | pathlib.Path) -> dict:
 
 
 def _index_problem(index: dict) -> str | None:
-    def bad(key: str, value, what: str) -> str:
-        return f'has no "{key}" ({what})' if value is None else \
-            f'has "{key}" {value!r}, not {what}'
+    def bad(key: str, got, what: str) -> str:
+        return f'has no "{key}" ({what})' if got is None else f'has "{key}" {got!r}, not {what}'
 
     if index.get("version") != VERSION or index.get("dtype") not in DTYPES:
         return (f"has version {index.get('version')!r} and dtype {index.get('dtype')!r}; "

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-import engine
+from engine.testing import fit
 from engine import run_dir
 from engine.config import TrainConfig, check
 from engine.errors import ConfigError
@@ -178,11 +178,11 @@ def test_a_smoke_run_replaces_only_an_earlier_smoke_runs_folder(tmp_path):
     smoke = tmp_path / "run-smoke"
     files = a_run(smoke)
     with pytest.raises(ConfigError) as info:
-        engine.fit(TINY, nproc=1, out_dir=str(tmp_path / "run"), smoke=True)
+        fit(TINY, nproc=1, out_dir=str(tmp_path / "run"), smoke=True)
     assert str(info.value) == (
         f"smoke run: {smoke} holds a run (snapshots and summary.json) that was not a "
-        "smoke run (its config.json has no limit_batches), and a smoke run replaces its "
-        "folder; move that run, or give the smoke run another out_dir")
+        "smoke run (no limit_batches in its config.json), which the smoke run would "
+        "replace; move it, or give another out_dir")
     assert {p.relative_to(smoke): p.read_bytes() for p in smoke.rglob("*")
             if p.is_file()} == files
     a_run(tmp_path / "earlier-smoke", limit_batches=2)
@@ -192,7 +192,7 @@ def test_a_smoke_run_replaces_only_an_earlier_smoke_runs_folder(tmp_path):
 def test_a_smoke_folder_that_is_a_file_is_said_to_be_a_file(tmp_path):
     (tmp_path / "run-smoke").write_text("notes")
     with pytest.raises(ConfigError) as info:
-        engine.fit(TINY, nproc=1, out_dir=str(tmp_path / "run"), smoke=True)
+        fit(TINY, nproc=1, out_dir=str(tmp_path / "run"), smoke=True)
     assert str(info.value) == (
         f"out_dir '{tmp_path / 'run-smoke'}': {tmp_path / 'run-smoke'} is a file, not a "
         "folder; give an out_dir that is a folder or is not there yet")
@@ -205,7 +205,7 @@ def test_a_summary_with_counts_that_are_not_counts_is_one_line(tmp_path, bad):
     a_run(tmp_path / "run", **bad)
     [(key, value)] = bad.items()
     with pytest.raises(ConfigError) as info:
-        engine.fit(TINY, nproc=1, out_dir=str(tmp_path / "run"), epochs=2)
+        fit(TINY, nproc=1, out_dir=str(tmp_path / "run"), epochs=2)
     assert str(info.value) == (
         f"{tmp_path / 'run' / 'summary.json'}: {key!r} is {value!r}, not a count; fix "
         "it, or start over with --no-resume --overwrite")
