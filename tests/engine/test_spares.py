@@ -1,9 +1,9 @@
 """engine/spares.py on real processes: a worker forked from the warm spare starts with
 the run's modules imported, the launcher's environment and the launcher as its parent
-(watched: the fork ends with it);
-a spare that does not fork in time, or that cannot fork safely (a thread pool), is one
-SpareError, never a hang, and its close ends it at once. (A run whose workers it forks, and replaces after a SIGKILL:
-tests/plugins/test_spawn.py.)"""
+(watched: the fork ends with it); a spare that does not fork in time, or that cannot
+fork safely (a thread pool), is one SpareError, never a hang, and its close ends it at
+once; a zygote that dies or stops during a run is one warning, and the run goes on. (A
+run whose workers it replaces after a SIGKILL: tests/plugins/test_spawn.py.)"""
 
 from __future__ import annotations
 
