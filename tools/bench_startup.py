@@ -32,15 +32,32 @@ both alike. Printed: medians and ranges of wall, train and wall - train per side
 engine's extra start-up and tear-down (the median of the per-round differences, and the
 difference of the medians) and the wall ratio; the engine's phases (medians); and
 whether the two sides ended with the same weights (a check that they trained alike).
+
+``python tools/bench_startup.py imports [--pairs 9] [--bytecode cached]``: the imports
+alone, ``import torch, engine.cli, engine.trainer, engine.plugin_manager`` against
+``import torch`` (target: at most 5% more CPU). ``--pairs`` interleaved pairs of fresh
+interpreters after a warm-up pair, timed by CPU seconds (``getrusage`` of the children:
+far steadier than wall time on a loaded machine). Printed per side: the medians from
+start to exit, to the end of the imports, and the exit (torch freeing its modules);
+their ratios; and the ratio within each engine process, its CPU seconds once all is
+imported against once torch is, which torch's import varying from one process to the
+next does not move (tests/engine/test_imports.py guards that one). ``--bytecode
+as-is`` (default) imports engine/ as it is: with PYTHONDONTWRITEBYTECODE set and no
+``__pycache__`` there, each process compiles engine/'s source. ``cached`` imports a
+copy of engine/ with its bytecode written, as an installed engine has it.
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
+import operator
 import os
 import pathlib
 import re
+import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -127,6 +144,100 @@ def evaluate(module, loader, world_size: int) -> tuple[float, float]:
         dist.all_reduce(totals)
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count
+
+
+# ---------------------------------------------------------------------- the imports
+
+#: What a run imports beyond torch: the command, the training loop, the plugins.
+RUN_IMPORTS = "engine.cli, engine.trainer, engine.plugin_manager"
+#: Each interpreter prints its CPU seconds once torch is imported and, the engine's, once
+#: all is: what its exit costs (freeing torch's modules) is told apart from the imports.
+TORCH_ALONE = "import time, torch; print(time.process_time())"
+SPLIT = ("import time, torch; t = time.process_time(); import {}; "
+         "print(t, time.process_time())")
+
+
+def child_cpu(snippet: str, env: dict | None,
+              cwd: pathlib.Path = REPO) -> tuple[float, str]:
+    """CPU seconds (user + system) of ``python -c SNIPPET`` from its start to its exit,
+    and what it printed."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=300)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_startup: python -c {snippet!r} failed (exit code "
+                         f"{proc.returncode}):\n{proc.stderr}")
+    return (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+            proc.stdout)
+
+
+def import_cpu(pairs: int, env: dict | None = None, *, torch_alone: bool = True,
+               cwd: pathlib.Path = REPO, modules: str = RUN_IMPORTS) -> dict:
+    """``pairs`` interleaved pairs of fresh interpreters started in ``cwd`` (and importing
+    from there): ``import torch`` alone (left out without ``torch_alone``), and torch then
+    ``modules``. Per side, lists of CPU seconds: ``total`` (start to exit), ``imports``
+    (to the end of the imports), ``torch`` (the engine side's, to the end of torch's);
+    ``within``: each engine process's imports / torch."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(cwd), env.get("PYTHONPATH")]))
+    found = {"torch": {"total": [], "imports": []},
+             "engine": {"total": [], "imports": [], "torch": []}, "within": []}
+    for index in range(pairs):
+        sides = ["torch", "engine"] if index % 2 else ["engine", "torch"]
+        for side in sides if torch_alone else ["engine"]:
+            snippet = TORCH_ALONE if side == "torch" else SPLIT.format(modules)
+            cpu, printed = child_cpu(snippet, env, cwd)
+            *at_torch, at_end = map(float, printed.split())
+            found[side]["total"].append(cpu)
+            found[side]["imports"].append(at_end)
+            if at_torch:
+                found[side]["torch"].append(at_torch[0])
+                found["within"].append(at_end / at_torch[0])
+    return found
+
+
+def compiled_copy(dest: pathlib.Path) -> pathlib.Path:
+    """``dest``, holding a copy of engine/ with its bytecode written: an interpreter
+    started there imports the engine as an installed one (pip compiles it), without
+    compiling its source, whatever PYTHONDONTWRITEBYTECODE says."""
+    shutil.copytree(REPO / "engine", dest / "engine",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    compileall.compile_dir(dest / "engine", quiet=1)
+    return dest
+
+
+def imports_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="bench_startup.py imports")
+    p.add_argument("--pairs", type=int, default=9, help="counted pairs (plus 1 warm-up)")
+    p.add_argument("--bytecode", choices=("as-is", "cached"), default="as-is")
+    args = p.parse_args(argv)
+    if args.pairs < 1:
+        p.error(f"--pairs {args.pairs}: expected at least 1 pair of interpreters")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    with tempfile.TemporaryDirectory(prefix="bench_startup-") as tmp:
+        cwd = compiled_copy(pathlib.Path(tmp)) if args.bytecode == "cached" else REPO
+        import_cpu(1, env, cwd=cwd)  # warm-up: the file caches
+        found = import_cpu(args.pairs, env, cwd=cwd)
+    median = {side: {key: statistics.median(values) for key, values in found[side].items()}
+              for side in ("torch", "engine")}
+    print(f"import torch, {RUN_IMPORTS} against import torch: CPU seconds, medians of "
+          f"{args.pairs} interleaved pairs of fresh interpreters, bytecode {args.bytecode} "
+          f"(PYTHONDONTWRITEBYTECODE={env.get('PYTHONDONTWRITEBYTECODE', '')!r}), load "
+          f"average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    for side, values in median.items():
+        exit_s = statistics.median(map(operator.sub, found[side]["total"],
+                                       found[side]["imports"]))
+        parts = ", ".join(f"{key} {value:.3f}" for key, value in values.items())
+        print(f"  {side:<6} {parts}, exit {exit_s:.3f}")
+    per_pair = map(operator.truediv, found["engine"]["total"], found["torch"]["total"])
+    total, imports = (median["engine"][key] / median["torch"][key]
+                      for key in ("total", "imports"))
+    print(f"  ratio: start to exit {total:.3f} (median of the pairs' "
+          f"{statistics.median(per_pair):.3f}); imports {imports:.3f}; within "
+          f"the engine processes {statistics.median(found['within']):.3f} "
+          f"[{min(found['within']):.3f}..{max(found['within']):.3f}]")
+    return 0
 
 
 # ------------------------------------------------------------------- the benchmark
@@ -290,6 +401,8 @@ def parse_hand_written_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark, also on a GPU machine
+    if argv[:1] == ["imports"]:
+        return imports_main(argv[1:])
     if argv[:1] == ["hand-written"]:
         hand_written_main(parse_hand_written_args(argv[1:]))
         return 0

@@ -35,12 +35,26 @@ def test_bench_startup_times_both_commands_and_finds_the_same_weights(tmp_path):
     assert "weights the same" in proc.stdout
 
 
-def test_bench_startup_refuses_a_batch_that_does_not_split(capsys):
+def load_tool():
     spec = importlib.util.spec_from_file_location("bench_startup", TOOL)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    return tool
+
+
+def test_bench_startup_refuses_a_batch_that_does_not_split(capsys):
     with pytest.raises(SystemExit) as exc:
-        tool.parse_args(["--nproc", "1,2", "--batch", "63"])
+        load_tool().parse_args(["--nproc", "1,2", "--batch", "63"])
     assert exc.value.code == 2
     assert ("error: --size must hold one --batch, which must split evenly over --nproc"
             in capsys.readouterr().err)
+
+
+def test_bench_startup_imports_refuses_no_pairs(capsys, monkeypatch):
+    # Its measurement itself runs in tests/engine/test_imports.py's import-cost guard.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # main() sets it: restored after
+    with pytest.raises(SystemExit) as exc:
+        load_tool().main(["imports", "--pairs", "0"])
+    assert exc.value.code == 2
+    assert ("bench_startup.py imports: error: --pairs 0: expected at least 1 pair of "
+            "interpreters" in capsys.readouterr().err)
