@@ -22,6 +22,13 @@ import pytest
 # Read once, when torch loads OpenMP: set here, before any import of torch, for this
 # process, and inherited by every process the tests start (engine_env copies os.environ).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Bytecode caches, where the environment turned them off (PYTHONDONTWRITEBYTECODE=1, as
+# on the CI machines): without them every interpreter the suite starts (torchrun agents
+# and workers, srun tasks, spawned workers, inner pytest runs) compiles the engine again,
+# and every pytest worker rewrites every test module's asserts again (issue 46). They are
+# written under __pycache__ (ignored by git), each file atomically.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 from engine import testing  # noqa: E402 (after the OpenMP setting)
 from engine.testing import read_summary  # noqa: E402,F401 (the tests import it from here)
@@ -308,6 +315,46 @@ def pytest_collection_modifyitems(items):
     for item in items:
         _mark_slow(item)
     items.sort(key=_turn)  # stable: the rest keep their order
+
+
+# ------------------------------------------------------------- no choice from the clock
+#
+# A test's outcome must not depend on how fast the machine is. The one choice the engine
+# makes from measured times is the memory tier's interval at its default,
+# checkpoint.memory_every_steps=auto: a run that took a memory snapshot on a slow machine
+# resumed from memory where its test asserted a resume from disk (CI, issue 46). The
+# helpers that start runs pin it (engine.testing.pinned); a test about the choice itself
+# gives `auto` and says so with @pytest.mark.clock. After each other test, a run left in
+# its tmp_path that chose from the clock fails it, whichever way the run was started.
+
+
+def _chose_from_the_clock(folder: pathlib.Path) -> list[str]:
+    import json
+
+    chose = []
+    for summary in folder.rglob("summary.json"):
+        try:
+            record = json.loads(summary.read_text()).get("memory_snapshots") or {}
+        except (OSError, ValueError, AttributeError):
+            continue  # not a run's summary (a test's own file, a half-written one)
+        if isinstance(record, dict) and record.get("auto"):
+            chose.append(str(summary.parent))
+    return chose
+
+
+@pytest.fixture(autouse=True)
+def _runs_do_not_choose_from_the_clock(request):
+    yield
+    folder = request.node.funcargs.get("tmp_path") if hasattr(request.node, "funcargs") \
+        else None
+    if folder is None or request.node.get_closest_marker("clock") is not None:
+        return
+    chose = _chose_from_the_clock(folder)
+    assert not chose, (
+        f"{', '.join(chose)}: the run chose its memory interval from measured times "
+        "(checkpoint.memory_every_steps=auto), so the test's outcome depends on the "
+        "machine's speed; pin it (checkpoint.memory_every_steps=N, as engine.testing."
+        "pinned does) or mark the test @pytest.mark.clock if the choice is what it tests")
 
 
 def pytest_runtest_logreport(report):

@@ -27,6 +27,23 @@ BAD_SKIP = '''
 def test_skipped_for_no_good_reason():
     pytest.skip("the data is not there")
 '''
+# What a run leaves whose memory interval auto chose from measured times; left to the
+# clock without a word, it fails its test; under @pytest.mark.clock it is what is tested.
+CLOCK = '''
+import json
+
+def chose_from_the_clock(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text(json.dumps(
+        {"memory_snapshots": {"every_steps": 4, "auto": True}}))
+
+def test_a_run_left_to_the_clock(tmp_path):
+    chose_from_the_clock(tmp_path)
+
+@pytest.mark.clock
+def test_a_run_about_the_clock(tmp_path):
+    chose_from_the_clock(tmp_path)
+'''
 
 
 def run_suite(tmp_path, source: str, *options: str, modules: dict[str, str] | None = None,
@@ -46,9 +63,26 @@ def test_only_cuda_skips_pass_and_any_other_skip_fails_the_session(tmp_path, opt
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
     assert "no CUDA device" in allowed.stdout  # -rs: the reason is printed
 
-    bad = run_suite(tmp_path, SUITE + BAD_SKIP, *options)
+    bad = run_suite(tmp_path, SUITE + BAD_SKIP + CLOCK, *options)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "test_skipped_for_no_good_reason was skipped: only tests marked cuda" in bad.stdout
+    # The run folder of the test that left the choice to the clock fails it at its
+    # tear-down; the marked one passes.
+    assert "ERROR at teardown of test_a_run_left_to_the_clock" in bad.stdout, bad.stdout
+    assert "the run chose its memory interval from measured times" in bad.stdout
+    assert "1 error" in bad.stdout and "test_a_run_about_the_clock" not in bad.stdout
+
+
+def test_a_recipe_run_started_by_the_helpers_gets_a_fixed_memory_interval():
+    from engine.testing import pinned
+
+    fixed = "checkpoint.memory_every_steps=0"
+    assert pinned(["r.py", "epochs=1"]) == ["r.py", fixed, "epochs=1"]
+    assert pinned(["-p", "tests.fault_plugin", "r.py"])[-1] == fixed
+    asked = ["r.py", "checkpoint.memory_every_steps=auto"]  # a test of the choice itself
+    assert pinned(asked) == asked
+    for command in (["tune-workers", "r.py"], ["doctor"], ["export", "runs/x"]):
+        assert pinned(command) == command  # no training run: nothing to pin
 
 
 SLURM_MODULE = '''

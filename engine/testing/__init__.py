@@ -33,7 +33,8 @@ or on the command line: ``pytest -p engine.testing``. Fixtures:
     subprocess instead), whose spawn launcher forks its workers from it as well
     (``ENGINE_START_METHOD=fork`` unless ``env`` says otherwise); ``read_summary(out_dir)``: a run's
     summary.json; ``engine_env(extra)``: the environment for a test run (CPU only, no
-    launcher variables).
+    launcher variables). A recipe's run gets ``checkpoint.memory_every_steps=0`` unless
+    ARGS set it (:func:`pinned`): ``auto`` would choose from the clock.
 ``run_python(args, env=None, cwd=None, timeout=300, check=False)`` (a function)
     ``python ARGS`` (a script, ``-m MODULE`` or ``-c CODE``) forked from the same warm
     server, for tools and example scripts.
@@ -134,6 +135,32 @@ def build_optimizer(cfg, model):
 '''
 
 
+#: The memory tier's interval a test run gets unless its arguments give one: the default,
+#: ``auto``, chooses from measured times, and no test's outcome may depend on the clock.
+PINNED_MEMORY_INTERVAL = "checkpoint.memory_every_steps=0"
+
+
+def pinned(args: Sequence[str]) -> list[str]:
+    """``engine-run ARGS`` with :data:`PINNED_MEMORY_INTERVAL` after the recipe (a ``.py``
+    file), unless ARGS set ``checkpoint.memory_every_steps`` (``=auto`` to test the
+    choice itself); commands (``tune-workers RECIPE``, ``doctor``) are left as they are."""
+    args = [str(a) for a in args]
+    recipe = next((i for i, a in enumerate(args) if a.endswith(".py")), None)
+    command = recipe != 0 and not args[0].startswith("-")  # engine-run COMMAND ...
+    if recipe is None or command or any(a.startswith("checkpoint.memory_every_steps=")
+                                        for a in args):
+        return args
+    return [*args[:recipe + 1], PINNED_MEMORY_INTERVAL, *args[recipe + 1:]]
+
+
+def fit(recipe, **arguments: Any) -> dict:
+    """``engine.fit`` with the memory tier's interval pinned as :func:`pinned` pins
+    engine-run's, unless ``arguments`` give it."""
+    from engine import fit as engine_fit  # imports torch: lazily (see the imports)
+
+    return engine_fit(recipe, **{PINNED_MEMORY_INTERVAL.split("=")[0]: 0, **arguments})
+
+
 def engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """os.environ for a test run: CPU only, no launcher variables, unbuffered output."""
     env = {k: v for k, v in os.environ.items()
@@ -184,7 +211,7 @@ def run_engine(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd
     command and its output. The process is forked from a warm server that has torch
     imported (:mod:`engine.testing.warm_start`; ``ENGINE_TEST_FORK=0`` turns that off); with
     ``program`` (``["engine-run"]``), that program runs in a plain subprocess."""
-    env = dict(env) if env is not None else engine_env()
+    env, args = dict(env) if env is not None else engine_env(), pinned(args)
     if program is None and _forkable(env):
         # The server has torch imported: its spawn launchers fork their workers from it
         # too, unless the test chose (2-5 s saved per run; engine.launch_env.start_method).
@@ -216,7 +243,7 @@ def start_engine(args: Sequence[str], *, env: Mapping[str, str] | None = None, c
     """``engine-run ARGS`` started as :func:`run_engine` runs it, returned at once: a
     process handle with subprocess.Popen's ``pid`` (its own session), ``poll``,
     ``wait``, ``kill`` and ``communicate`` (text output)."""
-    env = dict(env) if env is not None else engine_env()
+    env, args = dict(env) if env is not None else engine_env(), pinned(args)
     if _forkable(env):
         env.setdefault(START_METHOD_ENV, "fork")  # as run_engine
         return _warm_starter().start(args, env=env, cwd=cwd)

@@ -83,12 +83,12 @@ def test_a_worker_continues_the_launching_processes_table(clock, monkeypatch):
 def test_a_verbose_run_prints_rank_0s_phases_once_and_the_commands_end(cifar_recipe,
                                                                        tmp_path):
     proc = run_cli(cifar_recipe, *QUICK, f"out_dir={tmp_path / 'run'}", "--nproc", "2",
-                   "-v", check=True)
+                   "checkpoint.memory_every_steps=1", "-v", check=True)
     assert proc.stdout.count("phases (rank 0), seconds:") == 1
     table = proc.stdout.split("phases (rank 0), seconds:\n")[1].splitlines()
     rows = [re.fullmatch(r"  (\S.*?)\s+(\d+\.\d+)\s+(\d+\.\d+)  at\s+(\d+\.\d+)", line)
             for line in table[1:16]]
-    # The memory snapshots' row first: by default (auto) they start at the first step.
+    # The memory snapshots' row first: at memory_every_steps=1 they start at step 1.
     assert [row.group(1) for row in rows] == [
         "command set-up", "worker start", "imports, plugins, recipe",
         "seed, threads, device", "process group", "health check groups", "data, model",

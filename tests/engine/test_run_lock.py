@@ -10,10 +10,9 @@ import time
 
 import pytest
 
-import engine
 from engine.errors import LaunchError
 from engine.run_lock import LOCK_FILE, holding
-from engine.testing import start_engine
+from engine.testing import fit, start_engine
 from tests import conftest
 from tests.conftest import REPO, read_summary, run_cli
 
@@ -79,11 +78,11 @@ def test_the_library_doors_hold_the_lock_too(tmp_path):
         assert holder.stdout.readline() == "held\n"
         with pytest.raises(LaunchError, match=rf"^engine.fit: out_dir .* is in use by another "
                                               rf"run \(host .*, pid {holder.pid}, started "):
-            engine.fit(RECIPE, nproc=1, out_dir=out, epochs=1)
+            fit(RECIPE, nproc=1, out_dir=out, epochs=1)
     finally:
         holder.kill()
         holder.wait()
-    assert engine.fit(RECIPE, nproc=1, out_dir=out, epochs=1)["status"] == "completed"
+    assert fit(RECIPE, nproc=1, out_dir=out, epochs=1)["status"] == "completed"
     assert (tmp_path / "run" / LOCK_FILE).exists()  # left in place, unlocked
 
 

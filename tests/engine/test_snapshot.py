@@ -271,6 +271,7 @@ def test_ranks_that_propose_different_intervals_take_the_longest_at_the_same_ste
         assert after - before <= max(schedule[before], schedule[after]), (before, after)
 
 
+@pytest.mark.clock  # the costs are injected: rank 1's 0.3 s dwarfs the machine's noise
 def test_two_ranks_whose_snapshots_cost_differently_snapshot_at_the_same_steps(
         reference, tmp_path):
     """memory_every_steps=auto (the default) on 2 gloo processes, rank 1's snapshots made
@@ -286,7 +287,8 @@ def test_two_ranks_whose_snapshots_cost_differently_snapshot_at_the_same_steps(
     env = engine_env(ENGINE_BALLAST_MB="0.001", ENGINE_BALLAST_SLOW="1:0.3",
                      ENGINE_BALLAST_RECORD=str(record))
     run_cli(RECIPE, "epochs=3", "log_every=2", "checkpoint.every_steps=0", f"out_dir={out}",
-            "--nproc", "2", "-p", "tests.ballast_plugin", env=env, check=True)
+            "checkpoint.memory_every_steps=auto", "--nproc", "2", "-p",
+            "tests.ballast_plugin", env=env, check=True)
     summary = read_summary(out)
     measured = [json.loads((record / f"memory-r{r}.json").read_text()) for r in (0, 1)]
     assert summary["memory_snapshots"] == measured[0]
@@ -322,8 +324,10 @@ def test_killed_run_resumes_to_identical_weights(reference, tmp_path, nproc, wor
         fault["ENGINE_FAULT_EPOCH"] = "1"  # right after epoch 0's snapshot
     else:
         fault["ENGINE_FAULT_STEP"] = str(mid_epoch_step())
+    # From disk: the memory tier off, not left to auto's clock (which once took a memory
+    # snapshot on a loaded machine); test_memory_resume.py resumes from memory.
     args = (RECIPE, *BASE, f"num_workers={workers}", f"out_dir={out}", "--nproc", str(nproc),
-            "-p", "tests.fault_plugin")
+            "checkpoint.memory_every_steps=0", "-p", "tests.fault_plugin")
     killed = run_cli(*args, env=engine_env(**fault))
     assert killed.returncode != 0, f"the fault was not injected: {fault}\n{killed.stderr}"
     # Rank 0 records the failure when it notices the lost rank before it is stopped.

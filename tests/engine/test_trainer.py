@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import engine
+from engine.testing import fit
 from engine.errors import ConfigError, EngineError
 from engine.recipe import recipe_from_object
 from engine.trainer import (EarlyStopping, LogWindow, MetricSums, NonFiniteLoss,
@@ -418,8 +419,8 @@ def test_reduce_lr_on_plateau_steps_on_the_named_metric_and_resumes_exactly(
     lrs = {epoch: value for _, epoch, name, value in rows if name == "lr"}
     assert lrs == {1: 1e-6, 2: 1e-6, 3: 5e-7}  # the lr each epoch trained with
     first_loss = next(value for _, epoch, name, value in rows if name == "val/loss")
-    summary = engine.fit(plateau_recipe, nproc=1, out_dir=str(out), epochs=4,
-                         scheduler_metric="val/loss")
+    summary = fit(plateau_recipe, nproc=1, out_dir=str(out), epochs=4,
+                  scheduler_metric="val/loss")
     assert summary["resumed_from"] and summary["epochs_completed"] == 4
     saved = torch.load(out / summary["final_checkpoint"], weights_only=True)["scheduler"]
     assert saved["best"] == pytest.approx(first_loss, rel=1e-6)
@@ -430,7 +431,7 @@ def test_a_plateau_scheduler_without_a_metric_is_refused_before_training(plateau
                                                                          tmp_path):
     out = tmp_path / "run"
     with pytest.raises(ConfigError) as info:
-        engine.fit(plateau_recipe, nproc=1, out_dir=str(out), epochs=2)
+        fit(plateau_recipe, nproc=1, out_dir=str(out), epochs=2)
     assert str(info.value) == (
         "the recipe's build_scheduler returned a ReduceLROnPlateau, which steps on a "
         "metric: name it with scheduler_metric=NAME (a metric of the epoch, e.g. val/loss)")
@@ -439,8 +440,8 @@ def test_a_plateau_scheduler_without_a_metric_is_refused_before_training(plateau
     with pytest.raises(ConfigError, match=r"^config key 'scheduler_metric': 'val/los' is not "
                                           r"a metric this run logs at an epoch's end \(did "
                                           r"you mean 'val/loss'\?\); it logs: val/loss, "):
-        engine.fit(plateau_recipe, nproc=1, out_dir=str(out), epochs=2,
-                   scheduler_metric="val/los")
+        fit(plateau_recipe, nproc=1, out_dir=str(out), epochs=2,
+            scheduler_metric="val/los")
 
 
 def plateau(mode="min"):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import engine
+from engine.testing import fit
 from engine.checkpoint import model_digest, plain_keys
 from engine.config import CompileConfig
 from engine.errors import ConfigError
@@ -65,8 +66,8 @@ def doors(tmp_path_factory):
             "Config", "build_model", "build_datasets", "build_optimizer", "train_step",
             "eval_step")},
         on_train_end=lambda cfg, ctx: seen.update(model_report(ctx.module)))
-    summary = engine.fit(recipe, nproc=1, out_dir=str(root / "fit"), **SETTINGS,
-                         **{f"compile.{key}": value for key, value in COMPILE.items()})
+    summary = fit(recipe, nproc=1, out_dir=str(root / "fit"), **SETTINGS,
+                  **{f"compile.{key}": value for key, value in COMPILE.items()})
     assert summary["status"] == "completed"
     loop = engine.launch(recipe_loop, nproc=1, config=tiny.Config(
         out_dir=str(root / "loop"), compile=CompileConfig(**COMPILE), **SETTINGS))

@@ -13,7 +13,7 @@ import torch
 
 from engine.checkpoint import model_digest
 from engine.errors import ConfigError
-from engine.testing import make_engine, make_plugin_manager, tiny_recipe  # noqa: F401 (fixtures)
+from engine.testing import fit, make_engine, make_plugin_manager, tiny_recipe  # noqa: F401 (fixtures)
 from tests.conftest import QUICK, read_summary, run_cli
 
 
@@ -182,8 +182,8 @@ def test_a_synthetic_set_without_samples_is_refused_before_any_worker(cifar_reci
     import engine
 
     with pytest.raises(ConfigError) as info:
-        engine.fit(cifar_recipe, nproc=1, out_dir=str(tmp_path / "run"),
-                   **{"data.source": "synthetic", "data.synthetic_size": 0})
+        fit(cifar_recipe, nproc=1, out_dir=str(tmp_path / "run"),
+            **{"data.source": "synthetic", "data.synthetic_size": 0})
     assert str(info.value) == ("config key 'data.synthetic_size': '0' is not allowed: "
                                "'synthetic_size' must be >= 1: 0")
     assert not (tmp_path / "run").exists()

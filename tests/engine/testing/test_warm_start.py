@@ -47,7 +47,8 @@ def test_a_run_gets_the_environment_and_directory_it_was_given(starter, tmp_path
     env = engine_env(MARK="42", PYTHONPATH=f"{tmp_path}:{REPO}")
     proc = starter.run([str(REPO / "recipes" / "cifar_ddp.py"), "data.source=synthetic",
                         "data.synthetic_size=64", "epochs=1", "out_dir=rel", "--nproc", "1",
-                        "-p", "here_plugin"], env=env, cwd=tmp_path, timeout=240)
+                        "checkpoint.memory_every_steps=0", "-p", "here_plugin"], env=env,
+                       cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr
     assert f"MARK 42 {tmp_path}" in proc.stdout
     assert (tmp_path / "rel" / "summary.json").exists()
