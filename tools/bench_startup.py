@@ -173,12 +173,14 @@ def child_cpu(snippet: str, env: dict | None,
 
 
 def import_cpu(pairs: int, env: dict | None = None, *, torch_alone: bool = True,
-               cwd: pathlib.Path = REPO, modules: str = RUN_IMPORTS) -> dict:
+               cwd: pathlib.Path = REPO, modules: str = RUN_IMPORTS,
+               exits: bool = True) -> dict:
     """``pairs`` interleaved pairs of fresh interpreters started in ``cwd`` (and importing
     from there): ``import torch`` alone (left out without ``torch_alone``), and torch then
     ``modules``. Per side, lists of CPU seconds: ``total`` (start to exit), ``imports``
     (to the end of the imports), ``torch`` (the engine side's, to the end of torch's);
-    ``within``: each engine process's imports / torch."""
+    ``within``: each engine process's imports / torch. Without ``exits`` each ends with
+    os._exit, as engine-run's processes do, sparing the third of the CPU its exit takes."""
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(cwd), env.get("PYTHONPATH")]))
     found = {"torch": {"total": [], "imports": []},
@@ -187,6 +189,8 @@ def import_cpu(pairs: int, env: dict | None = None, *, torch_alone: bool = True,
         sides = ["torch", "engine"] if index % 2 else ["engine", "torch"]
         for side in sides if torch_alone else ["engine"]:
             snippet = TORCH_ALONE if side == "torch" else SPLIT.format(modules)
+            if not exits:
+                snippet += "; import os, sys; sys.stdout.flush(); os._exit(0)"
             cpu, printed = child_cpu(snippet, env, cwd)
             *at_torch, at_end = map(float, printed.split())
             found[side]["total"].append(cpu)
