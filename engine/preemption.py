@@ -27,6 +27,8 @@ import struct
 import sys
 import time
 
+from engine.processes import spawned_here
+
 #: A second signal this soon after the first is the same request delivered twice: a
 #: signal sent to the whole process group (``scancel --signal``, ``kill -- -PGID``, the
 #: SLURM time limit) reaches each worker directly and again forwarded by its launcher.
@@ -159,8 +161,6 @@ class PreemptionFlag:
         """How soon a second signal counts as the first one again. A second Ctrl-C is
         the user's, but in a worker spawn_workers started: its launcher passes Ctrl-C
         on (and kills it on a second one)."""
-        from engine.processes import spawned_here
-
         return 0.0 if signum == signal.SIGINT and not spawned_here() else DUPLICATE_WINDOW_S
 
 

@@ -39,7 +39,7 @@ from engine.plugin_manager import (BUILTIN_PLUGINS, build_plugin_manager,
                                    packages_distributions)
 from engine.recipe import load_recipe
 
-# torch is imported by the functions that start or become workers: not by the launcher.
+# torch is imported inside the functions that start or become workers: not by the launcher.
 
 #: What the zygote preloads (the launcher's sys.path, the recipe, the plugins), handed
 #: through its environment: multiprocessing passes it no arguments of ours.
