@@ -17,9 +17,6 @@ import pytest
 
 from tests.conftest import REPO, engine_env, read_summary, run_cli
 
-pytest.importorskip("transformers")
-datasets = pytest.importorskip("datasets")
-
 RECIPE = str(REPO / "examples" / "hf_causal_lm.py")
 TINY = ("model.layers=1", "model.heads=2", "model.width=16", "model.context=15",
         "batch_size=8", "log_every=2", "data.group_records=1000")
@@ -40,6 +37,10 @@ def hf_env(tmp, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
+    # Imported here, not with the module: every pytest worker collects this module, and
+    # datasets (pyarrow, pandas) costs seconds of CPU to import; one worker runs it.
+    import datasets
+
     tmp = tmp_path_factory.mktemp("hf-data")
     records = [record(i) for i in range(56)]
     for k, part in enumerate((records[:40], records[40:])):
