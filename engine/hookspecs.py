@@ -1,35 +1,16 @@
 """Every hook the engine calls, in one module, all with the ``engine_`` prefix.
 
-Each docstring states the hook's *kind* on a line ``Kind: ...``:
+Each docstring states the hook's *kind* on a line ``Kind: ...`` (registration,
+historic, notification, first result: docs/plugins.md, "Kinds", says what each means),
+and ends with the version that added the hook and, for any argument added later, the
+version that added that argument ("Since 0.1." / "``foo`` since 0.2."): signatures only
+grow, by arguments implementations may leave out. The order in which ``engine-run`` and
+a custom loop fire them is in docs/plugins.md, "Hooks in the order they fire".
 
-- **registration**: called once at start-up in every process, one plugin at a time in
-  registration order (built-ins first, then entry points, then ``-p`` extras); the
-  plugin adds components to a :class:`engine.registry.Registry`. A name registered twice
-  is an error naming both plugins. Cannot be a wrapper.
-- **historic**: remembered by the plugin manager and replayed to plugins registered
-  later, so late plugins see it too. Cannot be a wrapper.
-- **notification**: every implementation is called, results are ignored. Any
-  notification hook may be implemented as a wrapper (``@engine.hookimpl(wrapper=True)``,
-  a generator that yields once) to run code around the other implementations.
-- **first result**: implementations are called until one returns something other than
-  ``None``; that value is the answer (``engine_requeue``).
-
-The ``ctx`` argument is the run object: the worker's :class:`engine.engine.Engine` under
-``engine-run``, or the :class:`engine.api.Context` of a custom loop: both are an
-:class:`engine.context.WorkerContext`, and :class:`RunContext` below lists what a plugin
-may use on either; anything else (``recipe``, ``train_loader``...) is ``Engine``-only.
-``engine`` is its name before 0.3: every hook with ``ctx`` also passes the same object
-as ``engine`` until 0.4.0, and a plugin that asks for ``engine`` is warned once at
-registration (engine/plugin_manager.py: :class:`RunHookCaller`).
-
-The order in which ``engine-run`` and a custom loop fire them is written in one place,
-docs/plugins.md, "Hooks in the order they fire" (tests/engine/test_hookspecs.py checks
-that it names every hook below and that a run fires them so).
-
-Signatures only ever grow, by arguments that implementations may leave out (pluggy
-passes an implementation only the arguments it names). Each docstring ends with the
-version that added the hook and, for any argument added later, the version that added
-that argument ("Since 0.1." / "``foo`` since 0.2.").
+The ``ctx`` argument is the run object, an :class:`engine.context.WorkerContext` (the
+worker's ``Engine``, or a custom loop's ``Context``); :class:`RunContext` lists what a
+plugin may use on either. Hooks with ``ctx`` also pass it as ``engine``, its name before
+0.3, until 0.4.0 (engine/plugin_manager.py: :class:`RunHookCaller`).
 """
 
 from __future__ import annotations
@@ -122,7 +103,6 @@ def engine_register_launchers(registry):
     the world. The class must subclass :class:`engine.launcher.Launcher`.
 
     Kind: registration. Fires at start-up in every process (CLI and workers).
-
     Since 0.1.
     """
 
@@ -137,7 +117,6 @@ def engine_register_parallel(registry):
     :class:`engine.parallel.Parallel`.
 
     Kind: registration. Fires at start-up in every process (CLI and workers).
-
     Since 0.1.
     """
 
@@ -151,7 +130,6 @@ def engine_register_checkpointers(registry):
     :class:`engine.checkpoint.Checkpointer`.
 
     Kind: registration. Fires at start-up in every process (CLI and workers).
-
     Since 0.1.
     """
 
@@ -161,15 +139,13 @@ def engine_register_config_groups():
     """Return the config groups this plugin adds: ``{"name": AttrsClass}``.
 
     Each group becomes a field of every run's config at the class's defaults, so that
-    ``cfg.name.field`` works and ``engine-run RECIPE name.field=value`` sets it, with
-    the same conversion and one-line errors as the recipe's own groups (the ddp plugin
-    adds ``ddp``: ``ddp.find_unused_parameters=true``). A recipe that declares a field
-    of that name keeps its own. A group name taken by two plugins is an error naming
-    both. Code that reads the group should fall back to the defaults when a config
-    was built without the plugin manager (``getattr(cfg, "name", None)``).
+    ``cfg.name.field`` works and ``engine-run RECIPE name.field=value`` sets it, like
+    the recipe's own groups (the ddp plugin adds ``ddp``). A recipe that declares a
+    field of that name keeps its own; a name taken by two plugins is an error. Code that
+    reads the group should fall back to the defaults when a config was built without the
+    plugin manager (``getattr(cfg, "name", None)``).
 
     Kind: registration. Fires at start-up in every process (CLI and workers).
-
     Since 0.2.
     """
 
@@ -182,7 +158,6 @@ def engine_register_commands():
 
     Kind: registration. Fires in the ``engine-run`` process when its first argument is
     not a built-in command or a file.
-
     Since 0.2.
     """
 
@@ -199,7 +174,6 @@ def engine_addoption(parser):
 
     Kind: historic. Fires once in the ``engine-run`` process, before the command line
     is parsed; not in custom loops.
-
     Since 0.1.
     """
 
@@ -222,7 +196,6 @@ def engine_register_state(engine, parts, ctx: WorkerContext):
     Kind: registration. Fires on every rank, once per run, one plugin at a time, after
     the model (``ctx.module``), optimizer, scheduler and scaler exist and before the
     resume: under ``engine-run`` in set-up, in a custom loop in ``ctx.wrap``.
-
     Since 0.2.
     ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
@@ -235,7 +208,6 @@ def engine_run_start(engine, ctx: WorkerContext):
 
     Kind: notification. Fires on every rank (``ctx.is_rank0`` tells which), once per
     run, under ``engine-run`` only.
-
     Since 0.1.
     ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
@@ -247,7 +219,6 @@ def engine_epoch_start(engine, epoch, ctx: WorkerContext):
     ``sampler.set_epoch`` counts: the console's ``epoch epoch+1/N``.
 
     Kind: notification. Fires on every rank, under ``engine-run`` only.
-
     Since 0.1.
     ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
@@ -259,12 +230,9 @@ def engine_train_step_end(engine, step, loss, ctx: WorkerContext):
     ``loss`` the step's loss tensor, still on the device (calling ``.item()`` forces a
     host-device synchronisation every step: accumulate on the device instead).
 
-    Kind: notification. Fires on every rank. When no plugin implements this hook the
-    Trainer does not call it at all, so it costs nothing. The Trainer looks once, after
-    ``engine_run_start``: a plugin that needs it only in some runs may register an
-    object implementing it there, with ``ctx.pm.register`` (the profiler does, when
-    ``profile.steps`` is set), and unregister it at ``engine_run_end``.
-
+    Kind: notification. Fires on every rank; not called at all when no plugin implements
+    it, as the Trainer sees after ``engine_run_start`` (where a plugin may
+    ``ctx.pm.register`` an implementation, as the profiler does: docs/plugins.md).
     Since 0.1.
     ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
@@ -285,7 +253,6 @@ def engine_before_optimizer_step(engine, step, optimizer, ctx: WorkerContext):
 
     Kind: notification. Fires on every rank, under ``engine-run`` only. When no plugin
     implements this hook the Trainer does not call it at all, so it costs nothing.
-
     Since 0.2.
     ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
@@ -293,15 +260,10 @@ def engine_before_optimizer_step(engine, step, optimizer, ctx: WorkerContext):
 
 @hookspec
 def engine_log(engine, metrics, step, ctx: WorkerContext):
-    """Scalars to record: ``metrics`` maps names such as ``train/loss``, ``val/loss``,
-    ``train/samples_per_sec`` (``train/<unit>_per_sec`` in a recipe's own unit; the epoch's:
-    ``train/epoch_samples_per_sec``) or ``lr``
-    to Python floats, at global optimizer step ``step``. Logger plugins (console,
-    TensorBoard, CSV, W&B...) implement this.
-    ``train/loss`` is always the mean of one log window, ``train/epoch_loss`` the epoch's
-    mean (docs/outputs.md: metric names). ``ctx.state.epoch`` is the index of the epoch the
-    metrics belong to (the epoch's own metrics included): epoch ``state.epoch + 1`` as
-    the console counts.
+    """Scalars to record: ``metrics`` maps names (``train/loss``, ``val/loss``, ``lr``...:
+    docs/outputs.md, metric names) to Python floats, at global optimizer step ``step``.
+    Logger plugins implement this. ``ctx.state.epoch`` is the index of the epoch the
+    metrics belong to: epoch ``state.epoch + 1`` as the console counts.
 
     Kind: notification. Fires on rank 0 only: every ``log_every`` steps during training
     (the window before: the mean over all ranks arrives one window after its check
@@ -309,7 +271,6 @@ def engine_log(engine, metrics, step, ctx: WorkerContext):
     with ``step=20``), once per epoch with the epoch's metrics after validation, and once
     as training starts or resumes with ``world_size`` (how many processes train from
     that step); in a custom loop, whenever it calls ``ctx.log``.
-
     Since 0.1.
     ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
@@ -323,7 +284,6 @@ def engine_validation_start(engine, epoch, ctx: WorkerContext):
 
     Kind: notification. Fires on every rank, after the epoch's training and before its
     validation (when the recipe has a validation set), under ``engine-run`` only.
-
     Since 0.2.
     ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
@@ -336,7 +296,6 @@ def engine_validation_end(engine, epoch, metrics, ctx: WorkerContext):
 
     Kind: notification. Fires on every rank, right after validation, before the
     epoch's ``engine_log``, under ``engine-run`` only.
-
     Since 0.2.
     ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
@@ -351,7 +310,6 @@ def engine_epoch_end(engine, epoch, metrics, ctx: WorkerContext):
 
     Kind: notification. Fires on every rank, after that epoch's ``engine_log``, under
     ``engine-run`` only.
-
     Since 0.1.
     ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
@@ -365,7 +323,6 @@ def engine_run_end(engine, summary, ctx: WorkerContext):
     Loggers flush and close their files here.
 
     Kind: notification. Fires on every rank, last, however the run ended.
-
     Since 0.1.
     ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
@@ -378,7 +335,6 @@ def engine_exception(engine, exc, ctx: WorkerContext):
 
     Kind: notification. Fires on every rank that raised, just before
     ``engine_run_end``.
-
     Since 0.1.
     ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
@@ -393,14 +349,11 @@ def engine_requeue(engine, ctx: WorkerContext):
     ask the scheduler that runs this job to start it again, so that it resumes. Return
     one line for the log saying what happened (``"job 42 requeued"``, or why not), or
     None when this job is not the plugin's scheduler's: the next plugin is asked. Do
-    not raise: the run is stopping either way. The slurm plugin answers for SLURM jobs
-    (``scontrol requeue``); when no plugin answers the engine says the job was not
-    requeued. The scheduler, not the launcher: a batch script that runs ``engine-run``
-    with the spawn launcher is still a SLURM job.
+    not raise: the run is stopping either way. The scheduler, not the launcher: a batch
+    script that runs ``engine-run`` with the spawn launcher is still a SLURM job.
 
     Kind: first result. Fires on rank 0 only, once, after ``engine_run_end`` of a run
     that ended ``"preempted"`` with ``requeue=true``, under ``engine-run`` only.
-
     Since 0.2.
     ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
@@ -411,12 +364,9 @@ def engine_register_run_files():
     """Return the names of the files and folders this plugin writes in a run's
     ``out_dir`` (the csv logger: ``["metrics.csv"]``; tensorboard:
     ``["tensorboard"]``): names directly inside ``out_dir``, no paths. ``--overwrite``
-    removes them with the engine's own (checkpoints, summary.json, config.json) and
-    nothing else (a data folder or notes the user keeps there stay); ``engine-run
-    plugins`` lists them. A name with a ``/``, or anything but a list of names, is a
-    PluginError naming the plugin.
+    removes them with the engine's own and nothing else; ``engine-run plugins`` lists
+    them. Anything but a list of plain names is a PluginError naming the plugin.
 
     Kind: registration. Fires when the plugin manager is built, in every process.
-
     Since 0.2.
     """
