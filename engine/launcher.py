@@ -1,34 +1,23 @@
 """Launchers: how the worker processes come into being, and where each one stands.
 
 A launcher either starts the workers itself (``spawn``, and ``slurm`` with one task per
-node) or adopts the process it runs in, reading the variables another tool set
-(torchrun, SLURM, legacy launch). Either way it ends by calling ``worker(world)`` once
-in every worker process, and it checks the numbers (ranks, sizes, node lists, ports)
-before any process group exists.
+node) or adopts the process it runs in, reading the variables another tool set. Either
+way it calls ``worker(world)`` once in every worker process, and it checks the numbers
+(ranks, sizes, node lists, ports) before any process group exists.
 
-Detection order, when ``--launcher`` is not given (the registered launchers sorted by
-``priority``, lower first; the first whose :meth:`Launcher.detect` is true wins):
+Detection order without ``--launcher``: the registered launchers by ``priority``, lower
+first, the first whose :meth:`Launcher.detect` is true (the signs each reads:
+docs/launchers.md):
 
-1. ``legacy`` (10): ``python -m torch.distributed.launch``: a ``--local-rank=N`` /
-   ``--local_rank=N`` argument, a parent process that is ``torch.distributed.launch``,
-   or LOCAL_RANK with RANK and WORLD_SIZE but no TORCHELASTIC_RUN_ID. It comes before
-   torchrun because since PyTorch 2.0 the legacy module *is* torchrun underneath and
-   sets the same variables; only these signs tell the two apart.
-2. ``torchrun`` (20): TORCHELASTIC_RUN_ID, or RANK + LOCAL_RANK + WORLD_SIZE together
-   with torchrun's own GROUP_RANK / LOCAL_WORLD_SIZE.
-3. ``slurm`` (30): a task of a job step (``srun``): SLURM_STEP_ID and SLURM_PROCID set.
-   Not inside an interactive allocation (a ``salloc`` shell has no step; an interactive
-   step, or a job named ``bash``/``interactive``, is a shell, not a training task) and
-   not in the batch script itself: there ``--launcher slurm`` asks for it anyway.
+1. ``legacy`` (10): ``python -m torch.distributed.launch``; before torchrun because
+   since PyTorch 2.0 the legacy module *is* torchrun underneath, with the same variables.
+2. ``torchrun`` (20).
+3. ``slurm`` (30): a task of a job step (``srun``), not an interactive shell.
 4. ``spawn`` (1000): nothing else claimed the process: start the workers here.
 
-Third-party launchers slot in by priority. ``engine-run doctor`` shows what each
-launcher made of the environment.
-
-This module is the interface: :class:`Launcher`, :class:`LaunchOptions` and the choice
-of a launcher. A launcher's helpers live beside it and are importable from here too:
-reading variables and checking ports in ``engine.launch_env``, starting and watching
-local worker processes in ``engine.processes``.
+This module is the interface (:class:`Launcher`, :class:`LaunchOptions`, the choice);
+the helpers live beside it: variables and ports in ``engine.launch_env``, local worker
+processes in ``engine.processes``.
 """
 
 from __future__ import annotations

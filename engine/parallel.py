@@ -1,33 +1,14 @@
 """Parallel modes: which devices a worker uses, and how the model is wrapped.
 
-Built-in modes (one plugin file each, see docs/parallel.md):
+The built-in modes (single, dp, ddp, ddp-multigpu, fsdp: one plugin file each), their
+devices and ``--parallel auto``'s choice by ``priority`` are in docs/parallel.md.
 
-============== ========================================= ==============================
-mode           devices of one process                    gradient reduction
-============== ========================================= ==============================
-single         cuda:0, or the CPU                        none
-dp             every visible GPU (nn.DataParallel)       inside the process
-ddp            cuda:<local rank>, or the CPU             across processes (DDP)
-ddp-multigpu   k GPUs: cuda:<local rank*k .. +k-1>       inside the process, then DDP
-fsdp           cuda:<local rank>, or the CPU             reduce-scattered to shards
-============== ========================================= ==============================
-
-``--parallel auto`` (the default) asks the registered modes in ``priority`` order (lower
-first) and takes the first whose :meth:`Parallel.detect` says yes, as launchers are
-detected: ``ddp`` (10) when there are several processes, ``dp`` (20) when one process
-sees several GPUs, ``single`` (1000) otherwise. A third-party mode takes part by
-defining both; a subclass inherits its parent's, and ties go to the mode registered
-first.
-
-The recipe's ``batch_size`` is global. Every mode gets ``batch_size / world_size``
+The recipe's ``batch_size`` is global: every mode gets ``batch_size / world_size``
 samples per process and optimizer step (divided again by ``grad_accum_steps``); a mode
-that drives several devices inside one process (``dp``, ``ddp-multigpu``) scatters that
-share over its devices.
-
-Devices: ``CUDA_VISIBLE_DEVICES`` is respected because torch itself only numbers the
-visible GPUs (``cuda:0`` is the first visible one). A process whose launcher already
-gave it exactly its own GPUs (``srun --gpus-per-task``: every task sees only its own)
-uses them all; see :func:`gpu_group`.
+that drives several devices in one process (``dp``, ``ddp-multigpu``) scatters that
+share over them. ``CUDA_VISIBLE_DEVICES`` is respected because torch numbers only the
+visible GPUs; a process its launcher gave exactly its own GPUs uses them all
+(:func:`gpu_group`).
 """
 
 from __future__ import annotations

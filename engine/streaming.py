@@ -1,34 +1,15 @@
 """Iterable datasets (streams): their sharding, an epoch's common end, their resume.
 
-A recipe's ``build_datasets`` may return a ``torch.utils.data.IterableDataset`` for
-training, for validation, or both. The rules (docs/data.md, "Streams"):
-
-- Sharding. Item i of the stream (counted from 0 each epoch) goes to the consumer
-  ``rank * num_workers + worker_id`` for which ``i % (world_size * num_workers)`` is that
-  index: every rank and every loader worker reads the whole stream and keeps its own
-  items. A dataset that splits the stream itself (it reads
-  ``torch.utils.data.get_worker_info()`` and its rank) sets ``shards_itself = True`` and
-  is iterated as it is, in every worker of every rank.
-- The epoch's end. The ranks' parts may differ in length (a stream's length is not
-  known). Every rank looks one batch ahead and tells the others, in a small asynchronous
-  all-reduce waited for one micro-batch later, whether it still has data; a rank that
-  ran out while others have not trains on a padding micro-batch (its last one again,
-  with its loss multiplied by 0, so that DDP's gradient all-reduce still has every rank)
-  until every rank is done. Every sample is trained on once per epoch, and no rank waits
-  in a collective for one that stopped. A snapshot taken while a rank pads keeps that
-  batch, so that a resume there has one to pad with.
-- Resume. The loader is torchdata's ``StatefulDataLoader``: when the dataset has
-  ``state_dict``/``load_state_dict``, its state in every worker is part of the snapshot
-  and a resume at the same world size and workers is exact. Without them the loader
-  replays the epoch and drops the samples already consumed (exact when the stream
-  yields the same items in the same order again; a notice says what it costs); with
-  another number of workers that replay cannot be exact: refused. At another world
-  size the items a rank consumed are not a prefix of a stream: refused too (give
-  addressable data as a map-style dataset, which resumes at any world size).
-- Validation on a stream (:class:`ValidationStream`): each rank validates its part
-  (the same rule), read from the stream's start every time (a stateful one from its
-  state when the loader was made), without lookahead or padding; nothing of it is in
-  a snapshot.
+The rules are docs/data.md's "Streams". In short: item i of the stream goes to the
+consumer (rank, loader worker) ``i % (world_size * num_workers)`` unless the dataset
+``shards_itself``; the ranks' parts may differ in length, so every rank looks one batch
+ahead and tells the others (an asynchronous all-reduce waited for one micro-batch
+later), and a rank that ran out trains on a padding micro-batch (its last one, loss
+times 0) until every rank is done; a resume is exact through the dataset's
+``state_dict`` in torchdata's ``StatefulDataLoader``, else by replaying the epoch, and
+is refused where neither can be exact (another world size, another number of workers).
+:class:`ValidationStream` validates each rank's part from the stream's start, without
+lookahead or padding.
 """
 
 from __future__ import annotations
