@@ -1,29 +1,19 @@
 """Crash-consistent file writes and file checksums, shared by the checkpointers and the
 run summary.
 
-- :func:`atomic_write`: temp file in the same directory, fsync, rename, fsync of the
-  directory. A crash at any moment leaves either the old file or the new one. Writers
-  of several files (a snapshot, its manifest, the ``latest`` pointer) may skip the
-  directory fsync of each and do one at the end (``sync_directory=False``).
-- :class:`ChecksumWriter`: counts and checksums the bytes on their way to the file, so
-  a manifest needs no second read.
-- :func:`file_checksum` / :func:`check_file`: the checksum of a file on disk, and
-  whether a file matches a manifest entry (``{"size": ..., "xxh3_128": ...}``, or
-  ``"sha256"`` in manifests written before xxh3).
-- :func:`os_error_in`: the OSError behind a failed write, however torch wrapped it.
-- :func:`file_identity`: what tells that a file was rewritten, without reading it.
+:func:`atomic_write` writes a temp file in the same directory, fsyncs, renames and
+fsyncs the directory: a crash at any moment leaves the old file or the new one
+(writers of several files may do the directory fsync once, at the end).
+:class:`ChecksumWriter` checksums the bytes on their way to the file, so a manifest
+needs no second read; :func:`check_file` checks a file against a manifest entry
+(``xxh3_128``, or ``sha256`` in manifests written before xxh3).
 
-Why xxh3-128 (the ``xxhash`` package) and not sha256: a manifest's checksum is there to
-catch torn writes, truncation and bit rot, not an attacker (whoever can rewrite the file
-can rewrite its manifest too), and sha256 cost as much CPU as the write itself.
-xxh3 is as fast as a hardware crc32c without needing the instruction (its SIMD code runs
-on any x86 or ARM; google-crc32c also refuses memoryviews: a copy per chunk), and 128
-bits leave no realistic chance of a corrupt file matching, where 32 bits of crc leave
-1 in 4 billion per corrupt file. It is fast enough to hash inline: no helper thread
-(the figures: docs/performance.md, "Checksums").
-
-Importing this module costs nothing at start-up (xxhash is imported at the first
-checksum).
+Why xxh3-128 (the ``xxhash`` package) and not sha256: the checksum is there to catch
+torn writes, truncation and bit rot, not an attacker (who could rewrite the manifest
+too); sha256 cost as much CPU as the write, xxh3 is as fast as a hardware crc32c on any
+CPU and fast enough to hash inline, and 128 bits leave no realistic chance of a corrupt
+file matching (docs/performance.md, "Checksums"). xxhash is imported at the first
+checksum, not at start-up.
 """
 
 from __future__ import annotations

@@ -4,25 +4,14 @@ Where it sits among the model transforms (torchtitan's order)::
 
     build_model -> .to(device) -> [activation checkpointing] -> compile -> parallel wrap
 
-- ``compile.enabled=true``: the whole model, compiled in place (``nn.Module.compile``),
-  so its ``state_dict`` keys stay the plain ones (no ``_orig_mod.``) and snapshots,
-  the weights digest and the optimizer see the same module as without compile.
-- ``compile.regional=Block[,Other]``: every submodule of these classes instead, in
-  place (as Accelerate's ``compile_regions`` and torchtitan's per-block compile): the
-  repeated blocks share one compiled graph, so the compile is much shorter, and under
-  DDP each block's gradients are reduced as soon as its backward is done.
-
-Compiling before the parallel wrap keeps one path for every mode: DDP runs its own
-forward eagerly around the compiled module and its gradient hooks still fire, so the
-ranks keep equal weights; and since the module first runs, and so compiles, inside DDP's
-forward, torch's DDPOptimizer (``torch._dynamo.config.optimize_ddp``) still splits its
-graph at DDP's bucket boundaries, which is what torch recommends compiling DDP for.
-``nn.DataParallel`` replicates the module every step, and a replica would call the
-original's compiled forward, so ``dp`` over several GPUs refuses compile (plugins/dp.py).
-
-torch.compile is lazy: the first forward and backward (and the first validation, in
-eval mode) compile. The time it took is torch's own count (``torch._dynamo.utils``),
-printed once on rank 0 at the end of the run and in summary.json as ``compile_s``.
+The whole model, or (``compile.regional``) every submodule of the named classes, is
+compiled in place (``nn.Module.compile``), so ``state_dict`` keys stay the plain ones
+(no ``_orig_mod.``) and snapshots and the optimizer see the same module as without
+compile. Compiling before the parallel wrap keeps one path for every mode: DDP runs its
+own forward around the compiled module, its gradient hooks still fire, and DDPOptimizer
+still splits the graph at DDP's buckets (why: docs/compile.md). ``dp`` over several GPUs
+refuses compile (plugins/dp.py). The compile time is torch's own count, printed once on
+rank 0 at the end of the run and in summary.json as ``compile_s``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,19 @@
 """The process group: created with a finite timeout, errors that name the master.
 
 Every wait here is bounded by ``cfg.timeout_s``: a rank that never joins, or dies,
-makes the others fail with a message instead of hanging.
+makes the others fail with a message instead of hanging. :func:`init` does what
+``init_process_group(init_method=...)`` does in three visible steps, so that each
+failure gets its own message: open the rendezvous store (a TCPStore at the master, or
+a FileStore for file://); a roll call through it (a timeout names the ranks that never
+checked in, and ranks that disagree about the world size); ``init_process_group`` on
+the same store, under a key prefix private to this run.
 
-:func:`init` does what ``init_process_group(init_method=...)`` does, in three visible
-steps, so that each failure gets its own message:
-
-1. open the rendezvous store: a TCPStore at the master (env://, tcp://; rank 0 hosts
-   it, or torchrun's agent already does) or a FileStore (file://);
-2. a roll call through that store: every rank checks in, rank 0 waits for all of them
-   and then confirms. A timeout names the ranks that never checked in; ranks that
-   disagree about the world size are named too;
-3. ``init_process_group`` on the same store, under a key prefix private to this run.
-
-Stale file:// rendezvous files. A FileStore is an append-only file of keys; a run that
-crashed leaves its keys behind, and the next run's ranks would read the dead run's
-addresses and fail or hang (the seeds say: delete the file by hand before every run).
-Here the file is never deleted (another rank of this run may already be writing to it).
-Instead each run starts a *session*: rank 0 writes a fresh random session id, every rank
-checks in under that id with a random token of its own, and rank 0's confirmation lists
-the tokens it accepted. A rank that read a dead run's session id waits for a
-confirmation carrying its token, which the dead run never writes, re-reads the session
-id and checks in again under the live one. The process group then keeps its keys under
-``engine/<session>/pg/``, where no earlier run wrote anything. The file is deleted by
-torch when every rank of a run closes it cleanly.
+A file:// store is an append-only file that a crashed run leaves its keys in, and
+another rank of this run may already be writing to it, so it is never deleted: each
+run starts a *session* (rank 0 writes a random id, each rank checks in under it with a
+token of its own, rank 0's confirmation lists the tokens it accepted). A rank that read
+a dead run's id never sees its token confirmed, re-reads the id and checks in again;
+the process group keeps its keys under ``engine/<session>/pg/``.
 """
 
 from __future__ import annotations

@@ -2,24 +2,9 @@
 
 The CLI prints an :class:`EngineError` as one line, without a traceback (set
 ``ENGINE_TRACEBACK=1`` or pass ``--traceback`` to see it), and exits with the error's
-``exit_code``:
-
-====  =====================================================================
-code  meaning
-====  =====================================================================
-0     the run completed (or was complete already)
-1     the run failed: it started and then a worker raised, died or diverged
-2     usage or configuration: a bad flag, override, recipe, plugin, launch
-      environment or snapshot; nothing was trained
-75    pre-empted: a snapshot was written and the run stopped (SIGUSR1/SIGTERM);
-      start it again (SLURM: the job was requeued) and it resumes
-130   interrupted (Ctrl-C): the workers stopped at their next check point and wrote
-      a snapshot (status "interrupted"); the same command resumes. A second
-      Ctrl-C, or workers that do not stop within 30 s, end it at once
-====  =====================================================================
-
-75 is ``EX_TEMPFAIL`` of sysexits.h, "a temporary failure; the user is invited to
-retry", so that a wrapper script can tell "run me again" from "done" and "broken".
+``exit_code``: 0 completed, 1 failed, 2 usage or configuration, 75 pre-empted
+(sysexits' ``EX_TEMPFAIL``: a wrapper script can tell "run me again" from "done" and
+"broken"), 130 interrupted (docs/configuration.md has the table).
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """DataLoader settings: what the engine chooses when a recipe says ``num_workers=auto``.
 
-In the seeds' OCT-A runs the CPU side decided the time, by more than an order of
-magnitude (docs/data.md has their figures). The rule here is the one their table points
-to:
-
-- the CPUs this process may use, as its world says (:meth:`engine.world.World.cpu_share`:
-  the launcher's answer, such as SLURM's CPUs per task, else this machine's usable CPUs
-  shared by its processes), the same number that sets its torch threads;
-- one CPU stays with the training process (it feeds the device, or is the device);
-  the rest become workers, at most :data:`MAX_AUTO_WORKERS` and at least one: with no
-  worker every batch is read, decoded and augmented while the device waits, and a
-  worker that shares the training process's only CPU still overlaps loading with the
-  step (measured in docs/data.md);
-- workers are persistent (no re-fork of every worker at each epoch), keep at least
-  :data:`MIN_BATCHES_IN_FLIGHT` batches in flight (``prefetch_factor``), pin memory
-  only when the batches go to a CUDA device, and time out instead of hanging;
-- without workers nothing is pinned (:func:`pinned`): the pinning copy would run on
-  the training thread, where it is one more copy on the step's path and, as an
-  OpenMP region of one thread per CPU, leaves that pool spin-waiting on every CPU
-  between steps. With workers torch's pinning thread does it, with one thread.
-
-``engine-run tune-workers RECIPE`` measures instead of guessing; its table shows how
-close this choice comes to the best one on a given machine.
+The CPU side can decide a run's time by more than an order of magnitude (docs/data.md
+has the figures and the rule). The rule: the CPUs this process may use, as its world
+says (:meth:`engine.world.World.cpu_share`, the same number that sets its torch
+threads), less one for the training process, become workers, at most
+:data:`MAX_AUTO_WORKERS` and at least one (a worker that shares the training process's
+only CPU still overlaps loading with the step). Workers are persistent, keep
+:data:`MIN_BATCHES_IN_FLIGHT` batches in flight, pin memory only for a CUDA device, and
+time out instead of hanging. Without workers nothing is pinned (:func:`pinned`).
+``engine-run tune-workers RECIPE`` measures instead of guessing.
 """
 
 from __future__ import annotations
@@ -70,9 +57,7 @@ class LoaderSettings:
 def pinned(num_workers: int, device_type: str) -> bool:
     """Whether a loader pins its batches: for a CUDA device, where workers load them.
     Without workers the training thread would pin each batch itself, with torch's
-    OpenMP pool: on an H200 with 16 CPUs the CIFAR step then burned 45 ms of process
-    CPU in 16 spin-waiting threads, against 3 ms unpinned in the same wall time
-    (docs/performance.md, ``python tools/bench_gpu_host_cpu.py``)."""
+    OpenMP pool spin-waiting on every CPU (docs/performance.md, the GPU section)."""
     return device_type == "cuda" and num_workers > 0
 
 

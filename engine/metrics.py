@@ -2,26 +2,14 @@
 ``scheduler_metric``): which way is better, what counts as an improvement, and whether
 the run logs them.
 
-- :func:`direction`: ``min`` or ``max`` from a metric's name where the name says it
-  (``val/loss``, ``val/mae``, ``val/perplexity``: lower is better; ``val/accuracy``,
-  ``val/f1``, ``val/top2``: higher), else None. :func:`resolved_mode` is the mode a
-  setting means: ``checkpoint.best_mode`` and ``early_stopping.mode`` are ``auto`` by
-  default (the name's direction; a name that says none is refused before anything
-  starts), and an explicit ``min`` or ``max`` always wins. The best snapshot and early
-  stopping both ask here, so they never disagree on which way is better.
-- :func:`improves`: the one comparison both use (early stopping adds its ``min_delta``
-  for its patience count only; its "best" is the best snapshot's).
-- :func:`check_forms` (the launching process, a recipe's run) refuses a name that no
-  recipe run logs at all; the worker then checks the rest against the names this run
-  logs, before the first step (engine/trainer.py: ``Trainer.check_named_metrics``), and
-  :func:`not_logged` is the one-line error both give.
-- The vocabulary that reads a run's metrics back: the summary keys the metrics become
-  (:data:`SUMMARY_METRICS`, :func:`validation_summary`, :func:`throughput_summary`),
-  and a throughput's name and unit (:func:`throughput_unit`, :func:`throughput_of`),
-  which the summary, the console and ``engine-report`` share (``engine-runs`` reads
-  the summary's keys).
-
-No torch here: the launching process and the config checks import it.
+The best snapshot and early stopping both ask :func:`resolved_mode` (an explicit min or
+max, else :func:`direction` from the name; a name that says none is refused before
+anything starts) and :func:`improves`, so they never disagree. :func:`check_forms`
+refuses, in the launching process, a name no recipe run logs; the worker checks the
+rest before the first step (``Trainer.check_named_metrics``); :func:`not_logged` is
+both's error. The summary keys, throughput names and units here are shared by the
+summary, the console and ``engine-report``. No torch here: the launching process and
+the config checks import it.
 """
 
 from __future__ import annotations
