@@ -493,8 +493,7 @@ def check(cfg: TrainConfig) -> None:
             group.check()
     _check_out_dir(str(cfg.out_dir))
     # Here, not at the top: engine.run_dir imports engine.distributed (multiprocessing,
-    # subprocess: some 30 ms), which importing the config (a recipe, engine-run's
-    # commands, `import engine`'s TrainConfig) does not need.
+    # subprocess), which importing the config does not need.
     from engine.run_dir import placeholders
 
     placeholders(str(cfg.out_dir))  # an unknown {name} is refused now, not at the start
@@ -606,7 +605,7 @@ def _parse(text: str, suffix: str, path: str) -> Any:
     if suffix == ".toml":
         try:
             # The parsers are imported for the format read: tomli and PyYAML are optional
-            # packages (a clear error when missing), and PyYAML takes 20-50 ms to import.
+            # packages (a clear error when missing), and PyYAML is slow to import.
             import tomllib
         except ImportError:  # Python 3.10: the same parser as a package
             try:

@@ -1,17 +1,6 @@
-"""One worker's run: set up, train, tear down.
-
-``Engine.run`` is the whole story of a worker process, top to bottom::
-
-    seed every RNG, set threads
-    parallel mode: devices, backend       -> process group (if more than one process)
-    data: prepare on local rank 0 first, then build datasets and loaders on every rank
-    model on the device, checkpointed, compiled, wrapped; optimizer, schedule length,
-    scheduler, grad scaler, checkpointer  (engine/worker_setup.py: the steps every door
-                                           shares, into the RunParts record)
-    resume from the latest good snapshot (if any)
-    Trainer.fit()                         -> epochs, validation, snapshots
-    final snapshot durable; summary.json (rank 0, however the run ended); process group
-    destroyed (engine/context.py: WorkerContext.finish)
+"""One worker's run: set up (engine/worker_setup.py's steps, into the RunParts record),
+resume from the latest good snapshot, ``Trainer.fit()``, tear down
+(engine/context.py: WorkerContext.finish). docs/architecture.md tells the whole story.
 """
 
 from __future__ import annotations

@@ -1,32 +1,20 @@
 """Builds the plugin manager: built-ins, then installed entry points, then ``-p`` extras.
 
-Built-in plugins go through exactly the code path a third-party plugin does: a module
-name, imported, registered under a short name. The only difference is where the list
-comes from (``BUILTIN_PLUGINS`` here, the ``engine.plugins`` entry-point group for
-installed packages, ``-p`` on the command line).
-
-Control, in pytest's words:
-
-- ``-p no:NAME``: do not load the plugin NAME (a plugin name, or the name of the
-  distribution that provides it). Essential plugins refuse.
-- ``-p NAME``: load the installed entry-point plugin NAME (useful with autoload off),
-  or else import the module ``NAME`` (``-p mypackage.myplugin``) and register it.
-- ``ENGINE_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry-point plugin unless ``-p`` names it.
+Built-in plugins go through exactly the code path a third-party plugin does (a module
+name, imported, registered under a short name); only the list differs
+(``BUILTIN_PLUGINS`` here, the ``engine.plugins`` entry-point group, ``-p``). ``-p
+no:NAME``, ``-p NAME`` and ``ENGINE_DISABLE_PLUGIN_AUTOLOAD=1`` work as pytest's
+(docs/plugins.md, "Packaging").
 
 Every start-up problem is one :class:`~engine.errors.PluginError` line that names the
-plugin: an import error, a hook that does not exist (a function marked
-``@engine.hookimpl`` or named ``engine_*`` that no hook spec names), a hook argument the
-spec lacks, a registration hook that raises, a component name registered twice.
+plugin (an import error, an unknown hook or hook argument, a registration hook that
+raises, a name registered twice), and a run refuses to start with it. The commands that
+must keep working while a plugin is broken (``--help``, ``doctor``, ``plugins``) build
+the manager with ``keep_going=True``: the broken plugin is left out and ``pm.broken``
+says why and how to disable it (:meth:`BrokenPlugin.describe`); such a manager also
+tries the hooks ``--help`` calls later, so that a plugin failing there is left out too.
 
-A run refuses to start with such a plugin. The commands that must keep working while a
-plugin is broken (``engine-run --help``, ``doctor``, ``plugins``) build the manager with
-``keep_going=True`` instead: the broken plugin is left out, and ``pm.broken`` names it,
-its distribution, the error and the ways to disable it (:meth:`BrokenPlugin.describe`).
-Such a manager also tries the hooks ``--help`` calls later (engine_register_commands,
-engine_addoption), so that a plugin failing there is left out too.
-
-This module loads the plugins; what their registration hooks add (registries, config
-groups, run files, commands) is kept by engine/registrations.py, and which plugin's
+What the registration hooks add is kept by engine/registrations.py; which plugin's
 code raised an error is found by engine/blame.py.
 """
 

@@ -2,18 +2,11 @@
 scheduler taking the node back) means "save and stop soon".
 
 The signal handler only sets a flag: nothing else is safe inside a handler, and a
-snapshot needs every rank. The Trainer looks at the flag at its next check point (every
-``log_every`` steps) and starts one small all-reduce that tells every rank (a signal
-that reached any rank counts for all); at the check point after that, where the sums
-have long arrived, the ranks stop together (sooner where a snapshot at the first check
-point's step waits for its sums anyway; at the epoch's end where its last check point
-carried the flag, the last epoch's included), a snapshot is written, and rank 0 asks the
-scheduler to requeue the job: the ``engine_requeue`` hook, which the slurm plugin
-answers with ``scontrol requeue``. The requeued job starts again with the same out_dir
-and resumes from that snapshot.
-
-Ctrl-C (SIGINT) takes the same path: the first one is a request to stop, not a
-KeyboardInterrupt inside the recipe's forward; the run ends "interrupted" with its
+snapshot needs every rank. The Trainer's check points tell every rank and stop them
+together with a snapshot, and rank 0 asks the scheduler to requeue the job (the
+``engine_requeue`` hook); the requeued job resumes from that snapshot (the steps:
+docs/fault-tolerance.md, "Pre-emption"). Ctrl-C (SIGINT) takes the same path instead
+of a KeyboardInterrupt inside the recipe's forward: the run ends "interrupted" with its
 snapshot, and the same command resumes. A second one ends the process at once.
 """
 

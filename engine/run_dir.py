@@ -1,19 +1,12 @@
 """Run folders: ``out_dir`` patterns, and a fresh start in a folder that holds a run.
 
-``out_dir`` may hold placeholders, so that a new run neither overwrites nor silently
-resumes an old one: ``{version}`` (one more than the highest among the pattern's folders,
-0 for the first; a deleted folder's number is not reused) and ``{time}`` (the start in
-UTC, 20261123-093012). The pattern is filled once per run, by rank 0 right after the
-process group exists, and broadcast (:func:`settle`): no rank's own clock or listing can
-disagree. Rank 0 claims the folder by creating it, so two runs started at once never
-share one. A new run is a new folder; ``--resume PATH`` inside a folder of the pattern,
-or the folder given as out_dir, continues it, and so does a job that starts again by
-itself (``restart_count`` above 0: the newest folder).
-
-Without a pattern, ``--no-resume`` in a folder that holds a run is refused unless
-``--overwrite`` is given, which first removes the old run's files (:func:`run_files`:
-the engine's and those each plugin declares with ``engine_register_run_files``).
-docs/configuration.md says more.
+``out_dir`` may hold placeholders (``{version}``, ``{time}``: docs/configuration.md), so
+that a new run neither overwrites nor silently resumes an old one. The pattern is
+filled once per run, by rank 0 right after the process group exists, and broadcast
+(:func:`settle`): no rank's own clock or listing can disagree, and rank 0 claims the
+folder by creating it, so two runs started at once never share one. Without a pattern,
+``--no-resume`` in a folder that holds a run is refused unless ``--overwrite`` is given,
+which first removes the old run's files (:func:`run_files`).
 """
 
 from __future__ import annotations

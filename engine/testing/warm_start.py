@@ -2,24 +2,20 @@
 forked from a warm one.
 
 A test that runs ``engine-run`` in a subprocess pays a Python start, ``import torch`` and
-the ``torch._dynamo`` import that the first optimizer triggers (2-5 s on a 2-core machine)
-before its first line runs; a suite with a few hundred runs spends minutes there. The
-:class:`WarmStarter` pays it once: a server process imports torch, dynamo and the engine,
-then forks one child per command. The child is a new process with its own pid, session,
-environment, working directory, stdout and stderr, and it runs ``engine.cli.main``, the
-function the ``engine-run`` script calls, so exit codes, signals and workers started by
-``spawn`` are those of a real run. What differs: the interpreter did not start afresh
-(PYTHONPATH entries are put on ``sys.path`` by hand; variables read when a library loads,
-such as OMP_NUM_THREADS, are the server's).
+the ``torch._dynamo`` import that the first optimizer triggers before its first line
+runs (docs/development.md). The :class:`WarmStarter` pays it once: a server process
+imports torch, dynamo and the engine, then forks one child per command. The child has
+its own pid, session, environment, working directory, stdout and stderr, and runs
+``engine.cli.main``, so exit codes, signals and spawned workers are those of a real run.
+What differs: the interpreter did not start afresh (PYTHONPATH entries are put on
+``sys.path`` by hand; variables read when a library loads, such as OMP_NUM_THREADS, are
+the server's).
 
-Commands run side by side (:meth:`WarmStarter.start` returns a handle as
-subprocess.Popen does) or one at a time (:meth:`WarmStarter.run`). The same server runs
-Python command lines (``run(..., python=True)``: ``SCRIPT ARGS``,
-``-m MODULE ARGS`` or ``-c CODE ARGS``, as after ``python``) through :mod:`runpy`, for the
-tools and example scripts a suite runs: ``__name__ == "__main__"``, ``sys.argv`` and the
-script's folder first on ``sys.path`` as in a new interpreter, and workers it spawns find
-the script as they would. Not for what a new interpreter itself is under test (what
-``import engine`` imports: the server has torch imported).
+Commands run side by side (:meth:`WarmStarter.start`, a handle as subprocess.Popen) or
+one at a time (:meth:`WarmStarter.run`). ``run(..., python=True)`` runs Python command
+lines (``SCRIPT ARGS``, ``-m MODULE ARGS``, ``-c CODE ARGS``) through :mod:`runpy` as a
+new interpreter would set them up. Not for what a new interpreter itself is under test
+(the server has torch imported).
 
 The server never runs a tensor operation or starts a thread before it forks (checked),
 so forking it is safe. Linux only; ``ENGINE_TEST_FORK=0`` runs real subprocesses instead.
@@ -251,10 +247,9 @@ def serve() -> None:
     from engine.spares import import_run_modules
 
     import_run_modules()  # what every command and worker imports, once here
-    # torch.compile's stack (AOTAutograd, the aot_eager backend, inductor's passes that
-    # it borrows): ~0.9 s of CPU once here, instead of in every compiling worker of the
-    # compile tests and the combination matrix (its first compile: 1.2 -> 0.35 s). Not
-    # in import_run_modules: a run's spare would pay it whether or not it compiles.
+    # torch.compile's stack, once here instead of in every compiling worker of the
+    # tests. Not in import_run_modules: a run's spare would pay it whether or not it
+    # compiles.
     for module in ("torch._dynamo.backends.debugging", "torch._inductor.compile_fx"):
         importlib.import_module(module)
     if threading.active_count() != 1:  # forking a threaded process can deadlock the child
