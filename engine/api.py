@@ -1,36 +1,20 @@
-"""The library API: DDP, resume and rank-0 logging for a training loop you write yourself.
-
-A hand-written loop needs about ten changed lines (examples/custom_loop.py shows the
-before and after)::
-
-    import engine
+"""The library API: DDP, resume and rank-0 logging for a training loop you write yourself
+(docs/library.md; examples/custom_loop.py shows a loop before and after)::
 
     def train(ctx, epochs):                                  # ctx: an engine.Context
         model, optimizer = ctx.wrap(model, optimizer)        # device + DDP (or --parallel)
         loader = ctx.loader(dataset, batch_size=64)          # global batch, split, sharded
         for epoch in ctx.epochs(epochs):                     # resumes; snapshot per epoch
-            for inputs, targets in loader:
-                ...                                          # your step, unchanged
-            metrics = ctx.reduce({"loss": total / len(loader)})   # mean over the ranks
-            ctx.log(metrics)                                 # rank 0: TensorBoard, CSV...
-            ctx.print(f"epoch {epoch}: {metrics}")           # rank 0 only
+            ...                                              # your step, unchanged
+            ctx.log(ctx.reduce({"loss": total / len(loader)}))   # rank 0: loggers
 
     if __name__ == "__main__":                               # needed: workers re-import
         engine.launch(train, 3, nproc=2)
 
-:func:`launch` does what ``engine-run`` does before the recipe code runs: it builds the
-plugin manager, chooses a launcher plugin (spawn from Python, or adopts torchrun / SLURM
-/ legacy variables when the script already runs inside such a worker) and calls
-``fn(ctx, *args)`` once in every worker. The :class:`Context` reuses the engine's parts:
-the parallel-mode registry and the process group (``engine.distributed``), the samplers
-and batch split of ``engine.data``, the snapshots of ``engine.snapshot`` written through
-the checkpoint plugins, and the ``engine_log`` / ``engine_run_end`` hooks, so logger
-plugins work unchanged.
-
-Resume: ``ctx.epochs(n)`` loads the latest good snapshot, then yields the epochs still
-to run, with a snapshot after each; one taken mid-epoch (``ctx.save()``, or Ctrl-C,
-after an optimizer step) resumes at that position (docs/library.md).
-``launch(..., resume=False)`` starts fresh, ``resume=PATH`` loads that snapshot.
+:func:`launch` goes through engine-run's launch layer (engine/launching.py) and calls
+``fn(ctx, *args)`` once in every worker. The :class:`Context` reuses the engine's parts
+(parallel modes, process group, samplers, snapshots through the checkpoint plugins, the
+``engine_log`` / ``engine_run_end`` hooks), so plugins work unchanged.
 """
 
 from __future__ import annotations
