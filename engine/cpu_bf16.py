@@ -1,14 +1,10 @@
 """Whether this CPU computes bf16 in hardware, and what ``precision=bf16`` costs when not.
 
-bf16 autocast on a CPU is fast only with bf16 instructions: AVX-512 BF16 or AMX on x86
-(the ``avx512_bf16`` and ``amx_bf16`` flags of /proc/cpuinfo), the BF16 extension on
-Arm (``bf16`` among the features). Without them (an AVX2 CPU, such as the AMD EPYC
-this project is developed on) bf16 arithmetic is emulated in software, and the run is
-many times slower than plain fp32, silently. ``--dry-run``, ``engine-run
-doctor`` and the first lines of a bf16 run on the CPU (rank 0) say so: :func:`note_here`.
-
-The slowdown quoted in :data:`SLOWDOWN` was measured on that AVX2 CPU; how, and the
-figures: docs/performance.md, "bf16 on a CPU without bf16 instructions".
+bf16 autocast on a CPU is fast only with bf16 instructions (AVX-512 BF16 or AMX on x86,
+the BF16 extension on Arm); without them it is emulated in software and the run is
+many times slower than fp32, silently. ``--dry-run``, ``engine-run doctor`` and the
+first lines of a bf16 run on the CPU say so (:func:`note_here`); the figures behind
+:data:`SLOWDOWN`: docs/performance.md, "bf16 on a CPU without bf16 instructions".
 """
 
 from __future__ import annotations

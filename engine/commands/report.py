@@ -3,12 +3,9 @@
     $ engine-run report runs/cifar_ddp
     wrote runs/cifar_ddp/report.png (train/loss by step; val/accuracy, val/loss by epoch; from runs/cifar_ddp/tensorboard)
 
-Panels: the training loss by optimizer step; the loss by epoch (val/loss and the epoch's
-mean train/loss); then every other ``val/*`` metric by epoch. The scalars are read by
-the loggers' own readers: the csv logger's metrics.csv when the run has one, else the
-tensorboard logger's event files, so runs made before the csv logger existed have
-reports too. matplotlib is the optional extra
-``report`` (``pip install -e ".[report]"``); it and tensorboard are imported here only.
+The scalars are read by the loggers' own readers: the csv logger's metrics.csv when the
+run has one, else the tensorboard logger's event files. matplotlib is the optional
+extra ``report``; it and tensorboard are imported here only.
 """
 
 from __future__ import annotations

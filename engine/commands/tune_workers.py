@@ -1,20 +1,14 @@
 """``engine-run tune-workers RECIPE [key=value ...]``: measure DataLoader settings.
 
-The seeds found their OCT-A job's best ``num_workers`` by hand, one 10-epoch run per
-row of a table. This command makes that table in a minute: for each setting of the
-sweep it starts the processes a run would start on this node, each builds the recipe's
-training DataLoader exactly as the engine does (same sampler, batch split and dataset),
-and reads batches for ``--budget`` seconds after a warm-up that starts the workers and
-drains what they prefetched. The rate (samples/s, or the recipe's own throughput unit:
-tokens/s) is the sum over the processes, from the steady state (the time between the
-first and the last batch of the window).
-
-``--full-step`` also runs every batch through the recipe's own ``train_step`` (any
-batch structure: tuples, dicts), its backward and the optimizer step on the process's
-device, under the run's precision, so the loader competes with the compute for the
-CPUs as in a real run (without the gradient all-reduce: no process group is started).
-
-The output ends with the best setting and the override that applies it.
+For each setting of the sweep it starts the processes a run would start on this node;
+each builds the recipe's training DataLoader exactly as the engine does and reads
+batches for ``--budget`` seconds after a warm-up that starts the workers and drains what
+they prefetched. The rate (samples/s, or the recipe's own unit) is the sum over the
+processes, from the steady state. ``--full-step`` also runs every batch through the
+recipe's ``train_step``, its backward and the optimizer step on the process's device, so
+the loader competes with the compute for the CPUs as in a real run (no process group:
+no gradient all-reduce). The output ends with the best setting and the override that
+applies it (docs/data.md).
 """
 
 from __future__ import annotations
@@ -358,6 +352,7 @@ def _full_step(recipe, cfg, ctx):
         with autocast():
             loss = recipe.train_step(batch, ctx)
         loss = loss["loss"] if isinstance(loss, dict) else loss  # extras beside it
+        parts.optimizer.zero_grad(set_to_none=True)  # before the backward, as the Trainer
         if parts.scaler is not None:
             parts.scaler.scale(loss).backward()
             parts.scaler.step(parts.optimizer)
@@ -365,7 +360,6 @@ def _full_step(recipe, cfg, ctx):
         else:
             loss.backward()
             parts.optimizer.step()
-        parts.optimizer.zero_grad(set_to_none=True)
 
     return step
 
