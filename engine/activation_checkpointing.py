@@ -1,17 +1,12 @@
 """Activation checkpointing (``activation_checkpointing=Block,...``): the named blocks
 keep no activations for backward; backward runs their forward again to get them.
 
-Memory for compute: a block's intermediate activations live only while its own
-backward runs, at the price of one more forward of the block. torch's own wrapper does
-it (``checkpoint_wrapper``, non-reentrant ``torch.utils.checkpoint``), with the RNG
-state saved and restored around the recomputation, so dropout draws the same masks
-twice: losses and weights are those of the run without it.
-
-Applied to the bare model before the parallel mode wraps it (torchtitan's order:
-activation checkpointing, then compile, then sharding), so it works alike for
-``single``, ``ddp`` and ``fsdp``. The wrapper's ``_checkpoint_wrapped_module.`` is
-stripped from ``state_dict()`` keys by torch's own hooks, so snapshots keep the plain
-model's keys.
+torch's own wrapper does it (``checkpoint_wrapper``, non-reentrant
+``torch.utils.checkpoint``), with the RNG state restored around the recomputation, so
+dropout draws the same masks twice: losses and weights are those of the run without it.
+Applied to the bare model before the parallel wrap (torchtitan's order), so it works
+alike for every mode; torch's hooks strip ``_checkpoint_wrapped_module.`` from
+``state_dict()`` keys, so snapshots keep the plain model's keys.
 """
 
 from __future__ import annotations

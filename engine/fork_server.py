@@ -1,20 +1,16 @@
 """Processes forked from a server that has imported torch: multiprocessing's forkserver
 start, from a server of this module's own.
 
-A process that needs torch, started with ``spawn``, pays a Python start and ``import
-torch`` (seconds on a small machine) every time. multiprocessing's ``forkserver`` pays
-them once: a server process imports what it is told to preload, then forks each new
-process from itself. The server never runs a tensor operation or starts a thread, so its
-children are as clean as spawned ones (nothing of the parent's memory, threads or locks)
-and start in milliseconds. The process-wide fork server is left alone: its preload list
-belongs to the program (a user's DataLoader may use it); this one preloads torch.
+A process started with ``spawn`` pays a Python start and ``import torch`` every time;
+a fork server pays them once, then forks each new process from itself. The server
+never runs a tensor operation or starts a thread, so its children are as clean as
+spawned ones and start in milliseconds. The process-wide fork server is left alone (its
+preload list belongs to the program); this one preloads torch.
 
-The children run as those of ``spawn`` and ``forkserver`` do: the parent's ``sys.path``
-and ``__main__`` are set up from its preparation data, the target is unpickled (define
-it at the top level of a module), ``multiprocessing.parent_process()`` is the process
-that started them. The server is a child of the first process that started one, and
-exits when that process does. Linux (and other platforms that pass file descriptors
-over Unix sockets) only.
+The children run as those of ``spawn`` do (the parent's ``sys.path`` and ``__main__``,
+an unpickled top-level target, ``multiprocessing.parent_process()`` the process that
+started them). The server is a child of the first process that started one and exits
+with it. Linux (and other platforms that pass file descriptors over Unix sockets) only.
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """Where a run's time goes outside the training loop: named points on one clock.
 
-Each process records the moment a phase ends (:func:`mark`): a ``time.monotonic()``
-and a ``time.process_time()`` reading and a list append, at a dozen points per run, so
-they are always recorded and only printed when asked for (``engine-run -v``: rank 0
-prints the table at the end of its run, the launching process the command's end).
-:func:`carve` times something inside a phase (the snapshots written while training)
-and shows it as a row of its own, taken out of that phase.
+Each process records the moment a phase ends (:func:`mark`: a monotonic and a CPU-time
+reading and a list append, a dozen per run), so they are always recorded and printed
+only when asked for (``engine-run -v``). :func:`carve` times something inside a phase
+(the snapshots written while training) as a row of its own, taken out of that phase.
+The launching process hands its points to the workers it starts (``ENGINE_PHASES``):
+``CLOCK_MONOTONIC`` is one clock for every process of a Linux machine, so a worker's
+table runs from the command's start (a worker another tool started: from its own).
 
-The launching process hands its points (its interpreter's start, the launch) to the
-workers it starts through the environment variable ``ENGINE_PHASES``: on Linux,
-``CLOCK_MONOTONIC`` is one clock for every process of the machine, so a worker's table
-runs from the command's start. A worker started by another tool (torchrun, srun)
-starts its table at its own interpreter's start. The CPU time of a phase is that of
-the process that ran it (for the first phase in a process, everything it used since
-it started): on a machine that other jobs load, it moves far less than the wall time.
-
-The same points label a profiler's trace. While a profiler records (the ``profiler``
-plugin, ``profile.steps=START:END``), :func:`span` is torch.profiler's
-``record_function`` and the training loop's phases (data wait, forward/backward,
-optimizer step, check point, and a carved snapshot) show as named ranges; otherwise
-:func:`span` hands back one shared no-op, and :func:`labelled` the data loader itself,
-so a run that profiles nothing pays a function call per range and nothing more.
+The same points label a profiler's trace: while the ``profiler`` plugin records,
+:func:`span` is torch.profiler's ``record_function``; otherwise it hands back one shared
+no-op (and :func:`labelled` the data loader itself), so a run that profiles nothing pays
+a function call per range and nothing more.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """What the plugins register, and where it goes: the registration hooks' side of the
 plugin manager.
 
-The registration hooks (``engine_register_*``) are called one plugin at a time, in
-registration order (built-ins first), so that whatever a plugin returns is recorded
-with its name: a component or config group name taken twice names both plugins (the
-first keeps it), a bad return value names the plugin, and a plugin left out later (a
-``keep_going`` manager) takes everything it registered with it. What they fill:
-
-- the component registries, chosen by name: ``launchers``, ``parallel_modes``,
-  ``checkpointers`` (:class:`engine.registry.Registry`);
-- ``config_groups``: the plugins' config groups (``cfg.ddp``...);
-- ``run_files``: the files the plugins write in a run's out_dir (``--overwrite``);
-- :meth:`Registrations.commands`: the plugins' ``engine-run`` commands.
+The registration hooks (``engine_register_*``) are called one plugin at a time, so that
+whatever a plugin returns is recorded with its name: a name taken twice names both
+plugins (the first keeps it), a bad return value names the plugin, and a plugin left
+out later (a ``keep_going`` manager) takes everything it registered with it. They fill
+the component registries (``launchers``, ``parallel_modes``, ``checkpointers``),
+``config_groups``, ``run_files`` and :meth:`Registrations.commands`.
 """
 
 from __future__ import annotations

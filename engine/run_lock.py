@@ -4,15 +4,11 @@ with a fixed out_dir, a requeue racing a manual rerun) is refused before any of 
 workers trains, instead of resuming the first run's snapshot and writing over its files.
 
 The lock is a POSIX record lock (``fcntl.lockf``) on ``<out_dir>/.engine-lock``: the
-kernel releases it when the holder dies, however it dies, so a run restarted after a
-crash (a rerun, a torchrun restart, a SLURM requeue) takes over at once; and it works on
-the shared filesystems clusters use (NFS through its lock manager, Lustre mounted with
-``flock`` or ``localflock``). The file says who holds it (host, PID, start time) for the
-refusal's message; its content is only informative, the lock is what counts.
-
-Who holds it: the process that launches the workers of the node with rank 0 (spawn), or
-rank 0 itself when a launcher adopted the process (torchrun, SLURM, legacy). A folder
-whose name has a placeholder (``{version}``) is new for each run and needs none.
+kernel releases it however the holder dies, so a restarted run takes over at once, and
+it works on clusters' shared filesystems (NFS, Lustre with ``flock``). The file's content
+(host, PID, start time) only informs the refusal. The holder is the process that
+launches the workers of the node with rank 0, or rank 0 itself when a launcher adopted
+it; a folder named with a placeholder (``{version}``) is new for each run and needs none.
 """
 
 from __future__ import annotations
