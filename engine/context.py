@@ -2,21 +2,10 @@
 (``engine-run``) and ``engine.api.Context`` (a loop you write yourself).
 
 A worker context holds the world, the config, the train state, the model and its
-companions once they exist, rank-0 output, and the end of the run: the one summary
-builder and its write rule. It is the ``ctx`` argument of every hook and of a recipe's
-functions; ``engine.hookspecs.RunContext`` lists what a plugin may rely on. How a
-worker starts (seed, threads, process group) is engine/worker_setup.py's; what metric
-names mean, engine/metrics.py's.
-
-The end of a run, however it ends::
-
-    checkpointer closed (quietly when the run failed: the first error is the one reported)
-    summary built (weights digests, a collective, only when the run completed)
-    compile time printed (rank 0, compile.enabled)
-    the run-end hook                    every rank (the hooks' order: docs/plugins.md)
-    summary.json                        rank 0, always: completed, preempted, interrupted
-                                        or failed
-    process group destroyed             unless the run failed (a rank may be gone)
+companions once they exist, rank-0 output, and the end of the run (:meth:`WorkerContext.
+lifecycle`, :meth:`WorkerContext.finish`): the one summary builder and its write rule.
+It is the ``ctx`` argument of every hook and of a recipe's functions
+(``engine.hookspecs.RunContext`` lists what a plugin may rely on).
 """
 
 from __future__ import annotations
@@ -305,7 +294,12 @@ class WorkerContext:
         return failed or exc
 
     def finish(self, status: str, error: BaseException | None = None) -> dict:
-        """The end of the run (see the module docstring); returns the summary.
+        """The end of the run, however it ends; returns the summary. In order: the
+        checkpointer closed (quietly when the run failed: the first error is the one
+        reported), the summary built (weights digests, a collective, only when the run
+        completed), compile time printed, ``engine_run_end`` on every rank,
+        summary.json on rank 0 always, the process group destroyed unless the run
+        failed (a rank may be gone).
 
         Call it on every rank. A run that completed or was pre-empted must have closed
         its checkpointer already (a failed final write then fails the run). A run that

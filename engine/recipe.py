@@ -31,11 +31,8 @@ and may define::
     REQUIRED_PLUGINS = ["name>=1.0"]    # plugins the recipe cannot run without
 
 ``ctx`` is the run object, an :class:`engine.context.WorkerContext` (:data:`StepFunction`
-types a step with it): the worker's :class:`engine.engine.Engine` under ``engine-run``,
-the same object the plugins' hooks get as ``ctx`` (``ctx.world``, ``ctx.is_rank0``,
-``ctx.print(...)`` and ``ctx.warn(...)`` on rank 0, ``ctx.model``: the model as
-trained, wrapped by the parallel mode; ``ctx.module``: the model itself;
-``ctx.loss_fn``: the recipe's or None).
+types a step with it), the same object the plugins' hooks get (``ctx.model``: the model
+as trained, wrapped by the parallel mode; ``ctx.module``: the model itself).
 
 Batches may be tensors, or tuples, lists and dicts of them (nested); the engine moves
 them to the device.
