@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import re
 import time
 import warnings
 
@@ -201,7 +202,13 @@ class StreamLoader:
         def fill():
             nonlocal ended
             while len(ahead) < 2 and not ended:
-                batch = next(source, None)
+                try:
+                    batch = next(source, None)
+                except Exception as exc:
+                    raised = as_raised(exc)
+                    if raised is exc:
+                        raise
+                    raise raised from exc
                 if batch is None:
                     ended = True
                 else:
@@ -304,6 +311,34 @@ class StreamLoader:
                  f"skips the {batch_in_epoch * self.batch_size} samples per process the "
                  f"epoch already consumed by reading them again (their loading time; "
                  f"exact only if the stream yields the same items in the same order again)")
+
+
+#: How torch re-raises a loader worker's exception: its type, this line, the traceback.
+_CAUGHT = re.compile(r"Caught (\w+) in DataLoader worker process \d+\.\n")
+
+
+class _Verbatim(str):  # a KeyError's message as raised (KeyError quotes its argument)
+    __repr__ = str.__str__
+
+
+def as_raised(exc: Exception) -> Exception:
+    """A loader worker's exception as the recipe's stream raised it (the type and
+    message that end the worker's traceback), where torch re-raised it with "Caught
+    ValueError in DataLoader worker process 0." as the first line of its message, all
+    that a one-line report would say. ``exc`` itself for any other exception."""
+    caught = _CAUGHT.match(text := str(exc))
+    lines = text.rstrip().splitlines() if caught else []
+    at = next((i for i in range(len(lines) - 1, 0, -1)
+               if re.match(rf"([\w.]+\.)?{caught[1]}(: |$)", lines[i])), None)
+    if at is None:
+        return exc
+    message = "\n".join(lines[at:])
+    if caught[1] == type(exc).__name__:  # else torch's RuntimeError: keep the type's name
+        message = message.partition(": ")[2]
+    try:
+        return type(exc)(_Verbatim(message) if isinstance(exc, KeyError) else message)
+    except Exception:  # a type that takes no message alone
+        return exc
 
 
 def batch_samples(batch) -> int:

@@ -352,3 +352,76 @@ def test_a_hugging_face_stream_that_does_not_say_it_shards_itself_is_refused_wit
                                     pin_memory=False, drop_last=False)
     loader.start_epoch(0, resumed=False)
     assert sorted(x for batch in loader.loader for x in batch["x"].tolist()) == list(range(8))
+
+
+BROKEN = textwrap.dedent("""
+    from tests.recipes.tiny_stream import *  # noqa: F401,F403 (the recipe, but its data)
+    from tests.recipes import tiny_stream
+
+
+    class CorruptItem(ValueError):
+        pass
+
+
+    class Broken(tiny_stream.Stream):
+        def __iter__(self):
+            for n, one in enumerate(super().__iter__()):
+                if n == 5:
+                    raise CorruptItem("item 5 of the stream is corrupt")
+                yield one
+
+
+    def build_datasets(cfg, ctx):
+        return Broken(cfg.data.size), None
+""")
+
+
+def test_a_stream_that_raises_in_a_loader_worker_is_named_on_the_last_line(tmp_path):
+    """The recipe's exception, type and message, ends the run's output and is its
+    summary's error, not torch's "Caught CorruptItem in DataLoader worker process 0";
+    the worker's traceback is still printed once."""
+    (tmp_path / "broken.py").write_text(BROKEN)
+    out = tmp_path / "run"
+    proc = run_cli(str(tmp_path / "broken.py"), f"out_dir={out}", "num_workers=1",
+                   "epochs=1", "checkpoint.memory_every_steps=0", "--nproc", "2")
+    assert proc.returncode != 0
+    said = "CorruptItem: item 5 of the stream is corrupt"
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert f"exited with code 1: {said}; rank " in last, proc.stderr[-3000:]
+    assert proc.stderr.count("Original Traceback") == 1
+    assert read_summary(out)["error"] == said
+
+
+class Raising(torch.utils.data.IterableDataset):
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __iter__(self):
+        yield torch.zeros(1)
+        raise self.exc
+
+
+class TwoArguments(Exception):
+    def __init__(self, what, where):
+        super().__init__(f"{what} at {where}")
+
+
+@pytest.mark.parametrize("exc, said", [
+    (KeyError("missing"), "KeyError: 'missing'"),
+    (TwoArguments("no shard", "s3://b"), "RuntimeError: tests.engine.test_streaming."
+                                         "TwoArguments: no shard at s3://b")])
+def test_a_loader_workers_exception_is_raised_as_the_stream_raised_it(exc, said):
+    """A KeyError keeps its quotes; a type torch could not make again with its message
+    (it raised a RuntimeError) keeps its name in the message."""
+    from types import SimpleNamespace
+
+    from engine.errors import one_line
+
+    loader = streaming.StreamLoader(Raising(exc), micro_batch=1, num_workers=1,
+                                    world=SimpleNamespace(rank=0, world_size=1),
+                                    pin_memory=False, drop_last=False)
+    loader.start_epoch(0, resumed=False)
+    with pytest.raises(Exception) as caught:
+        list(loader)
+    assert one_line(caught.value) == said
+    assert "in DataLoader worker process 0" in str(caught.value.__cause__)
