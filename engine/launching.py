@@ -267,14 +267,12 @@ class Launch:
 
 
 def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
-    """A rerun into a folder whose run completed: answered in the launching process in
-    the time it takes to read summary.json and config.json, instead of after workers,
-    data and model. With the same config (epochs no more than it trained),
-    "already complete" and its summary with status "already_complete" (never
-    "completed": this call trained nothing). With a config it was not trained with (an
-    lr sweep through one folder would otherwise return the first run's result for every
-    lr), a ConfigError naming the changes and how to keep both runs. None: train (or
-    resume) as usual."""
+    """A rerun into a folder whose run completed, answered in the launching process from
+    summary.json and config.json, no worker started. With the same config (epochs no
+    more than it trained): its summary with status "already_complete" (never
+    "completed": this call trained nothing). With another config (an lr sweep through
+    one folder would otherwise return the first run's result for every lr): a
+    ConfigError naming the changes and how to keep both runs. None: train as usual."""
     from engine import config as config_mod
     from engine import snapshot
     from engine.run_dir import completed_run
@@ -590,20 +588,15 @@ def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
         plugins=(), resume: bool | str = True, overwrite: bool = False,
         threads: int | None = None, max_restarts: int = 0, **overrides: Any) -> dict:
     """Train a recipe from Python, as ``engine-run RECIPE key=value ...`` would; returns
-    the run's summary (the keys of summary.json).
+    the run's summary (the keys of summary.json). docs/library.md, "engine.fit".
 
     ``recipe`` is a recipe file's path, a recipe module, or any object with the recipe's
-    attributes (``Config``, ``build_model``, ``build_datasets``, ``build_optimizer``...).
-    ``overrides`` are config keys (``epochs=3``; dotted keys as
+    attributes. ``overrides`` are config keys (dotted ones as
     ``**{"data.source": "synthetic"}``), checked as engine-run checks ``key=value``.
-    ``nproc=1`` (or a launcher that adopts this process: torchrun, SLURM) trains in this
-    process, and an error reaches the caller as the exception itself; with more, the
-    workers are spawned (guard the call with ``if __name__ == "__main__":``), and a
-    failed worker raises an EngineError naming its rank. A pre-empted run returns its
-    summary with ``status`` "preempted"; one stopped by Ctrl-C (its snapshot written)
-    raises KeyboardInterrupt (engine.errors.Interrupted, the summary as ``.summary``).
-    ``max_restarts`` is engine-run's --max-restarts (spawned workers are started again
-    after a failure and resume).
+    In this process (``nproc=1``, or an adopting launcher) an error reaches the caller as
+    the exception itself; spawned workers need the call guarded by ``if __name__ ==
+    "__main__":``, and a failed one raises an EngineError naming its rank. A run stopped
+    by Ctrl-C raises engine.errors.Interrupted (a KeyboardInterrupt; ``.summary``).
     """
     items = [f"{key}={_override_text(value)}" for key, value in overrides.items()]
     if launcher is not None:
