@@ -127,7 +127,8 @@ def test_slurm_job_signalled_mid_run_is_requeued_and_finishes_identically(tmp_pa
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    train = (RECIPE, "epochs=12", "checkpoint.every_steps=0")
+    train = (RECIPE, "epochs=12", "checkpoint.every_steps=0",
+             "checkpoint.memory_every_steps=0")
     out = tmp_path / "run"
     script = run_cli("sbatch", *train, f"out_dir={out}", "--nodes", "1",
                      "--procs-per-node", "2", "--cpus-per-task", "2",

@@ -737,7 +737,7 @@ def test_torchrun_elastic_goes_on_after_an_agent_dies_and_grows_when_one_joins(t
     out.mkdir()
     (out / "hold").write_text("8")  # wait before step 8: the step-5 snapshot is written
     agents = Agents(tmp_path, "1:2", ELASTIC, f"out_dir={out}", "epochs=2", "size=60",
-                    "checkpoint.every_steps=5")
+                    "checkpoint.every_steps=5", "checkpoint.memory_every_steps=0")
 
     def holding() -> set:
         return {p.name for p in out.glob("holding-*")}

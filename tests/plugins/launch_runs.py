@@ -16,6 +16,7 @@ import time
 
 import attrs
 
+from engine.testing import pinned
 from tests.conftest import (ENGINE_RUN, QUICK, REPO, engine_env, made_once_per_session,
                             read_summary, run_cli)
 
@@ -25,8 +26,9 @@ RUN_TIMEOUT_S = 300
 
 
 def train_args(out) -> list[str]:
-    """``RECIPE QUICK... out_dir=OUT``: what every launcher runs."""
-    return [RECIPE, *QUICK, f"out_dir={out}"]
+    """``RECIPE QUICK... out_dir=OUT``: what every launcher runs (the memory tier's
+    interval pinned, as engine.testing.pinned pins it: not auto's clock)."""
+    return pinned([RECIPE, *QUICK, f"out_dir={out}"])
 
 
 def reference_digest(tmp_path_factory) -> str:
@@ -121,8 +123,8 @@ def run_with_a_stopped_rank(launch: list[str], out, rank: int = 1) -> StoppedRun
     marker = out.parent / f"{out.name}-stopped"
     env = engine_env(ENGINE_FAULT_ACTION="stop", ENGINE_FAULT_STEP="3",
                      ENGINE_FAULT_RANK=str(rank), ENGINE_FAULT_ONCE=str(marker))
-    cmd = [*launch, ENGINE_RUN, STOP_RECIPE, f"out_dir={out}", f"timeout_s={STOP_TIMEOUT_S}",
-           "-p", "tests.fault_plugin"]
+    cmd = [*launch, ENGINE_RUN, *pinned([STOP_RECIPE, f"out_dir={out}",
+                                         f"timeout_s={STOP_TIMEOUT_S}", "-p", "tests.fault_plugin"])]
     popen = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lines, stdout = [], []

@@ -197,7 +197,8 @@ def test_the_progress_bar_shows_loss_speed_and_data_wait(tmp_path):
     recipe = write_recipe(tmp_path)
     out = tmp_path / "run"
     shown = run_on_a_terminal([recipe, "delay_s=0.01", "epochs=2", f"out_dir={out}",
-                               "console.progress_every_s=0.01", "--nproc", "1"],
+                               "console.progress_every_s=0.01", "--nproc", "1",
+                               "checkpoint.memory_every_steps=0"],
                               env=engine_env())
     wait = read_summary(out)["data_wait_fraction"]  # the last epoch's
     assert "console_probe:" in shown and ("step/s" in shown or "s/step" in shown)
