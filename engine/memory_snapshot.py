@@ -1,9 +1,9 @@
 """In-memory snapshots: the newest training state in shared memory every few optimizer
 steps (``checkpoint.memory_every_steps``), so that a restarted worker loses at most that
-many steps instead of everything since the last disk snapshot.
+many steps instead of everything since the last disk snapshot (docs/checkpoints.md,
+"In memory, from a peer, from disk", says what it trusts, when buffers go, what it costs).
 
-Each rank keeps two buffers, files on a tmpfs that outlive the worker process, in a
-folder of this user's own::
+Each rank keeps two buffers, files on a tmpfs that outlive the worker process::
 
     /dev/shm/engine-memory-<uid>/                  mode 0700, owned by the user
         <run id>-r<rank>-a                         mode 0600
@@ -11,62 +11,44 @@ folder of this user's own::
 
 /dev/shm is shared by every user and often by every container on a host, so nothing
 there is trusted for its name (CWE-377, CWE-59): the folder must be a real folder (not a
-link) owned by this user and closed to others, and a buffer a regular file owned by
-this user, opened without following a link and created exclusively. Anything else
-turns the memory tier off with one warning; the run goes on with disk snapshots.
-
-``<run id>`` is 32 random hex digits kept in the run folder (``.engine-memory-id``), new
-whenever the run starts afresh (``--no-resume``, a deleted or overwritten folder). A
-buffer is used only when it carries that id, so another run's buffers, and those of a
-run whose folder was deleted or overwritten, never match.
+link) owned by this user and closed to others (where another user took its name: a
+private folder of random name, :func:`own_folder`), a buffer a regular file owned by
+this user, opened without following a link and created exclusively; anything else
+turns the tier off with one warning. ``<run id>`` (32 random hex digits in the run
+folder's ``.engine-memory-id``, new whenever the run starts afresh) is in every buffer:
+another run's, or a deleted or overwritten folder's, never match.
 
 A buffer is a header page, the payload, then the exchange region::
 
     header   magic, sequence number (0: invalid), step, epoch, payload length, xxh3-128
              of the header's fields and the payload, the step the run had reached
-             (buffer a; informative, outside the checksum), the run id, where the
-             exchange region starts, a JSON line (run folder, host, pid, rank, world
-             size)
+             (buffer a; outside the checksum), the run id, where the exchange region
+             starts, a JSON line (run folder, host, mount namespace, pid, rank, world size)
     payload  [skeleton length, where the data region starts][skeleton: the snapshot
              dict pickled with every tensor replaced by engine.shm_codec's marker]
              [room for the skeleton to grow][data region: tensor bytes, 64-byte aligned]
     exchange [the payload's sequence number, rows, row size, xxh3-128][one row per
              rank: its RNG states and loss sums at the payload's step]
 
-The content is the disk snapshot's (:func:`engine.snapshot.capture_here`: model,
-optimizer, scheduler, scaler, progress, loader position, config...) except for what the
-disk snapshot gathers from every rank: each rank keeps its own RNG states and loss sums
-(its row, :func:`make_row`), with no collective on the step's path. The rows go to every
-rank by an all_gather that nobody waits for; a background thread writes them into the
-exchange region when they come (:class:`Exchanges`), so in the replicated parallel
-modes any rank's buffer with its rows restores any rank (:func:`complete`).
+The content is the disk snapshot's (:func:`engine.snapshot.capture_here`) but for what
+that gathers from every rank: each rank keeps its own RNG states and loss sums (its row,
+:func:`make_row`), sent to every rank by an all_gather nobody waits for and written into
+the exchange region by a background thread (:class:`Exchanges`), so that in the
+replicated modes any rank's buffer restores any rank (:func:`complete`).
 
-A save writes into the buffer that does not hold the newest snapshot: it zeroes that
-buffer's sequence number first (a kill during the copy leaves it invalid, the other one
-valid), copies, then writes the header, the sequence number last. A reader takes the
-valid buffer (magic, sequence > 0, this run's id, the checksum) with the highest
-sequence, so a torn, stale or foreign buffer is never used; rows whose sequence or
-checksum does not match are none.
-
-What a save costs on the step's path (issue 37: at most 2% of the step at every step):
-the state is pickled once, in C, with a marker at each tensor (:func:`encode`); where it
-holds the same tensors as at the previous save (the usual case), the copies planned
-then (:class:`Plan`: numpy copies into views of both buffers) are done again, nothing
-re-derived. Large states and states on a GPU leave the copy of what only the
-optimizer's step changes, and the header, to the background thread during the next
-step's forward and backward; that step's optimizer step waits for it
-(:meth:`MemorySnapshots.hold`). A small state on the CPU is copied at once: there the
-thread's wake-up and the GIL going back and forth cost more than the copy
-(:data:`BACKGROUND_BYTES`).
+A save zeroes the sequence of the buffer that does not hold the newest snapshot, copies,
+then writes the header, the sequence last; a reader takes the valid buffer (magic,
+sequence > 0, this run's id, the checksum) with the highest sequence. The state is
+pickled once with a marker at each tensor (:func:`encode`), and the copies planned at
+the previous save (:class:`Plan`) are done again while the tensors are the same. Large
+states and states on a GPU leave the copy of what only the optimizer's step changes to
+the background thread during the next step's forward and backward; that optimizer step
+waits for it (:meth:`MemorySnapshots.hold`).
 
 At a resume the ranks agree (:func:`agree`) on the newest snapshot every rank can
-restore: a memory snapshot newer than the newest disk snapshot, from the rank's own
-buffer or, where its own is gone (a replaced machine, a wiped /dev/shm), sent by a rank
-that has it and its rows over the process group; else the disk snapshot. Under fsdp a
-rank's buffer holds its own shards (engine/stateful.py's to_shards), which no other
-rank can use: its successor keeps a copy of it and sends it to a rank without its own
-(engine/memory_ring.py); two neighbours without theirs, or another number of
-processes, resume from disk.
+restore: from its own buffer, or sent by a rank that has it and its rows; else disk.
+Under fsdp a rank's buffer holds its own shards: its successor keeps a copy of it
+(engine/memory_ring.py).
 """
 
 from __future__ import annotations
@@ -100,13 +82,13 @@ from engine.shm_codec import (PlainUnpickler, align, copier, decode, encode,
 from engine import distributed, phases, stateful
 from engine.atomic_io import atomic_write_text
 
-# torch, numpy and xxhash are imported inside the functions that use them: engine.snapshot
-# imports this module, and the launching processes import that one without them
-# (engine-run's check for a completed run, engine.api for engine.launch).
+# torch, numpy and xxhash are imported inside the functions that use them: the launching
+# processes import this module (through engine.snapshot) without them.
 
-# Where the buffers live (engine.shm.SHM): a tmpfs, so that they outlive the process but
-# not the machine.
 FOLDER_PREFIX = "engine-memory-"  # + the user id
+#: In the run folder, where this user's folder was taken: {host: its private folder}.
+FOLDER_FILE = ".engine-memory-folder"
+_PRIVATE = re.compile(rf"{FOLDER_PREFIX}\d+-[0-9a-f]{{32}}")
 #: The run's id, in the run folder: a buffer without it is not this run's.
 RUN_ID_FILE = ".engine-memory-id"
 HEADER_BYTES = 4096
@@ -122,17 +104,13 @@ _JSON_AT = _HEADER.size
 #: the number of rows, the bytes of each, xxh3-128 of those and the rows.
 _EXCHANGE = struct.Struct("<QQQ16s")
 _EXCHANGE_HEAD = 64
-#: One rank's row in the exchange: its length, then the pickled RNG states (13 kB on the
-#: CPU, 16 bytes more per GPU) and epoch loss; a larger one is left out (a peer cannot
-#: then restore that rank's snapshot: the older one, or the disk snapshot, is used).
+#: One rank's row in the exchange: its length, then the pickled RNG states and epoch
+#: loss; a larger one is left out (a peer then cannot restore that rank's snapshot).
 ROW_BYTES = 8 + 16384 + 512
 #: What the checksum covers besides the payload: every field but itself and "reached".
 _SIGNED = struct.Struct("<8sQQQQ16s")
 #: The bytes of the tensors only the optimizer's step changes from which the background
-#: thread copies them during the next step (below, the save copies them at once): on the
-#: CPU a copy runs at 5-10 GB/s, so 4 MB take about as long as the thread's wake-up and
-#: the GIL's hand-overs cost on a machine without an idle core (CIFAR's 0.5 MB: 12% of
-#: the step through the thread, issue 37; docs/checkpoints.md).
+#: thread copies them (below, the thread's wake-up costs more than the copy: at once).
 BACKGROUND_BYTES = 4 << 20
 # "-held-": the copies of the predecessor's snapshots under fsdp (engine/memory_ring.py).
 _NAME = re.compile(r"(?P<run_id>[0-9a-f]{32})-r(?P<rank>\d+)-(?:held-)?[ab]")
@@ -151,15 +129,16 @@ def user_folder(shm: pathlib.Path = SHM) -> pathlib.Path:
     return pathlib.Path(shm) / f"{FOLDER_PREFIX}{os.geteuid()}"
 
 
-def open_user_folder(shm: pathlib.Path = SHM) -> pathlib.Path:
-    """This user's buffer folder, created 0700 when missing; Unsafe unless it is a real
-    folder (not a link) owned by this user and closed to everyone else."""
-    folder = user_folder(shm)
+def own_dir(folder: pathlib.Path, create: bool = True, new: bool = False) -> pathlib.Path:
+    """``folder``, made 0700 when missing (``create``; ``new``: it must not exist yet);
+    Unsafe unless it is a real folder (not a link) of this user's, closed to others."""
     try:
         try:
-            os.mkdir(folder, 0o700)  # never follows a link at the name: EEXIST
+            if create or new:
+                os.mkdir(folder, 0o700)  # never follows a link at the name: EEXIST
         except FileExistsError:
-            pass
+            if new:
+                raise
         info = os.lstat(folder)
     except OSError as exc:
         raise Unsafe(f"cannot make {folder}: {exc.strerror or exc}") from None
@@ -173,6 +152,70 @@ def open_user_folder(shm: pathlib.Path = SHM) -> pathlib.Path:
     if info.st_mode & 0o077:
         raise Unsafe(f"{folder} is open to other users (mode "
                      f"{stat.S_IMODE(info.st_mode):o}, expected 700)")
+    return pathlib.Path(folder)
+
+
+def _records(fd: int) -> dict:
+    try:
+        records = json.loads(os.pread(fd, 1 << 16, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return records if isinstance(records, dict) else {}
+
+
+def _recorded(records: dict, shm) -> pathlib.Path | None:
+    """This host's private folder in ``records`` while it is this user's own."""
+    name = records.get(socket.gethostname())
+    if isinstance(name, str) and _PRIVATE.fullmatch(name):
+        with contextlib.suppress(Unsafe):
+            return own_dir(pathlib.Path(shm) / name, create=False)
+    return None
+
+
+def folder_of(run_dir, shm: pathlib.Path = SHM) -> pathlib.Path:
+    """Where the run's buffers are on this host: the private folder recorded in the run
+    folder (:func:`own_folder`) while it is this user's own, else :func:`user_folder`."""
+    try:
+        fd = os.open(pathlib.Path(run_dir) / FOLDER_FILE,
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return user_folder(shm)
+    try:
+        with contextlib.suppress(OSError):  # a filesystem without locks: read as it is
+            fcntl.flock(fd, fcntl.LOCK_SH)  # never while own_folder writes it
+        return _recorded(_records(fd), shm) or user_folder(shm)
+    finally:
+        os.close(fd)
+
+
+def own_folder(run_dir, shm: pathlib.Path = SHM) -> pathlib.Path:
+    """The run's buffer folder on this host (:func:`folder_of`'s, made when missing), or,
+    where another user took this user's folder name first, a private folder of random
+    name (made as mkdtemp does), recorded in the run folder for its restarts and its
+    other local ranks (under the record's lock). Unsafe when none can be had."""
+    try:
+        return own_dir(folder_of(run_dir, shm))
+    except Unsafe as exc:
+        taken = exc
+    record = pathlib.Path(run_dir) / FOLDER_FILE
+    try:
+        fd = os.open(record, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            records = _records(fd)
+            folder = _recorded(records, shm)  # another local rank's, made meanwhile
+            if folder is None:
+                folder = own_dir(pathlib.Path(shm) / f"{FOLDER_PREFIX}{os.geteuid()}-"
+                                 f"{secrets.token_hex(16)}", new=True)
+                text = json.dumps({**records, socket.gethostname(): folder.name}).encode()
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, text, 0)
+        finally:
+            os.close(fd)
+    except (OSError, Unsafe) as exc:
+        raise Unsafe(f"{taken}; and no private folder could be had instead ({record}: "
+                     f"{getattr(exc, 'strerror', None) or exc})") from None
     return folder
 
 
@@ -225,18 +268,17 @@ def claim_run_id(run_dir, fresh: bool) -> tuple[str | None, str]:
     return old, new
 
 
-def buffer_paths(run_dir, rank: int, shm: pathlib.Path = SHM,
-                 run_id: str | None = None) -> tuple[pathlib.Path, ...]:
+def buffer_paths(run_dir, rank: int, shm: pathlib.Path = SHM, run_id: str | None = None,
+                 folder: pathlib.Path | None = None) -> tuple[pathlib.Path, ...]:
     """Rank ``rank``'s two buffers of the run in ``run_dir`` (its id read from there
     unless given; a run without one has none: paths that do not exist)."""
     run_id = run_id or run_id_of(run_dir) or "0" * 32
-    stem = user_folder(shm) / f"{run_id}-r{rank}"
-    return stem.with_name(stem.name + "-a"), stem.with_name(stem.name + "-b")
+    return tuple((folder or folder_of(run_dir, shm)) / f"{run_id}-r{rank}-{x}" for x in "ab")
 
 
-def run_buffers(run_id: str, shm: pathlib.Path = SHM) -> list[pathlib.Path]:
-    """Every rank's buffers of the run ``run_id`` on this machine."""
-    folder = user_folder(shm)
+def run_buffers(run_id: str, shm: pathlib.Path = SHM, run_dir=None) -> list[pathlib.Path]:
+    """Every rank's buffers of the run ``run_id`` (in ``run_dir``) on this machine."""
+    folder = user_folder(shm) if run_dir is None else folder_of(run_dir, shm)
     try:
         names = os.listdir(folder)
     except OSError:
@@ -246,12 +288,6 @@ def run_buffers(run_id: str, shm: pathlib.Path = SHM) -> list[pathlib.Path]:
 
 
 # ------------------------------------------------------------ the payload
-
-
-def encode_plan(state: dict) -> tuple[bytes, list, int]:
-    """The pickled skeleton of ``state`` (each tensor replaced by its marker), the
-    tensors with their offsets in the data region, and the data region's size."""
-    return encode(state)[:3]
 
 
 #: The payload's own header: the skeleton's length, where the data region starts.
@@ -270,14 +306,11 @@ def payload_size(skeleton: bytes, data_size: int) -> int:
 
 
 class Plan:
-    """Where each tensor of a snapshot goes in the payload, and the copies that put it
-    there, made at a snapshot and reused by the next ones as long as the state holds
-    the same tensors (the same memory, dtype, shape and strides, in the same order:
-    :func:`encode`'s key): a snapshot then costs the skeleton's pickle and one numpy
-    copy per tensor (which releases the GIL), nothing re-derived. The plan keeps its
-    tensors alive, so another tensor cannot come to live at one's address while the
-    plan stands. ``held``: the addresses of the tensors only the optimizer's step
-    changes (:func:`held_by`), copied later by the background thread."""
+    """Where each tensor of a snapshot goes in the payload, and the numpy copies that
+    put it there, reused while the state holds the same tensors (:func:`encode`'s key).
+    It keeps its tensors alive: no other tensor can come to live at one's address.
+    ``held``: the addresses of the tensors only the optimizer's step changes
+    (:func:`held_by`), which the background thread may copy later."""
 
     def __init__(self, key: list, tensors: list, data_size: int, data_at: int,
                  held: frozenset | None):
@@ -294,9 +327,7 @@ class Plan:
         self.length = data_at + (offset + last.numel() * last.element_size()
                                  if tensors else 0)
         self.device = next((t.device for _, t in tensors if t.is_cuda), None)
-        #: Whether the background thread copies the held tensors: handing them over
-        #: costs a thread's wake-up and the GIL going back and forth, more than a copy
-        #: of a few MB where no core is idle (issue 37).
+        #: Whether the background thread copies the held tensors (BACKGROUND_BYTES).
         self.background = held is not None and (self.device is not None or sum(
             t.numel() * t.element_size() for (_, t), h in zip(tensors, self.later) if h)
             >= BACKGROUND_BYTES)
@@ -323,11 +354,9 @@ class Plan:
 
 
 def held_by(optimizer) -> frozenset:
-    """Where the tensors that only ``optimizer``'s step changes live (data pointers):
-    its parameters and its state (momentum, Adam's moments and step counts). A memory
-    snapshot copies these after the step's path, before that optimizer's next step
-    (MemorySnapshots.save); anything else (a module's buffers, which a forward updates,
-    a plugin's part) is copied at once."""
+    """Where the tensors that only ``optimizer``'s step changes live (data pointers: its
+    parameters and state), which a save may copy before its next step; anything else
+    (a module's buffers, which a forward updates) is copied at once."""
     import torch
 
     def pointer(tensor) -> int:
@@ -438,10 +467,8 @@ class Slot:
 
 
 class Buffer:
-    """One shared-memory file of this rank's: its header and payload, mapped as a uint8
-    tensor and as a numpy array over the same bytes. The descriptor stays open with a
-    shared flock for the run's life: another run's clean-up sees that its writer lives
-    (:func:`writer_gone`)."""
+    """One shared-memory file of this rank's, mapped as a uint8 tensor and a numpy array;
+    its descriptor holds a shared flock for the run's life (:func:`writer_gone`)."""
 
     def __init__(self, path: pathlib.Path):
         self.path = path
@@ -455,12 +482,11 @@ class Buffer:
 
     def map(self, payload_bytes: int, info: dict, run_id: bytes,
             exchange_bytes: int = 0) -> None:
-        """Map the file with room for ``payload_bytes`` and, after them, an exchange
-        region of ``exchange_bytes`` (:meth:`write_exchange`) (grown when short; the pages
-        reserved with posix_fallocate, so that a full tmpfs is NoRoom here and not a
-        SIGBUS during a copy). The header gets the magic, the run id and ``info`` at
-        once, so that a clean-up knows whose the file is before its first snapshot.
-        Unsafe when the name is taken by anything but this user's regular file."""
+        """Map the file with room for ``payload_bytes`` and an exchange region of
+        ``exchange_bytes`` (the pages reserved with posix_fallocate: a full tmpfs is
+        NoRoom here, not a SIGBUS during a copy). The header gets the magic, the run id
+        and ``info`` at once: a clean-up knows whose the file is before its first
+        snapshot. Unsafe when the name is taken by anything but this user's file."""
         import numpy as np
 
         size = HEADER_BYTES + payload_bytes + exchange_bytes
@@ -530,9 +556,8 @@ class Buffer:
         return self.tensor[HEADER_BYTES:HEADER_BYTES + length]
 
     def pin(self) -> None:
-        """Page-lock the mapping (cudaHostRegister), so that copies from a GPU go by DMA
-        straight into it rather than through a staging buffer (an H100, 210 MB of state:
-        45 -> 31 ms a snapshot, checksum included)."""
+        """Page-lock the mapping (cudaHostRegister): copies from a GPU go by DMA straight
+        into it rather than through a staging buffer."""
         import torch
 
         if not self.pinned:
@@ -560,18 +585,15 @@ class Buffer:
 
 def read_slot(path: pathlib.Path, verify: bool = True,
               run_id: str | None = None) -> Slot | None:
-    """The buffer at ``path`` if it holds a whole snapshot of the run ``run_id`` (any
-    run's when None; its checksum checked when ``verify``), else None: missing, torn by
-    a kill during its copy, another run's, or not this user's own file."""
+    """The buffer at ``path`` if it holds a whole snapshot of the run ``run_id``."""
     return check_slot(path, verify, run_id)[0]
 
 
 def check_slot(path: pathlib.Path, verify: bool = True,
                run_id: str | None = None) -> tuple[Slot | None, str | None]:
-    """:func:`read_slot`, and why a buffer that is there was refused: None when it is
-    missing or holds no snapshot yet (sequence 0: never written, or torn by a kill
-    during its copy, which a save marks first), a reason otherwise (not this user's
-    own file, another run's, a checksum that fails)."""
+    """The buffer at ``path`` if it holds a whole snapshot of the run ``run_id`` (any
+    run's when None; its checksum checked when ``verify``), and why not: None when it is
+    missing or holds no snapshot yet (sequence 0: never written, or torn), else a text."""
     try:
         fd = _open_own(path, writable=False)
     except (OSError, Unsafe):
@@ -628,17 +650,14 @@ def _exchange_rows(array, at: int, sequence: int):
 
 
 def make_row(loss) -> bytes:
-    """This rank's exchange row: its RNG states (what engine.stateful.rng_state holds)
-    and its own part of the epoch's loss sums ((sum, micro-batches) or None), which a
-    peer keeps in case this rank's buffers are lost. b"" when they do not fit in
-    ROW_BYTES. In raw bytes, not as rng_state's tuples and tensors, which take
-    longer to pickle."""
-
+    """This rank's exchange row: its RNG states (engine.stateful.rng_state's, in raw
+    bytes: quicker to pickle) and its part of the epoch's loss sums ((sum,
+    micro-batches) or None), for a peer to keep; b"" when they exceed ROW_BYTES."""
     import torch
 
     state = {"python": _python_rng(), "numpy": _numpy_rng(),
              "torch": torch.get_rng_state().numpy().tobytes()}
-    if torch.cuda.is_initialized():  # (is_available asks the driver: 1 us, each time)
+    if torch.cuda.is_initialized():  # (is_available asks the driver, each time)
         state["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
     data = pickle.dumps({"rng": state, "loss": loss}, protocol=pickle.HIGHEST_PROTOCOL)
     return data if 8 + len(data) <= ROW_BYTES else b""
@@ -646,11 +665,8 @@ def make_row(loss) -> bytes:
 
 def _python_rng() -> tuple:
     """Python's global RNG state as (version, its 625 words as little-endian bytes,
-    gauss), as random.getstate() gives it. The getter makes a tuple of 625 ints
-    (20-50 us, and as much again to pack them); the generator's words are read straight
-    from the object instead (a CPython RandomObject: its index, then 624 words, after
-    the object's header), once checked against getstate() in this process: any other
-    layout reads them through getstate() each time."""
+    gauss), read straight from the CPython RandomObject (getstate() builds a tuple of
+    625 ints) once that layout was checked against getstate(); else through it."""
     inst = random.getstate.__self__  # the module's own generator
     if _python_layout[0] is None:
         _python_layout[0] = _raw_python(inst) == _packed_python(inst)
@@ -676,12 +692,9 @@ _numpy_seen: list = [None, None]  # numpy's raw generator state, and its state t
 
 
 def _numpy_rng() -> dict:
-    """numpy's global RNG state (np.random.get_state's), as plain values. Its getter
-    copies the generator out (23 us, three times that between a step's forward and
-    backward); the raw generator state, read through ctypes in a microsecond, says when
-    it cannot have moved: the same raw state, and no normal deviate cached then (a
-    cached one is drawn later without moving the generator; caching one moves it). In
-    a training loop it seldom moves: the loader's workers draw in their own processes."""
+    """numpy's global RNG state (np.random.get_state's), as plain values; the getter's
+    copy is skipped while the raw generator state (read through ctypes) has not moved
+    and no normal deviate was cached (a cached one is drawn without moving it)."""
     import numpy as np
 
     try:
@@ -764,13 +777,6 @@ def read_info(path: pathlib.Path) -> dict:
     return _info(np.frombuffer(header, dtype=np.uint8)) if header else {}
 
 
-def reached_step(path: pathlib.Path) -> int:
-    """The step the run had reached when it last wrote to the buffer at ``path`` (0:
-    unknown)."""
-    header = _read_header(path)
-    return struct.unpack_from("<Q", header, _REACHED_AT)[0] if header else 0
-
-
 def newest(paths, run_id: str | None = None) -> Slot | None:
     """The valid buffer with the highest sequence among ``paths``, or None."""
     slots = [s for s in (read_slot(p, run_id=run_id) for p in paths) if s is not None]
@@ -815,11 +821,9 @@ class MemorySnapshots:
         self.world = world
         self.every_steps = every_steps
         self.shm = pathlib.Path(shm)
-        self.folder = user_folder(shm)
         self.run_id = run_id  # claim_run_id's, the same on every rank
         self.raw_id = bytes.fromhex(self.run_id)
-        self.paths = buffer_paths(run_dir, world.rank, shm, self.run_id)
-        self.buffers = [Buffer(p) for p in self.paths]
+        self._paths(folder_of(run_dir, shm))
         self.sequence = 0  # the newest valid buffer's; the next save writes above it
         self.newest_index: int | None = None
         self.saves = 0
@@ -832,8 +836,8 @@ class MemorySnapshots:
         #: ranks agree at the next check point to turn the tier off (trainer.py).
         self.failed: str | None = None
         self.info = {"run_dir": str(os.path.realpath(self.run_dir)),
-                     "host": socket.gethostname(), "pid": os.getpid(), "rank": world.rank,
-                     "world_size": world.world_size}
+                     "host": socket.gethostname(), "mnt": mount_namespace(),
+                     "pid": os.getpid(), "rank": world.rank, "world_size": world.world_size}
         self.exchange_bytes = _EXCHANGE_HEAD + world.world_size * ROW_BYTES
         self.background = Background(self)
         self.exchanges = Exchanges(world.world_size, self.background)
@@ -843,11 +847,17 @@ class MemorySnapshots:
         #: neighbours (engine/memory_ring.py's Ring; the Engine opens it); else None.
         self.ring = None
 
+    def _paths(self, folder: pathlib.Path) -> None:
+        self.folder = folder
+        self.paths = buffer_paths(self.run_dir, self.world.rank, run_id=self.run_id,
+                                  folder=folder)
+        self.buffers = [Buffer(p) for p in self.paths]
+
     def check(self) -> str | None:
-        """None when this user's buffer folder is safe to use (made if missing), else
+        """None when the run's buffer folder (:func:`own_folder`) is safe to use, else
         why not: the tier must be off."""
         try:
-            open_user_folder(self.shm)
+            self._paths(own_folder(self.run_dir, self.shm))
         except Unsafe as exc:
             return str(exc)
         return None
@@ -863,14 +873,14 @@ class MemorySnapshots:
         return slot
 
     def reached(self) -> int:
-        return reached_step(self.paths[0])
+        """The step the run had reached at its last write to buffer a (0: unknown)."""
+        header = _read_header(self.paths[0])
+        return struct.unpack_from("<Q", header, _REACHED_AT)[0] if header else 0
 
     def note_reached(self, step: int) -> None:
-        """The step the run reached (buffer a's header): a restart says how many steps
-        it recomputes. After each optimizer step: the previous snapshot's background
-        copy is done (the step's pre-hook waited, :meth:`hold`; or here, where the step
-        was skipped), and the hook goes, so that steps without a snapshot call
-        nothing."""
+        """After each optimizer step: the step reached, in buffer a's header (a restart
+        says how many steps it recomputes). The snapshot's background copy is done by
+        then (:meth:`hold`; or waited for here, where the step was skipped)."""
         if self.hook is not None:
             self.background.wait(self.background.copied)
             self.hook.remove()
@@ -882,14 +892,14 @@ class MemorySnapshots:
         """Map both buffers with room for ``state``: at the first save, so that a tmpfs
         filling up later cannot take the second one's pages (only a state that grows
         maps again). NoRoom or Unsafe when a buffer cannot be had."""
-        skeleton, _, data_size = encode_plan(state)
+        skeleton, _, data_size = encode(state)[:3]
         self._reserve(payload_size(skeleton, data_size), range(2))
         if self.ring is not None:  # the predecessor's copies: about as large as its own
             self.ring.reserve(payload_size(skeleton, data_size))
 
     def _reserve(self, needed: int, indices) -> None:
         if all(b.fd is None for b in self.buffers):  # this process's first: the folder
-            open_user_folder(self.shm)             # is checked again
+            own_dir(self.folder)                   # is checked again
         # Room for the skeleton to grow (metrics, an epoch's loss sums) without
         # remapping at the next save.
         capacity = needed + max(64 * 1024, needed // 64)
@@ -898,23 +908,15 @@ class MemorySnapshots:
                 self.buffers[i].map(capacity, self.info, self.raw_id, self.exchange_bytes)
 
     def save(self, state: dict, *, step: int, epoch: int, held=None) -> bool:
-        """Copy ``state`` into the buffer that does not hold the newest snapshot. NoRoom
-        or Unsafe when a buffer cannot be had; the newest snapshot stays valid.
+        """Copy ``state`` into the buffer that does not hold the newest snapshot (with the
+        previous save's :class:`Plan` while the state holds the same tensors). NoRoom or
+        Unsafe when a buffer cannot be had; the newest snapshot stays valid.
 
         ``held`` (:func:`held_by`'s set, or a callable that returns it, called only when
-        the plan is made): the tensors there are copied, the checksum taken and the
-        header written by the background thread (:class:`Background`), while the next
-        step's forward and backward run: the caller has the optimizer's next step wait
-        for it (:meth:`hold`). Until it is done the snapshot is not valid and the
-        previous one is the newest. The skeleton (plain values a step may change in
-        place) and every other tensor are written before this returns.
-
-        The copies are those of the :class:`Plan` the previous save made, as long as the
-        state holds the same tensors (the common case: a model's and optimizer's state
-        dicts hold the same tensors every step); else a new plan. Returns whether the
-        background thread finishes it (the caller then calls :meth:`hold`): only where
-        the tensors held are on a GPU or above :data:`BACKGROUND_BYTES`; a smaller copy
-        is done here, at once."""
+        a plan is made): the tensors there, the checksum and the header may be left to
+        the background thread (on a GPU, or above :data:`BACKGROUND_BYTES`); returns
+        whether they were, and the caller then has the optimizer's next step wait for
+        them (:meth:`hold`). Everything else is written before this returns."""
         import torch
 
         plan = self.plan
@@ -967,16 +969,14 @@ class MemorySnapshots:
         return True
 
     def hold(self, optimizer) -> None:
-        """Have ``optimizer``'s next step wait for the snapshot being finished in the
-        background (:meth:`save`'s ``held``): a step pre-hook, removed after that step
-        (:meth:`note_reached`)."""
+        """Have ``optimizer``'s next step wait for the snapshot finished in the background
+        (a step pre-hook, removed after that step: :meth:`note_reached`)."""
         if self.hook is None:
             self.hook = optimizer.register_step_pre_hook(self._wait_for_copy)
 
     def _wait_for_copy(self, *_) -> None:
-        """The held optimizer step's pre-hook. Its wait is timed as the snapshot's cost
-        (phases.MEMORY_WAITS): memory_every_steps=auto must see it, or a copy of three
-        steps' length (206 MB from a GPU) would look free and be chosen every step."""
+        """The held optimizer step's pre-hook, its wait timed as the snapshot's cost
+        (phases.MEMORY_WAITS), which memory_every_steps=auto must see."""
         with phases.carve(phases.MEMORY_WAITS, within="training",
                           label="memory snapshot copy wait"):
             self.background.wait(self.background.copied)
@@ -987,12 +987,9 @@ class MemorySnapshots:
         self.background.wait()
 
     def start_exchange(self, row: bytes) -> None:
-        """Every rank, at every memory snapshot (also a rank whose save fails: it is a
-        collective), before its save: start sending this rank's ``row``
-        (:func:`make_row`) to every rank, without waiting. :meth:`record_exchange`, after
-        the save, has a background thread write all the rows into the exchange region of
-        the snapshot just saved when they have come (a few milliseconds later), so that
-        a peer can restore this rank's snapshot should its buffers be lost."""
+        """Every rank before each save (a collective, also where it fails): start sending
+        ``row`` (:func:`make_row`) to every rank; :meth:`record_exchange`, after the save,
+        has the background thread write every rank's into the snapshot just saved."""
         self.exchanges.start(row)
 
     def record_exchange(self, saved: bool) -> None:
@@ -1007,10 +1004,10 @@ class MemorySnapshots:
         """The bytes the buffers of ``state`` take on this machine (two per local rank:
         every local rank asks at once, before any allocates), and the bytes free in
         the tmpfs plus what this run's buffers already take there."""
-        skeleton, _, data_size = encode_plan(state)
+        skeleton, _, data_size = encode(state)[:3]
         free = free_bytes(self.shm)
         held = 0
-        for path in run_buffers(self.run_id, self.shm):
+        for path in run_buffers(self.run_id, self.shm, self.run_dir):
             try:
                 # Its pages, not its size: another local rank's posix_fallocate may be
                 # under way, its pages taken from the free space before the size is set
@@ -1050,16 +1047,17 @@ class MemorySnapshots:
         self.close()
         self.sequence = 0
         self.newest_index = None
-        return unlink_own(self.paths) + (self.ring.remove() if self.ring is not None
-                                         else [])
+        problems = unlink_own(self.paths) + (self.ring.remove() if self.ring else [])
+        if self.folder != user_folder(self.shm):  # a private one: gone with the last rank's
+            with contextlib.suppress(OSError):
+                os.rmdir(self.folder)
+        return problems
 
 
 class Background:
-    """This rank's thread that finishes each memory snapshot off the step's path: the
-    copy of the tensors only the optimizer's step changes, the checksum and the header
-    (MemorySnapshots.save), then the exchange's rows (:class:`Exchanges`), in that
-    order. A job that fails raises ``memory.failed``: the ranks turn the tier off at the
-    next check point."""
+    """This rank's thread that finishes each memory snapshot off the step's path (the
+    held copies, checksum and header, then the exchange's rows), in that order. A job
+    that fails sets ``memory.failed``: the ranks turn the tier off at the next check."""
 
     #: How long anything waits for the thread: the process group's own timeout ends a
     #: collective whose peer died well before this.
@@ -1071,9 +1069,8 @@ class Background:
         _LIVE.add(self)
 
     def _forget(self) -> None:
-        """No thread, nothing pending: at the start, and in a child forked from this
-        process (a DataLoader worker), which has not the thread and must not wait on
-        the queue, lock or events the parent's thread held at the fork."""
+        """No thread, nothing pending: at the start, and in a forked child (a loader
+        worker), which must not wait on what the parent's thread held at the fork."""
         self.queue = self.thread = self.idle = self.lock = None
         self.pending = 0
         self.copied = threading.Event()  # clear while a snapshot's copy is in flight
@@ -1114,9 +1111,8 @@ class Background:
 
     def stop(self, wait: bool = True) -> None:
         """Wait for what is left, then end the thread (a later :meth:`submit` starts
-        another): a closed rank's pair leaves no thread behind. ``wait=False`` (a run
-        that failed: a collective the thread waits for may never come): the thread ends
-        once its jobs are done or have failed, not waited for."""
+        another); ``wait=False`` (a failed run, whose collectives may never come): the
+        thread ends once its jobs are done or failed, not waited for."""
         if self.thread is None:
             return
         if wait:
@@ -1147,13 +1143,9 @@ os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
 class Exchanges:
-    """The exchange of every rank's row at each memory snapshot: one all_gather started
-    without waiting (async_op); the background thread waits for it and writes the rows
-    into the buffer (:meth:`Buffer.write_exchange`). The step goes on meanwhile: the
-    only thing on the step's path is the start of the collective (tens of
-    microseconds), where a gather of the RNG states at each snapshot cost a round trip
-    between the ranks and every skew between them (7 ms of a 25 ms step, issue 37). A
-    single process writes its row at once."""
+    """Every rank's row at each snapshot: an all_gather started without waiting, which
+    the background thread waits for and writes into the buffer (a single process: at
+    once)."""
 
     def __init__(self, world_size: int, background: Background):
         self.world_size = world_size
@@ -1223,15 +1215,14 @@ class Exchanges:
 
 def remove_leftovers(run_dir, run_id: str, shm: pathlib.Path = SHM,
                      forget: str | None = None) -> tuple[list[pathlib.Path], list[str]]:
-    """At a run's start (local rank 0): remove the buffers left behind in this user's
-    folder, and only those: from this host, their writer gone (no flock held), and
-    either of this run folder under another id (a run started afresh over it, or an
-    overwritten folder) or of a run folder that no longer exists. ``forget``: an id
-    whose buffers all go (``--no-resume``, ``--resume PATH``). Another live run's
-    buffers, another host's (containers sharing the tmpfs), and those of an existing
-    folder's run (which its rerun resumes from) stay. Returns what was removed and a
-    warning for each buffer that could not be."""
+    """At a run's start (local rank 0): remove the buffers left behind in the run's
+    folder (:func:`folder_of`), and only those: from this host and mount namespace,
+    their writer gone (no flock held), and either of this run folder under another id
+    or of a run folder that no longer exists; ``forget``: an id whose buffers all go
+    (``--no-resume``, ``--resume PATH``). Returns what was removed and a warning for
+    each buffer that could not be (docs/checkpoints.md, "When they go")."""
     host, here = socket.gethostname(), os.path.realpath(os.fspath(run_dir))
+    mnt = mount_namespace()
 
     def left_behind(name: str, path: pathlib.Path) -> bool:
         match = _NAME.fullmatch(name)
@@ -1240,13 +1231,23 @@ def remove_leftovers(run_dir, run_id: str, shm: pathlib.Path = SHM,
         if match["run_id"] != forget:
             info = read_info(path)
             theirs = info.get("run_dir")
-            if info.get("host") != host or not isinstance(theirs, str):
+            if (info.get("host"), info.get("mnt")) != (host, mnt) or \
+                    not isinstance(theirs, str):
                 return False
             if theirs != here and os.path.isdir(theirs):
                 return False
         return writer_gone(path)
 
-    return sweep(user_folder(shm), left_behind)
+    return sweep(folder_of(run_dir, shm), left_behind)
+
+
+def mount_namespace() -> str | None:
+    """This process's mount namespace: containers sharing a tmpfs and a host name
+    (--ipc=host --net=host) see other run folders at the same paths."""
+    try:
+        return os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return None
 
 
 # ------------------------------------------------------------ agreeing at a resume
@@ -1268,12 +1269,9 @@ class Loaded:
 
 
 def load_all(memory: MemorySnapshots, warn) -> list[Loaded]:
-    """This rank's memory snapshots of this run that load whole, newest first (two at
-    most: a peer may need the older one, whose exchange rows are whole, see
-    :func:`agree`). A buffer that passed its checks but does not decode into a snapshot
-    (a skeleton with anything but plain values, a tensor outside the payload, no
-    config, another step than its header's) is one ``warn``ing, and not used: never a
-    traceback, and a good disk snapshot is still there behind it."""
+    """This rank's memory snapshots of this run that load whole, newest first (both: a
+    peer may need the older one); one that does not (:func:`load_checked`) is one
+    ``warn``ing, never a traceback: a good disk snapshot is still there behind it."""
     slots, problems = [], []
     for path in memory.paths:
         slot, problem = check_slot(path, run_id=memory.run_id)
@@ -1334,10 +1332,8 @@ def _not_a_snapshot(state, step: int) -> str | None:
 
 @attrs.define
 class MemoryChoice:
-    """What the ranks' memory snapshots hold: the newest step every rank can restore
-    (-1: none), the ranks that hold it, the rank that sends it to the others (one whose
-    exchange rows are whole, where a rank lacks it), and the step the interrupted run
-    had reached (0: unknown)."""
+    """The newest step every rank can restore (-1: none), the ranks that hold it, the
+    rank that sends it to the others, and the step the interrupted run reached."""
 
     step: int
     holders: list[int]
@@ -1368,19 +1364,13 @@ class MemoryChoice:
 
 
 def agree(memory: MemorySnapshots, mine: list[Loaded], copies=()) -> MemoryChoice:
-    """Collective: every rank says which memory snapshots it holds (their steps, and
-    whether their exchange rows are whole) and how far the run had got; every rank
-    returns the same answer: the newest step that every rank holds, or that a rank
-    holding it can send with the missing ranks' own rows (their RNG states and loss
-    sums). A snapshot of another number of processes needs no rows: its RNG states are
-    not restored. A snapshot of fsdp shards is only its own rank's, at its number of
-    processes; shards or whole tensors only where this run's model is alike
-    (``memory.sharded``). The newest snapshot passed over for these reasons is the
-    choice's ``unusable``: rank 0 says why.
-
-    Under fsdp a rank's shards are also in its successor's copy (``copies``: this rank's
-    copies of its predecessor's snapshots, engine/memory_ring.py's load_held): a step
-    counts where every rank has its own or its successor has the copy."""
+    """Collective: every rank returns the same answer: the newest step that every rank
+    holds, or that a rank holding it can send with the missing ranks' exchange rows (a
+    snapshot of another number of processes needs none: its RNG states are not
+    restored). fsdp shards only at their number of processes, each rank's own or its
+    successor's copy (``copies``: this rank's of its predecessor's, memory_ring's
+    load_held); shards or whole tensors only where this run's model is alike
+    (``memory.sharded``). The newest snapshot passed over is the choice's ``unusable``."""
     world_size = memory.world.world_size
     held, unusable, sharded = [], [], []
     for m in mine:
@@ -1434,11 +1424,9 @@ def choose(held: list[list[tuple[int, bool]]], reached: int) -> MemoryChoice:
 
 def choose_sharded(own: list[list[int]], copies: list[list[int]],
                    reached: int) -> MemoryChoice:
-    """:func:`agree`'s answer under fsdp at the same number of processes (``own[r]``:
-    the steps of rank r's own snapshots; ``copies[r]``: those of the copies rank r
-    holds of its predecessor's, engine/memory_ring.py): the newest step every rank can
-    restore from its own snapshot or its successor's copy. The choice's ``peers``:
-    {each rank without its own: the successor that sends it}."""
+    """:func:`agree`'s answer under fsdp (``own[r]``, ``copies[r]``: the steps of rank
+    r's own snapshots and of its copies of its predecessor's): the newest step every
+    rank restores from its own or its successor's copy; ``peers``: {rank: successor}."""
     world_size = len(own)
     for step in sorted({s for steps in own + copies for s in steps}, reverse=True):
         if lacking_sharded(own, copies, step):
@@ -1459,12 +1447,10 @@ def lacking_sharded(own: list[list[int]], copies: list[list[int]], step: int) ->
 
 
 def fetch(memory: MemorySnapshots, choice: MemoryChoice, mine: list[Loaded]) -> dict:
-    """The chosen snapshot on every rank, as a resume restores it: its own, or, for the
-    ranks that lack it, sent by ``choice.source`` with its exchange rows (one broadcast
-    of its checked payload and rows; the ranks that hold it take part and keep their
-    own). Then each rank's RNG states go into place, and the epoch's loss sums, kept per
-    rank, are summed over the ranks. Collective. (Under fsdp, where a rank gets its
-    successor's copy, engine/memory_ring.py's fetch instead.)"""
+    """Collective: the chosen snapshot on every rank, as a resume restores it
+    (:func:`complete`): its own, or, where a rank lacks it, broadcast by
+    ``choice.source`` with its exchange rows. (Where under fsdp a rank gets its
+    successor's copy: engine/memory_ring.py's fetch.)"""
     import torch
 
     rank, world_size = memory.world.rank, memory.world.world_size
@@ -1495,11 +1481,9 @@ def fetch(memory: MemorySnapshots, choice: MemoryChoice, mine: list[Loaded]) -> 
 
 
 def complete(state: dict, rank: int, world_size: int, rows) -> dict:
-    """A memory snapshot (a rank's own row in its ``rng`` part, a rank's own loss sums in
-    its ``progress``) as a resume restores it: ``rng`` every rank's RNG states as the
-    disk snapshot holds them, this rank's in place (from its own row, or from the
-    sender's exchange ``rows`` where it was sent), and the epoch's loss sums over every
-    rank. Collective where the loss sums are kept (mid-epoch)."""
+    """A memory snapshot (a rank's own row and loss sums) as a resume restores it: its
+    ``rng`` as the disk snapshot's, this rank's states from its own row (or the sender's
+    ``rows``), the epoch's loss sums over every rank (a collective, mid-epoch)."""
     part = state.get("rng") or {}
     if "row" not in part:  # a whole state (a test's, or an older form): as it is
         return state

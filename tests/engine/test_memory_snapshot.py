@@ -312,7 +312,10 @@ def test_a_name_taken_by_anything_but_our_own_file_is_refused_untouched(
 
 @pytest.mark.parametrize("planted", ["another user's folder", "symlink", "open folder",
                                      "file"])
-def test_a_user_folder_that_is_not_ours_turns_the_tier_off(shm, tmp_path, planted):
+def test_a_user_folder_that_is_not_ours_is_left_for_a_private_one(shm, tmp_path, planted):
+    """Anything at this user's folder name but its own closed folder: left as it is; the
+    buffers go into a private folder of random name (0700), recorded in the run folder,
+    which a restart finds. Only where no private folder can be had is the tier off."""
     folder = memory_snapshot.user_folder(shm)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(mode=0o700)
@@ -326,10 +329,46 @@ def test_a_user_folder_that_is_not_ours_turns_the_tier_off(shm, tmp_path, plante
             os.chmod(folder, 0o777)
         else:
             os.chown(folder, 12345, 12345)
-    memory = MemorySnapshots(tmp_path, world(), every_steps=1, run_id=RUN_ID, shm=shm)
+    before = os.lstat(folder)
+    memory = memory_of(tmp_path, shm)
+    memory.save(a_snapshot(1), step=1, epoch=0)
+    private = memory.paths[0].parent
+    assert private.parent == shm and private.name.startswith(f"{folder.name}-")
+    assert stat.S_IMODE(os.lstat(private).st_mode) == 0o700
+    assert memory_of(tmp_path, shm).newest().step == 1  # a restart finds it
+    assert memory_snapshot.buffer_paths(tmp_path, 0, shm, RUN_ID) == memory.paths
+    after = os.lstat(folder)
+    assert (after.st_mode, after.st_uid, after.st_ino) == (
+        before.st_mode, before.st_uid, before.st_ino)
+    assert list(elsewhere.iterdir()) == []
+    memory.remove()
+    assert not private.exists()
+    unrecorded = tmp_path / "unrecorded"  # nowhere to record a private folder: off
+    (unrecorded / memory_snapshot.FOLDER_FILE).mkdir(parents=True)
+    memory = MemorySnapshots(unrecorded, world(), every_steps=1, run_id=RUN_ID, shm=shm)
     problem = memory.check()
     assert problem is not None and str(folder) in problem, problem
-    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_folder_name_another_user_took_first_leaves_the_tier_on(shm, tmp_path):
+    """Another local user (a real process of another uid) makes this user's folder
+    name first in a shared tmpfs (mode 1777, as /dev/shm): two local ranks still save,
+    into one private folder, and a restarted rank resumes from its snapshot."""
+    os.chmod(shm, 0o1777)
+    folder = memory_snapshot.user_folder(shm)
+    subprocess.run(["mkdir", "-m", "700", str(folder)], user=12345, group=12345,
+                   check=True)
+    ranks = [MemorySnapshots(tmp_path, world(r, 2), every_steps=1, run_id=RUN_ID,
+                             shm=shm) for r in (0, 1)]
+    assert [m.check() for m in ranks] == [None, None]
+    for step, memory in enumerate(ranks, 1):
+        memory.save(a_snapshot(step), step=step, epoch=0)
+        memory.close()
+    assert ranks[0].folder == ranks[1].folder != folder
+    restarted = MemorySnapshots(tmp_path, world(1, 2), every_steps=1, run_id=RUN_ID,
+                                shm=shm)
+    assert restarted.check() is None and restarted.newest().step == 2
+    assert os.lstat(folder).st_uid == 12345 and list(folder.iterdir()) == []
 
 
 def test_a_larger_state_grows_the_buffer_and_the_previous_snapshot_stays(shm, tmp_path):
@@ -409,6 +448,45 @@ def test_only_leftovers_of_gone_writers_on_this_host_are_removed(shm, tmp_path):
         memory.close()
     memory_snapshot.remove_leftovers(kept, ids[kept], shm, forget=ids[kept])
     assert memory_snapshot.run_buffers(ids[kept], shm) == []
+
+
+IN_ANOTHER_NAMESPACE = """
+import pathlib, sys, torch
+from engine.memory_snapshot import MemorySnapshots
+from engine.world import World
+shm, run_dir, run_id = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+memory = MemorySnapshots(run_dir, World(rank=0, local_rank=0, world_size=1,
+                                        local_world_size=1), 1, run_id=run_id, shm=shm)
+assert memory.check() is None
+memory.save({"config": {}, "step": 1, "model": {"w": torch.ones(3)}}, step=1, epoch=0)
+memory.close()
+"""
+
+
+def test_a_start_leaves_the_buffers_of_another_mount_namespace(shm, tmp_path):
+    """Two containers sharing the tmpfs and the host name (--ipc=host --net=host), each
+    with its own run at the same path: a run started in one (a real process in a
+    second mount namespace, unshare -m, over a tmpfs of its own at that path) leaves
+    buffers whose writer is gone. This namespace's start at that path removes its own
+    older id's leftovers and leaves the other namespace's, which its rerun resumes."""
+    here = tmp_path / "run"
+    here.mkdir()
+    old, mine, theirs = "c" * 32, "a" * 32, "b" * 32
+    stale = memory_of(here, shm, run_id=old)
+    stale.save(a_snapshot(1), step=1, epoch=0)
+    stale.close()
+    subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    'mount -t tmpfs none "$3" && exec "$0" -c "$@"', sys.executable,
+                    IN_ANOTHER_NAMESPACE, str(shm), str(here), theirs],
+                   check=True, timeout=120)
+    other = memory_snapshot.run_buffers(theirs, shm)
+    assert len(other) == 2 and memory_snapshot.read_info(other[0])["run_dir"] == str(here)
+    assert memory_snapshot.read_info(other[0])["mnt"] != memory_snapshot.mount_namespace()
+    assert list(here.iterdir()) == []  # its run folder was the other namespace's alone
+    removed, problems = memory_snapshot.remove_leftovers(here, mine, shm)
+    assert (sorted(removed), problems) == (sorted(stale.paths), [])
+    assert memory_snapshot.run_buffers(theirs, shm) == other
+    assert memory_snapshot.newest(other, theirs).step == 1
 
 
 def test_a_buffer_that_does_not_load_is_a_warning_and_the_older_one_is_used(shm, tmp_path):
