@@ -1,17 +1,16 @@
 """No import cycles inside engine/: every ``import engine...`` and ``from engine...
 import`` statement of every module, function-local ones included (a lazy import hides
 a cycle from Python, not from the design), read with ast. No optional package
-imported by a plain run: the optional loggers import theirs only when enabled. No
-import inside a function without its reason (issue 38). And what a run imports costs at
-most 5% more CPU than torch does (issue 48)."""
+imported by a plain run: the optional loggers import theirs only when enabled. And no
+import inside a function without its reason (issue 38). What the imports cost is a
+benchmark's, not a test's (a timed assertion fails by chance on a loaded machine):
+``python tools/bench_startup.py imports`` (docs/performance.md, "Import")."""
 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import pathlib
 import re
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -230,26 +229,6 @@ def test_engine_run_starts_without_torch_or_the_modules_only_a_run_needs():
                          capture_output=True, timeout=120, cwd=ENGINE.parent)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
-
-
-def test_what_a_run_imports_costs_at_most_5_percent_more_cpu_than_torch(tmp_path):
-    # import torch, engine.cli, engine.trainer, engine.plugin_manager against import
-    # torch: in each of 3 fresh interpreters, its CPU seconds once all is imported
-    # against once torch is (tools/bench_startup.py imports: torch's own import varies
-    # more from process to process than the engine's share), the median. The engine as
-    # installed: a copy with its bytecode written, since with PYTHONDONTWRITEBYTECODE set
-    # each process would compile engine/'s source too (docs/performance.md, "Import").
-    spec = importlib.util.spec_from_file_location(
-        "bench_startup", ENGINE.parent / "tools" / "bench_startup.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    found = bench.import_cpu(3, engine_env(), torch_alone=False, exits=False,
-                             cwd=bench.compiled_copy(tmp_path))
-    ratio = statistics.median(found["within"])
-    assert ratio <= 1.05, (
-        f"import torch, {bench.RUN_IMPORTS} costs {ratio:.3f} x the CPU of import torch "
-        f"(ratios {', '.join(f'{r:.3f}' for r in found['within'])}; at most 1.05): find "
-        "what costs with python -X importtime -c 'import torch, " + bench.RUN_IMPORTS + "'")
 
 
 def test_every_import_inside_a_function_says_why(tmp_path):
