@@ -408,7 +408,7 @@ class Worker:
     docstring's second block); picklable, for spawned processes. A subclass says how
     the config is made (:meth:`configure`) and what a worker runs (:meth:`run`)."""
 
-    plugins: tuple[str, ...]  # the -p list
+    plugins: tuple  # the -p list; engine.fit's may hold plugin objects too
     options: dict  # engine.options in every worker (no_resume, resume, nproc, ...)
     door: Door = ENGINE_RUN
     launching_pid: int | None = None  # the process that set up the launch

@@ -354,14 +354,21 @@ def installed_entry_points() -> list[EntryPoint]:
     return found
 
 
-def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = None,
+def object_name(plugin: object) -> str:
+    """The name a plugin object is registered under: its ``__name__`` (a module, a
+    class), else its type's and id's."""
+    return getattr(plugin, "__name__", None) or f"{type(plugin).__name__}-{id(plugin):x}"
+
+
+def build_plugin_manager(extra: Iterable = (), *, autoload: bool | None = None,
                          objects: Mapping[str, object] | None = None,
                          keep_going: bool = False,
                          scratch_parser=None) -> EnginePluginManager:
     """``extra`` holds the ``-p`` arguments: ``no:NAME`` blocks a plugin, anything else
     names an entry point or a module to import and register. ``autoload`` defaults to
     true unless ENGINE_DISABLE_PLUGIN_AUTOLOAD is set to something other than 0.
-    ``objects`` maps names to plugin objects already in hand (tests), registered last.
+    ``objects`` maps names to plugin objects already in hand, registered last; a plugin
+    object among ``extra`` (``engine.fit(plugins=[Timer()])``) is one too.
     ``keep_going``: a broken plugin is left out and listed in ``pm.broken`` instead of
     raising its PluginError (for ``--help``, ``doctor``, ``plugins``); a mistake on the
     command line (``-p no:`` of an unknown or essential name) still raises.
@@ -369,7 +376,8 @@ def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = N
     (``engine.cli.build_parser()``, passed in: this module does not import the CLI) to try
     the plugins' options on."""
     pm = EnginePluginManager(keep_going)
-    extra = list(extra)
+    objects = {**(objects or {}), **{object_name(p): p for p in extra if not isinstance(p, str)}}
+    extra = [spec for spec in extra if isinstance(spec, str)]
     disable = [spec[3:] for spec in extra if spec.startswith("no:")]
     add = [spec for spec in extra if not spec.startswith("no:")]
     for name in disable:
@@ -403,10 +411,10 @@ def build_plugin_manager(extra: Iterable[str] = (), *, autoload: bool | None = N
             version, dist = module_version(spec)
             pm.load_plugin(spec, spec, version=version, source="-p", distribution=dist)
 
-    for name, plugin in (objects or {}).items():
+    for name, plugin in objects.items():
         pm.register_object(plugin, name)
 
-    known = {name for name, _ in BUILTIN_PLUGINS} | set(add) | set(objects or {})
+    known = {name for name, _ in BUILTIN_PLUGINS} | set(add) | set(objects)
     known |= {n for ep in pm.entry_points for n in (ep.name, ep.distribution)}
     for name in disable:
         if name not in known and normalize(name) not in map(normalize, known):

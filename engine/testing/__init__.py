@@ -332,15 +332,9 @@ def tiny_recipe(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture
 def make_plugin_manager() -> Callable[..., Any]:
     def make(*plugins, autoload: bool = False):
-        specs = [p for p in plugins if isinstance(p, str)]
-        objects = {_object_name(p): p for p in plugins if not isinstance(p, str)}
-        return build_plugin_manager(specs, autoload=autoload, objects=objects)
+        return build_plugin_manager(plugins, autoload=autoload)
 
     return make
-
-
-def _object_name(plugin: object) -> str:
-    return getattr(plugin, "__name__", None) or f"{type(plugin).__name__}-{id(plugin):x}"
 
 
 @pytest.fixture

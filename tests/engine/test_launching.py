@@ -66,6 +66,20 @@ def test_fit_trains_in_this_process_as_engine_run_does(tmp_path, engine_run_summ
     assert summary["recipe"] == (str(RECIPE) if given != "object" else "regression_object")
 
 
+def test_fit_takes_a_plugin_object_as_a_callback(tmp_path):
+    class StepCounter:  # what the Hugging Face Trainer would take as a callback
+        steps: list = []
+
+        @engine.hookimpl
+        def engine_train_step_end(self, engine, step, loss, ctx):
+            self.steps.append(step)
+
+    counter = StepCounter()
+    summary = fit(RECIPE, nproc=1, out_dir=str(tmp_path / "run"), plugins=[counter],
+                  epochs=1)
+    assert counter.steps == list(range(1, summary["global_step"] + 1))
+
+
 def test_fit_resumes_and_refuses_a_fresh_start_over_a_run(tmp_path):
     out = str(tmp_path / "run")
     fit(RECIPE, nproc=1, out_dir=out, epochs=1)
