@@ -9,13 +9,13 @@ hooks it fires, and when: docs/plugins.md, "Hooks in the order they fire")::
                           reached: the rest of the order split over these ranks)
         for each micro-batch:                                       train_epoch
             batch to the device; forward and loss (the recipe's     run_batch
-            train_step); backward (DDP
-            all-reduces the gradients in a group's last micro-step only)
+            train_step); a group's first micro-step: the last step's gradients
+            freed; backward (DDP all-reduces them in a group's last micro-step only)
             after a group's last micro-step:                        optimizer_step
                 unless on_nonfinite=skip skips the step:
                     unscale (fp16), clip to grad_clip_norm          before_optimizer_step
                     optimizer step
-                zero_grad(set_to_none=True), scheduler if per step
+                scheduler if per step
                 every log_every steps: start one all-reduce of the  check_point
                     window's loss and the pre-emption and time-based snapshot
                     flags (and the memory interval each rank's measured costs
@@ -724,7 +724,8 @@ class Trainer:
             if count_units is not None and not padding:
                 window.units += count_units(batch)
             with phases.span("forward/backward"):
-                loss = self.run_batch(batch, group_size, last_micro, padding=padding)
+                loss = self.run_batch(batch, group_size, batch_index == group_start,
+                                      last_micro, padding=padding)
             if padding:
                 window.padding_batches += 1
             else:
@@ -764,9 +765,14 @@ class Trainer:
         self.train_step = self.checked_train_step
         return out
 
-    def run_batch(self, batch, group_size: int, last_micro: bool, padding: bool = False):
+    def run_batch(self, batch, group_size: int, first_micro: bool, last_micro: bool,
+                  padding: bool = False):
         """Forward and backward of one micro-batch; returns its loss, detached. DDP
         all-reduces the gradients only in the backward of a group's last micro-batch.
+        The last step's gradients are freed just before a group's first backward, as a
+        hand-written loop does, not after the step: hooks after the step still see them,
+        and glibc reuses their memory for the new ones instead of faulting in fresh pages
+        (docs/performance.md).
         A stream's ``padding`` micro-batch (engine/streaming.py) weighs 0: it only keeps
         this rank in the gradient all-reduces of ranks whose part of the stream is longer."""
         ctx = self.ctx
@@ -784,6 +790,8 @@ class Trainer:
             scaled = loss / group_size if group_size > 1 else loss
             if padding:
                 scaled = scaled * 0.0
+            if first_micro:
+                parts.optimizer.zero_grad(set_to_none=True)
             if parts.scaler is not None:
                 parts.scaler.scale(scaled).backward()
             else:
@@ -813,7 +821,6 @@ class Trainer:
                     scaler.update()
                 else:
                     optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         if parts.scheduler is not None and self.cfg.scheduler_interval == "step":
             parts.scheduler.step()
         state.step += 1

@@ -162,23 +162,35 @@ def test_grad_clip_norm_equals_a_hand_written_loop_with_accumulation(tmp_path):
 
 # This module is also the probe plugin of the next test (``-p tests.engine.test_trainer``):
 # every rank records, for each optimizer step, the step number the hook was given and
-# the total norm of the gradients it saw, and writes them to grad-probe-rank{R}.json in
-# the out_dir at the end. (``.item()`` every step: fine for a test, not for a logger.)
+# the total norm of the gradients it saw, before the step and after it, and writes them
+# to grad-probe-rank{R}.json and grad-after-rank{R}.json in the out_dir at the end.
+# (``.item()`` every step: fine for a test, not for a logger.)
 _grad_norms: list[tuple[int, float]] = []
+_grad_norms_after: list[tuple[int, float | None]] = []
+
+
+def _grad_norm(optimizer) -> float | None:
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+             if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(g) for g in grads])).item() if grads else None
 
 
 @engine.hookimpl
 def engine_before_optimizer_step(engine, step, optimizer):
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"]
-             if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    _grad_norms.append((step, norm.item()))
+    _grad_norms.append((step, _grad_norm(optimizer)))
+
+
+@engine.hookimpl
+def engine_train_step_end(ctx, step, loss):
+    _grad_norms_after.append((step, _grad_norm(ctx.optimizer)))
 
 
 @engine.hookimpl
 def engine_run_end(engine, summary):
-    path = engine.out_dir / f"grad-probe-rank{engine.world.rank}.json"
-    path.write_text(json.dumps(_grad_norms))
+    rank = engine.world.rank
+    (engine.out_dir / f"grad-probe-rank{rank}.json").write_text(json.dumps(_grad_norms))
+    (engine.out_dir / f"grad-after-rank{rank}.json").write_text(json.dumps(_grad_norms_after))
 
 
 def test_grad_clip_norm_with_ddp_equals_a_hand_written_ddp_loop_and_the_hook_sees_it(
@@ -201,6 +213,9 @@ def test_grad_clip_norm_with_ddp_equals_a_hand_written_ddp_loop_and_the_hook_see
         seen = json.loads((out / f"grad-probe-rank{rank}.json").read_text())
         assert [step for step, _ in seen] == list(range(1, 17))  # 8 steps x 2 epochs
         assert all(0 < norm <= CLIP * (1 + 1e-5) for _, norm in seen), seen
+        # After the step (engine_train_step_end) the gradients are still there, the same
+        # (they are freed before the next group's first backward, not after the step).
+        assert json.loads((out / f"grad-after-rank{rank}.json").read_text()) == seen
     # DDP averaged the gradients before the hook: both ranks saw the same ones.
     assert (json.loads((out / "grad-probe-rank0.json").read_text())
             == json.loads((out / "grad-probe-rank1.json").read_text()))
