@@ -25,21 +25,13 @@ from engine.checkpoint import read_manifest
 from engine.errors import CheckpointError, ConfigError
 
 #: Config keys a resumed run may change: they decide how long the run goes and how it
-#: is launched, watched and stored, not what an optimizer step computes, so the run
-#: stays the one the snapshot belongs to. Any OTHER key that differs refuses the resume
-#: (unless --resume-anyway), notably: batch_size and grad_accum_steps (the batches and
-#: their split over processes and micro-steps; the global batch also keeps the epoch's
-#: sample position a whole number of micro-steps at any number of processes), seed,
-#: drop_last and per_sample_seed (the data order and the augmentation
-#: randomness), precision and scheduler_interval, ddp.sync_batchnorm and
-#: ddp.broadcast_buffers (the arithmetic), and a recipe's own keys (data, model): the
-#: engine cannot judge those, and refusing is the side that never mixes two runs
-#: silently. ``lr`` has its own rule (:func:`_apply_lr`). The world size is not a config
-#: key: a different one continues the epoch's data order at its global sample position
-#: (:class:`engine.stateful.LoaderPosition`), with a warning (the RNG states cannot be restored).
-#: A config group (the engine's or a plugin's) says which of its keys may change in the
-#: class attribute ``RESUME_SAFE`` (:func:`engine.config.resume_safe`), so the core
-#: names none of a plugin's keys.
+#: is launched, watched and stored, not what an optimizer step computes. Any OTHER key
+#: that differs refuses the resume (unless --resume-anyway): batch_size,
+#: grad_accum_steps, seed, drop_last, per_sample_seed, precision, scheduler_interval,
+#: ddp's arithmetic, a recipe's own keys (the engine cannot judge those: refusing never
+#: mixes two runs silently). ``lr`` has its own rule (:func:`_apply_lr`). Another world
+#: size continues at the global sample position (:class:`engine.stateful.LoaderPosition`).
+#: A config group names its own in ``RESUME_SAFE`` (:func:`engine.config.resume_safe`).
 MAY_CHANGE = frozenset({
     "epochs", "log_every", "num_workers", "timeout_s", "out_dir", "launcher", "init_method",
     "parallel", "checkpointer", "preemption", "requeue", "deterministic", "on_nonfinite",
@@ -162,9 +154,7 @@ class SnapshotPolicy:
 
 
 #: ``checkpoint.memory_every_steps=auto``: the share of the training step's time the
-#: memory snapshots may take (issue 37). The interval is the smallest that keeps their
-#: measured cost within it: 1 where a snapshot is cheap against a step (a GPU with a
-#: large step), more where it is not (16 on a 2-core CPU's CIFAR at 2 processes).
+#: memory snapshots may take; the interval is the smallest that keeps their cost within it.
 MEMORY_BUDGET = 0.02
 #: auto's intervals: powers of two, so that the snapshot steps of a new interval are
 #: multiples of the old one's or the reverse, and a crash while the interval changes
@@ -188,9 +178,8 @@ class MemoryCost:
     only make the interval shorter. The copy a large or GPU state leaves to the
     background thread counts where the next optimizer step waits for it
     (phases.MEMORY_WAITS). What no clock of theirs sees (that copy taking the CPUs the
-    step's threads need: 206 MB made a 67 ms CPU step 100-170 ms, its own clock saying
-    3 ms) is measured once, by comparing a window with a snapshot at every step with one
-    without (:meth:`probed`; Snapshots pauses the tier for that window)."""
+    step's threads need) is measured once, by comparing a window with a snapshot at
+    every step with one without (:meth:`probed`; Snapshots pauses the tier for it)."""
 
     def __init__(self):
         self.snapshot_s = self.step_s = 0.0
@@ -771,9 +760,9 @@ def check_config(ctx, saved: dict | None, source: str) -> tuple | None:
 
 
 def _length_change(ctx, saved: dict | None, source: str) -> str | None:
-    """What changed of the run's length (``epochs``, ``max_steps``) since ``source``, when
-    the run has a scheduler that follows it (one stepping on a metric does not); None
-    otherwise. A scheduler the engine cannot replay refuses the resume."""
+    """``epochs``/``max_steps`` changed since ``source``, said, when the scheduler follows
+    the run's length (one stepping on a metric does not); a scheduler that is no torch
+    LRScheduler (which follow_new_length can rebuild) refuses the resume."""
     from engine.trainer import steps_on_metric  # imports torch: lazily
     from torch.optim.lr_scheduler import LRScheduler
 
@@ -784,58 +773,45 @@ def _length_change(ctx, saved: dict | None, source: str) -> str | None:
                         f"{getattr(ctx.cfg, key)}" for key in ("epochs", "max_steps")
                         if key in saved and saved[key] != getattr(ctx.cfg, key))
     if changed and not isinstance(scheduler, LRScheduler):
-        raise ConfigError(
-            f"cannot resume: {changed}, and the scheduler "
-            f"{type(scheduler).__name__} is not a torch LRScheduler, which the engine "
-            "could rebuild for the new length; put the values back, or pass --no-resume "
-            "--overwrite to start a run of the new length")
+        raise ConfigError(f"cannot resume: {changed}, and the scheduler "
+                          f"{type(scheduler).__name__} is not a torch LRScheduler, which "
+                          "the engine could rebuild for the new length; put the values "
+                          "back, or pass --no-resume --overwrite to start afresh")
     return changed or None
 
 
 def schedule_start(scheduler, optimizer) -> tuple:
-    """Where the freshly built ``scheduler`` starts: its state and its optimizer's
-    param groups (without their parameters), copied before a snapshot is loaded."""
-    groups = [{k: v for k, v in group.items() if k != "params"}
-              for group in optimizer.param_groups]
-    return copy.deepcopy((scheduler.state_dict(), groups))
+    """The fresh scheduler's state and its optimizer's param groups (but their params)."""
+    return copy.deepcopy((scheduler.state_dict(), [
+        {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]))
 
 
-def replay_schedule(scheduler, optimizer, start: tuple, steps: int) -> None:
-    """Put ``scheduler`` and its optimizer's hyperparameters back to ``start``
-    (:func:`schedule_start`) and step it ``steps`` times: exactly where a run of the
-    length it was built for stands after as many steps, whatever the schedule (a
-    length in its state, a chained formula reading the current lr, a closure)."""
-    state, groups = copy.deepcopy(start)
-    for group, fresh in zip(optimizer.param_groups, groups):
-        group.update(fresh)
+def follow_new_length(ctx, start: tuple, changed: str) -> None:
+    """After loading a snapshot of another run length, whose scheduler state holds the
+    old one (T_max, total_steps, milestones...): the scheduler and the optimizer's
+    hyperparameters go back to ``start`` (the scheduler built for the new length) and it
+    steps as often as the loaded one had (its count; ChainedScheduler's first's): where a
+    run of the new length stands, whatever the schedule (a chained formula, a closure)."""
+    from torch.optim.lr_scheduler import ChainedScheduler
+
+    scheduler, groups = ctx.scheduler, ctx.optimizer.param_groups
+    steps = (scheduler._schedulers[0] if isinstance(scheduler, ChainedScheduler)
+             else scheduler).last_epoch
+    state, fresh, old_lr = *copy.deepcopy(start), groups[0]["lr"]
+    for group, hyper in zip(groups, fresh):
+        group.update(hyper)
     scheduler.load_state_dict(state)
     with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()"
         warnings.simplefilter("ignore")
         for _ in range(steps):
             scheduler.step()
-
-
-def follow_new_length(ctx, start: tuple, changed: str) -> None:
-    """A resume with another run length: the scheduler, built for the new length, is
-    brought to the steps the loaded one took (its own count, ChainedScheduler's first's)
-    instead of keeping the loaded state, which holds the old length (T_max,
-    total_steps, milestones...)."""
-    from torch.optim.lr_scheduler import ChainedScheduler
-
-    scheduler, optimizer = ctx.scheduler, ctx.optimizer
-    counter = (scheduler._schedulers[0] if isinstance(scheduler, ChainedScheduler)
-               else scheduler)
-    steps, old_lr = counter.last_epoch, optimizer.param_groups[0]["lr"]
-    replay_schedule(scheduler, optimizer, start, steps)
-    unit = "step" if ctx.cfg.scheduler_interval == "step" else "epoch"
-    length = (f"{ctx.cfg.epochs} epochs" + (f", max_steps={ctx.cfg.max_steps}"
-                                            if ctx.cfg.max_steps else "")
+    unit, cfg = ("step" if ctx.cfg.scheduler_interval == "step" else "epoch"), ctx.cfg
+    length = (f"{cfg.epochs} epochs" + (f", max_steps={cfg.max_steps}" if cfg.max_steps else "")
               + (f" ({ctx.total_steps} steps)" if ctx.total_steps else ""))
-    ctx.warn(f"{changed}; the scheduler ({type(scheduler).__name__}, "
-             f"per {unit}) is rebuilt for {length} and brought to {unit} {steps} of it: "
-             f"the learning rate is the new schedule's from here on ({old_lr:.4g} -> "
-             f"{optimizer.param_groups[0]['lr']:.4g} now; put the old length back to "
-             "continue the old schedule)")
+    ctx.warn(f"{changed}; the scheduler ({type(scheduler).__name__}, per {unit}) is rebuilt "
+             f"for {length} and brought to {unit} {steps} of it: the learning rate is the "
+             f"new schedule's from here on ({old_lr:.4g} -> {groups[0]['lr']:.4g} now; put "
+             "the old length back to continue the old schedule)")
 
 
 def _apply_lr(ctx, old: float, new: float, source: str) -> None:

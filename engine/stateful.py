@@ -142,12 +142,9 @@ class TrainState:
     step: int = 0  # optimizer steps taken since the start of training
     batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed
     epochs_completed: int = 0
-    # Early stopping (early_stopping.*): the best value of its metric so far and the
-    # epoch (counted from 1) that reached it (the best snapshot's, by the same rule); the
-    # value an improvement must beat by more than min_delta (the best one with
-    # min_delta 0) and the validations since it was set (one per epoch unless
-    # val_every_steps validates inside epochs too); whether the run stopped; the step
-    # of the best value's validation.
+    # Early stopping (early_stopping.*): its metric's best value, the epoch (from 1) and
+    # step of that validation; the value an improvement must beat by more than min_delta
+    # and the validations since it was set; whether the run stopped.
     best_metric: float | None = None
     best_epoch: int = 0
     epochs_without_improvement: int = 0
@@ -209,11 +206,8 @@ def is_sharded(module) -> bool:
 
 
 def model_digest(state_dict: dict) -> str:
-    """sha256 over (name, dtype, shape, bytes) of every tensor, keys sorted.
-
-    Tensors are moved to the CPU and made contiguous first, so the digest does not
-    depend on the device or the memory layout.
-    """
+    """sha256 over (name, dtype, shape, bytes) of every tensor, keys sorted, whatever
+    its device or memory layout."""
     import torch
 
     digest = hashlib.sha256()
@@ -368,15 +362,17 @@ class OptimizerState:
                 f"model's optimizer ({len(names)})") from None
 
     def load_state_dict(self, state_dict: dict) -> None:
+        try:
+            self._load(state_dict)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"optimizer state does not match: {first_line(exc)}"
+                                  ) from None
+
+    def _load(self, state_dict: dict) -> None:
         if holds_shards(state_dict):
             # A memory snapshot's: the optimizer's own loader takes it (a state it has
             # not created yet, before its first step, included).
-            try:
-                self.optimizer.load_state_dict(from_shards(state_dict,
-                                                           mesh_of(self.module)))
-            except (ValueError, KeyError) as exc:
-                raise CheckpointError(f"optimizer state does not match: {first_line(exc)}"
-                                      ) from None
+            self.optimizer.load_state_dict(from_shards(state_dict, mesh_of(self.module)))
             return
         options = distributed_options(self.module, self.sharded)
         if options is not None:
@@ -398,20 +394,11 @@ class OptimizerState:
             # Keyed by the parameters' names: a sharded run's, gathered by a single-file
             # checkpointer (fsdp resumed under ddp or single). torch's helper maps the
             # names onto this optimizer (a plain loader took the first key for an index).
-            # The helper's module, imported where a sharded run's state is loaded.
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-            try:
-                set_optimizer_state_dict(self.module, self.optimizer, state_dict)
-            except (ValueError, KeyError, RuntimeError) as exc:
-                raise CheckpointError(f"optimizer state does not match: {first_line(exc)}"
-                                      ) from None
+            set_optimizer_state_dict(self.module, self.optimizer, state_dict)
             return
-        try:
-            self.optimizer.load_state_dict(state_dict)
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError(f"optimizer state does not match: {first_line(exc)}"
-                                  ) from None
+        self.optimizer.load_state_dict(state_dict)
 
 
 def _keyed_by_index(state_dict: dict) -> bool:

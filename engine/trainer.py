@@ -17,19 +17,15 @@ hooks it fires, and when: docs/plugins.md, "Hooks in the order they fire")::
                     optimizer step
                 scheduler if per step
                 every log_every steps: start one all-reduce of the  check_point
-                    window's loss and the pre-emption and time-based snapshot
-                    flags (and the memory interval each rank's measured costs
-                    allow); finish the previous check point's, long done:  finish_check
-                    logged (rank 0), its flags recorded (the ranks take the
-                    longest interval proposed)
+                    window's loss, the pre-emption and the snapshot layer's
+                    flags; finish the previous check point's: logged,  finish_check
+                    its flags recorded
                 unless the epoch ends here, every val_every_steps steps validate_if_due
                     and where max_steps ends the run: validate, log
                     its val/* at the step, early stopping (may end the run)
-                this step ended: the snapshot layer writes a        Snapshots.step_ended
-                    snapshot if due, to disk (every_steps, or a     (engine/snapshot.py)
-                    check's time flag), else into shared memory
-                    (memory_every_steps); the check in flight is finished first,
-                    its flags recorded
+                this step ended: a snapshot to disk if the validation was a new best,
+                    else the snapshot layer's if due: to disk       Snapshots.step_ended
+                    (every_steps, a check's time flag) or into shared memory
                 stop the epoch if a finished check said pre-empted, or if the
                     run ends at this step
         the last check point's result (its flags recorded)          finish_check
@@ -43,22 +39,16 @@ hooks it fires, and when: docs/plugins.md, "Hooks in the order they fire")::
             RNG states forked around it)
         log the epoch's metrics; scheduler if per epoch             step_scheduler
             (ReduceLROnPlateau: with scheduler_metric's reduced value)
-        early stopping, pre-emption, snapshot if due (a check's time flag included;
-            always after the last epoch, or at max_steps)
+        early stopping, pre-emption, snapshot if due (a check's time flag, a new
+            best; always after the last epoch, or at max_steps)
 
-The phases of a step (data wait, forward/backward, optimizer step, check point, and a
-snapshot) are ranges in a profiler's trace while one records (engine/phases.py: span);
-otherwise each is a shared no-op.
-
-Nothing inside a step reads a value back from the device (except ``on_nonfinite=skip``,
-which must decide every step): metrics accumulate in device tensors and are read at the
-log interval and at the end of the epoch.
-
-The policies are small objects, each in one place: :class:`NonFinitePolicy` (what a
-non-finite loss does), :class:`LogWindow` (the losses and timing between two check
-points) and :class:`EarlyStopping` (when a validation metric stopped improving). When a
-snapshot is due, and where it goes, is the snapshot layer's (engine/snapshot.py's
-:class:`~engine.snapshot.Snapshots`): the loop tells it when a step ended.
+The phases of a step are ranges in a profiler's trace while one records
+(engine/phases.py: span). Nothing inside a step reads a value back from the device
+(except ``on_nonfinite=skip``, which must decide every step): metrics accumulate in
+device tensors, read at the log interval and at the end of the epoch. The policies are
+small objects: :class:`NonFinitePolicy`, :class:`LogWindow` (the losses and timing
+between two check points), :class:`EarlyStopping`; when a snapshot is due, and where
+it goes, is the snapshot layer's (:class:`~engine.snapshot.Snapshots`).
 """
 
 from __future__ import annotations
@@ -360,14 +350,10 @@ class MetricSums:
 
 class EarlyStopping:
     """``early_stopping.*``: stop when ``metric`` has not improved by more than
-    ``min_delta`` for ``patience`` epochs. Lower or higher is better as ``mode`` says
-    (auto: read from the metric's name, engine/metrics.py, as ``checkpoint.best_mode``).
-    Its best value and epoch are the best snapshot's: the best value, compared as the
-    checkpointer compares (no min_delta); ``min_delta`` applies to the patience count,
-    against the value of the last improvement by more than it. The metrics are reduced
-    over the ranks, so every rank decides alike; the count lives in the TrainState,
-    which snapshots save, so a resumed run stops exactly where an uninterrupted one
-    would."""
+    ``min_delta`` for ``patience`` validations (``mode`` as ``checkpoint.best_mode``).
+    Its best is compared as the checkpointer compares (no min_delta); ``min_delta``
+    counts the patience only. The metrics are reduced over the ranks, so every rank
+    decides alike; the count lives in the TrainState, which snapshots save."""
 
     def __init__(self, cfg, state, by_steps: bool = False):
         self.metric = cfg.metric
@@ -424,13 +410,10 @@ def window_mean(loss_sum: float, batches: float, world_size: int) -> float:
 
 
 def scheduler_metric(scheduler, cfg) -> str | None:
-    """The metric the run's scheduler steps on after each validation (``scheduler_metric``)
-    when it is one that steps on a metric (torch's ReduceLROnPlateau, or any whose
-    ``step`` needs an argument), else None. Refused in one line before training: such a
-    scheduler without a metric named (it crashed after epoch 1: ``step() missing 1
-    required positional argument: 'metrics'``), or stepped per step, or whose mode
-    disagrees with the metric's direction; a metric named for a scheduler that takes
-    none. The name itself is checked with the others (Trainer.check_named_metrics)."""
+    """The metric a scheduler that steps on one (steps_on_metric) steps on after each
+    validation (``scheduler_metric``), else None. Refused in one line before training:
+    such a scheduler without a metric named, stepped per step, or whose mode disagrees
+    with the metric's direction; a metric named for a scheduler that takes none."""
     metric = cfg.scheduler_metric
     kind = type(scheduler).__name__
     if not steps_on_metric(scheduler):
@@ -510,9 +493,6 @@ class Trainer:
                                             finish_check=self.finish_before_snapshot)
         self.early_stopping = EarlyStopping(self.cfg.early_stopping, ctx.state,
                                             by_steps=bool(self.cfg.val_every_steps))
-        best = self.cfg.checkpoint
-        self.best_mode = (resolved_mode(best.best_metric, best.best_mode,
-                                        "checkpoint.best_mode") if best.best_metric else None)
         # The run's length by steps (0: the epochs decide), validation by steps (0: at
         # epochs' ends only), and why the run ends inside an epoch once it does
         # ("max_steps", "early stopping": end_in_epoch), else None.
@@ -520,9 +500,8 @@ class Trainer:
         self.val_every_steps = self.cfg.val_every_steps
         self.ending: str | None = None
         self.epoch_end_batch = 0  # the epoch's micro-batches in all (train_epoch)
-        # The metrics the config names (check_named_metrics): the val/* names one
-        # validation batch gave (None: not known before the first validation), and the
-        # named metrics still to be checked once more is known.
+        # The metrics the config names (check_named_metrics): the val/* names (None: not
+        # known before the first validation), and those to check once more is known.
         self.val_names: list[str] | None = []
         self.unchecked: list[tuple[str, str]] = []
         self.check_named_metrics()  # before the first step (and config.json)
@@ -535,10 +514,8 @@ class Trainer:
         self.resumed_epoch_loss = None
 
     def bind_step_hooks(self) -> None:
-        """A per-step hook with no implementation costs nothing: we never call it.
-        Bound again when training starts, after engine_run_start, where a plugin may
-        register an implementation for this run only (the profiler's, when
-        profile.steps is set)."""
+        """A per-step hook with no implementation is never called. Bound again after
+        engine_run_start, where a plugin may register one for this run (the profiler)."""
         hook = self.ctx.pm.hook
         self.step_end_hook = (hook.engine_train_step_end
                               if hook.engine_train_step_end.get_hookimpls() else None)
@@ -548,16 +525,13 @@ class Trainer:
     # ------------------------------------------------------- the progress part
 
     def state_dict(self) -> dict:
-        """The snapshot part ``progress`` (engine/stateful.py): where training stands
-        (the TrainState: epoch, step, early-stopping count) and the epoch's loss sums so
-        far, so that a resumed epoch reports the whole epoch's. Collective (the sums are
-        gathered from every rank)."""
+        """The snapshot part ``progress``: the TrainState and the epoch's loss sums so far
+        (a resumed epoch reports the whole epoch's). Collective (the sums are gathered)."""
         return {**self.ctx.state.state_dict(), "epoch_loss": self.epoch_loss_so_far()}
 
     def local_state_dict(self) -> dict:
-        """The same with this rank's own loss sums, without a collective: for a memory
-        snapshot, which sums them over the ranks at a resume (engine/snapshot.py's
-        capture_here)."""
+        """The same with this rank's own loss sums, without a collective: a memory
+        snapshot's, which sums them over the ranks at a resume (snapshot.capture_here)."""
         return {**self.ctx.state.state_dict(),
                 "epoch_loss": self.epoch_loss_so_far(reduce=False)}
 
@@ -599,8 +573,6 @@ class Trainer:
     def run_epoch(self, epoch: int) -> bool:
         """Train one epoch, validate, log, snapshot if due. False when the run stops."""
         ctx, cfg = self.ctx, self.cfg
-        # The global position (samples all ranks consumed): a snapshot written by another
-        # number of processes was converted to batches of this run (snapshot.restore).
         data.start_epoch(self.run_parts.train_loader, epoch,
                          start_sample=ctx.state.batch_in_epoch * self.run_parts.micro_batch
                          * ctx.world.world_size)
@@ -769,10 +741,9 @@ class Trainer:
                   padding: bool = False):
         """Forward and backward of one micro-batch; returns its loss, detached. DDP
         all-reduces the gradients only in the backward of a group's last micro-batch.
-        The last step's gradients are freed just before a group's first backward, as a
-        hand-written loop does, not after the step: hooks after the step still see them,
-        and glibc reuses their memory for the new ones instead of faulting in fresh pages
-        (docs/performance.md).
+        The last step's gradients are freed just before a group's first backward, not
+        after the step: hooks after it see them, and glibc reuses their memory for the
+        new ones instead of faulting in fresh pages (docs/performance.md).
         A stream's ``padding`` micro-batch (engine/streaming.py) weighs 0: it only keeps
         this rank in the gradient all-reduces of ranks whose part of the stream is longer."""
         ctx = self.ctx
@@ -1029,15 +1000,14 @@ class Trainer:
         return self.best_improved(metrics)
 
     def best_improved(self, metrics: dict) -> bool:
-        """Whether a validation's ``metrics`` beat the best value of
-        checkpoint.best_metric so far (the TrainState's, compared as the checkpointer
-        compares): the loop then writes a snapshot at this step whatever the snapshot
-        interval, so that checkpoints/best holds the best validated weights."""
-        name, state = self.cfg.checkpoint.best_metric, self.ctx.state
-        if not name or name not in metrics or not improves(metrics[name], state.best_saved,
-                                                           self.best_mode):
+        """Whether a validation beat checkpoint.best_metric's best so far: then a snapshot
+        is written at its step whatever the interval (checkpoints/best: its weights)."""
+        best, state = self.cfg.checkpoint, self.ctx.state
+        value = metrics.get(best.best_metric)
+        if value is None or not improves(value, state.best_saved, resolved_mode(
+                best.best_metric, best.best_mode, "checkpoint.best_mode")):
             return False
-        state.best_saved = metrics[name]
+        state.best_saved = value
         return True
 
     def validate_in_epoch(self, step: int) -> dict:
@@ -1097,14 +1067,10 @@ class Trainer:
     # --------------------------------------------------------- named metrics
 
     def check_named_metrics(self) -> None:
-        """Before the first step (when the Trainer is made, on every rank, with the
-        model, the loaders and the parallel mode ready, before the resume and
-        config.json): every metric the config names (checkpoint.best_metric,
-        early_stopping.metric, scheduler_metric) is one this run logs, or the run stops with one line
-        listing those it does. The val/* names come from one validation batch
-        (:meth:`validation_names`), the train/ names and lr from the loop's own. A
-        train/ name that may be one of train_step's extras waits for the run's first
-        micro-batch (first_train_step), which tells them."""
+        """Before the first step (and the resume): every metric the config names is one
+        this run logs, or the run stops with one line listing those it does. The val/*
+        names come from one validation batch (:meth:`validation_names`); a train/ name
+        that may be one of train_step's extras waits for the first micro-batch."""
         wanted = named(self.cfg)
         if wanted:
             self.val_names = self.validation_names()
@@ -1141,20 +1107,13 @@ class Trainer:
 
     @torch.no_grad()
     def validation_names(self) -> list[str] | None:
-        """The val/* names validation will log: those of one batch through eval_step
-        and eval_metrics (rank 0's, as MetricSums takes rank 0's names), the same on
-        every rank. [] without a validation set or with an empty one; None when
-        eval_metrics fails on one batch's sums (a division by a count that is zero in
-        that batch): they are then checked after the first validation.
-
-        Training is left exactly as it was: the RNG states are restored, the model's
-        mode too, and the batch is read from the dataset, not through the validation
-        loader (its iterator, workers and generator stay untouched). Collective when
-        there is a validation set: every rank enters the parallel mode's validation
-        context and runs one batch (fsdp's first forward, before any training step,
-        needs every rank), and one all_gather tells every rank rank 0's names and who
-        failed: a rank whose eval_step raised raises its error, the others stop as its
-        peers, none waits."""
+        """The val/* names validation will log: rank 0's from one batch through
+        eval_step and eval_metrics, on every rank. [] without a validation set or with
+        an empty one; None when eval_metrics fails on one batch's sums (checked after
+        the first validation then). Training is left as it was (RNG states, the model's
+        mode; the batch read from the dataset, not the loader). Collective: every rank
+        runs one batch (fsdp's first forward needs them all), and one all_gather tells
+        rank 0's names and who failed (that rank raises its error, the others stop)."""
         parts = self.run_parts
         loader = parts.val_loader
         if loader is None:
@@ -1208,8 +1167,6 @@ class Trainer:
         return float(self.run_parts.optimizer.param_groups[0]["lr"])
 
     def save_snapshot(self) -> None:
-        # The window in flight is logged first: a run resumed from this snapshot starts
-        # after it and would never log it. (Callers have finished it already; its flags
-        # are recorded either way, for the loop to act on.)
+        # The window in flight is logged first: a run resumed from here would never log it.
         self.finish_pending()
         self.snapshots.save()
