@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import math
 import pathlib
 import time
@@ -23,6 +24,9 @@ from engine import config as config_mod
 from engine import distributed, memory_ring, memory_snapshot, phases, shm_codec, stateful
 from engine.checkpoint import read_manifest
 from engine.errors import CheckpointError, ConfigError
+
+# torch is imported inside the functions that use it: the launching process imports
+# this module (engine/launching.py: already_complete) without torch.
 
 #: Config keys a resumed run may change: they decide how long the run goes and how it
 #: is launched, watched and stored, not what an optimizer step computes. Any OTHER key
@@ -763,7 +767,6 @@ def _length_change(ctx, saved: dict | None, source: str) -> str | None:
     """``epochs``/``max_steps`` changed since ``source``, said, when the scheduler follows
     the run's length (one stepping on a metric does not); a scheduler that is no torch
     LRScheduler (which follow_new_length can rebuild) refuses the resume."""
-    from engine.trainer import steps_on_metric  # imports torch: lazily
     from torch.optim.lr_scheduler import LRScheduler
 
     scheduler = ctx.scheduler
@@ -778,6 +781,16 @@ def _length_change(ctx, saved: dict | None, source: str) -> str | None:
                           "the engine could rebuild for the new length; put the values "
                           "back, or pass --no-resume --overwrite to start afresh")
     return changed or None
+
+
+def steps_on_metric(scheduler) -> bool:
+    """Whether ``scheduler.step`` needs a value: ReduceLROnPlateau's ``step(metrics)``."""
+    try:
+        parameters = inspect.signature(scheduler.step).parameters.values()
+    except (TypeError, ValueError, AttributeError):  # None, or no signature
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in parameters)
 
 
 def schedule_start(scheduler, optimizer) -> tuple:

@@ -54,7 +54,6 @@ it goes, is the snapshot layer's (:class:`~engine.snapshot.Snapshots`).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import math
 import time
@@ -416,7 +415,7 @@ def scheduler_metric(scheduler, cfg) -> str | None:
     with the metric's direction; a metric named for a scheduler that takes none."""
     metric = cfg.scheduler_metric
     kind = type(scheduler).__name__
-    if not steps_on_metric(scheduler):
+    if not snapshot.steps_on_metric(scheduler):
         if metric:
             has = (f"'s build_scheduler returned a {kind}" if scheduler is not None
                    else " has no build_scheduler")
@@ -439,20 +438,6 @@ def scheduler_metric(scheduler, cfg) -> str | None:
                           f"({expected[1]}), but the recipe's {kind} has mode={mode!r}; "
                           f"build it with mode={expected[0]!r}")
     return metric
-
-
-def steps_on_metric(scheduler) -> bool:
-    """Whether ``scheduler.step`` needs a value: ReduceLROnPlateau's ``step(metrics)``."""
-    if scheduler is None:
-        return False
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        return True
-    try:
-        parameters = inspect.signature(scheduler.step).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-               for p in parameters)
 
 
 def autocast_for(precision: str, device):
