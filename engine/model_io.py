@@ -1,11 +1,6 @@
-"""A run's trained model, back: :func:`load_model` (``engine.load_model``) rebuilds the
-recipe's model from the run's own config (every snapshot holds it, and the recipe's
-path) and loads a snapshot's weights into it, the plain model's whatever the parallel
-mode; :func:`export` writes them to a file for inference (``engine-run export``,
-``tools/ckpt.py export``). A snapshot is checked against its manifest as ``--resume``
-checks it, read with ``torch.load(weights_only=True)`` only; output files are written
-crash-consistently (docs/outputs.md).
-"""
+"""A run's trained model, back: :func:`load_model` (``engine.load_model``) and :func:`export`
+(``engine-run export``, ``tools/ckpt.py export``), from snapshots checked against their
+manifest as ``--resume`` checks them, read with ``torch.load(weights_only=True)`` only."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ from engine.launching import _recipe_reference
 from engine.recipe import load_recipe, recipe_from_object
 from engine.stateful import load_model_state, model_digest, plain_keys
 
-# torch is imported inside the functions that use it: engine-run export and tools/ckpt.py
-# answer --help without it.
+# torch is imported inside the functions: engine-run export and tools/ckpt.py --help without it
 
 PREFIX = "module."
 #: Where the model weights sit inside a container dict, in the order they are looked for.
@@ -82,6 +76,9 @@ def pointed(pointer: pathlib.Path) -> pathlib.Path:
                               "folder; give the snapshot itself, or write its file name there")
     if not target.exists():
         raise CheckpointError(f"{pointer} names {target.name}, which does not exist")
+    if target.resolve().parent != pointer.parent.resolve():  # a link to another run's file
+        raise CheckpointError(f"{pointer} names {name}, a link to {target.resolve()}, outside "
+                              "its folder; give that snapshot itself if it is the one meant")
     return target
 
 
@@ -162,13 +159,11 @@ def read(path: pathlib.Path, verify: bool = True) -> Checkpoint:
     raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state_dict")
 
 
-#: The snapshot parts that hold a whole set of the model's weights (ema: its average).
-WEIGHT_PARTS = ("model", "ema")
+WEIGHT_PARTS = ("model", "ema")  # the snapshot parts that hold a whole set of weights
 
 
 def part_weights(ckpt: Checkpoint, part: str = "model") -> dict:
-    """The weights snapshot part ``part`` holds, whole, keyed as the model's (``ema``'s
-    average has ``module.``-prefixed keys and a count, which is dropped)."""
+    """The weights part ``part`` holds, whole (``ema``'s count dropped)."""
     import torch
 
     if part == "model":
@@ -194,24 +189,24 @@ def plain_weights(ckpt: Checkpoint, part: str = "model") -> dict:
 # ----------------------------------------------------------------- the model
 
 
-def load_model(run, which: str | None = None, *, recipe=None, part: str = "model"):
+def load_model(run, which: str | None = None, *, recipe=None, part: str = "model",
+               trust_recipe: bool = False):
     """The model a run trained, ready for inference: the recipe's ``build_model`` called
-    with the run's own config (overrides included), the chosen snapshot's weights
-    loaded (strictly: every key and shape), in eval mode, on the CPU.
+    with the run's config, the snapshot's weights loaded strictly, in eval mode, on the CPU.
 
     ``run``: a run's out_dir, its checkpoints folder, a pointer file or a snapshot.
     ``which``: ``"latest"`` (the default) or ``"best"`` (by ``checkpoint.best_metric``),
     for a run or checkpoints folder. ``recipe``: the recipe (a file's path, a module or
-    an object, as ``engine.fit`` takes it) when the one the run recorded is not at hand
-    (moved, or an object given to ``engine.fit``). ``part="ema"``: the ema plugin's
-    averaged weights instead of the trained ones."""
+    an object, as ``engine.fit`` takes it) when the one the run recorded is not at hand.
+    A recorded recipe inside the run folder came with the run: importing it runs its
+    code, so only with ``trust_recipe=True``. ``part="ema"``: the ema plugin's weights."""
     ckpt = read(snapshot_of(run, which))
     config = ckpt.header("config") or _run_file(ckpt.path, "config.json").get("config")
     if not isinstance(config, dict):
         raise CheckpointError(f"{ckpt.path} holds no config and no config.json is beside "
                               "it: not an engine snapshot, so the model cannot be rebuilt "
                               "(engine-run export gives its weights)")
-    loaded = _recipe(ckpt, recipe)
+    loaded = _recipe(ckpt, recipe, trust_recipe)
     cfg = run_config(loaded, config, source=str(ckpt.path))
     model = loaded.module.build_model(cfg)
     load_model_state(model, plain_weights(ckpt, part), source=str(ckpt.path))
@@ -232,9 +227,9 @@ def run_config(recipe, config: dict, source: str = "the run"):
                           f"{recipe.name!r}: {exc}") from None
 
 
-def _recipe(ckpt: Checkpoint, given):
+def _recipe(ckpt: Checkpoint, given, trusted: bool = False):
     """The :class:`~engine.recipe.Recipe`: the one given, else the one the snapshot or
-    the run's summary.json recorded."""
+    the run's summary.json recorded, if it is not a file that came with the run."""
     if given is not None:
         given = _recipe_reference(given)  # as engine.fit takes it: a file, module, object
         return load_recipe(given) if isinstance(given, str) else recipe_from_object(given)
@@ -250,12 +245,17 @@ def _recipe(ckpt: Checkpoint, given):
         raise CheckpointError(f"{ckpt.path} was trained with the recipe {recorded}, which "
                               "is not there now; pass where it is: load_model(..., "
                               "recipe=PATH)")
+    run = ckpt.path.resolve().parent  # the folder the snapshot came in, or its run's
+    run = run.parent if run.name == "checkpoints" else run
+    if not trusted and pathlib.Path(recorded).resolve().is_relative_to(run):
+        raise CheckpointError(f"{ckpt.path} names the recipe {recorded}, inside the run "
+                              f"folder {run}: it came with the run, and importing it runs its"
+                              " code; pass load_model(..., trust_recipe=True) or recipe=PATH")
     return load_recipe(recorded)
 
 
 def _run_file(snapshot: pathlib.Path, name: str) -> dict:
-    """``{"config": ...}`` from the run's config.json, or the run's summary.json, for a
-    snapshot in ``<run>/checkpoints/``; empty when there is none."""
+    """``{"config": config.json}``, or summary.json, of a ``<run>/checkpoints/`` snapshot."""
     try:
         data = json.loads((snapshot.parent.parent / name).read_text())
     except (OSError, ValueError):

@@ -227,3 +227,46 @@ def test_export_best_and_a_bad_choice_from_the_command_line(run, tmp_path):
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr.startswith(f"engine-run: error: {folder} holds no best snapshot")
     assert proc.stderr.count("\n") == 1
+
+
+def test_a_latest_snapshot_linked_to_another_runs_file_is_refused(run, tmp_path):
+    """The file latest names is a symbolic link to another run's snapshot: load_model
+    and engine-run export refuse it in one line naming where it points."""
+    from engine.commands import export
+
+    folder, _, _ = run
+    other = tmp_path / "other.pt"
+    pointer = folder / "checkpoints" / "latest"
+    shutil.copy(pointer.parent / pointer.read_text().strip(), other)
+    (pointer.parent / "linked.pt").symlink_to(other)
+    pointer.write_text("linked.pt\n")
+    expected = (f"{pointer} names linked.pt, a link to {other.resolve()}, outside its "
+                "folder; give that snapshot itself if it is the one meant")
+    for call in (lambda: engine.load_model(folder),
+                 lambda: export.main([str(folder), str(tmp_path / "out.pt")])):
+        with pytest.raises(CheckpointError) as info:
+            call()
+        assert str(info.value) == expected
+    assert not (tmp_path / "out.pt").exists()
+    assert engine.load_model(other, recipe=str(tmp_path / "recipes" / "widths.py"))
+
+
+def test_a_recipe_that_came_inside_the_run_folder_is_imported_only_when_trusted(run):
+    """A run folder naming a recipe file inside itself (someone else's run, with its
+    code): load_model refuses to import it unless told trust_recipe=True."""
+    folder, recipe, _ = run
+    shipped = folder / "recipe.py"
+    shipped.write_text(RECIPE.replace("width: int = 3", "width: int = 5"))
+    snapshot = folder / "checkpoints" / (folder / "checkpoints" / "latest").read_text().strip()
+    state = torch.load(snapshot, weights_only=True)
+    TorchFileCheckpointer(folder / "checkpoints").save(
+        {**state, "recipe": str(shipped)}, epoch=4, step=4, metrics={})
+    latest = folder / "checkpoints" / (folder / "checkpoints" / "latest").read_text().strip()
+    with pytest.raises(CheckpointError) as info:
+        engine.load_model(folder)
+    assert str(info.value) == (
+        f"{latest} names the recipe {shipped}, inside the run folder {folder.resolve()}: "
+        "it came with the run, and importing it runs its code; pass "
+        "load_model(..., trust_recipe=True) or recipe=PATH")
+    assert engine.load_model(folder, trust_recipe=True)[0].out_features == 5
+    assert engine.load_model(folder, recipe=str(recipe))[0].out_features == 5
