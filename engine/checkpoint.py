@@ -1,5 +1,4 @@
-"""The checkpointer interface, the store that every file-based checkpointer is built
-on.
+"""The checkpointer interface, the store that every file-based checkpointer is built on.
 
 Words (used the same way in the code, the docs and the messages):
 
@@ -15,14 +14,13 @@ Words (used the same way in the code, the docs and the messages):
   snapshot is written and read.
 - **checkpoint** on its own names that storage side: the ``checkpoint.*`` config group
   (when to save, how many to keep), the ``checkpoints/`` folder, :class:`CheckpointError`.
-
-The state-dict helpers (``model_digest``, ``plain_keys``, ``load_model_state``...) are
-the model state part's, in engine/stateful.py; they stay importable from here.
+The state-dict helpers (``model_digest``...) are in engine/stateful.py, importable here.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import pathlib
 import shutil
@@ -68,11 +66,9 @@ class Checkpointer:
     #: True when every rank takes part in save and load (sharded formats); otherwise
     #: only rank 0 saves, and every rank loads.
     all_ranks: ClassVar[bool] = False
-    #: True when the snapshot's "model" and "optimizer" entries are to be in the form of
-    #: torch.distributed.checkpoint.state_dict.get_state_dict (keyed by parameter name,
-    #: sharded tensors left sharded) instead of ``module.state_dict()`` /
-    #: ``optimizer.state_dict()``. :meth:`load` then gets a ``template`` of that form to
-    #: load into, since a sharded format reads each rank's part in place.
+    #: True when "model" and "optimizer" are to be in get_state_dict's form (keyed by
+    #: parameter name, sharded tensors left sharded; torch.distributed.checkpoint), and
+    #: :meth:`load` gets a ``template`` of it: a sharded format reads each part in place.
     distributed_state_dict: ClassVar[bool] = False
 
     def __init__(self, directory: pathlib.Path, cfg=None, world=None):
@@ -130,7 +126,7 @@ class Checkpointer:
 #
 #     snapshot-e0002-s00001564.pt        one snapshot (a file, or a folder of files)
 #     snapshot-e0002-s00001564.pt.json   its manifest: size and xxh3_128 of every byte of
-#                                        it, epoch, step, metrics (written after it)
+#                                        it, epoch, step, config digest, metrics (after it)
 #     latest                             the name of the newest committed snapshot
 #     best                               the best by cfg.checkpoint.best_metric, if set
 
@@ -138,10 +134,8 @@ PREFIX = "snapshot-"
 
 
 def follow_pointer(given) -> pathlib.Path:
-    """What ``--resume`` (and tools/ckpt.py) names: a snapshot; or a pointer file
-    (``checkpoints/latest``, ``checkpoints/best``), or a checkpoint folder or a run folder
-    holding ``latest``, taken as the snapshot the pointer names (a user copies the path
-    they see)."""
+    """The snapshot ``--resume`` (and tools/ckpt.py) names: itself, or the one a pointer
+    file names, or a checkpoint or run folder's ``latest`` (a user copies the path seen)."""
     path = pathlib.Path(given)
     for pointer in (path, path / "latest", path / "checkpoints" / "latest"):
         if pointer.name in POINTERS and pointer.is_file():
@@ -159,6 +153,11 @@ POINTERS = ("latest", "best")
 
 def manifest_path(path: pathlib.Path) -> pathlib.Path:
     return path.with_name(path.name + ".json")
+
+
+def config_digest(config) -> str:
+    """A resolved config's digest, in the manifest: what a rerun checks config.json by."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def read_manifest(path: pathlib.Path) -> dict | None:
@@ -336,6 +335,7 @@ class SnapshotStore(Checkpointer):
             return  # a sharded store's other ranks: their share is written
         try:
             manifest = {**record, "epoch": epoch, "step": step, "metrics": dict(metrics or {}),
+                        "config": config_digest(state.get("config")),
                         "created": time.time(), "engine_version": engine.__version__}
             atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1),
                               sync_directory=False)  # commit() syncs the folder once

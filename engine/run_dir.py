@@ -1,12 +1,9 @@
 """Run folders: ``out_dir`` patterns, and a fresh start in a folder that holds a run.
 
-``out_dir`` may hold placeholders (``{version}``, ``{time}``: docs/configuration.md), so
-that a new run neither overwrites nor silently resumes an old one. The pattern is
-filled once per run, by rank 0 right after the process group exists, and broadcast
-(:func:`settle`): no rank's own clock or listing can disagree, and rank 0 claims the
-folder by creating it, so two runs started at once never share one. Without a pattern,
-``--no-resume`` in a folder that holds a run is refused unless ``--overwrite`` is given,
-which first removes the old run's files (:func:`run_files`).
+``out_dir``'s placeholders (``{version}``, ``{time}``: docs/configuration.md) are filled
+once per run by rank 0 and broadcast (:func:`settle`); rank 0 claims the folder by creating
+it, so two runs started at once never share one. Without a pattern, ``--no-resume`` in a
+folder that holds a run is refused unless ``--overwrite`` (:func:`run_files`).
 """
 
 from __future__ import annotations
@@ -22,10 +19,10 @@ import shutil
 from typing import Iterable
 
 from engine import distributed
+from engine.checkpoint import config_digest, read_manifest
 from engine.errors import ConfigError
 
-#: Each placeholder and what it is filled with (as a regular expression, to find the
-#: existing folders of a pattern).
+#: Each placeholder and what it is filled with (a regular expression: a pattern's folders).
 PLACEHOLDERS = {"version": r"\d+", "time": r"\d{8}-\d{6}"}
 TIME_FORMAT = "%Y%m%d-%H%M%S"
 _FIELD = re.compile(r"\{([^{}]*)\}")
@@ -34,8 +31,7 @@ ENGINE_FILES = ("checkpoints", "summary.json", "config.json")
 
 
 def run_files(pm) -> tuple[str, ...]:
-    """What a run writes into its out_dir, the engine's and the plugins' files: what
-    ``--overwrite`` removes, and nothing else (the user's data or notes there stay)."""
+    """The engine's and the plugins' files in out_dir: all ``--overwrite`` removes."""
     return ENGINE_FILES + tuple(name for name in pm.run_files if name not in ENGINE_FILES)
 
 
@@ -44,9 +40,9 @@ def placeholders(out_dir: str) -> list[str]:
     names = _FIELD.findall(str(out_dir))
     unknown = [n for n in names if n not in PLACEHOLDERS]
     if unknown:
+        known = ", ".join(f"{{{n}}}" for n in PLACEHOLDERS)
         raise ConfigError(f"config key 'out_dir': {out_dir!r} has the unknown placeholder "
-                          f"{{{unknown[0]}}}; known: "
-                          + ", ".join(f"{{{n}}}" for n in PLACEHOLDERS))
+                          f"{{{unknown[0]}}}; known: {known}")
     return names
 
 
@@ -142,29 +138,24 @@ def resolve(out_dir: str, *, restarted: bool = False, resume: str | None = None,
 
 
 def holds_a_run(out_dir) -> list[str]:
-    """What in ``out_dir`` shows a run was there: snapshots, a summary.json (but not
-    the summary of a run that failed before its first step: it trained nothing)."""
+    """What in ``out_dir`` shows a run was there: snapshots, a summary.json (not of a run
+    that failed before its first step)."""
     path = pathlib.Path(out_dir)
-    shown = []
-    checkpoints = path / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
-        shown.append("snapshots")
-    summary = path / "summary.json"
-    if summary.exists() and not _failed_before_training(summary):
+    shown = ["snapshots"] if any(path.glob("checkpoints/*")) else []
+    if (summary := path / "summary.json").exists() and not _failed_before_training(summary):
         shown.append("summary.json")
     return shown
 
 
 def _failed_before_training(summary: pathlib.Path) -> bool:
-    """A summary.json of a failed (or interrupted) run at step 0, which trained nothing;
-    one that cannot be read counts as a run."""
+    """A summary.json of a failed (or interrupted) run at step 0 (unreadable: a run)."""
     record = _json(summary) or {}
     return record.get("status") in ("failed", "interrupted") and record.get("global_step") == 0
 
 
 def completed_run(out_dir) -> tuple[dict, dict] | None:
     """(summary, config) of the completed run ``out_dir`` holds, or None; a ConfigError
-    when its summary.json's counts are not counts (edited by hand)."""
+    when summary.json's counts are not counts."""
     if is_pattern(out_dir):
         return None
     summary, config = (_json(pathlib.Path(out_dir) / name)
@@ -177,7 +168,21 @@ def completed_run(out_dir) -> tuple[dict, dict] | None:
             raise ConfigError(f"{pathlib.Path(out_dir) / 'summary.json'}: {key!r} is "
                               f"{value!r}, not a count; fix it, or start over with "
                               "--no-resume --overwrite")
-    return summary, config
+    agrees = _snapshot_agrees(pathlib.Path(out_dir), summary, config)
+    return (summary, config) if agrees else None
+
+
+def _snapshot_agrees(out_dir: pathlib.Path, summary: dict, config: dict) -> bool:
+    """Whether the newest snapshot's manifest (if any) records the epochs, steps and config
+    summary.json and config.json say: an edited file is not believed."""
+    try:
+        name = (out_dir / "checkpoints" / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return True
+    manifest = read_manifest(out_dir / "checkpoints" / name)
+    said = (summary.get("epochs_completed"), summary.get("global_step"), config_digest(config))
+    return manifest is None or said == (manifest.get("epoch"), manifest.get("step"),
+                                        manifest.get("config") or said[2])  # older: none
 
 
 def _json(path: pathlib.Path) -> dict | None:
@@ -189,9 +194,8 @@ def _json(path: pathlib.Path) -> dict | None:
 
 
 def refuse_smoke_over_a_run(out_dir: str) -> None:
-    """A smoke run replaces its folder (out_dir-smoke) each time, but only an earlier
-    smoke run: a ConfigError when the folder holds a run whose config.json does not say
-    it was one (limit_batches)."""
+    """A ConfigError when the smoke run's folder holds a run that was not one (no
+    limit_batches in its config.json): a smoke run replaces only an earlier smoke run."""
     shown = holds_a_run(out_dir)  # none for a pattern: not a folder
     if shown and not (_json(pathlib.Path(out_dir) / "config.json") or {}).get(
             "limit_batches"):
@@ -202,9 +206,8 @@ def refuse_smoke_over_a_run(out_dir: str) -> None:
 
 def refuse_fresh_start(out_dir: str, asked: str = "--no-resume",
                        overwrite: str = "add --overwrite") -> None:
-    """A fresh start (``--no-resume``, or ``resume=False`` in engine.launch) without
-    permission to overwrite: a ConfigError when ``out_dir`` holds a run. ``asked`` and
-    ``overwrite`` name the caller's spelling of both."""
+    """A fresh start (``asked``: the door's spelling) without ``overwrite``: a ConfigError
+    when ``out_dir`` holds a run."""
     if is_pattern(out_dir):
         return  # a new folder anyway
     shown = holds_a_run(out_dir)
@@ -216,8 +219,7 @@ def refuse_fresh_start(out_dir: str, asked: str = "--no-resume",
 
 
 def clear(out_dir, files: Iterable[str]) -> list[str]:
-    """Remove the run's ``files`` (:func:`run_files`) from ``out_dir``; returns the names
-    of those that were there."""
+    """Remove the run's ``files`` (:func:`run_files`) from ``out_dir``; the names removed."""
     removed = []
     for name in files:
         path = pathlib.Path(out_dir) / name
@@ -232,14 +234,12 @@ def clear(out_dir, files: Iterable[str]) -> list[str]:
 
 
 def settle(cfg, world, options: dict, files: Iterable[str]) -> None:
-    """Decide the run's folder once, on rank 0 (fill the pattern, or with ``--no-resume
-    --overwrite`` clear the old run's ``files`` while the others wait), and set every
-    rank's ``cfg.out_dir`` to it: a collective when the process group exists."""
+    """Decide the run's folder on rank 0 (fill the pattern, or with ``--no-resume
+    --overwrite`` clear the old ``files``) and set every rank's ``cfg.out_dir``: collective."""
     decision: str | BaseException | None = None
     if world.rank == 0:
         try:
-            # A restart continues its folder, unless it starts afresh anyway
-            # (--no-resume): then a new one, so that two runs never share a folder.
+            # A restart continues its folder, unless --no-resume: two runs never share one.
             restarted = world.restart_count > 0 and not options.get("no_resume")
             decision = resolve(cfg.out_dir, restarted=restarted,
                                resume=options.get("resume"))

@@ -209,3 +209,24 @@ def test_a_summary_with_counts_that_are_not_counts_is_one_line(tmp_path, bad):
     assert str(info.value) == (
         f"{tmp_path / 'run' / 'summary.json'}: {key!r} is {value!r}, not a count; fix "
         "it, or start over with --no-resume --overwrite")
+
+
+def test_a_completed_run_whose_files_disagree_with_its_snapshot_is_not_believed(tmp_path):
+    """summary.json's counts or config.json edited after the run: the newest snapshot's
+    manifest (epoch, step, config digest) says otherwise, so the launching process does
+    not answer "already complete" from them (the resume answers from the snapshot)."""
+    from engine.plugins.torch_file import TorchFileCheckpointer
+
+    config = {"epochs": 2, "lr": 0.1, "seed": 0}
+    TorchFileCheckpointer(tmp_path / "checkpoints").save({"config": config}, epoch=2, step=20)
+    summary = {"status": "completed", "epochs_completed": 2, "global_step": 20}
+
+    def files(summary, config):
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+        (tmp_path / "config.json").write_text(json.dumps(config, indent=1))
+        return run_dir.completed_run(str(tmp_path))
+
+    assert files(summary, config) == (summary, config)
+    assert files({**summary, "epochs_completed": 5}, {**config, "epochs": 5}) is None
+    assert files({**summary, "global_step": 30}, config) is None
+    assert files(summary, {**config, "lr": 0.01}) is None
