@@ -1,14 +1,13 @@
-"""Token shards: pre-tokenised data on disk, read as fixed-length windows. A folder
-holds ``index.json`` and ``shard-00000.npy``, ... of token ids (``uint16`` when the
-vocabulary fits, else ``uint32``), memory-mapped; ``engine-run shards`` writes one
-(engine/commands/shards.py). :class:`TokenShards` is a map-style dataset of windows
-addressed by a global index, so every guarantee of map-style data holds (docs/data.md).
-numpy is required; the engine imports this module only when a recipe uses it.
+"""Token shards: pre-tokenised data on disk, read as fixed-length windows. A folder holds
+``index.json`` and ``shard-00000.npy``, ... of token ids (``uint16`` or ``uint32``),
+memory-mapped; ``engine-run shards`` writes one. :class:`TokenShards` is a map-style
+dataset of windows (docs/data.md). numpy is required: imported only when a recipe uses it.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import os
 import pathlib
@@ -20,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from engine.atomic_io import atomic_write, atomic_write_text
-from engine.errors import ConfigError, first_line
+from engine.errors import ConfigError, first_line, warn
 
 INDEX = "index.json"
 FORMAT = "ddp-engine token shards"
@@ -31,8 +30,7 @@ WRITE_HINT = "write one with: engine-run shards TEXT... --out DIR"
 
 def read_index(folder: str | pathlib.Path) -> dict:
     """The folder's index, checked: a one-line ConfigError names what is wrong."""
-    folder = pathlib.Path(folder)
-    path = folder / INDEX
+    path = (folder := pathlib.Path(folder)) / INDEX
     if not path.is_file():
         what = "does not exist" if not folder.exists() else f"has no {INDEX}"
         raise ConfigError(f"token shards {folder} {what}; {WRITE_HINT}")
@@ -43,8 +41,7 @@ def read_index(folder: str | pathlib.Path) -> dict:
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ConfigError(f"token shards: {path} is not a token-shard index (no "
                           f"\"format\": {FORMAT!r}); {WRITE_HINT}")
-    problem = _index_problem(index)
-    if problem:
+    if problem := _index_problem(index):
         raise ConfigError(f"token shards: {path} {problem}; {WRITE_HINT}")
     return index
 
@@ -71,18 +68,17 @@ def _index_problem(index: dict) -> str | None:
 
 
 class TokenShards(Dataset):
-    """The windows of a shard folder: ``dataset[i]`` is ``(inputs, targets)``, int64
-    tensors of ``seq_len`` tokens, the targets shifted by one (next-token prediction).
-    The index and every shard are checked here; the memory maps a window is read from
-    are opened in the process that reads (a DataLoader worker opens its own)."""
+    """A shard folder's windows: ``dataset[i]`` is ``(inputs, targets)``, int64 tensors of
+    ``seq_len`` tokens, the targets shifted by one. A state part (``ctx.add_state("shards",
+    dataset)``): snapshots keep the index's sha256; a resume on rewritten shards says so."""
 
     def __init__(self, folder: str | pathlib.Path, seq_len: int):
         if seq_len < 1:
             raise ConfigError(f"token shards: seq_len must be >= 1, got {seq_len}")
         self.folder, self.seq_len = pathlib.Path(folder), seq_len
         self.index = read_index(self.folder)
-        self.dtype = np.dtype(self.index["dtype"])
-        self.vocab_size = int(self.index["vocab_size"])
+        self.index_sha256 = hashlib.sha256((self.folder / INDEX).read_bytes()).hexdigest()
+        self.dtype, self.vocab_size = np.dtype(self.index["dtype"]), int(self.index["vocab_size"])
         self.files, counts = [], []
         for shard in self.index["shards"]:
             path = self.folder / shard["file"]
@@ -95,8 +91,7 @@ class TokenShards(Dataset):
                 raise ConfigError(f"token shards: {path} holds {found.shape} {found.dtype}, "
                                   f"the index says ({shard['tokens']},) {self.dtype}; was "
                                   "the folder written twice? write it again")
-            # Once per shard (one read of it), not per window: an id the model's
-            # embedding does not have would be an IndexError in the middle of training.
+            # Once per shard, not per window: an IndexError in the middle of training.
             if len(found) and (top := int(found.max())) >= self.vocab_size:
                 raise ConfigError(f"token shards: {path} holds token id {top}, not below "
                                   f"the vocabulary size {self.vocab_size} of its {INDEX}; "
@@ -106,10 +101,10 @@ class TokenShards(Dataset):
         #: starts[k]: the global index of shard k's first window; starts[-1]: the total.
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
         if self.starts[-1] == 0:
+            longest = max((s["tokens"] for s in self.index["shards"]), default=0)
             raise ConfigError(f"token shards {self.folder}: no window of seq_len + 1 = "
                               f"{seq_len + 1} tokens fits in any shard (the longest has "
-                              f"{max((s['tokens'] for s in self.index['shards']), default=0)}"
-                              " tokens); use a shorter seq_len or more text per shard")
+                              f"{longest} tokens); use a shorter seq_len or more text per shard")
         self._maps: list | None = None
 
     @property
@@ -122,8 +117,7 @@ class TokenShards(Dataset):
     def __getstate__(self):  # a worker opens its own maps
         return {**self.__dict__, "_maps": None}
 
-    def window(self, index: int) -> np.ndarray:
-        """Window ``index``'s ``seq_len + 1`` tokens, as stored (a view of the map)."""
+    def window(self, index: int) -> np.ndarray:  # its seq_len + 1 tokens: a view of the map
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} of {len(self)}")
         if self._maps is None:
@@ -135,6 +129,17 @@ class TokenShards(Dataset):
     def __getitem__(self, index: int):
         window = torch.from_numpy(self.window(int(index)).astype(np.int64))
         return window[:-1], window[1:]
+
+    def state_dict(self) -> dict:
+        return {"index_sha256": self.index_sha256}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A warning, not a refusal: a rewrite (more text, a fixed file) may be meant."""
+        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        if rank0 and state.get("index_sha256") not in (None, self.index_sha256):
+            warn(f"token shards {self.folder}: {INDEX} changed since the snapshot (sha256 "
+                 f"{state['index_sha256'][:12]}, now {self.index_sha256[:12]}): the resume "
+                 "reads other tokens; write them back, or --no-resume to train on these")
 
 
 # ------------------------------------------------------------------ writing shards
@@ -161,8 +166,7 @@ def hf_tokenizer(path: str) -> tuple[Callable[[str], list[int]], int, str]:
 
 
 def text_blocks(paths: Iterable[str | pathlib.Path], block_chars: int) -> Iterator[str]:
-    """The files' text in blocks of about ``block_chars`` characters, each cut after a
-    line's end (a tokenizer never sees a line split in two), files in the given order."""
+    """The files' text in blocks of about ``block_chars`` characters cut after a line's end."""
     for path in paths:
         with open(path, encoding="utf-8", newline="") as f:
             carry = ""
@@ -186,9 +190,8 @@ def read_text(f, path, chars: int) -> str:
 def write_shards(texts: list[str | pathlib.Path], out: str | pathlib.Path, *,
                  tokenizer: str = "bytes", shard_tokens: int = 100_000_000,
                  block_chars: int = 1 << 24) -> dict:
-    """Tokenise ``texts`` (UTF-8 files, in order, concatenated) into shards of
-    ``shard_tokens`` tokens (the last one shorter) in ``out``, written beside it first (a
-    failure leaves what ``out`` held), its index last. Returns the index."""
+    """Tokenise ``texts`` (UTF-8 files, concatenated) into shards of ``shard_tokens`` tokens
+    in ``out``, written beside it first (a failure leaves ``out``), its index last."""
     if shard_tokens < 2:
         raise ConfigError(f"--shard-tokens must be >= 2, got {shard_tokens}")
     for text in texts:
@@ -197,8 +200,7 @@ def write_shards(texts: list[str | pathlib.Path], out: str | pathlib.Path, *,
     encode, vocab_size, name = (bytes_tokenizer() if tokenizer == "bytes"
                                 else hf_tokenizer(tokenizer))
     dtype = np.dtype("uint16" if vocab_size <= 1 << 16 else "uint32")
-    out = pathlib.Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    (out := pathlib.Path(out)).parent.mkdir(parents=True, exist_ok=True)
     shards, pending, held = [], [], 0
 
     def flush(count: int) -> None:
@@ -213,8 +215,7 @@ def write_shards(texts: list[str | pathlib.Path], out: str | pathlib.Path, *,
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.writing-", dir=out.parent) as tmp:
         work = pathlib.Path(tmp)
         for block in text_blocks(texts, block_chars):
-            ids = np.asarray(encode(block), dtype=dtype)
-            pending.append(ids)
+            pending.append(ids := np.asarray(encode(block), dtype=dtype))
             held += len(ids)
             while held >= shard_tokens:
                 flush(shard_tokens)
@@ -226,8 +227,7 @@ def write_shards(texts: list[str | pathlib.Path], out: str | pathlib.Path, *,
             old.unlink()
         for shard in shards:
             os.replace(work / shard["file"], out / shard["file"])
-    index = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
-             "vocab_size": vocab_size, "tokenizer": name,
-             "sources": [str(t) for t in texts], "shards": shards}
+    index = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "vocab_size": vocab_size,
+             "tokenizer": name, "sources": [str(t) for t in texts], "shards": shards}
     atomic_write_text(out / INDEX, json.dumps(index, indent=1) + "\n")
     return index

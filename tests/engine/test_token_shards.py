@@ -245,3 +245,22 @@ def test_the_windows_are_shuffled_by_seed_and_epoch(resumed):
              for line in path.read_text().splitlines() if line.startswith("0 ")]
     first = [int(w) for _, _, epoch, ws in rank0 if epoch == "0" for w in ws.split(",")]
     assert len(first) == WINDOWS // 2 and first != sorted(first)
+
+
+def test_a_resume_on_rewritten_shards_says_so_in_one_warning_line(tmp_path, capsys):
+    """TokenShards is a state part: a snapshot keeps its index's sha256, and restoring it
+    into the shards written again from other text warns once, in one line; the same
+    shards restore silently."""
+    (tmp_path / "a.txt").write_text("the first text\n" * 20)
+    write_shards([tmp_path / "a.txt"], tmp_path / "out", shard_tokens=100)
+    saved = TokenShards(tmp_path / "out", 7).state_dict()
+    TokenShards(tmp_path / "out", 7).load_state_dict(saved)
+    assert capsys.readouterr().err == ""
+    (tmp_path / "a.txt").write_text("another text\n" * 20)
+    write_shards([tmp_path / "a.txt"], tmp_path / "out", shard_tokens=100)
+    rewritten = TokenShards(tmp_path / "out", 7)
+    rewritten.load_state_dict(saved)
+    assert capsys.readouterr().err == (
+        f"warning: token shards {tmp_path / 'out'}: {INDEX} changed since the snapshot "
+        f"(sha256 {saved['index_sha256'][:12]}, now {rewritten.index_sha256[:12]}): the "
+        "resume reads other tokens; write them back, or --no-resume to train on these\n")
