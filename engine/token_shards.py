@@ -208,8 +208,8 @@ def write_shards(texts: list[str | pathlib.Path], out: str | pathlib.Path, *,
         tokens = np.concatenate(pending) if pending else np.zeros(0, dtype)
         shard, rest = tokens[:count], tokens[count:]
         file = f"shard-{len(shards):05d}.npy"
-        atomic_write(work / file, lambda f: np.save(f, shard), sync_directory=False)
-        shards.append({"file": file, "tokens": int(len(shard))})
+        _, xxh3 = atomic_write(work / file, lambda f: np.save(f, shard), sync_directory=False)
+        shards.append({"file": file, "tokens": int(len(shard)), "xxh3_128": xxh3})
         pending, held = [rest], len(rest)
 
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.writing-", dir=out.parent) as tmp:

@@ -249,14 +249,14 @@ def test_the_windows_are_shuffled_by_seed_and_epoch(resumed):
 
 def test_a_resume_on_rewritten_shards_says_so_in_one_warning_line(tmp_path, capsys):
     """TokenShards is a state part: a snapshot keeps its index's sha256, and restoring it
-    into the shards written again from other text warns once, in one line; the same
-    shards restore silently."""
+    into the shards written again from other text of the same length (the index records
+    each shard's checksum) warns, in one line; the same shards restore silently."""
     (tmp_path / "a.txt").write_text("the first text\n" * 20)
     write_shards([tmp_path / "a.txt"], tmp_path / "out", shard_tokens=100)
     saved = TokenShards(tmp_path / "out", 7).state_dict()
     TokenShards(tmp_path / "out", 7).load_state_dict(saved)
     assert capsys.readouterr().err == ""
-    (tmp_path / "a.txt").write_text("another text\n" * 20)
+    (tmp_path / "a.txt").write_text("the other text\n" * 20)
     write_shards([tmp_path / "a.txt"], tmp_path / "out", shard_tokens=100)
     rewritten = TokenShards(tmp_path / "out", 7)
     rewritten.load_state_dict(saved)
