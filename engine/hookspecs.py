@@ -228,7 +228,8 @@ def engine_epoch_start(engine, epoch, ctx: WorkerContext):
 def engine_train_step_end(engine, step, loss, ctx: WorkerContext):
     """One optimizer step finished; ``step`` is the global step count after it and
     ``loss`` the step's loss tensor, still on the device (calling ``.item()`` forces a
-    host-device synchronisation every step: accumulate on the device instead).
+    host-device synchronisation every step: accumulate on the device instead). The
+    parameters' ``.grad`` still hold the step's gradients (freed before the next backward).
 
     Kind: notification. Fires on every rank; not called at all when no plugin implements
     it, as the Trainer sees after ``engine_run_start`` (where a plugin may
