@@ -348,6 +348,7 @@ def shard_datasets(cfg: Config, ctx):
     from engine.token_shards import TokenShards
 
     windows = TokenShards(cfg.data.shards, cfg.model.context)
+    ctx.add_state("shards", windows)  # a resume on rewritten shards says so
     if cfg.data.val_every < 2 or len(windows) < cfg.data.val_every:
         raise ConfigError(f"data.shards {cfg.data.shards}: {len(windows)} windows of "
                           f"model.context={cfg.model.context} + 1 tokens, data.val_every="
