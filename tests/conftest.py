@@ -196,7 +196,7 @@ def _may_skip(keywords) -> bool:
 # gives each test module to one worker, so that a module's shared reference runs
 # (module-scoped fixtures) run once. The modules with tests on the local SLURM cluster
 # share one scope, so they run one after another on one worker: two jobs at once would
-# queue for the cluster's two nodes and could run into each other's timeouts.
+# queue for the cluster's nodes and could run into each other's timeouts.
 
 SLURM_SCOPE = "the local SLURM cluster"
 

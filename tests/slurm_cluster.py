@@ -13,7 +13,8 @@ import shutil
 import subprocess
 
 OPT_OUT = "ENGINE_TEST_NO_SLURM"
-NODES = ("n1", "n2")
+# As many nodes as tools/slurm_cluster.sh starts (SLURM_CLUSTER_NODES, 4 unless set).
+NODES = tuple(f"n{i}" for i in range(1, int(os.environ.get("SLURM_CLUSTER_NODES", "4")) + 1))
 
 
 def opted_out() -> bool:
@@ -22,7 +23,7 @@ def opted_out() -> bool:
 
 @functools.cache
 def problem() -> str | None:
-    """Why the cluster cannot run a job, or None when both nodes are idle."""
+    """Why the cluster cannot run a job, or None when every node is idle."""
     if shutil.which("sinfo") is None or shutil.which("srun") is None:
         return "SLURM is not installed (tools/slurm_cluster.sh start installs and starts it)"
     try:

@@ -4,12 +4,13 @@
 #   tools/slurm_cluster.sh install   apt-get install slurmctld slurmd slurm-client munge
 #   tools/slurm_cluster.sh start     install if missing, configure, start, wait for idle nodes
 #   tools/slurm_cluster.sh stop      stop the daemons this script started
-#   tools/slurm_cluster.sh status    sinfo; exit 0 only when both nodes are up
+#   tools/slurm_cluster.sh status    sinfo; exit 0 only when every node is up
 #
-# One host, two virtual nodes: `slurmd -N n1` and `slurmd -N n2`, each on its own port,
-# NodeHostname = this host, and n1/n2 resolve to 127.0.0.1 through /etc/hosts. Then
-# `srun -N2 -n2 ...` is a real two-node job step. Each node claims 2 CPUs (whatever the
-# machine has: SlurmdParameters=config_overrides), so `srun -N1 -n2` fits on one node.
+# One host, SLURM_CLUSTER_NODES virtual nodes (4 unless set): `slurmd -N n1` ... `slurmd
+# -N n4`, each on its own port, NodeHostname = this host, and n1..n4 resolve to 127.0.0.1
+# through /etc/hosts. Then `srun -N4 -n4 ...` is a real four-node job step: a hostlist of
+# more than two nodes, rank 0 on one node among several. Each node claims 2 CPUs (whatever
+# the machine has: SlurmdParameters=config_overrides), so `srun -N1 -n2` fits on one node.
 # Needs root (daemons, /etc/hosts, /etc/slurm). `start` is idempotent and bounded: it
 # gives up after START_TIMEOUT_S seconds with the daemons' logs.
 set -euo pipefail
@@ -17,8 +18,10 @@ set -euo pipefail
 STATE_DIR=${SLURM_CLUSTER_DIR:-/var/lib/engine-slurm}
 CONF=/etc/slurm/slurm.conf
 START_TIMEOUT_S=${START_TIMEOUT_S:-90}
-NODES=(n1 n2)
-PORTS=(17001 17002)
+NODE_COUNT=${SLURM_CLUSTER_NODES:-4}
+[[ $NODE_COUNT =~ ^[1-9][0-9]?$ ]] || { echo "slurm_cluster: error: SLURM_CLUSTER_NODES=$NODE_COUNT: want a node count from 1 to 99" >&2; exit 2; }
+NODES=() PORTS=()
+for ((i = 1; i <= NODE_COUNT; i++)); do NODES+=("n$i"); PORTS+=($((17000 + i))); done
 CPUS_PER_NODE=2
 HOST=$(hostname)
 
@@ -45,7 +48,7 @@ write_config() {
     local tmp
     tmp=$(mktemp)
     cat >"$tmp" <<EOF
-# Written by tools/slurm_cluster.sh: one host ($HOST), two virtual nodes.
+# Written by tools/slurm_cluster.sh: one host ($HOST), $NODE_COUNT virtual nodes.
 ClusterName=local
 SlurmctldHost=$HOST
 SlurmUser=root

@@ -1,4 +1,4 @@
-"""plugins/slurm.py: tasks started by srun, in both layouts, on the real two-node
+"""plugins/slurm.py: tasks started by srun, in both layouts, on the real four-node
 cluster of tools/slurm_cluster.sh (tests/slurm_cluster.py says whether it is up), and
 the variables checked before anything starts."""
 
@@ -13,7 +13,7 @@ from engine.errors import LaunchError
 from engine.launcher import LaunchOptions
 from engine.plugin_manager import build_plugin_manager
 from engine.plugins.slurm import SlurmLauncher, job_to_requeue, requeue
-from tests.conftest import ENGINE_RUN, REPO, engine_env, run_cli
+from tests.conftest import ENGINE_RUN, REPO, engine_env, read_summary, run_cli
 from tests.plugins.launch_runs import (LATE_S, RECIPE, STOP_TIMEOUT_S, finished,
                                        reference_digest, run, run_with_a_stopped_rank,
                                        train_args)
@@ -167,6 +167,22 @@ def test_one_task_per_node_on_two_nodes(tmp_path, tmp_path_factory):
     out = tmp_path / "run"
     srun("-N2", "-n2", "-c1", ENGINE_RUN, *train_args(out), "-v")
     assert finished(out, "slurm")["weights_sha256"] == reference_digest(tmp_path_factory)
+
+
+@cluster
+def test_four_nodes_one_task_each(tmp_path):
+    """More than two nodes: the step's hostlist n[1-4] expands, rank 0 is on the first of
+    four nodes and every node holds one rank, and the four ranks end on the same weights."""
+    out = tmp_path / "run"
+    proc = srun("-N4", "-n4", "-c1", ENGINE_RUN, *train_args(out), "-v")
+    table = proc.stdout.split("world:\n")[1].splitlines()[:5]
+    assert [row.split()[:3] for row in table] == [
+        ["rank", "local", "node"], ["0", "0", "0"], ["1", "0", "1"], ["2", "0", "2"],
+        ["3", "0", "3"]]
+    summary = read_summary(out)
+    assert (summary["status"], summary["world_size"], summary["launcher"]) == (
+        "completed", 4, "slurm")
+    assert summary["weights_sha256_per_rank"] == [summary["weights_sha256"]] * 4
 
 
 @cluster
