@@ -11,7 +11,7 @@ which keeps it in two buffers of its own, "held for rank r"::
     /dev/shm/engine-memory-<uid>/<run id>-r<holder>-held-a     mode 0600
     /dev/shm/engine-memory-<uid>/<run id>-r<holder>-held-b
 
-in the own buffers' format (engine/memory_snapshot.py's Buffer: the header, the
+in the own buffers' format (engine/memory/buffer.py's Buffer: the header, the
 payload, no exchange region), so the same checks read them (check_slot: this run's id,
 the sender's checksum over the header's fields and the payload) and the same rules
 clean them up (remove_leftovers, the writer's flock). A copy goes into the held buffer
@@ -19,7 +19,7 @@ that does not hold the newest one, its sequence zeroed first and written last, s
 transfer torn by a kill never replaces the last whole copy.
 
 Off the step's path: the copy is a job of the tier's background thread
-(:class:`~engine.memory_snapshot.Background`), after the snapshot's own copy and
+(:class:`~engine.memory.background.Background`), after the snapshot's own copy and
 exchange, with point-to-point sends on a gloo group of its own, created once when the
 tier opens (a collective then; the main group's collectives run on the training thread
 meanwhile, and two threads' operations on one group are not safe). Sizes differ per
@@ -32,7 +32,7 @@ failed background copy.
 
 At a resume at the same number of processes, a rank whose own snapshot of a step is
 gone, but whose successor holds a whole copy of it, gets it from the successor over the
-same group (engine/memory_snapshot.py's agree and choose_sharded, then :func:`fetch`);
+same group (engine/memory/resume.py's agree and choose_sharded, then :func:`fetch`);
 a resume at another number of processes resumes from the disk's dcp snapshot, as
 before (the shards are another split). A copy that arrives damaged is refused (never
 committed, acknowledged as none) and fails the job as a lost peer does.
@@ -44,11 +44,14 @@ import datetime
 import pathlib
 import struct
 
-from engine import health, memory_snapshot as ms, stateful
+from engine import health, stateful
+from engine.memory import buffer as ms
+from engine.memory.files import buffer_paths
+from engine.memory.resume import complete, load_checked
+from engine.shm import SHM, unlink_own
 
-# torch is imported inside the functions that use it: engine.snapshot imports this
-# module, and the launching processes import that one without torch (engine-run's
-# check for a completed run, engine.api for engine.launch).
+# torch is imported inside the functions that use it: engine.memory's modules are
+# imported without it by the launching process.
 
 #: A transfer's fixed header: sequence (0: none), step, epoch, payload length, the
 #: sender's checksum, and the highest sequence among the sender's held copies (a
@@ -60,11 +63,11 @@ HEAD_BYTES = 64
 _TAG_HEAD, _TAG_PAYLOAD, _TAG_ACK = 1, 2, 3
 
 
-def held_paths(run_dir, rank: int, shm: pathlib.Path = ms.SHM,
+def held_paths(run_dir, rank: int, shm: pathlib.Path = SHM,
                run_id: str | None = None) -> tuple[pathlib.Path, ...]:
     """The two buffers in which rank ``rank`` holds its predecessor's copies."""
     return tuple(p.with_name(p.name[:-1] + "held-" + p.name[-1])
-                 for p in ms.buffer_paths(run_dir, rank, shm, run_id))
+                 for p in buffer_paths(run_dir, rank, shm, run_id))
 
 
 def wanted(memory) -> bool:
@@ -125,7 +128,7 @@ class Ring:
         """Start sending ``buffer``'s snapshot ``sequence`` (its header's fields, then its
         payload, straight from the shared memory) to ``dst``; a header of sequence 0
         where there is none. Returns the sends, not waited for."""
-        fields = ms._HEADER.unpack(buffer.array[:ms._HEADER.size].tobytes()) \
+        fields = ms.HEADER.unpack(buffer.array[:ms.HEADER.size].tobytes()) \
             if buffer is not None and buffer.array is not None else None
         if fields is None or fields[1] != sequence or not sequence:
             head, payload = _HEAD.pack(0, 0, 0, 0, bytes(16), newest), None
@@ -202,7 +205,7 @@ class Ring:
 
     def remove(self) -> list[str]:
         self.close()
-        return ms.unlink_own(self.paths)
+        return unlink_own(self.paths)
 
 
 # ------------------------------------------------------------ at a resume
@@ -210,7 +213,7 @@ class Ring:
 
 def load_held(memory, warn) -> list:
     """The copies of the predecessor's snapshots this rank holds (engine's
-    memory_snapshot.Loaded, newest first) that are whole: this run's, their checksum
+    memory.resume.Loaded, newest first) that are whole: this run's, their checksum
     right, a snapshot of this number of processes' fsdp shards. None without a ring."""
     ring = getattr(memory, "ring", None)
     if ring is None:
@@ -222,7 +225,7 @@ def load_held(memory, warn) -> list:
             warn(f"the copy of rank {ring.prev}'s memory snapshot {problem}; not used")
         if slot is None:
             continue
-        one, problem = ms.load_checked(slot, also=lambda state: (
+        one, problem = load_checked(slot, also=lambda state: (
             None if stateful.holds_shards(state.get("model"))
             and state.get("world_size") == memory.world.world_size else
             "not fsdp shards of this number of processes"))
@@ -236,9 +239,9 @@ def load_held(memory, warn) -> list:
 
 def fetch(memory, choice, mine: list, held: list) -> dict:
     """The chosen snapshot of each rank where some rank lacks its own (``choice.peers``,
-    engine/memory_snapshot.py's choose_sharded): its own, or the copy its successor
+    engine/memory/resume.py's choose_sharded): its own, or the copy its successor
     holds, sent over the ring's group (header, then payload; the receiver checks the
-    checksum). Then engine's memory_snapshot.complete (collective), as for a snapshot of
+    checksum). Then resume.complete (collective), as for a snapshot of
     its own."""
     ring, rank = memory.ring, memory.world.rank
     sends = []
@@ -255,7 +258,7 @@ def fetch(memory, choice, mine: list, held: list) -> dict:
         raise
     for work in sends:
         ring._wait(work, "the copy to its rank")
-    return ms.complete(state, rank, memory.world.world_size, None)
+    return complete(state, rank, memory.world.world_size, None)
 
 
 def _own_or_received(memory, choice, mine: list) -> dict:
@@ -299,7 +302,7 @@ def _settle(sends: list) -> None:
 
 
 class _SlotView:
-    """A checked held copy (engine's memory_snapshot.Slot) as :meth:`Ring._send` reads a
+    """A checked held copy (engine.memory.buffer's Slot) as :meth:`Ring._send` reads a
     buffer: its header and payload, as mapped."""
 
     def __init__(self, slot):
