@@ -167,24 +167,39 @@ def open_own(path: pathlib.Path, writable: bool) -> int:
     return fd
 
 
-def run_id_of(run_dir) -> str | None:
-    """The run id kept in ``run_dir`` (None: none, or not one)."""
+def _recorded_id(run_dir) -> tuple[str | None, str | None]:
+    """The id in ``run_dir``'s RUN_ID_FILE and the inode of the folder it was written
+    in (None: an id written before it was recorded)."""
     try:
-        text = (pathlib.Path(run_dir) / RUN_ID_FILE).read_text().strip()
+        run_id, _, folder = (pathlib.Path(run_dir) / RUN_ID_FILE).read_text().partition(" ")
     except (OSError, UnicodeDecodeError):
-        return None
-    return text if re.fullmatch(r"[0-9a-f]{32}", text) else None
+        return None, None
+    return (run_id.strip() if re.fullmatch(r"[0-9a-f]{32}", run_id.strip()) else None,
+            folder.strip() or None)
+
+
+def copied(run_dir) -> bool:
+    """Whether ``run_dir``'s id was written in another folder: ``run_dir`` is a copy
+    (``cp -a``; a renamed folder keeps its inode, and its id)."""
+    run_id, folder = _recorded_id(run_dir)
+    return run_id is not None and folder not in (None, str(os.stat(run_dir).st_ino))
+
+
+def run_id_of(run_dir) -> str | None:
+    """The run id kept in ``run_dir`` (None: none, not one, or a copy's)."""
+    return None if copied(run_dir) else _recorded_id(run_dir)[0]
 
 
 def claim_run_id(run_dir, fresh: bool) -> tuple[str | None, str]:
     """Rank 0 at the start: (the id ``run_dir`` had, the run's id). The old one is
-    kept unless the run starts ``fresh`` or has none; a new one is written (atomically)
-    into the folder."""
+    kept unless the run starts ``fresh`` or has none (a copy's is not its own); a new
+    one is written (atomically) with the folder's inode."""
     old = run_id_of(run_dir)
     if old is not None and not fresh:
         return old, old
     new = secrets.token_hex(16)
-    atomic_write_text(pathlib.Path(run_dir) / RUN_ID_FILE, new + "\n")
+    atomic_write_text(pathlib.Path(run_dir) / RUN_ID_FILE,
+                      f"{new} {os.stat(run_dir).st_ino}\n")
     return old, new
 
 

@@ -18,8 +18,8 @@ from engine.memory import ring as ring_mod
 from engine.memory.buffer import read_info
 from engine.memory.copy_plan import held_by
 from engine.memory.cost import MEMORY_BUDGET, PAUSED, MemoryCost
-from engine.memory.files import (BUFFER_NAME, NoRoom, Unsafe, claim_run_id, folder_of,
-                                 mount_namespace, writer_gone)
+from engine.memory.files import (BUFFER_NAME, NoRoom, Unsafe, claim_run_id, copied,
+                                 folder_of, mount_namespace, writer_gone)
 from engine.memory.pair import MemorySnapshots
 from engine.memory.rows import make_row
 from engine.shm import SHM, sweep
@@ -62,6 +62,10 @@ class MemoryTier:
         ids = None
         if ctx.is_rank0:
             try:
+                if copied(ctx.out_dir):  # its id and buffers are the original's
+                    ctx.print(f"{ctx.out_dir} is a copy of another run folder: its memory "
+                              "snapshots get an id of their own (the original's are not "
+                              "resumed here)")
                 ids = claim_run_id(ctx.out_dir, bool(opts.get("no_resume")))
             except OSError as exc:
                 ids = f"cannot write its id into {ctx.out_dir}: {exc.strerror or exc}"

@@ -284,6 +284,24 @@ def test_the_run_id_lives_in_the_run_folder_and_a_fresh_start_replaces_it(tmp_pa
     assert files.run_id_of(tmp_path) == second
 
 
+def test_a_copied_run_folder_gets_an_id_of_its_own_and_a_renamed_one_keeps_its_own(tmp_path):
+    """cp -a of a run folder copies its id: the copy would share the original's buffers
+    (one of the two resuming from the other's, or overwriting them). The id records its
+    folder's inode: a copy's is not its own, and it claims a new one (``old`` None: the
+    original's buffers are not the copy's to forget); a renamed folder keeps its id."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _, first = files.claim_run_id(run, fresh=False)
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(run), str(copy)], check=True)
+    assert files.copied(copy) and not files.copied(run) and files.run_id_of(copy) is None
+    old, second = files.claim_run_id(copy, fresh=False)
+    assert old is None and second != first
+    assert (files.run_id_of(run), files.run_id_of(copy)) == (first, second)
+    run.rename(tmp_path / "moved")
+    assert files.run_id_of(tmp_path / "moved") == first
+
+
 @pytest.mark.parametrize("planted", ["other user's file", "symlink", "directory"])
 def test_a_name_taken_by_anything_but_our_own_file_is_refused_untouched(
         shm, tmp_path, planted):
