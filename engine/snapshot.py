@@ -25,9 +25,8 @@ from engine.checkpoint import read_manifest
 from engine.errors import CheckpointError, ConfigError
 
 # torch is imported inside the functions that use it: the launching process imports
-# this module (engine/launching.py: already_complete) without torch. The memory tier
-# (engine/memory/) is imported inside the functions that use it, only when it is on:
-# ``import engine.trainer`` does not pay for it.
+# this module (engine/launching.py: already_complete) without torch; the memory tier
+# (engine/memory/) only when it is on: ``import engine.trainer`` does not pay for it.
 
 #: Config keys a resumed run may change: they decide how long the run goes and how it
 #: is launched, watched and stored, not what an optimizer step computes. Any OTHER key
@@ -204,14 +203,9 @@ class Snapshots:
         """After optimizer step ``step``, its check point and validation done (but not
         where the run stops or ends at it: the loop writes that snapshot). A snapshot to
         disk when ``every_steps`` is due or a check point said one is due by time, else
-        one into shared memory when ``memory_every_steps`` is due.
-
-        The check in flight is finished first (``finish_check``), and its flags count
-        as any check's: a pre-emption writes no snapshot here (the loop writes the
-        durable one as the epoch stops), a snapshot due by time goes to disk instead of
-        memory. Dropping them lost both whenever every check point had a snapshot at its
-        step (memory_every_steps=1): pre-emption waited for the epoch's end, or never
-        came in the last epoch."""
+        one into shared memory when ``memory_every_steps`` is due. The check in flight is
+        finished first (``finish_check``) and its flags count: a pre-emption writes no
+        snapshot here (the loop writes the durable one), one due by time goes to disk."""
         self.next_due = 0 if self.time_due else self._next_due(step)
         to_disk = self.policy.due_at_step(step)
         to_memory = self.memory is not None and self.memory.due(step)

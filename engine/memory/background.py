@@ -1,8 +1,6 @@
-"""The memory tier's background work: the thread that finishes each memory snapshot off
-the step's path (the held copies, checksum and header, then the exchange's rows, then
-under fsdp the ring's copy), and the exchange of the rows (an all_gather nobody waits
-for, written into the buffer by the thread).
-"""
+"""The thread that finishes each memory snapshot off the step's path (the held copies,
+checksum and header, the rows, under fsdp the ring's copy), and the rows' exchange
+(an all_gather nobody waits for, written into the buffer by the thread)."""
 
 from __future__ import annotations
 
@@ -12,12 +10,14 @@ import struct
 import threading
 import weakref
 
+import numpy as np
+import torch
+import torch.distributed as dist
+
 from engine import distributed
 from engine.memory.buffer import Buffer
 from engine.memory.rows import ROW_BYTES
 
-# torch, numpy and xxhash are imported inside the functions that use them (xxhash: see
-# Background.submit): engine.memory's modules are imported without them.
 
 class Background:
     """This rank's thread that finishes each memory snapshot off the step's path (the
@@ -42,11 +42,6 @@ class Background:
         self.copied.set()
 
     def submit(self, job) -> None:
-        # Imported here, never first in the thread: a process forked while the thread
-        # is in an import (a DataLoader worker at an epoch's start) would inherit that
-        # module's import lock held, and hang at its own import of it.
-        import xxhash  # noqa: F401
-
         if self.thread is None:
             self.queue, self.idle, self.lock = queue.SimpleQueue(), threading.Event(), \
                 threading.Lock()
@@ -120,8 +115,6 @@ class Exchanges:
         self.work = None  # the all_gather started, not yet handed to the thread
 
     def start(self, row: bytes) -> None:
-        import numpy as np
-
         self.background.wait()  # the previous rows are written, the tensors free
         spread = distributed.is_initialized()
         if self.line is None:
@@ -130,8 +123,6 @@ class Exchanges:
         line[:8] = np.frombuffer(struct.pack("<Q", len(row)), dtype=np.uint8)
         line[8:8 + len(row)] = np.frombuffer(row, dtype=np.uint8)  # b"": did not fit
         if spread:
-            import torch.distributed as dist
-
             if self.row.device.type != "cpu":
                 self.row.copy_(self.line_tensor)
             self.work = dist.all_gather(self.views, self.row, async_op=True)
@@ -139,8 +130,6 @@ class Exchanges:
     def _allocate(self, device) -> None:
         """This rank's row and every rank's: on the CPU the row is the collective's own
         tensor (written in place); on a GPU (NCCL) a pinned copy is sent over."""
-        import torch
-
         self.line_tensor = torch.zeros(ROW_BYTES, dtype=torch.uint8)
         self.line = self.line_tensor.numpy()
         if device is None:
@@ -163,7 +152,6 @@ class Exchanges:
                 if self.rows.device.type == "cuda":
                     # NCCL's wait only orders this thread's stream after the gather:
                     # the rows are read once that stream got there.
-                    import torch
 
                     torch.cuda.current_stream(self.rows.device).synchronize()
             if target is not None:

@@ -28,12 +28,12 @@ import struct
 from typing import Any
 
 import attrs
+import numpy as np
+import torch
+import xxhash
 
 from engine.memory.files import RUN_ID_FILE, NoRoom, Unsafe, open_own
 from engine.shm_codec import align, decode
-
-# torch, numpy and xxhash are imported inside the functions that use them: the
-# launching process imports engine.memory.files (engine/plan.py) without them.
 
 HEADER_BYTES = 4096
 # 5: the skeleton's markers are engine.shm_codec's (4: tuples holding a marker string).
@@ -70,8 +70,6 @@ def payload_size(skeleton: bytes, data_size: int) -> int:
 def read_payload(buf) -> dict:
     """The snapshot dict in the payload ``buf`` (a uint8 tensor), its tensors copied out
     (the buffer is written again by later snapshots)."""
-    import torch
-
     length, start = PAYLOAD.unpack(bytes(buf[:PAYLOAD.size].tolist()))
     if not PAYLOAD.size + length <= start <= len(buf):
         raise ValueError("its skeleton and data region overlap or lie outside the payload")
@@ -91,8 +89,6 @@ def read_payload(buf) -> dict:
 def checksum(fields: bytes, payload) -> bytes:
     """xxh3-128 of the header's fields (:data:`_SIGNED`) and the payload: a header
     whose step, length or run id was changed fails it as a flipped payload bit does."""
-    import xxhash
-
     digest = xxhash.xxh3_128(fields)
     digest.update(payload)
     return digest.digest()
@@ -117,8 +113,6 @@ def _map(fd: int, size: int, writable: bool):
     """A memory map of ``size`` bytes of ``fd``, and a uint8 tensor over it. Read-only
     descriptors are mapped privately (copy on write, never written): torch wants a
     writable buffer."""
-    import torch
-
     if writable:
         mapping = mmap.mmap(fd, size)
     else:
@@ -185,8 +179,6 @@ class Buffer:
         NoRoom here, not a SIGBUS during a copy). The header gets the magic, the run id
         and ``info`` at once: a clean-up knows whose the file is before its first
         snapshot. Unsafe when the name is taken by anything but this user's file."""
-        import numpy as np
-
         size = HEADER_BYTES + payload_bytes + exchange_bytes
         self.unmap()
         if self.fd is None:
@@ -235,7 +227,6 @@ class Buffer:
         if (array is None or not at or int(array[8:16].view("<u8")[0]) != sequence
                 or at + EXCHANGE_HEAD + rows.size > len(array)):
             return False
-        import xxhash
 
         world, row_bytes = rows.shape
         fields = _EXCHANGE.pack(0, world, row_bytes, b"")[8:24]
@@ -256,8 +247,6 @@ class Buffer:
     def pin(self) -> None:
         """Page-lock the mapping (cudaHostRegister): copies from a GPU go by DMA straight
         into it rather than through a staging buffer."""
-        import torch
-
         if not self.pinned:
             error = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(),
                                                          self.tensor.numel(), 0)
@@ -265,8 +254,6 @@ class Buffer:
 
     def unmap(self) -> None:
         if self.pinned:
-            import torch
-
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
         self.tensor = self.array = None
@@ -333,8 +320,6 @@ def check_slot(path: pathlib.Path, verify: bool = True,
 def _exchange_rows(array, at: int, sequence: int):
     """The exchange region's rows at ``at`` when they are whole and belong to the
     snapshot ``sequence`` (their checksum holds), else None."""
-    import xxhash
-
     if not at or at + EXCHANGE_HEAD > len(array):
         return None
     seq, world, row_bytes, digest = _EXCHANGE.unpack(array[at:at + _EXCHANGE.size].tobytes())
@@ -374,8 +359,6 @@ def read_header(path: pathlib.Path) -> bytes:
 def read_info(path: pathlib.Path) -> dict:
     """The JSON line of the buffer at ``path`` (run folder, host, pid, rank, world
     size), with or without a snapshot in it; {} when it is none of ours."""
-    import numpy as np
-
     header = read_header(path)
     return _info(np.frombuffer(header, dtype=np.uint8)) if header else {}
 

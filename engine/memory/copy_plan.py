@@ -1,17 +1,13 @@
-"""The copy plan of a memory snapshot: where each tensor goes in the payload, and the
-numpy copies that put it there, done again at each save while the state holds the same
-tensors. Large states and states on a GPU leave the copy of what only the optimizer's
-step changes to the background thread (engine/memory/background.py) during the next
-step's forward and backward; that optimizer step waits for it (MemorySnapshots.hold).
-"""
+"""The copy plan: where each tensor goes in the payload, and the copies that put it there,
+done again while the state holds the same tensors. What only the optimizer's step
+changes may be left to the background thread (MemorySnapshots.hold)."""
 
 from __future__ import annotations
 
+import torch
+
 from engine.memory.buffer import HEADER_BYTES, PAYLOAD
 from engine.shm_codec import align, copier, marker
-
-# torch is imported inside the function that uses it: engine.memory's modules are
-# imported without it by the launching process.
 
 #: The bytes of the tensors only the optimizer's step changes from which the background
 #: thread copies them (below, the thread's wake-up costs more than the copy: at once).
@@ -70,8 +66,6 @@ def held_by(optimizer) -> frozenset:
     """Where the tensors that only ``optimizer``'s step changes live (data pointers: its
     parameters and state), which a save may copy before its next step; anything else
     (a module's buffers, which a forward updates) is copied at once."""
-    import torch
-
     def pointer(tensor) -> int:
         # A DTensor's (fsdp) data_ptr() is 0: its local tensor's memory is the snapshot's.
         return getattr(tensor, "_local_tensor", tensor).data_ptr()

@@ -1,9 +1,6 @@
-"""What the memory snapshots cost, and the interval ``checkpoint.memory_every_steps=auto``
-chooses from it: measured at each check point (:class:`MemoryCost`), proposed by each
-rank in the check point's all-reduce (:func:`proposal`), the largest taken by all
-(:func:`agreed_interval`). The probe that measures what the clocks do not see is the
-tier's (engine/memory/tier.py).
-"""
+"""What the memory snapshots cost (:class:`MemoryCost`), and the interval
+``checkpoint.memory_every_steps=auto`` takes: each rank proposes one at a check point
+(:func:`proposal`), all take the largest (:func:`agreed_interval`)."""
 
 from __future__ import annotations
 
@@ -12,30 +9,21 @@ from engine import phases
 #: ``checkpoint.memory_every_steps=auto``: the share of the training step's time the
 #: memory snapshots may take; the interval is the smallest that keeps their cost within it.
 MEMORY_BUDGET = 0.02
-#: auto's intervals: powers of two, so that the snapshot steps of a new interval are
-#: multiples of the old one's or the reverse, and a crash while the interval changes
-#: still loses at most the larger of the two (engine.snapshot's Snapshots.agreed); at most 128 steps,
-#: near the fixed 100 it replaced, however expensive a snapshot is.
+#: auto's intervals: powers of two, so that a crash while the interval changes still
+#: loses at most the larger of the two (engine.snapshot's Snapshots.agreed); at most 128.
 MEMORY_INTERVALS = tuple(2**i for i in range(8))
 #: The tier's interval while auto's probe pauses it for a window (never due).
 PAUSED = 1 << 62
 
 
 class MemoryCost:
-    """What this rank's memory snapshots cost against its training steps, measured at
-    each check point with the clocks the run keeps anyway: the snapshots' own
-    (engine/phases.py carves them out of the training phase) and the check point's
-    window (its wall time and steps). Totals since the first check point after the
-    tier's first snapshot: that one also reserves the buffers and agrees with the other
-    ranks that they could (a collective), which no later one does.
-
-    A window's step time is its wall time less the snapshots written in it (to memory
-    and to disk); a validation inside it (val_every_steps) counts as steps, which can
-    only make the interval shorter. The copy a large or GPU state leaves to the
-    background thread counts where the next optimizer step waits for it
-    (phases.MEMORY_WAITS). What no clock of theirs sees (that copy taking the CPUs the
-    step's threads need) is measured once, by comparing a window with a snapshot at
-    every step with one without (:meth:`probed`; the tier pauses for it)."""
+    """What this rank's memory snapshots cost against its steps, measured at each check
+    point with the clocks the run keeps anyway (engine/phases.py's carved snapshot and
+    copy-wait times, the window's wall time and steps), totalled from the check point
+    after the tier's first snapshot (which also reserves the buffers). A window's step
+    time is its wall time less its snapshots (memory and disk). What no clock sees (a
+    background copy taking the step's CPUs) is measured once by the tier's probe
+    (:meth:`probed`)."""
 
     def __init__(self):
         self.snapshot_s = self.step_s = 0.0
@@ -50,9 +38,8 @@ class MemoryCost:
 
     @staticmethod
     def clocks() -> tuple[float, int, float]:
-        """The memory snapshots' seconds (with the optimizer steps' waits for their
-        background copies) and count, and the disk snapshots' seconds, so far in this
-        process."""
+        """Memory snapshots' seconds (with the waits for their copies) and count, and
+        disk snapshots' seconds, so far in this process."""
         memory_s, _, memory_n = phases.carved(phases.MEMORY_SNAPSHOTS)
         memory_s += phases.carved(phases.MEMORY_WAITS)[0]
         return memory_s, memory_n, phases.carved(phases.SNAPSHOTS)[0]

@@ -1,15 +1,9 @@
-"""The memory tier's files and ids: this user's folder in the shared tmpfs, the run's
-id, each rank's buffer names, and the checks that nothing there is trusted for its name.
-
-/dev/shm is shared by every user and often by every container on a host (CWE-377,
-CWE-59): the folder must be a real folder (not a link) owned by this user and closed to
-others (where another user took its name: a private folder of random name,
-:func:`own_folder`), a buffer a regular file owned by this user, opened without
-following a link and created exclusively; anything else is :class:`Unsafe`, which turns
-the tier off with one warning. The run id (32 random hex digits in the run folder's
-``.engine-memory-id``, new whenever the run starts afresh) is in every buffer's name
-and header: another run's, or a deleted or overwritten folder's, never match.
-"""
+"""The memory tier's files and ids: this user's folder in the shared tmpfs, the run's id,
+each rank's buffer names. Nothing in /dev/shm is trusted for its name (CWE-377, CWE-59):
+the folder must be this user's real folder closed to others (else a private one,
+:func:`own_folder`), a buffer this user's regular file, opened without following a link;
+anything else is :class:`Unsafe` (the tier goes off with one warning). The run id, in
+the run folder's ``.engine-memory-id``, is in every buffer's name and header."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
-"""This rank's pair of buffers (:class:`MemorySnapshots`): reserved at the first save,
-written alternately, the exchange's rows and (fsdp) the ring's copy handed to the
-background thread, removed when the run ends by itself.
+"""This rank's pair of buffers (:class:`MemorySnapshots`), written alternately::
 
-Each rank keeps two buffers, files on a tmpfs that outlive the worker process::
+    /dev/shm/engine-memory-<uid>/<run id>-r<rank>-a, -b      (folder 0700, files 0600)
 
-    /dev/shm/engine-memory-<uid>/                  mode 0700, owned by the user
-        <run id>-r<rank>-a                         mode 0600
-        <run id>-r<rank>-b
-
-(engine/memory/files.py: the names and their checks; engine/memory/buffer.py: the
-format.) The state is pickled once with a marker at each tensor (engine.shm_codec's
-encode), and the copies planned at the previous save (engine/memory/copy_plan.py) are
-done again while the tensors are the same.
-"""
+The state is pickled once with a marker at each tensor (engine.shm_codec), and the
+copies planned at the previous save (copy_plan.py) are done again while the tensors
+are the same."""
 
 from __future__ import annotations
 
@@ -21,6 +13,8 @@ import os
 import pathlib
 import socket
 import struct
+
+import torch
 
 from engine import phases
 from engine.memory.background import Background, Exchanges
@@ -34,8 +28,6 @@ from engine.memory.rows import ROW_BYTES
 from engine.shm import SHM, free_bytes, unlink_own
 from engine.shm_codec import encode
 
-# torch is imported inside the function that uses it: engine.memory's modules are
-# imported without it by the launching process.
 
 class MemorySnapshots:
     """This rank's two buffers: :meth:`check` at the start, :meth:`save` every
@@ -144,8 +136,6 @@ class MemorySnapshots:
         the background thread (on a GPU, or above :data:`BACKGROUND_BYTES`); returns
         whether they were, and the caller then has the optimizer's next step wait for
         them (:meth:`hold`). Everything else is written before this returns."""
-        import torch
-
         plan = self.plan
         skeleton, tensors, data_size, key = encode(state, plan)
         if key is not None or not plan.fits(skeleton, held):

@@ -1,20 +1,17 @@
-"""Agreeing at a resume: each rank loads its memory snapshots that are whole, the ranks
-agree (:func:`agree`, collective) on the newest one every rank can restore, from its
-own buffer or sent by a rank that has it and its rows (under fsdp: its successor's
-copy, engine/memory/ring.py), and :func:`complete` makes it whole again (this rank's RNG
-states, the epoch's loss sums over the ranks).
-"""
+"""Agreeing at a resume: each rank loads its whole snapshots, the ranks agree
+(:func:`agree`) on the newest one every rank can restore (its own, or sent by a rank
+that has it: under fsdp its successor's copy, ring.py), and :func:`complete` makes it
+whole again (this rank's RNG states, the epoch's loss sums over the ranks)."""
 
 from __future__ import annotations
 
 import attrs
+import torch
 
 from engine import distributed, stateful
 from engine.memory.buffer import Slot, check_slot, load_slot, read_payload
 from engine.memory.rows import read_row, row_in
 
-# torch is imported inside the functions that use it: engine.memory's modules are
-# imported without it by the launching process.
 
 @attrs.define
 class Loaded:
@@ -214,8 +211,6 @@ def fetch(memory, choice: MemoryChoice, mine: list[Loaded]) -> dict:
     (:func:`complete`): its own, or, where a rank lacks it, broadcast by
     ``choice.source`` with its exchange rows. (Where under fsdp a rank gets its
     successor's copy: engine/memory/ring.py's fetch.)"""
-    import torch
-
     rank, world_size = memory.world.rank, memory.world.world_size
     own = next((m for m in mine if m.step == choice.step), None)
     if own is not None:
@@ -263,7 +258,6 @@ def complete(state: dict, rank: int, world_size: int, rows) -> dict:
         # resumed epoch's mean loss covers the batches after the resume.
         state["progress"] = {**progress, "epoch_loss": None}
     elif loss is not None:  # every rank is mid-epoch alike (the same step)
-        import torch
 
         # The all-reduce of the same values the disk snapshot's capture sums: the same
         # sums, to the bit.

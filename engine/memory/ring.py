@@ -1,41 +1,18 @@
 """The ring of the memory tier under fsdp: each rank keeps a copy of its predecessor's
-memory snapshot, so that the loss of one node's memory still resumes from memory.
+memory snapshot (its own shards, which no other rank has), so that the loss of one
+node's memory still resumes from memory (docs/checkpoints.md, "The ring under fsdp").
 
-Under fsdp a rank's memory snapshot holds its own shards (engine/stateful.py's
-to_shards), which no other rank has: where a node's memory is lost (a replaced machine,
-a wiped /dev/shm), the ddp way, a peer sending its own snapshot, cannot help. So at
-each snapshot rank r sends its committed snapshot (the payload as its buffer holds it,
-with the header's sequence, step, epoch, length and checksum) to rank (r + 1) % W,
-which keeps it in two buffers of its own, "held for rank r"::
-
-    /dev/shm/engine-memory-<uid>/<run id>-r<holder>-held-a     mode 0600
-    /dev/shm/engine-memory-<uid>/<run id>-r<holder>-held-b
-
-in the own buffers' format (engine/memory/buffer.py's Buffer: the header, the
-payload, no exchange region), so the same checks read them (check_slot: this run's id,
-the sender's checksum over the header's fields and the payload) and the same rules
-clean them up (remove_leftovers, the writer's flock). A copy goes into the held buffer
-that does not hold the newest one, its sequence zeroed first and written last, so a
-transfer torn by a kill never replaces the last whole copy.
-
-Off the step's path: the copy is a job of the tier's background thread
-(:class:`~engine.memory.background.Background`), after the snapshot's own copy and
-exchange, with point-to-point sends on a gloo group of its own, created once when the
-tier opens (a collective then; the main group's collectives run on the training thread
-meanwhile, and two threads' operations on one group are not safe). Sizes differ per
-rank, so a fixed header goes first with the length. The receiver checks the checksum
-before it commits, then acknowledges: once a rank's background thread is idle, its
-successor holds its snapshot. Every wait is bounded by the group's timeout (the run's
-``timeout_s``); a peer that dies mid-transfer makes the job fail, which raises
-``memory.failed``: the ranks turn the tier off at the next check point, as for any
-failed background copy.
-
-At a resume at the same number of processes, a rank whose own snapshot of a step is
-gone, but whose successor holds a whole copy of it, gets it from the successor over the
-same group (engine/memory/resume.py's agree and choose_sharded, then :func:`fetch`);
-a resume at another number of processes resumes from the disk's dcp snapshot, as
-before (the shards are another split). A copy that arrives damaged is refused (never
-committed, acknowledged as none) and fails the job as a lost peer does.
+Rank r sends its committed snapshot (the payload as its buffer holds it, after a fixed
+header with its sequence, step, epoch, length and checksum) to rank (r + 1) % W, which
+keeps it in two buffers of its own in the own buffers' format
+(``<run id>-r<holder>-held-a``, ``-b``): the same checks read them and the same rules
+clean them up. A copy goes into the held buffer without the newest one, its sequence
+zeroed first and written last. The transfer is a job of the tier's background thread,
+with point-to-point sends on a gloo group of its own (the training thread uses the main
+group meanwhile); every wait is bounded by the run's ``timeout_s``, and a peer that dies
+or a copy that arrives damaged fails the job (``memory.failed``: the tier goes off).
+At a resume at the same number of processes, a rank without its own snapshot of the
+chosen step gets its successor's copy (:func:`fetch`).
 """
 
 from __future__ import annotations
@@ -44,14 +21,14 @@ import datetime
 import pathlib
 import struct
 
+import torch
+import torch.distributed as dist
+
 from engine import health, stateful
 from engine.memory import buffer as ms
 from engine.memory.files import buffer_paths
 from engine.memory.resume import complete, load_checked
 from engine.shm import SHM, unlink_own
-
-# torch is imported inside the functions that use it: engine.memory's modules are
-# imported without it by the launching process.
 
 #: A transfer's fixed header: sequence (0: none), step, epoch, payload length, the
 #: sender's checksum, and the highest sequence among the sender's held copies (a
@@ -70,21 +47,11 @@ def held_paths(run_dir, rank: int, shm: pathlib.Path = SHM,
                  for p in buffer_paths(run_dir, rank, shm, run_id))
 
 
-def wanted(memory) -> bool:
-    """Whether the tier gets a ring: fsdp (each rank's snapshot only its own) and more
-    than one process. ddp and a single process need none: the state is replicated."""
-    return memory.sharded and memory.world.world_size > 1
-
-
 class Ring:
-    """This rank's side of the ring: what it sends its successor at each snapshot, and
-    the two buffers with its predecessor's copies. Created on every rank at once (the
-    group is a collective)."""
+    """This rank's side: what it sends its successor, and the two buffers with its
+    predecessor's copies. Created on every rank at once (a collective)."""
 
     def __init__(self, memory, timeout_s: float):
-        import torch
-        import torch.distributed as dist
-
         self.memory = memory
         rank, world_size = memory.world.rank, memory.world.world_size
         self.next, self.prev = (rank + 1) % world_size, (rank - 1) % world_size
@@ -176,9 +143,8 @@ class Ring:
         return self.buffers[0 if sequences[0] <= sequences[1] else 1]
 
     def reserve(self, length: int) -> None:
-        """Both held buffers mapped with room for a payload of ``length`` (the first
-        snapshot: the own one's size, the predecessor's being alike; grown when a copy
-        is larger). NoRoom or Unsafe as for the own buffers."""
+        """Both held buffers mapped with room for a payload of ``length`` (grown when a
+        copy is larger). NoRoom or Unsafe as for the own buffers."""
         for buffer in self.buffers:
             if buffer.tensor is None or buffer.capacity < length:
                 buffer.map(length + max(64 * 1024, length // 64), self.info,
@@ -193,8 +159,6 @@ class Ring:
 
     @staticmethod
     def _bytes(data: bytes):
-        import torch
-
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     # ------------------------------------------------------ the buffers' life
@@ -212,10 +176,9 @@ class Ring:
 
 
 def load_held(memory, warn) -> list:
-    """The copies of the predecessor's snapshots this rank holds (engine's
-    memory.resume.Loaded, newest first) that are whole: this run's, their checksum
-    right, a snapshot of this number of processes' fsdp shards. None without a ring."""
-    ring = getattr(memory, "ring", None)
+    """This rank's whole copies of its predecessor's snapshots (resume.Loaded, newest
+    first): this run's, their checksum right, fsdp shards of this number of processes."""
+    ring = memory.ring
     if ring is None:
         return []
     loaded = []
@@ -263,8 +226,6 @@ def fetch(memory, choice, mine: list, held: list) -> dict:
 
 def _own_or_received(memory, choice, mine: list) -> dict:
     """This rank's snapshot of the chosen step: its own, or its successor's copy."""
-    import torch
-
     ring, rank = memory.ring, memory.world.rank
     own = next((m for m in mine if m.step == choice.step), None)
     if own is not None:

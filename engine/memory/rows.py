@@ -1,8 +1,6 @@
-"""Each rank's exchange row: its RNG states and its part of the epoch's loss sums at a
-memory snapshot, sent to every rank (engine/memory/background.py's Exchanges) and kept
-in every buffer's exchange region, so that in the replicated modes any rank's buffer
-restores any rank (engine/memory/resume.py's complete).
-"""
+"""Each rank's exchange row: its RNG states and its part of the epoch's loss sums, sent
+to every rank and kept in every buffer, so that in the replicated modes any rank's
+buffer restores any rank (resume.py's complete)."""
 
 from __future__ import annotations
 
@@ -13,10 +11,10 @@ import random
 import struct
 import sys
 
-from engine.shm_codec import PlainUnpickler
+import numpy as np
+import torch
 
-# torch and numpy are imported inside the functions that use them: engine.memory's
-# modules are imported without them by the launching process.
+from engine.shm_codec import PlainUnpickler
 
 #: One rank's row in the exchange: its length, then the pickled RNG states and epoch
 #: loss; a larger one is left out (a peer then cannot restore that rank's snapshot).
@@ -27,8 +25,6 @@ def make_row(loss) -> bytes:
     """This rank's exchange row: its RNG states (engine.stateful.rng_state's, in raw
     bytes: quicker to pickle) and its part of the epoch's loss sums ((sum,
     micro-batches) or None), for a peer to keep; b"" when they exceed ROW_BYTES."""
-    import torch
-
     state = {"python": _python_rng(), "numpy": _numpy_rng(),
              "torch": torch.get_rng_state().numpy().tobytes()}
     if torch.cuda.is_initialized():  # (is_available asks the driver, each time)
@@ -69,8 +65,6 @@ def _numpy_rng() -> dict:
     """numpy's global RNG state (np.random.get_state's), as plain values; the getter's
     copy is skipped while the raw generator state (read through ctypes) has not moved
     and no normal deviate was cached (a cached one is drawn without moving it)."""
-    import numpy as np
-
     try:
         raw = ctypes.string_at(np.random.mtrand._rand._bit_generator.ctypes.state_address,
                                624 * 4 + 4)  # MT19937's key and position
@@ -88,9 +82,6 @@ def _numpy_rng() -> dict:
 def read_row(row: bytes) -> dict | None:
     """:func:`make_row`'s dict, its RNG states as engine.stateful.rng_state gives them;
     None for an empty row (the states did not fit)."""
-    import numpy as np
-    import torch
-
     if not row:
         return None
     plain = PlainUnpickler(io.BytesIO(row)).load()

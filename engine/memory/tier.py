@@ -1,8 +1,6 @@
-"""The memory tier's one face, :class:`MemoryTier`, which the snapshot layer
-(engine/snapshot.py's Snapshots) opens at the resume (:meth:`MemoryTier.open`), feeds
-after each optimizer step (:meth:`~MemoryTier.save`, :meth:`~MemoryTier.note_reached`)
-and at each check point (:meth:`~MemoryTier.measure`), and closes at the run's end.
-"""
+"""The memory tier's one face, :class:`MemoryTier`: the snapshot layer (engine/snapshot.py's
+Snapshots) opens it at the resume, feeds it after each optimizer step and at each check
+point, and closes it at the run's end."""
 
 from __future__ import annotations
 
@@ -27,19 +25,15 @@ from engine.stateful import is_sharded
 
 
 class MemoryTier:
-    """This rank's in-memory snapshots (``checkpoint.memory_every_steps``): its buffers
-    (``pair``), what they cost (``cost``) and, under ``auto``, the probe and the interval
-    the ranks agree on. Every call is made on every rank at the same step."""
+    """This rank's in-memory snapshots: its buffers (``pair``), what they cost
+    (``cost``), auto's probe. Every call is made on every rank at the same step."""
 
     def __init__(self, ctx, pair: MemorySnapshots):
         self.ctx = ctx
         self.pair = pair
-        # Called by the loop right after each optimizer step (a restart says how many
-        # steps it lost).
-        self.note_reached = pair.note_reached
+        self.note_reached = pair.note_reached  # after each optimizer step: the loop's
         self.cost = MemoryCost()  # measured at check points, auto or not
-        # auto: from every step (every restart too, on whatever machines it runs now),
-        # then the interval the ranks' costs allow.
+        # auto: from every step (each restart too), then what the ranks' costs allow.
         self.auto = ctx.cfg.checkpoint.memory_every_steps == "auto"
         # auto's probe, by check point (the same on every rank, so the tier pauses and
         # resumes at the same steps everywhere): the window of the first snapshot (it
@@ -51,13 +45,10 @@ class MemoryTier:
 
     @classmethod
     def open(cls, ctx) -> MemoryTier | None:
-        """The run's tier, or None (off, with one warning). Collective: the run's id
-        (rank 0 keeps it in the run folder: new when the run starts afresh), the
-        leftovers of earlier runs removed (each machine's local rank 0), this user's
-        buffer folder checked on every rank: the tier is off everywhere together where
-        any rank cannot use its tmpfs safely, since a memory snapshot is a collective.
-        Under fsdp each rank's snapshots hold its own shards, and its successor keeps a
-        copy (engine/memory/ring.py)."""
+        """The run's tier, or None (off everywhere, one warning, where any rank cannot
+        use its tmpfs safely). Collective: the run's id (rank 0's, in the run folder),
+        earlier runs' leftovers removed (each machine's local rank 0), the folder
+        checked on every rank; under fsdp the ring (engine/memory/ring.py)."""
         every, opts = ctx.cfg.checkpoint.memory_every_steps, ctx.options
         ids = None
         if ctx.is_rank0:
@@ -91,7 +82,7 @@ class MemoryTier:
             ctx.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: "
                      f"{problems[0]}; the run goes on with disk snapshots")
             return None
-        if ring_mod.wanted(pair):  # fsdp: a copy of each rank's at its successor
+        if pair.sharded and ctx.world.world_size > 1:  # fsdp: each rank's at its successor
             pair.ring = ring_mod.Ring(pair, ctx.cfg.timeout_s)  # collective
         return cls(ctx, pair)
 
@@ -115,12 +106,10 @@ class MemoryTier:
 
     def save(self, whole) -> tuple[int, str] | None:
         """Copy a snapshot (:func:`capture`'s, ``whole`` its header) into this rank's
-        buffer. Every rank saves its own, with no
-        collective to wait for (the parts' local state, engine/stateful.py's
-        LocalStateful): the rows the ranks exchange go off the step's path. A rank whose
-        buffer cannot be had still starts the exchange, a collective, and raises
-        ``failed``: the ranks agree to turn the tier off at the next check point. Before
-        the first snapshot they agree at once: the first rank that cannot, and why."""
+        buffer, with no collective to wait for: the rows go off the step's path. A rank
+        whose buffer cannot be had still starts the exchange (a collective) and sets
+        ``failed`` (off at the next check point); before the first snapshot the ranks
+        agree at once: returns the first rank that cannot, and why."""
         ctx, pair = self.ctx, self.pair
         with phases.carve(phases.MEMORY_SNAPSHOTS, within="training",
                           label="memory snapshot"):
@@ -135,8 +124,7 @@ class MemoryTier:
             saved = False
             if pair.failed is None:
                 # What only the optimizer's step changes is copied during the next
-                # step's forward and backward, finished before that optimizer step
-                # (pair.hold). Asked only when the copies are planned again.
+                # step's forward and backward (pair.hold).
                 held = (None if ctx.optimizer is None
                         else functools.partial(held_by, ctx.optimizer))
                 try:
@@ -150,10 +138,9 @@ class MemoryTier:
         return None
 
     def _first_problem(self, state: dict) -> tuple[int, str] | None:
-        """Before the first snapshot: whether every rank can keep two: room in the tmpfs
-        of every machine, and both buffers reserved (a name taken by anything but this
-        user's own file is refused). Collective: all turn the tier off together (a rank
-        alone would leave the others' next snapshot, a collective, waiting)."""
+        """Before the first snapshot, collective: whether every rank has room for two
+        buffers and reserved them (all turn the tier off together: a rank alone would
+        leave the others' next snapshot, a collective, waiting)."""
         ctx, pair = self.ctx, self.pair
         needed, free = pair.room_for(state)
         each = needed / 2 / ctx.world.local_world_size / 2**20  # MB, one buffer
@@ -179,14 +166,13 @@ class MemoryTier:
         return None
 
     def failed_rank(self) -> tuple[int, str]:
-        """The first rank whose buffer failed, and why. Collective (every rank is at the
-        same check point): one gather tells rank 0 for the one warning."""
+        """The first rank whose buffer failed, and why (collective: one gather)."""
         return next((rank, why) for rank, why in enumerate(
             distributed.all_gather_object(self.pair.failed)) if why is not None)
 
     def switch_off(self) -> list[str]:
-        """No more snapshots: the buffers removed, summary.json's interval 0 (a crash
-        now goes back to the disk snapshot); a warning for each buffer left."""
+        """No more snapshots: summary.json's interval 0, the buffers removed (a warning
+        for each left)."""
         self.record(every=0)
         return self.pair.remove()
 
@@ -196,8 +182,7 @@ class MemoryTier:
         self.cost.window_started()
 
     def measure(self, window_s: float, window_steps: int) -> int | None:
-        """At a check point: its window's costs (``window_s``, ``window_steps``: its
-        wall time and optimizer steps), auto's next probe stage; returns the interval
+        """At a check point: its window's costs, auto's next probe stage; the interval
         this rank's costs allow under auto (None: none yet, or not auto)."""
         self.cost.measure(window_s, window_steps, self.pair.saves)
         if self.probe is not None:
@@ -236,24 +221,21 @@ class MemoryTier:
                            f"asked for; {said})")
 
     def record(self, every: int | None = None) -> None:
-        """summary.json's ``memory_snapshots`` (MemoryCost.record): the interval now
-        (not the probe's pause) and what the snapshots cost."""
+        """summary.json's ``memory_snapshots`` (MemoryCost.record)."""
         every = self.every_steps if every is None else every
         self.ctx.memory_record = self.cost.record(1 if every == PAUSED else every, self.auto)
 
     # ------------------------------------------------------------ resume, end
 
     @property
-    def reached_before(self) -> int:
-        """How far the interrupted run had got (the resume's agreement says)."""
+    def reached_before(self) -> int:  # how far the interrupted run had got
         return self.pair.reached_before
 
     def resume(self, disk_step: int | None, restore) -> bool:
-        """Resume from the newest memory snapshot when one is newer than the disk
-        snapshot (of ``disk_step``): this rank's own buffer, or a healthy peer's sent over
-        the process group where this rank's is gone; ``restore(ctx, snap, source)`` puts
-        it into the parts. Collective. False: none newer (the disk snapshot, if any,
-        wins). One that fails to load is a warning and the next tier."""
+        """Collective: resume (``restore(ctx, snap, source)``) from the newest memory
+        snapshot every rank can have (its own, or a peer's sent) when it is newer than
+        the disk snapshot of ``disk_step``; False where none is. One that fails to load
+        is a warning and the next tier."""
         ctx, pair = self.ctx, self.pair
         mine = agreeing.load_all(pair, ctx.warn_here)
         # fsdp: this rank's copies of its predecessor's snapshots (engine/memory/ring.py).
@@ -288,12 +270,11 @@ class MemoryTier:
         return True
 
     def close(self, wait: bool = True) -> None:
-        """The thread and the mappings go, the buffers' files stay (for a restart)."""
+        """The thread and the mappings go, the files stay (for a restart)."""
         self.pair.close(wait=wait)
 
     def remove(self) -> list[str]:
-        """The buffers removed (the run ended by itself, or they are stale); a warning
-        for each that could not be."""
+        """The buffers removed; a warning for each that could not be."""
         return self.pair.remove()
 
 
