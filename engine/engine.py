@@ -125,11 +125,10 @@ class Engine(WorkerContext):
         parts = setup_recipe_run(self, self.recipe)
         # Before the resume: its progress is a snapshot part. It checks the metrics the
         # config names (Trainer.check_named_metrics): a refused run wrote nothing.
-        trainer = Trainer(self, parts)
-        parts.snapshots = trainer.snapshots
+        trainer = Trainer(self, parts)  # and the snapshot layer, self.snapshots
         self.add_core_parts(trainer, lambda: parts.train_loader,
                             recipe_parts=self.recipe.optional("state_parts"))
-        trainer.snapshots.resume()  # the memory tier opened first, when on
+        self.snapshots.resume()  # the memory tier opened first, when on
         # After the resume's config check: a refused resume leaves the old config.json.
         self.write_config()
         return trainer

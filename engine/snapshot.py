@@ -130,54 +130,40 @@ class SnapshotPolicy:
 
 
 class Snapshots:
-    """The run's snapshots, one layer: the training loop tells it when an optimizer step
-    ended (:meth:`step_ended`) and it decides: to disk (``every_steps``, or a check
-    point's time flag), into shared memory (``memory_every_steps``, while the memory
-    tier is on), or nothing. The loop asks only from step :attr:`next_due` on: where
-    nothing is due, a step costs it two attribute reads and a compare, no call. The
-    loop has it write the snapshots the loop itself decides (:meth:`save`: an epoch's
-    end, a pre-emption, the run's end).
-
-    It owns the memory tier (engine/memory/'s MemoryTier, ``memory``; None while off):
-    opened at the resume (:meth:`resume`), fed each step, turned off on every rank at
-    one check point where a rank's buffer cannot be had (the check point's all-reduce
-    carries this layer's flags, :meth:`check_flags`; :meth:`agreed` acts on their
-    sums), closed at the run's end (:meth:`ended`, :meth:`close`).
+    """The run's snapshots, one layer: the loop tells it when an optimizer step ended
+    (:meth:`step_ended`, asked only from step :attr:`next_due` on) and it decides: to
+    disk (``every_steps``, a check point's time flag), into shared memory, or nothing;
+    the loop has it write the snapshots the loop decides (:meth:`save`). It owns the
+    memory tier (engine/memory/'s MemoryTier, ``memory``; None while off): opens it at
+    the resume, feeds it, turns it off on every rank at one check point
+    (:meth:`check_flags`, :meth:`agreed`), closes it at the run's end.
 
     ``finish_check``: the loop's, called before a snapshot at a step: the check point in
-    flight is finished (its window logged: a run resumed from the snapshot would never
-    log it) and its flags recorded, which may raise the time flag or turn the tier off
-    here; it returns True when they stop the run at this step (a pre-emption: the loop
-    writes the durable snapshot as the epoch stops)."""
+    flight is finished and its flags recorded; True when they stop the run at this step
+    (a pre-emption: the loop writes the durable snapshot as the epoch stops)."""
 
-    #: How many values :meth:`check_flags` gives the check point's all-reduce: the time
-    #: flag, the tier's failure, one per interval of engine.memory.cost.MEMORY_INTERVALS.
+    #: :meth:`check_flags`' values: time, failure, engine.memory.cost.MEMORY_INTERVALS'.
     FLAGS = 2 + 8
 
     def __init__(self, ctx, finish_check, memory=None):
         self.ctx = ctx
         self.policy = SnapshotPolicy(ctx.cfg, ctx.is_rank0)
         self.finish_check = finish_check
-        # A finished check point said a snapshot is due by time (every_minutes): the
-        # next snapshot goes to disk.
-        self.time_due = False
-        # The first step the loop asks at (step_ended): none is due by count before it,
-        # and no check point said one is due by time. 0 until the first step (a resume
+        self.time_due = False  # a check point said one is due by time: to disk next
+        # The first step the loop asks at (step_ended): 0 until the first step (a resume
         # moves the count) and while a time flag waits for a snapshot to disk.
         self.next_due = 0
         self._use(memory)
 
     def _use(self, memory) -> None:
         self.memory = memory
-        # The tier's progress note, which the loop calls right after each optimizer
-        # step (a restart says how many steps it lost); None while the tier is off.
+        # The loop calls it after each optimizer step (a restart says what it lost).
         self.note_reached = None if memory is None else memory.note_reached
 
     # ---------------------------------------------------------- start and end
 
     def resume(self) -> None:
-        """Open the memory tier (``checkpoint.memory_every_steps``; collective), then
-        resume (:func:`resume`) from it, from disk, or not at all."""
+        """Open the memory tier (collective), then :func:`resume`."""
         if self.ctx.cfg.checkpoint.memory_every_steps:
             from engine.memory import MemoryTier  # only when on: a costly import
 
@@ -185,27 +171,24 @@ class Snapshots:
         resume(self.ctx, self.memory)
 
     def ended(self) -> None:
-        """The run ended by itself, its last snapshot durable: the memory snapshots are
-        of no more use. (A failed or killed run keeps them for its restart.)"""
+        """The run ended by itself, its last snapshot durable: the memory snapshots go
+        (a failed or killed run keeps them for its restart)."""
         if self.memory is not None:
             self.memory.remove()
 
     def close(self, wait: bool = True) -> None:
-        """However the run ended: the tier's thread and mappings go, its files stay for
-        a restart. ``wait=False`` (a failed run): not for the thread, which may wait on a
-        gone peer."""
+        """However the run ended: the tier's thread and mappings go, its files stay.
+        ``wait=False`` (a failed run): the thread may wait on a gone peer."""
         if self.memory is not None:
             self.memory.close(wait=wait)
 
     # --------------------------------------------------------------- per step
 
     def step_ended(self, step: int) -> None:
-        """After optimizer step ``step``, its check point and validation done (but not
-        where the run stops or ends at it: the loop writes that snapshot). A snapshot to
-        disk when ``every_steps`` is due or a check point said one is due by time, else
-        one into shared memory when ``memory_every_steps`` is due. The check in flight is
-        finished first (``finish_check``) and its flags count: a pre-emption writes no
-        snapshot here (the loop writes the durable one), one due by time goes to disk."""
+        """After optimizer step ``step`` (not where the run stops at it: the loop writes
+        that one): to disk when due by count or time, else into shared memory when due.
+        The check in flight is finished first (``finish_check``): a pre-emption writes
+        no snapshot here (the loop writes the durable one)."""
         self.next_due = 0 if self.time_due else self._next_due(step)
         to_disk = self.policy.due_at_step(step)
         to_memory = self.memory is not None and self.memory.due(step)
@@ -248,11 +231,9 @@ class Snapshots:
 
     def check_flags(self, window_s: float, window_steps: int) -> list[float]:
         """This rank's flags for a check point's all-reduce (summed over the ranks): a
-        snapshot due by time (rank 0's clock decides: the others' policy has no period),
-        this rank's memory buffer could not be had (a full tmpfs, a background copy that
-        failed), and under memory_every_steps=auto the interval its measured costs allow
-        (one flag per interval). ``window_s``, ``window_steps``: the check point's
-        window, the step time the costs are measured against."""
+        snapshot due by time (rank 0's clock decides), this rank's memory buffer could
+        not be had, and under auto the interval its costs allow (one flag per interval).
+        ``window_s``, ``window_steps``: the check point's window, the costs' measure."""
         memory, proposal = self.memory, [0.0] * (self.FLAGS - 2)
         if memory is not None:
             from engine.memory import cost  # the tier is on: imported already
@@ -271,14 +252,10 @@ class Snapshots:
     def agreed(self, due_by_time: bool, memory_failed: bool, intervals=()) -> None:
         """A finished check point's sums of :meth:`check_flags`, the same on every rank:
         the next snapshot goes to disk, or every rank turns the memory tier off, or
-        (auto) every rank takes the largest interval any rank proposed, at this step.
-
-        A memory snapshot is a collective (the rows' all_gather), so the ranks must
-        write them at the same steps: they do, since each applies the same sums at the
-        same step. The intervals are powers of two and a snapshot is due at their
-        multiples, so the steps of the new interval fall on the old one's (a shorter
-        one) or the old one's on the new one's (a longer one): between the last
-        snapshot and the next there are never more steps than the larger of the two."""
+        (auto) takes the largest interval any rank proposed, at this step: a memory
+        snapshot is a collective, written by every rank at the same steps. The intervals
+        are powers of two: between two snapshots there are never more steps than the
+        larger of the old and the new interval."""
         if due_by_time:
             self.time_due = True
             self.next_due = 0  # the loop asks at every step until a snapshot to disk
@@ -295,8 +272,7 @@ class Snapshots:
 
     def _memory_off(self, rank: int, why: str) -> None:
         """Every rank, together: no more memory snapshots, their buffers removed, one
-        warning (rank 0's, naming the step, the rank and why); the run goes on with disk
-        snapshots."""
+        warning naming the step, the rank and why."""
         ctx, memory = self.ctx, self.memory
         self._use(None)
         for problem in memory.switch_off():
@@ -308,12 +284,8 @@ class Snapshots:
 
 def resume(ctx, memory=None) -> None:
     """Continue from the newest snapshot every rank can restore (a memory snapshot of
-    ``memory``, the tier, newer than the latest good disk snapshot: its ``resume``),
-    from ``--resume PATH``, or start fresh.
-
-    Rank 0 decides which file (if any) and broadcasts the decision, so the ranks never
-    disagree about whether there is something to resume.
-    """
+    ``memory``, the tier, newer than the latest good disk snapshot), from ``--resume
+    PATH``, or start fresh. Rank 0 decides which file and broadcasts the decision."""
     phases.mark("data, model")
     opts = ctx.options
     if opts.get("no_resume"):
@@ -349,15 +321,13 @@ def resume(ctx, memory=None) -> None:
 
 
 def _step_of(path) -> int | None:
-    """The step of the disk snapshot ``latest()`` chose (its manifest's: latest() takes
-    none without one)."""
+    """The step of the disk snapshot ``latest()`` chose (its manifest's)."""
     return None if path is None else (read_manifest(pathlib.Path(path)) or {}).get("step")
 
 
 def _forget_memory(ctx, memory) -> None:
-    """A run that did not resume from its memory snapshots removes them: they are older
-    than what it resumed from (or belong to the run it starts afresh over), and a
-    restart before its first memory snapshot must not take them."""
+    """A run that did not resume from its memory snapshots removes them (older than what
+    it resumed from): a restart before its first memory snapshot must not take them."""
     if memory is not None:
         for problem in memory.remove():
             ctx.warn_here(problem)
@@ -365,9 +335,7 @@ def _forget_memory(ctx, memory) -> None:
 
 def _checked_resume_path(ctx, chosen: str) -> str | CheckpointError:
     """``--resume PATH`` as given, once the checkpointer's own check (its manifest's
-    size and checksum) passes: a bit-flipped snapshot loaded without a word before, and
-    training went on from damaged weights. Rank 0 decides; the others get its answer.
-    No way around it: the checkpointer's load refuses a damaged file too."""
+    size and checksum) passes on rank 0; else the error every rank raises."""
     chosen = str(ctx.checkpointer.resolve(chosen))
     if not pathlib.Path(chosen).exists():
         return CheckpointError(f"--resume {chosen!r}: no such snapshot")
@@ -379,10 +347,9 @@ def _checked_resume_path(ctx, chosen: str) -> str | CheckpointError:
 
 
 def _say_when_every_snapshot_is_unusable(ctx) -> None:
-    """No good snapshot among those in the checkpoint folder (each was reported as
-    unusable): the run starts over, and says so in one line rather than leaving it to
-    be inferred from the warnings. Not refused: a run killed during its first save
-    leaves a snapshot without its manifest, and must start again by itself."""
+    """No good snapshot in the checkpoint folder (each reported as unusable): the run
+    starts over and says so in one line. Not refused: a run killed during its first
+    save leaves a snapshot without its manifest, and must start again by itself."""
     found = ctx.checkpointer.snapshots()
     if found:
         ctx.warn(f"none of the {len(found)} snapshot(s) in {ctx.checkpointer.directory} is "

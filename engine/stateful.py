@@ -64,10 +64,8 @@ class Stateful(Protocol):
 @runtime_checkable
 class LocalStateful(Protocol):
     """A part that also gives this rank's own state without a collective: what an
-    in-memory snapshot holds (engine/memory/), taken at every few steps by each rank on
-    its own. Its ``load_state_dict`` takes it back at the same number of processes. A
-    part that does not declare it gives its ``state_dict()`` there, which then must be
-    no collective (a gather, a broadcast) and hold no DTensor."""
+    in-memory snapshot holds (engine/memory/); ``load_state_dict`` takes it back. A
+    part without it gives ``state_dict()`` there: no collective, no DTensor then."""
 
     def local_state_dict(self) -> dict[str, Any]: ...
 

@@ -474,7 +474,8 @@ class Trainer:
                                          ctx.world.world_size, ctx.warn)
         # When a snapshot is due and where it goes (disk, shared memory); it finishes
         # the check in flight before one (finish_before_snapshot).
-        self.snapshots = snapshot.Snapshots(ctx, finish_check=self.finish_before_snapshot)
+        self.snapshots = parts.snapshots = snapshot.Snapshots(
+            ctx, finish_check=self.finish_before_snapshot)
         self.early_stopping = EarlyStopping(self.cfg.early_stopping, ctx.state,
                                             by_steps=bool(self.cfg.val_every_steps))
         # The run's length by steps (0: the epochs decide), validation by steps (0: at

@@ -212,7 +212,7 @@ class Loop:
         """The newest memory snapshot's step on rank 0 (its header only), -1 if none."""
         from engine.memory import buffer, files
 
-        slots = [buffer.read_slot(p, verify=False)
+        slots = [buffer.check_slot(p, verify=False)[0]
                  for p in files.buffer_paths(out, 0)]
         return max((s.step for s in slots if s is not None), default=-1)
 
@@ -226,7 +226,7 @@ class Loop:
             paths = files.buffer_paths(out, rank)
             # A buffer with our magic but no valid snapshot: the kill was in its copy.
             torn += sum(1 for p in paths if buffer.read_info(p)
-                        and buffer.read_slot(p) is None)
+                        and buffer.check_slot(p)[0] is None)
             slot = buffer.newest(paths)
             try:
                 snap = buffer.load_slot(slot)

@@ -20,9 +20,8 @@ from engine.memory.rows import ROW_BYTES
 
 
 class Background:
-    """This rank's thread that finishes each memory snapshot off the step's path (the
-    held copies, checksum and header, then the exchange's rows), in that order. A job
-    that fails sets ``memory.failed``: the ranks turn the tier off at the next check."""
+    """This rank's thread for the jobs of each snapshot, in order. A job that fails
+    sets ``memory.failed``: the ranks turn the tier off at the next check point."""
 
     #: How long anything waits for the thread: the process group's own timeout ends a
     #: collective whose peer died well before this.
@@ -70,9 +69,8 @@ class Background:
                         self.idle.set()
 
     def stop(self, wait: bool = True) -> None:
-        """Wait for what is left, then end the thread (a later :meth:`submit` starts
-        another); ``wait=False`` (a failed run, whose collectives may never come): the
-        thread ends once its jobs are done or failed, not waited for."""
+        """End the thread once its jobs are done, waiting for them unless not ``wait``
+        (a failed run, whose collectives may never come)."""
         if self.thread is None:
             return
         if wait:
@@ -83,8 +81,7 @@ class Background:
         self.thread = None
 
     def wait(self, event=None) -> None:
-        """Until the thread has nothing left to do (or ``event``, :attr:`copied`, is
-        set)."""
+        """Until the thread is idle (or ``event``, :attr:`copied`, is set)."""
         event = self.idle if event is None else event
         if event is not None and not event.wait(self.TIMEOUT_S):
             raise RuntimeError(f"a memory snapshot's background copy and exchange did not "
@@ -103,9 +100,8 @@ os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
 class Exchanges:
-    """Every rank's row at each snapshot: an all_gather started without waiting, which
-    the background thread waits for and writes into the buffer (a single process: at
-    once)."""
+    """Every rank's row at each snapshot: an all_gather not waited for; the thread
+    writes the rows into the buffer when they have come."""
 
     def __init__(self, world_size: int, background: Background):
         self.world_size = world_size
@@ -152,7 +148,6 @@ class Exchanges:
                 if self.rows.device.type == "cuda":
                     # NCCL's wait only orders this thread's stream after the gather:
                     # the rows are read once that stream got there.
-
                     torch.cuda.current_stream(self.rows.device).synchronize()
             if target is not None:
                 target.write_exchange(sequence, self.line.reshape(1, -1) if work is None

@@ -56,9 +56,8 @@ PAYLOAD = struct.Struct("<QQ")
 
 
 def data_start(skeleton_bytes: int) -> int:
-    """Where a plan puts the data region after a skeleton of ``skeleton_bytes``: with
-    room for it to grow (metrics, an epoch's loss sums, larger step numbers) while the
-    tensors stay where they are, so that the copies' views need not be made again."""
+    """Where the data region starts after a skeleton of ``skeleton_bytes``, with room
+    for it to grow while the tensors (and the copies' views) stay where they are."""
     return align(PAYLOAD.size + skeleton_bytes + max(1024, skeleton_bytes // 8))
 
 
@@ -103,16 +102,14 @@ def signed(sequence: int, step: int, epoch: int, length: int, run_id: bytes) -> 
 
 def intact(payload, sequence: int, step: int, epoch: int, length: int, run_id: bytes,
            digest: bytes) -> bool:
-    """Whether ``payload`` (its first ``length`` bytes) and those header fields are the
-    snapshot ``digest`` was computed over, as a save signs it: a buffer's own, or a copy
-    sent by the ring (engine/memory/ring.py)."""
+    """Whether ``payload`` (its first ``length`` bytes) and those header fields are
+    what ``digest`` was computed over: a buffer's own, or a copy the ring sent."""
     return checksum(signed(sequence, step, epoch, length, run_id), payload[:length]) == digest
 
 
 def _map(fd: int, size: int, writable: bool):
-    """A memory map of ``size`` bytes of ``fd``, and a uint8 tensor over it. Read-only
-    descriptors are mapped privately (copy on write, never written): torch wants a
-    writable buffer."""
+    """A memory map of ``size`` bytes of ``fd`` and a uint8 tensor over it (read-only
+    ones privately: torch wants a writable buffer; never written)."""
     if writable:
         mapping = mmap.mmap(fd, size)
     else:
@@ -174,11 +171,10 @@ class Buffer:
 
     def map(self, payload_bytes: int, info: dict, run_id: bytes,
             exchange_bytes: int = 0) -> None:
-        """Map the file with room for ``payload_bytes`` and an exchange region of
-        ``exchange_bytes`` (the pages reserved with posix_fallocate: a full tmpfs is
-        NoRoom here, not a SIGBUS during a copy). The header gets the magic, the run id
-        and ``info`` at once: a clean-up knows whose the file is before its first
-        snapshot. Unsafe when the name is taken by anything but this user's file."""
+        """Map the file with room for ``payload_bytes`` and ``exchange_bytes``, its pages
+        reserved (a full tmpfs is NoRoom here, not a SIGBUS during a copy), the magic,
+        run id and ``info`` written at once (a clean-up knows whose it is). Unsafe when
+        the name is taken by anything but this user's file."""
         size = HEADER_BYTES + payload_bytes + exchange_bytes
         self.unmap()
         if self.fd is None:
@@ -266,12 +262,6 @@ class Buffer:
         if self.fd is not None:
             os.close(self.fd)  # and with it the flock
             self.fd = None
-
-
-def read_slot(path: pathlib.Path, verify: bool = True,
-              run_id: str | None = None) -> Slot | None:
-    """The buffer at ``path`` if it holds a whole snapshot of the run ``run_id``."""
-    return check_slot(path, verify, run_id)[0]
 
 
 def check_slot(path: pathlib.Path, verify: bool = True,
@@ -365,7 +355,7 @@ def read_info(path: pathlib.Path) -> dict:
 
 def newest(paths, run_id: str | None = None) -> Slot | None:
     """The valid buffer with the highest sequence among ``paths``, or None."""
-    slots = [s for s in (read_slot(p, run_id=run_id) for p in paths) if s is not None]
+    slots = [s for s in (check_slot(p, run_id=run_id)[0] for p in paths) if s is not None]
     best = max(slots, key=lambda s: s.sequence, default=None)
     for slot in slots:
         if slot is not best:

@@ -15,11 +15,9 @@ BACKGROUND_BYTES = 4 << 20
 
 
 class Plan:
-    """Where each tensor of a snapshot goes in the payload, and the numpy copies that
-    put it there, reused while the state holds the same tensors (:func:`encode`'s key).
-    It keeps its tensors alive: no other tensor can come to live at one's address.
-    ``held``: the addresses of the tensors only the optimizer's step changes
-    (:func:`held_by`), which the background thread may copy later."""
+    """Where each tensor goes in the payload, and the copies that put it there, reused
+    while the state holds the same tensors (it keeps them alive: no other can come to
+    live at one's address). ``held``: :func:`held_by`'s, copied later, in the thread."""
 
     def __init__(self, key: list, tensors: list, data_size: int, data_at: int,
                  held: frozenset | None):

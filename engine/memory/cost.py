@@ -45,13 +45,12 @@ class MemoryCost:
         return memory_s, memory_n, phases.carved(phases.SNAPSHOTS)[0]
 
     def window_started(self) -> None:
-        """An epoch's first window starts: what came between the last check point and
-        here (the epoch's end: its snapshots, validation) is in no window."""
+        """An epoch's first window starts: what came since the last check point (the
+        epoch's end) is in no window."""
         self.last = self.clocks()
 
     def measure(self, window_s: float, window_steps: int, saves: int) -> None:
-        """At a check point: its window's wall seconds and optimizer steps, and how many
-        memory snapshots this rank has written so far."""
+        """At a check point: its window's seconds and steps, this rank's saves so far."""
         now = self.clocks()
         memory_s, memory_n, disk_s = (a - b for a, b in zip(now, self.last))
         self.window_step_s = (max(0.0, window_s - disk_s) / window_steps
@@ -64,16 +63,14 @@ class MemoryCost:
         self.last, self.counting = now, saves > 0
 
     def probed(self, with_snapshots_s: float, without_s: float) -> None:
-        """The probe's two windows' seconds per step: with a memory snapshot at every
-        step, and without any. Their difference is what a snapshot costs, all of it; what
-        its clocks do not show is added to every snapshot from now on. (A difference
-        below the clocks' is the load's noise: the clocks' then.)"""
+        """The probe's windows' seconds per step, with a snapshot at every step and
+        without: what their difference shows beyond the clocks counts from now on."""
         clocked = self.snapshot_s / self.snapshots if self.snapshots else 0.0
         self.hidden_s = max(0.0, with_snapshots_s - without_s - clocked)
 
     def per_step(self) -> float | None:
-        """One step's time without the snapshots: the windows' less the snapshots' clocks
-        (measure) and less what the probe found they cost beyond them (at most half)."""
+        """One step's time without the snapshots (less what the probe found: at most
+        half)."""
         if not (self.steps and self.step_s > 0):
             return None
         hidden = (self.hidden_s or 0.0) * self.snapshots
@@ -86,11 +83,9 @@ class MemoryCost:
         return self.snapshot_s / self.snapshots + (self.hidden_s or 0.0)
 
     def every_steps(self, current: int) -> int | None:
-        """The shortest interval (of MEMORY_INTERVALS) whose snapshots cost at most
-        MEMORY_BUDGET of the step time, or None before any was measured. Shorter than
-        ``current`` (the interval now) only where it keeps them within 80% of the
-        budget: a cost near a boundary would otherwise change it at every check point.
-        None until the probe measured what the clocks do not see."""
+        """The shortest interval whose snapshots cost at most MEMORY_BUDGET of the step
+        time (None until measured and probed); shorter than ``current`` only within 80%
+        of the budget, or a cost near a boundary would change it at every check point."""
         percent = self.percent(1)
         if self.hidden_s is None or percent is None:
             return None
@@ -99,16 +94,14 @@ class MemoryCost:
         return every if every >= current else min(current, shortest(needed / 0.8))
 
     def percent(self, every_steps: int) -> float | None:
-        """The snapshots' cost at one every ``every_steps`` steps, in % of the step time
-        (None before both were measured)."""
+        """The snapshots' cost at one every ``every_steps`` steps, in % of the step."""
         snapshot, step = self.per_snapshot(), self.per_step()
         if snapshot is None or step is None:
             return None
         return 100 * snapshot / (every_steps * step)
 
     def record(self, every_steps: int, auto: bool) -> dict:
-        """summary.json's ``memory_snapshots``: the interval, whether auto chose it, what
-        one snapshot and one step took (rank 0's) and the snapshots' share at it."""
+        """summary.json's ``memory_snapshots``: the interval, auto, the costs."""
         def rounded(value, digits=6):
             return None if value is None else round(value, digits)
 
@@ -118,15 +111,13 @@ class MemoryCost:
 
 
 def shortest(needed: float) -> int:
-    """The shortest of MEMORY_INTERVALS of at least ``needed`` steps (the longest where
-    none is)."""
+    """The shortest of MEMORY_INTERVALS of at least ``needed`` steps, or the longest."""
     return next((n for n in MEMORY_INTERVALS if n >= needed), MEMORY_INTERVALS[-1])
 
 
 def proposal(every_steps: int | None) -> list[float]:
-    """A rank's proposed interval for the check point's all-reduce (a sum): one 1 at
-    its place in MEMORY_INTERVALS, all 0 for none. The sums say which intervals any
-    rank proposed: the largest is the one every rank's budget allows."""
+    """A rank's proposed interval for the check point's all-reduce (a sum): a 1 at its
+    place in MEMORY_INTERVALS (all 0: none)."""
     return [float(n == every_steps) for n in MEMORY_INTERVALS]
 
 

@@ -162,8 +162,7 @@ def open_own(path: pathlib.Path, writable: bool) -> int:
 
 
 def _recorded_id(run_dir) -> tuple[str | None, str | None]:
-    """The id in ``run_dir``'s RUN_ID_FILE and the inode of the folder it was written
-    in (None: an id written before it was recorded)."""
+    """The id in ``run_dir``'s RUN_ID_FILE and its folder's inode (None: not recorded)."""
     try:
         run_id, _, folder = (pathlib.Path(run_dir) / RUN_ID_FILE).read_text().partition(" ")
     except (OSError, UnicodeDecodeError):

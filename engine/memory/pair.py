@@ -31,8 +31,7 @@ from engine.shm_codec import encode
 
 class MemorySnapshots:
     """This rank's two buffers: :meth:`check` at the start, :meth:`save` every
-    ``every_steps`` optimizer steps, :meth:`newest` at a resume, :meth:`remove` when
-    the run ends by itself."""
+    ``every_steps`` optimizer steps, :meth:`remove` when the run ends by itself."""
 
     def __init__(self, run_dir, world, every_steps: int, run_id: str,
                  shm: pathlib.Path = SHM, sharded: bool = False):
@@ -47,12 +46,10 @@ class MemorySnapshots:
         self.newest_index: int | None = None
         self.saves = 0
         self.reached_before = 0  # how far the interrupted run had got (agree() says)
-        #: Whether this run's model is sharded (fsdp): a snapshot of shards restores
-        #: only a sharded model, one of whole tensors only a whole one.
-        self.sharded = sharded
+        self.sharded = sharded  # fsdp: its shards restore only a sharded model
         self.config = None  # the run's config, pickled once (snapshot.py: shm_codec.Pickled)
-        #: Why this rank's last save failed (a full tmpfs, a name taken since): the
-        #: ranks agree at the next check point to turn the tier off (trainer.py).
+        # Why this rank's last save failed (a full tmpfs, a name taken since): the
+        # ranks agree at the next check point to turn the tier off.
         self.failed: str | None = None
         self.info = {"run_dir": str(os.path.realpath(self.run_dir)),
                      "host": socket.gethostname(), "mnt": mount_namespace(),
@@ -62,9 +59,7 @@ class MemorySnapshots:
         self.exchanges = Exchanges(world.world_size, self.background)
         self.hook = None  # the next optimizer step's wait (hold)
         self.plan: Plan | None = None  # the last save's (reused while the state allows)
-        #: Under fsdp with more than one process, the copies to and from the ring's
-        #: neighbours (engine/memory/ring.py's Ring; the tier opens it); else None.
-        self.ring = None
+        self.ring = None  # fsdp, more than one process: ring.py's Ring (the tier's)
 
     def _paths(self, folder: pathlib.Path) -> None:
         self.folder = folder
@@ -73,8 +68,7 @@ class MemorySnapshots:
         self.buffers = [Buffer(p) for p in self.paths]
 
     def check(self) -> str | None:
-        """None when the run's buffer folder (:func:`own_folder`) is safe to use, else
-        why not: the tier must be off."""
+        """Why the run's buffer folder (:func:`own_folder`) is not safe (None: it is)."""
         try:
             self._paths(own_folder(self.run_dir, self.shm))
         except Unsafe as exc:
@@ -98,8 +92,7 @@ class MemorySnapshots:
 
     def note_reached(self, step: int) -> None:
         """After each optimizer step: the step reached, in buffer a's header (a restart
-        says how many steps it recomputes). The snapshot's background copy is done by
-        then (:meth:`hold`; or waited for here, where the step was skipped)."""
+        says how many steps it lost), the background copy done by then (:meth:`hold`)."""
         if self.hook is not None:
             self.background.wait(self.background.copied)
             self.hook.remove()
@@ -108,9 +101,8 @@ class MemorySnapshots:
             self.buffers[0].note_reached(step)
 
     def reserve(self, state: dict) -> None:
-        """Map both buffers with room for ``state``: at the first save, so that a tmpfs
-        filling up later cannot take the second one's pages (only a state that grows
-        maps again). NoRoom or Unsafe when a buffer cannot be had."""
+        """Map both buffers with room for ``state`` at the first save: a tmpfs filling
+        up later cannot take the second one's pages. NoRoom or Unsafe."""
         skeleton, _, data_size = encode(state)[:3]
         self._reserve(payload_size(skeleton, data_size), range(2))
         if self.ring is not None:  # the predecessor's copies: about as large as its own
@@ -119,23 +111,19 @@ class MemorySnapshots:
     def _reserve(self, needed: int, indices) -> None:
         if all(b.fd is None for b in self.buffers):  # this process's first: the folder
             own_dir(self.folder)                   # is checked again
-        # Room for the skeleton to grow (metrics, an epoch's loss sums) without
-        # remapping at the next save.
+        # Room for the skeleton to grow without remapping at the next save.
         capacity = needed + max(64 * 1024, needed // 64)
         for i in indices:
             if self.buffers[i].tensor is None or self.buffers[i].capacity < needed:
                 self.buffers[i].map(capacity, self.info, self.raw_id, self.exchange_bytes)
 
     def save(self, state: dict, *, step: int, epoch: int, held=None) -> bool:
-        """Copy ``state`` into the buffer that does not hold the newest snapshot (with the
-        previous save's :class:`Plan` while the state holds the same tensors). NoRoom or
-        Unsafe when a buffer cannot be had; the newest snapshot stays valid.
-
-        ``held`` (:func:`held_by`'s set, or a callable that returns it, called only when
-        a plan is made): the tensors there, the checksum and the header may be left to
-        the background thread (on a GPU, or above :data:`BACKGROUND_BYTES`); returns
-        whether they were, and the caller then has the optimizer's next step wait for
-        them (:meth:`hold`). Everything else is written before this returns."""
+        """Copy ``state`` into the buffer without the newest snapshot (with the last
+        save's :class:`Plan` while the tensors are the same). NoRoom or Unsafe when a
+        buffer cannot be had; the newest snapshot stays valid. ``held`` (:func:`held_by`'s
+        set, or a callable giving it when a plan is made): those tensors, the checksum
+        and the header may be left to the background thread (on a GPU, or above
+        BACKGROUND_BYTES); returns whether they were (then :meth:`hold`)."""
         plan = self.plan
         skeleton, tensors, data_size, key = encode(state, plan)
         if key is not None or not plan.fits(skeleton, held):
@@ -186,27 +174,23 @@ class MemorySnapshots:
         return True
 
     def hold(self, optimizer) -> None:
-        """Have ``optimizer``'s next step wait for the snapshot finished in the background
-        (a step pre-hook, removed after that step: :meth:`note_reached`)."""
+        """``optimizer``'s next step waits for the background copy (a pre-hook)."""
         if self.hook is None:
             self.hook = optimizer.register_step_pre_hook(self._wait_for_copy)
 
     def _wait_for_copy(self, *_) -> None:
-        """The held optimizer step's pre-hook, its wait timed as the snapshot's cost
-        (phases.MEMORY_WAITS), which memory_every_steps=auto must see."""
+        """The wait, timed as the snapshot's cost (phases.MEMORY_WAITS) for auto."""
         with phases.carve(phases.MEMORY_WAITS, within="training",
                           label="memory snapshot copy wait"):
             self.background.wait(self.background.copied)
 
     def finish(self) -> None:
-        """Wait for what the background thread has yet to do (a snapshot's copy, the
-        exchange's rows)."""
+        """Wait for what the background thread has yet to do."""
         self.background.wait()
 
     def start_exchange(self, row: bytes) -> None:
-        """Every rank before each save (a collective, also where it fails): start sending
-        ``row`` (:func:`make_row`) to every rank; :meth:`record_exchange`, after the save,
-        has the background thread write every rank's into the snapshot just saved."""
+        """Every rank before each save (a collective): start sending ``row`` to every
+        rank; :meth:`record_exchange` has the thread write them into the snapshot."""
         self.exchanges.start(row)
 
     def record_exchange(self, saved: bool) -> None:
@@ -216,11 +200,9 @@ class MemorySnapshots:
             self.ring.copy(self.buffers[self.newest_index] if saved else None,
                            self.sequence)
 
-
     def room_for(self, state: dict) -> tuple[int, int]:
-        """The bytes the buffers of ``state`` take on this machine (two per local rank:
-        every local rank asks at once, before any allocates), and the bytes free in
-        the tmpfs plus what this run's buffers already take there."""
+        """The bytes the buffers of ``state`` take on this machine (every local rank asks
+        at once), and the bytes free in the tmpfs plus what this run's already take."""
         skeleton, _, data_size = encode(state)[:3]
         free = free_bytes(self.shm)
         held = 0
@@ -246,8 +228,7 @@ class MemorySnapshots:
                    if b.tensor is not None)
 
     def close(self, wait: bool = True) -> None:
-        """End the background thread (waiting for what it has left unless not ``wait``:
-        a failed run) and unmap the buffers; their files stay."""
+        """End the thread (waiting for it unless not ``wait``), unmap; the files stay."""
         self.background.stop(wait)
         self.plan = None  # its tensors and its views of the buffers
         if self.hook is not None:
@@ -259,8 +240,7 @@ class MemorySnapshots:
             self.ring.close()
 
     def remove(self) -> list[str]:
-        """Unmap and unlink both buffers, and the predecessor's copies (the run ended,
-        or they are stale); returns a warning for each that could not be removed."""
+        """Unlink both buffers and the predecessor's copies; a warning for each left."""
         self.close()
         self.sequence = 0
         self.newest_index = None

@@ -72,14 +72,6 @@ def load_checked(slot: Slot, also=None) -> tuple[Loaded | None, str | None]:
     return None, problem
 
 
-def load_newest(memory, warn) -> Loaded | None:
-    """This rank's newest memory snapshot that loads whole (:func:`load_all`), or None."""
-    loaded = load_all(memory, warn)
-    for other in loaded[1:]:
-        other.close()
-    return loaded[0] if loaded else None
-
-
 def _not_a_snapshot(state, step: int) -> str | None:
     if not isinstance(state, dict):
         return f"it holds a {type(state).__name__}, not a snapshot"
@@ -124,13 +116,11 @@ class MemoryChoice:
 
 
 def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
-    """Collective: every rank returns the same answer: the newest step that every rank
-    holds, or that a rank holding it can send with the missing ranks' exchange rows (a
-    snapshot of another number of processes needs none: its RNG states are not
-    restored). fsdp shards only at their number of processes, each rank's own or its
-    successor's copy (``copies``: this rank's of its predecessor's, ring.py's
-    load_held); shards or whole tensors only where this run's model is alike
-    (``memory.sharded``). The newest snapshot passed over is the choice's ``unusable``."""
+    """Collective, the same answer on every rank: the newest step every rank holds, or
+    a rank holding it can send with the missing ranks' rows (none needed at another
+    number of processes); fsdp shards only at their number of processes, a rank's own
+    or its successor's copy (``copies``: ring.load_held's), and only where this run's
+    model is alike. The newest one passed over is the choice's ``unusable``."""
     world_size = memory.world.world_size
     held, unusable, sharded = [], [], []
     for m in mine:
@@ -207,10 +197,8 @@ def lacking_sharded(own: list[list[int]], copies: list[list[int]], step: int) ->
 
 
 def fetch(memory, choice: MemoryChoice, mine: list[Loaded]) -> dict:
-    """Collective: the chosen snapshot on every rank, as a resume restores it
-    (:func:`complete`): its own, or, where a rank lacks it, broadcast by
-    ``choice.source`` with its exchange rows. (Where under fsdp a rank gets its
-    successor's copy: engine/memory/ring.py's fetch.)"""
+    """Collective: the chosen snapshot on every rank (:func:`complete`): its own, or
+    broadcast by ``choice.source`` with its rows (fsdp: ring.py's fetch)."""
     rank, world_size = memory.world.rank, memory.world.world_size
     own = next((m for m in mine if m.step == choice.step), None)
     if own is not None:

@@ -2,17 +2,12 @@
 memory snapshot (its own shards, which no other rank has), so that the loss of one
 node's memory still resumes from memory (docs/checkpoints.md, "The ring under fsdp").
 
-Rank r sends its committed snapshot (the payload as its buffer holds it, after a fixed
-header with its sequence, step, epoch, length and checksum) to rank (r + 1) % W, which
-keeps it in two buffers of its own in the own buffers' format
-(``<run id>-r<holder>-held-a``, ``-b``): the same checks read them and the same rules
-clean them up. A copy goes into the held buffer without the newest one, its sequence
-zeroed first and written last. The transfer is a job of the tier's background thread,
-with point-to-point sends on a gloo group of its own (the training thread uses the main
-group meanwhile); every wait is bounded by the run's ``timeout_s``, and a peer that dies
-or a copy that arrives damaged fails the job (``memory.failed``: the tier goes off).
-At a resume at the same number of processes, a rank without its own snapshot of the
-chosen step gets its successor's copy (:func:`fetch`).
+Rank r sends its committed snapshot (a fixed header, then the payload as its buffer
+holds it) to rank (r + 1) % W, which keeps it in two buffers in the own buffers' format
+(``<run id>-r<holder>-held-a``, ``-b``), the older one written, its sequence last. A job
+of the background thread, on a gloo group of its own, every wait bounded by
+``timeout_s``: a dead peer or a damaged copy fails it (the tier goes off). At a resume a
+rank without its own snapshot gets its successor's copy (:func:`fetch`).
 """
 
 from __future__ import annotations
@@ -68,9 +63,8 @@ class Ring:
     # ------------------------------------------------------ at each snapshot
 
     def copy(self, buffer, sequence: int) -> None:
-        """After a snapshot (every rank, also one whose save failed: its successor waits
-        for its header): have the background thread send ``buffer``'s snapshot
-        ``sequence`` (None: none) to the successor and keep the predecessor's."""
+        """After a snapshot (every rank: a successor waits for the header): the thread
+        sends ``buffer``'s snapshot ``sequence`` (None: none), keeps the predecessor's."""
         self.memory.background.submit(lambda: self._exchange(buffer, sequence))
 
     def _exchange(self, buffer, sequence: int) -> None:
@@ -92,9 +86,8 @@ class Ring:
             raise RuntimeError(damaged)
 
     def _send(self, buffer, sequence: int, dst: int, newest: int = 0) -> list:
-        """Start sending ``buffer``'s snapshot ``sequence`` (its header's fields, then its
-        payload, straight from the shared memory) to ``dst``; a header of sequence 0
-        where there is none. Returns the sends, not waited for."""
+        """Start sending ``buffer``'s snapshot ``sequence`` (header, then payload) to
+        ``dst``; a header of sequence 0 where there is none. The sends, not waited for."""
         fields = ms.HEADER.unpack(buffer.array[:ms.HEADER.size].tobytes()) \
             if buffer is not None and buffer.array is not None else None
         if fields is None or fields[1] != sequence or not sequence:
@@ -116,10 +109,8 @@ class Ring:
         return _HEAD.unpack(self.head_in.numpy()[:_HEAD.size].tobytes())
 
     def _receive_into_held(self) -> tuple[int, str | None]:
-        """The predecessor's snapshot into the held buffer that does not hold the newest
-        copy, checked, then committed (its sequence last). Returns the sequence
-        committed (0: none, the predecessor had none or it arrived damaged), and what
-        was wrong with a damaged one."""
+        """The predecessor's snapshot into the older held buffer, checked, then committed:
+        the sequence committed (0: none), and what was wrong with a damaged one."""
         sequence, step, epoch, length, digest, _ = self._receive_head(self.prev)
         if not sequence:
             return 0, None
@@ -136,8 +127,7 @@ class Ring:
         return sequence, None
 
     def _older(self, length: int):
-        """The held buffer to write next, mapped with room for ``length``: the one whose
-        copy is older (or none), so that the newest whole copy stays."""
+        """The held buffer to write next (the older), mapped with room for ``length``."""
         self.reserve(length)
         sequences = [int(b.array[8:16].view("<u8")[0]) for b in self.buffers]
         return self.buffers[0 if sequences[0] <= sequences[1] else 1]
@@ -201,11 +191,9 @@ def load_held(memory, warn) -> list:
 
 
 def fetch(memory, choice, mine: list, held: list) -> dict:
-    """The chosen snapshot of each rank where some rank lacks its own (``choice.peers``,
-    engine/memory/resume.py's choose_sharded): its own, or the copy its successor
-    holds, sent over the ring's group (header, then payload; the receiver checks the
-    checksum). Then resume.complete (collective), as for a snapshot of
-    its own."""
+    """Each rank's chosen snapshot where some rank lacks its own (``choice.peers``):
+    its own, or its successor's copy sent over the ring's group (checked by the
+    receiver); then resume.complete (collective)."""
     ring, rank = memory.ring, memory.world.rank
     sends = []
     for receiver, sender in choice.peers.items():
@@ -252,9 +240,8 @@ def _own_or_received(memory, choice, mine: list) -> dict:
 
 
 def _settle(sends: list) -> None:
-    """Wait for ``sends`` where something else failed, their own errors left out (the
-    first failure says what happened): gloo drops a send whose work is freed before it
-    went out, and its receiver would wait for it until its timeout."""
+    """Wait for ``sends`` where something else failed (their errors left out): gloo
+    drops a send freed before it went out, and its receiver would wait for it."""
     for work in sends:
         try:
             work.wait()
@@ -263,8 +250,7 @@ def _settle(sends: list) -> None:
 
 
 class _SlotView:
-    """A checked held copy (engine.memory.buffer's Slot) as :meth:`Ring._send` reads a
-    buffer: its header and payload, as mapped."""
+    """A checked held copy (a buffer.Slot) as :meth:`Ring._send` reads a buffer."""
 
     def __init__(self, slot):
         self.tensor = slot.tensor

@@ -22,9 +22,8 @@ ROW_BYTES = 8 + 16384 + 512
 
 
 def make_row(loss) -> bytes:
-    """This rank's exchange row: its RNG states (engine.stateful.rng_state's, in raw
-    bytes: quicker to pickle) and its part of the epoch's loss sums ((sum,
-    micro-batches) or None), for a peer to keep; b"" when they exceed ROW_BYTES."""
+    """This rank's exchange row: its RNG states (stateful.rng_state's, as raw bytes)
+    and its loss sums ((sum, micro-batches) or None); b"" above ROW_BYTES."""
     state = {"python": _python_rng(), "numpy": _numpy_rng(),
              "torch": torch.get_rng_state().numpy().tobytes()}
     if torch.cuda.is_initialized():  # (is_available asks the driver, each time)

@@ -45,10 +45,8 @@ class MemoryTier:
 
     @classmethod
     def open(cls, ctx) -> MemoryTier | None:
-        """The run's tier, or None (off everywhere, one warning, where any rank cannot
-        use its tmpfs safely). Collective: the run's id (rank 0's, in the run folder),
-        earlier runs' leftovers removed (each machine's local rank 0), the folder
-        checked on every rank; under fsdp the ring (engine/memory/ring.py)."""
+        """Collective: the run's tier (its id, earlier runs' leftovers removed, the folder
+        checked; fsdp: the ring), or None, one warning, where any rank cannot have it."""
         every, opts = ctx.cfg.checkpoint.memory_every_steps, ctx.options
         ids = None
         if ctx.is_rank0:
@@ -76,8 +74,7 @@ class MemoryTier:
                 for warning in remove_leftovers(ctx.out_dir, run_id, pair.shm,
                                                 forget=forget)[1]:
                     ctx.warn_here(warning)
-        # Also the barrier after the clean-up: no rank reads its buffers before it.
-        problems = [p for p in distributed.all_gather_object(problem) if p]
+        problems = [p for p in distributed.all_gather_object(problem) if p]  # a barrier too
         if problems:
             ctx.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: "
                      f"{problems[0]}; the run goes on with disk snapshots")
@@ -279,11 +276,9 @@ class MemoryTier:
 
 
 def capture(ctx, config, whole) -> tuple[dict, bytes]:
-    """A memory snapshot's dict without a collective: ``whole(ctx, config, parts)``
-    (engine.snapshot's capture: the header) of every part's local state
-    (engine/stateful.py's LocalStateful), and this rank's exchange row
-    (engine/memory/rows.py: its RNG states and its share of the epoch's loss sums, which
-    resume.complete makes whole again at a resume), which ``rng`` holds."""
+    """A memory snapshot's dict without a collective, ``whole(ctx, config, parts)`` of
+    every part's local state (stateful.LocalStateful), and this rank's exchange row
+    (rows.py: its RNG states, its loss sums), which ``rng`` holds."""
     states = ctx.snapshot_parts.local_state_dict()
     loss = (states.get("progress") or {}).get("epoch_loss")
     row = make_row(None if loss is None else (loss["sum"], loss["batches"]))
@@ -295,11 +290,9 @@ def capture(ctx, config, whole) -> tuple[dict, bytes]:
 def remove_leftovers(run_dir, run_id: str, shm: pathlib.Path = SHM,
                      forget: str | None = None) -> tuple[list[pathlib.Path], list[str]]:
     """At a run's start (local rank 0): remove the buffers left behind in the run's
-    folder (:func:`folder_of`), and only those: from this host and mount namespace,
-    their writer gone (no flock held), and either of this run folder under another id
-    or of a run folder that no longer exists; ``forget``: an id whose buffers all go
-    (``--no-resume``, ``--resume PATH``). Returns what was removed and a warning for
-    each buffer that could not be (docs/checkpoints.md, "When they go")."""
+    folder, and only those: of this host and mount namespace, their writer gone, of this
+    run folder under another id or of a folder that no longer exists; ``forget``: an id
+    whose buffers all go. What was removed, and a warning for each that could not be."""
     host, here = socket.gethostname(), os.path.realpath(os.fspath(run_dir))
     mnt = mount_namespace()
 

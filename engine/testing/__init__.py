@@ -456,11 +456,10 @@ def assert_same_snapshot(loaded, expected, where: str = "snapshot") -> None:
 
 
 def assert_state_part(part) -> None:
-    """What the engine relies on from a state part (engine/stateful.py), checked in a
-    process without a process group: it is ``Stateful``; the state an in-memory snapshot
-    takes of it (``local_state_dict()`` where it declares ``LocalStateful``, else
-    ``state_dict()``) needs no collective, goes through the memory tier's codec (plain
-    values and tensors only) and comes back through ``load_state_dict`` to itself."""
+    """A state part as the engine uses it, checked without a process group: it is
+    ``Stateful``; the state a memory snapshot takes of it (``local_state_dict()``, else
+    ``state_dict()``) needs no collective, goes through the memory tier's codec and
+    comes back through ``load_state_dict`` to itself."""
     from engine import shm_codec
     from engine.stateful import SnapshotParts
 

@@ -78,3 +78,12 @@ def test_the_costs_are_the_carved_snapshot_times_from_the_window_after_the_first
     cost.measure(window_s=1.0, window_steps=2, saves=4)
     assert (cost.snapshots, cost.steps) == (2, 6)
     assert cost.step_s == pytest.approx(6.0 - memory_s - disk_s)
+
+
+def test_the_check_points_flags_hold_one_per_interval():
+    """engine/snapshot.py's Snapshots.FLAGS counts the intervals without importing the
+    tier (it is imported only when on): the count must be cost.py's."""
+    from engine.memory.cost import MEMORY_INTERVALS, proposal
+    from engine.snapshot import Snapshots
+
+    assert Snapshots.FLAGS == 2 + len(MEMORY_INTERVALS) == 2 + len(proposal(None))

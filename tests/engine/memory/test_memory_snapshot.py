@@ -61,6 +61,14 @@ def a_snapshot(step: int) -> dict:
 RUN_ID = "0123456789abcdef" * 2
 
 
+def load_newest(memory, warn):
+    """This rank's newest memory snapshot that loads whole (resume.load_all), or None."""
+    loaded = resume.load_all(memory, warn)
+    for other in loaded[1:]:
+        other.close()
+    return loaded[0] if loaded else None
+
+
 def memory_of(run_dir, shm, rank: int = 0, run_id: str = RUN_ID) -> MemorySnapshots:
     memory = MemorySnapshots(run_dir, world(rank), every_steps=1, run_id=run_id, shm=shm)
     assert memory.check() is None
@@ -254,10 +262,10 @@ def test_the_header_is_under_the_checksum(shm, tmp_path):
     with open(path, "r+b") as f:
         f.seek(16)  # the step, right after magic and sequence
         f.write(struct.pack("<Q", 999999))
-    assert buffer.read_slot(path) is None
+    assert buffer.check_slot(path)[0] is None
     memory.save(a_snapshot(2), step=2, epoch=0)  # into buffer b
     flip(memory.paths[1], 64)  # the run id's first byte
-    assert buffer.read_slot(memory.paths[1]) is None
+    assert buffer.check_slot(memory.paths[1])[0] is None
 
 
 def test_another_runs_buffers_never_match(shm, tmp_path):
@@ -327,7 +335,7 @@ def test_a_name_taken_by_anything_but_our_own_file_is_refused_untouched(
     assert (after.st_mode, after.st_uid, after.st_size, after.st_ino) == (
         before.st_mode, before.st_uid, before.st_size, before.st_ino)
     assert target.read_bytes() == b"x" * 100
-    assert buffer.read_slot(path) is None
+    assert buffer.check_slot(path)[0] is None
 
 
 @pytest.mark.parametrize("planted", ["another user's folder", "symlink", "open folder",
@@ -519,7 +527,7 @@ def test_a_buffer_that_does_not_load_is_a_warning_and_the_older_one_is_used(shm,
     with pytest.raises(Exception, match="not allowed in a memory snapshot"):
         buffer.load_slot(memory.newest())
     warnings = []
-    loaded = resume.load_newest(memory, warnings.append)
+    loaded = load_newest(memory, warnings.append)
     assert loaded.slot.step == 1 and loaded.state["step"] == 1
     loaded.close()
     assert len(warnings) == 1 and "not allowed in a memory snapshot" in warnings[0]
@@ -527,7 +535,7 @@ def test_a_buffer_that_does_not_load_is_a_warning_and_the_older_one_is_used(shm,
     # Into the refused buffer: the next save never overwrites the one that loaded.
     memory.save(forged, step=3, epoch=0)
     warnings.clear()
-    loaded = resume.load_newest(memory, warnings.append)
+    loaded = load_newest(memory, warnings.append)
     assert loaded.slot.step == 1
     loaded.close()
     assert len(warnings) == 1 and "holds no config" in warnings[0], warnings
@@ -707,7 +715,7 @@ def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(
     memory.note_reached(2)  # after the step: the hook goes
     assert memory.hook is None and not optimizer._optimizer_step_pre_hooks
     memory.finish()
-    loaded = resume.load_newest(memory, pytest.fail)
+    loaded = load_newest(memory, pytest.fail)
     assert all(torch.equal(loaded.state["model"][k], before[k]) for k in before)
     assert not torch.equal(model.weight, before["weight"])  # the step did happen
     assert rows.row_in(loaded.slot.rows, 0) == row
