@@ -105,7 +105,7 @@ class WorkerContext:
     loader_settings = _Part()
     steps_per_epoch = _Part()
     total_steps = _Part()
-    memory = _Part()  # in-memory snapshots (engine/memory_snapshot.py), when on
+    snapshots = _Part()  # engine-run's snapshot layer (engine/snapshot.py), the tier's owner
 
     def __init__(self, pm, cfg, world, options: dict[str, Any] | None, state,
                  recipe_path: str | None = None, run_parts: RunParts | None = None):
@@ -127,7 +127,7 @@ class WorkerContext:
         # "source_rank"} (engine/snapshot.py), or None.
         self.resume_record: dict | None = None
         # summary.json's memory_snapshots: the memory tier's interval and what its
-        # snapshots cost (engine/snapshot.py's MemoryCost.record); None without the tier.
+        # snapshots cost (engine/memory/cost.py's MemoryCost.record); None without the tier.
         self.memory_record: dict | None = None
         self._weights: dict | None = None  # the weights digests, once gathered
         self._warned: set[str] = set()

@@ -8,11 +8,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from engine import (distributed, health, memory_ring, memory_snapshot, phases, preemption,
-                    snapshot)
+from engine import distributed, health, phases, preemption
 from engine.context import WorkerContext
 from engine.errors import EngineError, PeerFailed, RunError, first_line
-from engine.stateful import TrainState, is_sharded
+from engine.stateful import TrainState
 from engine.trainer import Trainer  # torch: only workers import engine.engine
 from engine.worker_setup import setup_recipe_run, start_worker
 
@@ -53,11 +52,7 @@ class Engine(WorkerContext):
             # as completed.
             self.checkpointer.close()
             phases.mark("final snapshot durable")
-            if self.memory is not None:
-                # The run ended by itself, its last state on disk: the memory snapshots
-                # are of no more use. A failed or killed run keeps them for its restart.
-                # (Turned off during the run, they are gone already: nothing to remove.)
-                self.memory.remove()
+            self.snapshots.ended()
             if outcome == "completed":
                 self.gather_weights()
                 self._after_training()
@@ -69,11 +64,8 @@ class Engine(WorkerContext):
         return run.summary
 
     def finish(self, status: str, error: BaseException | None = None) -> dict:
-        if self.memory is not None:
-            # However the run ended (a run that completed removed them already): the
-            # buffers' files stay for a restart, their thread and mappings go. A failed
-            # run does not wait for the thread, which may wait on a gone peer.
-            self.memory.close(wait=error is None and status != "failed")
+        if self.snapshots is not None:
+            self.snapshots.close(wait=error is None and status != "failed")
         return super().finish(status, error)
 
     def explain(self, exc: BaseException) -> BaseException:
@@ -131,64 +123,12 @@ class Engine(WorkerContext):
         """Data, model, optimizer and their companions (engine/worker_setup.py), the
         snapshot parts, the resume; returns the Trainer that will train them."""
         parts = setup_recipe_run(self, self.recipe)
-        parts.memory = self._memory_snapshots()
         # Before the resume: its progress is a snapshot part. It checks the metrics the
         # config names (Trainer.check_named_metrics): a refused run wrote nothing.
-        trainer = Trainer(self, parts)
+        trainer = Trainer(self, parts)  # and the snapshot layer, self.snapshots
         self.add_core_parts(trainer, lambda: parts.train_loader,
                             recipe_parts=self.recipe.optional("state_parts"))
-        snapshot.resume(self)
+        self.snapshots.resume()  # the memory tier opened first, when on
         # After the resume's config check: a refused resume leaves the old config.json.
         self.write_config()
         return trainer
-
-    def _memory_snapshots(self):
-        """This rank's in-memory snapshots (checkpoint.memory_every_steps), or None: off.
-        Under fsdp each rank's snapshots hold its own shards (stateful.to_shards). auto
-        starts at every step, which measures their cost; the ranks then agree on the
-        interval it allows at their check points (engine/snapshot.py's Snapshots)."""
-        every = self.cfg.checkpoint.memory_every_steps
-        if not every:
-            return None
-        return self._open_memory_snapshots(1 if every == "auto" else every)
-
-    def _open_memory_snapshots(self, every: int):
-        """The run's id (rank 0 keeps it in the run folder: new when the run starts
-        afresh), the leftovers of earlier runs removed (each machine's local rank 0),
-        and this user's buffer folder checked on every rank. Collective. None, with one
-        warning, when any rank cannot use its tmpfs safely: the tier is off everywhere
-        together, since a memory snapshot is a collective."""
-        opts = self.options
-        ids = None
-        if self.is_rank0:
-            try:
-                ids = memory_snapshot.claim_run_id(self.out_dir, bool(opts.get("no_resume")))
-            except OSError as exc:
-                ids = f"cannot write its id into {self.out_dir}: {exc.strerror or exc}"
-        ids = distributed.broadcast_object(ids)
-        memory = problem = None
-        if isinstance(ids, str):
-            problem = ids
-        else:
-            old, run_id = ids
-            memory = memory_snapshot.MemorySnapshots(
-                self.out_dir, self.world, every, run_id=run_id,
-                shm=self.cfg.checkpoint.memory_dir, sharded=is_sharded(self.module))
-            problem = memory.check()
-            if problem is None and self.world.is_local_rank0:
-                # --no-resume and --resume PATH: none of the run's snapshots is wanted.
-                forget = old if opts.get("no_resume") or opts.get("resume") else None
-                _, problems = memory_snapshot.remove_leftovers(
-                    self.out_dir, run_id, memory.shm, forget=forget)
-                for problem in problems:
-                    self.warn_here(problem)
-        # Also the barrier after the clean-up: no rank reads its buffers before it.
-        problems = [p for p in distributed.all_gather_object(problem) if p]
-        if problems:
-            self.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: "
-                      f"{problems[0]}; the run goes on with disk snapshots")
-            return None
-        if memory_ring.wanted(memory):  # fsdp: a copy of each rank's at its successor
-            memory.ring = memory_ring.Ring(memory, self.cfg.timeout_s)  # collective
-        return memory
-

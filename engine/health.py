@@ -87,7 +87,7 @@ def prepare(timeout_s: float) -> None:
 def gloo_group(name: str, seconds: float):
     """The gloo side group ``name`` with a timeout of ``seconds``, created on the first
     call (a collective: every rank at once), destroyed with the others by
-    :func:`release`. Also the memory tier's ring (engine/memory_ring.py): a group of its
+    :func:`release`. Also the memory tier's ring (engine/memory/ring.py): a group of its
     own, for the transfers its background thread makes while the training thread uses
     the main group."""
     if name not in _GROUPS:

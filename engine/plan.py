@@ -10,10 +10,9 @@ from typing import Any
 import torch
 
 from engine import config as config_mod
-from engine import cpu_bf16, loader_settings, memory_snapshot
+from engine import cpu_bf16, loader_settings
 from engine.data import split_batch
 from engine.parallel import choose_parallel
-from engine.snapshot import MEMORY_BUDGET, MEMORY_INTERVALS
 from engine.world import format_world_table
 
 
@@ -67,8 +66,11 @@ def memory_plan(recipe, cfg, world_size: int = 1) -> str | None:
     every = cfg.checkpoint.memory_every_steps
     if not every:
         return None
-    folder = memory_snapshot.user_folder(cfg.checkpoint.memory_dir)
-    # fsdp: two more, the copies of the predecessor's shards (engine/memory_ring.py).
+    from engine.memory.cost import MEMORY_BUDGET, MEMORY_INTERVALS  # the tier's: when on
+    from engine.memory.files import user_folder
+
+    folder = user_folder(cfg.checkpoint.memory_dir)
+    # fsdp: two more, the copies of the predecessor's shards (engine/memory/ring.py).
     ring = cfg.parallel == "fsdp" and world_size > 1
     buffers = "4 buffers per rank (2 its own, 2 its predecessor's)" if ring else \
         "2 buffers per rank"

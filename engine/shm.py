@@ -1,5 +1,5 @@
 """Shared memory in a tmpfs (``/dev/shm``): how much room it has (:func:`free_bytes`,
-asked by the memory tier, engine/memory_snapshot.py, and the async checkpointer,
+asked by the memory tier, engine/memory/, and the async checkpointer,
 plugins/async_file.py, before they take any), and the sweep of what a killed writer of
 the memory tier left there (:func:`sweep`: a tmpfs outlives the process). What may be
 removed is decided here once: only this user's regular files, never what someone else

@@ -1,5 +1,5 @@
 """How a snapshot's state goes into shared memory and comes back: one codec for the
-memory tier's buffers (engine/memory_snapshot.py) and the async checkpointer's
+memory tier's buffers (engine/memory/) and the async checkpointer's
 (plugins/async_file.py).
 
 A state dict becomes a *skeleton*, the state pickled (in C) with a marker in each

@@ -12,7 +12,6 @@ only stores the dict and gives it back.
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 import math
 import pathlib
@@ -21,12 +20,13 @@ import warnings
 
 import engine
 from engine import config as config_mod
-from engine import distributed, memory_ring, memory_snapshot, phases, shm_codec, stateful
+from engine import distributed, phases
 from engine.checkpoint import read_manifest
 from engine.errors import CheckpointError, ConfigError
 
 # torch is imported inside the functions that use it: the launching process imports
-# this module (engine/launching.py: already_complete) without torch.
+# this module (engine/launching.py: already_complete) without torch; the memory tier
+# (engine/memory/) only when it is on: ``import engine.trainer`` does not pay for it.
 
 #: Config keys a resumed run may change: they decide how long the run goes and how it
 #: is launched, watched and stored, not what an optimizer step computes. Any OTHER key
@@ -68,34 +68,6 @@ def capture(ctx, config: dict | None = None, parts: dict | None = None) -> dict:
         "epochs_completed": state.epochs_completed,
         **(parts if parts is not None else ctx.snapshot_parts.state_dict()),
     }
-
-
-def capture_here(ctx, config) -> tuple[dict, bytes]:
-    """A memory snapshot's dict, without a collective of its own, and this rank's
-    exchange row (engine/memory_snapshot.py's make_row). Each rank keeps its own share
-    where the disk snapshot gathers every rank's: ``progress`` its own loss sums (the
-    Trainer's ``local_state_dict()``), and ``rng`` this rank's row (its RNG states and
-    loss sums) rather than every rank's RNG states. Any other part that gathers still
-    does. The
-    row goes to the other ranks off the step's path (MemorySnapshots.start_exchange);
-    memory_snapshot.complete makes a snapshot whole again at a resume."""
-    parts, states = ctx.snapshot_parts, {}
-    for name in parts.names():
-        part = parts[name]
-        if isinstance(part, stateful.RngStates):
-            continue  # below, once the loss sums are known
-        # The Trainer's progress: its loss sums, which memory_snapshot.complete sums
-        # over the ranks at a resume (only it knows how to make them whole again). A
-        # sharded part (fsdp): this rank's own shards (engine/stateful.py).
-        here = getattr(part, "local_state_dict" if name == "progress"
-                       else "memory_state_dict", None)
-        states[name] = here() if here is not None else part.state_dict()
-    loss = (states.get("progress") or {}).get("epoch_loss")
-    row = memory_snapshot.make_row(None if loss is None else (loss["sum"], loss["batches"]))
-    if "rng" in parts:
-        states["rng"] = {"world_size": ctx.world.world_size, "rank": ctx.world.rank,
-                         "row": row}
-    return capture(ctx, config, states), row
 
 
 def upgrade(snap: dict) -> dict:
@@ -157,209 +129,66 @@ class SnapshotPolicy:
         self.last_time = time.monotonic()
 
 
-#: ``checkpoint.memory_every_steps=auto``: the share of the training step's time the
-#: memory snapshots may take; the interval is the smallest that keeps their cost within it.
-MEMORY_BUDGET = 0.02
-#: auto's intervals: powers of two, so that the snapshot steps of a new interval are
-#: multiples of the old one's or the reverse, and a crash while the interval changes
-#: still loses at most the larger of the two (Snapshots.agreed); at most 128 steps,
-#: near the fixed 100 it replaced, however expensive a snapshot is.
-MEMORY_INTERVALS = tuple(2**i for i in range(8))
-#: The tier's interval while auto's probe pauses it for a window (never due).
-PAUSED = 1 << 62
-
-
-class MemoryCost:
-    """What this rank's memory snapshots cost against its training steps, measured at
-    each check point with the clocks the run keeps anyway: the snapshots' own
-    (engine/phases.py carves them out of the training phase) and the check point's
-    window (its wall time and steps). Totals since the first check point after the
-    tier's first snapshot: that one also reserves the buffers and agrees with the other
-    ranks that they could (a collective), which no later one does.
-
-    A window's step time is its wall time less the snapshots written in it (to memory
-    and to disk); a validation inside it (val_every_steps) counts as steps, which can
-    only make the interval shorter. The copy a large or GPU state leaves to the
-    background thread counts where the next optimizer step waits for it
-    (phases.MEMORY_WAITS). What no clock of theirs sees (that copy taking the CPUs the
-    step's threads need) is measured once, by comparing a window with a snapshot at
-    every step with one without (:meth:`probed`; Snapshots pauses the tier for it)."""
-
-    def __init__(self):
-        self.snapshot_s = self.step_s = 0.0
-        self.snapshots = self.steps = 0
-        self.last = self.clocks()  # at the last check point, or the window's start
-        self.counting = False  # the last check came after the tier's first snapshot
-        #: The last window's seconds per step, its memory snapshots included (its disk
-        #: snapshots not), or None after a window without steps.
-        self.window_step_s: float | None = None
-        #: Per snapshot, what it costs beyond its clocks (probed); None until measured.
-        self.hidden_s: float | None = None
-
-    @staticmethod
-    def clocks() -> tuple[float, int, float]:
-        """The memory snapshots' seconds (with the optimizer steps' waits for their
-        background copies) and count, and the disk snapshots' seconds, so far in this
-        process."""
-        memory_s, _, memory_n = phases.carved(phases.MEMORY_SNAPSHOTS)
-        memory_s += phases.carved(phases.MEMORY_WAITS)[0]
-        return memory_s, memory_n, phases.carved(phases.SNAPSHOTS)[0]
-
-    def window_started(self) -> None:
-        """An epoch's first window starts: what came between the last check point and
-        here (the epoch's end: its snapshots, validation) is in no window."""
-        self.last = self.clocks()
-
-    def measure(self, window_s: float, window_steps: int, saves: int) -> None:
-        """At a check point: its window's wall seconds and optimizer steps, and how many
-        memory snapshots this rank has written so far."""
-        now = self.clocks()
-        memory_s, memory_n, disk_s = (a - b for a, b in zip(now, self.last))
-        self.window_step_s = (max(0.0, window_s - disk_s) / window_steps
-                              if window_steps > 0 else None)
-        if self.counting and window_steps > 0:
-            self.snapshot_s += memory_s
-            self.snapshots += memory_n
-            self.step_s += max(0.0, window_s - memory_s - disk_s)
-            self.steps += window_steps
-        self.last, self.counting = now, saves > 0
-
-    def probed(self, with_snapshots_s: float, without_s: float) -> None:
-        """The probe's two windows' seconds per step: with a memory snapshot at every
-        step, and without any. Their difference is what a snapshot costs, all of it; what
-        its clocks do not show is added to every snapshot from now on. (A difference
-        below the clocks' is the load's noise: the clocks' then.)"""
-        clocked = self.snapshot_s / self.snapshots if self.snapshots else 0.0
-        self.hidden_s = max(0.0, with_snapshots_s - without_s - clocked)
-
-    def per_step(self) -> float | None:
-        """One step's time without the snapshots: the windows' less the snapshots' clocks
-        (measure) and less what the probe found they cost beyond them (at most half)."""
-        if not (self.steps and self.step_s > 0):
-            return None
-        hidden = (self.hidden_s or 0.0) * self.snapshots
-        return max(self.step_s - hidden, self.step_s / 2) / self.steps
-
-    def per_snapshot(self) -> float | None:
-        """One snapshot's cost: its clocks' mean and what the probe found beyond them."""
-        if not self.snapshots:
-            return None
-        return self.snapshot_s / self.snapshots + (self.hidden_s or 0.0)
-
-    def every_steps(self, current: int) -> int | None:
-        """The shortest interval (of MEMORY_INTERVALS) whose snapshots cost at most
-        MEMORY_BUDGET of the step time, or None before any was measured. Shorter than
-        ``current`` (the interval now) only where it keeps them within 80% of the
-        budget: a cost near a boundary would otherwise change it at every check point.
-        None until the probe measured what the clocks do not see."""
-        percent = self.percent(1)
-        if self.hidden_s is None or percent is None:
-            return None
-        needed = percent / (100 * MEMORY_BUDGET)  # steps per snapshot within the budget
-        every = shortest(needed)
-        return every if every >= current else min(current, shortest(needed / 0.8))
-
-    def percent(self, every_steps: int) -> float | None:
-        """The snapshots' cost at one every ``every_steps`` steps, in % of the step time
-        (None before both were measured)."""
-        snapshot, step = self.per_snapshot(), self.per_step()
-        if snapshot is None or step is None:
-            return None
-        return 100 * snapshot / (every_steps * step)
-
-    def record(self, every_steps: int, auto: bool) -> dict:
-        """summary.json's ``memory_snapshots``: the interval, whether auto chose it, what
-        one snapshot and one step took (rank 0's) and the snapshots' share at it."""
-        def rounded(value, digits=6):
-            return None if value is None else round(value, digits)
-
-        return {"every_steps": every_steps, "auto": auto,
-                "snapshot_s": rounded(self.per_snapshot()), "step_s": rounded(self.per_step()),
-                "cost_percent": rounded(self.percent(every_steps) if every_steps else None, 3)}
-
-
-def shortest(needed: float) -> int:
-    """The shortest of MEMORY_INTERVALS of at least ``needed`` steps (the longest where
-    none is)."""
-    return next((n for n in MEMORY_INTERVALS if n >= needed), MEMORY_INTERVALS[-1])
-
-
-def proposal(every_steps: int | None) -> list[float]:
-    """A rank's proposed interval for the check point's all-reduce (a sum): one 1 at
-    its place in MEMORY_INTERVALS, all 0 for none. The sums say which intervals any
-    rank proposed: the largest is the one every rank's budget allows."""
-    return [float(n == every_steps) for n in MEMORY_INTERVALS]
-
-
-def agreed_interval(sums) -> int | None:
-    """The largest interval any rank proposed (:func:`proposal`'s sums), or None."""
-    return max((n for n, total in zip(MEMORY_INTERVALS, sums) if total > 0), default=None)
-
-
 class Snapshots:
-    """The run's snapshots, one layer: the training loop tells it when an optimizer step
-    ended (:meth:`step_ended`) and it decides: to disk (``every_steps``, or a check
-    point's time flag), into shared memory (``memory_every_steps``, while the memory
-    tier is on), or nothing. The loop asks only from step :attr:`next_due` on: where
-    nothing is due, a step costs it two attribute reads and a compare, no call. The
-    loop has it write the snapshots the loop itself decides (:meth:`save`: an epoch's
-    end, a pre-emption, the run's end).
-
-    It owns the memory tier (engine/memory_snapshot.py; ``memory``: the run's, as the
-    Engine opened it, or None): each step's progress note (:attr:`note_reached`), and
-    its switch-off where a rank's buffer cannot be had. A memory snapshot is a
-    collective, so every rank turns the tier off at the same check point: the check
-    point's all-reduce carries this layer's flags (:meth:`check_flags`) and
-    :meth:`agreed` acts on their sums.
+    """The run's snapshots, one layer: the loop tells it when an optimizer step ended
+    (:meth:`step_ended`, asked only from step :attr:`next_due` on) and it decides: to
+    disk (``every_steps``, a check point's time flag), into shared memory, or nothing;
+    the loop has it write the snapshots the loop decides (:meth:`save`). It owns the
+    memory tier (engine/memory/'s MemoryTier, ``memory``; None while off): opens it at
+    the resume, feeds it, turns it off on every rank at one check point
+    (:meth:`check_flags`, :meth:`agreed`), closes it at the run's end.
 
     ``finish_check``: the loop's, called before a snapshot at a step: the check point in
-    flight is finished (its window logged: a run resumed from the snapshot would never
-    log it) and its flags recorded, which may raise the time flag or turn the tier off
-    here; it returns True when they stop the run at this step (a pre-emption: the loop
-    writes the durable snapshot as the epoch stops)."""
+    flight is finished and its flags recorded; True when they stop the run at this step
+    (a pre-emption: the loop writes the durable snapshot as the epoch stops)."""
 
-    def __init__(self, ctx, memory, finish_check):
+    #: :meth:`check_flags`' values: time, failure, engine.memory.cost.MEMORY_INTERVALS'.
+    FLAGS = 2 + 8
+
+    def __init__(self, ctx, finish_check, memory=None):
         self.ctx = ctx
         self.policy = SnapshotPolicy(ctx.cfg, ctx.is_rank0)
         self.finish_check = finish_check
-        self.memory = memory
-        # The tier's progress note, which the loop calls right after each optimizer
-        # step (a restart says how many steps it lost); None while the tier is off.
-        self.note_reached = None if memory is None else memory.note_reached
-        # A finished check point said a snapshot is due by time (every_minutes): the
-        # next snapshot goes to disk.
-        self.time_due = False
-        # The first step the loop asks at (step_ended): none is due by count before it,
-        # and no check point said one is due by time. 0 until the first step (a resume
+        self.time_due = False  # a check point said one is due by time: to disk next
+        # The first step the loop asks at (step_ended): 0 until the first step (a resume
         # moves the count) and while a time flag waits for a snapshot to disk.
         self.next_due = 0
-        # What the memory snapshots cost (measured at check points, auto or not), and
-        # whether the ranks choose their interval from it (memory_every_steps=auto: from
-        # 1, every restart too, on whatever machines it runs now; Engine opens the tier).
-        self.memory_cost = MemoryCost()
-        self.auto = memory is not None and ctx.cfg.checkpoint.memory_every_steps == "auto"
-        # auto's probe, by check point (the same on every rank, so the tier pauses and
-        # resumes at the same steps everywhere): the window of the first snapshot (it
-        # reserves the buffers: not counted), one with a snapshot at every step, one
-        # without any (the tier paused), then None: MemoryCost.probed compares the two.
-        self.probe = "first" if self.auto else None
-        self.probe_with_s = None  # the window with a snapshot at every step, per step
-        self._record_memory()
+        self._use(memory)
+
+    def _use(self, memory) -> None:
+        self.memory = memory
+        # The loop calls it after each optimizer step (a restart says what it lost).
+        self.note_reached = None if memory is None else memory.note_reached
+
+    # ---------------------------------------------------------- start and end
+
+    def resume(self) -> None:
+        """Open the memory tier (collective), then :func:`resume`."""
+        if self.ctx.cfg.checkpoint.memory_every_steps:
+            from engine.memory import MemoryTier  # only when on: a costly import
+
+            self._use(MemoryTier.open(self.ctx))
+        resume(self.ctx, self.memory)
+
+    def ended(self) -> None:
+        """The run ended by itself, its last snapshot durable: the memory snapshots go
+        (a failed or killed run keeps them for its restart)."""
+        if self.memory is not None:
+            self.memory.remove()
+
+    def close(self, wait: bool = True) -> None:
+        """However the run ended: the tier's thread and mappings go, its files stay.
+        ``wait=False`` (a failed run): the thread may wait on a gone peer."""
+        if self.memory is not None:
+            self.memory.close(wait=wait)
 
     # --------------------------------------------------------------- per step
 
     def step_ended(self, step: int) -> None:
-        """After optimizer step ``step``, its check point and validation done (but not
-        where the run stops or ends at it: the loop writes that snapshot). A snapshot to
-        disk when ``every_steps`` is due or a check point said one is due by time, else
-        one into shared memory when ``memory_every_steps`` is due.
-
-        The check in flight is finished first (``finish_check``), and its flags count
-        as any check's: a pre-emption writes no snapshot here (the loop writes the
-        durable one as the epoch stops), a snapshot due by time goes to disk instead of
-        memory. Dropping them lost both whenever every check point had a snapshot at its
-        step (memory_every_steps=1): pre-emption waited for the epoch's end, or never
-        came in the last epoch."""
+        """After optimizer step ``step`` (not where the run stops at it: the loop writes
+        that one): to disk when due by count or time, else into shared memory when due.
+        The check in flight is finished first (``finish_check``): a pre-emption writes
+        no snapshot here (the loop writes the durable one)."""
         self.next_due = 0 if self.time_due else self._next_due(step)
         to_disk = self.policy.due_at_step(step)
         to_memory = self.memory is not None and self.memory.due(step)
@@ -370,7 +199,9 @@ class Snapshots:
         if to_disk or self.time_due:
             self.save()
         elif self.memory is not None:  # the finished check may have turned it off
-            self._to_memory()
+            problem = self.memory.save(capture)
+            if problem is not None:  # before the first one, agreed at once
+                self._memory_off(*problem)
 
     def _next_due(self, step: int) -> float:
         """The first step after ``step`` at which a snapshot is due by count (a
@@ -394,30 +225,25 @@ class Snapshots:
         return self.policy.due_at_epoch_end(epochs_done) or self.time_due
 
     def window_started(self) -> None:
-        """The loop's, as an epoch's first log window starts (MemoryCost.window_started)."""
+        """The loop's, as an epoch's first log window starts (the tier's cost window)."""
         if self.memory is not None:
-            self.memory_cost.window_started()
-
-    #: How many values :meth:`check_flags` gives the check point's all-reduce.
-    FLAGS = 2 + len(MEMORY_INTERVALS)
+            self.memory.window_started()
 
     def check_flags(self, window_s: float, window_steps: int) -> list[float]:
         """This rank's flags for a check point's all-reduce (summed over the ranks): a
-        snapshot due by time (rank 0's clock decides: the others' policy has no period),
-        this rank's memory buffer could not be had (a full tmpfs, a background copy that
-        failed), and under memory_every_steps=auto the interval its measured costs allow
-        (:func:`proposal`). ``window_s``, ``window_steps``: the check point's window, the
-        step time the costs are measured against."""
-        memory, every = self.memory, None
+        snapshot due by time (rank 0's clock decides), this rank's memory buffer could
+        not be had, and under auto the interval its costs allow (one flag per interval).
+        ``window_s``, ``window_steps``: the check point's window, the costs' measure."""
+        memory, proposal = self.memory, [0.0] * (self.FLAGS - 2)
         if memory is not None:
-            self.memory_cost.measure(window_s, window_steps, memory.saves)
-            if self.probe is not None:
-                self._probe()
-            if self.auto:
-                every = self.memory_cost.every_steps(memory.every_steps)
-            self._record_memory()
+            from engine.memory import cost  # the tier is on: imported already
+
+            every_before = memory.every_steps
+            proposal = cost.proposal(memory.measure(window_s, window_steps))
+            if memory.every_steps != every_before:  # auto's probe paused or ended
+                self.next_due = 0
         return [float(self.policy.due_by_time()),
-                float(memory is not None and memory.failed is not None), *proposal(every)]
+                float(memory is not None and memory.failed is not None), *proposal]
 
     def agree_on(self, sums) -> None:
         """A finished check point's sums of :meth:`check_flags`, as it laid them out."""
@@ -426,160 +252,42 @@ class Snapshots:
     def agreed(self, due_by_time: bool, memory_failed: bool, intervals=()) -> None:
         """A finished check point's sums of :meth:`check_flags`, the same on every rank:
         the next snapshot goes to disk, or every rank turns the memory tier off, or
-        (auto) every rank takes the largest interval any rank proposed, at this step.
-
-        A memory snapshot is a collective (the rows' all_gather), so the ranks must
-        write them at the same steps: they do, since each applies the same sums at the
-        same step. The intervals are powers of two and a snapshot is due at their
-        multiples, so the steps of the new interval fall on the old one's (a shorter
-        one) or the old one's on the new one's (a longer one): between the last
-        snapshot and the next there are never more steps than the larger of the two."""
+        (auto) takes the largest interval any rank proposed, at this step: a memory
+        snapshot is a collective, written by every rank at the same steps. The intervals
+        are powers of two: between two snapshots there are never more steps than the
+        larger of the old and the new interval."""
         if due_by_time:
             self.time_due = True
             self.next_due = 0  # the loop asks at every step until a snapshot to disk
-        every = agreed_interval(intervals) if self.auto else None
-        if every is not None and self.memory is not None and every != self.memory.every_steps:
-            self.memory.every_steps = every
-            self.next_due = 0  # the next step asks: it may be due at the new interval
-            self._record_memory()
-            if self.ctx.options.get("verbose"):
-                self.ctx.print(f"in-memory snapshots: every {every} step(s) from step "
-                               f"{self.ctx.state.step} (auto, the longest any rank's costs "
-                               f"asked for; {self._cost_said(every)})")
-        if memory_failed and self.memory is not None:
-            # Every rank is here, at the same check point: one gather tells rank 0 which
-            # rank's buffer failed and why, for the one warning (once in a run).
-            failed = [(rank, why) for rank, why in enumerate(
-                distributed.all_gather_object(self.memory.failed)) if why is not None]
-            self._memory_off(*failed[0])
+        memory = self.memory
+        if memory is not None and memory.auto:
+            from engine.memory import cost  # the tier is on: imported already
 
-    # ------------------------------------------------------------ memory tier
-
-    def _to_memory(self) -> None:
-        """Copy a snapshot into this rank's shared-memory buffer. Every rank saves its
-        own, with no collective to wait for (capture_here): the rows the ranks exchange
-        go off the step's path. A rank whose buffer cannot be had (a full tmpfs, a name
-        taken) still starts the exchange, a collective, and raises ``memory.failed``:
-        the ranks agree to turn the tier off at the next check point (:meth:`agreed`).
-        Before the first one they agree at once (_memory_problem)."""
-        ctx, memory = self.ctx, self.memory
-        with phases.carve(phases.MEMORY_SNAPSHOTS, within="training",
-                          label="memory snapshot"):
-            if memory.config is None:  # the same at every step: converted and pickled once
-                memory.config = shm_codec.Pickled(config_mod.to_dict(ctx.cfg))
-            state, row = capture_here(ctx, memory.config)
-            if not memory.saves:
-                problem = _memory_problem(ctx, memory, state)  # collective
-                if problem is not None:
-                    self._memory_off(*problem)
-                    return
-            memory.start_exchange(row)  # every rank: a collective, not waited for
-            saved = False
-            if memory.failed is None:
-                # What only the optimizer's step changes is copied during the next
-                # step's forward and backward, finished before that optimizer step
-                # (memory.hold). Asked only when the copies are planned again
-                # (memory.save), not each step.
-                held = (None if ctx.optimizer is None
-                        else functools.partial(memory_snapshot.held_by, ctx.optimizer))
-                try:
-                    if memory.save(state, step=ctx.state.step, epoch=ctx.state.epoch,
-                                   held=held):
-                        memory.hold(ctx.optimizer)  # its next step waits for the copy
-                    saved = True
-                except (memory_snapshot.NoRoom, memory_snapshot.Unsafe) as exc:
-                    memory.failed = str(exc)
-            memory.record_exchange(saved)
+            every_before = memory.every_steps
+            memory.take_interval(cost.agreed_interval(intervals))
+            if memory.every_steps != every_before:
+                self.next_due = 0  # the next step asks: it may be due at the new interval
+        if memory_failed and memory is not None:
+            self._memory_off(*memory.failed_rank())  # every rank, at one check point
 
     def _memory_off(self, rank: int, why: str) -> None:
         """Every rank, together: no more memory snapshots, their buffers removed, one
-        warning (rank 0's, naming the step, the rank and why); the run goes on with disk
-        snapshots. ``ctx.memory`` stays the tier the run opened: removing it again at
-        the run's end finds nothing."""
+        warning naming the step, the rank and why."""
         ctx, memory = self.ctx, self.memory
-        self.memory = self.note_reached = None
-        self._record_memory()  # every_steps 0: a crash now goes back to the disk snapshot
-        for problem in memory.remove():
+        self._use(None)
+        for problem in memory.switch_off():
             ctx.warn_here(problem)
         where = f"rank {rank}: " if ctx.world.world_size > 1 else ""
         ctx.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off at step "
                  f"{ctx.state.step}: {where}{why}; the run goes on with disk snapshots")
 
 
-    def _probe(self) -> None:
-        """auto's next probe stage, at a check point (:attr:`probe`)."""
-        cost, memory = self.memory_cost, self.memory
-        if cost.window_step_s is None:  # a window without steps: the stage waits
-            return
-        if self.probe == "first":
-            self.probe = "with"
-        elif self.probe == "with":
-            self.probe_with_s, self.probe = cost.window_step_s, "without"
-            memory.every_steps = PAUSED  # the next window takes none: a crash there
-            # goes back to the last one, at most a window and a step
-        else:
-            cost.probed(self.probe_with_s, cost.window_step_s)
-            self.probe, memory.every_steps = None, 1
-            self.next_due = 0  # the loop asks again from the next step
-
-    def _record_memory(self) -> None:
-        """summary.json's ``memory_snapshots`` (MemoryCost.record): the interval now and
-        what the snapshots cost; None while the run has no memory tier."""
-        if self.memory is None and not getattr(self.ctx, "memory_record", None):
-            return
-        every = self.memory.every_steps if self.memory is not None else 0
-        self.ctx.memory_record = self.memory_cost.record(
-            1 if every == PAUSED else every, self.auto)
-
-    def _cost_said(self, every: int) -> str:
-        """What a snapshot costs, for the verbose line of a new interval."""
-        percent = self.memory_cost.percent(every)
-        return (f"budget {100 * MEMORY_BUDGET:g}% of the step time" if percent is None else
-                f"here they cost {percent:.2f}% of the step time at it, budget "
-                f"{100 * MEMORY_BUDGET:g}%")
-
-
-def _memory_problem(ctx, memory, state: dict) -> tuple[int, str] | None:
-    """Before the first memory snapshot: whether every rank can keep two: room for them
-    in the tmpfs of every machine, and both buffers reserved (a name taken by anything
-    but this user's own file is refused, engine/memory_snapshot.py). Collective: the
-    first rank that cannot, and why (all turn them off together: a rank alone would
-    leave the others' next snapshot, a collective, waiting); None when all can."""
-    needed, free = memory.room_for(state)
-    each = needed / 2 / ctx.world.local_world_size / 2**20  # MB, one buffer
-    problem = None
-    if needed > free:
-        problem = (f"they need 2 x {each:.1f} MB per rank in {memory.shm}, and it has "
-                   f"{free / 2**20:.0f} MB free; make it larger (docker: --shm-size), "
-                   "set checkpoint.memory_dir to a larger tmpfs, or set "
-                   "checkpoint.memory_every_steps=0")
-    else:
-        try:
-            memory.reserve(state)
-        except (memory_snapshot.NoRoom, memory_snapshot.Unsafe) as exc:
-            problem = str(exc)
-    problems = [(rank, p) for rank, p in enumerate(distributed.all_gather_object(problem))
-                if p]
-    if problems:
-        return problems[0]
-    if ctx.options.get("verbose"):
-        auto = " to start with (auto)" if ctx.cfg.checkpoint.memory_every_steps == "auto" else ""
-        ctx.print(f"in-memory snapshots: every {memory.every_steps} step(s){auto}, 2 x "
-                  f"{each:.1f} MB per rank in {memory.folder}")
-    return None
-
-
-def resume(ctx) -> None:
-    """Continue from the newest snapshot every rank can restore (a memory snapshot newer
-    than the latest good disk snapshot, see :func:`_resume_from_memory`), from
-    ``--resume PATH``, or start fresh.
-
-    Rank 0 decides which file (if any) and broadcasts the decision, so the ranks never
-    disagree about whether there is something to resume.
-    """
+def resume(ctx, memory=None) -> None:
+    """Continue from the newest snapshot every rank can restore (a memory snapshot of
+    ``memory``, the tier, newer than the latest good disk snapshot), from ``--resume
+    PATH``, or start fresh. Rank 0 decides which file and broadcasts the decision."""
     phases.mark("data, model")
     opts = ctx.options
-    memory = getattr(ctx, "memory", None)
     if opts.get("no_resume"):
         _forget_memory(ctx, memory)
         return
@@ -595,7 +303,7 @@ def resume(ctx) -> None:
     if isinstance(chosen, CheckpointError):
         raise chosen
     if memory is not None:
-        if not opts.get("resume") and _resume_from_memory(ctx, memory, disk_step):
+        if not opts.get("resume") and memory.resume(disk_step, restore):
             return
         _forget_memory(ctx, memory)
     if chosen is None:
@@ -613,54 +321,13 @@ def resume(ctx) -> None:
 
 
 def _step_of(path) -> int | None:
-    """The step of the disk snapshot ``latest()`` chose (its manifest's: latest() takes
-    none without one)."""
+    """The step of the disk snapshot ``latest()`` chose (its manifest's)."""
     return None if path is None else (read_manifest(pathlib.Path(path)) or {}).get("step")
 
 
-def _resume_from_memory(ctx, memory, disk_step: int | None) -> bool:
-    """Resume from the newest memory snapshot when one is newer than the disk snapshot:
-    this rank's own buffer, or a healthy peer's sent over the process group where this
-    rank's is gone. Collective. False: none newer (the disk snapshot, if any, wins).
-    Only this run's buffers count (the run id, engine/memory_snapshot.py); one that
-    fails to load is a warning and the next tier."""
-    mine = memory_snapshot.load_all(memory, ctx.warn_here)
-    # fsdp: this rank's copies of its predecessor's snapshots (engine/memory_ring.py).
-    copies = memory_ring.load_held(memory, ctx.warn_here)
-    try:
-        choice = memory_snapshot.agree(memory, mine, copies)
-        memory.reached_before = choice.reached
-        if not choice.newer_than(disk_step):
-            notice = choice.not_used(disk_step)  # fsdp: a rank's shards lost, or resized
-            if notice:
-                ctx.print(notice)
-            return False
-        source = f"memory (step {choice.step})"
-        # fsdp, a rank without its own: its successor's copy (engine/memory_ring.py).
-        snap = (memory_ring.fetch(memory, choice, mine, copies) if choice.peers
-                else memory_snapshot.fetch(memory, choice, mine))
-        restore(ctx, snap, source=source)
-    finally:
-        for loaded in mine + copies:
-            loaded.close()
-    missing = choice.missing(ctx.world.world_size)
-    # fsdp: each missing rank's successor sent its copy (one rank, the usual case).
-    senders = sorted(set(choice.peers.values())) or [choice.source]
-    why = (f"rank(s) {', '.join(map(str, missing))} had no copy: sent by rank "
-           f"{', '.join(map(str, senders))}" if missing else
-           f"restart {ctx.world.restart_count}" if ctx.world.restart_count else "rerun")
-    lost = max(0, choice.reached - choice.step)
-    ctx.print(f"resumed from memory at step {choice.step} ({why}; {lost} step"
-              f"{'' if lost == 1 else 's'} lost): {ctx.state.position()}")
-    ctx.record_resume(source, "peer" if missing else "memory", choice.step, choice.reached,
-                      source_rank=choice.source if missing else None)
-    return True
-
-
 def _forget_memory(ctx, memory) -> None:
-    """A run that did not resume from its memory snapshots removes them: they are older
-    than what it resumed from (or belong to the run it starts afresh over), and a
-    restart before its first memory snapshot must not take them."""
+    """A run that did not resume from its memory snapshots removes them (older than what
+    it resumed from): a restart before its first memory snapshot must not take them."""
     if memory is not None:
         for problem in memory.remove():
             ctx.warn_here(problem)
@@ -668,9 +335,7 @@ def _forget_memory(ctx, memory) -> None:
 
 def _checked_resume_path(ctx, chosen: str) -> str | CheckpointError:
     """``--resume PATH`` as given, once the checkpointer's own check (its manifest's
-    size and checksum) passes: a bit-flipped snapshot loaded without a word before, and
-    training went on from damaged weights. Rank 0 decides; the others get its answer.
-    No way around it: the checkpointer's load refuses a damaged file too."""
+    size and checksum) passes on rank 0; else the error every rank raises."""
     chosen = str(ctx.checkpointer.resolve(chosen))
     if not pathlib.Path(chosen).exists():
         return CheckpointError(f"--resume {chosen!r}: no such snapshot")
@@ -682,10 +347,9 @@ def _checked_resume_path(ctx, chosen: str) -> str | CheckpointError:
 
 
 def _say_when_every_snapshot_is_unusable(ctx) -> None:
-    """No good snapshot among those in the checkpoint folder (each was reported as
-    unusable): the run starts over, and says so in one line rather than leaving it to
-    be inferred from the warnings. Not refused: a run killed during its first save
-    leaves a snapshot without its manifest, and must start again by itself."""
+    """No good snapshot in the checkpoint folder (each reported as unusable): the run
+    starts over and says so in one line. Not refused: a run killed during its first
+    save leaves a snapshot without its manifest, and must start again by itself."""
     found = ctx.checkpointer.snapshots()
     if found:
         ctx.warn(f"none of the {len(found)} snapshot(s) in {ctx.checkpointer.directory} is "

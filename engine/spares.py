@@ -259,7 +259,7 @@ RUN_MODULES = ("torch", "torch._dynamo", "engine.cli", "engine.engine",
                "packaging.requirements", "torch.utils.tensorboard",
                "tensorboard.compat.proto.summary_pb2")
 #: What a worker imports as it sets up.
-WORKER_MODULES = ("engine.trainer", "engine.snapshot", "engine.memory_snapshot",
+WORKER_MODULES = ("engine.trainer", "engine.snapshot", "engine.memory",
                   "engine.data", "engine.health", "engine.loader_settings", "engine.plan",
                   "engine.preemption", "engine.run_dir", "engine.streaming",
                   "engine.activation_checkpointing", "xxhash")

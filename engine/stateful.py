@@ -61,6 +61,15 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
+@runtime_checkable
+class LocalStateful(Protocol):
+    """A part that also gives this rank's own state without a collective: what an
+    in-memory snapshot holds (engine/memory/); ``load_state_dict`` takes it back. A
+    part without it gives ``state_dict()`` there: no collective, no DTensor then."""
+
+    def local_state_dict(self) -> dict[str, Any]: ...
+
+
 class SnapshotParts:
     """The parts of one run, by name, in registration order (the order of the walk)."""
 
@@ -102,6 +111,11 @@ class SnapshotParts:
     def state_dict(self) -> dict[str, Any]:
         """``{name: part.state_dict()}``. Collective: every rank calls it."""
         return {name: part.state_dict() for name, part in self._parts.items()}
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """Each part's own state on this rank (:class:`LocalStateful`); no collective."""
+        return {name: part.local_state_dict() if isinstance(part, LocalStateful)
+                else part.state_dict() for name, part in self._parts.items()}
 
     def load_state_dict(self, snap: dict[str, Any], *, source: str, warn) -> None:
         """Each part's state from ``snap`` (a snapshot read from ``source``). A part the
@@ -159,6 +173,8 @@ class TrainState:
         state = attrs.asdict(self)
         del state["batch_in_epoch"]
         return state
+
+    local_state_dict = state_dict  # LocalStateful: every rank keeps the same
 
     def position(self) -> str:
         """Where training stands, for a person: epochs counted from 1, as the console's
@@ -295,16 +311,15 @@ class ModelState:
         # A model the user compiled (torch.compile) saves the keys a plain one has.
         return plain_keys(self.module.state_dict())
 
-    def memory_state_dict(self) -> dict:
-        """What an in-memory snapshot holds: :meth:`state_dict`, or, for a model that
-        fully_shard split, this rank's own shards (:func:`to_shards`): the full state
-        would be a gather, a collective on every snapshot's path."""
+    def local_state_dict(self) -> dict:
+        """:meth:`state_dict`, or, for a model that fully_shard split, this rank's own
+        shards (:func:`to_shards`): the full state would be a gather."""
         if not is_sharded(self.module):
             return self.state_dict()
         return to_shards(plain_keys(self.module.state_dict()))
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if holds_shards(state_dict):  # a memory snapshot's: this rank's shards, in place
+        if holds_shards(state_dict):  # local_state_dict's: this rank's shards, in place
             load_model_state(self.module, from_shards(state_dict, mesh_of(self.module)),
                              source="its model state")
             return
@@ -335,8 +350,8 @@ class OptimizerState:
             return get_optimizer_state_dict(self.module, self.optimizer, options=options)
         return self.optimizer.state_dict()
 
-    def memory_state_dict(self) -> dict:
-        """As :meth:`ModelState.memory_state_dict`: under fully_shard the optimizer's own
+    def local_state_dict(self) -> dict:
+        """As :meth:`ModelState.local_state_dict`: under fully_shard the optimizer's own
         state dict (keyed by parameter index) with this rank's shards of its state."""
         if not is_sharded(self.module):
             return self.state_dict()
@@ -593,6 +608,8 @@ class Metrics:
     def state_dict(self) -> dict:
         return dict(self.metrics)
 
+    local_state_dict = state_dict  # LocalStateful: every rank keeps the same
+
     def load_state_dict(self, state_dict: dict) -> None:
         self.metrics.update(state_dict)
 
@@ -690,6 +707,11 @@ class RngStates:
 
     def state_dict(self) -> dict:
         return {"ranks": gather_rng_states(), "world_size": self.world.world_size}
+
+    def local_state_dict(self) -> dict:
+        """Whose they are: the memory tier keeps this rank's states in its exchange
+        row (engine/memory/rows.py), sent to every rank off the step's path."""
+        return {"world_size": self.world.world_size, "rank": self.world.rank}
 
     def load_state_dict(self, state_dict: dict) -> None:
         ranks = state_dict.get("ranks") or []

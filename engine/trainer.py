@@ -474,8 +474,8 @@ class Trainer:
                                          ctx.world.world_size, ctx.warn)
         # When a snapshot is due and where it goes (disk, shared memory); it finishes
         # the check in flight before one (finish_before_snapshot).
-        self.snapshots = snapshot.Snapshots(ctx, parts.memory,
-                                            finish_check=self.finish_before_snapshot)
+        self.snapshots = parts.snapshots = snapshot.Snapshots(
+            ctx, finish_check=self.finish_before_snapshot)
         self.early_stopping = EarlyStopping(self.cfg.early_stopping, ctx.state,
                                             by_steps=bool(self.cfg.val_every_steps))
         # The run's length by steps (0: the epochs decide), validation by steps (0: at
@@ -516,7 +516,7 @@ class Trainer:
 
     def local_state_dict(self) -> dict:
         """The same with this rank's own loss sums, without a collective: a memory
-        snapshot's, which sums them over the ranks at a resume (snapshot.capture_here)."""
+        snapshot's, which sums them over the ranks at a resume (engine.stateful.LocalStateful)."""
         return {**self.ctx.state.state_dict(),
                 "epoch_loss": self.epoch_loss_so_far(reduce=False)}
 

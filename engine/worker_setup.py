@@ -73,9 +73,9 @@ class RunParts:
     # the run's (None: not known).
     steps_per_epoch: int | None = None
     total_steps: int | None = None
-    # In-memory snapshots (engine/memory_snapshot.py) as the run opened them, or None:
-    # set once; the snapshot layer (engine/snapshot.py's Snapshots) may turn them off.
-    memory: Any = None
+    # engine-run's snapshot layer (engine/snapshot.py's Snapshots), which owns the memory
+    # tier; None in a custom loop.
+    snapshots: Any = None
 
     @property
     def module(self):

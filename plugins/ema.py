@@ -89,6 +89,8 @@ class ExponentialMovingAverage:
     def state_dict(self) -> dict:
         return {"average": self.average.state_dict(), "steps": self.steps}
 
+    local_state_dict = state_dict  # engine.stateful.LocalStateful: no collective in it
+
     def load_state_dict(self, state_dict: dict) -> None:
         self.average.load_state_dict(state_dict["average"])
         self.steps = int(state_dict["steps"])
@@ -207,11 +209,11 @@ class ShardedMovingAverage:
             average["n_averaged"] = torch.tensor(self.n_averaged, dtype=torch.long)
         return {"average": average, "steps": self.steps}
 
-    def memory_state_dict(self) -> dict:
-        """An in-memory snapshot's state (engine/snapshot.py's capture_here): this rank's
-        own shards and buffers as they are, whatever the checkpointer: no gather, no
-        broadcast on the snapshot's path; the restart at this number of processes puts
-        each rank's back. ``n_averaged`` as a number: a new tensor at every snapshot
+    def local_state_dict(self) -> dict:
+        """This rank's own shards and buffers as they are (engine.stateful.LocalStateful:
+        an in-memory snapshot's), whatever the checkpointer: no gather, no broadcast on
+        the snapshot's path; the restart at this number of processes puts each rank's
+        back. ``n_averaged`` as a number: a new tensor at every snapshot
         would make the memory tier plan its copies again."""
         average = {f"module.{alias}": self.average[name] for alias, name in self.aliases.items()}
         average["n_averaged"] = self.n_averaged
@@ -220,7 +222,7 @@ class ShardedMovingAverage:
     def load_state_dict(self, state_dict: dict) -> None:
         import torch
 
-        if holds_shards(state_dict):  # a memory snapshot's (memory_state_dict)
+        if holds_shards(state_dict):  # a memory snapshot's (local_state_dict)
             state_dict = from_shards(state_dict, mesh_of(self.module))
         saved = state_dict["average"]
         missing = [name for name in self.names if f"module.{name}" not in saved]

@@ -317,7 +317,7 @@ def _mark_slow(item) -> None:
 # collection order. A module missing here only runs in its turn: no test depends on it.
 LONGEST_FIRST = (
     "tests/test_combinations.py", "tests/engine/test_snapshot.py", "tests/plugins/test_checkpointer_contract.py",
-    "tests/engine/test_memory_resume.py", "tests/engine/test_compile.py",
+    "tests/engine/memory/test_memory_resume.py", "tests/engine/test_compile.py",
     "tests/plugins/test_async_file.py", "tests/engine/test_preemption.py",
     "tests/engine/test_trainer.py", "tests/tools/test_memory_kill_loop.py",
     "tests/examples/test_hf_causal_lm.py", "tests/plugins/test_spawn.py",

@@ -47,9 +47,10 @@ def _act(eng, step: int | None = None) -> None:
     if action == "kill-wiping-memory":
         # Its last snapshot sent on first (its copy at its successor under fsdp, the
         # rows to every rank): a node lost between two snapshots.
-        eng.memory.finish()
-        ring = getattr(eng.memory, "ring", None)  # fsdp with more than one process
-        for path in [*eng.memory.paths, *(ring.paths if ring is not None else ())]:
+        memory = eng.snapshots.memory.pair  # the tier's buffers
+        memory.finish()
+        ring = memory.ring  # fsdp with more than one process
+        for path in [*memory.paths, *(ring.paths if ring is not None else ())]:
             path.unlink()  # fails loudly where the rank had no buffer to lose
         action = "kill"
     if action == "kill":

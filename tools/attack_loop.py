@@ -210,26 +210,26 @@ class Loop:
     @staticmethod
     def newest_memory_step(out: pathlib.Path) -> int:
         """The newest memory snapshot's step on rank 0 (its header only), -1 if none."""
-        from engine import memory_snapshot
+        from engine.memory import buffer, files
 
-        slots = [memory_snapshot.read_slot(p, verify=False)
-                 for p in memory_snapshot.buffer_paths(out, 0)]
+        slots = [buffer.check_slot(p, verify=False)[0]
+                 for p in files.buffer_paths(out, 0)]
         return max((s.step for s in slots if s is not None), default=-1)
 
     def check_memory_buffers(self, where: str, out: pathlib.Path) -> tuple[int, int]:
         """After a kill: every rank's newest valid buffer loads whole (its ballast all of
         its step). Returns (buffers found torn by the kill, unusable ranks)."""
-        from engine import memory_snapshot
+        from engine.memory import buffer, files
 
         torn = unusable = 0
         for rank in range(self.args.nproc):
-            paths = memory_snapshot.buffer_paths(out, rank)
+            paths = files.buffer_paths(out, rank)
             # A buffer with our magic but no valid snapshot: the kill was in its copy.
-            torn += sum(1 for p in paths if memory_snapshot.read_info(p)
-                        and memory_snapshot.read_slot(p) is None)
-            slot = memory_snapshot.newest(paths)
+            torn += sum(1 for p in paths if buffer.read_info(p)
+                        and buffer.check_slot(p)[0] is None)
+            slot = buffer.newest(paths)
             try:
-                snap = memory_snapshot.load_slot(slot)
+                snap = buffer.load_slot(slot)
                 ballast = snap["ballast"]
                 assert int(snap["step"]) == slot.step == ballast["step"], "steps differ"
                 assert bool((ballast["tensor"] == float(slot.step)).all()), "ballast torn"

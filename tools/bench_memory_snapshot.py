@@ -44,12 +44,12 @@ snapshot are outside. Printed per workload, process count and N:
 - one snapshot, by the same clock read at every step's end (a probe plugin: this
   module): the run's first (it also maps the buffers and checks /dev/shm's room) and
   the median of the others;
-- bytes: the payload of the newest buffer (engine.memory_snapshot's header, read at the
+- bytes: the payload of the newest buffer (engine.memory.buffer's header, read at the
   epoch's end, before the run removes its buffers; the model's and optimizer's tensor
   bytes are in --json); bandwidth: payload bytes / time of one snapshot;
 - where one snapshot's time goes, measured by the probe after the loop (median of 3):
   capture (the snapshot dict, each rank its own share, no collective:
-  engine.snapshot's capture_here) and its slowest parts (engine/stateful.py's; rng:
+  engine.memory.tier's capture) and its slowest parts (engine/stateful.py's; rng:
   this rank's exchange row), copy (skeleton, tensors into the buffer, checksum, header,
   waited for here, where the loop leaves a large state's to a background thread), and
   payload bytes / copy time;
@@ -128,13 +128,14 @@ def engine_epoch_end(ctx, epoch, metrics):
     run folder is rank 0's on every rank)."""
     import torch
 
-    from engine import memory_snapshot
+    from engine.memory import buffer
 
     engine_train_step_end(ctx, None, None)  # the last step's snapshot
-    memory = ctx.memory
+    tier = ctx.snapshots.memory
+    memory = tier.pair if tier is not None else None  # the tier's buffers
     if memory is not None:
         memory.finish()  # the last snapshot's background copy
-    slot = memory_snapshot.newest(memory.paths) if memory is not None else None
+    slot = buffer.newest(memory.paths) if memory is not None else None
     tensors = [*ctx.module.state_dict().values(),
                *(v for s in ctx.optimizer.state.values() for v in s.values())]
     probe = {"snapshot_times": [b[0] - a[0] for a, b in zip(_marks, _marks[1:])],
@@ -151,35 +152,38 @@ def engine_epoch_end(ctx, epoch, metrics):
 
 def split_times(eng, times: int = 3) -> dict:
     """Where a memory snapshot's time goes, each the median of ``times`` after the
-    loop: capture (the snapshot dict, each rank its own share: engine.snapshot's
-    capture_here), each snapshot part's share of it (``rng``: this rank's exchange row),
-    and the copy (engine.memory_snapshot's save as the loop calls it, and the wait for
+    loop: capture (the snapshot dict, each rank its own share: engine.memory.tier's
+    capture), each snapshot part's share of it (``rng``: this rank's exchange row),
+    and the copy (engine.memory.pair's save as the loop calls it, and the wait for
     its background part: skeleton, tensors into the buffer, checksum, header). These
     extra snapshots come after the last step: the weights and the timed loop are
     untouched."""
     import time
 
-    from engine import memory_snapshot, snapshot
+    from engine import snapshot
+    from engine.memory import copy_plan, rows, tier
+    from engine.stateful import LocalStateful
 
     parts = eng.snapshot_parts
     spent: dict[str, list[float]] = {"capture": [], "copy": [],
                                      **{name: [] for name in parts.names()}}
     for _ in range(times):
         for name in parts.names():
-            # As capture_here takes it: a rank's own share (fsdp: its shards).
-            part = (getattr(parts[name], "local_state_dict", None)
-                    or getattr(parts[name], "memory_state_dict", parts[name].state_dict))
+            # As the tier's capture takes it: a rank's own share (fsdp: its shards).
+            part = (parts[name].local_state_dict if isinstance(parts[name], LocalStateful)
+                    else parts[name].state_dict)
             if name == "rng":
-                part = functools.partial(memory_snapshot.make_row, None)
+                part = functools.partial(rows.make_row, None)
             start = time.perf_counter()
             part()
             spent[name].append(time.perf_counter() - start)
         start = time.perf_counter()
-        state, _ = snapshot.capture_here(eng, eng.memory.config)
+        memory = eng.snapshots.memory.pair
+        state, _ = tier.capture(eng, memory.config, snapshot.capture)
         middle = time.perf_counter()
-        eng.memory.save(state, step=eng.state.step, epoch=eng.state.epoch,
-                        held=functools.partial(memory_snapshot.held_by, eng.optimizer))
-        eng.memory.finish()  # a large state's background copy: counted here
+        memory.save(state, step=eng.state.step, epoch=eng.state.epoch,
+                    held=functools.partial(copy_plan.held_by, eng.optimizer))
+        memory.finish()  # a large state's background copy: counted here
         spent["capture"].append(middle - start)
         spent["copy"].append(time.perf_counter() - middle)
     medians = {name: statistics.median(values) for name, values in spent.items()}

@@ -28,7 +28,7 @@ restarted workers' start-up phases (engine/phases.py: worker start, imports, pro
 group, data and model...) after the kill.
 
 ``--wipe 3``: the third kill also deletes the killed rank's memory snapshots (under fsdp
-the copies it holds of its predecessor's too, engine/memory_ring.py): a node lost with
+the copies it holds of its predecessor's too, engine/memory/ring.py): a node lost with
 its memory, which must resume from a peer's copy (summary.json's tier ``peer``):
 ``python tools/memory_kill_loop.py --kills 5 --launcher spawn --wipe 3 parallel=fsdp``.
 
@@ -100,9 +100,10 @@ if _engine is not None:
             if os.environ.get(WIPE):  # a node lost with its memory: its buffers, and
                 # under fsdp the copies it holds of its predecessor's, once the snapshot
                 # before this step has gone out (its copy to the successor, its rows)
-                ctx.memory.finish()
-                ring = getattr(ctx.memory, "ring", None)
-                for path in [*ctx.memory.paths, *(ring.paths if ring is not None else ())]:
+                memory = ctx.snapshots.memory.pair  # the tier's buffers
+                memory.finish()
+                ring = memory.ring
+                for path in [*memory.paths, *(ring.paths if ring is not None else ())]:
                     path.unlink(missing_ok=True)
             (ctx.out_dir / "killed").write_text(f"{time.time()!r}\n")
             os.kill(os.getpid(), signal.SIGKILL)

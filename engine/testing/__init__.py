@@ -59,7 +59,8 @@ checkpointer class is run against by subclassing it in a test module::
         checkpointer_class = MyStore
 
 with its helpers :func:`contract_state` (a snapshot dict), :func:`assert_same_snapshot`
-and :func:`corrupt_snapshot`.
+and :func:`corrupt_snapshot`. State part contract: :func:`assert_state_part(part)
+<assert_state_part>`.
 """
 
 from __future__ import annotations
@@ -452,6 +453,24 @@ def assert_same_snapshot(loaded, expected, where: str = "snapshot") -> None:
             assert_same_snapshot(got, value, f"{where}[{i}]")
     else:
         assert loaded == expected, f"{where}: {loaded!r}, expected {expected!r}"
+
+
+def assert_state_part(part) -> None:
+    """A state part as the engine uses it, checked without a process group: it is
+    ``Stateful``; the state a memory snapshot takes of it (``local_state_dict()``, else
+    ``state_dict()``) needs no collective, goes through the memory tier's codec and
+    comes back through ``load_state_dict`` to itself."""
+    from engine import shm_codec
+    from engine.stateful import SnapshotParts
+
+    parts = SnapshotParts()
+    parts.add("part", part)  # Stateful, or the engine's one-line error
+    state = parts.local_state_dict()["part"]
+    skeleton, tensors, _, _ = shm_codec.encode(state)
+    by_offset = {offset: tensor for offset, tensor in tensors}
+    part.load_state_dict(shm_codec.decode(skeleton, lambda offset, dtype, shape: (
+        by_offset[offset].detach().cpu().clone().reshape(shape))))
+    assert_same_snapshot(parts.local_state_dict()["part"], state, "its state after a load")
 
 
 def corrupt_snapshot(path, how: str = "flip") -> None:

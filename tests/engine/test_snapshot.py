@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from types import SimpleNamespace
 
 import pytest
 
 from tests.conftest import REPO, engine_env, read_summary, run_cli
 from tests.engine.conftest import RESUME_BASE, RESUME_RECIPE
+from tests.engine.memory.test_cost import costs
 
 RECIPE, BASE = RESUME_RECIPE, RESUME_BASE  # the reference fixture's (conftest)
 STEPS_PER_EPOCH = 6  # 96 samples, global batch 16
@@ -57,18 +57,19 @@ def test_the_snapshot_layer_asks_for_a_snapshot_exactly_at_the_due_steps(
     from types import SimpleNamespace
 
     from engine.config import TrainConfig
-    from engine.memory_snapshot import MemorySnapshots
+    from engine.memory import MemoryTier
+    from engine.memory.pair import MemorySnapshots
     from engine.snapshot import Snapshots
     from engine.world import World
 
     cfg = TrainConfig(epochs=1)
     cfg.checkpoint.every_steps = every_steps
     ctx = SimpleNamespace(cfg=cfg, is_rank0=True)
-    memory = (MemorySnapshots(tmp_path, World(rank=0, local_rank=0, world_size=1,
-                                              local_world_size=1), memory_every,
-                              run_id="0" * 32, shm=tmp_path) if memory_every else None)
+    memory = (MemoryTier(ctx, MemorySnapshots(
+        tmp_path, World(rank=0, local_rank=0, world_size=1, local_world_size=1),
+        memory_every, run_id="0" * 32, shm=tmp_path)) if memory_every else None)
     asked = []
-    layer = Snapshots(ctx, memory, finish_check=lambda: asked.append(step) or True)
+    layer = Snapshots(ctx, finish_check=lambda: asked.append(step) or True, memory=memory)
     def step_ended(step):  # as Trainer.optimizer_step asks
         if step >= layer.next_due:
             layer.step_ended(step)
@@ -91,7 +92,8 @@ def auto_layers(tmp_path, ranks: int = 2):
     from types import SimpleNamespace
 
     from engine.config import TrainConfig
-    from engine.memory_snapshot import MemorySnapshots
+    from engine.memory import MemoryTier
+    from engine.memory.pair import MemorySnapshots
     from engine.snapshot import Snapshots
     from engine.world import World
 
@@ -101,87 +103,12 @@ def auto_layers(tmp_path, ranks: int = 2):
     for rank in range(ranks):
         ctx = SimpleNamespace(cfg=cfg, is_rank0=rank == 0, options={},
                               state=SimpleNamespace(step=0))
-        memory = MemorySnapshots(tmp_path, World(rank=rank, local_rank=rank,
-                                                 world_size=ranks, local_world_size=ranks),
-                                 1, run_id="0" * 32, shm=tmp_path)
-        layers.append(Snapshots(ctx, memory, finish_check=lambda r=rank: asked[r].append(
+        memory = MemoryTier(ctx, MemorySnapshots(
+            tmp_path, World(rank=rank, local_rank=rank, world_size=ranks,
+                            local_world_size=ranks), 1, run_id="0" * 32, shm=tmp_path))
+        layers.append(Snapshots(ctx, memory=memory, finish_check=lambda r=rank: asked[r].append(
             layers[r].ctx.state.step) or True))
     return layers, asked
-
-
-def costs(layer, snapshot_s: float, step_s: float, snapshots: int = 10, steps: int = 10):
-    """What the layer's memory snapshots cost so far, as MemoryCost.measure totals them."""
-    cost = layer.memory_cost
-    cost.snapshot_s, cost.snapshots = snapshot_s * snapshots, snapshots
-    cost.step_s, cost.steps = step_s * steps, steps
-    if cost.hidden_s is None:  # as if the probe found nothing the clocks did not see
-        cost.hidden_s = 0.0
-
-
-def test_auto_takes_the_shortest_interval_within_2_percent_of_the_step(tmp_path):
-    """The interval auto proposes: the shortest power of two whose snapshots cost at most
-    2% of the step (1 where a snapshot is nearly free, at most 128 however dear), shorter
-    than the one in force only with a margin (a cost near a boundary must not flip it at
-    every check point), none before anything was measured."""
-    from engine.snapshot import MEMORY_BUDGET, MemoryCost
-
-    assert MEMORY_BUDGET == 0.02
-    cost = MemoryCost()
-    assert cost.every_steps(1) is None and cost.record(1, True)["cost_percent"] is None
-    for snapshot_s, step_s, current, every in [
-            (0.0001, 0.1, 1, 1),     # 0.1% of a step: every step
-            (0.002, 0.1, 1, 1),      # exactly 2%
-            (0.0021, 0.1, 1, 2),
-            (0.023, 0.1, 1, 16),     # 23% (CIFAR at 2 processes here): 11.5 -> 16
-            (1.0, 0.1, 1, 128),      # ten steps' worth: the cap
-            (0.003, 0.1, 4, 2),      # 1.5: 2 is within 80% of the budget: shorter
-            (0.0039, 0.1, 4, 4),     # 1.95: 2 would be within budget, but near it
-            (0.0075, 0.1, 8, 8),     # 3.75: so would 4
-            (0.0060, 0.1, 8, 4)]:    # 3.0
-        costs(SimpleNamespace(memory_cost=cost), snapshot_s, step_s)
-        assert cost.every_steps(current) == every, (snapshot_s, step_s, current)
-        assert cost.percent(every) <= 100 * MEMORY_BUDGET or every == 128
-    costs(SimpleNamespace(memory_cost=cost), 0.024, 0.1)
-    assert cost.record(16, True) == {"every_steps": 16, "auto": True, "snapshot_s": 0.024,
-                                     "step_s": 0.1, "cost_percent": 1.5}
-
-
-def test_the_costs_are_the_carved_snapshot_times_from_the_window_after_the_first(tmp_path):
-    """MemoryCost.measure: the memory snapshots' time is the phase clock's (carve), with
-    the optimizer's waits for their background copies (a copy of several steps' length
-    would otherwise look free), the step time the window's less the snapshots in it
-    (memory and disk); the window with
-    the tier's first snapshot (which also reserves the buffers) is not counted."""
-    from engine import phases
-    from engine.snapshot import MemoryCost
-
-    cost = MemoryCost()
-
-    def snapshot(kind):
-        with phases.carve(kind, within="training"):
-            sum(range(20000))  # a cost, whatever it is: the clock's reading is compared
-
-    snapshot(phases.MEMORY_SNAPSHOTS)  # the first
-    cost.measure(window_s=5.0, window_steps=4, saves=1)
-    assert (cost.snapshots, cost.steps) == (0, 0)  # its window is not counted
-    before = (phases.carved(phases.MEMORY_SNAPSHOTS)[0], phases.carved(phases.SNAPSHOTS)[0],
-              phases.carved(phases.MEMORY_WAITS)[0])
-    snapshot(phases.MEMORY_SNAPSHOTS)
-    snapshot(phases.MEMORY_SNAPSHOTS)
-    snapshot(phases.MEMORY_WAITS)  # an optimizer step waited for a background copy
-    snapshot(phases.SNAPSHOTS)
-    cost.measure(window_s=5.0, window_steps=4, saves=3)
-    memory_s = (phases.carved(phases.MEMORY_SNAPSHOTS)[0] - before[0]
-                + phases.carved(phases.MEMORY_WAITS)[0] - before[2])
-    disk_s = phases.carved(phases.SNAPSHOTS)[0] - before[1]
-    assert (cost.snapshots, cost.steps) == (2, 4)
-    assert cost.snapshot_s == pytest.approx(memory_s)
-    assert cost.step_s == pytest.approx(5.0 - memory_s - disk_s)
-    snapshot(phases.MEMORY_SNAPSHOTS)  # the epoch's end: in no window
-    cost.window_started()
-    cost.measure(window_s=1.0, window_steps=2, saves=4)
-    assert (cost.snapshots, cost.steps) == (2, 6)
-    assert cost.step_s == pytest.approx(6.0 - memory_s - disk_s)
 
 
 def test_auto_probes_what_the_clocks_do_not_see_with_one_window_paused(tmp_path):
@@ -190,7 +117,7 @@ def test_auto_probes_what_the_clocks_do_not_see_with_one_window_paused(tmp_path)
     step, then one with the tier paused (no snapshot asked for); their difference per
     step, beyond the clocks, counts with every snapshot from then on. Until then auto
     proposes nothing."""
-    from engine.snapshot import PAUSED, agreed_interval
+    from engine.memory.cost import PAUSED, agreed_interval
 
     (layer,), (asked,) = auto_layers(tmp_path, ranks=1)
     step = 0
@@ -204,23 +131,23 @@ def test_auto_probes_what_the_clocks_do_not_see_with_one_window_paused(tmp_path)
         return layer.check_flags(window_s=seconds, window_steps=steps)
 
     assert agreed_interval(window(1.0)[2:]) is None  # the first snapshot's window
-    assert (layer.probe, layer.memory.every_steps) == ("with", 1)
+    assert (layer.memory.probe, layer.memory.every_steps) == ("with", 1)
     assert agreed_interval(window(2.0)[2:]) is None  # 0.2 s a step, a snapshot each
-    assert (layer.probe, layer.memory.every_steps) == ("without", PAUSED)
+    assert (layer.memory.probe, layer.memory.every_steps) == ("without", PAUSED)
     assert layer.ctx.memory_record["every_steps"] == 1  # not the pause's
     window(1.0)  # paused: 0.1 s a step
     assert asked == list(range(1, 21))  # nothing asked for in the paused window
-    assert (layer.probe, layer.memory.every_steps) == (None, 1)
-    assert layer.memory_cost.hidden_s == pytest.approx(0.1)  # no clock saw any of it
+    assert (layer.memory.probe, layer.memory.every_steps) == (None, 1)
+    assert layer.memory.cost.hidden_s == pytest.approx(0.1)  # no clock saw any of it
     window(1.0)
     assert asked == [*range(1, 21), *range(31, 41)]  # every step again
     # Windows at a snapshot every step: 0.2 s a step, their clocks' 0.001 s taken out;
     # without the probe's 0.1 s per snapshot too, a step is 0.1 s.
-    costs(layer, snapshot_s=0.001, step_s=0.2)
-    assert layer.memory_cost.per_step() == pytest.approx(0.1)
+    costs(layer.memory.cost, snapshot_s=0.001, step_s=0.2)
+    assert layer.memory.cost.per_step() == pytest.approx(0.1)
     # (0.001 + 0.1) / (2% of 0.1 s) = 50.5 steps: 64.
-    assert layer.memory_cost.every_steps(1) == 64
-    assert layer.memory_cost.record(64, True)["snapshot_s"] == pytest.approx(0.101)
+    assert layer.memory.cost.every_steps(1) == 64
+    assert layer.memory.cost.record(64, True)["snapshot_s"] == pytest.approx(0.101)
 
 
 def test_ranks_that_propose_different_intervals_take_the_longest_at_the_same_step(tmp_path):
@@ -231,9 +158,9 @@ def test_ranks_that_propose_different_intervals_take_the_longest_at_the_same_ste
     snapshots are never more than the longer interval of the two (what a crash loses)."""
     layers, asked = auto_layers(tmp_path)
     for layer in layers:
-        layer.probe = None  # probed: test_auto_probes_what_the_clocks_do_not_see
-    costs(layers[0], snapshot_s=0.001, step_s=0.1)  # 1%: every step
-    costs(layers[1], snapshot_s=0.02, step_s=0.1)   # 20%: every 16 steps
+        layer.memory.probe = None  # probed: test_auto_probes_what_the_clocks_do_not_see
+    costs(layers[0].memory.cost, snapshot_s=0.001, step_s=0.1)  # 1%: every step
+    costs(layers[1].memory.cost, snapshot_s=0.02, step_s=0.1)   # 20%: every 16 steps
     step = 0
     schedule = {}  # the step -> the interval in force when it was asked
 
@@ -260,7 +187,7 @@ def test_ranks_that_propose_different_intervals_take_the_longest_at_the_same_ste
     assert asked[0] == asked[1] == [*range(1, 21), 32, 48, 64]
     # Rank 1's snapshots grow cheaper, dearer, then nearly free: 4, 32, then 1.
     for snapshot_s, every, until in ((0.006, 4, 100), (0.05, 32, 200), (0.001, 1, 230)):
-        costs(layers[1], snapshot_s=snapshot_s, step_s=0.1)
+        costs(layers[1].memory.cost, snapshot_s=snapshot_s, step_s=0.1)
         agree()
         first, before = step + 1, list(asked[0])
         train(until)
@@ -280,7 +207,7 @@ def test_two_ranks_whose_snapshots_cost_differently_snapshot_at_the_same_steps(
     steps, though rank 0's own costs ask for a short one; summary.json says the interval
     and what a snapshot costs; the weights are those of the run without (snapshots
     never change what a step computes)."""
-    from engine.snapshot import MEMORY_BUDGET, shortest
+    from engine.memory.cost import MEMORY_BUDGET, shortest
 
     out, record = tmp_path / "run", tmp_path / "record"
     record.mkdir()

@@ -179,3 +179,44 @@ def test_the_checkpointer_contract_catches_a_careless_store(tmp_path):
         "test_verify_reports_a_damaged_snapshot_and_latest_skips_it[flip]",
         "test_verify_reports_a_damaged_snapshot_and_latest_skips_it[truncate]"], proc.stdout
     assert "3 failed, 7 passed" in proc.stdout, proc.stdout
+
+
+def test_the_state_part_contract_holds_for_every_built_in_part_and_catches_a_careless_one():
+    """engine.testing.assert_state_part: each built-in part's memory-snapshot state
+    (local_state_dict, or state_dict where it declares none) needs no process group and
+    loads back to itself; a part whose local state gathers (a collective), or that does
+    not load it back, fails the check."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from engine.plugins.ema import ExponentialMovingAverage
+    from engine.stateful import Metrics, ModelState, OptimizerState, RngStates, TrainState
+    from engine.testing import assert_state_part
+    from engine.world import World
+    from tests.engine.memory.rank_part import RankPart
+
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    world = World(rank=0, local_rank=0, world_size=1, local_world_size=1)
+    for part in (ModelState(model), OptimizerState(model, optimizer), TrainState(step=3),
+                 Metrics({"val/loss": 0.5}), RngStates(world, print), RankPart(rank=0),
+                 ExponentialMovingAverage(model, optimizer, decay=0.9, every_steps=1)):
+        assert_state_part(part)
+
+    class Gathers(RankPart):
+        local_state_dict = RankPart.state_dict  # a collective where none may be
+
+    with pytest.raises((RuntimeError, ValueError), match="process group"):
+        assert_state_part(Gathers(rank=0))
+
+    class Forgets(RankPart):
+        def load_state_dict(self, state):
+            self.value = 0
+
+    forgetful = Forgets(rank=0)
+    forgetful.value = 5
+    with pytest.raises(AssertionError, match="its state after a load"):
+        assert_state_part(forgetful)

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from engine.memory_snapshot import buffer_paths
+from engine.memory.files import buffer_paths
 from tests.conftest import ENGINE_RUN, engine_env, read_summary, run_cli, small_disk
 from tests.engine.test_snapshot import (BASE, ELASTIC, RECIPE, STEPS_PER_EPOCH,
                                         TORCHRUN, Agents, wait_for)
@@ -144,7 +144,7 @@ def memory_dir():
     import shutil
     import uuid
 
-    from engine.memory_snapshot import SHM
+    from engine.shm import SHM
 
     folder = SHM / f"engine-test-{uuid.uuid4().hex[:8]}"
     folder.mkdir()
@@ -166,7 +166,7 @@ def test_planted_names_leave_the_plants_untouched_and_the_run_on_disk_snapshots(
     is as it was."""
     import os
 
-    from engine.memory_snapshot import RUN_ID_FILE, user_folder
+    from engine.memory.files import RUN_ID_FILE, user_folder
 
     out = tmp_path / "run"
     out.mkdir()
@@ -211,7 +211,7 @@ def test_buffers_of_another_run_a_deleted_folder_or_a_fresh_start_are_never_resu
     import os
     import shutil
 
-    from engine.memory_snapshot import RUN_ID_FILE, run_buffers, run_id_of, user_folder
+    from engine.memory.files import RUN_ID_FILE, run_buffers, run_id_of, user_folder
 
     out, other = tmp_path / "run", tmp_path / "other"
     args = (RECIPE, *MEMORY, f"checkpoint.memory_dir={memory_dir}", "--nproc", "2",

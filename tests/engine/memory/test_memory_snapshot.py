@@ -1,4 +1,4 @@
-"""In-memory snapshots (engine/memory_snapshot.py): real buffers in a tmpfs folder, real
+"""In-memory snapshots (engine/memory/): real buffers in a tmpfs folder, real
 processes killed during their copy."""
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import sys
 import pytest
 import torch
 
-from engine import memory_ring, memory_snapshot, phases
-from engine.memory_snapshot import MemorySnapshots
+from engine import phases
+from engine.memory import buffer, copy_plan, files, resume, ring, rows, tier
+from engine.memory.pair import MemorySnapshots
+from engine.shm import SHM
 from engine.testing import assert_same_snapshot
 from engine.testing import make_engine, make_plugin_manager, tiny_recipe  # noqa: F401 (fixtures)
 from engine.world import World
@@ -28,7 +30,7 @@ def shm(tmp_path):
     import shutil
     import uuid
 
-    folder = memory_snapshot.SHM / f"engine-test-{uuid.uuid4().hex[:8]}"
+    folder = SHM / f"engine-test-{uuid.uuid4().hex[:8]}"
     folder.mkdir()
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
@@ -59,6 +61,14 @@ def a_snapshot(step: int) -> dict:
 RUN_ID = "0123456789abcdef" * 2
 
 
+def load_newest(memory, warn):
+    """This rank's newest memory snapshot that loads whole (resume.load_all), or None."""
+    loaded = resume.load_all(memory, warn)
+    for other in loaded[1:]:
+        other.close()
+    return loaded[0] if loaded else None
+
+
 def memory_of(run_dir, shm, rank: int = 0, run_id: str = RUN_ID) -> MemorySnapshots:
     memory = MemorySnapshots(run_dir, world(rank), every_steps=1, run_id=run_id, shm=shm)
     assert memory.check() is None
@@ -69,10 +79,10 @@ def test_a_saved_snapshot_comes_back_whole_and_detached_from_the_buffer(shm, tmp
     memory = memory_of(tmp_path, shm)
     state = a_snapshot(3)
     memory.save(state, step=3, epoch=1)
-    slot = memory_snapshot.newest(memory.paths, RUN_ID)
+    slot = buffer.newest(memory.paths, RUN_ID)
     assert (slot.step, slot.epoch, slot.info["run_dir"]) == (3, 1, str(tmp_path.resolve()))
     assert slot.path.parent == shm / f"engine-memory-{os.geteuid()}"
-    loaded = memory_snapshot.load_slot(slot)
+    loaded = buffer.load_slot(slot)
     assert_same_snapshot(loaded, state)
     assert loaded["dtype"] is torch.float16 and loaded["size"] == torch.Size([2, 3])
     memory.save(a_snapshot(4), step=4, epoch=1)
@@ -83,7 +93,7 @@ def test_a_saved_snapshot_comes_back_whole_and_detached_from_the_buffer(shm, tmp
 def test_an_fsdp_models_snapshot_holds_its_shards_and_loads_them_back_bit_for_bit(
         shm, tmp_path):
     """Under fully_shard (one rank, in a process group of its own) the model's and the
-    optimizer's memory_state_dict hold the DTensors' local tensors with their shape and
+    optimizer's local_state_dict hold the DTensors' local tensors with their shape and
     placements (to_shards); through the tier's buffer they load into a fresh sharded
     model, and into its optimizer before its first step (no state yet), so that the
     next step is the same to the bit; a whole model refuses them in one line."""
@@ -101,14 +111,14 @@ def test_an_fsdp_models_snapshot_holds_its_shards_and_loads_them_back_bit_for_bi
                             rank=0, world_size=1)
     try:
         model, optimizer = trained(2)
-        state = {**a_snapshot(2), "model": ModelState(model).memory_state_dict(),
-                 "optimizer": OptimizerState(model, optimizer).memory_state_dict()}
+        state = {**a_snapshot(2), "model": ModelState(model).local_state_dict(),
+                 "optimizer": OptimizerState(model, optimizer).local_state_dict()}
         shard = state["model"]["0.weight"]
         assert (shard[0], shard[2], shard[4]) == (SHARD, (3, 4), "S0")
         assert state["optimizer"]["state"][0]["exp_avg"][0] == SHARD
         memory = memory_of(tmp_path, shm)
         memory.save(state, step=2, epoch=0)
-        loaded = memory_snapshot.load_slot(memory_snapshot.newest(memory.paths, RUN_ID))
+        loaded = buffer.load_slot(buffer.newest(memory.paths, RUN_ID))
         fresh, fresh_optimizer = trained(0)
         ModelState(fresh).load_state_dict(loaded["model"])
         OptimizerState(fresh, fresh_optimizer).load_state_dict(loaded["optimizer"])
@@ -128,7 +138,7 @@ def test_an_fsdp_models_snapshot_holds_its_shards_and_loads_them_back_bit_for_bi
 
 
 def test_the_ring_keeps_the_newest_whole_copy_and_gives_it_back_checked(shm, tmp_path):
-    """engine/memory_ring.py between 2 real gloo processes (forked: no imports to
+    """engine/memory/ring.py between 2 real gloo processes (forked: no imports to
     repeat), each the other's successor: each snapshot's copy goes into the held buffer
     with the older copy; one that arrives damaged is refused and leaves the newest whole
     copy; at a resume where both ranks' own snapshots are gone, they agree on the
@@ -167,17 +177,17 @@ def _ring_rank(rank: int, shm, tmp_path) -> None:
     warnings = []
     memory = MemorySnapshots(tmp_path, world(rank, 2), every_steps=1, run_id=RUN_ID,
                              shm=shm, sharded=True)
-    memory.ring = memory_ring.Ring(memory, timeout_s=20)  # a failure is a timeout
+    memory.ring = ring.Ring(memory, timeout_s=20)  # a failure is a timeout
 
     def save_and_copy(step: int, damage: bool = False) -> None:
         memory.save(_ring_snapshot(step, rank), step=step, epoch=0)
-        buffer = memory.buffers[memory.newest_index]
+        newest = memory.buffers[memory.newest_index]
         if damage:  # changed after its checksum was taken: as a flaky link would
-            buffer.array[memory_snapshot.HEADER_BYTES + 200] ^= 0xFF
-        memory.ring._exchange(buffer, memory.sequence)
+            newest.array[buffer.HEADER_BYTES + 200] ^= 0xFF
+        memory.ring._exchange(newest, memory.sequence)
 
     def held_steps() -> list[int]:
-        copies = memory_ring.load_held(memory, warnings.append)
+        copies = ring.load_held(memory, warnings.append)
         for copy in copies:
             copy.close()
         return [c.step for c in copies]
@@ -195,11 +205,11 @@ def _ring_rank(rank: int, shm, tmp_path) -> None:
     else:
         save_and_copy(4, damage=True)
         assert held_steps() == [4, 3]
-    copies = memory_ring.load_held(memory, warnings.append)
-    choice = memory_snapshot.agree(memory, [], copies)  # its own snapshots "are gone"
+    copies = ring.load_held(memory, warnings.append)
+    choice = resume.agree(memory, [], copies)  # its own snapshots "are gone"
     # Step 4: rank 0 holds no whole copy of rank 1's; step 3: each its successor's copy.
     assert (choice.step, choice.holders, choice.peers) == (3, [], {0: 1, 1: 0})
-    assert_same_snapshot(memory_ring.fetch(memory, choice, [], copies),
+    assert_same_snapshot(ring.fetch(memory, choice, [], copies),
                          _ring_snapshot(3, rank))
     assert memory.sequence >= copies[0].slot.sequence
     assert warnings == []
@@ -225,14 +235,14 @@ def test_the_newest_of_the_two_buffers_wins_and_a_damaged_one_is_never_used(shm,
     memory = memory_of(tmp_path, shm)
     for step in (1, 2):
         memory.save(a_snapshot(step), step=step, epoch=0)
-    newest = memory_snapshot.newest(memory.paths, RUN_ID)
+    newest = buffer.newest(memory.paths, RUN_ID)
     assert newest.step == 2
     # One flipped bit in the newest payload: its checksum fails, the older one is taken.
-    flip(newest.path, memory_snapshot.HEADER_BYTES + newest.length - 1)
-    assert memory_snapshot.newest(memory.paths, RUN_ID).step == 1
+    flip(newest.path, buffer.HEADER_BYTES + newest.length - 1)
+    assert buffer.newest(memory.paths, RUN_ID).step == 1
     # A truncated one (a half-written file) neither.
     os.truncate(memory.paths[0] if newest.path == memory.paths[1] else memory.paths[1], 100)
-    assert memory_snapshot.newest(memory.paths, RUN_ID) is None
+    assert buffer.newest(memory.paths, RUN_ID) is None
 
 
 def flip(path, at: int) -> None:
@@ -252,10 +262,10 @@ def test_the_header_is_under_the_checksum(shm, tmp_path):
     with open(path, "r+b") as f:
         f.seek(16)  # the step, right after magic and sequence
         f.write(struct.pack("<Q", 999999))
-    assert memory_snapshot.read_slot(path) is None
+    assert buffer.check_slot(path)[0] is None
     memory.save(a_snapshot(2), step=2, epoch=0)  # into buffer b
     flip(memory.paths[1], 64)  # the run id's first byte
-    assert memory_snapshot.read_slot(memory.paths[1]) is None
+    assert buffer.check_slot(memory.paths[1])[0] is None
 
 
 def test_another_runs_buffers_never_match(shm, tmp_path):
@@ -264,22 +274,40 @@ def test_another_runs_buffers_never_match(shm, tmp_path):
     mine = memory_of(tmp_path, shm)
     mine.save(a_snapshot(1), step=1, epoch=0)
     other = "f" * 32
-    assert memory_snapshot.newest(mine.paths, other) is None
+    assert buffer.newest(mine.paths, other) is None
     # The same names copied in under another run's id: still refused by the header.
-    theirs = memory_snapshot.buffer_paths(tmp_path, 0, shm, other)
+    theirs = files.buffer_paths(tmp_path, 0, shm, other)
     shutil.copyfile(mine.paths[0], theirs[0])
     os.chmod(theirs[0], 0o600)
-    assert memory_snapshot.newest(theirs, other) is None
-    assert memory_snapshot.newest(theirs, RUN_ID).step == 1  # it is the other run's
+    assert buffer.newest(theirs, other) is None
+    assert buffer.newest(theirs, RUN_ID).step == 1  # it is the other run's
 
 
 def test_the_run_id_lives_in_the_run_folder_and_a_fresh_start_replaces_it(tmp_path):
-    old, first = memory_snapshot.claim_run_id(tmp_path, fresh=False)
-    assert old is None and memory_snapshot.run_id_of(tmp_path) == first
-    assert memory_snapshot.claim_run_id(tmp_path, fresh=False) == (first, first)
-    old, second = memory_snapshot.claim_run_id(tmp_path, fresh=True)  # --no-resume
+    old, first = files.claim_run_id(tmp_path, fresh=False)
+    assert old is None and files.run_id_of(tmp_path) == first
+    assert files.claim_run_id(tmp_path, fresh=False) == (first, first)
+    old, second = files.claim_run_id(tmp_path, fresh=True)  # --no-resume
     assert old == first and second != first
-    assert memory_snapshot.run_id_of(tmp_path) == second
+    assert files.run_id_of(tmp_path) == second
+
+
+def test_a_copied_run_folder_gets_an_id_of_its_own_and_a_renamed_one_keeps_its_own(tmp_path):
+    """cp -a of a run folder copies its id: the copy would share the original's buffers
+    (one of the two resuming from the other's, or overwriting them). The id records its
+    folder's inode: a copy's is not its own, and it claims a new one (``old`` None: the
+    original's buffers are not the copy's to forget); a renamed folder keeps its id."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _, first = files.claim_run_id(run, fresh=False)
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(run), str(copy)], check=True)
+    assert files.copied(copy) and not files.copied(run) and files.run_id_of(copy) is None
+    old, second = files.claim_run_id(copy, fresh=False)
+    assert old is None and second != first
+    assert (files.run_id_of(run), files.run_id_of(copy)) == (first, second)
+    run.rename(tmp_path / "moved")
+    assert files.run_id_of(tmp_path / "moved") == first
 
 
 @pytest.mark.parametrize("planted", ["other user's file", "symlink", "directory"])
@@ -301,13 +329,13 @@ def test_a_name_taken_by_anything_but_our_own_file_is_refused_untouched(
         os.chown(path, 12345, 12345)  # the suite runs as root (docs/development.md)
         os.chmod(path, 0o666)
     before = os.lstat(path)
-    with pytest.raises(memory_snapshot.Unsafe, match=str(path)):
+    with pytest.raises(files.Unsafe, match=str(path)):
         memory.save(a_snapshot(1), step=1, epoch=0)
     after = os.lstat(path)
     assert (after.st_mode, after.st_uid, after.st_size, after.st_ino) == (
         before.st_mode, before.st_uid, before.st_size, before.st_ino)
     assert target.read_bytes() == b"x" * 100
-    assert memory_snapshot.read_slot(path) is None
+    assert buffer.check_slot(path)[0] is None
 
 
 @pytest.mark.parametrize("planted", ["another user's folder", "symlink", "open folder",
@@ -316,7 +344,7 @@ def test_a_user_folder_that_is_not_ours_is_left_for_a_private_one(shm, tmp_path,
     """Anything at this user's folder name but its own closed folder: left as it is; the
     buffers go into a private folder of random name (0700), recorded in the run folder,
     which a restart finds. Only where no private folder can be had is the tier off."""
-    folder = memory_snapshot.user_folder(shm)
+    folder = files.user_folder(shm)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(mode=0o700)
     if planted == "symlink":
@@ -336,7 +364,7 @@ def test_a_user_folder_that_is_not_ours_is_left_for_a_private_one(shm, tmp_path,
     assert private.parent == shm and private.name.startswith(f"{folder.name}-")
     assert stat.S_IMODE(os.lstat(private).st_mode) == 0o700
     assert memory_of(tmp_path, shm).newest().step == 1  # a restart finds it
-    assert memory_snapshot.buffer_paths(tmp_path, 0, shm, RUN_ID) == memory.paths
+    assert files.buffer_paths(tmp_path, 0, shm, RUN_ID) == memory.paths
     after = os.lstat(folder)
     assert (after.st_mode, after.st_uid, after.st_ino) == (
         before.st_mode, before.st_uid, before.st_ino)
@@ -344,7 +372,7 @@ def test_a_user_folder_that_is_not_ours_is_left_for_a_private_one(shm, tmp_path,
     memory.remove()
     assert not private.exists()
     unrecorded = tmp_path / "unrecorded"  # nowhere to record a private folder: off
-    (unrecorded / memory_snapshot.FOLDER_FILE).mkdir(parents=True)
+    (unrecorded / files.FOLDER_FILE).mkdir(parents=True)
     memory = MemorySnapshots(unrecorded, world(), every_steps=1, run_id=RUN_ID, shm=shm)
     problem = memory.check()
     assert problem is not None and str(folder) in problem, problem
@@ -355,7 +383,7 @@ def test_a_folder_name_another_user_took_first_leaves_the_tier_on(shm, tmp_path)
     name first in a shared tmpfs (mode 1777, as /dev/shm): two local ranks still save,
     into one private folder, and a restarted rank resumes from its snapshot."""
     os.chmod(shm, 0o1777)
-    folder = memory_snapshot.user_folder(shm)
+    folder = files.user_folder(shm)
     subprocess.run(["mkdir", "-m", "700", str(folder)], user=12345, group=12345,
                    check=True)
     ranks = [MemorySnapshots(tmp_path, world(r, 2), every_steps=1, run_id=RUN_ID,
@@ -376,8 +404,8 @@ def test_a_larger_state_grows_the_buffer_and_the_previous_snapshot_stays(shm, tm
     memory.save(a_snapshot(1), step=1, epoch=0)
     big = {**a_snapshot(2), "extra": torch.randn(300_000)}
     memory.save(big, step=2, epoch=0)
-    assert_same_snapshot(memory_snapshot.load_slot(
-        memory_snapshot.newest(memory.paths, RUN_ID)), big)
+    assert_same_snapshot(buffer.load_slot(
+        buffer.newest(memory.paths, RUN_ID)), big)
     # A fresh reader (a restarted worker) finds the same.
     again = memory_of(tmp_path, shm)
     assert again.newest().step == 2
@@ -393,7 +421,7 @@ def test_a_full_tmpfs_after_the_first_snapshot_is_no_room_and_the_snapshot_stays
         memory.save(a_snapshot(2), step=2, epoch=0)  # no new pages: both were reserved
         (tiny / "filler").write_bytes(b"\0" * (2**21 - 2 * 4096 - os.path.getsize(
             memory.paths[0]) * 2))
-        with pytest.raises(memory_snapshot.NoRoom, match="No space left"):
+        with pytest.raises(files.NoRoom, match="No space left"):
             memory.save({**a_snapshot(3), "extra": torch.randn(300_000)}, step=3, epoch=0)
         assert memory.newest().step == 2
         memory.close()
@@ -416,7 +444,7 @@ def test_only_leftovers_of_gone_writers_on_this_host_are_removed(shm, tmp_path):
         memory.save(a_snapshot(1), step=1, epoch=0)
         memory.save(a_snapshot(2), step=2, epoch=0)
         # fsdp: the buffers that hold the predecessor's copies follow the same rules.
-        held = memory_snapshot.Buffer(memory_ring.held_paths(folder, 0, shm, ids[folder])[0])
+        held = buffer.Buffer(ring.held_paths(folder, 0, shm, ids[folder])[0])
         held.map(4096, memory.info, bytes.fromhex(ids[folder]))
         if folder is live:
             writer = memory  # its descriptors stay open: the writer lives
@@ -428,31 +456,31 @@ def test_only_leftovers_of_gone_writers_on_this_host_are_removed(shm, tmp_path):
     live.rmdir()
     foreign.rmdir()
     new_id = "e" * 32  # a fresh start over "here": its old id's buffers are stale
-    removed, problems = memory_snapshot.remove_leftovers(here, new_id, shm)
+    removed, problems = tier.remove_leftovers(here, new_id, shm)
     assert problems == []
     def buffers(folder):
-        return [*memory_snapshot.buffer_paths(folder, 0, shm, ids[folder]),
-                memory_ring.held_paths(folder, 0, shm, ids[folder])[0]]
+        return [*files.buffer_paths(folder, 0, shm, ids[folder]),
+                ring.held_paths(folder, 0, shm, ids[folder])[0]]
 
     assert sorted(removed) == sorted(buffers(here) + buffers(gone))
     for folder in (kept, live, foreign):
         assert all(p.exists() for p in buffers(folder))
     writer.close()  # the writer is gone now: its buffers are leftovers
     held_writer.close()
-    removed, _ = memory_snapshot.remove_leftovers(here, new_id, shm)
+    removed, _ = tier.remove_leftovers(here, new_id, shm)
     assert sorted(removed) == sorted(buffers(live))
     # --no-resume / --resume PATH: every rank's buffers of the run go, whatever folder
     for rank in (0, 1):
         memory = memory_of(kept, shm, rank, ids[kept])
         memory.save(a_snapshot(1), step=1, epoch=0)
         memory.close()
-    memory_snapshot.remove_leftovers(kept, ids[kept], shm, forget=ids[kept])
-    assert memory_snapshot.run_buffers(ids[kept], shm) == []
+    tier.remove_leftovers(kept, ids[kept], shm, forget=ids[kept])
+    assert files.run_buffers(ids[kept], shm) == []
 
 
 IN_ANOTHER_NAMESPACE = """
 import pathlib, sys, torch
-from engine.memory_snapshot import MemorySnapshots
+from engine.memory.pair import MemorySnapshots
 from engine.world import World
 shm, run_dir, run_id = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 memory = MemorySnapshots(run_dir, World(rank=0, local_rank=0, world_size=1,
@@ -479,14 +507,14 @@ def test_a_start_leaves_the_buffers_of_another_mount_namespace(shm, tmp_path):
                     'mount -t tmpfs none "$3" && exec "$0" -c "$@"', sys.executable,
                     IN_ANOTHER_NAMESPACE, str(shm), str(here), theirs],
                    check=True, timeout=120)
-    other = memory_snapshot.run_buffers(theirs, shm)
-    assert len(other) == 2 and memory_snapshot.read_info(other[0])["run_dir"] == str(here)
-    assert memory_snapshot.read_info(other[0])["mnt"] != memory_snapshot.mount_namespace()
+    other = files.run_buffers(theirs, shm)
+    assert len(other) == 2 and buffer.read_info(other[0])["run_dir"] == str(here)
+    assert buffer.read_info(other[0])["mnt"] != files.mount_namespace()
     assert list(here.iterdir()) == []  # its run folder was the other namespace's alone
-    removed, problems = memory_snapshot.remove_leftovers(here, mine, shm)
+    removed, problems = tier.remove_leftovers(here, mine, shm)
     assert (sorted(removed), problems) == (sorted(stale.paths), [])
-    assert memory_snapshot.run_buffers(theirs, shm) == other
-    assert memory_snapshot.newest(other, theirs).step == 1
+    assert files.run_buffers(theirs, shm) == other
+    assert buffer.newest(other, theirs).step == 1
 
 
 def test_a_buffer_that_does_not_load_is_a_warning_and_the_older_one_is_used(shm, tmp_path):
@@ -497,9 +525,9 @@ def test_a_buffer_that_does_not_load_is_a_warning_and_the_older_one_is_used(shm,
     memory.save(a_snapshot(1), step=1, epoch=0)
     memory.save({**a_snapshot(2), "path": pathlib.PurePosixPath("x")}, step=2, epoch=0)
     with pytest.raises(Exception, match="not allowed in a memory snapshot"):
-        memory_snapshot.load_slot(memory.newest())
+        buffer.load_slot(memory.newest())
     warnings = []
-    loaded = memory_snapshot.load_newest(memory, warnings.append)
+    loaded = load_newest(memory, warnings.append)
     assert loaded.slot.step == 1 and loaded.state["step"] == 1
     loaded.close()
     assert len(warnings) == 1 and "not allowed in a memory snapshot" in warnings[0]
@@ -507,7 +535,7 @@ def test_a_buffer_that_does_not_load_is_a_warning_and_the_older_one_is_used(shm,
     # Into the refused buffer: the next save never overwrites the one that loaded.
     memory.save(forged, step=3, epoch=0)
     warnings.clear()
-    loaded = memory_snapshot.load_newest(memory, warnings.append)
+    loaded = load_newest(memory, warnings.append)
     assert loaded.slot.step == 1
     loaded.close()
     assert len(warnings) == 1 and "holds no config" in warnings[0], warnings
@@ -516,8 +544,9 @@ def test_a_buffer_that_does_not_load_is_a_warning_and_the_older_one_is_used(shm,
 KILLER = """
 import os, pathlib, random, signal, sys, time
 import torch
-from engine import memory_snapshot
-from engine.memory_snapshot import MemorySnapshots, buffer_paths
+from engine.memory import buffer
+from engine.memory.files import buffer_paths
+from engine.memory.pair import MemorySnapshots
 from engine.world import World
 torch.set_num_threads(1)  # no thread pool for the forked savers to inherit half-made
 shm, runs = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
@@ -542,8 +571,8 @@ for attempt in range(int(sys.argv[3])):
     time.sleep(rng.uniform(0.0, 0.2))
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    slot = memory_snapshot.newest(buffer_paths(run, 0, shm, f"{attempt:032x}"))
-    loaded = memory_snapshot.load_slot(slot)
+    slot = buffer.newest(buffer_paths(run, 0, shm, f"{attempt:032x}"))
+    loaded = buffer.load_slot(slot)
     whole = loaded["step"] == slot.step and torch.equal(
         loaded["w"], torch.full((2_000_000,), float(slot.step)))
     print(slot.step, whole, flush=True)
@@ -567,13 +596,13 @@ def test_a_process_killed_during_its_copies_leaves_one_whole_snapshot(shm, tmp_p
 def test_the_ranks_choose_the_newest_step_each_rank_can_restore():
     """A rank without a copy of a step needs a holder whose exchange rows (its RNG
     states and loss sums) came whole; else an older step, or none."""
-    choose = memory_snapshot.choose
+    choose = resume.choose
     # Every rank holds step 7: its rows are not needed.
     assert choose([[(7, False), (6, True)], [(7, False), (6, True)]], 7) == \
-        memory_snapshot.MemoryChoice(7, [0, 1], 7, source=0)
+        resume.MemoryChoice(7, [0, 1], 7, source=0)
     # Rank 1's buffers are gone: rank 0 sends step 7 when it has the rows of step 7...
     assert choose([[(7, True), (6, True)], []], 8) == \
-        memory_snapshot.MemoryChoice(7, [0], 8, source=0)
+        resume.MemoryChoice(7, [0], 8, source=0)
     # ...else step 6, whose rows it has (a kill before step 7's exchange came).
     choice = choose([[(7, False), (6, True)], []], 8)
     assert (choice.step, choice.source, choice.missing(2)) == (6, 0, [1])
@@ -584,11 +613,11 @@ def test_the_ranks_choose_the_newest_step_each_rank_can_restore():
 
 
 def test_under_fsdp_a_rank_without_its_snapshot_takes_its_successors_copy_or_disk():
-    """fsdp (engine/memory_ring.py): rank r's shards are in its own buffers and in the
+    """fsdp (engine/memory/ring.py): rank r's shards are in its own buffers and in the
     copy rank (r + 1) % W holds; a step counts where every rank has one of the two, and
     the choice names who sends what. Neither (a copy not yet arrived, or both nodes'
     memory lost): an older step, or none, and rank 0's line names the ranks (disk)."""
-    choose, lacking = memory_snapshot.choose_sharded, memory_snapshot.lacking_sharded
+    choose, lacking = resume.choose_sharded, resume.lacking_sharded
     # Every rank holds its own step 7: no transfer.
     choice = choose([[7, 6], [7, 6], [7, 6]], [[7, 6], [7, 6], [7, 6]], 7)
     assert (choice.step, choice.holders, choice.peers) == (7, [0, 1, 2], {})
@@ -620,7 +649,7 @@ def test_a_row_gives_back_this_ranks_rng_states_and_loss_sums():
     from engine import stateful
 
     def same_as_now(loss=None) -> bool:
-        row = memory_snapshot.read_row(memory_snapshot.make_row(loss))
+        row = rows.read_row(rows.make_row(loss))
         now, kept = stateful.rng_state(), row["rng"]
         return (row["loss"] == loss and now["python"] == kept["python"]
                 and torch.equal(now["torch"], kept["torch"])
@@ -653,7 +682,7 @@ def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(
     import threading
 
     # A small model's copy is done at once; this one's goes to the thread as a large one's.
-    monkeypatch.setattr(memory_snapshot, "BACKGROUND_BYTES", 0)
+    monkeypatch.setattr(copy_plan, "BACKGROUND_BYTES", 0)
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -663,12 +692,12 @@ def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(
     memory = memory_of(tmp_path, shm)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 1,
              "config": {}, "rng": {"world_size": 1, "rank": 0,
-                                   "row": memory_snapshot.make_row(None)}}
+                                   "row": rows.make_row(None)}}
     row = state["rng"]["row"]
     go = threading.Event()
     memory.start_exchange(row)
     memory.background.submit(lambda: go.wait(60))  # the thread busy: the copy waits
-    assert memory.save(state, step=1, epoch=0, held=memory_snapshot.held_by(optimizer))
+    assert memory.save(state, step=1, epoch=0, held=copy_plan.held_by(optimizer))
     memory.record_exchange(saved=True)
     memory.hold(optimizer)
     assert memory.newest() is None  # not valid until the copy is done
@@ -686,13 +715,13 @@ def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(
     memory.note_reached(2)  # after the step: the hook goes
     assert memory.hook is None and not optimizer._optimizer_step_pre_hooks
     memory.finish()
-    loaded = memory_snapshot.load_newest(memory, pytest.fail)
+    loaded = load_newest(memory, pytest.fail)
     assert all(torch.equal(loaded.state["model"][k], before[k]) for k in before)
     assert not torch.equal(model.weight, before["weight"])  # the step did happen
-    assert memory_snapshot.row_in(loaded.slot.rows, 0) == row
-    whole = memory_snapshot.complete(loaded.state, 0, 1, None)
+    assert rows.row_in(loaded.slot.rows, 0) == row
+    whole = resume.complete(loaded.state, 0, 1, None)
     assert torch.equal(whole["rng"]["ranks"][0]["torch"],
-                       memory_snapshot.read_row(row)["rng"]["torch"])
+                       rows.read_row(row)["rng"]["torch"])
     loaded.close()
     thread = memory.background.thread
     memory.close()
@@ -709,8 +738,8 @@ def test_a_state_whose_tensors_change_is_planned_again_and_saved_whole(shm, tmp_
 
     def saved_whole(state: dict, step: int) -> bool:
         memory.save({**state, "step": step}, step=step, epoch=0)
-        slot = memory_snapshot.newest(memory.paths, RUN_ID)
-        assert_same_snapshot(memory_snapshot.load_slot(slot), {**state, "step": step})
+        slot = buffer.newest(memory.paths, RUN_ID)
+        assert_same_snapshot(buffer.load_slot(slot), {**state, "step": step})
         slot.close()
         return True
 
@@ -777,8 +806,8 @@ def test_a_run_that_fails_closes_its_memory_snapshots_and_keeps_their_files(
             eng.run()
     finally:
         torch.set_num_threads(threads)
-    memory = eng.memory
+    memory = eng.snapshots.memory.pair  # the tier the snapshot layer opened
     assert memory is not None and memory.saves == 2  # steps 1 and 2
     assert memory.background.thread is None and memory.plan is None
     assert all(b.fd is None and b.mapping is None for b in memory.buffers)
-    assert memory_snapshot.newest(memory.paths, memory.run_id).step == 2
+    assert buffer.newest(memory.paths, memory.run_id).step == 2

@@ -1,41 +1,13 @@
 """The ring of the memory tier under fsdp: each rank keeps a copy of its predecessor's
-memory snapshot, so that the loss of one node's memory still resumes from memory.
+memory snapshot (its own shards, which no other rank has), so that the loss of one
+node's memory still resumes from memory (docs/checkpoints.md, "The ring under fsdp").
 
-Under fsdp a rank's memory snapshot holds its own shards (engine/stateful.py's
-to_shards), which no other rank has: where a node's memory is lost (a replaced machine,
-a wiped /dev/shm), the ddp way, a peer sending its own snapshot, cannot help. So at
-each snapshot rank r sends its committed snapshot (the payload as its buffer holds it,
-with the header's sequence, step, epoch, length and checksum) to rank (r + 1) % W,
-which keeps it in two buffers of its own, "held for rank r"::
-
-    /dev/shm/engine-memory-<uid>/<run id>-r<holder>-held-a     mode 0600
-    /dev/shm/engine-memory-<uid>/<run id>-r<holder>-held-b
-
-in the own buffers' format (engine/memory_snapshot.py's Buffer: the header, the
-payload, no exchange region), so the same checks read them (check_slot: this run's id,
-the sender's checksum over the header's fields and the payload) and the same rules
-clean them up (remove_leftovers, the writer's flock). A copy goes into the held buffer
-that does not hold the newest one, its sequence zeroed first and written last, so a
-transfer torn by a kill never replaces the last whole copy.
-
-Off the step's path: the copy is a job of the tier's background thread
-(:class:`~engine.memory_snapshot.Background`), after the snapshot's own copy and
-exchange, with point-to-point sends on a gloo group of its own, created once when the
-tier opens (a collective then; the main group's collectives run on the training thread
-meanwhile, and two threads' operations on one group are not safe). Sizes differ per
-rank, so a fixed header goes first with the length. The receiver checks the checksum
-before it commits, then acknowledges: once a rank's background thread is idle, its
-successor holds its snapshot. Every wait is bounded by the group's timeout (the run's
-``timeout_s``); a peer that dies mid-transfer makes the job fail, which raises
-``memory.failed``: the ranks turn the tier off at the next check point, as for any
-failed background copy.
-
-At a resume at the same number of processes, a rank whose own snapshot of a step is
-gone, but whose successor holds a whole copy of it, gets it from the successor over the
-same group (engine/memory_snapshot.py's agree and choose_sharded, then :func:`fetch`);
-a resume at another number of processes resumes from the disk's dcp snapshot, as
-before (the shards are another split). A copy that arrives damaged is refused (never
-committed, acknowledged as none) and fails the job as a lost peer does.
+Rank r sends its committed snapshot (a fixed header, then the payload as its buffer
+holds it) to rank (r + 1) % W, which keeps it in two buffers in the own buffers' format
+(``<run id>-r<holder>-held-a``, ``-b``), the older one written, its sequence last. A job
+of the background thread, on a gloo group of its own, every wait bounded by
+``timeout_s``: a dead peer or a damaged copy fails it (the tier goes off). At a resume a
+rank without its own snapshot gets its successor's copy (:func:`fetch`).
 """
 
 from __future__ import annotations
@@ -44,11 +16,14 @@ import datetime
 import pathlib
 import struct
 
-from engine import health, memory_snapshot as ms, stateful
+import torch
+import torch.distributed as dist
 
-# torch is imported inside the functions that use it: engine.snapshot imports this
-# module, and the launching processes import that one without torch (engine-run's
-# check for a completed run, engine.api for engine.launch).
+from engine import health, stateful
+from engine.memory import buffer as ms
+from engine.memory.files import buffer_paths
+from engine.memory.resume import complete, load_checked
+from engine.shm import SHM, unlink_own
 
 #: A transfer's fixed header: sequence (0: none), step, epoch, payload length, the
 #: sender's checksum, and the highest sequence among the sender's held copies (a
@@ -60,28 +35,18 @@ HEAD_BYTES = 64
 _TAG_HEAD, _TAG_PAYLOAD, _TAG_ACK = 1, 2, 3
 
 
-def held_paths(run_dir, rank: int, shm: pathlib.Path = ms.SHM,
+def held_paths(run_dir, rank: int, shm: pathlib.Path = SHM,
                run_id: str | None = None) -> tuple[pathlib.Path, ...]:
     """The two buffers in which rank ``rank`` holds its predecessor's copies."""
     return tuple(p.with_name(p.name[:-1] + "held-" + p.name[-1])
-                 for p in ms.buffer_paths(run_dir, rank, shm, run_id))
-
-
-def wanted(memory) -> bool:
-    """Whether the tier gets a ring: fsdp (each rank's snapshot only its own) and more
-    than one process. ddp and a single process need none: the state is replicated."""
-    return memory.sharded and memory.world.world_size > 1
+                 for p in buffer_paths(run_dir, rank, shm, run_id))
 
 
 class Ring:
-    """This rank's side of the ring: what it sends its successor at each snapshot, and
-    the two buffers with its predecessor's copies. Created on every rank at once (the
-    group is a collective)."""
+    """This rank's side: what it sends its successor, and the two buffers with its
+    predecessor's copies. Created on every rank at once (a collective)."""
 
     def __init__(self, memory, timeout_s: float):
-        import torch
-        import torch.distributed as dist
-
         self.memory = memory
         rank, world_size = memory.world.rank, memory.world.world_size
         self.next, self.prev = (rank + 1) % world_size, (rank - 1) % world_size
@@ -98,9 +63,8 @@ class Ring:
     # ------------------------------------------------------ at each snapshot
 
     def copy(self, buffer, sequence: int) -> None:
-        """After a snapshot (every rank, also one whose save failed: its successor waits
-        for its header): have the background thread send ``buffer``'s snapshot
-        ``sequence`` (None: none) to the successor and keep the predecessor's."""
+        """After a snapshot (every rank: a successor waits for the header): the thread
+        sends ``buffer``'s snapshot ``sequence`` (None: none), keeps the predecessor's."""
         self.memory.background.submit(lambda: self._exchange(buffer, sequence))
 
     def _exchange(self, buffer, sequence: int) -> None:
@@ -122,10 +86,9 @@ class Ring:
             raise RuntimeError(damaged)
 
     def _send(self, buffer, sequence: int, dst: int, newest: int = 0) -> list:
-        """Start sending ``buffer``'s snapshot ``sequence`` (its header's fields, then its
-        payload, straight from the shared memory) to ``dst``; a header of sequence 0
-        where there is none. Returns the sends, not waited for."""
-        fields = ms._HEADER.unpack(buffer.array[:ms._HEADER.size].tobytes()) \
+        """Start sending ``buffer``'s snapshot ``sequence`` (header, then payload) to
+        ``dst``; a header of sequence 0 where there is none. The sends, not waited for."""
+        fields = ms.HEADER.unpack(buffer.array[:ms.HEADER.size].tobytes()) \
             if buffer is not None and buffer.array is not None else None
         if fields is None or fields[1] != sequence or not sequence:
             head, payload = _HEAD.pack(0, 0, 0, 0, bytes(16), newest), None
@@ -146,10 +109,8 @@ class Ring:
         return _HEAD.unpack(self.head_in.numpy()[:_HEAD.size].tobytes())
 
     def _receive_into_held(self) -> tuple[int, str | None]:
-        """The predecessor's snapshot into the held buffer that does not hold the newest
-        copy, checked, then committed (its sequence last). Returns the sequence
-        committed (0: none, the predecessor had none or it arrived damaged), and what
-        was wrong with a damaged one."""
+        """The predecessor's snapshot into the older held buffer, checked, then committed:
+        the sequence committed (0: none), and what was wrong with a damaged one."""
         sequence, step, epoch, length, digest, _ = self._receive_head(self.prev)
         if not sequence:
             return 0, None
@@ -166,16 +127,14 @@ class Ring:
         return sequence, None
 
     def _older(self, length: int):
-        """The held buffer to write next, mapped with room for ``length``: the one whose
-        copy is older (or none), so that the newest whole copy stays."""
+        """The held buffer to write next (the older), mapped with room for ``length``."""
         self.reserve(length)
         sequences = [int(b.array[8:16].view("<u8")[0]) for b in self.buffers]
         return self.buffers[0 if sequences[0] <= sequences[1] else 1]
 
     def reserve(self, length: int) -> None:
-        """Both held buffers mapped with room for a payload of ``length`` (the first
-        snapshot: the own one's size, the predecessor's being alike; grown when a copy
-        is larger). NoRoom or Unsafe as for the own buffers."""
+        """Both held buffers mapped with room for a payload of ``length`` (grown when a
+        copy is larger). NoRoom or Unsafe as for the own buffers."""
         for buffer in self.buffers:
             if buffer.tensor is None or buffer.capacity < length:
                 buffer.map(length + max(64 * 1024, length // 64), self.info,
@@ -190,8 +149,6 @@ class Ring:
 
     @staticmethod
     def _bytes(data: bytes):
-        import torch
-
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     # ------------------------------------------------------ the buffers' life
@@ -202,17 +159,16 @@ class Ring:
 
     def remove(self) -> list[str]:
         self.close()
-        return ms.unlink_own(self.paths)
+        return unlink_own(self.paths)
 
 
 # ------------------------------------------------------------ at a resume
 
 
 def load_held(memory, warn) -> list:
-    """The copies of the predecessor's snapshots this rank holds (engine's
-    memory_snapshot.Loaded, newest first) that are whole: this run's, their checksum
-    right, a snapshot of this number of processes' fsdp shards. None without a ring."""
-    ring = getattr(memory, "ring", None)
+    """This rank's whole copies of its predecessor's snapshots (resume.Loaded, newest
+    first): this run's, their checksum right, fsdp shards of this number of processes."""
+    ring = memory.ring
     if ring is None:
         return []
     loaded = []
@@ -222,7 +178,7 @@ def load_held(memory, warn) -> list:
             warn(f"the copy of rank {ring.prev}'s memory snapshot {problem}; not used")
         if slot is None:
             continue
-        one, problem = ms.load_checked(slot, also=lambda state: (
+        one, problem = load_checked(slot, also=lambda state: (
             None if stateful.holds_shards(state.get("model"))
             and state.get("world_size") == memory.world.world_size else
             "not fsdp shards of this number of processes"))
@@ -235,11 +191,9 @@ def load_held(memory, warn) -> list:
 
 
 def fetch(memory, choice, mine: list, held: list) -> dict:
-    """The chosen snapshot of each rank where some rank lacks its own (``choice.peers``,
-    engine/memory_snapshot.py's choose_sharded): its own, or the copy its successor
-    holds, sent over the ring's group (header, then payload; the receiver checks the
-    checksum). Then engine's memory_snapshot.complete (collective), as for a snapshot of
-    its own."""
+    """Each rank's chosen snapshot where some rank lacks its own (``choice.peers``):
+    its own, or its successor's copy sent over the ring's group (checked by the
+    receiver); then resume.complete (collective)."""
     ring, rank = memory.ring, memory.world.rank
     sends = []
     for receiver, sender in choice.peers.items():
@@ -255,13 +209,11 @@ def fetch(memory, choice, mine: list, held: list) -> dict:
         raise
     for work in sends:
         ring._wait(work, "the copy to its rank")
-    return ms.complete(state, rank, memory.world.world_size, None)
+    return complete(state, rank, memory.world.world_size, None)
 
 
 def _own_or_received(memory, choice, mine: list) -> dict:
     """This rank's snapshot of the chosen step: its own, or its successor's copy."""
-    import torch
-
     ring, rank = memory.ring, memory.world.rank
     own = next((m for m in mine if m.step == choice.step), None)
     if own is not None:
@@ -288,9 +240,8 @@ def _own_or_received(memory, choice, mine: list) -> dict:
 
 
 def _settle(sends: list) -> None:
-    """Wait for ``sends`` where something else failed, their own errors left out (the
-    first failure says what happened): gloo drops a send whose work is freed before it
-    went out, and its receiver would wait for it until its timeout."""
+    """Wait for ``sends`` where something else failed (their errors left out): gloo
+    drops a send freed before it went out, and its receiver would wait for it."""
     for work in sends:
         try:
             work.wait()
@@ -299,8 +250,7 @@ def _settle(sends: list) -> None:
 
 
 class _SlotView:
-    """A checked held copy (engine's memory_snapshot.Slot) as :meth:`Ring._send` reads a
-    buffer: its header and payload, as mapped."""
+    """A checked held copy (a buffer.Slot) as :meth:`Ring._send` reads a buffer."""
 
     def __init__(self, slot):
         self.tensor = slot.tensor

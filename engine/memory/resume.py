@@ -1,0 +1,257 @@
+"""Agreeing at a resume: each rank loads its whole snapshots, the ranks agree
+(:func:`agree`) on the newest one every rank can restore (its own, or sent by a rank
+that has it: under fsdp its successor's copy, ring.py), and :func:`complete` makes it
+whole again (this rank's RNG states, the epoch's loss sums over the ranks)."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from engine import distributed, stateful
+from engine.memory.buffer import Slot, check_slot, load_slot, read_payload
+from engine.memory.rows import read_row, row_in
+
+
+@attrs.define
+class Loaded:
+    """One of this rank's usable memory snapshots: its checked buffer and its content."""
+
+    slot: Slot
+    state: dict
+
+    @property
+    def step(self) -> int:
+        return self.slot.step
+
+    def close(self) -> None:
+        self.slot.close()
+
+
+def load_all(memory, warn) -> list[Loaded]:
+    """This rank's memory snapshots of this run that load whole, newest first (both: a
+    peer may need the older one); one that does not (:func:`load_checked`) is one
+    ``warn``ing, never a traceback: a good disk snapshot is still there behind it."""
+    slots, problems = [], []
+    for path in memory.paths:
+        slot, problem = check_slot(path, run_id=memory.run_id)
+        if problem is not None:
+            problems.append(problem)
+        elif slot is not None:
+            slots.append(slot)
+    if problems:  # one line per rank
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        warn(f"the memory snapshot {problems[0]}{more}; not used")
+    slots.sort(key=lambda s: -s.sequence)
+    if slots:  # the next save writes above the highest sequence, whatever loads
+        memory.sequence = slots[0].sequence
+    loaded = []
+    for slot in slots:
+        one, problem = load_checked(slot)
+        if one is not None:
+            loaded.append(one)
+        else:
+            warn(f"the memory snapshot {slot.path} does not load ({problem}); not used")
+    if loaded:
+        memory.newest_index = memory.paths.index(loaded[0].slot.path)
+    return loaded
+
+
+def load_checked(slot: Slot, also=None) -> tuple[Loaded | None, str | None]:
+    """``slot`` (its checks passed) decoded into a snapshot, or None and why not (then
+    closed): a skeleton with anything but plain values, a tensor outside the payload,
+    no config, another step than its header's, or what ``also(state)`` says (a text)."""
+    try:
+        state = load_slot(slot)
+        problem = _not_a_snapshot(state, slot.step) or (also(state) if also else None)
+    except Exception as exc:  # whatever a damaged or forged payload raises
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem is None:
+        return Loaded(slot, state), None
+    slot.close()
+    return None, problem
+
+
+def _not_a_snapshot(state, step: int) -> str | None:
+    if not isinstance(state, dict):
+        return f"it holds a {type(state).__name__}, not a snapshot"
+    if not isinstance(state.get("config"), dict):
+        return "it holds no config to check against this run's"
+    if state.get("step") != step:
+        return f"its header says step {step}, its content step {state.get('step')!r}"
+    return None
+
+
+@attrs.define
+class MemoryChoice:
+    """The newest step every rank can restore (-1: none), the ranks that hold it, the
+    rank that sends it to the others, and the step the interrupted run reached."""
+
+    step: int
+    holders: list[int]
+    reached: int
+    source: int = 0
+    #: The newest step of a snapshot passed over (fsdp shards or whole tensors where the
+    #: run is not alike: agree), and why.
+    unusable: tuple[int, str] | None = None
+    #: Under fsdp: {a rank without its own snapshot of the step: its successor, which
+    #: holds a copy and sends it} (engine/memory/ring.py).
+    peers: dict = attrs.field(factory=dict)
+
+    def newer_than(self, disk_step: int | None) -> bool:
+        return self.step >= 0 and (disk_step is None or self.step > disk_step)
+
+    def not_used(self, disk_step: int | None) -> str | None:
+        """The line that says why a memory snapshot newer than the chosen one and than
+        ``disk_step`` (the disk snapshot's) was passed over (``unusable``), or None."""
+        if self.unusable is None:
+            return None
+        step, why = self.unusable
+        if step <= max(self.step, -1 if disk_step is None else disk_step):
+            return None
+        return f"the memory snapshot of step {step} is not used: {why}"
+
+    def missing(self, world_size: int) -> list[int]:
+        return [r for r in range(world_size) if r not in self.holders]
+
+
+def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
+    """Collective, the same answer on every rank: the newest step every rank holds, or
+    a rank holding it can send with the missing ranks' rows (none needed at another
+    number of processes); fsdp shards only at their number of processes, a rank's own
+    or its successor's copy (``copies``: ring.load_held's), and only where this run's
+    model is alike. The newest one passed over is the choice's ``unusable``."""
+    world_size = memory.world.world_size
+    held, unusable, sharded = [], [], []
+    for m in mine:
+        saved_world = m.state.get("world_size")
+        shards = stateful.holds_shards(m.state.get("model"))
+        if shards != memory.sharded:  # --parallel changed from or to fsdp: from disk
+            unusable.append((m.step, "it holds " + ("fsdp shards" if shards else
+                                                    "whole tensors") + ", this run's model "
+                             "is " + ("sharded (fsdp)" if memory.sharded else "whole")))
+        elif not shards:
+            held.append((m.step, m.slot.rows is not None or saved_world != world_size))
+        elif saved_world != world_size:  # another split: the disk's dcp snapshots reshard
+            unusable.append((m.step, f"it holds the shards of {saved_world} processes "
+                                     f"(fsdp), this run has {world_size}"))
+        else:  # fsdp: this rank's own shards (its successor has a copy: copies)
+            held.append((m.step, False))
+            sharded.append(m.step)
+    every = distributed.all_gather_object((held, memory.reached(), unusable, sharded,
+                                           [m.step for m in copies]))
+    reached = max(r for _, r, _, _, _ in every)
+    own, ring = [steps for _, _, _, steps, _ in every], [c for *_, c in every]
+    if memory.sharded:  # each rank's own shards, or its successor's copy of them
+        choice = choose_sharded(own, ring, reached)
+    else:
+        choice = choose([h for h, *_ in every], reached)
+    found = [u for _, _, theirs, _, _ in every for u in theirs]
+    for step in {s for steps in own for s in steps}:
+        lacking = lacking_sharded(own, ring, step)
+        if lacking:
+            found.append((step, f"rank(s) {', '.join(map(str, lacking))} had no copy, "
+                                "and under fsdp a rank's shards are only in its own memory "
+                                "and its successor's: no other peer can send them"))
+    newest = max(found, default=None)  # the same on every rank
+    if newest is not None and newest[0] > choice.step:
+        choice.unusable = newest
+    return choice
+
+
+def choose(held: list[list[tuple[int, bool]]], reached: int) -> MemoryChoice:
+    """:func:`agree`'s answer from what each rank holds (``held[rank]``: (step, whether
+    a peer can send it: its rows whole) for each of its snapshots): the newest step
+    that every rank holds, or that a rank holding it can send to those that do not."""
+    for step in sorted({s for h in held for s, _ in h}, reverse=True):
+        holders = [r for r, h in enumerate(held) if any(s == step for s, _ in h)]
+        senders = [r for r, h in enumerate(held) if (step, True) in h]
+        if len(holders) == len(held) or senders:
+            return MemoryChoice(step, holders, reached,
+                                source=senders[0] if senders else holders[0])
+    return MemoryChoice(-1, [], reached)
+
+
+def choose_sharded(own: list[list[int]], copies: list[list[int]],
+                   reached: int) -> MemoryChoice:
+    """:func:`agree`'s answer under fsdp (``own[r]``, ``copies[r]``: the steps of rank
+    r's own snapshots and of its copies of its predecessor's): the newest step every
+    rank restores from its own or its successor's copy; ``peers``: {rank: successor}."""
+    world_size = len(own)
+    for step in sorted({s for steps in own + copies for s in steps}, reverse=True):
+        if lacking_sharded(own, copies, step):
+            continue
+        holders = [r for r in range(world_size) if step in own[r]]
+        peers = {r: (r + 1) % world_size for r in range(world_size) if r not in holders}
+        return MemoryChoice(step, holders, reached,
+                            source=next(iter(peers.values()), 0), peers=peers)
+    return MemoryChoice(-1, [], reached)
+
+
+def lacking_sharded(own: list[list[int]], copies: list[list[int]], step: int) -> list[int]:
+    """The ranks that can restore ``step`` neither from their own snapshot nor from
+    their successor's copy (:func:`choose_sharded`)."""
+    world_size = len(own)
+    return [r for r in range(world_size)
+            if step not in own[r] and step not in copies[(r + 1) % world_size]]
+
+
+def fetch(memory, choice: MemoryChoice, mine: list[Loaded]) -> dict:
+    """Collective: the chosen snapshot on every rank (:func:`complete`): its own, or
+    broadcast by ``choice.source`` with its rows (fsdp: ring.py's fetch)."""
+    rank, world_size = memory.world.rank, memory.world.world_size
+    own = next((m for m in mine if m.step == choice.step), None)
+    if own is not None:
+        memory.newest_index = memory.paths.index(own.slot.path)
+    if not choice.missing(world_size):
+        return complete(own.state, rank, world_size, None)
+    length = distributed.broadcast_object(
+        (own.slot.length, own.slot.rows.shape if own.slot.rows is not None else None)
+        if rank == choice.source else None, src=choice.source)
+    payload_length, rows_shape = length
+    device = distributed.collective_device()
+    if rank == choice.source:
+        payload = own.slot.payload().to(device, copy=True)
+    else:
+        payload = torch.empty(payload_length, dtype=torch.uint8, device=device)
+    distributed.broadcast_tensor(payload, src=choice.source)
+    rows = None
+    if rows_shape is not None:
+        rows = (torch.from_numpy(own.slot.rows.copy()).to(device) if rank == choice.source
+                else torch.empty(rows_shape, dtype=torch.uint8, device=device))
+        distributed.broadcast_tensor(rows, src=choice.source)
+        rows = rows.cpu().numpy()
+    if own is not None:
+        return complete(own.state, rank, world_size, None)
+    return complete(read_payload(payload.cpu()), rank, world_size, rows)
+
+
+def complete(state: dict, rank: int, world_size: int, rows) -> dict:
+    """A memory snapshot (a rank's own row and loss sums) as a resume restores it: its
+    ``rng`` as the disk snapshot's, this rank's states from its own row (or the sender's
+    ``rows``), the epoch's loss sums over every rank (a collective, mid-epoch)."""
+    part = state.get("rng") or {}
+    if "row" not in part:  # a whole state (a test's, or an older form): as it is
+        return state
+    saved_world = part["world_size"]
+    mine = read_row(part["row"] if rows is None else row_in(rows, rank))
+    ranks = [None] * saved_world
+    if mine is not None and rank < saved_world:
+        ranks[rank] = mine["rng"]
+    state = {**state, "rng": {"ranks": ranks, "world_size": saved_world}}
+    progress = state.get("progress")
+    loss = (progress or {}).get("epoch_loss")
+    if loss is not None and saved_world != world_size:
+        # Another number of processes: the ranks that kept the sums are not these; the
+        # resumed epoch's mean loss covers the batches after the resume.
+        state["progress"] = {**progress, "epoch_loss": None}
+    elif loss is not None:  # every rank is mid-epoch alike (the same step)
+
+        # The all-reduce of the same values the disk snapshot's capture sums: the same
+        # sums, to the bit.
+        totals = torch.tensor(mine["loss"], dtype=torch.float64,
+                              device=distributed.collective_device())
+        total, batches = distributed.all_reduce_sum(totals).tolist()
+        state["progress"] = {**progress, "epoch_loss": {
+            "sum": total, "batches": batches, "micro_batch": loss["micro_batch"]}}
+    return state

@@ -1,0 +1,108 @@
+"""Each rank's exchange row: its RNG states and its part of the epoch's loss sums, sent
+to every rank and kept in every buffer, so that in the replicated modes any rank's
+buffer restores any rank (resume.py's complete)."""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import pickle
+import random
+import struct
+import sys
+
+import numpy as np
+import torch
+
+from engine.shm_codec import PlainUnpickler
+
+#: One rank's row in the exchange: its length, then the pickled RNG states and epoch
+#: loss; a larger one is left out (a peer then cannot restore that rank's snapshot).
+ROW_BYTES = 8 + 16384 + 512
+
+
+def make_row(loss) -> bytes:
+    """This rank's exchange row: its RNG states (stateful.rng_state's, as raw bytes)
+    and its loss sums ((sum, micro-batches) or None); b"" above ROW_BYTES."""
+    state = {"python": _python_rng(), "numpy": _numpy_rng(),
+             "torch": torch.get_rng_state().numpy().tobytes()}
+    if torch.cuda.is_initialized():  # (is_available asks the driver, each time)
+        state["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
+    data = pickle.dumps({"rng": state, "loss": loss}, protocol=pickle.HIGHEST_PROTOCOL)
+    return data if 8 + len(data) <= ROW_BYTES else b""
+
+
+def _python_rng() -> tuple:
+    """Python's global RNG state as (version, its 625 words as little-endian bytes,
+    gauss), read straight from the CPython RandomObject (getstate() builds a tuple of
+    625 ints) once that layout was checked against getstate(); else through it."""
+    inst = random.getstate.__self__  # the module's own generator
+    if _python_layout[0] is None:
+        _python_layout[0] = _raw_python(inst) == _packed_python(inst)
+    return _raw_python(inst) if _python_layout[0] else _packed_python(inst)
+
+
+_python_layout: list = [None]  # whether the generator's words can be read in place
+
+
+def _raw_python(inst) -> tuple:
+    if sys.byteorder != "little" or type(inst).__basicsize__ < 16 + 4 + 624 * 4:
+        return ()
+    raw = ctypes.string_at(id(inst) + 16, 4 + 624 * 4)  # after ob_refcnt, ob_type
+    return (inst.VERSION, raw[4:] + raw[:4], inst.gauss_next)  # words, then the index
+
+
+def _packed_python(inst) -> tuple:
+    version, internal, gauss = inst.getstate()
+    return (version, struct.pack(f"<{len(internal)}I", *internal), gauss)
+
+
+_numpy_seen: list = [None, None]  # numpy's raw generator state, and its state then
+
+
+def _numpy_rng() -> dict:
+    """numpy's global RNG state (np.random.get_state's), as plain values; the getter's
+    copy is skipped while the raw generator state (read through ctypes) has not moved
+    and no normal deviate was cached (a cached one is drawn without moving it)."""
+    try:
+        raw = ctypes.string_at(np.random.mtrand._rand._bit_generator.ctypes.state_address,
+                               624 * 4 + 4)  # MT19937's key and position
+    except (AttributeError, TypeError, ValueError):  # no ctypes view: read it each time
+        raw = None
+    seen_raw, seen = _numpy_seen
+    if raw is None or raw != seen_raw or seen["has_gauss"]:
+        _, keys, pos, has_gauss, gauss = np.random.get_state()
+        seen = {"keys": keys.astype("<u4").tobytes(), "pos": int(pos),
+                "has_gauss": int(has_gauss), "gauss": float(gauss)}
+        _numpy_seen[:] = [raw, seen]
+    return seen
+
+
+def read_row(row: bytes) -> dict | None:
+    """:func:`make_row`'s dict, its RNG states as engine.stateful.rng_state gives them;
+    None for an empty row (the states did not fit)."""
+    if not row:
+        return None
+    plain = PlainUnpickler(io.BytesIO(row)).load()
+    rng = plain["rng"]
+
+    def tensor(data: bytes, dtype=np.uint8):
+        return torch.from_numpy(np.frombuffer(data, dtype=dtype).copy())
+
+    version, internal, gauss = rng["python"]
+    numpy_state = rng["numpy"]
+    state = {"python": (version, struct.unpack(f"<{len(internal) // 4}I", internal), gauss),
+             "numpy": {**numpy_state,
+                       "keys": tensor(numpy_state["keys"], "<u4").to(torch.int64)},
+             "torch": tensor(rng["torch"])}
+    if "cuda" in rng:
+        state["cuda"] = [tensor(b) for b in rng["cuda"]]
+    return {"rng": state, "loss": plain["loss"]}
+
+
+def row_in(rows, rank: int) -> bytes:
+    """Rank ``rank``'s row among an exchange region's ``rows`` (b"": none)."""
+    if rows is None or rank >= len(rows):
+        return b""
+    (length,) = struct.unpack("<Q", rows[rank][:8].tobytes())
+    return rows[rank][8:8 + length].tobytes() if 8 + length <= rows.shape[1] else b""
