@@ -308,10 +308,10 @@ def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
               f"for more (max_steps={steps + 1} or more); to start over, use "
               f"{door.start_over} or another out_dir", flush=True)
     elif say:
-        print(f"already complete: {cfg.out_dir} holds a finished run of {done} epochs "
-              f"(asked for {cfg.epochs}), nothing to train; to train on, ask for more "
-              f"(epochs={done + 1} or more); to start over, use {door.start_over} or "
-              "another out_dir", flush=True)
+        print(f"already complete: {cfg.out_dir} holds a finished run of {done} "
+              f"epoch{'' if done == 1 else 's'} (asked for {cfg.epochs}), nothing to train; "
+              f"to train on, ask for more (epochs={done + 1} or more); to start over, use "
+              f"{door.start_over} or another out_dir", flush=True)
     return {**summary, "status": "already_complete"}
 
 

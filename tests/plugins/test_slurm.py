@@ -205,7 +205,7 @@ def test_sbatch_script_runs_one_task_per_node_that_spawns(tmp_path, tmp_path_fac
     submitted = run(["sbatch", "--wait", str(job)], timeout=400)
     job_id = submitted.stdout.split()[-1]
     log = (out / f"slurm-{job_id}.out").read_text()
-    assert "done: 1 epochs" in log, log
+    assert "done: 1 epoch in" in log, log
     summary = finished(out, "slurm")
     # Two processes started by one task: the task's 2 CPUs shared, one thread each.
     assert summary["weights_sha256"] == reference_digest(tmp_path_factory)
