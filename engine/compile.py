@@ -16,6 +16,7 @@ rank 0 at the end of the run and in summary.json as ``compile_s``.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from engine.errors import ConfigError, first_line
@@ -32,6 +33,7 @@ def compile_model(model, options, say=print):
             raise ConfigError("config key 'compile.regional' compiles only with "
                               "compile.enabled=true; set it too, or leave regional unset")
         return model
+    logging.getLogger("torch.utils.cpp_extension").addFilter(not_cuda_home_line)
     kwargs = {"mode": None if options.mode == "default" else options.mode,
               "backend": options.backend, "fullgraph": options.fullgraph}
     try:
@@ -45,6 +47,13 @@ def compile_model(model, options, say=print):
     say(f"compile: {what(model, options)} compiled (mode {options.mode}, backend "
         f"{options.backend}) by the first training and validation steps, which take longer")
     return model
+
+
+def not_cuda_home_line(record) -> bool:
+    """False for torch's "No CUDA runtime is found, using CUDA_HOME=..." warning, which
+    inductor's import of cpp_extension printed on every rank of a CPU run on a machine with
+    a CUDA toolkit: nothing a CPU run needs."""
+    return not record.getMessage().startswith("No CUDA runtime is found")
 
 
 def regions(model, class_names: tuple[str, ...]) -> list:
