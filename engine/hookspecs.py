@@ -9,8 +9,8 @@ a custom loop fire them is in docs/plugins.md, "Hooks in the order they fire".
 
 The ``ctx`` argument is the run object, an :class:`engine.context.WorkerContext` (the
 worker's ``Engine``, or a custom loop's ``Context``); :class:`RunContext` lists what a
-plugin may use on either. Hooks with ``ctx`` also pass it as ``engine``, its name before
-0.3, until 0.4.0 (engine/plugin_manager.py: :class:`RunHookCaller`).
+plugin may use on either. Hooks with ``ctx`` also pass it as ``engine``, its name up to
+release 0.2.0, until 0.4.0 (engine/plugin_manager.py: :class:`RunHookCaller`).
 """
 
 from __future__ import annotations
