@@ -360,6 +360,20 @@ def engine_requeue(engine, ctx: WorkerContext):
     """
 
 
+@hookspec(firstresult=True)
+def engine_cpu_allocation(environ):
+    """The CPUs the scheduler that runs this job allocated to each of its tasks, read
+    from ``environ``: ``(cpus, source)`` (``(12, "SLURM_CPUS_PER_TASK")``), or None when
+    the job is not the plugin's scheduler's or it allocated none per task: the next
+    plugin is asked. spawn, torchrun and legacy share it among this machine's processes
+    (with no answer: the affinity mask). The scheduler, as for ``engine_requeue``.
+
+    Kind: first result. Fires where the launcher is chosen (the launching process; under
+    torchrun and legacy each worker), before the worlds are made.
+    Since 0.3.
+    """
+
+
 @hookspec
 def engine_register_run_files():
     """Return the names of the files and folders this plugin writes in a run's

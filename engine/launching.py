@@ -162,7 +162,8 @@ def launch_options(pm, cfg, options: dict):
                          master_port=options.get("master_port"),
                          init_method=cfg.init_method, timeout_s=cfg.timeout_s,
                          local_rank=options.get("local_rank"),
-                         max_restarts=options.get("max_restarts") or 0)
+                         max_restarts=options.get("max_restarts") or 0,
+                         cpu_allocation=pm.hook.engine_cpu_allocation(environ=os.environ))
 
 
 @contextlib.contextmanager

@@ -45,6 +45,9 @@ RELEASED = {
         "engine_requeue": ("engine",),
         "engine_register_run_files": (),
     },
+    "0.3": {
+        "engine_cpu_allocation": ("environ",),
+    },
 }
 FIRST_RELEASE = {name: (version, args) for version, hooks in RELEASED.items()
                  for name, args in hooks.items()}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -130,7 +131,9 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
     job = RecipeJob(tuple(plugins), {}, recipe=str(recipe_path), overrides=tuple(overrides))
     recipe, cfg = job.load(pm)
     launcher = choose_launcher(pm.launchers, cfg.launcher,
-                               LaunchOptions(nproc=nproc, init_method=cfg.init_method))
+                               LaunchOptions(nproc=nproc, init_method=cfg.init_method,
+                                             cpu_allocation=pm.hook.engine_cpu_allocation(
+                                                 environ=os.environ)))
     worlds = launcher.worlds()
     world = worlds[0]
     # Its devices only: the launching process sets up no device, no process group.
