@@ -1,21 +1,14 @@
-"""torch.compile for the run's model (``compile.*``, docs/compile.md).
+"""torch.compile for the run's model (``compile.*``; docs/compile.md says why and how).
 
-Where it sits among the model transforms (torchtitan's order)::
-
-    build_model -> .to(device) -> [activation checkpointing] -> compile -> parallel wrap
-
-The whole model, or (``compile.regional``) every submodule of the named classes, is
-compiled in place (``nn.Module.compile``), so ``state_dict`` keys stay the plain ones
-(no ``_orig_mod.``) and snapshots and the optimizer see the same module as without
-compile. Compiling before the parallel wrap keeps one path for every mode: DDP runs its
-own forward around the compiled module, its gradient hooks still fire, and DDPOptimizer
-still splits the graph at DDP's buckets (why: docs/compile.md). ``dp`` over several GPUs
-refuses compile (plugins/dp.py). The compile time is torch's own count, printed once on
-rank 0 at the end of the run and in summary.json as ``compile_s``.
+In torchtitan's order: build_model -> .to(device) -> [activation checkpointing] ->
+compile -> parallel wrap. The whole model, or (``compile.regional``) every submodule of
+the named classes, is compiled in place (``nn.Module.compile``), so ``state_dict`` keys
+stay plain (no ``_orig_mod.``). The compile time is torch's own count (``compile_s``).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from engine.errors import ConfigError, first_line
@@ -32,6 +25,7 @@ def compile_model(model, options, say=print):
             raise ConfigError("config key 'compile.regional' compiles only with "
                               "compile.enabled=true; set it too, or leave regional unset")
         return model
+    logging.getLogger("torch.utils.cpp_extension").addFilter(not_cuda_home_line)
     kwargs = {"mode": None if options.mode == "default" else options.mode,
               "backend": options.backend, "fullgraph": options.fullgraph}
     try:
@@ -45,6 +39,12 @@ def compile_model(model, options, say=print):
     say(f"compile: {what(model, options)} compiled (mode {options.mode}, backend "
         f"{options.backend}) by the first training and validation steps, which take longer")
     return model
+
+
+def not_cuda_home_line(record) -> bool:
+    """False for torch's "No CUDA runtime is found, using CUDA_HOME=..." (inductor imports
+    cpp_extension, which says it on every rank of a CPU run where a CUDA toolkit is)."""
+    return not record.getMessage().startswith("No CUDA runtime is found")
 
 
 def regions(model, class_names: tuple[str, ...]) -> list:

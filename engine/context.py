@@ -250,9 +250,9 @@ class WorkerContext:
         done = self.state.epochs_completed
         if 0 < requested <= done and self.state.batch_in_epoch == 0:
             self.print(f"already complete: {self.out_dir} holds a finished run of {done} "
-                       f"epochs (asked for {requested}), nothing to train; to train on, "
-                       f"ask for more ({more.format(n=done + 1)} or more); to start over, "
-                       f"use {over} or another out_dir")
+                       f"epoch{'' if done == 1 else 's'} (asked for {requested}), nothing to "
+                       f"train; to train on, ask for more ({more.format(n=done + 1)} or "
+                       f"more); to start over, use {over} or another out_dir")
 
     # ------------------------------------------------------------------ end
 

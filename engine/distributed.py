@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import pathlib
+import re
 import socket
 import sys
 import time
@@ -77,11 +78,18 @@ def init(world: World, backend: str, timeout_s: float) -> None:
         print_failure_table(world, backend)
         raise LaunchError(
             f"rank {world.rank}: process group init ({backend}) via {world.rendezvous} "
-            f"failed within {timeout_s:g}s ({one_line(exc)}); "
+            f"failed within {timeout_s:g}s ({gloo_text(one_line(exc))}); "
             f"all {world.world_size} ranks had checked in, so look at the network between "
             "the hosts (NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME)"
         ) from None
     phases.mark("process group")
+
+
+def gloo_text(line: str) -> str:
+    """gloo's error without its source file and its advice: ``[.../pair.cc:561] Connection
+    closed by peer [127.0.0.1]:1. This is typically caused by ... GLHF!`` is ``Connection
+    closed by peer [127.0.0.1]:1``, in summary.json's ``error`` as on the console."""
+    return re.sub(r"\[[^\]\s]+\.cc:\d+\] ", "", line).split(". This is typically caused")[0]
 
 
 def print_failure_table(world: World, backend: str) -> None:

@@ -93,7 +93,8 @@ class Engine(WorkerContext):
                         "that the job ends)")
             return (RunError if missing else PeerFailed)(
                 f"rank {self.world.rank}: a collective operation failed at step "
-                f"{self.state.step}: {who} (timeout {self.cfg.timeout_s:g}s): {line}")
+                f"{self.state.step}: {who} (timeout {self.cfg.timeout_s:g}s): "
+                f"{distributed.gloo_text(line)}")
         return exc
 
     def _after_training(self) -> None:

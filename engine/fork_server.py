@@ -1,16 +1,19 @@
 """Processes forked from a server that has imported torch: multiprocessing's forkserver
-start, from a server of this module's own.
+start, from a server of this module's own (the process-wide one's preload list belongs
+to the program). A ``spawn`` start pays a Python start and ``import torch`` each time;
+the server pays them once, never runs a tensor operation or starts a thread, and forks
+each child, as clean as a spawned one. The children run as those of ``spawn`` do (the
+parent's ``sys.path`` and ``__main__``, an unpickled top-level target,
+``multiprocessing.parent_process()`` their starter). The server is a child of the first
+process that started one and exits with it. Linux only.
 
-A process started with ``spawn`` pays a Python start and ``import torch`` every time;
-a fork server pays them once, then forks each new process from itself. The server
-never runs a tensor operation or starts a thread, so its children are as clean as
-spawned ones and start in milliseconds. The process-wide fork server is left alone (its
-preload list belongs to the program); this one preloads torch.
-
-The children run as those of ``spawn`` do (the parent's ``sys.path`` and ``__main__``,
-an unpickled top-level target, ``multiprocessing.parent_process()`` the process that
-started them). The server is a child of the first process that started one and exits
-with it. Linux (and other platforms that pass file descriptors over Unix sockets) only.
+Three fork servers, and why not one: this module's preloads torch alone (the async
+checkpointer's writer, plugins/async_file.py); :mod:`engine.spares`' zygote is this
+server preloading the recipe and plugins too, whose forks the launcher watches through
+pidfds (they outlive a zygote that dies); :mod:`engine.testing.warm_start` runs whole
+``engine-run`` commands for tests, each with its own session, working directory,
+environment and output files: multiprocessing's protocol starts a pickled target and
+carries none of these, so that one speaks its own.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ a custom loop fire them is in docs/plugins.md, "Hooks in the order they fire".
 
 The ``ctx`` argument is the run object, an :class:`engine.context.WorkerContext` (the
 worker's ``Engine``, or a custom loop's ``Context``); :class:`RunContext` lists what a
-plugin may use on either. Hooks with ``ctx`` also pass it as ``engine``, its name before
-0.3, until 0.4.0 (engine/plugin_manager.py: :class:`RunHookCaller`).
+plugin may use on either. Hooks with ``ctx`` also pass it as ``engine``, its name up to
+release 0.2.0, until 0.4.0 (engine/plugin_manager.py: :class:`RunHookCaller`).
 """
 
 from __future__ import annotations
@@ -95,12 +95,9 @@ class RunContext(Protocol):
 
 @hookspec
 def engine_register_launchers(registry):
-    """Add launchers: ``registry.add(LauncherClass)``, which registers
-    the class under its ``name`` attribute.
-
-    A launcher decides how worker processes come into being (spawn them, or adopt the
-    variables of torchrun / SLURM / legacy launch) and describes each worker's place in
-    the world. The class must subclass :class:`engine.launcher.Launcher`.
+    """Add launchers: ``registry.add(LauncherClass)``, a :class:`engine.launcher.Launcher`
+    registered under its ``name``: how worker processes come into being (spawned, or
+    adopted from torchrun / SLURM / legacy launch) and each worker's place in the world.
 
     Kind: registration. Fires at start-up in every process (CLI and workers).
     Since 0.1.
@@ -109,12 +106,9 @@ def engine_register_launchers(registry):
 
 @hookspec
 def engine_register_parallel(registry):
-    """Add parallel modes: ``registry.add(ParallelClass)`` (registered under its
-    ``name`` attribute).
-
-    A parallel mode chooses the devices and backend of a worker, wraps and unwraps the
-    model and splits the batch. The class must subclass
-    :class:`engine.parallel.Parallel`.
+    """Add parallel modes: ``registry.add(ParallelClass)``, an
+    :class:`engine.parallel.Parallel` registered under its ``name``: a worker's devices
+    and backend, the model's wrapping and unwrapping, the batch's split.
 
     Kind: registration. Fires at start-up in every process (CLI and workers).
     Since 0.1.
@@ -123,11 +117,9 @@ def engine_register_parallel(registry):
 
 @hookspec
 def engine_register_checkpointers(registry):
-    """Add checkpointers: ``registry.add(CheckpointerClass)`` (registered
-    under its ``name`` attribute).
-
-    A checkpointer writes and reads snapshots. The class must subclass
-    :class:`engine.checkpoint.Checkpointer`.
+    """Add checkpointers: ``registry.add(CheckpointerClass)``, an
+    :class:`engine.checkpoint.Checkpointer` registered under its ``name``: it writes and
+    reads snapshots.
 
     Kind: registration. Fires at start-up in every process (CLI and workers).
     Since 0.1.
@@ -252,8 +244,8 @@ def engine_before_optimizer_step(engine, step, optimizer, ctx: WorkerContext):
     reach this hook. Reading a gradient with ``.item()`` forces a host-device
     synchronisation every step.
 
-    Kind: notification. Fires on every rank, under ``engine-run`` only. When no plugin
-    implements this hook the Trainer does not call it at all, so it costs nothing.
+    Kind: notification. Fires on every rank, under ``engine-run`` only; not called at
+    all (nothing to pay) when no plugin implements it.
     Since 0.2.
     ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
     """
@@ -319,9 +311,8 @@ def engine_epoch_end(engine, epoch, metrics, ctx: WorkerContext):
 @hookspec
 def engine_run_end(engine, summary, ctx: WorkerContext):
     """The run ended; ``summary`` is the dict that rank 0 writes to summary.json
-    (``summary["status"]`` is ``"completed"``, ``"failed"`` or ``"preempted"``), the same
-    keys under ``engine-run`` and in a custom loop (``engine.context.WorkerContext.summary``).
-    Loggers flush and close their files here.
+    (``summary["status"]``: ``"completed"``, ``"preempted"``, ``"interrupted"`` or
+    ``"failed"``), the same keys in a custom loop. Loggers flush and close their files.
 
     Kind: notification. Fires on every rank, last, however the run ended.
     Since 0.1.
@@ -357,6 +348,17 @@ def engine_requeue(engine, ctx: WorkerContext):
     that ended ``"preempted"`` with ``requeue=true``, under ``engine-run`` only.
     Since 0.2.
     ``ctx`` since 0.3. ``engine`` is its old name (the same object, until 0.4.0).
+    """
+
+
+@hookspec(firstresult=True)
+def engine_cpu_allocation(environ):
+    """``(cpus, source)``, the CPUs the scheduler that runs this job allocated to each
+    task, from ``environ`` (``(12, "SLURM_CPUS_PER_TASK")``); None: not this plugin's
+    scheduler's job, or none per task. spawn, torchrun and legacy share it out.
+
+    Kind: first result. Fires where the launcher is chosen, before the worlds are made.
+    Since 0.3.
     """
 
 

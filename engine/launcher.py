@@ -54,6 +54,9 @@ class LaunchOptions:
     #: ``--max-restarts N``: how many times a launcher that starts the workers itself
     #: starts them all again after one fails (spawn, as ``torchrun --max-restarts``).
     max_restarts: int = 0
+    #: ``(cpus, source)``: the CPUs the job's scheduler allocated to each task (the
+    #: ``engine_cpu_allocation`` hook's answer); None: the affinity mask decides.
+    cpu_allocation: tuple[int, str] | None = None
 
 
 class Launcher:

@@ -162,7 +162,8 @@ def launch_options(pm, cfg, options: dict):
                          master_port=options.get("master_port"),
                          init_method=cfg.init_method, timeout_s=cfg.timeout_s,
                          local_rank=options.get("local_rank"),
-                         max_restarts=options.get("max_restarts") or 0)
+                         max_restarts=options.get("max_restarts") or 0,
+                         cpu_allocation=pm.hook.engine_cpu_allocation(environ=os.environ))
 
 
 @contextlib.contextmanager
@@ -308,10 +309,10 @@ def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
               f"for more (max_steps={steps + 1} or more); to start over, use "
               f"{door.start_over} or another out_dir", flush=True)
     elif say:
-        print(f"already complete: {cfg.out_dir} holds a finished run of {done} epochs "
-              f"(asked for {cfg.epochs}), nothing to train; to train on, ask for more "
-              f"(epochs={done + 1} or more); to start over, use {door.start_over} or "
-              "another out_dir", flush=True)
+        print(f"already complete: {cfg.out_dir} holds a finished run of {done} "
+              f"epoch{'' if done == 1 else 's'} (asked for {cfg.epochs}), nothing to train; "
+              f"to train on, ask for more (epochs={done + 1} or more); to start over, use "
+              f"{door.start_over} or another out_dir", flush=True)
     return {**summary, "status": "already_complete"}
 
 

@@ -1,16 +1,11 @@
 """Warm spares for the spawn launcher's restarts (``engine-run --max-restarts N``).
 
 A spawned worker pays a new interpreter and the imports of torch, dynamo, the plugins
-and the recipe before its first step: most of a restart. A :class:`SparePool` pays
-them once: a zygote (multiprocessing's fork server protocol, engine/fork_server.py)
-imports all of that, starts no thread and runs no tensor operation, and every worker
-of the run is a fork of it, so a restart forks a ready process in milliseconds.
-
-The forks run as spawned workers do (the launcher's ``sys.path``, ``__main__`` and
-environment; ``multiprocessing.parent_process()`` is the launcher; SIGINT when it dies),
-but their parent is the zygote, and variables read as a library loads are the
-zygote's. The launcher sees each fork's end itself (a pidfd): a zygote that dies or
-stops is one warning (:meth:`SparePool.serving`), its forks run on, restarts spawn.
+and the recipe: most of a restart. A :class:`SparePool`'s zygote (engine/fork_server.py,
+which says how it differs from the other fork servers) imports them once and every
+worker of the run is its fork. Their parent is the zygote (variables read as a library
+loads are its); the launcher sees each fork's end itself (a pidfd): a zygote that dies
+or stops is one warning (:meth:`SparePool.serving`), its forks run on, restarts spawn.
 """
 
 from __future__ import annotations

@@ -628,7 +628,11 @@ class Trainer:
             return
         if self.scheduler_metric not in metrics:
             raise not_logged(SCHEDULER, self.scheduler_metric, sorted(metrics))
+        before = self.current_lr()
         self.run_parts.scheduler.step(metrics[self.scheduler_metric])
+        if self.current_lr() != before:  # the plateau's reduction, said once
+            self.ctx.print(f"lr {before:.4g} -> {self.current_lr():.4g}: "
+                           f"{self.scheduler_metric} stopped improving (ReduceLROnPlateau)")
 
     def stop_early(self, again: bool = False) -> None:
         ctx = self.ctx

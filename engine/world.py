@@ -133,10 +133,9 @@ def share_cpus(cpus: int, source: str, processes: int) -> CpuShare:
 
 def usable_cpus(allocation: tuple[int, str] | None = None) -> tuple[int, str]:
     """The CPUs this process may run on, and where that comes from: ``allocation``, the
-    ``(cpus, source)`` a scheduler allocated, where the launcher found one (a SLURM
-    allocation: plugins/slurm_hostlist.py's allocated_cpus; a cluster that does not bind
-    tasks to their CPUs leaves the affinity mask at the whole node); else the affinity
-    mask."""
+    ``(cpus, source)`` a scheduler allocated (the ``engine_cpu_allocation`` hook's answer:
+    a cluster that does not bind tasks to their CPUs leaves the affinity mask at the whole
+    node); else the affinity mask."""
     if allocation is not None:
         return allocation
     try:

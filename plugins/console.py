@@ -46,6 +46,15 @@ def data_bound_hint(ctx) -> str:
             "(SLURM: --cpus-per-task)")
 
 
+def val_parts(metrics) -> list[str]:
+    """A validation's metrics as an epoch line and a step validation's line show them:
+    the recipe's (its eval_step's; by default val/loss and, for class-index targets,
+    val/accuracy), in the order it returns them; val/accuracy as ``val acc 98.06%``."""
+    return [f"val acc {value:.2%}" if key == "val/accuracy" else
+            f"{key.replace('/', ' ')} {value:.4f}" for key, value in metrics.items()
+            if key.startswith("val/") and value is not None]
+
+
 def _non_negative(instance, attribute, value) -> None:
     if value < 0:
         raise ValueError("give the seconds between two progress lines, or 0 for none")
@@ -152,9 +161,7 @@ class ConsoleLogger:
             # A validation inside an epoch (val_every_steps, or the step max_steps ends
             # the run at): one line, as an epoch's.
             self._write("  ".join([f"step {step} (epoch {ctx.state.epoch + 1}/"
-                                   f"{ctx.cfg.epochs})"] + [
-                f"{key.replace('/', ' ')} {value:.4f}" for key, value in metrics.items()
-                if key.startswith("val/")]))
+                                   f"{ctx.cfg.epochs})"] + val_parts(metrics)))
             return
         throughput = throughput_of(metrics)
         if self.bar is None or "train/loss" not in metrics or throughput is None:
@@ -184,15 +191,9 @@ class ConsoleLogger:
                 self.postfix["data_wait"] = f"{wait:.0%}"
                 self.bar.set_postfix(self.postfix, refresh=True)
         parts = [f"epoch {epoch + 1}/{ctx.cfg.epochs}"]
-        # The validation metrics are the recipe's (its eval_step's; by default val/loss
-        # and, for class-index targets, val/accuracy), in the order it returns them.
-        shown = [("train/epoch_loss", "train loss (epoch mean)", ".4f")]
-        shown += [(key, "val acc", ".2%") if key == "val/accuracy" else
-                  (key, key.replace("/", " "), ".4f")
-                  for key in metrics if key.startswith("val/")]
-        for key, label, fmt in shown:
-            if metrics.get(key) is not None:
-                parts.append(f"{label} {format(metrics[key], fmt)}")
+        if metrics.get("train/epoch_loss") is not None:
+            parts.append(f"train loss (epoch mean) {metrics['train/epoch_loss']:.4f}")
+        parts += val_parts(metrics)
         throughput = throughput_of(metrics)  # the epoch's
         if throughput is not None and throughput[1] is not None:
             parts.append(f"{throughput[0]}/s {throughput[1]:.0f}")
@@ -216,7 +217,8 @@ class ConsoleLogger:
             if 0 < max_steps <= steps and summary["epochs_completed"] < ctx.cfg.epochs:
                 trained = f"{steps} steps (max_steps, in epoch {ctx.state.epoch + 1})"
             else:
-                trained = f"{summary['epochs_completed']} epochs"
+                done = summary["epochs_completed"]
+                trained = f"{done} epoch{'' if done == 1 else 's'}"
             # A resumed run's count is the run's, not this command's: say where it began.
             resumed = summary.get("resume") or {}
             since = f" (resumed at step {resumed['step']})" if resumed.get("step") else ""

@@ -21,7 +21,6 @@ import engine
 from engine.errors import LaunchError, warn
 from engine.launch_env import int_variable, parent_cmdline, require_variables
 from engine.launcher import Launcher
-from engine.plugins.slurm_hostlist import allocated_cpus
 from engine.world import World, machine_share
 
 REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -51,8 +50,7 @@ class LegacyLauncher(Launcher):
     name = "legacy"
     priority = 10  # before torchrun: modern torch.distributed.launch sets its variables
     reads = REQUIRED + ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                        "SLURM_CPUS_PER_TASK")
+                        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
     @classmethod
     def detect(cls, environ, options) -> bool:
@@ -96,9 +94,9 @@ class LegacyLauncher(Launcher):
             restart_count=int_variable(env, "TORCHELASTIC_RESTART_COUNT", self.name,
                                        default=0),
             run_id=env.get("TORCHELASTIC_RUN_ID", ""),
-            # The machine's CPUs (a SLURM allocation's, inside one), shared by the
+            # The machine's CPUs (its scheduler's allocation: engine_cpu_allocation), shared by the
             # processes the launch started.
-            cpus=machine_share(local_world_size, allocated_cpus(env)),
+            cpus=machine_share(local_world_size, self.options.cpu_allocation),
         )
         world.check()
         return [world]

@@ -304,6 +304,11 @@ def requeue(environ: Mapping[str, str]) -> str | None:
 
 
 @engine.hookimpl
+def engine_cpu_allocation(environ):
+    return slurm.allocated_cpus(environ)
+
+
+@engine.hookimpl
 def engine_requeue(ctx):
     return requeue(os.environ)
 

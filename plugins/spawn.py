@@ -32,7 +32,6 @@ from engine.errors import LaunchError, WorkerFailed, warn
 from engine.launch_env import check_port_free, is_local_address, master_socket, start_method
 from engine.launcher import Launcher
 from engine.processes import spawn_workers
-from engine.plugins.slurm_hostlist import allocated_cpus
 from engine.world import World, machine_share, tcp_endpoint
 
 # torch is imported inside the functions that use it: the plugin manager loads every
@@ -53,7 +52,7 @@ class SpawnLauncher(Launcher):
     priority = 1000  # the fallback: nothing else claimed the process
     spawns = True
     restarts_with = ""  # --max-restarts N: launch() restarts the workers itself
-    reads = ("CUDA_VISIBLE_DEVICES", "ENGINE_RUN_ID", "SLURM_CPUS_PER_TASK")
+    reads = ("CUDA_VISIBLE_DEVICES", "ENGINE_RUN_ID")
 
     @classmethod
     def detect(cls, environ, options) -> bool:
@@ -93,8 +92,8 @@ class SpawnLauncher(Launcher):
         host = socket.gethostname()
         layout = tuple((host if node == opts.node_rank else (addr if node == 0 else "?"),
                         nproc) for node in range(opts.nnodes))
-        # This machine's CPUs (a SLURM allocation's, inside one), shared by all.
-        cpus = machine_share(nproc, allocated_cpus(self.environ))
+        # This machine's CPUs (its scheduler's allocation: engine_cpu_allocation), shared.
+        cpus = machine_share(nproc, opts.cpu_allocation)
         worlds = [
             World(
                 rank=opts.node_rank * nproc + local_rank,

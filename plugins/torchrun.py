@@ -20,7 +20,6 @@ import engine
 from engine.errors import LaunchError
 from engine.launch_env import int_variable, require_variables
 from engine.launcher import Launcher
-from engine.plugins.slurm_hostlist import allocated_cpus
 from engine.world import World, machine_share
 
 REQUIRED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -33,8 +32,7 @@ class TorchrunLauncher(Launcher):
     port_held_by_starter = True  # the agent's rendezvous store
     restarts_with = "torchrun --max-restarts N (on several nodes with a c10d rendezvous)"
     reads = REQUIRED + ("GROUP_RANK", "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
-                        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
-                        "SLURM_CPUS_PER_TASK")
+                        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
 
     @classmethod
     def detect(cls, environ, options) -> bool:
@@ -90,9 +88,9 @@ class TorchrunLauncher(Launcher):
             restart_count=int_variable(env, "TORCHELASTIC_RESTART_COUNT", self.name,
                                        default=0),
             run_id="" if run_id == "none" else run_id,  # torchrun's default --rdzv-id
-            # The machine's CPUs (a SLURM allocation's, inside one), shared by the
+            # The machine's CPUs (its scheduler's allocation: engine_cpu_allocation), shared by the
             # --nproc-per-node processes torchrun started.
-            cpus=machine_share(local_world_size, allocated_cpus(env)),
+            cpus=machine_share(local_world_size, self.options.cpu_allocation),
         )
         world.check()
         return [world]

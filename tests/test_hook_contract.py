@@ -45,6 +45,9 @@ RELEASED = {
         "engine_requeue": ("engine",),
         "engine_register_run_files": (),
     },
+    "0.3": {
+        "engine_cpu_allocation": ("environ",),
+    },
 }
 FIRST_RELEASE = {name: (version, args) for version, hooks in RELEASED.items()
                  for name, args in hooks.items()}
@@ -100,7 +103,7 @@ def test_the_stated_kind_matches_the_spec(name):
 
 def documented_arguments(name: str) -> list[str]:
     """The arguments as docs/plugins.md writes them: the run object as ``ctx``, where
-    the spec still has ``engine`` (its name before 0.3, passed too) first."""
+    the spec still has ``engine`` (its name up to release 0.2.0, passed too) first."""
     current = arguments(name)
     if "ctx" not in current:
         return current

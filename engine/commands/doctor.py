@@ -86,7 +86,8 @@ def main(argv) -> int:
         line(PROBLEM, broken.describe())
     options = LaunchOptions(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                             master_addr=args.master_addr, master_port=args.master_port,
-                            init_method=args.init_method, local_rank=args.local_rank)
+                            init_method=args.init_method, local_rank=args.local_rank,
+                            cpu_allocation=pm.hook.engine_cpu_allocation(environ=os.environ))
     environ = dict(os.environ)
     print("launcher detection (first match wins):")
     for cls in detection_order(pm.launchers):

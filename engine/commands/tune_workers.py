@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -129,8 +130,9 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
     pm = build_plugin_manager(list(plugins))
     job = RecipeJob(tuple(plugins), {}, recipe=str(recipe_path), overrides=tuple(overrides))
     recipe, cfg = job.load(pm)
-    launcher = choose_launcher(pm.launchers, cfg.launcher,
-                               LaunchOptions(nproc=nproc, init_method=cfg.init_method))
+    allocation = pm.hook.engine_cpu_allocation(environ=os.environ)
+    launcher = choose_launcher(pm.launchers, cfg.launcher, LaunchOptions(
+        nproc=nproc, init_method=cfg.init_method, cpu_allocation=allocation))
     worlds = launcher.worlds()
     world = worlds[0]
     # Its devices only: the launching process sets up no device, no process group.

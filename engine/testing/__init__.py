@@ -1,66 +1,16 @@
-"""Fixtures for testing engine plugins: an opt-in pytest plugin.
+"""Fixtures for testing engine plugins: an opt-in pytest plugin (``pytest_plugins =
+["engine.testing"]`` in a conftest.py, or ``pytest -p engine.testing``; no ``pytest11``
+entry point, so installing the engine changes nobody's test suite).
 
-It is not loaded automatically (no ``pytest11`` entry point), so installing the engine
-changes nobody's test suite. Enable it in your plugin's tests with::
-
-    # conftest.py (at the root of your tests)
-    pytest_plugins = ["engine.testing"]
-
-or on the command line: ``pytest -p engine.testing``. Fixtures:
-
-``make_plugin_manager(*plugins, autoload=False)``
-    The engine's plugin manager with the built-ins plus ``plugins`` (plugin objects, or
-    the strings of ``-p``: module paths, entry-point names, ``no:NAME``). Entry-point
-    autoload is off unless asked for, so other installed plugins cannot interfere.
-``make_engine(*overrides, recipe=None, plugins=(), autoload=False, options=None)``
-    An :class:`engine.engine.Engine` as a rank-0 worker of a one-process world would
-    have it before training (plugin manager, recipe, config with the plugins' config
-    groups and ``out_dir`` in a temporary folder, ``engine.options`` with every option's
-    default, those the plugins add included, updated by ``options``:
-    ``{"csv_every": 5}``), for calling hooks directly:
-    ``ctx.pm.hook.engine_log(ctx=ctx, metrics={"train/loss": 1.0}, step=1)``, then
-    ``engine.testing.fire_run_end(ctx)`` for ``engine_run_end`` with a real summary.
-``tiny_recipe``
-    The path of a recipe that trains a small network on synthetic data in a second or
-    two (``Config``: epochs=2, batch_size=32, log_every=2, 256 samples).
-``run_recipe(*overrides, recipe=None, nproc=2, plugins=(), args=(), env=None)``
-    Runs ``engine-run`` in a new process, 2 workers on the CPU with gloo by default,
-    ``out_dir`` in a temporary folder; returns a :class:`RecipeRun` (return code,
-    stdout, stderr, out_dir and the parsed summary.json).
-``run_engine(args, env=None, cwd=None, timeout=300, check=False)`` (a function)
-    ``engine-run ARGS`` in a new process, forked from a server that has torch imported
-    (seconds saved per run: :mod:`engine.testing.warm_start`; ``ENGINE_TEST_FORK=0`` runs a plain
-    subprocess instead), whose spawn launcher forks its workers from it as well
-    (``ENGINE_START_METHOD=fork`` unless ``env`` says otherwise); ``read_summary(out_dir)``: a run's
-    summary.json; ``engine_env(extra)``: the environment for a test run (CPU only, no
-    launcher variables). A recipe's run gets ``checkpoint.memory_every_steps=0`` unless
-    ARGS set it (:func:`pinned`): ``auto`` would choose from the clock.
-``run_python(args, env=None, cwd=None, timeout=300, check=False)`` (a function)
-    ``python ARGS`` (a script, ``-m MODULE`` or ``-c CODE``) forked from the same warm
-    server, for tools and example scripts.
-``start_engine(args, env=None, cwd=None)``, ``start_python(args, env=None, cwd=None)``
-    The same, started and returned at once, for processes that run side by side (ranks
-    that meet, a run that a test signals): a handle as subprocess.Popen's (``pid``, in a
-    session of its own, ``poll()``, ``wait()``, ``communicate(timeout)`` giving stdout
-    and stderr as text, ``kill()``: its whole session).
-``write_distribution(site, name, version, entry_points, files)`` (a function)
-    A minimal installed distribution in a folder, without pip: for tests of discovery.
-``install_plugin(path)``
-    ``pip install --no-deps --target`` of the package at ``path`` into a temporary
-    folder; returns the environment (PYTHONPATH) under which ``engine-run`` finds its
-    entry points, for ``run_recipe(env=...)``.
-
-Checkpointer contract: :class:`CheckpointerContract`, a class of tests that any
-checkpointer class is run against by subclassing it in a test module::
-
-    from engine.testing import CheckpointerContract
-
-    class TestMyStore(CheckpointerContract):
-        checkpointer_class = MyStore
-
-with its helpers :func:`contract_state` (a snapshot dict), :func:`assert_same_snapshot`
-and :func:`corrupt_snapshot`. State part contract: :func:`assert_state_part(part)
-<assert_state_part>`.
+docs/plugins.md, "Testing a plugin", describes the fixtures (``make_plugin_manager``,
+``make_engine``, ``tiny_recipe``, ``run_recipe``, ``install_plugin``), the functions
+(``fire_run_end``, ``run_engine``, ``read_summary``, ``engine_env``,
+``write_distribution``) and :class:`CheckpointerContract` with its helpers. For the
+engine's own tests too: :func:`run_python` (``python ARGS`` from the warm server that
+:func:`run_engine` forks from), :func:`start_engine` and :func:`start_python` (started
+and returned at once, a handle as subprocess.Popen's). A recipe's run gets
+``checkpoint.memory_every_steps=0`` unless its arguments set it (:func:`pinned`). State
+part contract: :func:`assert_state_part`.
 """
 
 from __future__ import annotations
@@ -215,7 +165,7 @@ def run_engine(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd
     env, args = dict(env) if env is not None else engine_env(), pinned(args)
     if program is None and _forkable(env):
         # The server has torch imported: its spawn launchers fork their workers from it
-        # too, unless the test chose (2-5 s saved per run; engine.launch_env.start_method).
+        # too, unless the test chose (engine.launch_env.start_method).
         env.setdefault(START_METHOD_ENV, "fork")
         proc = _warm_starter().run(args, env=env, cwd=cwd, timeout=timeout)
     else:

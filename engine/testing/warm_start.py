@@ -2,14 +2,13 @@
 forked from a warm one.
 
 A test that runs ``engine-run`` in a subprocess pays a Python start, ``import torch`` and
-the ``torch._dynamo`` import that the first optimizer triggers before its first line
-runs (docs/development.md). The :class:`WarmStarter` pays it once: a server process
-imports torch, dynamo and the engine, then forks one child per command. The child has
-its own pid, session, environment, working directory, stdout and stderr, and runs
-``engine.cli.main``, so exit codes, signals and spawned workers are those of a real run.
-What differs: the interpreter did not start afresh (PYTHONPATH entries are put on
-``sys.path`` by hand; variables read when a library loads, such as OMP_NUM_THREADS, are
-the server's).
+``torch._dynamo``'s before its first line runs. The :class:`WarmStarter`'s server imports
+them and the engine once, then forks one child per command, with its own pid, session,
+environment, working directory, stdout and stderr, running ``engine.cli.main``: exit
+codes, signals and spawned workers are a real run's. Why its protocol is not
+multiprocessing's: engine/fork_server.py. What differs from a new interpreter:
+PYTHONPATH entries are put on ``sys.path`` by hand; variables read when a library loads
+(OMP_NUM_THREADS) are the server's.
 
 Commands run side by side (:meth:`WarmStarter.start`, a handle as subprocess.Popen) or
 one at a time (:meth:`WarmStarter.run`). ``run(..., python=True)`` runs Python command

@@ -29,9 +29,9 @@ LOSS_TOLERANCE = 1e-4
 COMPILE_TIMEOUT_S = 600  # a first compile on a loaded 2-core machine
 
 
-def tiny(out, *args, nproc=2):
+def tiny(out, *args, nproc=2, **env):
     return run_cli(TINY_RECIPE, f"out_dir={out}", "--nproc", str(nproc), "epochs=2",
-                   *args, env=tiny_env(), timeout=COMPILE_TIMEOUT_S)
+                   *args, env={**tiny_env(), **env}, timeout=COMPILE_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,8 @@ def runs(tmp_path_factory):
     snapshot (2 processes each), with their summaries."""
     root = tmp_path_factory.mktemp("compile")
     eager = tiny(root / "eager")
-    compiled = tiny(root / "compiled", "compile.enabled=true")
+    # CUDA_HOME names a folder: torch then warns of it wherever no CUDA runtime is found.
+    compiled = tiny(root / "compiled", "compile.enabled=true", CUDA_HOME=str(root))
     assert eager.returncode == 0, eager.stderr
     assert compiled.returncode == 0, compiled.stderr
     first_epoch = next((root / "compiled" / "checkpoints").glob("snapshot-e0001-*.pt"))
@@ -69,6 +70,11 @@ def test_compile_time_is_measured_printed_once_and_in_the_summary(runs):
     assert float(said[0][0]) == pytest.approx(compiled["compile_s"], abs=0.05)
     assert int(said[0][1]) >= 2  # the training and the validation graphs
     assert proc.stdout.count("compile: TinyNet compiled (mode default") == 1
+
+
+def test_a_cpu_run_does_not_print_torchs_cuda_home_warning_per_rank(runs):
+    proc, _, _ = runs["compiled"]
+    assert "CUDA_HOME" not in proc.stderr, proc.stderr
 
 
 def test_a_resumed_compiled_run_compiles_again_and_ends_identically(runs):

@@ -138,14 +138,14 @@ def test_the_summary_throughput_is_the_epochs_else_the_windows():
 # ------------------------------------------------- who sets the run's attributes
 
 #: The names engine/ binds the run object to (the Engine, a Context: hooks' ``engine``,
-#: recipes' ``ctx``, the loop's ``eng``), and the Trainer's ``self.engine``.
+#: recipes' ``ctx``, the loop's ``eng``), and a helper's ``self.engine`` or ``self.ctx``.
 RUN_NAMES = {"engine", "eng", "ctx", "context", "run_ctx"}
 
 
 def run_object(node) -> bool:
-    """``node`` names the run object: one of RUN_NAMES, or ``self.engine``."""
+    """``node`` names the run object: one of RUN_NAMES, or ``self.engine``/``self.ctx``."""
     return ((isinstance(node, ast.Name) and node.id in RUN_NAMES)
-            or (isinstance(node, ast.Attribute) and node.attr == "engine"
+            or (isinstance(node, ast.Attribute) and node.attr in ("engine", "ctx")
                 and isinstance(node.value, ast.Name) and node.value.id == "self"))
 
 
@@ -173,6 +173,12 @@ def attribute_writes(tree) -> list[tuple[int, ast.Attribute]]:
     return found
 
 
+#: Writes from outside that are known and due to go, by ``file: attribute written``.
+#: TODO(memory branch): engine/snapshot.py is being split; its memory record goes through
+#: a method of the run object there, and this entry goes with it.
+KNOWN_OUTSIDE_WRITES = {"engine/snapshot.py: self.ctx.memory_record"}
+
+
 def test_no_engine_module_sets_attributes_on_the_run_object_from_outside():
     """The run's attributes are set by its own classes (engine/context.py, engine.py,
     api.py: through ``self``); what the loop drives goes into its RunParts record, which
@@ -185,7 +191,8 @@ def test_no_engine_module_sets_attributes_on_the_run_object_from_outside():
     for path in sorted(ENGINE.rglob("*.py")):
         where = path.relative_to(ENGINE.parent)
         for line, target in attribute_writes(ast.parse(path.read_text(), str(path))):
-            if run_object(target.value):
+            if run_object(target.value) and (
+                    f"{where}: {ast.unparse(target)}" not in KNOWN_OUTSIDE_WRITES):
                 outside.append(f"{where}:{line}: {ast.unparse(target)}")
             elif (isinstance(target.value, ast.Attribute) and target.value.attr == "run_parts"
                   and run_object(target.value.value)
@@ -199,6 +206,7 @@ def test_the_scan_sees_each_way_of_setting_an_attribute():
         ctx.model = m
         eng.memory, other = None, 1
         self.engine.steps: int = 1
+        self.ctx.resumed_from = path
         eng.epochs_requested += 1
         setattr(engine, "resumed_from", path)
         ctx.run_parts.model = m
@@ -208,6 +216,6 @@ def test_the_scan_sees_each_way_of_setting_an_attribute():
     writes = attribute_writes(ast.parse(source))
     assert sorted((line, ast.unparse(t)) for line, t in writes if run_object(t.value)) == [
         (2, "ctx.model"), (3, "eng.memory"), (4, "self.engine.steps"),
-        (5, "eng.epochs_requested"), (6, "engine.?")]
+        (5, "self.ctx.resumed_from"), (6, "eng.epochs_requested"), (7, "engine.?")]
     assert [ast.unparse(t) for _, t in writes if ast.unparse(t.value) == "ctx.run_parts"] == [
         "ctx.run_parts.model"]

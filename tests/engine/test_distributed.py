@@ -223,3 +223,18 @@ def test_stale_file_rendezvous_from_a_crashed_run_does_not_break_the_next(script
     (early,) = start_together(script, [dict(case, rank=0, timeout=60)])
     results = [finish(early)[0], finish(late)[0]]
     assert [(r["ok"], r.get("sum")) for r in results] == [(True, 3.0), (True, 3.0)], results
+
+
+@pytest.mark.parametrize("raw, plain", [
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection "
+     "closed by peer [127.0.0.1]:52421. This is typically caused by a remote worker "
+     "crashing. Check the logs of the remote worker before reporting an error. GLHF! 🏖️",
+     "Connection closed by peer [127.0.0.1]:52421"),
+    ("DistBackendError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Broken pipe",
+     "DistBackendError: Broken pipe"),
+    ("Socket Timeout", "Socket Timeout"),
+])
+def test_gloos_text_loses_its_source_file_and_advice(raw, plain):
+    from engine.distributed import gloo_text
+
+    assert gloo_text(raw) == plain

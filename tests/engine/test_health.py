@@ -3,6 +3,7 @@ the message names the rank."""
 
 from __future__ import annotations
 
+import re
 import time
 
 from tests.conftest import REPO, engine_env, read_summary, run_cli
@@ -47,6 +48,11 @@ def test_a_hung_rank_is_named_within_the_collective_timeout(tmp_path):
     # Rank 0 gives up after the 4 s collective timeout and names the silent rank...
     assert "[rank 0] error: rank 0: a collective operation failed at step" in proc.stderr
     assert "rank(s) 1 stopped answering (timeout 4s)" in proc.stderr
+    # gloo's text, less its source file and advice, in summary.json as on the console.
+    said = re.search(r"^\[rank 0\] error: (.*)$", proc.stderr, re.M)[1]
+    assert re.search(r"\(timeout 4s\): Timed out waiting 4000ms for \w+ operation to "
+                     r"complete$", said), said
+    assert read_summary(tmp_path)["error"] == f"RunError: {said}"
     # ...the launcher's last line names it too, as the one it had to terminate...
     assert proc.stderr.strip().splitlines()[-1].endswith(
         "worker with local rank 1 (rank 1) was still running 2s after that and was "

@@ -161,7 +161,7 @@ def test_fit_gives_the_caller_its_threads_back_and_each_call_its_own_clock(tmp_p
     done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done:")]
     # The second call's time, from its own start: not from the first call's.
     total, start_up = map(float, re.fullmatch(
-        rf"done: 1 epochs in ([\d.]+)s \(start-up ([\d.]+)s\), results in "
+        rf"done: 1 epoch in ([\d.]+)s \(start-up ([\d.]+)s\), results in "
         rf"{re.escape(str(tmp_path / 'b'))}", done[0]).groups())
     assert start_up <= total <= took + 0.05, (done, took)
     # A third call resumes the first run for one more epoch: its done: line counts the
@@ -364,7 +364,7 @@ def test_a_finished_run_says_how_to_start_over_in_fits_words(tmp_path, capsys):
     again = fit(RECIPE, nproc=1, out_dir=str(out), epochs=1)
     assert again["weights_sha256"] == done["weights_sha256"]
     assert (done["status"], again["status"]) == ("completed", "already_complete")
-    assert (f"already complete: {out} holds a finished run of 1 epochs (asked for 1), "
+    assert (f"already complete: {out} holds a finished run of 1 epoch (asked for 1), "
             "nothing to train; to train on, ask for more (epochs=2 or more); to start over, "
             "use engine.fit(..., resume=False, overwrite=True) or another out_dir"
             ) in capsys.readouterr().out

@@ -428,11 +428,15 @@ def test_reduce_lr_on_plateau_steps_on_the_named_metric_and_resumes_exactly(
     from engine.plugins.csv_logger import read_rows
 
     out = tmp_path / "run"
-    run_cli(plateau_recipe, "epochs=3", "scheduler_metric=val/loss", f"out_dir={out}",
-            "--nproc", "2", check=True)
+    proc = run_cli(plateau_recipe, "epochs=3", "scheduler_metric=val/loss",
+                   f"out_dir={out}", "--nproc", "2", check=True)
     rows = read_rows(out / "metrics.csv")
     lrs = {epoch: value for _, epoch, name, value in rows if name == "lr"}
     assert lrs == {1: 1e-6, 2: 1e-6, 3: 5e-7}  # the lr each epoch trained with
+    # Each reduction is one line, once (rank 0), after its epoch's line.
+    said = [line for line in proc.stdout.splitlines() if "ReduceLROnPlateau" in line]
+    assert said == ["lr 1e-06 -> 5e-07: val/loss stopped improving (ReduceLROnPlateau)",
+                    "lr 5e-07 -> 2.5e-07: val/loss stopped improving (ReduceLROnPlateau)"]
     first_loss = next(value for _, epoch, name, value in rows if name == "val/loss")
     summary = fit(plateau_recipe, nproc=1, out_dir=str(out), epochs=4,
                   scheduler_metric="val/loss")

@@ -37,6 +37,7 @@ class Config(TrainConfig):
     width: int = 8
     depth: int = 1
     log_every: int = 1
+    val_samples: int = 0
 
 
 class Samples(torch.utils.data.Dataset):
@@ -60,7 +61,8 @@ def build_model(cfg):
 
 
 def build_datasets(cfg, ctx):
-    return Samples(cfg.samples, cfg.delay_s), None
+    val = Samples(cfg.val_samples, 0) if cfg.val_samples else None
+    return Samples(cfg.samples, cfg.delay_s), val
 
 
 def build_optimizer(cfg, model):
@@ -105,7 +107,7 @@ def test_a_data_bound_run_says_so_with_a_hint_and_summary_json_agrees(logged_run
     assert wait > 0.5
     # The whole time from the command's start, and its start-up share (the worker's own
     # wall_time_s once stood for the command's).
-    done = re.fullmatch(r"done: 1 epochs in (\d+\.\d)s \(start-up (\d+\.\d)s\), "
+    done = re.fullmatch(r"done: 1 epoch in (\d+\.\d)s \(start-up (\d+\.\d)s\), "
                         r"results in (.*)", proc.stdout.splitlines()[-1])
     assert done, proc.stdout
     total, start_up = float(done[1]), float(done[2])
@@ -161,6 +163,20 @@ def test_a_compute_bound_run_gets_no_hint(tmp_path):
     assert wait < DATA_BOUND
     assert f"data wait: {wait:.0%} waiting" in proc.stdout
     assert "hint:" not in proc.stdout
+
+
+def test_a_step_validation_reads_as_an_epoch_line(tmp_path):
+    """val/accuracy is ``val acc 50.00%`` in a validation's line inside an epoch as in the
+    epoch's line (it was ``val accuracy 0.5000`` there), and one epoch is "1 epoch"."""
+    recipe = write_recipe(tmp_path)
+    proc = run_cli(recipe, "samples=32", "val_samples=8", "val_every_steps=2",
+                   f"out_dir={tmp_path / 'run'}", "--nproc", "1", check=True)
+    lines = proc.stdout.splitlines()
+    step = next(line for line in lines if line.startswith("step 2 "))
+    epoch = next(line for line in lines if line.startswith("epoch 1/1"))
+    assert re.fullmatch(r"step 2 \(epoch 1/1\)  val loss \d\.\d{4}  val acc \d+\.\d\d%", step)
+    assert re.search(r"  val loss \d\.\d{4}  val acc \d+\.\d\d%  ", epoch), epoch
+    assert lines[-1].startswith("done: 1 epoch in "), lines
 
 
 def run_on_a_terminal(args, env, timeout=240) -> str:

@@ -5,12 +5,14 @@ returns, resume without duplicates, rank 0 only. tests/plugins/test_loggers_run.
 from __future__ import annotations
 
 import csv
+import os
 import re
 import sys
 import types
 
 from engine.plugins.csv_logger import HEADER, CsvLogger, read_metrics
-from engine.testing import make_engine, make_plugin_manager, tiny_recipe  # noqa: F401 (fixtures)
+from engine.testing import (make_engine, make_plugin_manager, run_recipe,  # noqa: F401
+                            tiny_recipe)  # (fixtures)
 from engine.world import World
 from tests.conftest import REPO
 from tests.plugins.killed_runs import (ENGINE_RUN_KILL_STEP, killed_custom_loop,
@@ -130,9 +132,11 @@ def test_other_ranks_write_nothing(make_engine):
     assert not (eng.out_dir / "metrics.csv").exists()
 
 
-def test_the_docs_example_logger_passes_the_docs_example_test(make_engine, monkeypatch):
+def test_the_docs_example_logger_passes_the_docs_example_test(make_engine, run_recipe,
+                                                             monkeypatch):
     # docs/plugins.md shows a CSV logger plugin and, further down, its test: the two
-    # must agree (the example once wrote no header while its test expected one).
+    # must agree (the example once wrote no header while its test expected one). The
+    # two-process test runs the sample package's ddp-fp16 mode, not installed: -p.
     blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "plugins.md").read_text(),
                         re.S)
     (plugin_source,) = [b for b in blocks if b.startswith("# engine_csv_logger/__init__")]
@@ -143,6 +147,9 @@ def test_the_docs_example_logger_passes_the_docs_example_test(make_engine, monke
     tests: dict = {}
     exec(compile(test_source, "docs/plugins.md (test)", "exec"), tests)
     tests["test_one_row_per_metric"](make_engine)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(REPO / "tests" / "sample_plugin"), os.environ.get("PYTHONPATH", "")]))
+    tests["test_two_processes"](run_recipe)
 
 
 def test_a_sigkilled_custom_loop_keeps_every_row_it_logged(tmp_path_factory):

@@ -10,6 +10,7 @@ import pytest
 from engine.cli import build_parser
 from engine.errors import LaunchError
 from engine.launcher import LaunchOptions, free_port
+from engine.plugin_manager import build_plugin_manager
 from engine.plugins.legacy import (LegacyLauncher, option_from_cmdline,
                                    started_by_legacy_launch)
 from tests.conftest import ENGINE_RUN
@@ -27,7 +28,9 @@ def test_both_spellings_of_the_argument_reach_the_launcher(argv):
 
 def test_inside_a_slurm_allocation_the_processes_share_its_cpus():
     env = {**OLD_ENV, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "SLURM_CPUS_PER_TASK": "6"}
-    (world,) = LegacyLauncher(LaunchOptions(), env).worlds()
+    # The slurm plugin's answer, as engine-run asks it (engine_cpu_allocation).
+    allocation = build_plugin_manager().hook.engine_cpu_allocation(environ=env)
+    (world,) = LegacyLauncher(LaunchOptions(cpu_allocation=allocation), env).worlds()
     assert (world.cpu_share().count, world.cpu_share().reason) == (
         3, "6 CPUs (SLURM_CPUS_PER_TASK) shared by 2 local processes = 3 each")
 

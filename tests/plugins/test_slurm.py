@@ -127,6 +127,24 @@ def test_array_jobs_are_requeued_by_their_array_id():
     assert requeue({}) is None  # not a SLURM job: another scheduler's plugin may answer
 
 
+def test_the_slurm_plugin_answers_the_cpu_allocation_of_a_slurm_job_only():
+    """engine_cpu_allocation: the slurm plugin's answer is what spawn, torchrun and
+    legacy share among their processes (they import nothing of the slurm plugin); a
+    third-party scheduler's plugin answers for its own jobs."""
+    hook = build_plugin_manager().hook.engine_cpu_allocation
+    assert hook(environ={"SLURM_CPUS_PER_TASK": "12"}) == (12, "SLURM_CPUS_PER_TASK")
+    assert hook(environ={"SLURM_JOB_ID": "42"}) is None  # no CPUs asked per task
+
+    class Scheduler:
+        @staticmethod
+        def engine_cpu_allocation(environ):
+            return (int(environ["MY_CPUS"]), "MY_CPUS") if "MY_CPUS" in environ else None
+
+    pm = build_plugin_manager()
+    pm.register(Scheduler, "scheduler")
+    assert pm.hook.engine_cpu_allocation(environ={"MY_CPUS": "3"}) == (3, "MY_CPUS")
+
+
 def test_the_requeue_hook_answers_for_slurm_jobs_only(tmp_path, monkeypatch):
     """engine_requeue is first-result: the slurm plugin answers inside a SLURM job
     (whatever launched the processes) and leaves other jobs to other plugins."""
@@ -221,7 +239,7 @@ def test_sbatch_script_runs_one_task_per_node_that_spawns(tmp_path, tmp_path_fac
     submitted = run(["sbatch", "--wait", str(job)], timeout=400)
     job_id = submitted.stdout.split()[-1]
     log = (out / f"slurm-{job_id}.out").read_text()
-    assert "done: 1 epochs" in log, log
+    assert "done: 1 epoch in" in log, log
     summary = finished(out, "slurm")
     # Two processes started by one task: the task's 2 CPUs shared, one thread each.
     assert summary["weights_sha256"] == reference_digest(tmp_path_factory)

@@ -34,8 +34,8 @@ def test_every_node_style_ranks():
 def test_the_machines_cpus_are_shared_by_the_processes_it_starts():
     """The CPU rule of spawn: this machine's usable CPUs divided by --nproc, the same
     answer in every world (it sets the torch threads and num_workers=auto)."""
-    shares = {w.cpu_share() for w in SpawnLauncher(
-        LaunchOptions(nproc=3), {"SLURM_CPUS_PER_TASK": "12"}).worlds()}
+    shares = {w.cpu_share() for w in SpawnLauncher(LaunchOptions(
+        nproc=3, cpu_allocation=(12, "SLURM_CPUS_PER_TASK")), {}).worlds()}
     assert [(s.count, s.reason) for s in shares] == [
         (4, "12 CPUs (SLURM_CPUS_PER_TASK) shared by 3 local processes = 4 each")]
     affinity = len(os.sched_getaffinity(0))

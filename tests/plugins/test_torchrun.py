@@ -7,6 +7,7 @@ import pytest
 
 from engine.errors import LaunchError
 from engine.launcher import LaunchOptions, free_port
+from engine.plugin_manager import build_plugin_manager
 from engine.plugins.torchrun import TorchrunLauncher
 from tests.conftest import BIN, ENGINE_RUN
 from tests.plugins.launch_runs import (LATE_S, ONE_THREAD, STOP_TIMEOUT_S, finished,
@@ -32,7 +33,10 @@ def test_variables_become_the_world():
 
 
 def test_local_world_size_processes_share_the_machines_cpus():
-    w = world_of({**ENV, "SLURM_CPUS_PER_TASK": "16"})  # torchrun under srun, -c 16
+    env = {**ENV, "SLURM_CPUS_PER_TASK": "16"}  # torchrun under srun, -c 16
+    # The slurm plugin's answer, as engine-run asks it (engine_cpu_allocation).
+    w = world_of(env, cpu_allocation=build_plugin_manager().hook.engine_cpu_allocation(
+        environ=env))
     assert (w.cpu_share().count, w.cpu_share().reason) == (
         8, "16 CPUs (SLURM_CPUS_PER_TASK) shared by 2 local processes = 8 each")
 
