@@ -207,6 +207,10 @@ class WorkerContext:
         stateful.add_extra_parts(parts, self.pm, self, recipe_parts)
         parts.add("rng", stateful.RngStates(self.world, self.warn))
 
+    def record_memory(self, record: dict) -> None:
+        """summary.json's ``memory_snapshots`` (the memory tier's interval and costs)."""
+        self.memory_record = record
+
     def record_resume(self, source, tier: str, step: int, reached: int,
                       source_rank: int | None = None) -> None:
         """What summary.json's ``resumed_from`` and ``resume`` report

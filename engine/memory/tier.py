@@ -220,7 +220,7 @@ class MemoryTier:
     def record(self, every: int | None = None) -> None:
         """summary.json's ``memory_snapshots`` (MemoryCost.record)."""
         every = self.every_steps if every is None else every
-        self.ctx.memory_record = self.cost.record(1 if every == PAUSED else every, self.auto)
+        self.ctx.record_memory(self.cost.record(1 if every == PAUSED else every, self.auto))
 
     # ------------------------------------------------------------ resume, end
 

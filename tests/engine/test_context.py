@@ -174,9 +174,7 @@ def attribute_writes(tree) -> list[tuple[int, ast.Attribute]]:
 
 
 #: Writes from outside that are known and due to go, by ``file: attribute written``.
-#: TODO(memory branch): engine/snapshot.py is being split; its memory record goes through
-#: a method of the run object there, and this entry goes with it.
-KNOWN_OUTSIDE_WRITES = {"engine/snapshot.py: self.ctx.memory_record"}
+KNOWN_OUTSIDE_WRITES: set[str] = set()
 
 
 def test_no_engine_module_sets_attributes_on_the_run_object_from_outside():
