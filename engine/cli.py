@@ -162,7 +162,7 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     t.add_argument("--resume-anyway", action="store_true",
                    help="resume even if the config changed keys that break exact resume")
     t.add_argument("--threads", type=int, help="torch threads per process (default: "
-                   "the process's share of the CPUs)")
+                   "the CPUs the load leaves idle, shared by the processes)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config and the plan, then exit (with -v: "
                         "each key's allowed values and what it is)")

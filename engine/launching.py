@@ -131,7 +131,7 @@ def check_arguments(door: Door, options: dict) -> None:
         return f"{door.name}({name}={value!r})" if door.library else f"--{name} {value!r}"
 
     for name, default in (("nproc", "one process per GPU, 2 without a GPU"),
-                          ("threads", "each process's share of the CPUs")):
+                          ("threads", "the CPUs the load leaves idle, shared by the processes")):
         value = options.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
@@ -192,16 +192,46 @@ class Finished:
     result: Any
 
 
-def warn_if_oversubscribed(local_processes: int, share) -> None:
-    """Processes beyond the CPUs this node may use run at a fraction of the speed each
-    (they take turns on the CPUs and get one thread each); a warning, not an error: the
-    run is right, only slow, and a GPU node may not care. ``share``: the first local
-    worker's CpuShare (the CPUs its launcher shared, a SLURM allocation's included)."""
+def default_threads(cpus: int, load: float, processes: int) -> int:
+    """Torch threads per process where none were asked for: the CPUs that the load leaves
+    idle, shared by this node's processes, rounded; at least one, at most their share.
+    Two threads on two busy CPUs run many times slower than one (docs/performance.md)."""
+    processes = max(1, processes)
+    idle = max(0.0, cpus - load) / processes
+    return max(1, min(cpus // processes, int(idle + 0.5)))
+
+
+def choose_threads(share, processes: int) -> tuple[int, str]:
+    """:func:`default_threads` for the CPUs of ``share`` (a worker's CpuShare) and this
+    machine's 1-minute load, and the plan's words for it. The load counts every CPU of
+    the machine: it is left out where ours are fewer (a SLURM allocation's)."""
+    cpus, source = share.shared or usable_cpus()
+    try:
+        load = os.getloadavg()[0] if cpus >= (os.cpu_count() or cpus) else 0.0
+    except OSError:  # no load average here
+        load = 0.0
+    return default_threads(cpus, load, processes), (
+        f"default: {cpus} CPU(s) ({source}), load {load:.1f}, {processes} process(es); "
+        "--threads N sets it")
+
+
+def warn_if_oversubscribed(local_processes: int, share, threads: int, door: Door) -> None:
+    """Processes or threads beyond the CPUs this node may use run at a fraction of the
+    speed each (they take turns on the CPUs); a warning, not an error: the run is right,
+    only slow, and a GPU node may not care. ``share``: the first local worker's CpuShare
+    (the CPUs its launcher shared, a SLURM allocation's included); ``threads``: each
+    process's torch threads as asked for."""
     cpus, source = share.shared or usable_cpus()
     if local_processes > cpus:
         warn(f"{local_processes} processes on this node share {cpus} usable CPU(s) "
              f"({source}): each gets 1 torch thread and they take turns, so training "
              f"will be slow; --nproc {cpus} or fewer fits the CPUs")
+    elif threads * local_processes > cpus:
+        asked = f"{door.name}(threads={threads})" if door.library else f"--threads {threads}"
+        warn(f"{asked} x {local_processes} process(es) = {threads * local_processes} torch "
+             f"threads on {cpus} usable CPU(s) ({source}): they take turns, so training "
+             f"will be slow; leave threads out (the default fits the CPUs and their load) "
+             f"or ask for {max(1, cpus // local_processes)}")
 
 
 class Launch:
@@ -235,8 +265,13 @@ class Launch:
                                             launch_options(self.pm, self.cfg, job.options))
             check_max_restarts(self.launcher)
             self.worlds = self.launcher.worlds()
-        warn_if_oversubscribed(len(self.worlds) if self.launcher.spawns else 1,
-                               self.worlds[0].cpu_share())
+        share, local = self.worlds[0].cpu_share(), self.worlds[0].local_world_size
+        if job.options.get("threads") is None:  # chosen once, here: every worker the same
+            threads, why = choose_threads(share, local)
+            self.job = job = attrs.evolve(job, options={**job.options, "threads": threads,
+                                                        "threads_chosen": why})
+        warn_if_oversubscribed(len(self.worlds) if self.launcher.spawns else 1, share,
+                               job.options["threads"], job.door)
 
     def start(self) -> Finished:
         """Run the job in every worker of this node and wait. A failed spawned worker

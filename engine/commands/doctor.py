@@ -22,6 +22,7 @@ import sys
 import engine
 from engine import cli, cpu_bf16
 from engine.errors import EngineError, LaunchError
+from engine.launching import choose_threads
 from engine.launcher import (LaunchOptions, check_port_free, choose_launcher, detection_order,
                              detects, is_local_address)
 from engine.plugin_manager import build_plugin_manager
@@ -111,6 +112,11 @@ def main(argv) -> int:
              f"{', '.join(str(w.rank) for w in worlds)} of {world.world_size}, local world "
              f"size {world.local_world_size}; master {world.rendezvous} "
              f"({world.init_method})")
+    threads, why = choose_threads(world.cpu_share(), world.local_world_size)
+    busy = threads < world.cpu_share().count  # the load leaves fewer CPUs than the share
+    line(NOTE if busy else OK, f"torch threads: {threads} per process ({why})" + (
+        "; the load keeps CPUs busy, and more threads per process would take turns on "
+        "them (many times slower)" if busy else ""))
     _check_master(world, line, launcher)
     _check_ifname(line)
     store = mlflow_store_problem(None, environ)  # a run's mlflow.tracking_uri: --dry-run

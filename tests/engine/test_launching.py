@@ -438,3 +438,62 @@ def test_a_sweep_through_one_folder_is_refused_not_answered_with_the_first_resul
                    epochs=1, lr=lr) for lr in (0.1, 0.05)]
     assert [r["status"] for r in results] == ["completed", "completed"]
     assert results[0]["weights_sha256"] != results[1]["weights_sha256"]
+
+
+# ------------------------------------------------------- threads that fit the machine
+
+
+def a_machine(monkeypatch, cpus: int, load: float) -> None:
+    """This process sees ``cpus`` CPUs (all of the machine's) and a 1-minute ``load``."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+
+
+@pytest.mark.parametrize("cpus, load, processes, threads", [
+    (2, 0.0, 1, 2), (2, 0.4, 1, 2), (2, 1.0, 1, 1), (2, 2.1, 1, 1),  # busy: one
+    (2, 0.0, 2, 1), (2, 2.0, 2, 1), (8, 0.0, 2, 4), (8, 4.0, 2, 2), (8, 0.0, 16, 1)])
+def test_default_threads_are_the_idle_cpus_shared_by_the_processes(cpus, load, processes,
+                                                                   threads):
+    from engine.launching import default_threads
+
+    assert default_threads(cpus, load, processes) == threads
+
+
+def test_the_plan_says_the_default_threads_and_a_run_uses_them(tmp_path, monkeypatch):
+    """Two busy CPUs: one thread for one process (two ran 8-12x slower), said in the
+    plan; the run trains with it. Idle: both."""
+    import torch
+
+    a_machine(monkeypatch, cpus=2, load=2.0)
+    proc = conftest.run_cli_here(str(RECIPE), f"out_dir={tmp_path / 'plan'}", "--nproc", "1",
+                                 "--dry-run", check=True)
+    assert ("threads       1 per process (default: 2 CPU(s) (affinity), load 2.0, "
+            "1 process(es); --threads N sets it)") in proc.stdout, proc.stdout
+    seen = []
+
+    class Threads:
+        @engine.hookimpl
+        def engine_run_start(self, ctx):
+            seen.append(torch.get_num_threads())
+
+    fit(RECIPE, nproc=1, out_dir=str(tmp_path / "busy"), epochs=1, plugins=[Threads()])
+    a_machine(monkeypatch, cpus=2, load=0.0)
+    fit(RECIPE, nproc=1, out_dir=str(tmp_path / "idle"), epochs=1, plugins=[Threads()])
+    assert seen == [1, 2]
+    asked = conftest.run_cli_here(str(RECIPE), f"out_dir={tmp_path / 'plan'}", "--nproc", "1",
+                                  "--threads", "2", "--dry-run", check=True)
+    assert "threads       2 per process (--threads)" in asked.stdout, asked.stdout
+
+
+def test_threads_asked_beyond_the_cpus_are_a_warning_naming_the_setting(tmp_path,
+                                                                        monkeypatch):
+    a_machine(monkeypatch, cpus=2, load=0.0)
+    proc = conftest.run_cli_here(str(RECIPE), f"out_dir={tmp_path}", "--nproc", "2",
+                                 "--threads", "2", "--dry-run", check=True)
+    assert ("warning: --threads 2 x 2 process(es) = 4 torch threads on 2 usable CPU(s) "
+            "(affinity): they take turns, so training will be slow; leave threads out (the "
+            "default fits the CPUs and their load) or ask for 1") in proc.stderr, proc.stderr
+    fits = conftest.run_cli_here(str(RECIPE), f"out_dir={tmp_path}", "--nproc", "2",
+                                 "--threads", "1", "--dry-run", check=True)
+    assert "torch threads" not in fits.stderr
