@@ -131,7 +131,8 @@ def check_arguments(door: Door, options: dict) -> None:
         return f"{door.name}({name}={value!r})" if door.library else f"--{name} {value!r}"
 
     for name, default in (("nproc", "one process per GPU, 2 without a GPU"),
-                          ("threads", "the CPUs the load leaves idle, shared by the processes")):
+                          ("threads", "the CPUs the load leaves idle, shared by the "
+                                      "processes")):
         value = options.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
@@ -227,7 +228,8 @@ def warn_if_oversubscribed(local_processes: int, share, threads: int, door: Door
              f"({source}): each gets 1 torch thread and they take turns, so training "
              f"will be slow; --nproc {cpus} or fewer fits the CPUs")
     elif threads * local_processes > cpus:
-        asked = f"{door.name}(threads={threads})" if door.library else f"--threads {threads}"
+        asked = (f"{door.name}(threads={threads})" if door.library
+                 else f"--threads {threads}")
         warn(f"{asked} x {local_processes} process(es) = {threads * local_processes} torch "
              f"threads on {cpus} usable CPU(s) ({source}): they take turns, so training "
              f"will be slow; leave threads out (the default fits the CPUs and their load) "
