@@ -332,12 +332,12 @@ def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
     if changes:
         listed = ", ".join(f"{k} {old!r} (asked: {new!r})" for k, (old, new)
                            in sorted(changes.items()))
-        parent = pathlib.Path(cfg.out_dir).parent
         who = f"{door.name}: " if door.library else ""  # engine-run's prefix says it
         raise ConfigError(
             f"{who}{cfg.out_dir} holds a completed run trained with {listed}: "
             "nothing would be trained with this config; to keep both runs, give each its "
-            f"folder (out_dir={parent / '{version}'}), or use {door.start_over} to "
+            f"folder (out_dir={pathlib.Path(cfg.out_dir) / '{version}'}), or use "
+            f"{door.start_over} to "
             "replace it")
     if say and not 0 < cfg.epochs <= done:  # ended by max_steps, in an epoch
         print(f"already complete: {cfg.out_dir} holds a finished run of {steps} steps "

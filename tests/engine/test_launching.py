@@ -430,11 +430,11 @@ def test_a_sweep_through_one_folder_is_refused_not_answered_with_the_first_resul
     assert str(refused.value) == (
         f"engine.fit: {out} holds a completed run trained with lr 0.1 (asked: 0.05): "
         "nothing would be trained with this config; to keep both runs, give each its "
-        f"folder (out_dir={tmp_path / '{version}'}), or use engine.fit(..., resume=False, "
+        f"folder (out_dir={out / '{version}'}), or use engine.fit(..., resume=False, "
         "overwrite=True) to replace it")
     # Refused before any worker: nothing in the folder was written (not even the lock).
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
-    results = [fit(RECIPE, nproc=1, out_dir=str(tmp_path / "sweep" / "{version}"),
+    results = [fit(RECIPE, nproc=1, out_dir=str(out / "{version}"),
                    epochs=1, lr=lr) for lr in (0.1, 0.05)]
     assert [r["status"] for r in results] == ["completed", "completed"]
     assert results[0]["weights_sha256"] != results[1]["weights_sha256"]
