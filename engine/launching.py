@@ -349,7 +349,7 @@ def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
               f"(asked for {cfg.epochs}), nothing to train; to train on, ask for more "
               f"(epochs={done + 1} or more); to start over, use {door.start_over} or "
               "another out_dir", flush=True)
-    return {**summary, "status": "already_complete"}
+    return {**summary, "status": "already_complete", "out_dir": cfg.out_dir}
 
 
 def check_spawnable(job: "Worker") -> None:
@@ -613,12 +613,14 @@ class RecipeJob(Worker):
         return exc
 
     def run(self, pm, cfg, world) -> tuple[str, dict]:
-        """Train the recipe in this worker; the value is the run's summary."""
+        """Train the recipe in this worker; the value is the run's summary and its folder
+        (``out_dir``: a ``{version}`` filled)."""
         from engine.engine import Engine
 
-        summary = Engine(pm, self.loaded_recipe(), cfg, world, self.options,
-                         start_over=self.door.start_over).run()
-        return summary["status"], summary
+        run = Engine(pm, self.loaded_recipe(), cfg, world, self.options,
+                     start_over=self.door.start_over)
+        summary = run.run()
+        return summary["status"], {**summary, "out_dir": str(run.out_dir)}
 
 
 def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,

@@ -437,6 +437,8 @@ def test_a_sweep_through_one_folder_is_refused_not_answered_with_the_first_resul
     results = [fit(RECIPE, nproc=1, out_dir=str(out / "{version}"),
                    epochs=1, lr=lr) for lr in (0.1, 0.05)]
     assert [r["status"] for r in results] == ["completed", "completed"]
+    # Each summary says its folder, the {version} filled.
+    assert [r["out_dir"] for r in results] == [str(out / "0"), str(out / "1")]
     assert results[0]["weights_sha256"] != results[1]["weights_sha256"]
 
 
