@@ -178,9 +178,10 @@ def launching() -> None:
 def restart() -> None:
     """A library call (engine.fit, engine.launch) starts its own clock: a second call in
     the same process counts from its own start, not from the interpreter's or the first
-    call's."""
+    call's; so do the workers it starts, a restarted one (max_restarts) too."""
     _marks[:] = [("", time.monotonic(), time.process_time(), os.getpid())]
     _carved.clear()
+    os.environ[ENV] = f"|{_marks[0][1]!r}|{_marks[0][2]!r}|{os.getpid()}"
 
 
 def rows() -> list[tuple[str, float, float]]:
