@@ -600,6 +600,8 @@ class RecipeJob(Worker):
         from engine.metrics import check_forms
 
         check_forms(cfg)  # a metric name no recipe's run logs: refused before any start
+        if self.launching_pid is None:  # not launched yet: in the launching process
+            check_before_workers(recipe, cfg)
         return recipe, finish_config(pm, cfg, recipe.name)
 
     def _blame_the_file(self, exc: ConfigError) -> ConfigError:
@@ -621,6 +623,47 @@ class RecipeJob(Worker):
                      start_over=self.door.start_over)
         summary = run.run()
         return summary["status"], {**summary, "out_dir": str(run.out_dir)}
+
+
+def check_before_workers(recipe, cfg) -> None:
+    """The worker's checks that need no batch, made in the launching process too, before
+    the workers' start-up: the recipe's throughput unit; a metric named that is one the
+    engine logs misspelt or in another unit; a scheduler that steps on a metric, built
+    for a stand-in parameter on the meta device (its kind and mode; a recipe whose
+    functions need more is left to the worker)."""
+    import difflib
+    import types
+    import warnings
+
+    import torch
+
+    from engine.metrics import EPOCH_END, named, throughput_unit
+    from engine.trainer import EPOCH_LOSS, Throughput, scheduler_metric
+    from engine.worker_setup import build_scheduler
+
+    throughput = Throughput(recipe)
+    for key, metric in named(cfg):
+        epoch_end = key in EPOCH_END or metric.startswith("train/epoch_")
+        ours = throughput.epoch_metric if epoch_end else throughput.metric
+        known = [EPOCH_LOSS, ours, throughput.epoch_metric, "train/data_wait_fraction", "lr"]
+        unit = throughput_unit(metric)
+        close = ([ours] if unit not in (None, throughput.unit) else
+                 difflib.get_close_matches(metric, known, n=1, cutoff=0.9))
+        if metric not in known and close:
+            raise ConfigError(f"config key {key!r}: {metric!r} is not a metric this run "
+                              f"logs (did you mean {close[0]!r}?)")
+    scheduler = None
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizer = recipe.module.build_optimizer(cfg, torch.nn.Linear(1, 1))
+            steps = cfg.max_steps or cfg.epochs
+            scheduler = build_scheduler(recipe, cfg, optimizer, types.SimpleNamespace(
+                cfg=cfg, steps_per_epoch=1, total_steps=steps))
+    except Exception:  # its functions need the real model or data: the worker checks
+        if recipe.optional("build_scheduler") is not None:
+            return
+    scheduler_metric(scheduler, cfg)
 
 
 def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,

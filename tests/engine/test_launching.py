@@ -499,3 +499,53 @@ def test_threads_asked_beyond_the_cpus_are_a_warning_naming_the_setting(tmp_path
     fits = conftest.run_cli_here(str(RECIPE), f"out_dir={tmp_path}", "--nproc", "2",
                                  "--threads", "1", "--dry-run", check=True)
     assert "torch threads" not in fits.stderr
+
+
+# ------------------------------------- checks that need no batch, before any worker
+
+CHECKED_RECIPE = """
+import torch
+from tests.recipes.tiny_regression import *  # noqa: F401,F403
+from tests.recipes.tiny_regression import eval_step  # noqa: F401
+{extra}
+"""
+
+
+@pytest.mark.parametrize("extra, overrides, message", [
+    ("throughput_unit = 'tokens'", [],
+     "the recipe declares throughput_unit='tokens' without count_throughput(batch) -> int"),
+    ("", ["checkpoint.best_metric=train/epoch_los", "checkpoint.best_mode=min"],
+     "config key 'checkpoint.best_metric': 'train/epoch_los' is not a metric this run logs "
+     "(did you mean 'train/epoch_loss'?)"),
+    ("", ["early_stopping.metric=train/epoch_tokens_per_sec"],
+     "config key 'early_stopping.metric': 'train/epoch_tokens_per_sec' is not a metric this "
+     "run logs (did you mean 'train/epoch_samples_per_sec'?)"),
+    ("def build_scheduler(cfg, optimizer, ctx):\n"
+     "    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode='max')",
+     ["scheduler_metric=val/loss"],
+     "config key 'scheduler_metric': lower is better for 'val/loss' (read from the name), "
+     "but the recipe's ReduceLROnPlateau has mode='max'; build it with mode='min'"),
+    ("", ["scheduler_metric=val/loss"], "config key 'scheduler_metric': 'val/loss' is for a "
+     "scheduler that steps on a metric (ReduceLROnPlateau), and the recipe has no "
+     "build_scheduler"),
+])
+def test_checks_that_need_no_batch_are_answered_in_the_launching_process(
+        tmp_path, extra, overrides, message):
+    """Refused by --dry-run, which starts no worker (they came after 13-21 s of worker
+    start-up)."""
+    recipe = tmp_path / "checked.py"
+    recipe.write_text(CHECKED_RECIPE.format(extra=extra))
+    proc = conftest.run_cli_here(str(recipe), *overrides, f"out_dir={tmp_path / 'run'}",
+                                 "--dry-run")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"engine-run: error: {message}"), proc.stderr
+
+
+def test_a_recipe_whose_scheduler_needs_its_real_model_is_left_to_the_worker(tmp_path):
+    recipe = tmp_path / "checked.py"
+    recipe.write_text(CHECKED_RECIPE.format(
+        extra="def build_scheduler(cfg, optimizer, ctx):\n"
+              "    assert len(optimizer.param_groups[0]['params']) == 4  # the real model's\n"
+              "    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)"))
+    conftest.run_cli_here(str(recipe), "scheduler_metric=val/loss",
+                          f"out_dir={tmp_path / 'run'}", "--dry-run", check=True)
