@@ -1,12 +1,8 @@
 """Configuration: attrs classes with defaults, and ``key=value`` overrides by dotted path.
 
-A recipe's ``Config`` subclasses :class:`TrainConfig` and adds its own groups (``data``
-...); plugins add theirs through the ``engine_register_config_groups`` hook (the
-``ddp`` options come from the ddp plugin), see :func:`with_groups`. Overrides are
-converted with the field's annotation (int, float, bool, str, Path, ``Literal[...]``
-choices, ``X | None``, tuples) and checked; every problem is a one-line
-:class:`~engine.errors.ConfigError` naming the key, the value given and what
-is allowed.
+A recipe's ``Config`` subclasses :class:`TrainConfig` and adds its own groups; plugins
+add theirs (:func:`with_groups`). Overrides are converted with the field's annotation and
+checked; a problem is a one-line ConfigError naming the key, the value and what fits.
 """
 
 from __future__ import annotations
@@ -315,21 +311,12 @@ def convert(value: str, tp: Any) -> Any:
         item_tp = args[0] if args else str
         items = [convert(v.strip(), item_tp) for v in value.split(",") if v.strip()]
         return tuple(items) if origin is tuple else items
-    if tp is bool:
-        low = value.lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise ValueError
-    if tp is int:
-        return int(value)
-    if tp is float:
-        return float(value)
-    if tp is str or tp is Any:
+    if tp is bool and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    if tp in (int, float, str, pathlib.Path):
+        return tp(value)
+    if tp is Any:
         return value
-    if tp is pathlib.Path:
-        return pathlib.Path(value)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
             return tp[value]

@@ -2,33 +2,21 @@
 ``engine.launch`` (engine/api.py, a loop you write) and ``engine.fit`` (below, a recipe
 from Python).
 
-A door describes the run as a *job*: what every worker runs, a :class:`Worker`
-(:class:`RecipeJob` trains a recipe with the Trainer, ``engine.api.LoopJob`` calls the
-caller's function with an ``engine.api.Context``). :class:`Launch` sets the job up once,
-in the launching process, whichever door it came through::
+A door describes the run as a *job*, a :class:`Worker` (:class:`RecipeJob`: a recipe
+and the Trainer; ``engine.api.LoopJob``: the caller's function). :class:`Launch` sets it
+up once, in the launching process::
 
-    nproc, threads and a --resume path checked (check_arguments)
-    plugin manager (built-ins, entry points, the job's -p plugins)
-    job.configure: the recipe's (or the caller's) config with the plugins' groups and
-                   the overrides; finish_config: out_dir's default, every component
-                   name checked
+    the arguments checked (check_arguments); the plugin manager
+    job.configure: the config, its groups and overrides (finish_config: out_dir's
+                   default, the component names; a recipe's checks that need no batch)
     a fresh start refused where out_dir holds a run, unless asked to overwrite
-    choose_launcher, its worlds
-    Launch.start: a library door's spawned workers checked (the script guarded, the
-                  job picklable); launcher.launch(job)
+    choose_launcher, its worlds; the threads per process (choose_threads)
+    Launch.start: a library door's spawned workers checked; launcher.launch(job)
 
-and the launcher calls the job once in every worker (``Worker.__call__``)::
-
-    the plugin manager and the config again (a spawned process has neither)
-    job.run: the worker's run, whose lifecycle (hooks, summary, teardown) is
-             engine/context.py's WorkerContext.lifecycle
-    an error: blamed on the plugin whose code raised it; printed with the rank and the
-              process exits with the error's code (the launcher names it), or, in the
-              launching process of a library door, raised to the caller
-    rank 0's value back to the launching process (the library doors return it)
-
-Errors raised by plugin code in the launching process (a launcher's, a hook's) name
-the plugin, through every door.
+and the launcher calls the job once in every worker (``Worker.__call__``): the plugin
+manager and the config again, ``job.run`` (engine/context.py's lifecycle), an error
+blamed on the plugin whose code raised it (printed with the rank, or raised to a
+library door's caller), rank 0's value back to the launching process.
 """
 
 from __future__ import annotations
@@ -92,9 +80,8 @@ LAUNCH = Door("engine.launch", "engine.launch(resume=False)", "pass overwrite=Tr
 
 
 def finish_config(pm, cfg, run_name: str):
-    """The last steps of every job's config: ``out_dir`` defaults to
-    ``runs/<run_name>``, and every component the config names is checked now, before
-    any process starts (an unknown name lists what is registered)."""
+    """The last steps of every job's config: ``out_dir`` defaults to ``runs/<run_name>``;
+    every component it names is checked before any process starts."""
     if cfg.out_dir == "runs/default":
         cfg.out_dir = f"runs/{run_name}"
     if hasattr(cfg, "limit_batches"):  # a custom loop's config may not be a TrainConfig
@@ -111,9 +98,8 @@ def finish_config(pm, cfg, run_name: str):
 
 def library_options(resume: bool | str | os.PathLike, overwrite: bool,
                     threads: int | None = None, **launch: Any) -> dict[str, Any]:
-    """``engine.options`` of a run started from Python: ``resume=``/``overwrite=`` as
-    engine-run's --no-resume, --overwrite and --resume PATH set them, ``threads`` as
-    --threads, and the launch options (nproc, nnodes...) as engine-run's flags."""
+    """``engine.options`` of a run started from Python, as engine-run's flags set them
+    (``resume``: --no-resume, --resume PATH; ``overwrite``, ``threads``, nproc...)."""
     if isinstance(resume, os.PathLike):
         resume = os.fspath(resume)
     return {"no_resume": resume is False, "overwrite": resume is False and overwrite,
@@ -123,10 +109,9 @@ def library_options(resume: bool | str | os.PathLike, overwrite: bool,
 
 
 def check_arguments(door: Door, options: dict) -> None:
-    """The launch arguments every door passes on, checked in the launching process
-    before any worker starts, in one line in the door's words: ``nproc`` and
-    ``threads`` None or a positive int, ``resume`` a bool or None (the library doors)
-    or the path of something that exists (where a worker would find no snapshot)."""
+    """The launch arguments, checked before any worker starts, in one line in the door's
+    words: ``nproc`` and ``threads`` None or a positive int, ``resume`` a bool, None or
+    the path of something that exists."""
     def asked(name: str, value: Any) -> str:
         return f"{door.name}({name}={value!r})" if door.library else f"--{name} {value!r}"
 
@@ -169,9 +154,8 @@ def launch_options(pm, cfg, options: dict):
 @contextlib.contextmanager
 def blaming_plugins(pm, spare: Sequence[BaseException] = ()):
     """An exception raised in a plugin's code (a launcher's, a hook's) becomes one that
-    names the plugin; except those in ``spare``: a worker in this process raised them
-    to a library caller, through the launcher plugin's frames but not its doing (and
-    blamed already where it was a plugin's)."""
+    names the plugin; not those in ``spare``: a worker in this process raised them to a
+    library caller, through the launcher's frames but not its doing."""
     from engine.plugin_manager import attribute
 
     try:
@@ -194,18 +178,16 @@ class Finished:
 
 
 def default_threads(cpus: int, load: float, processes: int) -> int:
-    """Torch threads per process where none were asked for: the CPUs that the load leaves
-    idle, shared by this node's processes, rounded; at least one, at most their share.
-    Two threads on two busy CPUs run many times slower than one (docs/performance.md)."""
+    """Torch threads per process where none were asked for: the CPUs the load leaves idle
+    shared by the processes, rounded; at least one, at most their share."""
     processes = max(1, processes)
     idle = max(0.0, cpus - load) / processes
     return max(1, min(cpus // processes, int(idle + 0.5)))
 
 
 def choose_threads(share, processes: int) -> tuple[int, str]:
-    """:func:`default_threads` for the CPUs of ``share`` (a worker's CpuShare) and this
-    machine's 1-minute load, and the plan's words for it. The load counts every CPU of
-    the machine: it is left out where ours are fewer (a SLURM allocation's)."""
+    """:func:`default_threads` here, and the plan's words for it. The load counts every
+    CPU of the machine: left out where ours are fewer (a SLURM allocation's)."""
     cpus, source = share.shared or usable_cpus()
     try:
         load = os.getloadavg()[0] if cpus >= (os.cpu_count() or cpus) else 0.0
@@ -217,11 +199,8 @@ def choose_threads(share, processes: int) -> tuple[int, str]:
 
 
 def warn_if_oversubscribed(local_processes: int, share, threads: int, door: Door) -> None:
-    """Processes or threads beyond the CPUs this node may use run at a fraction of the
-    speed each (they take turns on the CPUs); a warning, not an error: the run is right,
-    only slow, and a GPU node may not care. ``share``: the first local worker's CpuShare
-    (the CPUs its launcher shared, a SLURM allocation's included); ``threads``: each
-    process's torch threads as asked for."""
+    """Processes or threads beyond the CPUs this node may use take turns on them: a
+    warning (the run is right, only slow, and a GPU node may not care)."""
     cpus, source = share.shared or usable_cpus()
     if local_processes > cpus:
         warn(f"{local_processes} processes on this node share {cpus} usable CPU(s) "
@@ -237,9 +216,8 @@ def warn_if_oversubscribed(local_processes: int, share, threads: int, door: Door
 
 
 class Launch:
-    """A job set up in the launching process (the module docstring's first block),
-    ready to :meth:`start`. ``pm``: the plugin manager, when the door built it already
-    (engine-run, for its parser)."""
+    """A job set up in the launching process, ready to :meth:`start`. ``pm``: the plugin
+    manager, when the door built it already (engine-run, for its parser)."""
 
     def __init__(self, job: "Worker", pm=None):
         from engine.launcher import check_max_restarts, choose_launcher
@@ -252,9 +230,7 @@ class Launch:
         with blaming_plugins(self.pm):
             self.cfg = job.configure(self.pm)
             if getattr(self.cfg, "limit_batches", 0):
-                # A smoke run starts afresh in its own folder every time: nothing of an
-                # earlier smoke run is resumed (finish_config chose the folder), and
-                # only an earlier smoke run is replaced.
+                # A smoke run starts afresh in its own folder, replacing only a smoke run.
                 refuse_smoke_over_a_run(self.cfg.out_dir)
                 self.job = job = attrs.evolve(job, options={
                     **job.options, "no_resume": True, "overwrite": True, "resume": None})
@@ -304,12 +280,10 @@ class Launch:
 
 
 def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
-    """A rerun into a folder whose run completed, answered in the launching process from
-    summary.json and config.json, no worker started. With the same config (epochs no
-    more than it trained): its summary with status "already_complete" (never
-    "completed": this call trained nothing). With another config (an lr sweep through
-    one folder would otherwise return the first run's result for every lr): a
-    ConfigError naming the changes and how to keep both runs. None: train as usual."""
+    """A rerun into a completed run's folder, answered from its summary.json and
+    config.json, no worker started: the same config, its summary with status
+    "already_complete"; another (an lr sweep through one folder), a ConfigError naming
+    the changes and how to keep both runs. None: train as usual."""
     from engine import config as config_mod
     from engine import snapshot
     from engine.run_dir import completed_run
@@ -626,11 +600,9 @@ class RecipeJob(Worker):
 
 
 def check_before_workers(recipe, cfg) -> None:
-    """The worker's checks that need no batch, made in the launching process too, before
-    the workers' start-up: the recipe's throughput unit; a metric named that is one the
-    engine logs misspelt or in another unit; a scheduler that steps on a metric, built
-    for a stand-in parameter on the meta device (its kind and mode; a recipe whose
-    functions need more is left to the worker)."""
+    """The worker's checks that need no batch, before the workers start: the throughput
+    unit, an engine metric named misspelt or in another unit, a scheduler's metric and
+    mode (built for a stand-in parameter on the meta device, else left to the worker)."""
     import difflib
     import types
     import warnings
@@ -646,8 +618,7 @@ def check_before_workers(recipe, cfg) -> None:
         epoch_end = key in EPOCH_END or metric.startswith("train/epoch_")
         ours = throughput.epoch_metric if epoch_end else throughput.metric
         known = [EPOCH_LOSS, ours, throughput.epoch_metric, "train/data_wait_fraction", "lr"]
-        unit = throughput_unit(metric)
-        close = ([ours] if unit not in (None, throughput.unit) else
+        close = ([ours] if throughput_unit(metric) not in (None, throughput.unit) else
                  difflib.get_close_matches(metric, known, n=1, cutoff=0.9))
         if metric not in known and close:
             raise ConfigError(f"config key {key!r}: {metric!r} is not a metric this run "
@@ -669,16 +640,10 @@ def check_before_workers(recipe, cfg) -> None:
 def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
         plugins=(), resume: bool | str = True, overwrite: bool = False,
         threads: int | None = None, max_restarts: int = 0, **overrides: Any) -> dict:
-    """Train a recipe from Python, as ``engine-run RECIPE key=value ...`` would; returns
-    the run's summary (the keys of summary.json). docs/library.md, "engine.fit".
-
-    ``recipe`` is a recipe file's path, a recipe module, or any object with the recipe's
-    attributes. ``overrides`` are config keys (dotted ones as
-    ``**{"data.source": "synthetic"}``), checked as engine-run checks ``key=value``.
-    In this process (``nproc=1``, or an adopting launcher) an error reaches the caller as
-    the exception itself; spawned workers need the call guarded by ``if __name__ ==
-    "__main__":``, and a failed one raises an EngineError naming its rank. A run stopped
-    by Ctrl-C raises engine.errors.Interrupted (a KeyboardInterrupt; ``.summary``).
+    """Train a recipe (a file's path, a module, an object with its attributes) from
+    Python, as ``engine-run RECIPE key=value ...`` would, ``overrides`` being config keys
+    (``**{"data.source": "synthetic"}``); returns the run's summary and out_dir.
+    docs/library.md, "engine.fit", says how errors and Ctrl-C reach the caller.
     """
     items = [f"{key}={_override_text(value)}" for key, value in overrides.items()]
     if launcher is not None:

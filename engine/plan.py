@@ -59,12 +59,10 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
 
 
 def memory_plan(recipe, cfg, world_size: int = 1) -> str | None:
-    """What ``checkpoint.memory_every_steps`` holds in /dev/shm, per rank: two buffers
-    of a snapshot each (four under fsdp: the ring's copies). The model is built on the meta device (no memory, no weights
-    loaded) for its size; the optimizer's state is estimated from its kind. Under fsdp
-    a rank holds its shard: about 1/``world_size`` of both. The recipe's
-    ``build_model`` runs here, in the launching process: whatever else it does (a
-    download) happens once more (docs/writing-a-recipe.md)."""
+    """What ``checkpoint.memory_every_steps`` holds in /dev/shm, per rank: two buffers of
+    a snapshot each (fsdp: four, of its shard), sized from the model built on the meta
+    device (``build_model`` runs here: a download in it happens once more) and the
+    optimizer's kind."""
     every = cfg.checkpoint.memory_every_steps
     if not every:
         return None

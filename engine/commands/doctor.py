@@ -4,11 +4,9 @@
     srun -N2 -n2 engine-run doctor          # every task of a SLURM step says what it sees
     torchrun --nproc-per-node 2 $(which engine-run) doctor
 
-Prints the versions (torch, CUDA, NCCL), the GPUs, which launcher each detection rule
-picks and why, the variables the chosen launcher read, the world it computes (rank,
-world size, master), a few checks (master resolves, port free, NCCL_SOCKET_IFNAME
-exists), the plugins that are broken (left out, with how to disable them), and hints
-for the failures the seeds ran into. Exit status 1 when a check failed.
+Prints the versions, the GPUs, each detection rule's verdict, the chosen launcher's
+variables and world, the checks (master, port, threads, interfaces), the broken plugins
+and hints for the usual failures. Exit status 1 when a check failed.
 """
 
 from __future__ import annotations

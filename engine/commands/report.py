@@ -1,11 +1,6 @@
-"""``engine-run report RUN_DIR [-o FILE.png]``: a PNG of a run's curves, to look at.
-
-    $ engine-run report runs/cifar_ddp
-    wrote runs/cifar_ddp/report.png (train/loss by step; val/accuracy, val/loss by epoch; from runs/cifar_ddp/tensorboard)
-
-The scalars are read by the loggers' own readers: the csv logger's metrics.csv when the
-run has one, else the tensorboard logger's event files. matplotlib is the optional
-extra ``report``; it and tensorboard are imported here only.
+"""``engine-run report RUN_DIR [-o FILE.png]``: a PNG of a run's curves, from the scalars
+the loggers' own readers read (metrics.csv, else TensorBoard's event files); matplotlib
+is the optional extra ``report``, imported here only.
 """
 
 from __future__ import annotations
