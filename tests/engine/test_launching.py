@@ -58,8 +58,9 @@ def test_fit_trains_in_this_process_as_engine_run_does(tmp_path, engine_run_summ
     summary = fit(recipe, nproc=1, out_dir=str(tmp_path / "run"), **RUN)
     if given == "object":
         assert built_in == [os.getpid()]  # the Trainer ran here: no process was started
-    assert summary == read_summary(tmp_path / "run")  # what summary.json holds
-    assert summary.keys() == engine_run_summary.keys()
+    # What summary.json holds, and the run's folder.
+    assert summary == {**read_summary(tmp_path / "run"), "out_dir": str(tmp_path / "run")}
+    assert summary.keys() - {"out_dir"} == engine_run_summary.keys()
     assert summary["status"] == "completed" and summary["epochs_completed"] == 2
     # The same recipe, config and seed: the same weights as engine-run's.
     assert summary["weights_sha256"] == engine_run_summary["weights_sha256"]
@@ -222,8 +223,8 @@ def test_fit_spawns_two_processes_from_a_guarded_script(tmp_path, engine_run_sum
         env=conftest.engine_env(ENGINE_START_METHOD="fork"))
     line = next(x for x in proc.stdout.splitlines() if x.startswith("SUMMARY "))
     summary = json.loads(line[len("SUMMARY "):])
-    assert summary == read_summary(tmp_path / "run")
-    assert summary.keys() == engine_run_summary.keys()
+    assert summary == {**read_summary(tmp_path / "run"), "out_dir": str(tmp_path / "run")}
+    assert summary.keys() - {"out_dir"} == engine_run_summary.keys()
     assert (summary["world_size"], summary["status"]) == (2, "completed")
 
 
