@@ -52,6 +52,8 @@ from engine.world import usable_cpus
 
 #: What rank 0's value is called in the exchange folder of a library door.
 RESULT_FILE = "result.pickle"
+#: The 1-minute load average the default threads count, where set (choose_threads).
+LOAD_ENV = "ENGINE_LOAD_AVERAGE"
 
 
 @attrs.frozen
@@ -187,11 +189,13 @@ def default_threads(cpus: int, load: float, processes: int) -> int:
 
 def choose_threads(share, processes: int) -> tuple[int, str]:
     """:func:`default_threads` here, and the plan's words for it. The load counts every
-    CPU of the machine: left out where ours are fewer (a SLURM allocation's)."""
+    CPU of the machine: left out where ours are fewer (a SLURM allocation's); LOAD_ENV,
+    where set, stands for it (a test suite's runs pin it: the same threads every run)."""
     cpus, source = share.shared or usable_cpus()
     try:
-        load = os.getloadavg()[0] if cpus >= (os.cpu_count() or cpus) else 0.0
-    except OSError:  # no load average here
+        load = float(os.environ.get(LOAD_ENV) or (
+            os.getloadavg()[0] if cpus >= (os.cpu_count() or cpus) else 0.0))
+    except (OSError, ValueError):  # no load average here, or LOAD_ENV no number
         load = 0.0
     return default_threads(cpus, load, processes), (
         f"default: {cpus} CPU(s) ({source}), load {load:.1f}, {processes} process(es); "
@@ -352,8 +356,7 @@ def check_spawnable(job: "Worker") -> None:
 
 def _refuse_a_script_without_a_file(door: str) -> None:
     """A main script read on stdin (``python - < train.py``) has no file that spawned
-    workers could import: multiprocessing failed in each of them with a traceback
-    (No such file or directory: '<stdin>'). Forked workers need no file."""
+    workers could import (forked ones need none)."""
     path = getattr(sys.modules.get("__main__"), "__file__", None)
     if path and not os.path.isfile(path) and start_method() == "spawn":
         raise ConfigError(
@@ -395,10 +398,8 @@ def _unguarded_main_script() -> pathlib.Path | None:
 
 
 def worker_report(exc: BaseException) -> str:
-    """A worker's error beyond its one line: nothing for an error the user can act on
-    or one in a plugin's code (the line says it; ENGINE_TRACEBACK=1 shows the traceback
-    and then ``error: LINE``), the traceback for anything else (the recipe's own code
-    needs it)."""
+    """A worker's error beyond its one line: the traceback for an error in the recipe's
+    own code (or with ENGINE_TRACEBACK=1, then ``error: LINE``), else nothing."""
     if not (traceback_wanted() or not isinstance(exc, EngineError)):
         return ""
     text = "".join(traceback.format_exception(exc.__cause__ or exc)
@@ -508,9 +509,8 @@ class Worker:
 
 @attrs.frozen
 class RecipeJob(Worker):
-    """A recipe trained by the Trainer (engine-run and engine.fit): everything a worker
-    needs to rebuild the run. ``recipe`` is a recipe file's path, or an object with
-    the recipe's attributes (engine.fit)."""
+    """A recipe trained by the Trainer (engine-run, engine.fit): what a worker needs to
+    rebuild the run; ``recipe``: a file's path, or an object with its attributes."""
 
     recipe: Any = None
     overrides: tuple[str, ...] = ()

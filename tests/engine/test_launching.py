@@ -447,7 +447,9 @@ def test_a_sweep_through_one_folder_is_refused_not_answered_with_the_first_resul
 
 
 def a_machine(monkeypatch, cpus: int, load: float) -> None:
-    """This process sees ``cpus`` CPUs (all of the machine's) and a 1-minute ``load``."""
+    """This process sees ``cpus`` CPUs (all of the machine's) and a 1-minute ``load``
+    (not the suite's pinned one: tests/conftest.py)."""
+    monkeypatch.delenv("ENGINE_LOAD_AVERAGE", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
     monkeypatch.setattr(os, "cpu_count", lambda: cpus)
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
@@ -487,6 +489,11 @@ def test_the_plan_says_the_default_threads_and_a_run_uses_them(tmp_path, monkeyp
     asked = conftest.run_cli_here(str(RECIPE), f"out_dir={tmp_path / 'plan'}", "--nproc", "1",
                                   "--threads", "2", "--dry-run", check=True)
     assert "threads       2 per process (--threads)" in asked.stdout, asked.stdout
+    pinned = conftest.run_cli_here(str(RECIPE), f"out_dir={tmp_path / 'plan'}", "--nproc",
+                                   "1", "--dry-run", check=True,  # stands for the load
+                                   env=conftest.engine_env(ENGINE_LOAD_AVERAGE="2"))
+    assert "threads       1 per process (default: 2 CPU(s) (affinity), load 2.0" in \
+        pinned.stdout, pinned.stdout
 
 
 def test_threads_asked_beyond_the_cpus_are_a_warning_naming_the_setting(tmp_path,

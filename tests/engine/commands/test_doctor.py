@@ -140,6 +140,7 @@ def test_a_broken_plugin_is_named_by_help_doctor_and_plugins_and_stops_a_run(
 
 
 def test_the_threads_line_names_the_setting_when_the_load_leaves_fewer_cpus(monkeypatch):
+    monkeypatch.delenv("ENGINE_LOAD_AVERAGE", raising=False)  # tests/conftest.py's pin
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.0, 1.0))
