@@ -315,8 +315,7 @@ def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
             f"{who}{cfg.out_dir} holds a completed run trained with {listed}: "
             "nothing would be trained with this config; to keep both runs, give each its "
             f"folder (out_dir={pathlib.Path(cfg.out_dir) / '{version}'}), or use "
-            f"{door.start_over} to "
-            "replace it")
+            f"{door.start_over} to replace it")
     if say and not 0 < cfg.epochs <= done:  # ended by max_steps, in an epoch
         print(f"already complete: {cfg.out_dir} holds a finished run of {steps} steps "
               f"(asked for max_steps={cfg.max_steps}), nothing to train; to train on, ask "
