@@ -1,17 +1,6 @@
-"""``engine-run``: the command line.
-
-    engine-run RECIPE [key=value ...] [options]     train (see --help)
-    engine-run --version                            the engine's and torch's versions
-    engine-run plugins                              list loaded plugins
-    engine-run doctor                               what this machine and launcher look like
-    engine-run tune-workers RECIPE [options]        measure DataLoader num_workers
-    engine-run runs [DIR]                           a table of the runs under DIR
-    engine-run report RUN_DIR [-o FILE.png]         a PNG of a run's loss and metric curves
-    engine-run shards TEXT... --out DIR             token shards from text files
-    engine-run sbatch RECIPE [options]              print an sbatch script (slurm plugin)
-
-Plugins add commands through the ``engine_register_commands`` hook.
-"""
+"""``engine-run``: the command line: ``engine-run RECIPE [key=value ...] [options]``
+trains, ``engine-run COMMAND`` runs one of :data:`COMMANDS` (``--help`` lists them) or a
+plugin's (the ``engine_register_commands`` hook)."""
 
 from __future__ import annotations
 
@@ -162,7 +151,7 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     t.add_argument("--resume-anyway", action="store_true",
                    help="resume even if the config changed keys that break exact resume")
     t.add_argument("--threads", type=int, help="torch threads per process (default: "
-                   "the process's share of the CPUs)")
+                   "the CPUs the load leaves idle, shared by the processes)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config and the plan, then exit (with -v: "
                         "each key's allowed values and what it is)")

@@ -1,12 +1,8 @@
 """Configuration: attrs classes with defaults, and ``key=value`` overrides by dotted path.
 
-A recipe's ``Config`` subclasses :class:`TrainConfig` and adds its own groups (``data``
-...); plugins add theirs through the ``engine_register_config_groups`` hook (the
-``ddp`` options come from the ddp plugin), see :func:`with_groups`. Overrides are
-converted with the field's annotation (int, float, bool, str, Path, ``Literal[...]``
-choices, ``X | None``, tuples) and checked; every problem is a one-line
-:class:`~engine.errors.ConfigError` naming the key, the value given and what
-is allowed.
+A recipe's ``Config`` subclasses :class:`TrainConfig` and adds its own groups; plugins
+add theirs (:func:`with_groups`). Overrides are converted with the field's annotation and
+checked; a problem is a one-line ConfigError naming the key, the value and what fits.
 """
 
 from __future__ import annotations
@@ -61,6 +57,9 @@ class CheckpointConfig:
     memory_every_steps: int | Literal["auto"] = "auto"
     memory_dir: str = "/dev/shm"  # the tmpfs for them (this user's folder is made there)
     keep_last: int = 3  # the newest snapshots kept (0: every one)
+    # The snapshot at the run's end (false: none there, for a throw-away run; those
+    # every_* asks for before it, and a pre-emption's, are written as ever).
+    at_end: bool = True
     best_metric: str = ""  # e.g. "val/loss": also keep the best snapshot by it
     # Whether the best is the lowest or the highest; auto: read from the metric's name
     # (loss, error, mae: min; accuracy, f1, auc: max), refused where the name says neither.
@@ -116,6 +115,8 @@ class TrainConfig:
     # Validate every N optimizer steps (counted over the run), inside an epoch too;
     # 0: at each epoch's end only (which validates either way).
     val_every_steps: int = 0
+    # false: never validate, even where the recipe returns a validation set.
+    validate: bool = True
     # Smoke run: K steps and K validation batches per process, one epoch, in the folder
     # out_dir-smoke, started afresh every time (a real run never resumes from it).
     limit_batches: int = 0
@@ -310,21 +311,12 @@ def convert(value: str, tp: Any) -> Any:
         item_tp = args[0] if args else str
         items = [convert(v.strip(), item_tp) for v in value.split(",") if v.strip()]
         return tuple(items) if origin is tuple else items
-    if tp is bool:
-        low = value.lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise ValueError
-    if tp is int:
-        return int(value)
-    if tp is float:
-        return float(value)
-    if tp is str or tp is Any:
+    if tp is bool and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    if tp in (int, float, str, pathlib.Path):
+        return tp(value)
+    if tp is Any:
         return value
-    if tp is pathlib.Path:
-        return pathlib.Path(value)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
             return tp[value]
@@ -514,6 +506,11 @@ def check_run_length(cfg) -> None:
         value = getattr(cfg, name)
         if value < 0:
             raise ConfigError(f"config key {name!r}: {value!r} must be >= 0 (0: {off})")
+    needs = ([f"val_every_steps={cfg.val_every_steps}"] if cfg.val_every_steps else []) + [
+        f"{key}={name}" for key, name in metrics.named(cfg) if name.startswith("val/")]
+    if needs and not cfg.validate:
+        raise ConfigError(f"config key 'validate': false never validates, and {needs[0]} "
+                          "needs validation; leave validate=false out, or that key")
     metric = cfg.early_stopping.metric
     if cfg.val_every_steps and metric and not metric.startswith("val/"):
         raise ConfigError(

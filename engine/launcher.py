@@ -1,13 +1,9 @@
 """Launchers: how the worker processes come into being, and where each one stands.
 
-A launcher either starts the workers itself (``spawn``, and ``slurm`` with one task per
-node) or adopts the process it runs in, reading the variables another tool set. Either
-way it calls ``worker(world)`` once in every worker process, and it checks the numbers
-(ranks, sizes, node lists, ports) before any process group exists.
-
-Detection order without ``--launcher``: the registered launchers by ``priority``, lower
-first, the first whose :meth:`Launcher.detect` is true (the signs each reads:
-docs/launchers.md):
+A launcher starts the workers (``spawn``, ``slurm`` with one task per node) or adopts
+the process another tool started, calls ``worker(world)`` once in each, and checks the
+numbers before any process group exists. Without ``--launcher``, the first by
+``priority`` whose :meth:`Launcher.detect` is true (docs/launchers.md):
 
 1. ``legacy`` (10): ``python -m torch.distributed.launch``; before torchrun because
    since PyTorch 2.0 the legacy module *is* torchrun underneath, with the same variables.

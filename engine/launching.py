@@ -2,33 +2,21 @@
 ``engine.launch`` (engine/api.py, a loop you write) and ``engine.fit`` (below, a recipe
 from Python).
 
-A door describes the run as a *job*: what every worker runs, a :class:`Worker`
-(:class:`RecipeJob` trains a recipe with the Trainer, ``engine.api.LoopJob`` calls the
-caller's function with an ``engine.api.Context``). :class:`Launch` sets the job up once,
-in the launching process, whichever door it came through::
+A door describes the run as a *job*, a :class:`Worker` (:class:`RecipeJob`: a recipe
+and the Trainer; ``engine.api.LoopJob``: the caller's function). :class:`Launch` sets it
+up once, in the launching process::
 
-    nproc, threads and a --resume path checked (check_arguments)
-    plugin manager (built-ins, entry points, the job's -p plugins)
-    job.configure: the recipe's (or the caller's) config with the plugins' groups and
-                   the overrides; finish_config: out_dir's default, every component
-                   name checked
+    the arguments checked (check_arguments); the plugin manager
+    job.configure: the config, its groups and overrides (finish_config: out_dir's
+                   default, the component names; a recipe's checks that need no batch)
     a fresh start refused where out_dir holds a run, unless asked to overwrite
-    choose_launcher, its worlds
-    Launch.start: a library door's spawned workers checked (the script guarded, the
-                  job picklable); launcher.launch(job)
+    choose_launcher, its worlds; the threads per process (choose_threads)
+    Launch.start: a library door's spawned workers checked; launcher.launch(job)
 
-and the launcher calls the job once in every worker (``Worker.__call__``)::
-
-    the plugin manager and the config again (a spawned process has neither)
-    job.run: the worker's run, whose lifecycle (hooks, summary, teardown) is
-             engine/context.py's WorkerContext.lifecycle
-    an error: blamed on the plugin whose code raised it; printed with the rank and the
-              process exits with the error's code (the launcher names it), or, in the
-              launching process of a library door, raised to the caller
-    rank 0's value back to the launching process (the library doors return it)
-
-Errors raised by plugin code in the launching process (a launcher's, a hook's) name
-the plugin, through every door.
+and the launcher calls the job once in every worker (``Worker.__call__``): the plugin
+manager and the config again, ``job.run`` (engine/context.py's lifecycle), an error
+blamed on the plugin whose code raised it (printed with the rank, or raised to a
+library door's caller), rank 0's value back to the launching process.
 """
 
 from __future__ import annotations
@@ -64,6 +52,8 @@ from engine.world import usable_cpus
 
 #: What rank 0's value is called in the exchange folder of a library door.
 RESULT_FILE = "result.pickle"
+#: The 1-minute load average the default threads count, where set (choose_threads).
+LOAD_ENV = "ENGINE_LOAD_AVERAGE"
 
 
 @attrs.frozen
@@ -92,9 +82,8 @@ LAUNCH = Door("engine.launch", "engine.launch(resume=False)", "pass overwrite=Tr
 
 
 def finish_config(pm, cfg, run_name: str):
-    """The last steps of every job's config: ``out_dir`` defaults to
-    ``runs/<run_name>``, and every component the config names is checked now, before
-    any process starts (an unknown name lists what is registered)."""
+    """The last steps of every job's config: ``out_dir`` defaults to ``runs/<run_name>``;
+    every component it names is checked before any process starts."""
     if cfg.out_dir == "runs/default":
         cfg.out_dir = f"runs/{run_name}"
     if hasattr(cfg, "limit_batches"):  # a custom loop's config may not be a TrainConfig
@@ -111,9 +100,8 @@ def finish_config(pm, cfg, run_name: str):
 
 def library_options(resume: bool | str | os.PathLike, overwrite: bool,
                     threads: int | None = None, **launch: Any) -> dict[str, Any]:
-    """``engine.options`` of a run started from Python: ``resume=``/``overwrite=`` as
-    engine-run's --no-resume, --overwrite and --resume PATH set them, ``threads`` as
-    --threads, and the launch options (nproc, nnodes...) as engine-run's flags."""
+    """``engine.options`` of a run started from Python, as engine-run's flags set them
+    (``resume``: --no-resume, --resume PATH; ``overwrite``, ``threads``, nproc...)."""
     if isinstance(resume, os.PathLike):
         resume = os.fspath(resume)
     return {"no_resume": resume is False, "overwrite": resume is False and overwrite,
@@ -123,15 +111,15 @@ def library_options(resume: bool | str | os.PathLike, overwrite: bool,
 
 
 def check_arguments(door: Door, options: dict) -> None:
-    """The launch arguments every door passes on, checked in the launching process
-    before any worker starts, in one line in the door's words: ``nproc`` and
-    ``threads`` None or a positive int, ``resume`` a bool or None (the library doors)
-    or the path of something that exists (where a worker would find no snapshot)."""
+    """The launch arguments, checked before any worker starts, in one line in the door's
+    words: ``nproc`` and ``threads`` None or a positive int, ``resume`` a bool, None or
+    the path of something that exists."""
     def asked(name: str, value: Any) -> str:
         return f"{door.name}({name}={value!r})" if door.library else f"--{name} {value!r}"
 
     for name, default in (("nproc", "one process per GPU, 2 without a GPU"),
-                          ("threads", "each process's share of the CPUs")):
+                          ("threads", "the CPUs the load leaves idle, shared by the "
+                                      "processes")):
         value = options.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
@@ -169,9 +157,8 @@ def launch_options(pm, cfg, options: dict):
 @contextlib.contextmanager
 def blaming_plugins(pm, spare: Sequence[BaseException] = ()):
     """An exception raised in a plugin's code (a launcher's, a hook's) becomes one that
-    names the plugin; except those in ``spare``: a worker in this process raised them
-    to a library caller, through the launcher plugin's frames but not its doing (and
-    blamed already where it was a plugin's)."""
+    names the plugin; not those in ``spare``: a worker in this process raised them to a
+    library caller, through the launcher's frames but not its doing."""
     from engine.plugin_manager import attribute
 
     try:
@@ -193,22 +180,49 @@ class Finished:
     result: Any
 
 
-def warn_if_oversubscribed(local_processes: int, share) -> None:
-    """Processes beyond the CPUs this node may use run at a fraction of the speed each
-    (they take turns on the CPUs and get one thread each); a warning, not an error: the
-    run is right, only slow, and a GPU node may not care. ``share``: the first local
-    worker's CpuShare (the CPUs its launcher shared, a SLURM allocation's included)."""
+def default_threads(cpus: int, load: float, processes: int) -> int:
+    """Torch threads per process where none were asked for: the CPUs the load leaves idle
+    shared by the processes, rounded; at least one, at most their share."""
+    processes = max(1, processes)
+    idle = max(0.0, cpus - load) / processes
+    return max(1, min(cpus // processes, int(idle + 0.5)))
+
+
+def choose_threads(share, processes: int) -> tuple[int, str]:
+    """:func:`default_threads` here, and the plan's words for it. The load counts every
+    CPU of the machine: left out where ours are fewer (a SLURM allocation's); LOAD_ENV,
+    where set, stands for it (a test suite's runs pin it: the same threads every run)."""
+    cpus, source = share.shared or usable_cpus()
+    try:
+        load = float(os.environ.get(LOAD_ENV) or (
+            os.getloadavg()[0] if cpus >= (os.cpu_count() or cpus) else 0.0))
+    except (OSError, ValueError):  # no load average here, or LOAD_ENV no number
+        load = 0.0
+    return default_threads(cpus, load, processes), (
+        f"default: {cpus} CPU(s) ({source}), load {load:.1f}, {processes} process(es); "
+        "--threads N sets it")
+
+
+def warn_if_oversubscribed(local_processes: int, share, threads: int, door: Door) -> None:
+    """Processes or threads beyond the CPUs this node may use take turns on them: a
+    warning (the run is right, only slow, and a GPU node may not care)."""
     cpus, source = share.shared or usable_cpus()
     if local_processes > cpus:
         warn(f"{local_processes} processes on this node share {cpus} usable CPU(s) "
              f"({source}): each gets 1 torch thread and they take turns, so training "
              f"will be slow; --nproc {cpus} or fewer fits the CPUs")
+    elif threads * local_processes > cpus:
+        asked = (f"{door.name}(threads={threads})" if door.library
+                 else f"--threads {threads}")
+        warn(f"{asked} x {local_processes} process(es) = {threads * local_processes} torch "
+             f"threads on {cpus} usable CPU(s) ({source}): they take turns, so training "
+             f"will be slow; leave threads out (the default fits the CPUs and their load) "
+             f"or ask for {max(1, cpus // local_processes)}")
 
 
 class Launch:
-    """A job set up in the launching process (the module docstring's first block),
-    ready to :meth:`start`. ``pm``: the plugin manager, when the door built it already
-    (engine-run, for its parser)."""
+    """A job set up in the launching process, ready to :meth:`start`. ``pm``: the plugin
+    manager, when the door built it already (engine-run, for its parser)."""
 
     def __init__(self, job: "Worker", pm=None):
         from engine.launcher import check_max_restarts, choose_launcher
@@ -221,9 +235,7 @@ class Launch:
         with blaming_plugins(self.pm):
             self.cfg = job.configure(self.pm)
             if getattr(self.cfg, "limit_batches", 0):
-                # A smoke run starts afresh in its own folder every time: nothing of an
-                # earlier smoke run is resumed (finish_config chose the folder), and
-                # only an earlier smoke run is replaced.
+                # A smoke run starts afresh in its own folder, replacing only a smoke run.
                 refuse_smoke_over_a_run(self.cfg.out_dir)
                 self.job = job = attrs.evolve(job, options={
                     **job.options, "no_resume": True, "overwrite": True, "resume": None})
@@ -236,8 +248,13 @@ class Launch:
                                             launch_options(self.pm, self.cfg, job.options))
             check_max_restarts(self.launcher)
             self.worlds = self.launcher.worlds()
-        warn_if_oversubscribed(len(self.worlds) if self.launcher.spawns else 1,
-                               self.worlds[0].cpu_share())
+        share, local = self.worlds[0].cpu_share(), self.worlds[0].local_world_size
+        if job.options.get("threads") is None:  # chosen once, here: every worker the same
+            threads, why = choose_threads(share, local)
+            self.job = job = attrs.evolve(job, options={**job.options, "threads": threads,
+                                                        "threads_chosen": why})
+        warn_if_oversubscribed(len(self.worlds) if self.launcher.spawns else 1, share,
+                               job.options["threads"], job.door)
 
     def start(self) -> Finished:
         """Run the job in every worker of this node and wait. A failed spawned worker
@@ -268,12 +285,10 @@ class Launch:
 
 
 def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
-    """A rerun into a folder whose run completed, answered in the launching process from
-    summary.json and config.json, no worker started. With the same config (epochs no
-    more than it trained): its summary with status "already_complete" (never
-    "completed": this call trained nothing). With another config (an lr sweep through
-    one folder would otherwise return the first run's result for every lr): a
-    ConfigError naming the changes and how to keep both runs. None: train as usual."""
+    """A rerun into a completed run's folder, answered from its summary.json and
+    config.json, no worker started: the same config, its summary with status
+    "already_complete"; another (an lr sweep through one folder), a ConfigError naming
+    the changes and how to keep both runs. None: train as usual."""
     from engine import config as config_mod
     from engine import snapshot
     from engine.run_dir import completed_run
@@ -296,13 +311,12 @@ def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
     if changes:
         listed = ", ".join(f"{k} {old!r} (asked: {new!r})" for k, (old, new)
                            in sorted(changes.items()))
-        parent = pathlib.Path(cfg.out_dir).parent
         who = f"{door.name}: " if door.library else ""  # engine-run's prefix says it
         raise ConfigError(
             f"{who}{cfg.out_dir} holds a completed run trained with {listed}: "
             "nothing would be trained with this config; to keep both runs, give each its "
-            f"folder (out_dir={parent / '{version}'}), or use {door.start_over} to "
-            "replace it")
+            f"folder (out_dir={pathlib.Path(cfg.out_dir) / '{version}'}), or use "
+            f"{door.start_over} to replace it")
     if say and not 0 < cfg.epochs <= done:  # ended by max_steps, in an epoch
         print(f"already complete: {cfg.out_dir} holds a finished run of {steps} steps "
               f"(asked for max_steps={cfg.max_steps}), nothing to train; to train on, ask "
@@ -313,7 +327,7 @@ def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
               f"epoch{'' if done == 1 else 's'} (asked for {cfg.epochs}), nothing to train; "
               f"to train on, ask for more (epochs={done + 1} or more); to start over, use "
               f"{door.start_over} or another out_dir", flush=True)
-    return {**summary, "status": "already_complete"}
+    return {**summary, "status": "already_complete", "out_dir": cfg.out_dir}
 
 
 def check_spawnable(job: "Worker") -> None:
@@ -342,8 +356,7 @@ def check_spawnable(job: "Worker") -> None:
 
 def _refuse_a_script_without_a_file(door: str) -> None:
     """A main script read on stdin (``python - < train.py``) has no file that spawned
-    workers could import: multiprocessing failed in each of them with a traceback
-    (No such file or directory: '<stdin>'). Forked workers need no file."""
+    workers could import (forked ones need none)."""
     path = getattr(sys.modules.get("__main__"), "__file__", None)
     if path and not os.path.isfile(path) and start_method() == "spawn":
         raise ConfigError(
@@ -385,10 +398,8 @@ def _unguarded_main_script() -> pathlib.Path | None:
 
 
 def worker_report(exc: BaseException) -> str:
-    """A worker's error beyond its one line: nothing for an error the user can act on
-    or one in a plugin's code (the line says it; ENGINE_TRACEBACK=1 shows the traceback
-    and then ``error: LINE``), the traceback for anything else (the recipe's own code
-    needs it)."""
+    """A worker's error beyond its one line: the traceback for an error in the recipe's
+    own code (or with ENGINE_TRACEBACK=1, then ``error: LINE``), else nothing."""
     if not (traceback_wanted() or not isinstance(exc, EngineError)):
         return ""
     text = "".join(traceback.format_exception(exc.__cause__ or exc)
@@ -498,9 +509,8 @@ class Worker:
 
 @attrs.frozen
 class RecipeJob(Worker):
-    """A recipe trained by the Trainer (engine-run and engine.fit): everything a worker
-    needs to rebuild the run. ``recipe`` is a recipe file's path, or an object with
-    the recipe's attributes (engine.fit)."""
+    """A recipe trained by the Trainer (engine-run, engine.fit): what a worker needs to
+    rebuild the run; ``recipe``: a file's path, or an object with its attributes."""
 
     recipe: Any = None
     overrides: tuple[str, ...] = ()
@@ -564,6 +574,8 @@ class RecipeJob(Worker):
         from engine.metrics import check_forms
 
         check_forms(cfg)  # a metric name no recipe's run logs: refused before any start
+        if self.launching_pid is None:  # not launched yet: in the launching process
+            check_before_workers(recipe, cfg)
         return recipe, finish_config(pm, cfg, recipe.name)
 
     def _blame_the_file(self, exc: ConfigError) -> ConfigError:
@@ -577,27 +589,61 @@ class RecipeJob(Worker):
         return exc
 
     def run(self, pm, cfg, world) -> tuple[str, dict]:
-        """Train the recipe in this worker; the value is the run's summary."""
+        """Train the recipe in this worker; the value is the run's summary and its folder
+        (``out_dir``: a ``{version}`` filled)."""
         from engine.engine import Engine
 
-        summary = Engine(pm, self.loaded_recipe(), cfg, world, self.options,
-                         start_over=self.door.start_over).run()
-        return summary["status"], summary
+        run = Engine(pm, self.loaded_recipe(), cfg, world, self.options,
+                     start_over=self.door.start_over)
+        summary = run.run()
+        return summary["status"], {**summary, "out_dir": str(run.out_dir)}
+
+
+def check_before_workers(recipe, cfg) -> None:
+    """The worker's checks that need no batch, before the workers start: the throughput
+    unit, an engine metric named misspelt or in another unit, a scheduler's metric and
+    mode (built for a stand-in parameter on the meta device, else left to the worker)."""
+    import difflib
+    import types
+    import warnings
+
+    import torch
+
+    from engine.metrics import EPOCH_END, named, throughput_unit
+    from engine.trainer import EPOCH_LOSS, Throughput, scheduler_metric
+    from engine.worker_setup import build_scheduler
+
+    throughput = Throughput(recipe)
+    for key, metric in named(cfg):
+        epoch_end = key in EPOCH_END or metric.startswith("train/epoch_")
+        ours = throughput.epoch_metric if epoch_end else throughput.metric
+        known = [EPOCH_LOSS, ours, throughput.epoch_metric, "train/data_wait_fraction", "lr"]
+        close = ([ours] if throughput_unit(metric) not in (None, throughput.unit) else
+                 difflib.get_close_matches(metric, known, n=1, cutoff=0.9))
+        if metric not in known and close:
+            raise ConfigError(f"config key {key!r}: {metric!r} is not a metric this run "
+                              f"logs (did you mean {close[0]!r}?)")
+    scheduler = None
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizer = recipe.module.build_optimizer(cfg, torch.nn.Linear(1, 1))
+            steps = cfg.max_steps or cfg.epochs
+            scheduler = build_scheduler(recipe, cfg, optimizer, types.SimpleNamespace(
+                cfg=cfg, steps_per_epoch=1, total_steps=steps))
+    except Exception:  # its functions need the real model or data: the worker checks
+        if recipe.optional("build_scheduler") is not None:
+            return
+    scheduler_metric(scheduler, cfg)
 
 
 def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
         plugins=(), resume: bool | str = True, overwrite: bool = False,
         threads: int | None = None, max_restarts: int = 0, **overrides: Any) -> dict:
-    """Train a recipe from Python, as ``engine-run RECIPE key=value ...`` would; returns
-    the run's summary (the keys of summary.json). docs/library.md, "engine.fit".
-
-    ``recipe`` is a recipe file's path, a recipe module, or any object with the recipe's
-    attributes. ``overrides`` are config keys (dotted ones as
-    ``**{"data.source": "synthetic"}``), checked as engine-run checks ``key=value``.
-    In this process (``nproc=1``, or an adopting launcher) an error reaches the caller as
-    the exception itself; spawned workers need the call guarded by ``if __name__ ==
-    "__main__":``, and a failed one raises an EngineError naming its rank. A run stopped
-    by Ctrl-C raises engine.errors.Interrupted (a KeyboardInterrupt; ``.summary``).
+    """Train a recipe (a file's path, a module, an object with its attributes) from
+    Python, as ``engine-run RECIPE key=value ...`` would, ``overrides`` being config keys
+    (``**{"data.source": "synthetic"}``); returns the run's summary and out_dir.
+    docs/library.md, "engine.fit", says how errors and Ctrl-C reach the caller.
     """
     items = [f"{key}={_override_text(value)}" for key, value in overrides.items()]
     if launcher is not None:

@@ -1,17 +1,11 @@
 """Where a run's time goes outside the training loop: named points on one clock.
 
-Each process records the moment a phase ends (:func:`mark`: a monotonic and a CPU-time
-reading and a list append, a dozen per run), so they are always recorded and printed
-only when asked for (``engine-run -v``). :func:`carve` times something inside a phase
-(the snapshots written while training) as a row of its own, taken out of that phase.
-The launching process hands its points to the workers it starts (``ENGINE_PHASES``):
-``CLOCK_MONOTONIC`` is one clock for every process of a Linux machine, so a worker's
-table runs from the command's start (a worker another tool started: from its own).
-
-The same points label a profiler's trace: while the ``profiler`` plugin records,
-:func:`span` is torch.profiler's ``record_function``; otherwise it hands back one shared
-no-op (and :func:`labelled` the data loader itself), so a run that profiles nothing pays
-a function call per range and nothing more.
+Each process records the moment a phase ends (:func:`mark`, a dozen per run), printed
+when asked for (``engine-run -v``); :func:`carve` times a part of a phase as a row of its
+own. The launching process hands its points to its workers (``ENGINE_PHASES``:
+``CLOCK_MONOTONIC`` is one clock for a machine's processes), so their tables run from
+the command's start. While the ``profiler`` plugin records, :func:`span` labels its
+trace (else a shared no-op: a function call per range, nothing more).
 """
 
 from __future__ import annotations
@@ -178,9 +172,10 @@ def launching() -> None:
 def restart() -> None:
     """A library call (engine.fit, engine.launch) starts its own clock: a second call in
     the same process counts from its own start, not from the interpreter's or the first
-    call's."""
+    call's; so do the workers it starts, a restarted one (max_restarts) too."""
     _marks[:] = [("", time.monotonic(), time.process_time(), os.getpid())]
     _carved.clear()
+    os.environ[ENV] = f"|{_marks[0][1]!r}|{_marks[0][2]!r}|{os.getpid()}"
 
 
 def rows() -> list[tuple[str, float, float]]:

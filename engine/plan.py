@@ -45,6 +45,7 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
         "micro_batch": micro,
         "grad_accum_steps": cfg.grad_accum_steps,
         "threads_per_process": options.get("threads") or world.cpu_share().count,
+        "threads_chosen": options.get("threads_chosen") or "--threads",
         **_loader_plan(cfg, world, parallel_cls),
         "precision": cfg.precision,
         "precision_note": precision_note(cfg.precision, devices),
@@ -57,12 +58,10 @@ def make_plan(pm, recipe, cfg, launcher, worlds, options: dict[str, Any]) -> dic
 
 
 def memory_plan(recipe, cfg, world_size: int = 1) -> str | None:
-    """What ``checkpoint.memory_every_steps`` holds in /dev/shm, per rank: two buffers
-    of a snapshot each (four under fsdp: the ring's copies). The model is built on the meta device (no memory, no weights
-    loaded) for its size; the optimizer's state is estimated from its kind. Under fsdp
-    a rank holds its shard: about 1/``world_size`` of both. The recipe's
-    ``build_model`` runs here, in the launching process: whatever else it does (a
-    download) happens once more (docs/writing-a-recipe.md)."""
+    """What ``checkpoint.memory_every_steps`` holds in /dev/shm, per rank: two buffers of
+    a snapshot each (fsdp: four, of its shard), sized from the model built on the meta
+    device (``build_model`` runs here: a download in it happens once more) and the
+    optimizer's kind."""
     every = cfg.checkpoint.memory_every_steps
     if not every:
         return None
@@ -167,7 +166,7 @@ def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True,
         ("backend", plan["backend"]),
         ("init method", plan["init_method"]),
         ("batch", batch),
-        ("threads", f"{plan['threads_per_process']} per process"),
+        ("threads", f"{plan['threads_per_process']} per process ({plan['threads_chosen']})"),
         ("num_workers", plan["loader"]),
         ("precision", plan["precision"] + (f"; warning: {plan['precision_note']}"
                                            if plan.get("precision_note") else "")),

@@ -62,17 +62,12 @@ def _start_resource_tracker_deaf_to(signals) -> None:
 def spawn_workers(worker: Callable[[World], object], worlds: list[World],
                   child_env: Mapping[str, str] | None = None, spares=None,
                   restart_follows: bool = False, store_socket=None) -> list:
-    """Start one process per world on this machine (``child_env`` set in each), run
-    ``worker`` in each, wait; returns each worker's value where it is a short string (a
-    run's status), else None. A worker that fails stops the others and becomes one
-    :class:`WorkerFailed` here, with its exit code.
-
-    ``spares``: an :class:`engine.spares.SparePool` whose zygote forks the workers.
-    ``restart_follows``: the caller restarts the workers after a restartable failure:
-    after a kill (SIGKILL, the OOM killer) the others are killed at once, without the
-    grace that lets them say why they stop. ``store_socket``: the master port's
-    listening socket, handed to rank 0 for its store (closed here once it started).
-    """
+    """Run ``worker`` in one process per world on this machine (``child_env`` set in
+    each) and wait; returns each one's value where it is a short string (a run's status).
+    A failed worker stops the others and becomes one :class:`WorkerFailed` here.
+    ``spares``: a :class:`engine.spares.SparePool` whose zygote forks them.
+    ``restart_follows``: a restart follows a kill, so the others are killed at once.
+    ``store_socket``: the master port's listening socket, handed to rank 0's store."""
     import torch.multiprocessing as mp  # lazily: see the imports
 
     method = start_method()

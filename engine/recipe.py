@@ -31,28 +31,8 @@ and may define::
     REQUIRED_PLUGINS = ["name>=1.0"]    # plugins the recipe cannot run without
 
 ``ctx`` is the run object, an :class:`engine.context.WorkerContext` (:data:`StepFunction`
-types a step with it), the same object the plugins' hooks get (``ctx.model``: the model
-as trained, wrapped by the parallel mode; ``ctx.module``: the model itself).
-
-Batches may be tensors, or tuples, lists and dicts of them (nested); the engine moves
-them to the device.
-
-- ``train_step(batch, ctx)`` returns the micro-batch's loss, a scalar tensor, computed
-  with ``ctx.model`` (the wrapped model: DDP needs its forward). The engine runs it under
-  autocast, and does the backward, gradient accumulation, scaling, clipping and the
-  optimizer step. It may return ``{"loss": loss, "accuracy": ..., ...}`` instead: each
-  other value (a micro-batch mean, tensor or number) is logged as ``train/NAME``, the
-  mean over the micro-batches and ranks of each log window and of the epoch.
-- ``eval_step(batch, ctx)`` returns a dict of metric *sums* over the batch, with a
-  ``count`` (the samples they cover): ``{"loss": ..., "mae": ..., "count": n}``, tensors
-  or numbers. It runs without gradients, on ``ctx.module`` (unwrapped, so ranks with
-  fewer batches do not wait on the others). The sums add up over the batches and the
-  ranks (one all-reduce) and are divided by the total count; each becomes a metric
-  ``val/NAME`` (``val/loss``, ``val/mae``), which the console prints and which
-  ``checkpoint.best_metric`` and ``early_stopping.metric`` may name.
-- ``eval_metrics(sums)``, when defined, replaces that division: it gets the reduced
-  sums (``count`` included) and returns ``{NAME: value}``, each logged as ``val/NAME``:
-  ``{"loss": s["loss"] / s["count"], "perplexity": math.exp(...)}``.
+types a step with it). What the steps get and return (batches, the loss or a dict of
+extras, the sums with their ``count``, the metrics they become): docs/writing-a-recipe.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Run folders: ``out_dir`` patterns, and a fresh start in a folder that holds a run.
 
-``out_dir``'s placeholders (``{version}``, ``{time}``: docs/configuration.md) are filled
-once per run by rank 0 and broadcast (:func:`settle`); rank 0 claims the folder by creating
-it, so two runs started at once never share one. Without a pattern, ``--no-resume`` in a
-folder that holds a run is refused unless ``--overwrite`` (:func:`run_files`).
+``out_dir``'s placeholders (``{version}``, ``{time}``) are filled once per run by rank 0,
+which claims the folder by creating it, and broadcast (:func:`settle`).
 """
 
 from __future__ import annotations

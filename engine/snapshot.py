@@ -43,7 +43,7 @@ MAY_CHANGE = frozenset({
     # How long the run goes and when it validates, not what a step computes (a longer
     # max_steps trains on from where the run ended). The smoke switch (limit_batches,
     # smoke) may not change: a smoke run's folder is its own.
-    "max_steps", "val_every_steps",
+    "max_steps", "val_every_steps", "validate",
 })
 
 

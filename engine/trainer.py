@@ -592,13 +592,15 @@ class Trainer:
         if self.run_parts.scheduler is not None and cfg.scheduler_interval == "epoch":
             self.step_scheduler(metrics)
         if stop_early:  # the same decision on every rank: the metrics are reduced
-            self.save_snapshot()
+            self.save_snapshot(at_end=True)
             self.stop_early()
             return False
         # The run's last epoch, or max_steps reached at this epoch's last step.
         last = ctx.state.epoch == cfg.epochs or self.reached_max_steps()
         stop = not last and self.agree_to_stop()
-        if stop or last or new_best or self.snapshots.due_at_epoch_end(ctx.state.epoch):
+        if last:
+            self.save_snapshot(at_end=True)
+        elif stop or new_best or self.snapshots.due_at_epoch_end(ctx.state.epoch):
             self.save_snapshot()
         return not (stop or last)
 
@@ -608,7 +610,7 @@ class Trainer:
         (validate_if_due); the final snapshot is at this position, mid-epoch, so that a
         resume with a larger max_steps trains on from it. No epoch end (the epoch is not
         complete): returns False, the run stops."""
-        self.save_snapshot()
+        self.save_snapshot(at_end=True)
         if self.ending == "early stopping":
             self.stop_early()
         return False
@@ -1155,7 +1157,8 @@ class Trainer:
     def current_lr(self) -> float:
         return float(self.run_parts.optimizer.param_groups[0]["lr"])
 
-    def save_snapshot(self) -> None:
+    def save_snapshot(self, at_end: bool = False) -> None:
         # The window in flight is logged first: a run resumed from here would never log it.
         self.finish_pending()
-        self.snapshots.save()
+        if self.cfg.checkpoint.at_end or not at_end:  # false: a throw-away run's end
+            self.snapshots.save()

@@ -234,6 +234,7 @@ def datasets(recipe, cfg, ctx):
             if ctx.world.is_local_rank0:
                 prepare(cfg, ctx)
     train_set, val_set = recipe.module.build_datasets(cfg, ctx)
+    val_set = val_set if cfg.validate else None  # validate=false: left unused
     if val_set is not None:
         recipe.check_eval_step()
     return train_set, val_set

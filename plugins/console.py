@@ -86,12 +86,14 @@ def duration_text(seconds: float) -> str:
 
 class ProgressLines:
     """The bar's stand-in where it cannot draw: a line every ``every_s`` seconds, at the
-    first log interval after that much time passed. The ETA is the remaining steps at the
-    pace since the previous line (validation and snapshots in between included)."""
+    first log interval after that much time passed. The ETA is the remaining steps of the
+    run (``total_steps``: max_steps' where it ends the run sooner; None: a stream's, not
+    known) at the pace since the previous line (validation and snapshots included)."""
 
-    def __init__(self, every_s: float, step: int, steps_per_epoch: int, epochs: int):
+    def __init__(self, every_s: float, step: int, steps_per_epoch: int | None, epochs: int,
+                 total_steps: int | None):
         self.every_s = every_s
-        self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
+        self.steps_per_epoch, self.epochs, self.total = steps_per_epoch, epochs, total_steps
         self.since, self.since_step = time.monotonic(), step
 
     def line_due(self, step: int, loss: float, throughput: tuple[str, float]) -> str | None:
@@ -101,12 +103,14 @@ class ProgressLines:
         unit, per_sec = throughput
         pace = (step - self.since_step) / (now - self.since)
         self.since, self.since_step = now, step
-        if self.steps_per_epoch is None:  # a stream: the run's length is not known
-            return f"step {step}  loss {loss:.4f}  {unit}/s {per_sec:.0f}"
-        total = self.steps_per_epoch * self.epochs
-        eta = duration_text((total - step) / pace) if pace > 0 else "?"
-        return (f"step {step}/{total}  epochs {step / self.steps_per_epoch:.2f}/{self.epochs}"
-                f"  loss {loss:.4f}  {unit}/s {per_sec:.0f}  eta {eta}")
+        parts = [f"step {step}" + (f"/{self.total}" if self.total else "")]
+        if self.steps_per_epoch is not None:
+            parts.append(f"epochs {step / self.steps_per_epoch:.2f}/{self.epochs}")
+        parts += [f"loss {loss:.4f}", f"{unit}/s {per_sec:.0f}"]
+        if self.total:
+            left = (self.total - step) / pace if pace > 0 else None
+            parts.append(f"eta {'?' if left is None else duration_text(left)}")
+        return "  ".join(parts)
 
 
 def done_time(summary: dict) -> str:
@@ -151,7 +155,8 @@ class ConsoleLogger:
         every_s = (getattr(cfg, "console", None) or ConsoleConfig()).progress_every_s
         # tqdm turned itself off where stderr is no terminal (disable=None): lines instead.
         self.lines = (ProgressLines(every_s, self.last_step, ctx.steps_per_epoch,
-                                    cfg.epochs) if self.bar.disable and every_s else None)
+                                    cfg.epochs, ctx.total_steps)
+                      if self.bar.disable and every_s else None)
 
     @engine.hookimpl
     def engine_log(self, ctx, metrics, step):

@@ -29,6 +29,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # written under __pycache__ (ignored by git), each file atomically.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
+# The default torch threads count the machine's load (engine/launching.py's
+# choose_threads): pinned to none, so that every run of a test trains with the same
+# threads (their number changes a run's last bits) whatever else the machine runs.
+os.environ.setdefault("ENGINE_LOAD_AVERAGE", "0")
 
 from engine import testing  # noqa: E402 (after the OpenMP setting)
 from engine.testing import read_summary  # noqa: E402,F401 (the tests import it from here)

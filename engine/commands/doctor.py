@@ -4,11 +4,9 @@
     srun -N2 -n2 engine-run doctor          # every task of a SLURM step says what it sees
     torchrun --nproc-per-node 2 $(which engine-run) doctor
 
-Prints the versions (torch, CUDA, NCCL), the GPUs, which launcher each detection rule
-picks and why, the variables the chosen launcher read, the world it computes (rank,
-world size, master), a few checks (master resolves, port free, NCCL_SOCKET_IFNAME
-exists), the plugins that are broken (left out, with how to disable them), and hints
-for the failures the seeds ran into. Exit status 1 when a check failed.
+Prints the versions, the GPUs, each detection rule's verdict, the chosen launcher's
+variables and world, the checks (master, port, threads, interfaces), the broken plugins
+and hints for the usual failures. Exit status 1 when a check failed.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import sys
 import engine
 from engine import cli, cpu_bf16
 from engine.errors import EngineError, LaunchError
+from engine.launching import choose_threads
 from engine.launcher import (LaunchOptions, check_port_free, choose_launcher, detection_order,
                              detects, is_local_address)
 from engine.plugin_manager import build_plugin_manager
@@ -112,6 +111,11 @@ def main(argv) -> int:
              f"{', '.join(str(w.rank) for w in worlds)} of {world.world_size}, local world "
              f"size {world.local_world_size}; master {world.rendezvous} "
              f"({world.init_method})")
+    threads, why = choose_threads(world.cpu_share(), world.local_world_size)
+    busy = threads < world.cpu_share().count  # the load leaves fewer CPUs than the share
+    line(NOTE if busy else OK, f"torch threads: {threads} per process ({why})" + (
+        "; the load keeps CPUs busy, and more threads per process would take turns on "
+        "them (many times slower)" if busy else ""))
     _check_master(world, line, launcher)
     _check_ifname(line)
     store = mlflow_store_problem(None, environ)  # a run's mlflow.tracking_uri: --dry-run

@@ -1,11 +1,6 @@
-"""``engine-run report RUN_DIR [-o FILE.png]``: a PNG of a run's curves, to look at.
-
-    $ engine-run report runs/cifar_ddp
-    wrote runs/cifar_ddp/report.png (train/loss by step; val/accuracy, val/loss by epoch; from runs/cifar_ddp/tensorboard)
-
-The scalars are read by the loggers' own readers: the csv logger's metrics.csv when the
-run has one, else the tensorboard logger's event files. matplotlib is the optional
-extra ``report``; it and tensorboard are imported here only.
+"""``engine-run report RUN_DIR [-o FILE.png]``: a PNG of a run's curves, from the scalars
+the loggers' own readers read (metrics.csv, else TensorBoard's event files); matplotlib
+is the optional extra ``report``, imported here only.
 """
 
 from __future__ import annotations
@@ -120,9 +115,10 @@ class Curves:
     def from_series(cls, series: Series) -> "Curves":
         val = {name: points for name, points in series.items() if name.startswith("val/")}
         window, mean = split_train_loss(series, val)
-        # An epoch ends where its mean loss or validation logs: the n-th such step ends
-        # epoch n (epochs counted from 1, as the console and metrics.csv count them).
-        ends = {step for points in [mean, *val.values()] for step, _ in points}
+        # An epoch ends where its mean loss logs (an old run's: its validation): the
+        # n-th such step ends epoch n (counted from 1, as the console and metrics.csv
+        # count them). A validation between (val_every_steps) puts its metric by step.
+        ends = {step for points in ([mean] if mean else val.values()) for step, _ in points}
         epoch_of = {step: n for n, step in enumerate(sorted(ends), start=1)}
         by_step = {"train/loss": unzip(sorted(window))} if window else {}
         by_epoch = {}
@@ -141,7 +137,7 @@ class Curves:
                 # epoch's at the step it ended).
                 if old_trainer_run:
                     points = [p for p in points if p not in last_at(points, ends)]
-            elif name.startswith("val/") or (ends and all(s in ends for s, _ in points)):
+            elif ends and all(s in ends for s, _ in points):
                 by_epoch[name] = unzip(sorted((epoch_of[s], v) for s, v in points))
                 continue
             by_step[name] = unzip(sorted(points))

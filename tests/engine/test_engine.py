@@ -50,7 +50,7 @@ def test_rerunning_a_finished_run_says_it_is_complete_and_what_to_do(tmp_path):
     assert changed.stderr.splitlines() == [
         f"engine-run: error: {tmp_path} holds a completed run trained with lr "
         "0.05 (asked: 0.01): nothing would be trained with this config; to keep both runs, "
-        f"give each its folder (out_dir={tmp_path.parent / '{version}'}), or use "
+        f"give each its folder (out_dir={tmp_path / '{version}'}), or use "
         "--no-resume --overwrite to replace it"], changed.stderr
     assert "[rank" not in changed.stdout
     more = run_cli(*args, "epochs=3", check=True)

@@ -58,8 +58,9 @@ def test_fit_trains_in_this_process_as_engine_run_does(tmp_path, engine_run_summ
     summary = fit(recipe, nproc=1, out_dir=str(tmp_path / "run"), **RUN)
     if given == "object":
         assert built_in == [os.getpid()]  # the Trainer ran here: no process was started
-    assert summary == read_summary(tmp_path / "run")  # what summary.json holds
-    assert summary.keys() == engine_run_summary.keys()
+    # What summary.json holds, and the run's folder.
+    assert summary == {**read_summary(tmp_path / "run"), "out_dir": str(tmp_path / "run")}
+    assert summary.keys() - {"out_dir"} == engine_run_summary.keys()
     assert summary["status"] == "completed" and summary["epochs_completed"] == 2
     # The same recipe, config and seed: the same weights as engine-run's.
     assert summary["weights_sha256"] == engine_run_summary["weights_sha256"]
@@ -222,8 +223,8 @@ def test_fit_spawns_two_processes_from_a_guarded_script(tmp_path, engine_run_sum
         env=conftest.engine_env(ENGINE_START_METHOD="fork"))
     line = next(x for x in proc.stdout.splitlines() if x.startswith("SUMMARY "))
     summary = json.loads(line[len("SUMMARY "):])
-    assert summary == read_summary(tmp_path / "run")
-    assert summary.keys() == engine_run_summary.keys()
+    assert summary == {**read_summary(tmp_path / "run"), "out_dir": str(tmp_path / "run")}
+    assert summary.keys() - {"out_dir"} == engine_run_summary.keys()
     assert (summary["world_size"], summary["status"]) == (2, "completed")
 
 
@@ -430,11 +431,129 @@ def test_a_sweep_through_one_folder_is_refused_not_answered_with_the_first_resul
     assert str(refused.value) == (
         f"engine.fit: {out} holds a completed run trained with lr 0.1 (asked: 0.05): "
         "nothing would be trained with this config; to keep both runs, give each its "
-        f"folder (out_dir={tmp_path / '{version}'}), or use engine.fit(..., resume=False, "
+        f"folder (out_dir={out / '{version}'}), or use engine.fit(..., resume=False, "
         "overwrite=True) to replace it")
     # Refused before any worker: nothing in the folder was written (not even the lock).
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
-    results = [fit(RECIPE, nproc=1, out_dir=str(tmp_path / "sweep" / "{version}"),
+    results = [fit(RECIPE, nproc=1, out_dir=str(out / "{version}"),
                    epochs=1, lr=lr) for lr in (0.1, 0.05)]
     assert [r["status"] for r in results] == ["completed", "completed"]
+    # Each summary says its folder, the {version} filled.
+    assert [r["out_dir"] for r in results] == [str(out / "0"), str(out / "1")]
     assert results[0]["weights_sha256"] != results[1]["weights_sha256"]
+
+
+# ------------------------------------------------------- threads that fit the machine
+
+
+def a_machine(monkeypatch, cpus: int, load: float) -> None:
+    """This process sees ``cpus`` CPUs (all of the machine's) and a 1-minute ``load``
+    (not the suite's pinned one: tests/conftest.py)."""
+    monkeypatch.delenv("ENGINE_LOAD_AVERAGE", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+
+
+@pytest.mark.parametrize("cpus, load, processes, threads", [
+    (2, 0.0, 1, 2), (2, 0.4, 1, 2), (2, 1.0, 1, 1), (2, 2.1, 1, 1),  # busy: one
+    (2, 0.0, 2, 1), (2, 2.0, 2, 1), (8, 0.0, 2, 4), (8, 4.0, 2, 2), (8, 0.0, 16, 1)])
+def test_default_threads_are_the_idle_cpus_shared_by_the_processes(cpus, load, processes,
+                                                                   threads):
+    from engine.launching import default_threads
+
+    assert default_threads(cpus, load, processes) == threads
+
+
+def test_the_plan_says_the_default_threads_and_a_run_uses_them(tmp_path, monkeypatch):
+    """Two busy CPUs: one thread for one process (two ran 8-12x slower), said in the
+    plan; the run trains with it. Idle: both."""
+    import torch
+
+    a_machine(monkeypatch, cpus=2, load=2.0)
+    proc = conftest.run_cli_here(str(RECIPE), f"out_dir={tmp_path / 'plan'}", "--nproc", "1",
+                                 "--dry-run", check=True)
+    assert ("threads       1 per process (default: 2 CPU(s) (affinity), load 2.0, "
+            "1 process(es); --threads N sets it)") in proc.stdout, proc.stdout
+    seen = []
+
+    class Threads:
+        @engine.hookimpl
+        def engine_run_start(self, ctx):
+            seen.append(torch.get_num_threads())
+
+    fit(RECIPE, nproc=1, out_dir=str(tmp_path / "busy"), epochs=1, plugins=[Threads()])
+    a_machine(monkeypatch, cpus=2, load=0.0)
+    fit(RECIPE, nproc=1, out_dir=str(tmp_path / "idle"), epochs=1, plugins=[Threads()])
+    assert seen == [1, 2]
+    asked = conftest.run_cli_here(str(RECIPE), f"out_dir={tmp_path / 'plan'}", "--nproc", "1",
+                                  "--threads", "2", "--dry-run", check=True)
+    assert "threads       2 per process (--threads)" in asked.stdout, asked.stdout
+    pinned = conftest.run_cli_here(str(RECIPE), f"out_dir={tmp_path / 'plan'}", "--nproc",
+                                   "1", "--dry-run", check=True,  # stands for the load
+                                   env=conftest.engine_env(ENGINE_LOAD_AVERAGE="2"))
+    assert "threads       1 per process (default: 2 CPU(s) (affinity), load 2.0" in \
+        pinned.stdout, pinned.stdout
+
+
+def test_threads_asked_beyond_the_cpus_are_a_warning_naming_the_setting(tmp_path,
+                                                                        monkeypatch):
+    a_machine(monkeypatch, cpus=2, load=0.0)
+    proc = conftest.run_cli_here(str(RECIPE), f"out_dir={tmp_path}", "--nproc", "2",
+                                 "--threads", "2", "--dry-run", check=True)
+    assert ("warning: --threads 2 x 2 process(es) = 4 torch threads on 2 usable CPU(s) "
+            "(affinity): they take turns, so training will be slow; leave threads out (the "
+            "default fits the CPUs and their load) or ask for 1") in proc.stderr, proc.stderr
+    fits = conftest.run_cli_here(str(RECIPE), f"out_dir={tmp_path}", "--nproc", "2",
+                                 "--threads", "1", "--dry-run", check=True)
+    assert "torch threads" not in fits.stderr
+
+
+# ------------------------------------- checks that need no batch, before any worker
+
+CHECKED_RECIPE = """
+import torch
+from tests.recipes.tiny_regression import *  # noqa: F401,F403
+from tests.recipes.tiny_regression import eval_step  # noqa: F401
+{extra}
+"""
+
+
+@pytest.mark.parametrize("extra, overrides, message", [
+    ("throughput_unit = 'tokens'", [],
+     "the recipe declares throughput_unit='tokens' without count_throughput(batch) -> int"),
+    ("", ["checkpoint.best_metric=train/epoch_los", "checkpoint.best_mode=min"],
+     "config key 'checkpoint.best_metric': 'train/epoch_los' is not a metric this run logs "
+     "(did you mean 'train/epoch_loss'?)"),
+    ("", ["early_stopping.metric=train/epoch_tokens_per_sec"],
+     "config key 'early_stopping.metric': 'train/epoch_tokens_per_sec' is not a metric this "
+     "run logs (did you mean 'train/epoch_samples_per_sec'?)"),
+    ("def build_scheduler(cfg, optimizer, ctx):\n"
+     "    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode='max')",
+     ["scheduler_metric=val/loss"],
+     "config key 'scheduler_metric': lower is better for 'val/loss' (read from the name), "
+     "but the recipe's ReduceLROnPlateau has mode='max'; build it with mode='min'"),
+    ("", ["scheduler_metric=val/loss"], "config key 'scheduler_metric': 'val/loss' is for a "
+     "scheduler that steps on a metric (ReduceLROnPlateau), and the recipe has no "
+     "build_scheduler"),
+])
+def test_checks_that_need_no_batch_are_answered_in_the_launching_process(
+        tmp_path, extra, overrides, message):
+    """Refused by --dry-run, which starts no worker (they came after 13-21 s of worker
+    start-up)."""
+    recipe = tmp_path / "checked.py"
+    recipe.write_text(CHECKED_RECIPE.format(extra=extra))
+    proc = conftest.run_cli_here(str(recipe), *overrides, f"out_dir={tmp_path / 'run'}",
+                                 "--dry-run")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"engine-run: error: {message}"), proc.stderr
+
+
+def test_a_recipe_whose_scheduler_needs_its_real_model_is_left_to_the_worker(tmp_path):
+    recipe = tmp_path / "checked.py"
+    recipe.write_text(CHECKED_RECIPE.format(
+        extra="def build_scheduler(cfg, optimizer, ctx):\n"
+              "    assert len(optimizer.param_groups[0]['params']) == 4  # the real model's\n"
+              "    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)"))
+    conftest.run_cli_here(str(recipe), "scheduler_metric=val/loss",
+                          f"out_dir={tmp_path / 'run'}", "--dry-run", check=True)

@@ -80,6 +80,22 @@ def test_a_worker_continues_the_launching_processes_table(clock, monkeypatch):
                              ("imports", 0.5, 0.5)]
 
 
+def test_a_library_calls_workers_count_from_the_call_a_restarted_one_too(clock, monkeypatch):
+    """engine.fit(nproc=2, max_restarts=1): a worker spawned (or restarted) by the call
+    counts from the call's start, as engine-run's from the command's; its done line once
+    said 3.9s for a 20s call, the time since the restart."""
+    clock.tick(3.0, 2.0)  # the caller's script ran a while
+    phases.restart()  # the call starts
+    handed_over = os.environ.pop(phases.ENV)
+    monkeypatch.setenv(phases.ENV, handed_over)
+    monkeypatch.setattr(phases, "_marks", [])  # a worker restarted 15 s later
+    monkeypatch.setattr(phases.os, "getpid", lambda: -1)
+    clock.tick(15.0, 0.5)
+    phases.mark("worker start")
+    clock.tick(1.0, 1.0)
+    assert phases.elapsed() == 16.0
+
+
 def test_a_verbose_run_prints_rank_0s_phases_once_and_the_commands_end(cifar_recipe,
                                                                        tmp_path):
     proc = run_cli(cifar_recipe, *QUICK, f"out_dir={tmp_path / 'run'}", "--nproc", "2",

@@ -118,6 +118,10 @@ def test_a_smoke_run_trains_a_few_steps_in_a_folder_of_its_own_started_afresh(tm
     (["val_every_steps=5", "early_stopping.metric=train/epoch_loss"],
      "config key 'early_stopping.metric': 'train/epoch_loss' is not known at a validation "
      "by steps (val_every_steps=5); name a val/ metric"),
+    (["validate=false", "val_every_steps=5"], "config key 'validate': false never "
+     "validates, and val_every_steps=5 needs validation; leave validate=false out, or that key"),
+    (["validate=false", "checkpoint.best_metric=val/loss"], "config key 'validate': false "
+     "never validates, and checkpoint.best_metric=val/loss needs validation"),
 ])
 def test_bad_run_length_settings_are_one_line(overrides, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(
@@ -130,6 +134,7 @@ def test_run_length_keys_may_change_on_resume_the_smoke_switch_may_not():
 
     cfg = TinyConfig()
     assert may_change("max_steps", cfg) and may_change("val_every_steps", cfg)
+    assert may_change("validate", cfg)
     assert not may_change("limit_batches", cfg) and not may_change("smoke", cfg)
 
 
@@ -314,3 +319,22 @@ def test_the_best_snapshot_is_the_best_validation_whatever_the_snapshot_interval
     with torch.no_grad():
         loss = (engine.load_model(out, which="best")(inputs) - targets).pow(2).mean()
     assert float(loss) == pytest.approx(best, rel=1e-5)
+
+
+def test_validate_false_trains_without_validating_and_at_end_false_writes_no_snapshot(
+        tmp_path):
+    """A throw-away run (issue 52.4): a recipe with a validation set and validate=false
+    logs no val/ metric; checkpoint.at_end=false (every_epochs=0) leaves no snapshot. The
+    defaults validate and write the final snapshot."""
+    recipe = str(REPO / "tests" / "recipes" / "tiny_regression.py")
+    off = tmp_path / "off"
+    run_cli(recipe, "epochs=1", "validate=false", "checkpoint.at_end=false",
+            "checkpoint.every_epochs=0", f"out_dir={off}", "--nproc", "1", check=True)
+    summary = read_summary(off)
+    assert summary["status"] == "completed" and summary["final_checkpoint"] is None
+    assert summary["val_loss"] is None and rows(off, "val/loss") == []
+    assert not list(off.glob("checkpoints/*.pt"))
+    on = tmp_path / "on"
+    run_cli(recipe, "epochs=1", "checkpoint.every_epochs=0", f"out_dir={on}", "--nproc", "1",
+            check=True)
+    assert read_summary(on)["final_checkpoint"] and rows(on, "val/loss")

@@ -222,3 +222,15 @@ def test_the_progress_bar_shows_loss_speed_and_data_wait(tmp_path):
     assert f"data_wait={wait:.0%}" in shown
     # On a terminal the bar is the progress: no plain lines, however often they were due.
     assert not PROGRESS_LINE.search(shown)
+
+
+def test_progress_lines_count_to_max_steps_where_it_ends_the_run(tmp_path):
+    """6 steps in the epoch, max_steps=4: the lines say 'of 4' (an ETA of the steps left
+    until 4), not of the epochs' 6."""
+    proc = run_cli(write_recipe(tmp_path), "delay_s=0.02", "console.progress_every_s=0.01",
+                   "max_steps=4", f"out_dir={tmp_path / 'run'}", "--nproc", "1", check=True)
+    lines = [PROGRESS_LINE.fullmatch(line) for line in proc.stderr.splitlines()
+             if line.startswith("step ")]
+    assert lines and all(lines), proc.stderr
+    assert {line[2] for line in lines} == {"4"}
+    assert all(int(line[1]) <= 4 for line in lines)

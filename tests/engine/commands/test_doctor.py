@@ -4,6 +4,7 @@ variables a launcher would set and runs the real command (in this process)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -136,3 +137,16 @@ def test_a_broken_plugin_is_named_by_help_doctor_and_plugins_and_stops_a_run(
 
     assert "PROBLEM" not in doctor("-p", "no:bad").stdout
     assert run_cli_here("-p", "no:bad", "--help").stderr == ""
+
+
+def test_the_threads_line_names_the_setting_when_the_load_leaves_fewer_cpus(monkeypatch):
+    monkeypatch.delenv("ENGINE_LOAD_AVERAGE", raising=False)  # tests/conftest.py's pin
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.0, 1.0))
+    busy = doctor("--nproc", "1").stdout
+    assert ("note    torch threads: 1 per process (default: 2 CPU(s) (affinity), load 1.9, "
+            "1 process(es); --threads N sets it); the load keeps CPUs busy") in busy, busy
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 1.0, 1.0))
+    assert "ok      torch threads: 2 per process (default: 2 CPU(s) (affinity), load 0.1" in \
+        doctor("--nproc", "1").stdout

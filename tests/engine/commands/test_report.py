@@ -241,3 +241,15 @@ def test_an_old_run_whose_epoch_end_was_no_check_point_has_no_jump(tmp_path):
     curves = Curves.from_series(read_scalars(run)[0])
     assert curves.by_step["train/loss"] == ([3, 6, 11, 14], [0.9, 0.3, 0.2, 0.1])
     assert curves.by_epoch["train/epoch_loss"] == ([1, 2], [1.2, 0.4])
+
+
+def test_validations_inside_epochs_are_drawn_by_step_not_as_epochs(tmp_path):
+    """val_every_steps=2 in epochs of 8 steps: val/* at steps 2, 4, ... 16 is a curve by
+    step; the epochs are those of train/epoch_loss (it once drew 8 epochs for 2)."""
+    run = tmp_path / "run"
+    run_cli("tests/recipes/tiny_regression.py", "epochs=2", "val_every_steps=2",
+            f"out_dir={run}", "--nproc", "1", check=True)
+    curves = Curves.from_series(read_scalars(run)[0])
+    assert curves.by_epoch["train/epoch_loss"][0] == [1, 2]
+    assert curves.by_step["val/loss"][0] == list(range(2, 17, 2))
+    assert "val/loss" not in curves.by_epoch
