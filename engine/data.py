@@ -241,9 +241,10 @@ class MapLoader(TrainingLoader, DataLoader):
     def restore(self, state_dict: dict, world_size: int, warn) -> int:
         batches = int(state_dict.get("batch_in_epoch") or 0)
         position = state_dict.get("samples_in_epoch")
+        saved_world = state_dict.get("world_size", world_size)
         # At an epoch boundary, with as many processes, or from a snapshot that did not
         # record the position (right when the global batch is the same): the count.
-        if not batches or position is None or state_dict.get("world_size", world_size) == world_size:
+        if not batches or position is None or saved_world == world_size:
             return batches
         # The last batches of an epoch are short, and a library loop's batch size is
         # its own: the batches that reach the position at this number of processes.
