@@ -235,11 +235,8 @@ class Context(WorkerContext):
         ``ctx.set_epoch``) moves to each new epoch; ``train=False`` gives a validation
         loader where every sample is seen exactly once over all ranks.
 
-        A stream (an IterableDataset, docs/data.md "Streams") gives each rank its part;
-        for training, its loader ends the epoch at the same micro-batch on every rank:
-        a rank whose part ran out gets padding batches meanwhile (``loader.padding`` is
-        true: multiply that loss by 0 and record nothing), and its position is in the
-        snapshots ``ctx.save()`` writes (create it before ``ctx.epochs()``)."""
+        A stream (an IterableDataset) gives each rank its part; for training, a loader
+        whose ``padding`` batches train with loss times 0 (docs/library.md, "Streams")."""
         # they import torch: kept out of engine.launch's launcher
         from engine import data, streaming
 
@@ -262,8 +259,7 @@ class Context(WorkerContext):
         return loader
 
     def _stream_loader(self, dataset, micro_batch: int, **loader_kwargs):
-        """The training loader of a stream (engine/streaming.py), which counts the
-        batches it hands out in ``ctx.state`` (as the first map-style one does)."""
+        """A stream's training loader (engine/streaming.py), counting in ``ctx.state``."""
         from engine import streaming  # imports torch (see loader)
 
         if self._train_loaders:

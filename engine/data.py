@@ -1,8 +1,7 @@
 """Samplers and DataLoaders: the parts users forget (sampler, set_epoch, batch split).
 
-- Training: :class:`ResumableDistributedSampler`, torch's DistributedSampler (same
-  shuffle, same padding, so the data order equals a hand-written DDP loop) that can
-  start part-way through an epoch without loading the samples it skips.
+- Training: :class:`MapLoader` (the loader protocol, :class:`TrainingLoader`) with a
+  :class:`ResumableDistributedSampler`: torch's DistributedSampler order, resumable.
 - Validation: :class:`ShardSampler`, rank r takes samples r, r+W, r+2W...; no padding,
   so every validation sample is counted exactly once in the reduced metrics.
 
@@ -171,10 +170,8 @@ def split_batch(global_batch: int, world_size: int, accum: int) -> int:
 
 
 def worker_context(num_workers: int) -> str | None:
-    """How DataLoader workers start. A process that was itself started by "spawn"
-    (engine-run's own workers) would spawn its DataLoader workers too, each importing
-    torch again: seconds per worker. Forking them, as they are under torchrun on Linux,
-    starts them in milliseconds; the workers never touch CUDA, so that is safe."""
+    """How DataLoader workers start: forked on Linux (as under torchrun), not spawned
+    like engine-run's own workers, each importing torch again; they never touch CUDA."""
     if num_workers > 0 and sys.platform == "linux":
         return "fork"
     return None
@@ -191,8 +188,7 @@ class TrainingLoader:
     sized = True
     padding = last = False
     #: A TrainState whose batch_in_epoch counts each batch handed out (a library loop's
-    #: first training loader: ``ctx.save()`` between two batches records the position),
-    #: or None (engine-run's loop counts them itself).
+    #: first training loader), or None (engine-run's loop counts them itself).
     counts_in = None
 
     def start_epoch(self, epoch: int, start_index: int = 0, *,
@@ -203,8 +199,8 @@ class TrainingLoader:
         raise NotImplementedError
 
     def position_state(self, batch_in_epoch: int, world_size: int) -> dict:
-        """The snapshot's loader part after ``batch_in_epoch`` micro-batches per rank
-        (a stream's gathers every rank's: a collective)."""
+        """The snapshot's loader part after ``batch_in_epoch`` batches (a stream's is a
+        collective)."""
         raise NotImplementedError
 
     def restore(self, state_dict: dict, world_size: int, warn) -> int:
@@ -306,9 +302,8 @@ def val_loader(dataset, *, batch: int, world, num_workers: int, pin_memory: bool
 
 
 def first_val_samples(loader) -> list:
-    """One batch of samples of a validation loader, read from its dataset rather than
-    through the loader (its iterator, workers and generator stay untouched): this rank's
-    shard's first, or the set's first when the shard has none."""
+    """One batch of samples of a validation loader, read from its dataset (the loader's
+    iterator, workers and generator untouched): its shard's first, else the set's."""
     size = loader.batch_size
     if isinstance(loader.dataset, torch.utils.data.IterableDataset):  # ValidationStream
         return (list(itertools.islice(iter(loader.dataset), size))
@@ -320,9 +315,9 @@ def first_val_samples(loader) -> list:
 
 def samples_consumed(batches: int, micro_batch: int, world_size: int, dataset_size: int
                      ) -> int:
-    """The global position in the epoch after ``batches`` micro-batches per rank: the
-    samples all ranks consumed together (capped at the epoch's end: the last batches
-    may be short, or padded)."""
+    """The global position after ``batches`` micro-batches per rank: the samples all
+    ranks consumed together, capped at the epoch's end (the last batches may be short or
+    padded)."""
     return min(batches * micro_batch * world_size, dataset_size)
 
 
@@ -346,11 +341,10 @@ def batches_per_epoch(num_samples: int, micro_batch: int, drop_last: bool) -> in
 
 
 def to_device(batch, device, non_blocking: bool = False):
-    """A batch on ``device``: a tensor, or tuples, lists and dicts of them (nested as
-    deep as they come; named tuples keep their type), or any object with a tensor's
-    ``to(device, non_blocking=...)`` (a recipe's own batch type: the OCT recipe's encoded
-    batch decodes on the device there). Anything else passes unchanged.
-    ``non_blocking`` overlaps the copy from pinned memory with compute (CUDA)."""
+    """A batch on ``device``: tensors, nested in tuples (named ones keep their type),
+    lists and dicts, or any object with a tensor's ``to(device, non_blocking=...)`` (a
+    recipe's own batch type); anything else unchanged. ``non_blocking``: from pinned
+    memory, overlapped with compute (CUDA)."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, dict):

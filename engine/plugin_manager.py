@@ -255,13 +255,9 @@ class EnginePluginManager(Registrations, pluggy.PluginManager):
 
     def _check_hooks(self, plugin: object, name: str) -> None:
         """Every hook implementation must name a hook spec, and may take fewer arguments
-        than its hook, never others.
-
-        pluggy checks arguments too, but its message spans several lines; and it
-        accepts an unknown hook silently when the name lacks the ``engine_`` prefix
-        (``@engine.hookimpl def egnine_run_end``), which would then never be called.
-        A plugin that asks for the run object by its name before 0.3, ``engine``, is
-        warned once (it still gets it: :class:`RunHookCaller`)."""
+        than its hook, never others: pluggy's message spans lines, and it accepts a
+        misspelt ``@engine.hookimpl def egnine_run_end`` (never called) silently. Asking
+        for the run object as ``engine`` (before 0.3) is warned once (RunHookCaller)."""
         old_name = []  # the hooks that ask for the run object by its name before 0.3
         for attr in dir(plugin):
             opts = self.parse_hookimpl_opts(plugin, attr)
@@ -373,16 +369,14 @@ def build_plugin_manager(extra: Iterable = (), *, autoload: bool | None = None,
                          keep_going: bool = False,
                          scratch_parser=None) -> EnginePluginManager:
     """``extra`` holds the ``-p`` arguments: ``no:NAME`` blocks a plugin, anything else
-    names an entry point or a module to import and register. ``autoload`` defaults to
-    true unless ENGINE_DISABLE_PLUGIN_AUTOLOAD is set to something other than 0.
-    ``objects`` maps names to plugin objects already in hand, registered last; a plugin
-    object among ``extra`` (``engine.fit(plugins=[Timer()])``) is one too.
-    ``keep_going``: a broken plugin is left out and listed in ``pm.broken`` instead of
-    raising its PluginError (for ``--help``, ``doctor``, ``plugins``); a mistake on the
-    command line (``-p no:`` of an unknown or essential name) still raises.
-    ``scratch_parser``: with ``keep_going``, a fresh ``engine-run`` parser
-    (``engine.cli.build_parser()``, passed in: this module does not import the CLI) to try
-    the plugins' options on."""
+    names an entry point or a module to import and register, and a plugin object
+    (``engine.fit(plugins=[Timer()])``) joins ``objects`` (names -> plugin objects,
+    registered last). ``autoload``: unless ENGINE_DISABLE_PLUGIN_AUTOLOAD is set (not 0).
+    ``keep_going``: a broken plugin is left out and listed in ``pm.broken`` (for
+    ``--help``, ``doctor``, ``plugins``); a mistake on the command line (``-p no:`` of an
+    unknown or essential name) still raises. ``scratch_parser``: with ``keep_going``, a
+    fresh ``engine.cli.build_parser()`` (this module does not import the CLI) to try the
+    plugins' options on."""
     pm = EnginePluginManager(keep_going)
     objects = {**(objects or {}), **{object_name(p): p for p in extra if not isinstance(p, str)}}
     extra = [spec for spec in extra if isinstance(spec, str)]
@@ -457,9 +451,8 @@ def working_directory_importable() -> None:
 
 def packages_distributions() -> dict[str, list[str]]:
     """importlib.metadata's top-level module -> distributions map, read once per
-    process and ``sys.path``: it reads every installed distribution's file list (1-3 s
-    of a worker's start with a ``-p`` module; a warm spare, engine/spares.py, reads it
-    before it forks). A folder added to sys.path (a test's site) is read afresh."""
+    process and ``sys.path`` (it reads every installed distribution's file list; a warm
+    spare, engine/spares.py, reads it before it forks)."""
     return _packages_distributions(tuple(sys.path))
 
 

@@ -525,11 +525,9 @@ def _holds_tensors(tree) -> bool:
 
 
 class LoaderPosition:
-    """Where the epoch stands: the micro-batches each rank consumed (``state``'s
-    ``batch_in_epoch``) and, whatever the number of processes, the samples all ranks
-    consumed together in the epoch's (seed, epoch) order (engine/data.py). A snapshot
-    of another number of processes resumes at that global position: the rest of the
-    order is split over the new ranks, so every sample is still seen once."""
+    """Where the epoch stands: ``state``'s ``batch_in_epoch``, and the first training
+    loader's position (engine.data.TrainingLoader: any number of processes resumes a
+    map-style dataset's global position)."""
 
     def __init__(self, state, loader: Callable[[], Any], world_size: int, warn=print):
         self.warn = warn  # a stream's resume notice

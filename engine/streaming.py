@@ -1,16 +1,5 @@
 """Iterable datasets (streams): their sharding, an epoch's common end, their resume.
-
-The rules are docs/data.md's "Streams". In short: item i of the stream goes to the
-consumer (rank, loader worker) ``i % (world_size * num_workers)`` unless the dataset
-``shards_itself``; the ranks' parts may differ in length, so every rank looks one batch
-ahead and tells the others (an asynchronous all-reduce waited for one micro-batch
-later), and a rank that ran out trains on a padding micro-batch (its last one, loss
-times 0) until every rank is done; a resume is exact through the dataset's
-``state_dict`` in torchdata's ``StatefulDataLoader``, else by replaying the epoch, and
-is refused where neither can be exact (another world size, another number of workers).
-:class:`ValidationStream` validates each rank's part from the stream's start, without
-lookahead or padding.
-"""
+The rules are docs/data.md's "Streams"."""
 
 from __future__ import annotations
 
@@ -69,12 +58,8 @@ class ShardedStream(IterableDataset):
 
 class ValidationStream(ShardedStream):
     """This rank's and worker's items of a validation stream, from the stream's start at
-    every iteration (each validation reads the whole stream again: a dataset with
-    ``state_dict`` is put back to the state it had when the loader was made).
-    Validation needs no lookahead: its forwards do not communicate, so a rank whose
-    part is shorter simply finishes first, and the metrics' one reduction at the end
-    sums every rank's real counts. Its loader is its own: the training stream's
-    position and state stay as they were."""
+    every iteration (a dataset with ``state_dict`` is put back to the state it had when
+    the loader was made); no lookahead, no padding (docs/data.md, "Validation")."""
 
     def __init__(self, dataset, rank: int, world_size: int):
         super().__init__(dataset, rank, world_size)
@@ -88,8 +73,7 @@ class ValidationStream(ShardedStream):
 
 
 def val_loader(dataset, *, world, **kwargs):
-    """engine.data.val_loader for any validation set: a stream's loader reads this
-    rank's part of it (ValidationStream)."""
+    """engine.data.val_loader for any validation set (a stream's: ValidationStream)."""
     if is_stream(dataset):
         dataset = ValidationStream(dataset, world.rank, world.world_size)
     return data.val_loader(dataset, world=world, **kwargs)
