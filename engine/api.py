@@ -235,8 +235,8 @@ class Context(WorkerContext):
         ``ctx.set_epoch``) moves to each new epoch; ``train=False`` gives a validation
         loader where every sample is seen exactly once over all ranks.
 
-        A stream (an IterableDataset) gives each rank its part; for training, a loader
-        whose ``padding`` batches train with loss times 0 (docs/library.md, "Streams")."""
+        A stream (an IterableDataset) gives each rank its part; train its training
+        loader's ``padding`` batches with loss times 0 (docs/library.md, "Streams")."""
         # they import torch: kept out of engine.launch's launcher
         from engine import data, streaming
 
