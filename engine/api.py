@@ -235,11 +235,8 @@ class Context(WorkerContext):
         ``ctx.set_epoch``) moves to each new epoch; ``train=False`` gives a validation
         loader where every sample is seen exactly once over all ranks.
 
-        A stream (an IterableDataset, docs/data.md "Streams") gives each rank its part;
-        for training, its loader ends the epoch at the same micro-batch on every rank:
-        a rank whose part ran out gets padding batches meanwhile (``loader.padding`` is
-        true: multiply that loss by 0 and record nothing), and its position is in the
-        snapshots ``ctx.save()`` writes (create it before ``ctx.epochs()``)."""
+        A stream (an IterableDataset) gives each rank its part; train its training
+        loader's ``padding`` batches with loss times 0 (docs/library.md, "Streams")."""
         # they import torch: kept out of engine.launch's launcher
         from engine import data, streaming
 
@@ -256,15 +253,13 @@ class Context(WorkerContext):
                                  pin_memory=pin_memory, drop_last=drop_last,
                                  drop_last_name="drop_last=False")
         if not self._train_loaders:  # the first one tells where the epoch stands
-            loader.__class__ = data.PositionLoader
-            loader.state = self.state
+            loader.counts_in = self.state
             self.run_parts.train_loader = loader  # its position is the one snapshots record
         self._train_loaders.append(loader)
         return loader
 
     def _stream_loader(self, dataset, micro_batch: int, **loader_kwargs):
-        """The training loader of a stream (engine/streaming.py), which counts the
-        batches it hands out in ``ctx.state`` (as PositionLoader does)."""
+        """A stream's training loader (engine/streaming.py), counting in ``ctx.state``."""
         from engine import streaming  # imports torch (see loader)
 
         if self._train_loaders:
@@ -287,16 +282,11 @@ class Context(WorkerContext):
         """Reshuffle every training loader for ``epoch`` (``ctx.epochs`` does this).
         For the epoch a snapshot stopped in (``ctx.state.epoch``) the loaders start
         where it stopped; ``ctx.state`` then follows this epoch."""
-        from engine import data  # imports torch (see loader)
-
         batches = self.state.batch_in_epoch if epoch == self.state.epoch else 0
         self.state.epoch, self.state.batch_in_epoch = epoch, batches
-        for loader in self._train_loaders:
-            if getattr(loader, "stream", False):  # resumes its own position (restore)
-                data.start_epoch(loader, epoch, start_index=batches)
-                continue
-            data.start_epoch(loader, epoch, start_sample=data.samples_consumed(
-                batches, loader.batch_size, self.world_size, len(loader.dataset)))
+        for loader in self._train_loaders:  # the position in global samples
+            loader.start_epoch(epoch, start_sample=batches * loader.batch_size
+                               * self.world_size)
 
     # --------------------------------------------------------------- epochs
 

@@ -1,8 +1,7 @@
 """Samplers and DataLoaders: the parts users forget (sampler, set_epoch, batch split).
 
-- Training: :class:`ResumableDistributedSampler`, torch's DistributedSampler (same
-  shuffle, same padding, so the data order equals a hand-written DDP loop) that can
-  start part-way through an epoch without loading the samples it skips.
+- Training: :class:`MapLoader` (the loader protocol, :class:`TrainingLoader`) with a
+  :class:`ResumableDistributedSampler`: torch's DistributedSampler order, resumable.
 - Validation: :class:`ShardSampler`, rank r takes samples r, r+W, r+2W...; no padding,
   so every validation sample is counted exactly once in the reduced metrics.
 
@@ -171,19 +170,87 @@ def split_batch(global_batch: int, world_size: int, accum: int) -> int:
 
 
 def worker_context(num_workers: int) -> str | None:
-    """How DataLoader workers start. A process that was itself started by "spawn"
-    (engine-run's own workers) would spawn its DataLoader workers too, each importing
-    torch again: seconds per worker. Forking them, as they are under torchrun on Linux,
-    starts them in milliseconds; the workers never touch CUDA, so that is safe."""
+    """How DataLoader workers start: forked on Linux (as under torchrun), not spawned
+    like engine-run's own workers, each importing torch again; they never touch CUDA."""
     if num_workers > 0 and sys.platform == "linux":
         return "fork"
     return None
 
 
+class TrainingLoader:
+    """The loader protocol: what the engine asks of a run's training loader, whatever
+    the data. :class:`MapLoader` (a map-style dataset) and engine.streaming's
+    StreamLoader (a stream) implement it; engine-run and ``ctx.loader`` make them."""
+
+    #: ``len(loader)`` is the epoch's micro-batches (what is left of it once resumed);
+    #: a stream's is not known: its loader says at each batch whether it is ``padding``
+    #: (train it with weight 0) and whether it is the epoch's ``last`` on every rank.
+    sized = True
+    padding = last = False
+    #: A TrainState whose batch_in_epoch counts each batch handed out (a library loop's
+    #: first training loader), or None (engine-run's loop counts them itself).
+    counts_in = None
+
+    def start_epoch(self, epoch: int, start_index: int = 0, *,
+                    start_sample: int | None = None) -> None:
+        """Before iterating ``epoch``: start it at the global position ``start_sample``
+        (the samples all ranks consumed together), or after ``start_index`` samples of
+        this rank's share; a stream resumes its restored position there."""
+        raise NotImplementedError
+
+    def position_state(self, batch_in_epoch: int, world_size: int) -> dict:
+        """The snapshot's loader part after ``batch_in_epoch`` batches (a stream's is a
+        collective)."""
+        raise NotImplementedError
+
+    def restore(self, state_dict: dict, world_size: int, warn) -> int:
+        """The micro-batches per rank the epoch resumes after, from a snapshot's loader
+        part (``warn``: a notice for the run's output); or a one-line refusal."""
+        raise NotImplementedError
+
+
+class MapLoader(TrainingLoader, DataLoader):
+    """The training loader of a map-style dataset (:func:`train_loader`): its sampler,
+    a ResumableDistributedSampler, starts an epoch at any global position."""
+
+    def __iter__(self):
+        batches = super().__iter__()
+        return batches if self.counts_in is None else self._counted(batches)
+
+    def _counted(self, batches):  # when handed out: the loop body trains on it, then saves
+        for batch in batches:
+            self.counts_in.batch_in_epoch += 1
+            yield batch
+
+    def start_epoch(self, epoch: int, start_index: int = 0, *,
+                    start_sample: int | None = None) -> None:
+        # The sampler's order and the workers' seeds, both from (seed, epoch).
+        self.sampler.set_epoch(epoch, start_index=start_index, start_sample=start_sample)
+        self.generator.manual_seed(self.sampler.seed * 1_000_003 + epoch)
+
+    def position_state(self, batch_in_epoch: int, world_size: int) -> dict:
+        return {"batch_in_epoch": batch_in_epoch,
+                "samples_in_epoch": samples_consumed(batch_in_epoch, self.batch_size,
+                                                     world_size, len(self.dataset)),
+                "world_size": world_size}
+
+    def restore(self, state_dict: dict, world_size: int, warn) -> int:
+        batches = int(state_dict.get("batch_in_epoch") or 0)
+        position = state_dict.get("samples_in_epoch")
+        saved_world = state_dict.get("world_size", world_size)
+        # At an epoch boundary, with as many processes, or from a snapshot that did not
+        # record the position (right when the global batch is the same): the count.
+        if not batches or position is None or saved_world == world_size:
+            return batches
+        # The last batches of an epoch are short, and a library loop's batch size is
+        # its own: the batches that reach the position at this number of processes.
+        return batches_at(int(position), self.batch_size, world_size, len(self.dataset))
+
+
 def train_loader(dataset, *, micro_batch: int, world, seed: int, num_workers: int,
                  pin_memory: bool, drop_last: bool, persistent_workers: bool | None = None,
                  prefetch_factor: int | None = None, timeout: float = 0.0,
-                 per_sample_seed: bool = False) -> DataLoader:
+                 per_sample_seed: bool = False) -> MapLoader:
     if isinstance(dataset, torch.utils.data.IterableDataset):
         raise ConfigError(
             f"{type(dataset).__name__} is an IterableDataset (a stream): its training "
@@ -197,42 +264,20 @@ def train_loader(dataset, *, micro_batch: int, world, seed: int, num_workers: in
     # The loader draws its workers' base seed from its own generator (reseeded every
     # epoch by start_epoch), never from the global RNG: a resumed epoch then leaves the
     # global RNG exactly where the uninterrupted run had it.
-    return DataLoader(dataset, batch_size=micro_batch, sampler=sampler,
-                      multiprocessing_context=worker_context(num_workers),
-                      generator=torch.Generator().manual_seed(seed),
-                      num_workers=num_workers, pin_memory=pin_memory, drop_last=drop_last,
-                      persistent_workers=(num_workers > 0 if persistent_workers is None
-                                          else persistent_workers),
-                      prefetch_factor=prefetch_factor, timeout=timeout,
-                      collate_fn=getattr(dataset, "collate_fn", None))
+    return MapLoader(dataset, batch_size=micro_batch, sampler=sampler,
+                     multiprocessing_context=worker_context(num_workers),
+                     generator=torch.Generator().manual_seed(seed),
+                     num_workers=num_workers, pin_memory=pin_memory, drop_last=drop_last,
+                     persistent_workers=(num_workers > 0 if persistent_workers is None
+                                         else persistent_workers),
+                     prefetch_factor=prefetch_factor, timeout=timeout,
+                     collate_fn=getattr(dataset, "collate_fn", None))
 
 
-def start_epoch(loader: DataLoader, epoch: int, start_index: int = 0, *,
+def start_epoch(loader, epoch: int, start_index: int = 0, *,
                 start_sample: int | None = None) -> None:
-    """Before iterating an epoch: the sampler's order, the position to resume from (the
-    global ``start_sample``, or ``start_index`` samples of each rank's share), and the
-    workers' seeds, all derived from (seed, epoch). A stream (engine/streaming.py)
-    starts its epoch, or resumes the snapshot's position when one was restored."""
-    if getattr(loader, "stream", False):
-        loader.start_epoch(epoch, resumed=bool(start_index or start_sample))
-        return
-    sampler = loader.sampler
-    sampler.set_epoch(epoch, start_index=start_index, start_sample=start_sample)
-    loader.generator.manual_seed(sampler.seed * 1_000_003 + epoch)
-
-
-class PositionLoader(DataLoader):
-    """A training DataLoader that counts the batches it hands out in
-    ``state.batch_in_epoch`` (a TrainState): a library loop's ``ctx.save()`` between two
-    batches records the epoch's position, whatever loop was written around the loader.
-    Counted when a batch is handed out: the loop body trains on it, then may save."""
-
-    state = None  # set by engine.api.Context.loader
-
-    def __iter__(self):
-        for batch in super().__iter__():
-            self.state.batch_in_epoch += 1
-            yield batch
+    """Before iterating an epoch of a training loader (TrainingLoader.start_epoch)."""
+    loader.start_epoch(epoch, start_index, start_sample=start_sample)
 
 
 def val_loader(dataset, *, batch: int, world, num_workers: int, pin_memory: bool,
@@ -257,9 +302,8 @@ def val_loader(dataset, *, batch: int, world, num_workers: int, pin_memory: bool
 
 
 def first_val_samples(loader) -> list:
-    """One batch of samples of a validation loader, read from its dataset rather than
-    through the loader (its iterator, workers and generator stay untouched): this rank's
-    shard's first, or the set's first when the shard has none."""
+    """One batch of samples of a validation loader, read from its dataset (the loader's
+    iterator, workers and generator untouched): its shard's first, else the set's."""
     size = loader.batch_size
     if isinstance(loader.dataset, torch.utils.data.IterableDataset):  # ValidationStream
         return (list(itertools.islice(iter(loader.dataset), size))
@@ -271,9 +315,9 @@ def first_val_samples(loader) -> list:
 
 def samples_consumed(batches: int, micro_batch: int, world_size: int, dataset_size: int
                      ) -> int:
-    """The global position in the epoch after ``batches`` micro-batches per rank: the
-    samples all ranks consumed together (capped at the epoch's end: the last batches
-    may be short, or padded)."""
+    """The global position after ``batches`` micro-batches per rank: the samples all
+    ranks consumed together, capped at the epoch's end (the last batches may be short or
+    padded)."""
     return min(batches * micro_batch * world_size, dataset_size)
 
 
@@ -297,11 +341,10 @@ def batches_per_epoch(num_samples: int, micro_batch: int, drop_last: bool) -> in
 
 
 def to_device(batch, device, non_blocking: bool = False):
-    """A batch on ``device``: a tensor, or tuples, lists and dicts of them (nested as
-    deep as they come; named tuples keep their type), or any object with a tensor's
-    ``to(device, non_blocking=...)`` (a recipe's own batch type: the OCT recipe's encoded
-    batch decodes on the device there). Anything else passes unchanged.
-    ``non_blocking`` overlaps the copy from pinned memory with compute (CUDA)."""
+    """A batch on ``device``: tensors, nested in tuples (named ones keep their type),
+    lists and dicts, or any object with a tensor's ``to(device, non_blocking=...)`` (a
+    recipe's own batch type); anything else unchanged. ``non_blocking``: from pinned
+    memory, overlapped with compute (CUDA)."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, dict):

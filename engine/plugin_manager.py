@@ -27,7 +27,6 @@ import inspect
 import os
 import re
 import sys
-from importlib import metadata
 from typing import Iterable, Mapping
 
 import attrs
@@ -39,6 +38,8 @@ from engine.blame import attribute  # noqa: F401 (where engine.cli imports it fr
 from engine.errors import ConfigError, EngineError, PluginError, first_line, warn
 from engine.registrations import Registrations
 
+# importlib.metadata is imported only inside the functions that read the installed
+# distributions: importing this module (every run's start) reads none of them.
 ENTRY_POINT_GROUP = "engine.plugins"
 #: Set to 1 to skip entry-point plugins (built-ins and ``-p`` extras still load).
 DISABLE_AUTOLOAD_ENV = "ENGINE_DISABLE_PLUGIN_AUTOLOAD"
@@ -165,12 +166,17 @@ class EnginePluginManager(Registrations, pluggy.PluginManager):
         self._init_registrations()
         self.autoload = True
         self.disabled: list[str] = []  # the NAMEs of -p no:NAME
-        self.entry_points: list[EntryPoint] = []  # installed, loaded or not
         #: False (a run): a broken plugin is a PluginError. True (--help, doctor,
         #: plugins): it is left out and listed in ``broken``, so that these commands
         #: still work and can say which plugin is broken.
         self.keep_going = keep_going
         self.broken: list[BrokenPlugin] = []
+
+    @functools.cached_property
+    def entry_points(self) -> list[EntryPoint]:
+        """The installed ones, loaded or not: read when first needed (autoload, a -p or
+        -p no: name, ``engine-run plugins``), not by a manager that needs none."""
+        return installed_entry_points()
 
     def parse_hookimpl_opts(self, plugin, name):
         # Like pytest: a function named engine_* counts as a hook implementation even
@@ -249,13 +255,9 @@ class EnginePluginManager(Registrations, pluggy.PluginManager):
 
     def _check_hooks(self, plugin: object, name: str) -> None:
         """Every hook implementation must name a hook spec, and may take fewer arguments
-        than its hook, never others.
-
-        pluggy checks arguments too, but its message spans several lines; and it
-        accepts an unknown hook silently when the name lacks the ``engine_`` prefix
-        (``@engine.hookimpl def egnine_run_end``), which would then never be called.
-        A plugin that asks for the run object by its name before 0.3, ``engine``, is
-        warned once (it still gets it: :class:`RunHookCaller`)."""
+        than its hook, never others: pluggy's message spans lines, and it accepts a
+        misspelt ``@engine.hookimpl def egnine_run_end`` (never called) silently. Asking
+        for the run object as ``engine`` (before 0.3) is warned once (RunHookCaller)."""
         old_name = []  # the hooks that ask for the run object by its name before 0.3
         for attr in dir(plugin):
             opts = self.parse_hookimpl_opts(plugin, attr)
@@ -345,6 +347,8 @@ def import_plugin(name: str, target: str) -> object:
 
 
 def installed_entry_points() -> list[EntryPoint]:
+    from importlib import metadata
+
     found = []
     # importlib.metadata lists a distribution once even when it is on sys.path twice.
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
@@ -365,16 +369,14 @@ def build_plugin_manager(extra: Iterable = (), *, autoload: bool | None = None,
                          keep_going: bool = False,
                          scratch_parser=None) -> EnginePluginManager:
     """``extra`` holds the ``-p`` arguments: ``no:NAME`` blocks a plugin, anything else
-    names an entry point or a module to import and register. ``autoload`` defaults to
-    true unless ENGINE_DISABLE_PLUGIN_AUTOLOAD is set to something other than 0.
-    ``objects`` maps names to plugin objects already in hand, registered last; a plugin
-    object among ``extra`` (``engine.fit(plugins=[Timer()])``) is one too.
-    ``keep_going``: a broken plugin is left out and listed in ``pm.broken`` instead of
-    raising its PluginError (for ``--help``, ``doctor``, ``plugins``); a mistake on the
-    command line (``-p no:`` of an unknown or essential name) still raises.
-    ``scratch_parser``: with ``keep_going``, a fresh ``engine-run`` parser
-    (``engine.cli.build_parser()``, passed in: this module does not import the CLI) to try
-    the plugins' options on."""
+    names an entry point or a module to import and register, and a plugin object
+    (``engine.fit(plugins=[Timer()])``) joins ``objects`` (names -> plugin objects,
+    registered last). ``autoload``: unless ENGINE_DISABLE_PLUGIN_AUTOLOAD is set (not 0).
+    ``keep_going``: a broken plugin is left out and listed in ``pm.broken`` (for
+    ``--help``, ``doctor``, ``plugins``); a mistake on the command line (``-p no:`` of an
+    unknown or essential name) still raises. ``scratch_parser``: with ``keep_going``, a
+    fresh ``engine.cli.build_parser()`` (this module does not import the CLI) to try the
+    plugins' options on."""
     pm = EnginePluginManager(keep_going)
     objects = {**(objects or {}), **{object_name(p): p for p in extra if not isinstance(p, str)}}
     extra = [spec for spec in extra if isinstance(spec, str)]
@@ -395,12 +397,11 @@ def build_plugin_manager(extra: Iterable = (), *, autoload: bool | None = None,
     if autoload is None:
         autoload = os.environ.get(DISABLE_AUTOLOAD_ENV, "") in ("", "0")
     pm.autoload = autoload
-    pm.entry_points = installed_entry_points()
     if autoload:
         for ep in pm.entry_points:
             pm.load_entry_point(ep)
 
-    by_name = {ep.name: ep for ep in pm.entry_points}
+    by_name = {ep.name: ep for ep in pm.entry_points} if add else {}
     for spec in add:
         if spec in pm.infos:
             continue  # already loaded: a built-in, or an entry point autoload found
@@ -415,7 +416,8 @@ def build_plugin_manager(extra: Iterable = (), *, autoload: bool | None = None,
         pm.register_object(plugin, name)
 
     known = {name for name, _ in BUILTIN_PLUGINS} | set(add) | set(objects)
-    known |= {n for ep in pm.entry_points for n in (ep.name, ep.distribution)}
+    if disable:  # what a -p no:NAME may name: the installed entry points' names too
+        known |= {n for ep in pm.entry_points for n in (ep.name, ep.distribution)}
     for name in disable:
         if name not in known and normalize(name) not in map(normalize, known):
             close = difflib.get_close_matches(name, sorted(known), n=1)
@@ -449,20 +451,23 @@ def working_directory_importable() -> None:
 
 def packages_distributions() -> dict[str, list[str]]:
     """importlib.metadata's top-level module -> distributions map, read once per
-    process and ``sys.path``: it reads every installed distribution's file list (1-3 s
-    of a worker's start with a ``-p`` module; a warm spare, engine/spares.py, reads it
-    before it forks). A folder added to sys.path (a test's site) is read afresh."""
+    process and ``sys.path`` (it reads every installed distribution's file list; a warm
+    spare, engine/spares.py, reads it before it forks)."""
     return _packages_distributions(tuple(sys.path))
 
 
 @functools.lru_cache(maxsize=4)
 def _packages_distributions(path: tuple[str, ...]) -> dict[str, list[str]]:
+    from importlib import metadata
+
     return metadata.packages_distributions()
 
 
 def module_version(module_name: str) -> tuple[str, str]:
     """(version, distribution) of a ``-p`` module: its distribution's, else its
     ``__version__``, else "-"."""
+    from importlib import metadata
+
     top = module_name.split(":")[0].split(".")[0]
     for dist in packages_distributions().get(top, []):
         try:

@@ -540,11 +540,9 @@ def _holds_tensors(tree) -> bool:
 
 
 class LoaderPosition:
-    """Where the epoch stands: the micro-batches each rank consumed (``state``'s
-    ``batch_in_epoch``) and, whatever the number of processes, the samples all ranks
-    consumed together in the epoch's (seed, epoch) order (engine/data.py). A snapshot
-    of another number of processes resumes at that global position: the rest of the
-    order is split over the new ranks, so every sample is still seen once."""
+    """Where the epoch stands: ``state``'s ``batch_in_epoch``, and the first training
+    loader's position (engine.data.TrainingLoader: any number of processes resumes a
+    map-style dataset's global position)."""
 
     def __init__(self, state, loader: Callable[[], Any], world_size: int, warn=print):
         self.warn = warn  # a stream's resume notice
@@ -553,50 +551,26 @@ class LoaderPosition:
         self.world_size = world_size
 
     def state_dict(self) -> dict:
-        from engine import data
-
         loader = self.loader()
-        if getattr(loader, "stream", False):  # a stream's position: its loader's state
+        if loader is None:  # a library loop that made no training loader
             return {"batch_in_epoch": self.state.batch_in_epoch, "samples_in_epoch": None,
-                    "world_size": self.world_size,
-                    "stream": loader.position_state(self.state.batch_in_epoch)}
-        return {
-            "batch_in_epoch": self.state.batch_in_epoch,
-            "samples_in_epoch": None if loader is None else data.samples_consumed(
-                self.state.batch_in_epoch, loader.batch_size, self.world_size,
-                len(loader.dataset)),
-            "world_size": self.world_size,
-        }
+                    "world_size": self.world_size}
+        return loader.position_state(self.state.batch_in_epoch, self.world_size)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        from engine import data
-
-        batches = int(state_dict.get("batch_in_epoch") or 0)
-        position = state_dict.get("samples_in_epoch")
-        saved_world = state_dict.get("world_size", self.world_size)
         loader = self.loader()
-        if getattr(loader, "stream", False):  # exact, or refused (engine/streaming.py)
-            if batches and "stream" not in state_dict:
-                raise CheckpointError("the snapshot stopped mid-epoch in a map-style "
-                                      "dataset; this run's training set is a stream")
-            if batches:
-                loader.restore(state_dict["stream"], saved_world, batches, self.warn)
-            self.state.batch_in_epoch = batches
+        if loader is not None:  # where its epoch resumes: engine.data.TrainingLoader
+            self.state.batch_in_epoch = loader.restore(state_dict, self.world_size, self.warn)
             return
-        # At an epoch boundary, with as many processes, or from a snapshot that did not
-        # record the position (right when the global batch is the same): the count.
-        if not batches or position is None or saved_world == self.world_size:
-            self.state.batch_in_epoch = batches
-            return
-        if loader is None:
+        batches = int(state_dict.get("batch_in_epoch") or 0)
+        saved_world = state_dict.get("world_size", self.world_size)
+        if batches and state_dict.get("samples_in_epoch") is not None \
+                and saved_world != self.world_size:
             raise ConfigError(
                 f"the snapshot stopped mid-epoch with {saved_world} processes; to resume it "
                 f"with {self.world_size}, create the training loader (ctx.loader) before "
                 "ctx.epochs() or ctx.resume()")
-        # The last batches of an epoch are short, and a library loop's batch size is
-        # its own: the batches that reach the position at this number of processes.
-        self.state.batch_in_epoch = data.batches_at(int(position), loader.batch_size,
-                                                    self.world_size, len(loader.dataset))
+        self.state.batch_in_epoch = batches
 
 
 class Metrics:

@@ -1,16 +1,5 @@
 """Iterable datasets (streams): their sharding, an epoch's common end, their resume.
-
-The rules are docs/data.md's "Streams". In short: item i of the stream goes to the
-consumer (rank, loader worker) ``i % (world_size * num_workers)`` unless the dataset
-``shards_itself``; the ranks' parts may differ in length, so every rank looks one batch
-ahead and tells the others (an asynchronous all-reduce waited for one micro-batch
-later), and a rank that ran out trains on a padding micro-batch (its last one, loss
-times 0) until every rank is done; a resume is exact through the dataset's
-``state_dict`` in torchdata's ``StatefulDataLoader``, else by replaying the epoch, and
-is refused where neither can be exact (another world size, another number of workers).
-:class:`ValidationStream` validates each rank's part from the stream's start, without
-lookahead or padding.
-"""
+The rules are docs/data.md's "Streams"."""
 
 from __future__ import annotations
 
@@ -69,12 +58,8 @@ class ShardedStream(IterableDataset):
 
 class ValidationStream(ShardedStream):
     """This rank's and worker's items of a validation stream, from the stream's start at
-    every iteration (each validation reads the whole stream again: a dataset with
-    ``state_dict`` is put back to the state it had when the loader was made).
-    Validation needs no lookahead: its forwards do not communicate, so a rank whose
-    part is shorter simply finishes first, and the metrics' one reduction at the end
-    sums every rank's real counts. Its loader is its own: the training stream's
-    position and state stay as they were."""
+    every iteration (a dataset with ``state_dict`` is put back to the state it had when
+    the loader was made); no lookahead, no padding (docs/data.md, "Validation")."""
 
     def __init__(self, dataset, rank: int, world_size: int):
         super().__init__(dataset, rank, world_size)
@@ -88,8 +73,7 @@ class ValidationStream(ShardedStream):
 
 
 def val_loader(dataset, *, world, **kwargs):
-    """engine.data.val_loader for any validation set: a stream's loader reads this
-    rank's part of it (ValidationStream)."""
+    """engine.data.val_loader for any validation set (a stream's: ValidationStream)."""
     if is_stream(dataset):
         dataset = ValidationStream(dataset, world.rank, world.world_size)
     return data.val_loader(dataset, world=world, **kwargs)
@@ -123,15 +107,12 @@ def _stateful_dataloader():
     return StatefulDataLoader
 
 
-class StreamLoader:
+class StreamLoader(data.TrainingLoader):
     """The training loader of a stream: a StatefulDataLoader over this rank's part, and
-    the lookahead that ends the epoch on every rank at the same micro-batch.
+    the lookahead that ends the epoch on every rank at the same micro-batch (``padding``,
+    ``last``). ``samples`` counts the real samples handed out this epoch."""
 
-    While iterating, ``padding`` says whether the batch just handed out is a padding
-    micro-batch (train it with weight 0) and ``last`` whether it is the epoch's last on
-    every rank. ``samples`` counts the real samples handed out this epoch."""
-
-    stream = True
+    sized = False
 
     def __init__(self, dataset, *, micro_batch: int, world, num_workers: int,
                  pin_memory: bool, drop_last: bool, timeout: float = 0.0,
@@ -162,7 +143,6 @@ class StreamLoader:
             prefetch_factor=prefetch_factor if num_workers else None,
             collate_fn=getattr(dataset, "collate_fn", None))
         self.restored = None  # a snapshot's state of this rank's loader, for start_epoch
-        self.padding = self.last = False
         self.samples = 0
         self.peer_wait = 0.0  # seconds this epoch waited for the other ranks' flags
         self.position = None  # the loader's state after the last real batch handed out
@@ -172,13 +152,12 @@ class StreamLoader:
         self.restored_padding = None  # that batch from a snapshot, for start_epoch
         self.resumed_padding = None  # and for this epoch's iteration
         self.group = None  # the process group of the end-of-data flags (CPU)
-        # A library loop's TrainState: each batch handed out counts in its batch_in_epoch
-        # (engine-run's loop counts them itself)
-        self.counts_in = None
 
     # ----------------------------------------------------------- the epoch
 
-    def start_epoch(self, epoch: int, resumed: bool) -> None:
+    def start_epoch(self, epoch: int, start_index: int = 0, *,
+                    start_sample: int | None = None) -> None:
+        resumed = bool(start_index or start_sample)  # at the restored position
         self.dataset.next_index = 0
         if callable(getattr(self.dataset.dataset, "set_epoch", None)):
             self.dataset.dataset.set_epoch(epoch)
@@ -270,20 +249,27 @@ class StreamLoader:
 
     # ------------------------------------------------------------ snapshots
 
-    def position_state(self, batch_in_epoch: int) -> dict:
-        """For the snapshot's loader part (a collective: every rank's loader state,
-        gathered, so that a rank-0 write holds them all)."""
+    def position_state(self, batch_in_epoch: int, world_size: int) -> dict:
+        """Every rank's loader state, gathered, so that a rank-0 write holds them all."""
         mine = (self.position, self.ended_with) if batch_in_epoch else (None, None)
         ranks = distributed.all_gather_object(mine)
-        return {"ranks": [position for position, _ in ranks],
-                "padding": [batch for _, batch in ranks],
-                "num_workers": self.num_workers, "stateful": self.stateful}
+        return {"batch_in_epoch": batch_in_epoch, "samples_in_epoch": None,
+                "world_size": world_size,
+                "stream": {"ranks": [position for position, _ in ranks],
+                           "padding": [batch for _, batch in ranks],
+                           "num_workers": self.num_workers, "stateful": self.stateful}}
 
-    def restore(self, stream: dict, saved_world: int, batch_in_epoch: int, warn) -> None:
-        """Check that the snapshot's stream state can resume here, exactly, or refuse in
-        one line (before training); keep this rank's state for start_epoch."""
+    def restore(self, state_dict: dict, world_size: int, warn) -> int:
+        """Exact, or refused in one line (before training); this rank's state is kept
+        for start_epoch."""
+        batch_in_epoch = int(state_dict.get("batch_in_epoch") or 0)
+        saved_world = state_dict.get("world_size", world_size)
         if not batch_in_epoch:
-            return
+            return 0
+        if "stream" not in state_dict:
+            raise CheckpointError("the snapshot stopped mid-epoch in a map-style "
+                                  "dataset; this run's training set is a stream")
+        stream = state_dict["stream"]
         if saved_world != self.world.world_size:
             raise CheckpointError(
                 f"the snapshot stopped mid-epoch in a stream (an IterableDataset) with "
@@ -311,6 +297,7 @@ class StreamLoader:
                  f"skips the {batch_in_epoch * self.batch_size} samples per process the "
                  f"epoch already consumed by reading them again (their loading time; "
                  f"exact only if the stream yields the same items in the same order again)")
+        return batch_in_epoch
 
 
 #: How torch re-raises a loader worker's exception: its type, this line, the traceback.

@@ -655,7 +655,7 @@ class Trainer:
         # A stream (engine/streaming.py) does not know its length: its loader says at
         # each micro-batch whether it is padding and whether it is the epoch's last.
         loader = parts.train_loader
-        stream = loader if getattr(loader, "stream", False) else None
+        stream = None if loader.sized else loader
         end_batch = None if stream is not None else first_batch + len(parts.train_loader)
         self.epoch_end_batch = end_batch  # None: the stream's loader knows (.last)
         window = self.window = LogWindow(self.device, parts.micro_batch * accum

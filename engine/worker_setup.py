@@ -320,7 +320,7 @@ def schedule_length(train_loader, cfg) -> tuple[int | None, int | None]:
     of grad_accum_steps micro-batches each, the last maybe shorter), and of the run: the
     epochs', or max_steps where it ends the run sooner. A stream's length is not known:
     neither is an epoch's (None), and the run's is max_steps' (None without)."""
-    if getattr(train_loader, "stream", False):
+    if not train_loader.sized:
         return None, cfg.max_steps or None
     steps_per_epoch = -(-len(train_loader) // cfg.grad_accum_steps)
     total = steps_per_epoch * cfg.epochs

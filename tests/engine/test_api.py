@@ -183,6 +183,31 @@ def test_epochs_resume_from_the_last_snapshot_bit_identically(tmp_path):
     assert (tmp_path / "b" / "run" / "config.json").read_text() == recorded
 
 
+def own_loader_train(ctx, epochs):
+    """A loop over a torch DataLoader of its own (not ctx.loader's), saving mid-epoch."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    model, optimizer = ctx.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    inputs = torch.randn(96, 8, generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(inputs, inputs[:, :4].argmax(dim=1)), batch_size=32)
+    for epoch in ctx.epochs(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            if ctx.state.step == 4:  # a snapshot between two batches of a loader the
+                ctx.save()  # engine never saw
+    return {"step": ctx.state.step, "weights": model_digest(ctx.module.state_dict())}
+
+
+def test_a_plain_torch_dataloader_of_your_own_trains_saves_and_resumes(tmp_path):
+    straight = engine.launch(own_loader_train, 2, nproc=1, config=config(tmp_path / "a"))
+    engine.launch(own_loader_train, 1, nproc=1, config=config(tmp_path / "b"))
+    resumed = engine.launch(own_loader_train, 2, nproc=1, config=config(tmp_path / "b"))
+    assert resumed == straight and straight["step"] == 6
+
+
 def test_a_finished_run_says_it_is_complete_and_what_to_do(tmp_path, capsys):
     engine.launch(train, 2, nproc=1, config=config(tmp_path))
     capsys.readouterr()

@@ -170,18 +170,18 @@ def test_a_position_converts_to_batches_of_another_world_size_or_says_why_not():
         data.batches_at(24, micro_batch=5, world_size=2, dataset_size=36)
 
 
-def test_position_loader_counts_the_batches_it_hands_out():
+def test_a_training_loader_counts_the_batches_it_hands_out():
     from engine.stateful import TrainState
 
     world = World(rank=0, local_rank=0, world_size=1, local_world_size=1)
     loader = data.train_loader(TensorDataset(torch.arange(10)), micro_batch=4, world=world,
                                seed=0, num_workers=0, pin_memory=False, drop_last=False)
-    loader.__class__, loader.state = data.PositionLoader, TrainState()
+    loader.counts_in = state = TrainState()
     data.start_epoch(loader, 0)
     whole = [b[0].tolist() for b in loader]
-    assert loader.state.batch_in_epoch == 3
-    loader.state.batch_in_epoch = 0
+    assert state.batch_in_epoch == 3
+    state.batch_in_epoch = 0
     next(iter(loader))
-    assert loader.state.batch_in_epoch == 1  # handed out: the loop body may save now
+    assert state.batch_in_epoch == 1  # handed out: the loop body may save now
     data.start_epoch(loader, 0, start_sample=4)
     assert [b[0].tolist() for b in loader] == whole[1:]

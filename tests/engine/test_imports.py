@@ -231,6 +231,43 @@ def test_engine_run_starts_without_torch_or_the_modules_only_a_run_needs():
     assert out.stdout.strip() == "[]"
 
 
+#: What a run's imports (``import torch, engine.cli, engine.trainer, engine.plugin_manager``:
+#: ``python tools/bench_startup.py imports`` measures their cost) leave for later: the
+#: plugins (build_plugin_manager imports them), the recipe, the commands, the optional
+#: packages.
+NOT_IMPORTED_AT_START = ("engine.plugins", "engine.recipe", "engine.commands",
+                         "packaging.requirements", "torchdata", "datasets")
+
+
+def test_a_runs_imports_read_no_installed_distribution_and_leave_the_rest_for_later():
+    # importlib.metadata's readers recorded from the end of torch's import (which scans
+    # entry points of its own); in new processes, as above.
+    code = textwrap.dedent(f"""
+        import importlib.metadata as metadata, json, sys
+        import torch
+        calls = []
+        for name in ("entry_points", "distributions", "distribution",
+                     "packages_distributions"):
+            def record(*args, _name=name, _real=getattr(metadata, name), **kwargs):
+                calls.append(_name)
+                return _real(*args, **kwargs)
+            setattr(metadata, name, record)
+        import engine.cli, engine.trainer, engine.plugin_manager
+        print(json.dumps([calls, [m for m in {NOT_IMPORTED_AT_START!r} if m in sys.modules]]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env=engine_env(), text=True,
+                         capture_output=True, timeout=120, cwd=ENGINE.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[[], []]"
+    # Without torch (engine-run's launcher), the plugin manager's module does not even
+    # import importlib.metadata: its functions do, when they read the distributions.
+    code = ("import sys, engine.cli, engine.plugin_manager; "
+            "print('importlib.metadata' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], env=engine_env(), text=True,
+                         capture_output=True, timeout=120, cwd=ENGINE.parent)
+    assert (out.returncode, out.stdout.strip()) == (0, "False"), out.stderr
+
+
 def test_every_import_inside_a_function_says_why(tmp_path):
     # The rule itself, on modules made to pass and to fail it.
     (tmp_path / "bare.py").write_text("import os\n\ndef f():\n    import json\n"

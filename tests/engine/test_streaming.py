@@ -350,7 +350,7 @@ def test_a_hugging_face_stream_that_does_not_say_it_shards_itself_is_refused_wit
     stream.shards_itself = True  # what examples/hf_causal_lm.py says
     loader = streaming.StreamLoader(stream, micro_batch=2, world=world, num_workers=2,
                                     pin_memory=False, drop_last=False)
-    loader.start_epoch(0, resumed=False)
+    loader.start_epoch(0)
     assert sorted(x for batch in loader.loader for x in batch["x"].tolist()) == list(range(8))
 
 
@@ -420,7 +420,7 @@ def test_a_loader_workers_exception_is_raised_as_the_stream_raised_it(exc, said)
     loader = streaming.StreamLoader(Raising(exc), micro_batch=1, num_workers=1,
                                     world=SimpleNamespace(rank=0, world_size=1),
                                     pin_memory=False, drop_last=False)
-    loader.start_epoch(0, resumed=False)
+    loader.start_epoch(0)
     with pytest.raises(Exception) as caught:
         list(loader)
     assert one_line(caught.value) == said

@@ -86,11 +86,13 @@ def test_both_doors_train_the_recipe_to_bit_identical_weights(doors):
 
 def test_the_schedule_length_counts_optimizer_steps():
     cfg = tiny.Config(epochs=3, grad_accum_steps=2)
-    batches = list(range(5))  # 5 micro-batches an epoch: 3 optimizer steps
+    from engine.data import MapLoader
+
+    batches = MapLoader(range(5))  # 5 micro-batches an epoch: 3 optimizer steps
     assert schedule_length(batches, cfg) == (3, 9)
     cfg.max_steps = 4
     assert schedule_length(batches, cfg) == (3, 4)
-    stream = types.SimpleNamespace(stream=True)  # a stream's epochs have no known length
+    stream = types.SimpleNamespace(sized=False)  # a stream's epochs have no known length
     assert schedule_length(stream, cfg) == (None, 4)
 
 
