@@ -236,7 +236,8 @@ def test_engine_run_starts_without_torch_or_the_modules_only_a_run_needs():
 #: plugins (build_plugin_manager imports them), the recipe, the commands, the optional
 #: packages.
 NOT_IMPORTED_AT_START = ("engine.plugins", "engine.recipe", "engine.commands",
-                         "packaging.requirements", "torchdata", "datasets")
+                         "packaging.requirements", "torchdata", "datasets", "engine.memory",
+                         "engine.shm", "engine.shm_codec", "secrets")
 
 
 def test_a_runs_imports_read_no_installed_distribution_and_leave_the_rest_for_later():

@@ -15,7 +15,9 @@ ENGINE = pathlib.Path(__file__).resolve().parents[2] / "engine"
 #: The names of the engine's protocols: engine.data.TrainingLoader's (the training
 #: loaders, map-style and streamed), and "stream", the flag it replaced.
 PROTOCOL_NAMES = ("sized", "padding", "last", "counts_in", "start_epoch",
-                  "position_state", "restore", "stream")
+                  "position_state", "restore", "stream",
+                  # a state part's own state (engine.stateful.LocalStateful)
+                  "local_state_dict", "memory_state_dict")
 
 
 def protocol_probes(source: str, filename: str = "<source>") -> list[str]:
