@@ -18,6 +18,8 @@ import pathlib
 import time
 import warnings
 
+import torch
+
 import engine
 from engine import config as config_mod
 from engine import distributed, phases
@@ -60,6 +62,7 @@ def capture(ctx, config: dict | None = None, parts: dict | None = None) -> dict:
         # engine.load_model rebuilds the model from.
         "recipe": ctx.recipe_path,
         "world_size": ctx.world.world_size,
+        "threads": torch.get_num_threads(),  # a CPU's sums depend on them (restore)
         # Where training stands, for tools that read a snapshot without the engine
         # (tools/ckpt.py inspect); a resume reads the parts, never these.
         "epoch": state.epoch,
@@ -379,6 +382,13 @@ def restore(ctx, snap: dict, source: str) -> None:
     length = _length_change(ctx, snap.get("config"), source)
     start = schedule_start(ctx.scheduler, ctx.optimizer) if length else None
     ctx.snapshot_parts.load_state_dict(snap, source=source, warn=ctx.warn)
+    saved = snap.get("threads")
+    if ctx.options.get("threads_chosen") and saved and saved != torch.get_num_threads():
+        # The default follows the machine's load, which moved since: the interrupted run's
+        # threads, so that a CPU's sums (and the weights) are an uninterrupted run's.
+        ctx.print(f"threads: {saved} per process, as the interrupted run had (the default "
+                  f"is {torch.get_num_threads()} now; --threads N sets it)")
+        torch.set_num_threads(saved)
     if lr_change is not None:
         _apply_lr(ctx, *lr_change, source)
     if length:

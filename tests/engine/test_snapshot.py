@@ -269,6 +269,22 @@ def test_killed_run_resumes_to_identical_weights(reference, tmp_path, nproc, wor
         f"resume after a kill ({fault}) changed the final weights")
 
 
+def test_a_resume_keeps_the_default_threads_of_the_run_it_resumes(reference, tmp_path):
+    """The default threads follow the machine's load (ENGINE_LOAD_AVERAGE stands for it):
+    killed at 2 threads, resumed where the load would give 1, the run goes on at 2 and
+    ends on the uninterrupted run's weights."""
+    out = tmp_path / "run"
+    fault = {"ENGINE_FAULT_ACTION": "kill", "ENGINE_FAULT_EPOCH": "1",
+             "ENGINE_FAULT_ONCE": str(tmp_path / "fault-done")}
+    args = (RECIPE, *BASE, f"out_dir={out}", "--nproc", "1",
+            "checkpoint.memory_every_steps=0", "-p", "tests.fault_plugin")
+    assert run_cli(*args, env=engine_env(**fault)).returncode != 0
+    resumed = run_cli(*args, env=engine_env(**fault, ENGINE_LOAD_AVERAGE="1.5"), check=True)
+    assert ("threads: 2 per process, as the interrupted run had (the default is 1 now; "
+            "--threads N sets it)") in resumed.stdout, resumed.stdout
+    assert read_summary(out)["weights_sha256"] == reference[1]
+
+
 def test_resume_message_says_from_where(tmp_path):
     out = tmp_path / "run"
     args = (RECIPE, *BASE, "epochs=1", f"out_dir={out}", "--nproc", "1")
