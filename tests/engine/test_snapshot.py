@@ -20,6 +20,14 @@ TORCHRUN = shutil.which("torchrun", path=str(REPO / ".venv" / "bin")) or shutil.
     "torchrun")  # ships with torch
 
 
+def run_object(**names):
+    """The run object's names a snapshot layer reads, and where its tier records."""
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(**names, memory_record=None)
+    ctx.record_memory = lambda record: setattr(ctx, "memory_record", record)
+    return ctx
+
 def mid_epoch_step() -> int:
     rng = random.Random()
     candidates = [s for s in range(5, STEPS_PER_EPOCH * EPOCHS)
@@ -64,7 +72,7 @@ def test_the_snapshot_layer_asks_for_a_snapshot_exactly_at_the_due_steps(
 
     cfg = TrainConfig(epochs=1)
     cfg.checkpoint.every_steps = every_steps
-    ctx = SimpleNamespace(cfg=cfg, is_rank0=True)
+    ctx = run_object(cfg=cfg, is_rank0=True)
     memory = (MemoryTier(ctx, MemorySnapshots(
         tmp_path, World(rank=0, local_rank=0, world_size=1, local_world_size=1),
         memory_every, run_id="0" * 32, shm=tmp_path)) if memory_every else None)
@@ -101,8 +109,8 @@ def auto_layers(tmp_path, ranks: int = 2):
     assert cfg.checkpoint.memory_every_steps == "auto"  # the default
     layers, asked = [], [[] for _ in range(ranks)]
     for rank in range(ranks):
-        ctx = SimpleNamespace(cfg=cfg, is_rank0=rank == 0, options={},
-                              state=SimpleNamespace(step=0))
+        ctx = run_object(cfg=cfg, is_rank0=rank == 0, options={},
+                         state=SimpleNamespace(step=0))
         memory = MemoryTier(ctx, MemorySnapshots(
             tmp_path, World(rank=rank, local_rank=rank, world_size=ranks,
                             local_world_size=ranks), 1, run_id="0" * 32, shm=tmp_path))
