@@ -318,7 +318,7 @@ class Snapshots:
     here; it returns True when they stop the run at this step (a pre-emption: the loop
     writes the durable snapshot as the epoch stops)."""
 
-    def __init__(self, ctx, memory, finish_check):
+    def __init__(self, ctx, memory, finish_check, check_point=None):
         self.ctx = ctx
         self.policy = SnapshotPolicy(ctx.cfg, ctx.is_rank0)
         self.finish_check = finish_check
@@ -345,6 +345,9 @@ class Snapshots:
         self.probe = "first" if self.auto else None
         self.probe_with_s = None  # the window with a snapshot at every step, per step
         self._record_memory()
+        if check_point is not None:  # the loop's (engine/check_point.py): this layer's slot
+            check_point.add("snapshots", self.check_flags, self.agree_on,
+                            started=self.window_started)
 
     # --------------------------------------------------------------- per step
 

@@ -15,9 +15,10 @@ import engine
 from engine.testing import fit
 from engine.errors import ConfigError, EngineError
 from engine.recipe import recipe_from_object
-from engine.trainer import (EarlyStopping, LogWindow, MetricSums, NonFiniteLoss,
-                            NonFinitePolicy, Throughput, TrainExtras,
-                            window_mean)
+from engine.check_point import LogWindow, window_mean
+from engine.metrics import EarlyStopping, Throughput
+from engine.step import NonFiniteLoss, NonFinitePolicy, TrainExtras
+from engine.validation import MetricSums
 from tests.conftest import REPO, read_summary, run_cli
 
 REGRESSION = str(REPO / "tests" / "recipes" / "tiny_regression.py")

@@ -1,0 +1,222 @@
+"""The loop's check points: every ``log_every`` steps, on every rank, one small
+all-reduce (a sum over the ranks) of the log window's loss and the values of whatever
+registered a named slot (:meth:`CheckPoint.add`: pre-emption, the snapshot layer, a
+recipe's train_step extras), each laid out and handed its sums back by its name: the
+loop knows no contributor's layout. The sums are read one check point later, when they
+have long arrived (waiting would cost a DDP step's worth of latency every window), or
+earlier where a snapshot or the epoch's end must see the window logged.
+
+:class:`LogWindow` holds the losses and timing between two check points.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import attrs
+import torch
+
+from engine import distributed
+
+
+@attrs.define(slots=True)
+class Slot:
+    """A contributor's: ``values(window_s, window_steps)``, its values at a check point
+    (a list of floats, or a 1-d tensor on the device), as many at every check point;
+    ``agreed(sums)``, their sums once they arrive, returning the metrics to log beside
+    the loss or None; ``started()``, told as an epoch's first window starts."""
+
+    values: Callable
+    agreed: Callable
+    started: Callable | None = None
+
+
+@attrs.define(slots=True)
+class PendingCheck:
+    """A check point whose all-reduce is in flight, and what to log once it arrives."""
+
+    reduction: distributed.Reduction
+    layout: list  # (slot name, offset, length) in the reduced values
+    epoch: int
+    first_step: int
+    step: int
+    per_sec: float  # the throughput, in the recipe's unit
+    lr: float
+
+
+class CheckPoint:
+    """``log(step, metrics)``: rank 0's engine_log, or None; ``nonfinite``: the step's
+    policy, which checks each window's loss; ``per_sec_metric``: the throughput's name."""
+
+    def __init__(self, ctx, nonfinite, per_sec_metric: str, log: Callable | None):
+        self.ctx = ctx
+        self.nonfinite = nonfinite
+        self.per_sec_metric = per_sec_metric
+        self.log = log
+        self.slots: dict[str, Slot] = {}  # in the order of the all-reduce's layout
+        self.pending: PendingCheck | None = None
+
+    def add(self, name: str, values: Callable, agreed: Callable,
+            started: Callable | None = None) -> None:
+        """Register slot ``name`` (see :class:`Slot`). Every rank registers the same
+        slots in the same order, before the check point that first carries them."""
+        self.slots[name] = Slot(values, agreed, started)
+
+    def window_started(self) -> None:
+        """An epoch's first log window starts."""
+        for slot in self.slots.values():
+            if slot.started is not None:
+                slot.started()
+
+    def start(self, window: LogWindow, counted: bool, lr: float) -> None:
+        """Start this check point's all-reduce, then finish the previous one.
+        ``counted``: the throughput is in the recipe's units (LogWindow.per_sec)."""
+        ctx = self.ctx
+        now = time.perf_counter()
+        # The loss, then the values given as floats (the micro-batch counts first: they
+        # are summed too, as a stream's ranks differ), then those given as tensors.
+        host, tensors, layout = [float(window.batches)], [], []
+        for name, slot in self.slots.items():
+            values = slot.values(now - window.start, window.steps)
+            if isinstance(values, torch.Tensor):
+                tensors.append((name, values.float()))
+            else:
+                layout.append((name, 1 + len(host), len(values)))
+                host += values
+        at = 1 + len(host)
+        for name, values in tensors:
+            layout.append((name, at, len(values)))
+            at += len(values)
+        loss = window.loss.float().reshape(1)
+        reduced = torch.cat([loss, loss.new_tensor(host), *(v for _, v in tensors)])
+        started = PendingCheck(distributed.start_all_reduce_sum(reduced), layout,
+                               ctx.state.epoch, first_step=ctx.state.step - window.steps + 1,
+                               step=ctx.state.step, per_sec=window.per_sec(now, counted),
+                               lr=lr)
+        window.restart(now)
+        previous, self.pending = self.pending, started
+        self.finish(previous)
+
+    def finish_pending(self) -> None:
+        """Finish the check point in flight, if any (before a collective that must see
+        its window logged: the epoch's end, a snapshot)."""
+        check, self.pending = self.pending, None
+        self.finish(check)
+
+    def finish(self, check: PendingCheck | None) -> None:
+        """The window's mean loss over all ranks, checked and logged with the slots'
+        metrics; each slot handed its sums, whoever finished the check (a check point, a
+        snapshot, the epoch's end). Every rank finishes the same checks at the same
+        steps, so every rank's slots agree."""
+        if check is None:
+            return
+        sums = check.reduction.values()
+        # The mean over all ranks' micro-batches (with accumulation, a step has several);
+        # NaN when on_nonfinite=skip skipped every step of the window.
+        loss = window_mean(sums[0], sums[1], self.ctx.world.world_size)
+        self.nonfinite.check_window(loss, first=check.first_step, last=check.step,
+                                    epoch=check.epoch + 1)  # counted from 1
+        metrics = {"train/loss": loss}
+        for name, at, length in check.layout:
+            metrics.update(self.slots[name].agreed(sums[at:at + length]) or {})
+        metrics.update({self.per_sec_metric: check.per_sec, "lr": check.lr})
+        self.ctx.metrics.update(metrics)  # summary.json's train_loss: the last window's
+        if self.log is not None:
+            self.log(ctx=self.ctx, step=check.step, metrics=metrics)
+
+
+def window_mean(loss_sum: float, batches: float, world_size: int) -> float:
+    """A log window's mean loss: ``loss_sum`` over ``batches``, both summed over the
+    ranks; NaN for no micro-batch. Where every rank trained as many (map-style data),
+    divided per rank, then by the ranks, as the logs always were: one division by the
+    product rounds differently (a last-digit change in metrics.csv with 3 processes)."""
+    if not batches:
+        return math.nan
+    if batches % world_size == 0:
+        return loss_sum / (batches // world_size) / world_size
+    return loss_sum / batches  # a stream's ranks differ: there is no per-rank count
+
+
+class LogWindow:
+    """The micro-batches and steps since the last check point. Losses add up on the
+    device in one tensor (one add per micro-batch); at each check point the window is
+    folded into the epoch's sum and starts again. Under ``on_nonfinite=skip`` a skipped
+    step's micro-batches leave the sums (:meth:`settle`): the logged losses are those
+    of the steps taken, not NaN."""
+
+    def __init__(self, device, samples_per_step: int, first_batch: int = 0,
+                 world_size: int = 1):
+        self.samples_per_step = samples_per_step
+        # A recipe's own throughput unit (Throughput): counted in this rank's batches,
+        # in the window and in the epoch; the world's is that times world_size.
+        self.world_size = world_size
+        self.units = self.epoch_units = 0
+        self.loss = torch.zeros((), device=device)
+        self.epoch_loss = torch.zeros((), device=device)
+        self.batches = self.steps = 0
+        self.first_batch = first_batch  # where this epoch (re)started, per rank
+        # on_nonfinite=skip: the window after the last step taken, and the epoch's
+        # micro-batches in skipped steps (the same on every rank: the ranks agree).
+        self.kept_loss = torch.zeros((), device=device)
+        self.kept_batches = self.skipped_batches = 0
+        # A stream's padding micro-batches this epoch (engine/streaming.py): trained with
+        # weight 0, in no loss sum, so in no count either.
+        self.padding_batches = 0
+        # A resumed epoch's loss before the snapshot, in this run's micro-batches: the
+        # epoch's metric covers the whole epoch. Rank 0 carries it (the sums are global).
+        self.resumed_loss = 0.0
+        self.resumed_batches = 0.0
+        self.start = time.perf_counter()
+
+    def add_resumed(self, saved: dict | None, micro_batch: int) -> None:
+        """A snapshot's ``epoch_loss`` (Trainer.epoch_loss_so_far), converted to this
+        run's micro-batch size when the number of processes changed: the mean weighs
+        every sample alike."""
+        if not saved:
+            return
+        scale = saved["micro_batch"] / micro_batch
+        self.resumed_loss = saved["sum"] * scale
+        self.resumed_batches = saved["batches"] * scale
+
+    def add_batch(self, loss) -> None:
+        self.loss += loss
+        self.batches += 1
+
+    def epoch_batches(self, batch_in_epoch: int) -> int:
+        """This rank's micro-batches in the epoch's loss sum so far, from where this run
+        started it: neither those of skipped steps nor a stream's padding."""
+        return (batch_in_epoch - self.first_batch - self.skipped_batches
+                - self.padding_batches)
+
+    def settle(self, taken: bool) -> None:
+        """``on_nonfinite=skip``, after each optimizer step: keep its micro-batches'
+        losses, or drop them when the step was skipped."""
+        if taken:
+            self.kept_loss.copy_(self.loss)
+            self.kept_batches = self.batches
+        else:
+            self.skipped_batches += self.batches - self.kept_batches
+            self.loss.copy_(self.kept_loss)
+            self.batches = self.kept_batches
+
+    def per_sec(self, now: float, counted: bool) -> float:
+        """The window's throughput: samples (``samples_per_step`` a step), or the
+        recipe's ``counted`` units."""
+        done = self.units * self.world_size if counted else self.samples_per_step * self.steps
+        return done / (now - self.start)
+
+    def restart(self, now: float) -> None:
+        self.epoch_units += self.units
+        self.units = 0
+        self.epoch_loss += self.loss
+        self.loss.zero_()
+        self.kept_loss.zero_()
+        self.steps = self.batches = self.kept_batches = 0
+        self.start = now
+
+    def total_loss(self):
+        """The epoch's loss sum on this rank so far, this window's included; the
+        resumed part (rank 0's) too."""
+        return (self.epoch_loss + self.loss).double() + self.resumed_loss

@@ -1,0 +1,172 @@
+"""Validation: the recipe's ``eval_step`` over this rank's shard of the validation set,
+its sums reduced over the ranks (:class:`MetricSums`), and the val/* names one batch
+tells before training (:meth:`Validation.names`, for the metrics a config names).
+Training goes on exactly as without it: the RNG states are forked around it and the
+model's mode is left as it was.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from engine import data, distributed, stateful
+from engine.errors import EngineError, PeerFailed
+
+
+class MetricSums:
+    """What ``eval_step`` returns, summed over the batches of a rank; then one
+    all-reduce over the ranks, and every sum divided by the ``count`` sum, or, when the
+    recipe defines ``eval_metrics(sums)``, whatever it derives from the reduced sums
+    (a perplexity, an F1 from counts: metrics that are no sum divided by a count).
+
+    Tensors add up on the device (no sync per batch); Python numbers on the host. The
+    names come from the first batch; rank 0, which holds the most validation samples,
+    tells the others, so a rank with no batch at all still joins the same reduction.
+    """
+
+    def __init__(self, device, derive=None):
+        self.device = device
+        self.derive = derive
+        self.names: list[str] | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.numbers: dict[str, float] = {}
+
+    def add(self, sums: dict) -> None:
+        if self.names is None:
+            if not isinstance(sums, dict) or ("count" not in sums and self.derive is None):
+                raise EngineError(
+                    "eval_step must return a dict of metric sums with a 'count' (the number "
+                    f"of samples they cover), e.g. {{'loss': ..., 'count': n}}; got {sums!r}")
+            self.names = list(sums)
+        for name in self.names:
+            value = sums[name]
+            if isinstance(value, torch.Tensor):
+                value = value.detach().double()
+                if name in self.tensors:
+                    self.tensors[name] += value
+                else:
+                    self.tensors[name] = value.clone()
+            else:
+                self.numbers[name] = self.numbers.get(name, 0.0) + float(value)
+
+    def reduce(self) -> dict:
+        """``{"val/NAME": sum over ranks / count}``, identical on every rank."""
+        names = distributed.broadcast_object(self.names)
+        if not names:
+            return {}
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        # A name may have come as a tensor from some batches and a number from others.
+        values = torch.stack([self.tensors.get(n, zero) + self.numbers.get(n, 0.0)
+                              for n in names])
+        totals = dict(zip(names, distributed.all_reduce_sum(values).tolist()))
+        if totals.get("count", 1) == 0:
+            return {}  # no validation sample on any rank
+        if self.derive is not None:
+            return {f"val/{name}": float(value) for name, value in self.derive(totals).items()}
+        count = totals.pop("count")
+        return {f"val/{name}": total / count for name, total in totals.items()}
+
+
+class Validation:
+    """A run's validation on ``parts`` (engine.worker_setup.RunParts) under ``autocast``
+    (the training step's, engine/step.py)."""
+
+    def __init__(self, ctx, parts, autocast):
+        self.ctx, self.parts, self.autocast = ctx, parts, autocast
+        self.device = parts.parallel.device
+        self.non_blocking = self.device.type == "cuda"
+        self.eval_step = ctx.recipe.optional("eval_step")
+        self.eval_metrics = ctx.recipe.optional("eval_metrics")
+
+    @torch.no_grad()
+    def run(self, epoch: int) -> dict:
+        """The recipe's ``eval_step`` over this rank's shard (a smoke run's first
+        ``limit_batches``); the sums reduced over the ranks in one all-reduce. The RNG
+        states are forked around it: an eval_step may draw (test-time augmentation), and
+        training must go on as without the validation, wherever it falls and however
+        often."""
+        if self.parts.val_loader is None:
+            return {}
+        saved = stateful.rng_state()
+        try:
+            return self._shard(epoch)
+        finally:
+            stateful.set_rng_state(saved)
+
+    def _shard(self, epoch: int) -> dict:
+        ctx, parts = self.ctx, self.parts
+        ctx.pm.hook.engine_validation_start(ctx=ctx, epoch=epoch)
+        # The unwrapped module: no DDP collectives in forward, so ranks whose shard is
+        # one batch shorter do not hang the others.
+        module = parts.module
+        was_training = module.training
+        module.eval()
+        sums = MetricSums(self.device, self.eval_metrics)
+        limit = ctx.cfg.limit_batches  # a smoke run's few
+        batches = (itertools.islice(parts.val_loader, limit) if limit else parts.val_loader)
+        with parts.parallel.validation(parts.model):
+            for batch in batches:
+                batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
+                with self.autocast():
+                    sums.add(self.eval_step(batch, ctx))
+        module.train(was_training)
+        metrics = sums.reduce()
+        ctx.pm.hook.engine_validation_end(ctx=ctx, epoch=epoch, metrics=metrics)
+        return metrics
+
+    @torch.no_grad()
+    def names(self) -> list[str] | None:
+        """The val/* names validation will log: rank 0's from one batch through
+        eval_step and eval_metrics, on every rank. [] without a validation set or with
+        an empty one; None when eval_metrics fails on one batch's sums (checked after
+        the first validation then). Training is left as it was (RNG states, the model's
+        mode; the batch read from the dataset, not the loader). Collective: every rank
+        runs one batch (fsdp's first forward needs them all), and one all_gather tells
+        rank 0's names and who failed (that rank raises its error, the others stop)."""
+        parts = self.parts
+        loader = parts.val_loader
+        if loader is None:
+            return []
+        module = parts.module
+        was_training = module.training
+        saved = stateful.rng_state()
+        names, failure = None, None
+        module.eval()
+        try:
+            with parts.parallel.validation(parts.model):
+                try:
+                    names = self._first_batch_names(loader)
+                except Exception as exc:
+                    failure = exc
+        finally:
+            module.train(was_training)
+            stateful.set_rng_state(saved)
+        answers = distributed.all_gather_object((failure is not None, names))
+        if failure is not None:
+            raise failure
+        failed = [rank for rank, (raised, _) in enumerate(answers) if raised]
+        if failed:
+            raise PeerFailed(f"rank(s) {', '.join(map(str, failed))} failed to validate one "
+                             "batch before training (their error is the one to read)")
+        return answers[0][1]
+
+    def _first_batch_names(self, loader) -> list[str] | None:
+        """:meth:`names` on one rank: eval_step on its shard's first batch (a rank whose
+        shard is empty takes the set's first samples: every rank runs one forward)."""
+        samples = data.first_val_samples(loader)
+        if not samples:
+            return []  # no validation sample: no val/* metric (MetricSums.reduce)
+        batch = loader.collate_fn(samples)
+        batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
+        with self.autocast():
+            sums = self.eval_step(batch, self.ctx)
+        MetricSums(self.device, self.eval_metrics).add(sums)  # what it returns is checked
+        if self.eval_metrics is None:
+            return [f"val/{name}" for name in sums if name != "count"]
+        try:
+            derived = self.eval_metrics({name: float(value) for name, value in sums.items()})
+            return [f"val/{name}" for name in derived]
+        except Exception:
+            return None
