@@ -7,7 +7,7 @@ The steps, in the order a run takes them; each door calls those it needs::
 
     start_worker          seed, deterministic kernels, threads, parallel mode (the
                           recipe's settings reach it: fsdp's shard_units), process
-                          group, run folder                       Engine, Context
+                          group, run folder        Engine, Context, tune-workers
     datasets              the recipe's prepare_data (local rank 0 first), build_datasets
                                                                   Engine
     training_loader       the training loader of one micro-batch per process, checked
@@ -107,11 +107,12 @@ def callers_state_kept():
             _threads_before = None
 
 
-def start_worker(pm, cfg, world, options: dict[str, Any], recipe=None):
+def start_worker(pm, cfg, world, options: dict[str, Any], recipe=None, alone: bool = False):
     """The first steps of every worker (a Trainer run or a library user's loop): seed
     every RNG, share the CPUs, choose the parallel mode and its devices, create the
-    process group, settle the run's folder. Returns the parallel mode, which reads the
-    settings ``recipe`` declares (fsdp: ``shard_units``; None in a custom loop)."""
+    process group, settle the run's folder (neither ``alone``: tune-workers' processes
+    neither communicate nor write). Returns the parallel mode, which reads the settings
+    ``recipe`` declares (fsdp: ``shard_units``; None in a custom loop)."""
     import torch  # lazily: see the module docstring
 
     seed_everything(cfg.seed)
@@ -122,6 +123,8 @@ def start_worker(pm, cfg, world, options: dict[str, Any], recipe=None):
         _threads_before = torch.get_num_threads()
     torch.set_num_threads(options.get("threads") or world.cpu_share().count)
     parallel = parallel_mode(pm, cfg, world, recipe)
+    if alone:
+        return parallel
     if world.distributed:
         distributed.init(world, parallel.backend or "gloo", cfg.timeout_s)
         health.prepare(cfg.timeout_s)
