@@ -1,12 +1,9 @@
 """The loop's check points: every ``log_every`` steps, on every rank, one small
-all-reduce (a sum over the ranks) of the log window's loss and the values of whatever
-registered a named slot (:meth:`CheckPoint.add`: pre-emption, the snapshot layer, a
-recipe's train_step extras), each laid out and handed its sums back by its name: the
-loop knows no contributor's layout. The sums are read one check point later, when they
-have long arrived (waiting would cost a DDP step's worth of latency every window), or
-earlier where a snapshot or the epoch's end must see the window logged.
-
-:class:`LogWindow` holds the losses and timing between two check points.
+all-reduce (a sum) of the log window's loss (:class:`LogWindow`) and of the named slots
+that contributors registered (pre-emption, the snapshot layer, train_step's extras), each
+handed its sums back by name: the loop knows no contributor's layout. The sums are read
+one check point later, long arrived (waiting would cost a DDP step's latency every
+window), or earlier where a snapshot or the epoch's end must see the window logged.
 """
 
 from __future__ import annotations
@@ -15,71 +12,47 @@ import math
 import time
 from typing import Callable
 
-import attrs
 import torch
 
 from engine import distributed
 
 
-@attrs.define(slots=True)
-class Slot:
-    """A contributor's: ``values(window_s, window_steps)``, its values at a check point
-    (a list of floats, or a 1-d tensor on the device), as many at every check point;
-    ``agreed(sums)``, their sums once they arrive, returning the metrics to log beside
-    the loss or None; ``started()``, told as an epoch's first window starts."""
-
-    values: Callable
-    agreed: Callable
-    started: Callable | None = None
-
-
-@attrs.define(slots=True)
-class PendingCheck:
-    """A check point whose all-reduce is in flight, and what to log once it arrives."""
-
-    reduction: distributed.Reduction
-    layout: list  # (slot name, offset, length) in the reduced values
-    epoch: int
-    first_step: int
-    step: int
-    per_sec: float  # the throughput, in the recipe's unit
-    lr: float
-
-
 class CheckPoint:
-    """``log(step, metrics)``: rank 0's engine_log, or None; ``nonfinite``: the step's
-    policy, which checks each window's loss; ``per_sec_metric``: the throughput's name."""
+    """``nonfinite``: the step's policy, which checks each window's loss; ``log``: rank
+    0's engine_log, or None."""
 
     def __init__(self, ctx, nonfinite, per_sec_metric: str, log: Callable | None):
-        self.ctx = ctx
-        self.nonfinite = nonfinite
-        self.per_sec_metric = per_sec_metric
-        self.log = log
-        self.slots: dict[str, Slot] = {}  # in the order of the all-reduce's layout
-        self.pending: PendingCheck | None = None
+        self.ctx, self.nonfinite, self.log = ctx, nonfinite, log
+        self.per_sec_metric = per_sec_metric  # the throughput's name
+        self.slots: dict[str, tuple] = {}  # name: (values, agreed, started)
+        # The check point in flight: its all-reduce, the slots' (name, offset, length)
+        # in it, and what to log once it arrives (epoch, first and last step, per_sec, lr).
+        self.pending: tuple | None = None
 
     def add(self, name: str, values: Callable, agreed: Callable,
             started: Callable | None = None) -> None:
-        """Register slot ``name`` (see :class:`Slot`). Every rank registers the same
-        slots in the same order, before the check point that first carries them."""
-        self.slots[name] = Slot(values, agreed, started)
+        """Register slot ``name``: ``values(window_s, window_steps)`` gives its values at
+        each check point (floats, or a 1-d tensor on the device; as many each time),
+        ``agreed(sums)`` gets their sums over the ranks and returns the metrics to log
+        beside the loss (or None), ``started()`` hears that an epoch's first window
+        starts. Every rank registers the same slots in the same order."""
+        self.slots[name] = (values, agreed, started)
 
     def window_started(self) -> None:
-        """An epoch's first log window starts."""
-        for slot in self.slots.values():
-            if slot.started is not None:
-                slot.started()
+        for _, _, started in self.slots.values():
+            if started is not None:
+                started()
 
     def start(self, window: LogWindow, counted: bool, lr: float) -> None:
         """Start this check point's all-reduce, then finish the previous one.
         ``counted``: the throughput is in the recipe's units (LogWindow.per_sec)."""
         ctx = self.ctx
         now = time.perf_counter()
-        # The loss, then the values given as floats (the micro-batch counts first: they
-        # are summed too, as a stream's ranks differ), then those given as tensors.
+        # The loss, the values given as floats (the micro-batch count first: a stream's
+        # ranks differ), then those given as tensors.
         host, tensors, layout = [float(window.batches)], [], []
-        for name, slot in self.slots.items():
-            values = slot.values(now - window.start, window.steps)
+        for name, (give, _, _) in self.slots.items():
+            values = give(now - window.start, window.steps)
             if isinstance(values, torch.Tensor):
                 tensors.append((name, values.float()))
             else:
@@ -91,10 +64,9 @@ class CheckPoint:
             at += len(values)
         loss = window.loss.float().reshape(1)
         reduced = torch.cat([loss, loss.new_tensor(host), *(v for _, v in tensors)])
-        started = PendingCheck(distributed.start_all_reduce_sum(reduced), layout,
-                               ctx.state.epoch, first_step=ctx.state.step - window.steps + 1,
-                               step=ctx.state.step, per_sec=window.per_sec(now, counted),
-                               lr=lr)
+        started = (distributed.start_all_reduce_sum(reduced), layout, ctx.state.epoch,
+                   ctx.state.step - window.steps + 1, ctx.state.step,
+                   window.per_sec(now, counted), lr)
         window.restart(now)
         previous, self.pending = self.pending, started
         self.finish(previous)
@@ -105,26 +77,27 @@ class CheckPoint:
         check, self.pending = self.pending, None
         self.finish(check)
 
-    def finish(self, check: PendingCheck | None) -> None:
+    def finish(self, check: tuple | None) -> None:
         """The window's mean loss over all ranks, checked and logged with the slots'
         metrics; each slot handed its sums, whoever finished the check (a check point, a
         snapshot, the epoch's end). Every rank finishes the same checks at the same
         steps, so every rank's slots agree."""
         if check is None:
             return
-        sums = check.reduction.values()
+        reduction, layout, epoch, first_step, step, per_sec, lr = check
+        sums = reduction.values()
         # The mean over all ranks' micro-batches (with accumulation, a step has several);
         # NaN when on_nonfinite=skip skipped every step of the window.
         loss = window_mean(sums[0], sums[1], self.ctx.world.world_size)
-        self.nonfinite.check_window(loss, first=check.first_step, last=check.step,
-                                    epoch=check.epoch + 1)  # counted from 1
+        self.nonfinite.check_window(loss, first=first_step, last=step,
+                                    epoch=epoch + 1)  # counted from 1
         metrics = {"train/loss": loss}
-        for name, at, length in check.layout:
-            metrics.update(self.slots[name].agreed(sums[at:at + length]) or {})
-        metrics.update({self.per_sec_metric: check.per_sec, "lr": check.lr})
+        for name, at, length in layout:
+            metrics.update(self.slots[name][1](sums[at:at + length]) or {})
+        metrics.update({self.per_sec_metric: per_sec, "lr": lr})
         self.ctx.metrics.update(metrics)  # summary.json's train_loss: the last window's
         if self.log is not None:
-            self.log(ctx=self.ctx, step=check.step, metrics=metrics)
+            self.log(ctx=self.ctx, step=step, metrics=metrics)
 
 
 def window_mean(loss_sum: float, batches: float, world_size: int) -> float:
@@ -149,8 +122,8 @@ class LogWindow:
     def __init__(self, device, samples_per_step: int, first_batch: int = 0,
                  world_size: int = 1):
         self.samples_per_step = samples_per_step
-        # A recipe's own throughput unit (Throughput): counted in this rank's batches,
-        # in the window and in the epoch; the world's is that times world_size.
+        # A recipe's own throughput unit, counted in this rank's batches (the world's:
+        # times world_size), in the window and in the epoch.
         self.world_size = world_size
         self.units = self.epoch_units = 0
         self.loss = torch.zeros((), device=device)

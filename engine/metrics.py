@@ -181,19 +181,17 @@ def not_logged(key: str, metric: str, logged) -> ConfigError:
 
 
 class NamedMetrics:
-    """The metrics the config names, checked against those this run logs, as far as each
-    is known: before the first step (and the resume) with the val/* names that
-    ``val_names()`` reads from one validation batch (None: not known before the first
-    validation); a train/ name that may be one of train_step's extras at the first
-    micro-batch (:meth:`extras_known`); a val/ name one batch could not tell after the
-    first validation (:meth:`validated`). One the run does not log stops it with one line
-    listing those it does. The same decision on every rank: the names are the same."""
+    """The metrics the config names, checked against those this run logs as soon as
+    each is known: before the first step with the val/* names ``val_names()`` reads from
+    one validation batch (None: not before the first validation), train_step's extras at
+    the first micro-batch. One it does not log stops the run, in one line listing those
+    it does; the same on every rank (the names are)."""
 
     def __init__(self, cfg, throughput: Throughput, val_names):
         self.throughput = throughput
         self.extras: list[str] = []  # train_step's extras, once known
         self.val_names: list[str] | None = []
-        self.unchecked: list[tuple[str, str]] = []  # (key, metric) to check once known
+        self.unchecked: list[tuple[str, str]] = []  # (key, metric), once more is known
         wanted = named(cfg)
         if wanted:
             self.val_names = val_names()
@@ -223,9 +221,8 @@ class NamedMetrics:
 
     def refuse_unlogged(self, wanted: list[tuple[str, str]], extras_known: bool
                         ) -> list[tuple[str, str]]:
-        """Raise for the first of ``wanted`` that this run does not log; return those it
-        may still log: a train/ name before train_step's extras are known, a val/ name
-        when one batch could not tell the val/* names."""
+        """Raise for the first of ``wanted`` this run does not log; return those it may
+        yet log (a train/ name before the extras are known, a val/ name before they are)."""
         later = []
         for key, metric in wanted:
             logged = self.logged(key)

@@ -401,9 +401,6 @@ class Snapshots:
         if self.memory is not None:
             self.memory_cost.window_started()
 
-    #: How many values :meth:`check_flags` gives the check point's all-reduce.
-    FLAGS = 2 + len(MEMORY_INTERVALS)
-
     def check_flags(self, window_s: float, window_steps: int) -> list[float]:
         """This rank's flags for a check point's all-reduce (summed over the ranks): a
         snapshot due by time (rank 0's clock decides: the others' policy has no period),

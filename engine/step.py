@@ -1,14 +1,8 @@
-"""One training step, as the Trainer runs it and tune-workers' ``--full-step`` measures it.
-
-:class:`StepRunner`: each micro-batch of a group of ``grad_accum_steps`` to the device,
-forward and loss (the recipe's ``train_step``) under autocast, backward (DDP all-reduces
-the gradients in the group's last only); after the group, unless ``on_nonfinite=skip``
-skips it (:class:`NonFinitePolicy`), unscale (fp16), clip to ``grad_clip_norm``, the
-plugins' ``engine_before_optimizer_step`` and the optimizer step. The last step's
-gradients are freed just before the next group's first backward, not after the step:
-hooks after it see them, and glibc reuses their memory for the new ones instead of
-faulting in fresh pages (docs/performance.md). Nothing here reads the device back but
-``on_nonfinite=skip``, which must decide every step.
+"""One training step, as the Trainer runs it and tune-workers' ``--full-step`` measures it
+(:class:`StepRunner`). The last step's gradients are freed just before the next group's
+first backward, not after the step: hooks after it see them, and glibc reuses their
+memory for the new ones instead of faulting in fresh pages (docs/performance.md).
+Nothing here reads the device back but ``on_nonfinite=skip``, which decides every step.
 """
 
 from __future__ import annotations
@@ -75,10 +69,9 @@ class NonFinitePolicy:
 
 class TrainExtras:
     """What a ``train_step`` returns beside the loss (``{"loss": loss, "accuracy": ...}``):
-    each a micro-batch mean, summed on the device like the loss (one add per
-    micro-batch) and logged as ``train/NAME``, the mean over the window's micro-batches
-    and the ranks at check points, over the epoch's (this run's part of a resumed epoch)
-    at the epoch end. A check point's contributor (engine/check_point.py)."""
+    each a micro-batch mean, summed on the device like the loss and logged as
+    ``train/NAME``, the mean over a check point's window (its slot there) and the ranks,
+    and as ``train/epoch_NAME`` over the epoch's (this run's part of a resumed one)."""
 
     def __init__(self, names: list[str], device):
         self.names = names
@@ -146,12 +139,11 @@ def autocast_for(precision: str, device):
 
 
 class StepRunner:
-    """The step of a run on ``parts`` (engine.worker_setup.RunParts): :meth:`micro_batch`
-    for each micro-batch of a group, then :meth:`optimizer_step`. ``train_step(batch,
-    ctx)`` is the recipe's; ``extras_known(extras)`` hears, at the run's first
-    micro-batch, whether it returns more than the loss (a TrainExtras, or None).
-    ``synced``: False where the model is not wrapped (tune-workers: no process group),
-    so there are no gradient all-reduces to hold back."""
+    """The step on ``parts`` (engine.worker_setup.RunParts): :meth:`micro_batch` for each
+    micro-batch of a group of grad_accum_steps, then :meth:`optimizer_step`.
+    ``extras_known(extras)`` hears at the first micro-batch whether the recipe's
+    ``train_step`` returns more than the loss (a TrainExtras, or None). Not ``synced``:
+    the model is not wrapped (tune-workers), no gradient all-reduce to hold back."""
 
     def __init__(self, parts, cfg, train_step, ctx, *, world_size: int, warn,
                  extras_known=None, synced: bool = True):
@@ -169,8 +161,7 @@ class StepRunner:
         self.checked_train_step = train_step
         self.extras: TrainExtras | None = None  # train_step returns a dict
         self.extras_known = extras_known
-        # The plugins' engine_before_optimizer_step, or None where none implements it.
-        self.before_step_hook = None
+        self.before_step_hook = None  # engine_before_optimizer_step, where implemented
 
     def first_train_step(self, batch, ctx):
         """The run's first micro-batch: the step's loss checked once (a loss of another
@@ -195,9 +186,10 @@ class StepRunner:
 
     def micro_batch(self, batch, group_size: int, first_micro: bool, last_micro: bool,
                     padding: bool = False):
-        """Forward and backward of one micro-batch; returns its loss, detached. A stream's
-        ``padding`` micro-batch (engine/streaming.py) weighs 0: it only keeps this rank
-        in the gradient all-reduces of ranks whose part of the stream is longer."""
+        """Forward (under autocast) and backward of one micro-batch; returns its loss,
+        detached. DDP all-reduces the gradients in a group's last backward only. A
+        stream's ``padding`` micro-batch weighs 0: it only keeps this rank in the
+        all-reduces of ranks whose part of the stream is longer."""
         parts = self.parts
         if self.moves_batches:
             batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
@@ -222,8 +214,8 @@ class StepRunner:
         return loss
 
     def optimizer_step(self, step: int) -> bool:
-        """After a group's last micro-batch, the optimizer step that will be number
-        ``step``, unless the non-finite policy skips it; True when taken."""
+        """Optimizer step number ``step``, unless the non-finite policy skips it; True
+        when taken."""
         parts = self.parts
         taken = self.nonfinite.allow_step(step)
         if self.nonfinite.skip and self.extras is not None:

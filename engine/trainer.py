@@ -1,52 +1,39 @@
-"""The training loop.
-
-``Trainer.fit`` in pseudocode, with the method that holds each part on the right (the
-hooks it fires, and when: docs/plugins.md, "Hooks in the order they fire")::
+"""The training loop. ``Trainer.fit`` in pseudocode, the method that holds each part on
+the right (the hooks and when they fire: docs/plugins.md, "Hooks in the order they fire")::
 
     log world_size at the step the run starts from (rank 0)          fit
     for epoch in epochs not yet completed:                          run_epoch
         sampler.set_epoch(epoch, from the global sample position a resumed snapshot
                           reached: the rest of the order split over these ranks)
-        for each micro-batch:                                       train_epoch
-            the step's forward and backward (engine/step.py)        StepRunner.micro_batch
-            after a group's last micro-step:                        optimizer_step
-                the optimizer step, unless on_nonfinite=skip        StepRunner.optimizer_step
-                    skips it (unscale, clip, the hook first)
-                scheduler if per step
+        for each micro-batch: forward and backward (engine/step.py) train_epoch
+            after a group's last one: the optimizer step unless     optimizer_step
+                on_nonfinite=skip skips it; scheduler if per step
                 every log_every steps: start one all-reduce of the  CheckPoint.start
-                    window's loss and its slots' values (pre-emption, the snapshot
-                    layer's flags, train_step's extras: engine/check_point.py); finish
-                    the previous check point's: logged, its slots' sums handed back
+                    window's loss and its slots (engine/check_point.py), finish the last
                 unless the epoch ends here, every val_every_steps steps validate_if_due
-                    and where max_steps ends the run: validate, log
-                    its val/* at the step, early stopping (may end the run)
-                this step ended: a snapshot to disk if the validation was a new best,
-                    else the snapshot layer's if due: to disk       Snapshots.step_ended
-                    (every_steps, a check's time flag) or into shared memory
-                stop the epoch if a finished check said pre-empted, or if the
-                    run ends at this step
-        the last check point's result                               CheckPoint.finish_pending
-        the epoch's loss (a resumed epoch's included) and the slowest
+                    and where max_steps ends the run: validate, log its val/* at the
+                    step, early stopping (may end the run)
+                a snapshot to disk if the validation was a new best, else the snapshot
+                    layer's if due: disk or shared memory      Snapshots.step_ended
+                stop the epoch if a finished check said pre-empted, or the run ends here
+        the last check point finished; the epoch's loss and the slowest
         rank's data wait, gathered from all ranks                   epoch_metrics
         the run ended inside the epoch (max_steps, early stopping):
             the final snapshot, stop                                end_in_epoch
-        pre-empted (a check point said so, the last one included):
-            snapshot, stop                                          run_epoch
+        pre-empted (a check point said so): snapshot, stop          run_epoch
         the recipe's eval_step, reduced (engine/validation.py)      Validation.run
         log the epoch's metrics; scheduler if per epoch             step_scheduler
             (ReduceLROnPlateau: with scheduler_metric's reduced value)
         early stopping, pre-emption, snapshot if due (a check's time flag, a new
             best; always after the last epoch, or at max_steps)
 
-Nothing inside a step reads a value back from the device (except ``on_nonfinite=skip``,
-which must decide every step): metrics accumulate in device tensors, read at the check
-points and at the end of the epoch. When a snapshot is due, and where it goes, is the
-snapshot layer's (:class:`~engine.snapshot.Snapshots`); the metrics a config names are
-checked by :class:`~engine.metrics.NamedMetrics`.
+Nothing inside a step reads the device back (but ``on_nonfinite=skip``, which decides
+every step): metrics add up in device tensors, read at check points and epochs' ends.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -103,15 +90,14 @@ class Trainer:
         self.cfg = cfg = ctx.cfg
         self.log_hook = ctx.pm.hook.engine_log if ctx.is_rank0 else None
         self.device = parts.parallel.device
-        # The step: the recipe's train_step (its own, or a helper it names:
-        # engine/classification.py), accumulation, the non-finite policy, clipping.
+        # The step (the recipe's train_step: its own, or engine/classification.py's).
         self.runner = StepRunner(parts, cfg, ctx.recipe.train_step, ctx,
                                  world_size=ctx.world.world_size, warn=ctx.warn,
                                  extras_known=self.extras_known)
         self.bind_step_hooks()
         self.throughput = Throughput(ctx.recipe)
-        # The check points and their slots: pre-emption's, the snapshot layer's (it
-        # registers them), train_step's extras once known (extras_known).
+        # The check points' slots: pre-emption's, the snapshot layer's (it registers
+        # them), train_step's extras once known (extras_known).
         self.check = CheckPoint(ctx, self.runner.nonfinite, self.throughput.metric,
                                 self.log_hook)
         self.stop = preemption.StopRequest(ctx.preemption)  # the ranks agreed to stop
@@ -160,7 +146,7 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """The snapshot part ``progress``: the TrainState and the epoch's loss sums so far
-        (a resumed epoch reports the whole epoch's). Collective (the sums are gathered)."""
+        (a resumed epoch's whole). Collective (the sums are gathered)."""
         return {**self.ctx.state.state_dict(), "epoch_loss": self.epoch_loss_so_far()}
 
     def local_state_dict(self) -> dict:
@@ -368,10 +354,9 @@ class Trainer:
         new_best = self.validate_if_due(state.step)
         if self.ending is not None:
             return True  # the run ends here: run_epoch writes the final snapshot
-        # This step ended: a snapshot to disk if its validation is the new best, else
-        # one if due (disk, memory), asked from the step the layer says one may be due
-        # at. Either may finish this step's check: its flags (a pre-emption: run_epoch
-        # writes the snapshot).
+        # A snapshot to disk if its validation is the new best, else the layer's if due,
+        # asked from the step it says one may be due at. Either finishes the check in
+        # flight first: a pre-emption it carried stops here (run_epoch writes that one).
         if new_best and not self.finish_before_snapshot():
             self.snapshots.save()
         elif not self.stop.requested and state.step >= self.snapshots.next_due:
@@ -392,12 +377,9 @@ class Trainer:
         gathered; the loss is the mean over all ranks' batches, the data wait the
         slowest rank's (one rank starved of data holds every other at the next step)."""
         ctx = self.ctx
-        mine = torch.stack([window.total_loss(),
-                            torch.tensor(batches + window.resumed_batches, dtype=torch.float64,
-                                         device=self.device),
-                            torch.tensor(data_wait, dtype=torch.float64, device=self.device),
-                            torch.tensor(window.epoch_units + window.units,
-                                         dtype=torch.float64, device=self.device)])
+        mine = torch.cat([window.total_loss().reshape(1), torch.tensor(
+            [batches + window.resumed_batches, data_wait, window.epoch_units + window.units],
+            dtype=torch.float64, device=self.device)])
         extras = self.runner.extras
         if extras is not None:  # their sums, then their micro-batches
             mine = torch.cat([mine, extras.take_epoch()])
@@ -422,8 +404,7 @@ class Trainer:
         }
 
     def epoch_done(self, window: LogWindow, steps: int) -> float:
-        """Samples (or the recipe's units) all ranks trained on in this run's part of
-        the epoch."""
+        """Samples (or the recipe's units) all ranks trained on in this run's part."""
         if self.throughput.count is None:
             return window.samples_per_step * steps
         return (window.epoch_units + window.units) * window.world_size

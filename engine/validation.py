@@ -7,6 +7,7 @@ model's mode is left as it was.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -70,8 +71,8 @@ class MetricSums:
 
 
 class Validation:
-    """A run's validation on ``parts`` (engine.worker_setup.RunParts) under ``autocast``
-    (the training step's, engine/step.py)."""
+    """A run's validation on ``parts`` (engine.worker_setup.RunParts), under the training
+    step's ``autocast`` (engine/step.py)."""
 
     def __init__(self, ctx, parts, autocast):
         self.ctx, self.parts, self.autocast = ctx, parts, autocast
@@ -83,66 +84,60 @@ class Validation:
     @torch.no_grad()
     def run(self, epoch: int) -> dict:
         """The recipe's ``eval_step`` over this rank's shard (a smoke run's first
-        ``limit_batches``); the sums reduced over the ranks in one all-reduce. The RNG
-        states are forked around it: an eval_step may draw (test-time augmentation), and
-        training must go on as without the validation, wherever it falls and however
-        often."""
-        if self.parts.val_loader is None:
-            return {}
-        saved = stateful.rng_state()
-        try:
-            return self._shard(epoch)
-        finally:
-            stateful.set_rng_state(saved)
-
-    def _shard(self, epoch: int) -> dict:
+        ``limit_batches``); the sums reduced over the ranks in one all-reduce. An
+        eval_step may draw (test-time augmentation): training goes on as without the
+        validation, wherever it falls and however often."""
         ctx, parts = self.ctx, self.parts
-        ctx.pm.hook.engine_validation_start(ctx=ctx, epoch=epoch)
-        # The unwrapped module: no DDP collectives in forward, so ranks whose shard is
-        # one batch shorter do not hang the others.
-        module = parts.module
+        if parts.val_loader is None:
+            return {}
+        limit = ctx.cfg.limit_batches
+        batches = itertools.islice(parts.val_loader, limit) if limit else parts.val_loader
+        with forked_rng():
+            ctx.pm.hook.engine_validation_start(ctx=ctx, epoch=epoch)
+            sums = MetricSums(self.device, self.eval_metrics)
+            with self.evaluating():
+                for batch in batches:
+                    sums.add(self.step(batch))
+            metrics = sums.reduce()
+            ctx.pm.hook.engine_validation_end(ctx=ctx, epoch=epoch, metrics=metrics)
+        return metrics
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        """The unwrapped module (no DDP collectives in forward: ranks whose shard is one
+        batch shorter do not hang the others) in eval mode, its mode restored after."""
+        module = self.parts.module
         was_training = module.training
         module.eval()
-        sums = MetricSums(self.device, self.eval_metrics)
-        limit = ctx.cfg.limit_batches  # a smoke run's few
-        batches = (itertools.islice(parts.val_loader, limit) if limit else parts.val_loader)
-        with parts.parallel.validation(parts.model):
-            for batch in batches:
-                batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
-                with self.autocast():
-                    sums.add(self.eval_step(batch, ctx))
-        module.train(was_training)
-        metrics = sums.reduce()
-        ctx.pm.hook.engine_validation_end(ctx=ctx, epoch=epoch, metrics=metrics)
-        return metrics
+        try:
+            with self.parts.parallel.validation(self.parts.model):
+                yield
+        finally:
+            module.train(was_training)
+
+    def step(self, batch) -> dict:
+        batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
+        with self.autocast():
+            return self.eval_step(batch, self.ctx)
 
     @torch.no_grad()
     def names(self) -> list[str] | None:
         """The val/* names validation will log: rank 0's from one batch through
         eval_step and eval_metrics, on every rank. [] without a validation set or with
         an empty one; None when eval_metrics fails on one batch's sums (checked after
-        the first validation then). Training is left as it was (RNG states, the model's
-        mode; the batch read from the dataset, not the loader). Collective: every rank
-        runs one batch (fsdp's first forward needs them all), and one all_gather tells
-        rank 0's names and who failed (that rank raises its error, the others stop)."""
-        parts = self.parts
-        loader = parts.val_loader
+        the first validation then). Training is left as it was (the batch read from the
+        dataset, not the loader). Collective: every rank runs one batch (fsdp's first
+        forward needs them all), and one all_gather tells rank 0's names and who failed
+        (that rank raises its error, the others stop)."""
+        loader = self.parts.val_loader
         if loader is None:
             return []
-        module = parts.module
-        was_training = module.training
-        saved = stateful.rng_state()
         names, failure = None, None
-        module.eval()
-        try:
-            with parts.parallel.validation(parts.model):
-                try:
-                    names = self._first_batch_names(loader)
-                except Exception as exc:
-                    failure = exc
-        finally:
-            module.train(was_training)
-            stateful.set_rng_state(saved)
+        with forked_rng(), self.evaluating():
+            try:
+                names = self._first_batch_names(loader)
+            except Exception as exc:
+                failure = exc
         answers = distributed.all_gather_object((failure is not None, names))
         if failure is not None:
             raise failure
@@ -158,10 +153,7 @@ class Validation:
         samples = data.first_val_samples(loader)
         if not samples:
             return []  # no validation sample: no val/* metric (MetricSums.reduce)
-        batch = loader.collate_fn(samples)
-        batch = data.to_device(batch, self.device, non_blocking=self.non_blocking)
-        with self.autocast():
-            sums = self.eval_step(batch, self.ctx)
+        sums = self.step(loader.collate_fn(samples))
         MetricSums(self.device, self.eval_metrics).add(sums)  # what it returns is checked
         if self.eval_metrics is None:
             return [f"val/{name}" for name in sums if name != "count"]
@@ -170,3 +162,13 @@ class Validation:
             return [f"val/{name}" for name in derived]
         except Exception:
             return None
+
+
+@contextlib.contextmanager
+def forked_rng():
+    """Every RNG state as it was before, afterwards."""
+    saved = stateful.rng_state()
+    try:
+        yield
+    finally:
+        stateful.set_rng_state(saved)

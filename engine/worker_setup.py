@@ -16,7 +16,9 @@ The steps, in the order a run takes them; each door calls those it needs::
                                                                   Engine, tune-workers
     transform_model       activation checkpointing, then torch.compile
                                              Engine, Context.wrap, tune-workers
-    prepare_model         transform_model, then the parallel wrap  Engine, Context.wrap
+    prepare_model         transform_model, then the parallel wrap  Context.wrap
+    setup_step_parts      recipe_model, transform_model, the wrap (not tune-workers'),
+                          build_optimizer, loss_fn, grad_scaler   Engine, tune-workers
     build_optimizer       on the wrapped model's parameters, checked to hold them
                                              Engine, Context.wrap, tune-workers
     schedule_length       the optimizer steps of an epoch and of the run   Engine
@@ -192,15 +194,9 @@ def setup_recipe_run(ctx, recipe) -> RunParts:
     if val_set is not None:  # map-style, or a stream
         parts.val_loader = streaming.val_loader(val_set, batch=parts.micro_batch,
                                                 world=world, **loader_kwargs)
-    parts.model = prepare_model(recipe_model(recipe, cfg), cfg, parts.parallel, ctx.device,
-                                ctx.print)
-    parts.optimizer = build_optimizer(
-        lambda module: recipe.module.build_optimizer(cfg, module), ctx.module,
-        parts.parallel)
+    setup_step_parts(parts, recipe, cfg, ctx.print)
     parts.steps_per_epoch, parts.total_steps = schedule_length(parts.train_loader, cfg)
     parts.scheduler = build_scheduler(recipe, cfg, parts.optimizer, ctx)
-    parts.loss_fn = recipe.optional("loss_fn")
-    parts.scaler = grad_scaler(cfg.precision, ctx.device)
     slow = precision_note(cfg.precision, [str(ctx.device)])
     if slow:  # the run's first lines, rank 0
         ctx.warn(slow)
@@ -208,13 +204,15 @@ def setup_recipe_run(ctx, recipe) -> RunParts:
     return parts
 
 
-def setup_step_parts(parts: RunParts, recipe, cfg, say) -> RunParts:
-    """tune-workers' ``--full-step``: the recipe's model, transformed as for a run but not
-    wrapped (no process group there), its optimizer, loss_fn and fp16 scaler, in
-    ``parts`` (returned)."""
-    parts.model = transform_model(recipe_model(recipe, cfg), cfg, parts.parallel.device, say)
+def setup_step_parts(parts: RunParts, recipe, cfg, say, wrap: bool = True) -> RunParts:
+    """What the step drives, in ``parts`` (returned): the recipe's model, transformed and
+    wrapped (not ``wrap``: tune-workers' ``--full-step``, which has no process group),
+    its optimizer, loss_fn and fp16 scaler."""
+    model = transform_model(recipe_model(recipe, cfg), cfg, parts.parallel.device, say)
+    parts.model = parts.parallel.wrap(model) if wrap else model
     parts.optimizer = build_optimizer(
-        lambda module: recipe.module.build_optimizer(cfg, module), parts.module)
+        lambda module: recipe.module.build_optimizer(cfg, module), parts.module,
+        parts.parallel)
     parts.loss_fn = recipe.optional("loss_fn")
     parts.scaler = grad_scaler(cfg.precision, parts.parallel.device)
     return parts

@@ -5,10 +5,9 @@ each builds the recipe's training DataLoader exactly as the engine does and read
 batches for ``--budget`` seconds after a warm-up that starts the workers and drains what
 they prefetched. The rate (samples/s, or the recipe's own unit) is the sum over the
 processes, from the steady state. ``--full-step`` also runs every batch through the
-Trainer's step (engine/step.py: the recipe's ``train_step``, accumulation, the non-finite
-policy, clipping, the optimizer step) on the process's device, so the loader competes
-with the compute for the CPUs as in a real run (no process group: no gradient all-reduce). The output ends with the best setting and the override that
-applies it (docs/data.md).
+Trainer's step (engine/step.py) on the process's device, so the loader competes with the
+compute for the CPUs as in a real run (no process group: no gradient all-reduce). The
+output ends with the best setting and the override that applies it (docs/data.md).
 """
 
 from __future__ import annotations
@@ -277,7 +276,7 @@ def _barrier(conn, rank: int, timeout: float) -> None:
 def _measure_settings(job, world, settings, budget_s, full_step, conn) -> None:
     import torch  # torch and the modules below: lazily, as in tune
 
-    from engine import data
+    from engine import data, streaming
     from engine.engine import Engine
 
     pm = build_plugin_manager(list(job.plugins))
@@ -297,7 +296,7 @@ def _measure_settings(job, world, settings, budget_s, full_step, conn) -> None:
     wait(timeout)  # local rank 0 has prepared the data
     train_set, _ = recipe.module.build_datasets(cfg, ctx)
 
-    count = Throughput(recipe).count or samples_in
+    count = Throughput(recipe).count or streaming.batch_samples  # as a stream's count
     step = _full_step(recipe, cfg, ctx) if full_step else None
 
     for setting in settings:
@@ -342,7 +341,7 @@ def _full_step(recipe, cfg, ctx):
     (transformed, not wrapped: no process group here)."""
     from engine.step import StepRunner  # imports torch: lazily, as in tune
 
-    parts = worker_setup.setup_step_parts(ctx.run_parts, recipe, cfg, ctx.print)
+    parts = worker_setup.setup_step_parts(ctx.run_parts, recipe, cfg, ctx.print, wrap=False)
     runner = StepRunner(parts, cfg, recipe.train_step, ctx, world_size=1, warn=ctx.warn,
                         synced=False)
     accum, batches = cfg.grad_accum_steps, itertools.count()
@@ -354,16 +353,6 @@ def _full_step(recipe, cfg, ctx):
             runner.optimizer_step(group + 1)
 
     return step
-
-
-def samples_in(batch) -> int:
-    """The samples in a batch: the length of its first tensor (tuples, lists and dicts
-    of tensors, nested)."""
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (tuple, list)):
-        return samples_in(batch[0])
-    return len(batch)
 
 
 def _endless(loader):
@@ -419,16 +408,6 @@ def format_result(result: dict[str, Any], recipe_path: str, overrides: Sequence[
         apply.append(f"batch_size={best.setting.batch_size}")
     lines.append("apply it: engine-run " + " ".join([recipe_path, *kept, *apply]))
     return "\n".join(lines)
-
-
-def per_sec_of(result: dict[str, Any], num_workers: int, batch_size: int | None = None
-               ) -> float:
-    """The measured rate of one setting (for tools/bench_oct_pipeline.py)."""
-    batch = batch_size or result["recipe_batch_size"]
-    for m in result["measurements"]:
-        if m.setting == Setting(num_workers, batch):
-            return m.per_sec
-    raise KeyError(f"num_workers={num_workers}, batch_size={batch} was not measured")
 
 
 if __name__ == "__main__":
