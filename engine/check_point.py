@@ -44,10 +44,9 @@ class CheckPoint:
                 started()
 
     def start(self, window: LogWindow, counted: bool, lr: float) -> None:
-        """Start this check point's all-reduce, then finish the previous one.
-        ``counted``: the throughput is in the recipe's units (LogWindow.per_sec)."""
-        ctx = self.ctx
-        now = time.perf_counter()
+        """Start this check point's all-reduce, then finish the previous one (``counted``:
+        the throughput is in the recipe's units)."""
+        ctx, now = self.ctx, time.perf_counter()
         # The loss, the values given as floats (the micro-batch count first: a stream's
         # ranks differ), then those given as tensors.
         host, tensors, layout = [float(window.batches)], [], []
@@ -79,9 +78,8 @@ class CheckPoint:
 
     def finish(self, check: tuple | None) -> None:
         """The window's mean loss over all ranks, checked and logged with the slots'
-        metrics; each slot handed its sums, whoever finished the check (a check point, a
-        snapshot, the epoch's end). Every rank finishes the same checks at the same
-        steps, so every rank's slots agree."""
+        metrics, each slot handed its sums: at the same step on every rank, whoever
+        finishes it (a check point, a snapshot, the epoch's end)."""
         if check is None:
             return
         reduction, layout, epoch, first_step, step, per_sec, lr = check
@@ -103,8 +101,7 @@ class CheckPoint:
 def window_mean(loss_sum: float, batches: float, world_size: int) -> float:
     """A log window's mean loss: ``loss_sum`` over ``batches``, both summed over the
     ranks; NaN for no micro-batch. Where every rank trained as many (map-style data),
-    divided per rank, then by the ranks, as the logs always were: one division by the
-    product rounds differently (a last-digit change in metrics.csv with 3 processes)."""
+    per rank, then over the ranks, as the logs always were (one division rounds else)."""
     if not batches:
         return math.nan
     if batches % world_size == 0:
@@ -114,10 +111,9 @@ def window_mean(loss_sum: float, batches: float, world_size: int) -> float:
 
 class LogWindow:
     """The micro-batches and steps since the last check point. Losses add up on the
-    device in one tensor (one add per micro-batch); at each check point the window is
-    folded into the epoch's sum and starts again. Under ``on_nonfinite=skip`` a skipped
-    step's micro-batches leave the sums (:meth:`settle`): the logged losses are those
-    of the steps taken, not NaN."""
+    device (one add per micro-batch), folded into the epoch's sum at each check point.
+    A step ``on_nonfinite=skip`` skipped leaves the sums (:meth:`settle`): the losses
+    logged are those of the steps taken, not NaN."""
 
     def __init__(self, device, samples_per_step: int, first_batch: int = 0,
                  world_size: int = 1):
@@ -130,13 +126,11 @@ class LogWindow:
         self.epoch_loss = torch.zeros((), device=device)
         self.batches = self.steps = 0
         self.first_batch = first_batch  # where this epoch (re)started, per rank
-        # on_nonfinite=skip: the window after the last step taken, and the epoch's
-        # micro-batches in skipped steps (the same on every rank: the ranks agree).
+        # on_nonfinite=skip: the window after the last step taken; the epoch's micro-
+        # batches in skipped steps (the same on every rank).
         self.kept_loss = torch.zeros((), device=device)
         self.kept_batches = self.skipped_batches = 0
-        # A stream's padding micro-batches this epoch (engine/streaming.py): trained with
-        # weight 0, in no loss sum, so in no count either.
-        self.padding_batches = 0
+        self.padding_batches = 0  # a stream's this epoch: weight 0, in no sum nor count
         # A resumed epoch's loss before the snapshot, in this run's micro-batches: the
         # epoch's metric covers the whole epoch. Rank 0 carries it (the sums are global).
         self.resumed_loss = 0.0
@@ -144,9 +138,8 @@ class LogWindow:
         self.start = time.perf_counter()
 
     def add_resumed(self, saved: dict | None, micro_batch: int) -> None:
-        """A snapshot's ``epoch_loss`` (Trainer.epoch_loss_so_far), converted to this
-        run's micro-batch size when the number of processes changed: the mean weighs
-        every sample alike."""
+        """A snapshot's ``epoch_loss`` (Trainer.epoch_loss_so_far), in this run's micro-
+        batches (the number of processes may have changed): every sample weighs alike."""
         if not saved:
             return
         scale = saved["micro_batch"] / micro_batch

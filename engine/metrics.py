@@ -181,11 +181,10 @@ def not_logged(key: str, metric: str, logged) -> ConfigError:
 
 
 class NamedMetrics:
-    """The metrics the config names, checked against those this run logs as soon as
-    each is known: before the first step with the val/* names ``val_names()`` reads from
-    one validation batch (None: not before the first validation), train_step's extras at
-    the first micro-batch. One it does not log stops the run, in one line listing those
-    it does; the same on every rank (the names are)."""
+    """The metrics the config names, checked against those this run logs as soon as each
+    is known: before the first step with the val/* names ``val_names()`` reads from one
+    batch (None: after the first validation), train_step's extras at the first
+    micro-batch. One not logged stops the run with one line listing those that are."""
 
     def __init__(self, cfg, throughput: Throughput, val_names):
         self.throughput = throughput
@@ -210,8 +209,7 @@ class NamedMetrics:
 
     def logged(self, key: str) -> list[str]:
         """The metrics this run logs that config key ``key`` may name, as far as known:
-        early stopping and a scheduler's metric see an epoch's end; the best snapshot
-        every metric logged before it (but train/loss, which config.check refuses)."""
+        an epoch's for early stopping and a scheduler, any for the best snapshot."""
         names = [*(self.val_names or []), "train/epoch_loss",
                  *(f"train/epoch_{n}" for n in self.extras),
                  self.throughput.epoch_metric, "train/data_wait_fraction"]
@@ -238,10 +236,9 @@ class NamedMetrics:
 
 class EarlyStopping:
     """``early_stopping.*``: stop when ``metric`` has not improved by more than
-    ``min_delta`` for ``patience`` validations (``mode`` as ``checkpoint.best_mode``).
-    Its best is compared as the checkpointer compares (no min_delta); ``min_delta``
-    counts the patience only. The metrics are reduced over the ranks, so every rank
-    decides alike; the count lives in the TrainState, which snapshots save."""
+    ``min_delta`` (which counts the patience only: the best is compared as the
+    checkpointer compares) for ``patience`` validations. Every rank decides alike (the
+    metrics are reduced); the count is in the TrainState, which snapshots save."""
 
     def __init__(self, cfg, state, by_steps: bool = False):
         self.metric = cfg.metric
@@ -287,9 +284,8 @@ class EarlyStopping:
 
 class Throughput:
     """What ``train/<unit>_per_sec`` (a log window's) and ``train/epoch_<unit>_per_sec``
-    (an epoch's) count: samples by default (the global batch of a step), or the recipe's
-    own unit, ``throughput_unit = "tokens"`` with ``count_throughput(batch) -> int`` (the
-    units in one micro-batch, read from its shapes on the host: no device sync)."""
+    count: samples (a step's global batch), or the recipe's ``throughput_unit = "tokens"``
+    with ``count_throughput(batch) -> int`` (read from the shapes: no device sync)."""
 
     def __init__(self, recipe):
         self.unit = recipe.optional("throughput_unit") or "samples"

@@ -158,16 +158,15 @@ class PreemptionFlag:
 
 
 class StopRequest:
-    """A pre-emption's slot in the loop's check points (engine/check_point.py): this
-    rank's flag, summed over the ranks; ``requested`` once any rank's was up, on every
-    rank at the same check point."""
+    """Pre-emption's slot in the loop's check points (engine/check_point.py): ``requested``
+    on every rank at the same check point once any rank's flag was up."""
 
     def __init__(self, flag: PreemptionFlag | None):
         self.flag = flag
         self.requested = False
 
     def check_values(self, window_s: float, window_steps: int) -> list[float]:
-        return [float(self.flag is not None and bool(self.flag))]
+        return [float(bool(self.flag))]
 
     def check_agreed(self, sums) -> None:
         if sums[0] > 0:

@@ -1,9 +1,8 @@
-"""One training step, as the Trainer runs it and tune-workers' ``--full-step`` measures it
-(:class:`StepRunner`). The last step's gradients are freed just before the next group's
-first backward, not after the step: hooks after it see them, and glibc reuses their
-memory for the new ones instead of faulting in fresh pages (docs/performance.md).
-Nothing here reads the device back but ``on_nonfinite=skip``, which decides every step.
-"""
+"""One training step, as the Trainer runs it and tune-workers' ``--full-step`` measures
+it. The last step's gradients are freed just before the next group's first backward:
+hooks after the step see them, and glibc reuses their memory for the new ones instead of
+faulting in fresh pages (docs/performance.md). Nothing reads the device back but
+``on_nonfinite=skip``."""
 
 from __future__ import annotations
 
@@ -21,15 +20,11 @@ class NonFiniteLoss(RunError):
 
 
 class NonFinitePolicy:
-    """``on_nonfinite``: what a non-finite training loss does.
-
-    ``stop`` costs nothing per step: the loss of each log window (reduced over the ranks
-    at the check point) and the epoch's mean loss are checked, and a non-finite one stops
-    the run. ``skip`` ANDs every micro-batch's finiteness into a device flag (a NaN in any
-    micro-batch poisons the accumulated gradients, not only one in the last); at the
-    optimizer step one all-reduce tells every rank alike whether to step: a host sync
-    per step, the price of deciding per step.
-    """
+    """``on_nonfinite``: what a non-finite training loss does. ``stop`` costs nothing per
+    step: a non-finite loss of a log window (reduced at the check point) or of the epoch
+    stops the run. ``skip`` ANDs every micro-batch's finiteness into a device flag (a NaN
+    in any poisons the accumulated gradients); one all-reduce at the optimizer step tells
+    every rank alike whether to step: a host sync per step, the price of deciding."""
 
     def __init__(self, mode: str, device, world_size: int, warn):
         self.skip = mode == "skip"
@@ -68,18 +63,16 @@ class NonFinitePolicy:
 
 
 class TrainExtras:
-    """What a ``train_step`` returns beside the loss (``{"loss": loss, "accuracy": ...}``):
-    each a micro-batch mean, summed on the device like the loss and logged as
-    ``train/NAME``, the mean over a check point's window (its slot there) and the ranks,
-    and as ``train/epoch_NAME`` over the epoch's (this run's part of a resumed one)."""
+    """What a ``train_step`` returns beside the loss (``{"loss": loss, "accuracy": ...}``),
+    micro-batch means summed on the device: ``train/NAME``, the mean over a check point's
+    window (its slot) and the ranks; ``train/epoch_NAME``, over this run's part of the epoch."""
 
     def __init__(self, names: list[str], device):
         self.names = names
         self.window = torch.zeros(len(names), dtype=torch.float64, device=device)
         self.epoch = torch.zeros_like(self.window)
         self.window_batches = self.epoch_batches = 0
-        # on_nonfinite=skip: the window after the last step taken (LogWindow.settle).
-        self.kept = torch.zeros_like(self.window)
+        self.kept = torch.zeros_like(self.window)  # on_nonfinite=skip: see settle
         self.kept_batches = 0
 
     def add(self, out: dict) -> None:
@@ -89,8 +82,7 @@ class TrainExtras:
 
     def settle(self, taken: bool) -> None:
         """``on_nonfinite=skip``, after each optimizer step: keep its micro-batches'
-        metrics, or drop them with the step, as its losses are (one NaN metric of a
-        skipped step made the window's and the whole epoch's mean NaN)."""
+        metrics, or drop them with the step, as its losses (LogWindow.settle)."""
         if taken:
             self.kept.copy_(self.window)
             self.kept_batches = self.window_batches
@@ -140,10 +132,9 @@ def autocast_for(precision: str, device):
 
 class StepRunner:
     """The step on ``parts`` (engine.worker_setup.RunParts): :meth:`micro_batch` for each
-    micro-batch of a group of grad_accum_steps, then :meth:`optimizer_step`.
-    ``extras_known(extras)`` hears at the first micro-batch whether the recipe's
-    ``train_step`` returns more than the loss (a TrainExtras, or None). Not ``synced``:
-    the model is not wrapped (tune-workers), no gradient all-reduce to hold back."""
+    of a group of grad_accum_steps, then :meth:`optimizer_step`. ``extras_known(extras)``
+    hears at the first micro-batch what ``train_step`` returns beside the loss (a
+    TrainExtras, or None). Not ``synced``: the model is not wrapped (tune-workers)."""
 
     def __init__(self, parts, cfg, train_step, ctx, *, world_size: int, warn,
                  extras_known=None, synced: bool = True):
@@ -151,8 +142,7 @@ class StepRunner:
         self.device = device = parts.parallel.device
         self.autocast = autocast_for(cfg.precision, device)
         self.non_blocking = device.type == "cuda"
-        # The loaders yield CPU tensors: on the CPU there is nothing to move, every batch.
-        self.moves_batches = device.type != "cpu"
+        self.moves_batches = device.type != "cpu"  # the loaders yield CPU tensors
         self.no_sync = parts.parallel.no_sync if synced else (
             lambda model: contextlib.nullcontext())
         self.clip_norm = cfg.grad_clip_norm
@@ -165,8 +155,7 @@ class StepRunner:
 
     def first_train_step(self, batch, ctx):
         """The run's first micro-batch: the step's loss checked once (a loss of another
-        shape failed deep in autograd), then the step itself for every later batch. A
-        dict holds the loss and the recipe's extra metrics (TrainExtras)."""
+        shape failed deep in autograd); a dict holds it and the extras (TrainExtras)."""
         out = self.checked_train_step(batch, ctx)
         if isinstance(out, dict) and "loss" not in out:
             raise ConfigError(f"train_step returned a dict without 'loss' (keys: "
@@ -232,9 +221,8 @@ class StepRunner:
         return taken
 
     def before_optimizer_step(self, step: int) -> None:
-        """Between the last backward of a group and the optimizer step, on the true
-        gradients: unscaled (fp16), and already averaged over the ranks (DDP reduced
-        them in that backward). Clip to ``grad_clip_norm``, then the plugins' hook."""
+        """On the true gradients, unscaled (fp16) and averaged over the ranks (DDP reduced
+        them in the group's last backward): clip to ``grad_clip_norm``, the plugins' hook."""
         parts = self.parts
         if parts.scaler is not None:
             # scaler.step() then sees that they are unscaled and does not do it again.

@@ -14,7 +14,7 @@ the right (the hooks and when they fire: docs/plugins.md, "Hooks in the order th
                     and where max_steps ends the run: validate, log its val/* at the
                     step, early stopping (may end the run)
                 a snapshot to disk if the validation was a new best, else the snapshot
-                    layer's if due: disk or shared memory      Snapshots.step_ended
+                    layer's if due: disk or shared memory           Snapshots.step_ended
                 stop the epoch if a finished check said pre-empted, or the run ends here
         the last check point finished; the epoch's loss and the slowest
         rank's data wait, gathered from all ranks                   epoch_metrics
@@ -46,16 +46,14 @@ from engine.metrics import (SCHEDULER, EarlyStopping, EpochMetrics, NamedMetrics
 from engine.step import StepRunner
 from engine.validation import Validation
 
-#: The epoch's mean training loss; ``train/loss`` is the mean of one log window (the
-#: ``log_every`` steps before a check point). One name, one meaning.
+#: The epoch's mean training loss (``train/loss``: one log window's). One name, one meaning.
 EPOCH_LOSS = "train/epoch_loss"
 
 
 def scheduler_metric(scheduler, cfg) -> str | None:
     """The metric a scheduler that steps on one (steps_on_metric) steps on after each
-    validation (``scheduler_metric``), else None. Refused in one line before training:
-    such a scheduler without a metric named, stepped per step, or whose mode disagrees
-    with the metric's direction; a metric named for a scheduler that takes none."""
+    validation (``scheduler_metric``), else None. Refused in one line before training: a
+    metric missing or named for none, a per-step interval, a mode against its direction."""
     metric = cfg.scheduler_metric
     kind = type(scheduler).__name__
     if not snapshot.steps_on_metric(scheduler):
@@ -103,16 +101,14 @@ class Trainer:
         self.stop = preemption.StopRequest(ctx.preemption)  # the ranks agreed to stop
         if ctx.preemption is not None:
             self.check.add("preemption", self.stop.check_values, self.stop.check_agreed)
-        # When a snapshot is due and where it goes (disk, shared memory); it finishes
-        # the check in flight before one (finish_before_snapshot).
+        # When a snapshot is due and where it goes (disk, shared memory).
         self.snapshots = snapshot.Snapshots(ctx, parts.memory, self.finish_before_snapshot,
                                             check_point=self.check)
         self.validation = Validation(ctx, parts, self.runner.autocast)
         self.early_stopping = EarlyStopping(cfg.early_stopping, ctx.state,
                                             by_steps=bool(cfg.val_every_steps))
-        # The run's length by steps (0: the epochs decide), validation by steps (0: at
-        # epochs' ends only), and why the run ends inside an epoch once it does
-        # ("max_steps", "early stopping": end_in_epoch), else None.
+        # The run's length and validation by steps (0: by epochs), and why the run ends
+        # inside an epoch once it does ("max_steps", "early stopping"), else None.
         self.max_steps = cfg.max_steps
         self.val_every_steps = cfg.val_every_steps
         self.ending: str | None = None
@@ -127,7 +123,7 @@ class Trainer:
 
     def bind_step_hooks(self) -> None:
         """A per-step hook with no implementation is never called. Bound again after
-        engine_run_start, where a plugin may register one for this run (the profiler)."""
+        engine_run_start, where a plugin may register one (the profiler)."""
         hook = self.ctx.pm.hook
         self.step_end_hook = (hook.engine_train_step_end
                               if hook.engine_train_step_end.get_hookimpls() else None)
@@ -365,9 +361,8 @@ class Trainer:
 
     def finish_before_snapshot(self) -> bool:
         """The snapshot layer's, before a snapshot at a step: the check in flight is
-        finished (its window logged: a run resumed from the snapshot starts after it and
-        would never log it), its flags recorded. True when they stop the run here (a
-        pre-emption: run_epoch writes the durable snapshot as the epoch stops)."""
+        finished (a run resumed from the snapshot would never log its window). True when
+        it stops the run here (a pre-emption: run_epoch writes that snapshot)."""
         self.check.finish_pending()
         return self.stop.requested
 
@@ -387,6 +382,8 @@ class Trainer:
         loss_sum, batch_count = sum(r[0] for r in ranks), sum(r[1] for r in ranks)
         wait = max(r[2] for r in ranks)
         units = sum(r[3] for r in ranks)  # counted units: a stream's ranks differ
+        if not units and self.throughput.count is None:  # samples, a global batch a step
+            units = window.samples_per_step * steps
         elapsed = time.perf_counter() - epoch_start  # after .tolist(): the device is done
         mean_loss = loss_sum / batch_count if batch_count else math.nan  # all skipped
         self.runner.nonfinite.check_epoch(mean_loss, epoch + 1, ctx.state.step)  # from 1
@@ -398,16 +395,9 @@ class Trainer:
         return {
             EPOCH_LOSS: mean_loss,
             **extras,
-            self.throughput.epoch_metric: (units or self.epoch_done(window, steps))
-            / max(elapsed, 1e-9),
+            self.throughput.epoch_metric: units / max(elapsed, 1e-9),
             "train/data_wait_fraction": wait / max(elapsed, 1e-9),
         }
-
-    def epoch_done(self, window: LogWindow, steps: int) -> float:
-        """Samples (or the recipe's units) all ranks trained on in this run's part."""
-        if self.throughput.count is None:
-            return window.samples_per_step * steps
-        return (window.epoch_units + window.units) * window.world_size
 
     def epoch_loss_so_far(self, reduce: bool = True) -> dict | None:
         """For a snapshot (collective: every rank takes part): the epoch's loss sum and
@@ -441,7 +431,9 @@ class Trainer:
         """After optimizer step ``step``, unless the epoch ends with it (run_epoch
         validates there): a validation when ``val_every_steps`` divides the step, or when
         max_steps ends the run here (``self.ending``; the validation that an epoch's end
-        would run). Early stopping may then end the run at this step. True when the
+        would run), its metrics logged at the step and joining the run's. Training goes
+        on exactly as without it (the RNG states, the model's mode and the training loader
+        as they were). Early stopping may then end the run at this step. True when the
         validation is the new best (best_improved)."""
         ctx = self.ctx
         parts = self.run_parts
@@ -455,7 +447,13 @@ class Trainer:
         if parts.val_loader is None:
             return False
         with phases.span("validation"):
-            metrics = self.validate_in_epoch(step)
+            self.check.finish_pending()  # the window before the validation is logged first
+            parts.parallel.sync_buffers(parts.model)  # rank 0's statistics, as at epochs' ends
+            metrics = self.validation.run(ctx.state.epoch)
+            ctx.metrics.update(metrics)
+            self.named.validated(metrics)
+            if self.log_hook is not None:
+                self.log_hook(ctx=ctx, metrics=metrics, step=step)
         if self.early_stopping.update(metrics, ctx.state.epoch, step):
             self.ending = "early stopping"
         return self.best_improved(metrics)
@@ -470,23 +468,6 @@ class Trainer:
             return False
         state.best_saved = value
         return True
-
-    def validate_in_epoch(self, step: int) -> dict:
-        """A validation inside an epoch, after optimizer step ``step``: its metrics are
-        logged at that step and join the run's (the next snapshot's, for the best one).
-        Training goes on exactly as without it (validate leaves the RNG states and the
-        model's mode as they were; the training loader is not touched)."""
-        ctx = self.ctx
-        parts = self.run_parts
-        self.check.finish_pending()  # the window before the validation is logged first
-        # As at an epoch's end: rank 0's statistics.
-        parts.parallel.sync_buffers(parts.model)
-        metrics = self.validation.run(ctx.state.epoch)
-        ctx.metrics.update(metrics)
-        self.named.validated(metrics)
-        if self.log_hook is not None:
-            self.log_hook(ctx=ctx, metrics=metrics, step=step)
-        return metrics
 
     # --------------------------------------------------------------- helpers
 

@@ -1,8 +1,7 @@
 """Validation: the recipe's ``eval_step`` over this rank's shard of the validation set,
-its sums reduced over the ranks (:class:`MetricSums`), and the val/* names one batch
-tells before training (:meth:`Validation.names`, for the metrics a config names).
-Training goes on exactly as without it: the RNG states are forked around it and the
-model's mode is left as it was.
+its sums reduced over the ranks, and the val/* names one batch tells before training
+(for the metrics a config names). Training goes on as without it: the RNG states and
+the model's mode are left as they were.
 """
 
 from __future__ import annotations
@@ -17,15 +16,11 @@ from engine.errors import EngineError, PeerFailed
 
 
 class MetricSums:
-    """What ``eval_step`` returns, summed over the batches of a rank; then one
-    all-reduce over the ranks, and every sum divided by the ``count`` sum, or, when the
-    recipe defines ``eval_metrics(sums)``, whatever it derives from the reduced sums
-    (a perplexity, an F1 from counts: metrics that are no sum divided by a count).
-
-    Tensors add up on the device (no sync per batch); Python numbers on the host. The
-    names come from the first batch; rank 0, which holds the most validation samples,
-    tells the others, so a rank with no batch at all still joins the same reduction.
-    """
+    """What ``eval_step`` returns, summed over a rank's batches (tensors on the device:
+    no sync per batch; numbers on the host), then over the ranks in one all-reduce; each
+    sum divided by the ``count`` sum, or what the recipe's ``eval_metrics(sums)`` derives
+    from them (a perplexity, an F1 from counts). The names come from the first batch;
+    rank 0 tells the others, so a rank with no batch at all joins the same reduction."""
 
     def __init__(self, device, derive=None):
         self.device = device
@@ -104,8 +99,8 @@ class Validation:
 
     @contextlib.contextmanager
     def evaluating(self):
-        """The unwrapped module (no DDP collectives in forward: ranks whose shard is one
-        batch shorter do not hang the others) in eval mode, its mode restored after."""
+        """The unwrapped module in eval mode (no DDP collectives in forward: a shorter
+        shard hangs no other rank), its mode restored after."""
         module = self.parts.module
         was_training = module.training
         module.eval()
@@ -122,13 +117,11 @@ class Validation:
 
     @torch.no_grad()
     def names(self) -> list[str] | None:
-        """The val/* names validation will log: rank 0's from one batch through
-        eval_step and eval_metrics, on every rank. [] without a validation set or with
-        an empty one; None when eval_metrics fails on one batch's sums (checked after
-        the first validation then). Training is left as it was (the batch read from the
-        dataset, not the loader). Collective: every rank runs one batch (fsdp's first
-        forward needs them all), and one all_gather tells rank 0's names and who failed
-        (that rank raises its error, the others stop)."""
+        """The val/* names validation will log: rank 0's, from one batch (read from the
+        dataset, not the loader) through eval_step and eval_metrics. [] without a
+        validation sample; None when eval_metrics fails on one batch's sums. Collective:
+        every rank runs one batch (fsdp's first forward needs them all), and one
+        all_gather tells rank 0's names and who failed (that rank raises its error)."""
         loader = self.parts.val_loader
         if loader is None:
             return []

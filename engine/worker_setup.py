@@ -3,29 +3,13 @@ engine.fit's Engine, the custom loop's Context (engine.api) and tune-workers. On
 so that the doors cannot drift apart (a custom loop's ``activation_checkpointing`` was
 silently ignored while the Engine applied it).
 
-The steps, in the order a run takes them; each door calls those it needs::
-
-    start_worker          seed, deterministic kernels, threads, parallel mode (the
-                          recipe's settings reach it: fsdp's shard_units), process
-                          group, run folder        Engine, Context, tune-workers
-    datasets              the recipe's prepare_data (local rank 0 first), build_datasets
-                                                                  Engine
-    training_loader       the training loader of one micro-batch per process, checked
-                          not empty                 Engine, Context.loader, tune-workers
-    recipe_model          the recipe's build_model, right after seeding
-                                                                  Engine, tune-workers
-    transform_model       activation checkpointing, then torch.compile
-                                             Engine, Context.wrap, tune-workers
-    prepare_model         transform_model, then the parallel wrap  Context.wrap
-    setup_step_parts      recipe_model, transform_model, the wrap (not tune-workers'),
-                          build_optimizer, loss_fn, grad_scaler   Engine, tune-workers
-    build_optimizer       on the wrapped model's parameters, checked to hold them
-                                             Engine, Context.wrap, tune-workers
-    schedule_length       the optimizer steps of an epoch and of the run   Engine
-    build_scheduler       the recipe's, given the run's length    Engine
-    grad_scaler           fp16's GradScaler (CUDA only)           Engine, tune-workers
-    open_checkpointer     the checkpoint plugin, on <out_dir>/checkpoints
-                                                                  Engine, Context
+The steps, in the order a run takes them, and the doors that call them: start_worker
+(Engine, Context, tune-workers); datasets (Engine); training_loader (Engine,
+Context.loader, tune-workers); setup_step_parts, the model (recipe_model, then
+transform_model: activation checkpointing and torch.compile, then the parallel wrap) with
+its optimizer, loss_fn and fp16 scaler (Engine, tune-workers without the wrap;
+Context.wrap takes prepare_model and build_optimizer); schedule_length and
+build_scheduler (Engine); open_checkpointer (Engine, Context).
 
 What they build is the run's :class:`RunParts`, the record that the training loop
 drives (the Trainer reads it; recipes and hooks see its fields on the run object:
@@ -110,10 +94,9 @@ def callers_state_kept():
 
 
 def start_worker(pm, cfg, world, options: dict[str, Any], recipe=None, alone: bool = False):
-    """The first steps of every worker (a Trainer run or a library user's loop): seed
-    every RNG, share the CPUs, choose the parallel mode and its devices, create the
-    process group, settle the run's folder (neither ``alone``: tune-workers' processes
-    neither communicate nor write). Returns the parallel mode, which reads the settings
+    """The first steps of every worker: seed every RNG, share the CPUs, choose the
+    parallel mode and its devices, create the process group and settle the run's folder
+    (not ``alone``: tune-workers). Returns the parallel mode, which reads the settings
     ``recipe`` declares (fsdp: ``shard_units``; None in a custom loop)."""
     import torch  # lazily: see the module docstring
 

@@ -335,10 +335,8 @@ def _measure_settings(job, world, settings, budget_s, full_step, conn) -> None:
 
 
 def _full_step(recipe, cfg, ctx):
-    """Each micro-batch through the Trainer's step (engine/step.py: the recipe's
-    ``train_step``, accumulation over grad_accum_steps, the non-finite policy, clipping,
-    the optimizer step), on the model that engine/worker_setup.py builds for a run
-    (transformed, not wrapped: no process group here)."""
+    """Each micro-batch through the Trainer's step (engine/step.py), on the model a run
+    builds (engine/worker_setup.py; not wrapped: there is no process group here)."""
     from engine.step import StepRunner  # imports torch: lazily, as in tune
 
     parts = worker_setup.setup_step_parts(ctx.run_parts, recipe, cfg, ctx.print, wrap=False)
