@@ -133,7 +133,7 @@ class Engine(WorkerContext):
         parts = setup_recipe_run(self, self.recipe)
         parts.memory = self._memory_snapshots()
         # Before the resume: its progress is a snapshot part. It checks the metrics the
-        # config names (Trainer.check_named_metrics): a refused run wrote nothing.
+        # config names (engine.metrics.NamedMetrics): a refused run wrote nothing.
         trainer = Trainer(self, parts)
         self.add_core_parts(trainer, lambda: parts.train_loader,
                             recipe_parts=self.recipe.optional("state_parts"))
