@@ -534,7 +534,7 @@ def make_smoke_run(cfg) -> None:
     """A smoke run's config (every process makes the same): one epoch of
     ``smoke_batches`` steps, in a folder of its own (out_dir + ``-smoke``), so that
     nothing it writes is a snapshot a real run could resume from; the validation
-    batches are limited where they are read (Trainer.validate)."""
+    batches are limited where they are read (engine/validation.py)."""
     steps = smoke_batches(cfg)
     if not steps:
         return

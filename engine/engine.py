@@ -125,7 +125,7 @@ class Engine(WorkerContext):
         snapshot parts, the resume; returns the Trainer that will train them."""
         parts = setup_recipe_run(self, self.recipe)
         # Before the resume: its progress is a snapshot part. It checks the metrics the
-        # config names (Trainer.check_named_metrics): a refused run wrote nothing.
+        # config names (engine.metrics.NamedMetrics): a refused run wrote nothing.
         trainer = Trainer(self, parts)  # and the snapshot layer, self.snapshots
         self.add_core_parts(trainer, lambda: parts.train_loader,
                             recipe_parts=self.recipe.optional("state_parts"))

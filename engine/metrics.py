@@ -6,7 +6,7 @@ The best snapshot and early stopping both ask :func:`resolved_mode` (an explicit
 max, else :func:`direction` from the name; a name that says none is refused before
 anything starts) and :func:`improves`, so they never disagree. :func:`check_forms`
 refuses, in the launching process, a name no recipe run logs; the worker checks the
-rest before the first step (``Trainer.check_named_metrics``); :func:`not_logged` is
+rest before the first step (:class:`NamedMetrics`); :func:`not_logged` is
 both's error. The summary keys, throughput names and units here are shared by the
 summary, the console and ``engine-report``. No torch here: the launching process and
 the config checks import it.
@@ -178,6 +178,126 @@ def not_logged(key: str, metric: str, logged) -> ConfigError:
     return ConfigError(f"config key {key!r}: {metric!r} is not a metric this run logs{at}"
                        + (f" (did you mean {close[0]!r}?)" if close else "")
                        + f"; it logs: {', '.join(logged) if logged else 'nothing'}")
+
+
+class NamedMetrics:
+    """The metrics the config names, checked against those this run logs as soon as each
+    is known: before the first step with the val/* names ``val_names()`` reads from one
+    batch (None: after the first validation), train_step's extras at the first
+    micro-batch. One not logged stops the run with one line listing those that are."""
+
+    def __init__(self, cfg, throughput: Throughput, val_names):
+        self.throughput = throughput
+        self.extras: list[str] = []  # train_step's extras, once known
+        self.val_names: list[str] | None = []
+        self.unchecked: list[tuple[str, str]] = []  # (key, metric), once more is known
+        wanted = named(cfg)
+        if wanted:
+            self.val_names = val_names()
+            self.unchecked = self.refuse_unlogged(wanted, extras_known=False)
+
+    def extras_known(self, names: list[str]) -> None:
+        self.extras = names
+        if self.unchecked:
+            self.unchecked = self.refuse_unlogged(self.unchecked, extras_known=True)
+
+    def validated(self, metrics: dict) -> None:
+        """After a validation: the val/ names are known now."""
+        if self.unchecked:
+            self.val_names = [name for name in metrics if name.startswith("val/")]
+            self.unchecked = self.refuse_unlogged(self.unchecked, extras_known=True)
+
+    def logged(self, key: str) -> list[str]:
+        """The metrics this run logs that config key ``key`` may name, as far as known:
+        an epoch's for early stopping and a scheduler, any for the best snapshot."""
+        names = [*(self.val_names or []), "train/epoch_loss",
+                 *(f"train/epoch_{n}" for n in self.extras),
+                 self.throughput.epoch_metric, "train/data_wait_fraction"]
+        if key not in EPOCH_END:  # a log window's
+            names += [*(f"train/{n}" for n in self.extras), self.throughput.metric]
+        return [*names, "lr"]
+
+    def refuse_unlogged(self, wanted: list[tuple[str, str]], extras_known: bool
+                        ) -> list[tuple[str, str]]:
+        """Raise for the first of ``wanted`` this run does not log; return those it may
+        yet log (a train/ name before the extras are known, a val/ name before they are)."""
+        later = []
+        for key, metric in wanted:
+            logged = self.logged(key)
+            if metric in logged:
+                continue
+            if ((not extras_known and metric.startswith("train/"))
+                    or (self.val_names is None and metric.startswith("val/"))):
+                later.append((key, metric))
+                continue
+            raise not_logged(key, metric, logged)
+        return later
+
+
+class EarlyStopping:
+    """``early_stopping.*``: stop when ``metric`` has not improved by more than
+    ``min_delta`` (which counts the patience only: the best is compared as the
+    checkpointer compares) for ``patience`` validations. Every rank decides alike (the
+    metrics are reduced); the count is in the TrainState, which snapshots save."""
+
+    def __init__(self, cfg, state, by_steps: bool = False):
+        self.metric = cfg.metric
+        self.mode = (resolved_mode(cfg.metric, cfg.mode, "early_stopping.mode")
+                     if cfg.metric else None)
+        self.patience = cfg.patience
+        self.min_delta = cfg.min_delta
+        self.state = state
+        # val_every_steps: the patience counts validations, inside epochs too, and the
+        # best is named by its step.
+        self.by_steps = by_steps
+
+    def update(self, metrics: dict, epoch: int, step: int = 0) -> bool:
+        """After a validation in ``epoch`` (from 0; at its end, or after optimizer step
+        ``step`` with val_every_steps): True when the run must stop now."""
+        if not self.metric:
+            return False
+        if self.metric not in metrics:
+            raise not_logged(EARLY, self.metric, sorted(metrics))
+        value, s = metrics[self.metric], self.state
+        if s.reference_metric is None:  # a snapshot written before the field: its best
+            s.reference_metric = s.best_metric  # was the reference
+        if improves(value, s.best_metric, self.mode):
+            s.best_metric, s.best_epoch, s.best_step = value, epoch + 1, step
+        if improves(value, s.reference_metric, self.mode, self.min_delta):
+            s.reference_metric, s.epochs_without_improvement = value, 0
+        else:
+            s.epochs_without_improvement += 1
+        s.stopped_early = s.epochs_without_improvement >= self.patience
+        return s.stopped_early
+
+    def message(self) -> str:
+        s = self.state
+        at = (f"step {s.best_step} (epoch {s.best_epoch})" if self.by_steps
+              else f"epoch {s.best_epoch}")
+        best = "none" if s.best_metric is None else f"{s.best_metric:.4g} at {at}"
+        compared = ("" if not self.min_delta or s.reference_metric is None else
+                    f" by more than {self.min_delta:g} on {s.reference_metric:.4g}")
+        counted = "validations" if self.by_steps else "epochs"
+        return (f"early stopping: {self.metric} did not improve{compared} for "
+                f"{s.epochs_without_improvement} {counted}; best {best}")
+
+
+class Throughput:
+    """What ``train/<unit>_per_sec`` (a log window's) and ``train/epoch_<unit>_per_sec``
+    count: samples (a step's global batch), or the recipe's ``throughput_unit = "tokens"``
+    with ``count_throughput(batch) -> int`` (read from the shapes: no device sync)."""
+
+    def __init__(self, recipe):
+        self.unit = recipe.optional("throughput_unit") or "samples"
+        self.count = recipe.optional("count_throughput")
+        if (self.count is None) != (self.unit == "samples"):
+            raise ConfigError(
+                f"the recipe declares throughput_unit={self.unit!r} "
+                + ("without count_throughput(batch) -> int (the units in a micro-batch)"
+                   if self.count is None else "as samples with a count_throughput: "
+                   "name its unit, e.g. throughput_unit = 'tokens'"))
+        self.metric = f"train/{self.unit}_per_sec"
+        self.epoch_metric = f"train/epoch_{self.unit}_per_sec"
 
 
 # ------------------------------------------- names the summary, console and runs read

@@ -157,6 +157,22 @@ class PreemptionFlag:
         return 0.0 if signum == signal.SIGINT and not spawned_here() else DUPLICATE_WINDOW_S
 
 
+class StopRequest:
+    """Pre-emption's slot in the loop's check points (engine/check_point.py): ``requested``
+    on every rank at the same check point once any rank's flag was up."""
+
+    def __init__(self, flag: PreemptionFlag | None):
+        self.flag = flag
+        self.requested = False
+
+    def check_values(self, window_s: float, window_steps: int) -> list[float]:
+        return [float(bool(self.flag))]
+
+    def check_agreed(self, sums) -> None:
+        if sums[0] > 0:
+            self.requested = True
+
+
 #: What the log says when no plugin's scheduler runs this job (engine_requeue).
 NOT_REQUEUED = "not requeued (start the run again to resume)"
 

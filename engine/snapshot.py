@@ -148,7 +148,7 @@ class Snapshots:
     #: :meth:`check_flags`' values: time, failure, engine.memory.cost.MEMORY_INTERVALS'.
     FLAGS = 2 + 8
 
-    def __init__(self, ctx, finish_check, memory=None):
+    def __init__(self, ctx, finish_check, memory=None, check_point=None):
         self.ctx = ctx
         self.policy = SnapshotPolicy(ctx.cfg, ctx.is_rank0)
         self.finish_check = finish_check
@@ -157,6 +157,9 @@ class Snapshots:
         # moves the count) and while a time flag waits for a snapshot to disk.
         self.next_due = 0
         self._use(memory)
+        if check_point is not None:  # the loop's (engine/check_point.py): this layer's slot
+            check_point.add("snapshots", self.check_flags, self.agree_on,
+                            started=self.window_started)
 
     def _use(self, memory) -> None:
         self.memory = memory

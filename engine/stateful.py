@@ -48,8 +48,8 @@ from engine.errors import CheckpointError, ConfigError, EngineError, first_line
 # that use them: the launching process imports this module (engine.checkpoint does).
 
 #: Snapshot keys that are the header, not parts: a part may not take these names.
-HEADER = frozenset({"engine_version", "config", "recipe", "world_size", "epoch", "step",
-                    "batch_in_epoch", "epochs_completed"})
+HEADER = frozenset({"engine_version", "config", "recipe", "world_size", "threads", "epoch",
+                    "step", "batch_in_epoch", "epochs_completed"})
 
 
 @runtime_checkable

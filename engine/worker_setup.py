@@ -3,27 +3,13 @@ engine.fit's Engine, the custom loop's Context (engine.api) and tune-workers. On
 so that the doors cannot drift apart (a custom loop's ``activation_checkpointing`` was
 silently ignored while the Engine applied it).
 
-The steps, in the order a run takes them; each door calls those it needs::
-
-    start_worker          seed, deterministic kernels, threads, parallel mode (the
-                          recipe's settings reach it: fsdp's shard_units), process
-                          group, run folder                       Engine, Context
-    datasets              the recipe's prepare_data (local rank 0 first), build_datasets
-                                                                  Engine
-    training_loader       the training loader of one micro-batch per process, checked
-                          not empty                 Engine, Context.loader, tune-workers
-    recipe_model          the recipe's build_model, right after seeding
-                                                                  Engine, tune-workers
-    transform_model       activation checkpointing, then torch.compile
-                                             Engine, Context.wrap, tune-workers
-    prepare_model         transform_model, then the parallel wrap  Engine, Context.wrap
-    build_optimizer       on the wrapped model's parameters, checked to hold them
-                                             Engine, Context.wrap, tune-workers
-    schedule_length       the optimizer steps of an epoch and of the run   Engine
-    build_scheduler       the recipe's, given the run's length    Engine
-    grad_scaler           fp16's GradScaler (CUDA only)           Engine, tune-workers
-    open_checkpointer     the checkpoint plugin, on <out_dir>/checkpoints
-                                                                  Engine, Context
+The steps, in the order a run takes them, and the doors that call them: start_worker
+(Engine, Context, tune-workers); datasets (Engine); training_loader (Engine,
+Context.loader, tune-workers); setup_step_parts, the model (recipe_model, then
+transform_model: activation checkpointing and torch.compile, then the parallel wrap) with
+its optimizer, loss_fn and fp16 scaler (Engine, tune-workers without the wrap;
+Context.wrap takes prepare_model and build_optimizer); schedule_length and
+build_scheduler (Engine); open_checkpointer (Engine, Context).
 
 What they build is the run's :class:`RunParts`, the record that the training loop
 drives (the Trainer reads it; recipes and hooks see its fields on the run object:
@@ -107,11 +93,11 @@ def callers_state_kept():
             _threads_before = None
 
 
-def start_worker(pm, cfg, world, options: dict[str, Any], recipe=None):
-    """The first steps of every worker (a Trainer run or a library user's loop): seed
-    every RNG, share the CPUs, choose the parallel mode and its devices, create the
-    process group, settle the run's folder. Returns the parallel mode, which reads the
-    settings ``recipe`` declares (fsdp: ``shard_units``; None in a custom loop)."""
+def start_worker(pm, cfg, world, options: dict[str, Any], recipe=None, alone: bool = False):
+    """The first steps of every worker: seed every RNG, share the CPUs, choose the
+    parallel mode and its devices, create the process group and settle the run's folder
+    (not ``alone``: tune-workers). Returns the parallel mode, which reads the settings
+    ``recipe`` declares (fsdp: ``shard_units``; None in a custom loop)."""
     import torch  # lazily: see the module docstring
 
     seed_everything(cfg.seed)
@@ -122,6 +108,8 @@ def start_worker(pm, cfg, world, options: dict[str, Any], recipe=None):
         _threads_before = torch.get_num_threads()
     torch.set_num_threads(options.get("threads") or world.cpu_share().count)
     parallel = parallel_mode(pm, cfg, world, recipe)
+    if alone:
+        return parallel
     if world.distributed:
         distributed.init(world, parallel.backend or "gloo", cfg.timeout_s)
         health.prepare(cfg.timeout_s)
@@ -189,15 +177,9 @@ def setup_recipe_run(ctx, recipe) -> RunParts:
     if val_set is not None:  # map-style, or a stream
         parts.val_loader = streaming.val_loader(val_set, batch=parts.micro_batch,
                                                 world=world, **loader_kwargs)
-    parts.model = prepare_model(recipe_model(recipe, cfg), cfg, parts.parallel, ctx.device,
-                                ctx.print)
-    parts.optimizer = build_optimizer(
-        lambda module: recipe.module.build_optimizer(cfg, module), ctx.module,
-        parts.parallel)
+    setup_step_parts(parts, recipe, cfg, ctx.print)
     parts.steps_per_epoch, parts.total_steps = schedule_length(parts.train_loader, cfg)
     parts.scheduler = build_scheduler(recipe, cfg, parts.optimizer, ctx)
-    parts.loss_fn = recipe.optional("loss_fn")
-    parts.scaler = grad_scaler(cfg.precision, ctx.device)
     slow = precision_note(cfg.precision, [str(ctx.device)])
     if slow:  # the run's first lines, rank 0
         ctx.warn(slow)
@@ -205,13 +187,15 @@ def setup_recipe_run(ctx, recipe) -> RunParts:
     return parts
 
 
-def setup_step_parts(parts: RunParts, recipe, cfg, say) -> RunParts:
-    """tune-workers' ``--full-step``: the recipe's model, transformed as for a run but not
-    wrapped (no process group there), its optimizer, loss_fn and fp16 scaler, in
-    ``parts`` (returned)."""
-    parts.model = transform_model(recipe_model(recipe, cfg), cfg, parts.parallel.device, say)
+def setup_step_parts(parts: RunParts, recipe, cfg, say, wrap: bool = True) -> RunParts:
+    """What the step drives, in ``parts`` (returned): the recipe's model, transformed and
+    wrapped (not ``wrap``: tune-workers' ``--full-step``, which has no process group),
+    its optimizer, loss_fn and fp16 scaler."""
+    model = transform_model(recipe_model(recipe, cfg), cfg, parts.parallel.device, say)
+    parts.model = parts.parallel.wrap(model) if wrap else model
     parts.optimizer = build_optimizer(
-        lambda module: recipe.module.build_optimizer(cfg, module), parts.module)
+        lambda module: recipe.module.build_optimizer(cfg, module), parts.module,
+        parts.parallel)
     parts.loss_fn = recipe.optional("loss_fn")
     parts.scaler = grad_scaler(cfg.precision, parts.parallel.device)
     return parts

@@ -5,15 +5,15 @@ each builds the recipe's training DataLoader exactly as the engine does and read
 batches for ``--budget`` seconds after a warm-up that starts the workers and drains what
 they prefetched. The rate (samples/s, or the recipe's own unit) is the sum over the
 processes, from the steady state. ``--full-step`` also runs every batch through the
-recipe's ``train_step``, its backward and the optimizer step on the process's device, so
-the loader competes with the compute for the CPUs as in a real run (no process group:
-no gradient all-reduce). The output ends with the best setting and the override that
-applies it (docs/data.md).
+Trainer's step (engine/step.py) on the process's device, so the loader competes with the
+compute for the CPUs as in a real run (no process group: no gradient all-reduce). The
+output ends with the best setting and the override that applies it (docs/data.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing
 import os
 import statistics
@@ -28,6 +28,7 @@ from engine import worker_setup
 from engine.errors import ConfigError, EngineError, first_line, one_line
 from engine.launcher import LaunchOptions, choose_launcher, start_method
 from engine.launching import RecipeJob
+from engine.metrics import Throughput
 from engine.parallel import choose_parallel
 from engine.plugin_manager import build_plugin_manager
 
@@ -122,10 +123,9 @@ def tune(recipe_path: str, overrides: Sequence[str] = (), *, budget_s: float = 5
          out=None, rounds: int = 1) -> dict[str, Any]:
     """Measure every setting (``rounds`` times, cycling, medians); returns the
     measurements and what the engine would choose."""
-    # These import torch: kept out of the module, so that --help and a bad argument
+    # This imports torch: kept out of the module, so that --help and a bad argument
     # answer at once (as in _measure_settings, _full_step and _endless).
     from engine import data
-    from engine.trainer import Throughput
 
     pm = build_plugin_manager(list(plugins))
     job = RecipeJob(tuple(plugins), {}, recipe=str(recipe_path), overrides=tuple(overrides))
@@ -278,17 +278,14 @@ def _barrier(conn, rank: int, timeout: float) -> None:
 def _measure_settings(job, world, settings, budget_s, full_step, conn) -> None:
     import torch  # torch and the modules below: lazily, as in tune
 
-    from engine import data
+    from engine import data, streaming
     from engine.engine import Engine
-    from engine.trainer import Throughput
 
     pm = build_plugin_manager(list(job.plugins))
     recipe, cfg = job.load(pm)
-    worker_setup.seed_everything(cfg.seed)
-    torch.set_num_threads(world.cpu_share().count)
-    # The parallel mode for its device: no process group (nothing here communicates).
-    parts = worker_setup.RunParts(parallel=worker_setup.parallel_mode(pm, cfg, world, recipe))
-    ctx = Engine(pm, recipe, cfg, world, {}, run_parts=parts)  # build_datasets' ctx in a run
+    parallel = worker_setup.start_worker(pm, cfg, world, {}, recipe=recipe, alone=True)
+    # The recipe's ctx, as in a run's worker.
+    ctx = Engine(pm, recipe, cfg, world, {}, run_parts=worker_setup.RunParts(parallel=parallel))
     device = ctx.device
     timeout = budget_s + STARTUP_ALLOWANCE_S  # every wait below has this finite timeout
 
@@ -301,7 +298,7 @@ def _measure_settings(job, world, settings, budget_s, full_step, conn) -> None:
     wait(timeout)  # local rank 0 has prepared the data
     train_set, _ = recipe.module.build_datasets(cfg, ctx)
 
-    count = Throughput(recipe).count or samples_in
+    count = Throughput(recipe).count or streaming.batch_samples  # as a stream's count
     step = _full_step(recipe, cfg, ctx) if full_step else None
 
     for setting in settings:
@@ -340,40 +337,22 @@ def _measure_settings(job, world, settings, budget_s, full_step, conn) -> None:
 
 
 def _full_step(recipe, cfg, ctx):
-    """One micro-batch through the recipe's own ``train_step``, backward and the
-    optimizer step, as the Trainer runs them, on the model that engine/worker_setup.py
-    builds for a run (transformed, not wrapped: no process group here)."""
-    from engine import data  # imports torch: lazily, as in tune
-    from engine.trainer import autocast_for
+    """Each micro-batch through the Trainer's step (engine/step.py), on the model a run
+    builds (engine/worker_setup.py; not wrapped: there is no process group here)."""
+    from engine.step import StepRunner  # imports torch: lazily, as in tune
 
-    parts = worker_setup.setup_step_parts(ctx.run_parts, recipe, cfg, ctx.print)
-    autocast = autocast_for(cfg.precision, ctx.device)
+    parts = worker_setup.setup_step_parts(ctx.run_parts, recipe, cfg, ctx.print, wrap=False)
+    runner = StepRunner(parts, cfg, recipe.train_step, ctx, world_size=1, warn=ctx.warn,
+                        synced=False)
+    accum, batches = cfg.grad_accum_steps, itertools.count()
 
     def step(batch):
-        batch = data.to_device(batch, ctx.device, non_blocking=True)
-        with autocast():
-            loss = recipe.train_step(batch, ctx)
-        loss = loss["loss"] if isinstance(loss, dict) else loss  # extras beside it
-        parts.optimizer.zero_grad(set_to_none=True)  # before the backward, as the Trainer
-        if parts.scaler is not None:
-            parts.scaler.scale(loss).backward()
-            parts.scaler.step(parts.optimizer)
-            parts.scaler.update()
-        else:
-            loss.backward()
-            parts.optimizer.step()
+        group, at = divmod(next(batches), accum)  # at: the micro-batch's place in it
+        runner.micro_batch(batch, accum, at == 0, at == accum - 1)
+        if at == accum - 1:
+            runner.optimizer_step(group + 1)
 
     return step
-
-
-def samples_in(batch) -> int:
-    """The samples in a batch: the length of its first tensor (tuples, lists and dicts
-    of tensors, nested)."""
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (tuple, list)):
-        return samples_in(batch[0])
-    return len(batch)
 
 
 def _endless(loader):
@@ -429,16 +408,6 @@ def format_result(result: dict[str, Any], recipe_path: str, overrides: Sequence[
         apply.append(f"batch_size={best.setting.batch_size}")
     lines.append("apply it: engine-run " + " ".join([recipe_path, *kept, *apply]))
     return "\n".join(lines)
-
-
-def per_sec_of(result: dict[str, Any], num_workers: int, batch_size: int | None = None
-               ) -> float:
-    """The measured rate of one setting (for tools/bench_oct_pipeline.py)."""
-    batch = batch_size or result["recipe_batch_size"]
-    for m in result["measurements"]:
-        if m.setting == Setting(num_workers, batch):
-            return m.per_sec
-    raise KeyError(f"num_workers={num_workers}, batch_size={batch} was not measured")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """engine/metrics.py: which way a named metric is better (read from its name unless the
 config says), the one comparison the best snapshot and early stopping share, and the
-checks of the names a config gives, in the config and in the launching process."""
+checks of the names a config gives, in the config and in the launching process; early
+stopping and the throughput's unit."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import math
 
 import pytest
 
+import engine
 from engine.config import TrainConfig, apply_overrides
 from engine.errors import ConfigError
-from engine.metrics import direction, improves, not_logged, resolved_mode
+from engine.recipe import recipe_from_object
+from engine.metrics import (EarlyStopping, Throughput, direction, improves, not_logged,
+                            resolved_mode)
 from tests.conftest import REPO, run_cli_here
 
 TINY = str(REPO / "tests" / "recipes" / "tiny_parallel_recipe.py")
@@ -131,3 +135,108 @@ def test_a_renamed_epoch_metric_answers_under_its_old_name_with_one_warning(caps
     assert capsys.readouterr().err.splitlines() == [
         "warning: metrics['train/loss'] in engine_epoch_end is now 'train/epoch_loss' (the "
         "epoch's mean); the old name works until 0.4.0"]
+
+
+# ------------------------------------------ early stopping and the throughput's unit
+
+def early_stopping(mode="min", patience=2, min_delta=0.0, metric="val/loss"):
+    from engine.config import EarlyStoppingConfig
+    from engine.stateful import TrainState
+
+    cfg = EarlyStoppingConfig(metric=metric, mode=mode, patience=patience,
+                              min_delta=min_delta)
+    return EarlyStopping(cfg, TrainState())
+
+
+@pytest.mark.parametrize("mode, values, stops_after", [
+    ("min", [1.0, 0.9, 0.95, 0.91], 4),  # best 0.9 at epoch 2, two epochs without
+    ("min", [1.0, 0.9, 0.8, 0.7], None),
+    ("max", [0.1, 0.2, 0.2, 0.3], None),  # equal is not better, but 0.3 is
+    ("max", [0.5, 0.4, 0.5], 3),
+])
+def test_early_stopping_counts_epochs_without_improvement(mode, values, stops_after):
+    stopping = early_stopping(mode)
+    stopped = [stopping.update({"val/loss": v}, epoch) for epoch, v in enumerate(values)]
+    assert (stopped.index(True) + 1 if True in stopped else None) == stops_after
+
+
+def test_early_stopping_min_delta_and_message():
+    """min_delta counts the patience (0.97 and 0.96 are no improvement on 1 by more than
+    0.05); the best is the lowest value, as the best snapshot's, and the message says
+    both."""
+    stopping = early_stopping(min_delta=0.05)
+    for epoch, value in enumerate([1.0, 0.97, 0.96]):
+        stopping.update({"val/loss": value}, epoch)
+    assert stopping.state.stopped_early
+    assert stopping.message() == ("early stopping: val/loss did not improve by more than "
+                                  "0.05 on 1 for 2 epochs; best 0.96 at epoch 3")
+    plain = early_stopping()
+    for epoch, value in enumerate([1.0, 0.9, 0.95, 0.91]):
+        plain.update({"val/loss": value}, epoch)
+    assert plain.message() == (
+        "early stopping: val/loss did not improve for 2 epochs; best 0.9 at epoch 2")
+
+
+def test_early_stopping_reads_its_direction_from_the_name_unless_told():
+    for metric, mode, values, best_epoch in (
+            ("val/loss", "auto", [1.0, 0.5, 0.8], 2), ("val/accuracy", "auto", [0.5, 0.9, 0.7], 2),
+            ("val/accuracy", "min", [0.5, 0.9, 0.7], 1)):
+        stopping = early_stopping(mode, patience=5, metric=metric)
+        for epoch, value in enumerate(values):
+            stopping.update({metric: value}, epoch)
+        assert stopping.state.best_epoch == best_epoch, (metric, mode)
+    with pytest.raises(ConfigError, match=r"^config key 'early_stopping.mode': cannot tell "):
+        early_stopping("auto", metric="val/score")
+
+
+def test_early_stopping_and_the_best_snapshot_agree_on_the_best_epoch(tmp_path):
+    """The same values through both, min_delta set: the checkpointer's best is early
+    stopping's best epoch, and a NaN is neither's best."""
+    from engine.config import TrainConfig
+    from engine.plugins.torch_file import TorchFileCheckpointer
+
+    values = [float("nan"), 1.0, 0.98, 0.97, 0.99]
+    stopping = early_stopping("auto", patience=10, min_delta=0.05)
+    cfg = TrainConfig()
+    cfg.checkpoint.best_metric = "val/loss"  # best_mode auto: min, from the name
+    store = TorchFileCheckpointer(tmp_path, cfg)
+    paths = []
+    for epoch, value in enumerate(values):
+        stopping.update({"val/loss": value}, epoch)
+        paths.append(store.save({"step": epoch}, epoch=epoch + 1, step=epoch + 1,
+                                metrics={"val/loss": value}))
+    assert stopping.state.best_epoch == 4 and store.best() == paths[3]
+    assert stopping.state.epochs_without_improvement == 3  # none by more than 0.05 on 1.0
+
+
+def test_a_snapshot_from_before_the_reference_field_counts_on_from_its_best():
+    stopping = early_stopping(min_delta=0.05)
+    stopping.state.load_state_dict({"best_metric": 1.0, "best_epoch": 1,
+                                    "epochs_without_improvement": 1})
+    assert stopping.update({"val/loss": 0.97}, 2) is True  # not 0.05 below 1.0
+    assert stopping.state.best_epoch == 3 and stopping.state.reference_metric == 1.0
+
+
+def test_early_stopping_off_by_default_and_an_unknown_metric_names_the_key():
+    assert early_stopping(metric="").update({}, 0) is False
+    with pytest.raises(ConfigError, match=r"^config key 'early_stopping.metric': 'val/acc' "
+                                          r"is not a metric this run logs at an epoch's end; "
+                                          r"it logs: val/loss$"):
+        early_stopping(metric="val/acc").update({"val/loss": 1.0}, 0)
+
+
+def test_throughput_is_in_samples_unless_the_recipe_names_and_counts_its_unit():
+    class Samples:
+        Config = engine.TrainConfig
+        build_model = build_datasets = build_optimizer = None
+        train_step = staticmethod(lambda batch, ctx: None)
+
+    class Tokens(Samples):
+        throughput_unit = "tokens"
+
+    assert Throughput(recipe_from_object(Samples)).metric == "train/samples_per_sec"
+    with pytest.raises(ConfigError, match="throughput_unit='tokens' without "
+                                          r"count_throughput\(batch\) -> int"):
+        Throughput(recipe_from_object(Tokens))
+    Tokens.count_throughput = staticmethod(lambda batch: batch.numel())
+    assert Throughput(recipe_from_object(Tokens)).metric == "train/tokens_per_sec"

@@ -1,9 +1,10 @@
 """engine/trainer.py: the loop through real ``engine-run`` runs on the CPU (gloo for two
 processes): non-finite steps, recipes that own their steps, gradient clipping and the
-before-optimizer-step hook, early stopping; then its policies in-process."""
+before-optimizer-step hook, early stopping, schedulers on a metric; the class's size."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import math
@@ -13,11 +14,7 @@ import torch
 
 import engine
 from engine.testing import fit
-from engine.errors import ConfigError, EngineError
-from engine.recipe import recipe_from_object
-from engine.trainer import (EarlyStopping, LogWindow, MetricSums, NonFiniteLoss,
-                            NonFinitePolicy, Throughput, TrainExtras,
-                            window_mean)
+from engine.errors import ConfigError
 from tests.conftest import REPO, read_summary, run_cli
 
 REGRESSION = str(REPO / "tests" / "recipes" / "tiny_regression.py")
@@ -525,242 +522,22 @@ def test_a_scheduler_steps_on_the_metric_its_name_or_its_own_mode_agrees_with():
     assert steps_on_metric(OnMetric())
 
 
-# ------------------------------------------------- the policies, in-process (one rank)
-
-CPU = torch.device("cpu")
-NAN = torch.tensor(float("nan"))
-
-
-def test_skip_policy_skips_a_step_with_any_nan_micro_batch_and_starts_clean():
-    warnings = []
-    policy = NonFinitePolicy("skip", CPU, world_size=1, warn=warnings.append)
-    for loss in (NAN, torch.tensor(1.0)):  # the NaN first, the last micro-batch fine
-        policy.observe(loss)
-    assert policy.allow_step(7) is False
-    assert warnings == ["non-finite loss at step 7: step skipped (on_nonfinite=skip)"]
-    policy.observe(torch.tensor(2.0))
-    assert policy.allow_step(8) is True and policy.skipped_steps == 1
-    policy.check_window(float("nan"), first=1, last=2, epoch=0)  # skip never stops
-
-
-def test_stop_policy_never_syncs_per_step_and_stops_on_a_nan_window():
-    policy = NonFinitePolicy("stop", CPU, world_size=1, warn=print)
-    policy.observe(NAN)
-    assert policy.allow_step(1) is True and policy.finite is None
-    with pytest.raises(NonFiniteLoss, match=r"non-finite \(nan\) between steps 3 and 4 "
-                                            r"\(epoch 1\); .*on_nonfinite=skip"):
-        policy.check_window(float("nan"), first=3, last=4, epoch=1)
-    with pytest.raises(NonFiniteLoss, match=r"not finite \(inf\) in epoch 2, by step 9"):
-        policy.check_epoch(float("inf"), epoch=2, step=9)
-
-
-def test_log_window_folds_each_window_into_the_epoch_sum():
-    window = LogWindow(CPU, samples_per_step=10)
-    for value in (1.0, 2.0):
-        window.add_batch(torch.tensor(value))
-    window.steps = 1
-    assert (window.loss.item(), window.batches) == (3.0, 2)
-    assert window.per_sec(window.start + 0.5, counted=False) == 20.0
-    counted = LogWindow(CPU, samples_per_step=10, world_size=2)
-    counted.units = 300  # this rank's tokens, say; the others trained as many
-    assert counted.per_sec(counted.start + 0.5, counted=True) == 1200.0
-    counted.restart(counted.start + 0.5)
-    assert (counted.units, counted.epoch_units) == (0, 300)
-    window.restart(window.start + 0.5)
-    assert (window.loss.item(), window.batches, window.steps) == (0.0, 0, 0)
-    window.add_batch(torch.tensor(4.0))
-    assert window.total_loss().item() == 7.0
-
-
-def test_the_window_loss_is_logged_as_before_the_counts_were_summed():
-    # The check point sums the ranks' micro-batch counts; with map-style data every rank
-    # has as many, and metrics.csv (repr) must read as before: the sum over one rank's
-    # batches, then over the ranks. One division by the product differs in the last
-    # digit for about one window in five with 3 processes.
-    sums = torch.linspace(0.1, 30.0, 200, dtype=torch.float32).tolist()
-    for world_size in (1, 2, 3, 5, 6):
-        for per_rank in (1, 3, 7, 16):
-            assert [window_mean(s, float(per_rank * world_size), world_size)
-                    for s in sums] == [s / per_rank / world_size for s in sums]
-    assert window_mean(7.0, 5.0, 2) == 7.0 / 5.0  # a stream's ranks ran 3 and 2
-    assert math.isnan(window_mean(0.0, 0.0, 3))  # on_nonfinite=skip skipped them all
-
-
-def test_a_skipped_step_leaves_the_window_and_the_epoch_loss():
-    window = LogWindow(CPU, samples_per_step=8)
-    for losses, taken in (((1.0, 3.0), True), ((float("nan"), 5.0), False),
-                          ((2.0, 2.0), True)):
-        for loss in losses:
-            window.add_batch(torch.tensor(loss))
-        window.settle(taken)
-    assert (window.loss.item(), window.batches, window.skipped_batches) == (8.0, 4, 2)
-    window.restart(window.start + 1)
-    window.add_batch(torch.tensor(float("inf")))
-    window.settle(False)
-    assert (window.loss.item(), window.batches, window.skipped_batches) == (0.0, 0, 3)
-    assert window.total_loss().item() == 8.0
-
-
-def early_stopping(mode="min", patience=2, min_delta=0.0, metric="val/loss"):
-    from engine.config import EarlyStoppingConfig
-    from engine.stateful import TrainState
-
-    cfg = EarlyStoppingConfig(metric=metric, mode=mode, patience=patience,
-                              min_delta=min_delta)
-    return EarlyStopping(cfg, TrainState())
-
-
-@pytest.mark.parametrize("mode, values, stops_after", [
-    ("min", [1.0, 0.9, 0.95, 0.91], 4),  # best 0.9 at epoch 2, two epochs without
-    ("min", [1.0, 0.9, 0.8, 0.7], None),
-    ("max", [0.1, 0.2, 0.2, 0.3], None),  # equal is not better, but 0.3 is
-    ("max", [0.5, 0.4, 0.5], 3),
-])
-def test_early_stopping_counts_epochs_without_improvement(mode, values, stops_after):
-    stopping = early_stopping(mode)
-    stopped = [stopping.update({"val/loss": v}, epoch) for epoch, v in enumerate(values)]
-    assert (stopped.index(True) + 1 if True in stopped else None) == stops_after
-
-
-def test_early_stopping_min_delta_and_message():
-    """min_delta counts the patience (0.97 and 0.96 are no improvement on 1 by more than
-    0.05); the best is the lowest value, as the best snapshot's, and the message says
-    both."""
-    stopping = early_stopping(min_delta=0.05)
-    for epoch, value in enumerate([1.0, 0.97, 0.96]):
-        stopping.update({"val/loss": value}, epoch)
-    assert stopping.state.stopped_early
-    assert stopping.message() == ("early stopping: val/loss did not improve by more than "
-                                  "0.05 on 1 for 2 epochs; best 0.96 at epoch 3")
-    plain = early_stopping()
-    for epoch, value in enumerate([1.0, 0.9, 0.95, 0.91]):
-        plain.update({"val/loss": value}, epoch)
-    assert plain.message() == (
-        "early stopping: val/loss did not improve for 2 epochs; best 0.9 at epoch 2")
-
-
-def test_early_stopping_reads_its_direction_from_the_name_unless_told():
-    for metric, mode, values, best_epoch in (
-            ("val/loss", "auto", [1.0, 0.5, 0.8], 2), ("val/accuracy", "auto", [0.5, 0.9, 0.7], 2),
-            ("val/accuracy", "min", [0.5, 0.9, 0.7], 1)):
-        stopping = early_stopping(mode, patience=5, metric=metric)
-        for epoch, value in enumerate(values):
-            stopping.update({metric: value}, epoch)
-        assert stopping.state.best_epoch == best_epoch, (metric, mode)
-    with pytest.raises(ConfigError, match=r"^config key 'early_stopping.mode': cannot tell "):
-        early_stopping("auto", metric="val/score")
-
-
-def test_early_stopping_and_the_best_snapshot_agree_on_the_best_epoch(tmp_path):
-    """The same values through both, min_delta set: the checkpointer's best is early
-    stopping's best epoch, and a NaN is neither's best."""
-    from engine.config import TrainConfig
-    from engine.plugins.torch_file import TorchFileCheckpointer
-
-    values = [float("nan"), 1.0, 0.98, 0.97, 0.99]
-    stopping = early_stopping("auto", patience=10, min_delta=0.05)
-    cfg = TrainConfig()
-    cfg.checkpoint.best_metric = "val/loss"  # best_mode auto: min, from the name
-    store = TorchFileCheckpointer(tmp_path, cfg)
-    paths = []
-    for epoch, value in enumerate(values):
-        stopping.update({"val/loss": value}, epoch)
-        paths.append(store.save({"step": epoch}, epoch=epoch + 1, step=epoch + 1,
-                                metrics={"val/loss": value}))
-    assert stopping.state.best_epoch == 4 and store.best() == paths[3]
-    assert stopping.state.epochs_without_improvement == 3  # none by more than 0.05 on 1.0
-
-
-def test_a_snapshot_from_before_the_reference_field_counts_on_from_its_best():
-    stopping = early_stopping(min_delta=0.05)
-    stopping.state.load_state_dict({"best_metric": 1.0, "best_epoch": 1,
-                                    "epochs_without_improvement": 1})
-    assert stopping.update({"val/loss": 0.97}, 2) is True  # not 0.05 below 1.0
-    assert stopping.state.best_epoch == 3 and stopping.state.reference_metric == 1.0
-
-
-def test_early_stopping_off_by_default_and_an_unknown_metric_names_the_key():
-    assert early_stopping(metric="").update({}, 0) is False
-    with pytest.raises(ConfigError, match=r"^config key 'early_stopping.metric': 'val/acc' "
-                                          r"is not a metric this run logs at an epoch's end; "
-                                          r"it logs: val/loss$"):
-        early_stopping(metric="val/acc").update({"val/loss": 1.0}, 0)
-
-
-def test_metric_sums_add_tensors_and_numbers_and_divide_by_the_count():
-    sums = MetricSums(CPU)
-    sums.add({"loss": torch.tensor(3.0), "hits": 2, "count": 4})
-    sums.add({"loss": torch.tensor(1.0), "hits": torch.tensor(1), "count": 4})
-    assert sums.reduce() == {"val/loss": 0.5, "val/hits": 0.375}
-    assert MetricSums(CPU).reduce() == {}  # no batch at all
-    with pytest.raises(EngineError, match="eval_step must return a dict of metric sums "
-                                          "with a 'count'"):
-        MetricSums(CPU).add({"loss": torch.tensor(1.0)})
-
-
-def test_a_recipe_derives_metrics_from_the_reduced_sums():
-    """Perplexity is exp(loss sum / count) over every batch, which no per-batch sum
-    divided by a count gives; F1 comes from the summed counts."""
-    def derive(sums):
-        loss = sums["loss"] / sums["count"]
-        f1 = 2 * sums["tp"] / (2 * sums["tp"] + sums["fp"] + sums["fn"])
-        return {"loss": loss, "perplexity": math.exp(loss), "f1": f1}
-
-    sums = MetricSums(CPU, derive)
-    sums.add({"loss": torch.tensor(2.0), "tp": 3, "fp": 1, "fn": 0, "count": 2})
-    sums.add({"loss": torch.tensor(4.0), "tp": 1, "fp": 0, "fn": 2, "count": 4})
-    assert sums.reduce() == pytest.approx(
-        {"val/loss": 1.0, "val/perplexity": math.e, "val/f1": 8 / 11})
-    # With eval_metrics, a count is the recipe's business.
-    counted = MetricSums(CPU, lambda sums: {"hits": sums["hits"]})
-    counted.add({"hits": 3})
-    assert counted.reduce() == {"val/hits": 3.0}
-
-
-def test_train_step_extras_are_means_per_window_and_per_epoch():
-    extras = TrainExtras(["accuracy", "tokens"], CPU)
-    for hits, tokens in ((0.5, 10), (1.0, 30)):
-        extras.add({"loss": torch.tensor(2.0), "accuracy": torch.tensor(hits), "tokens": tokens})
-    sums, batches = extras.take_window()
-    assert extras.means(sums.tolist(), batches) == {"train/accuracy": 0.75, "train/tokens": 20.0}
-    extras.add({"accuracy": torch.tensor(0.0), "tokens": 20})
-    *sums, batches = extras.take_epoch().tolist()  # the open window included
-    assert extras.means(sums, batches, prefix="train/epoch_") == {
-        "train/epoch_accuracy": 0.5, "train/epoch_tokens": 20.0}
-    assert extras.take_epoch().tolist() == [0.0, 0.0, 0.0]  # the next epoch starts empty
-
-
-def test_a_skipped_steps_extras_leave_the_window_and_the_epoch():
-    # on_nonfinite=skip drops a skipped step's losses (LogWindow.settle); its extras
-    # went on, and one NaN among them made train/NAME and train/epoch_NAME NaN.
-    extras = TrainExtras(["accuracy"], CPU)
-    for values, taken in (((0.5, 1.0), True), ((float("nan"), 0.0), False), ((0.0,), True)):
-        for value in values:
-            extras.add({"loss": torch.tensor(1.0), "accuracy": torch.tensor(value)})
-        extras.settle(taken)
-    sums, batches = extras.take_window()
-    assert extras.means(sums.tolist(), batches) == {"train/accuracy": 0.5}
-    extras.add({"accuracy": torch.tensor(float("nan"))})
-    extras.settle(False)  # the next window's first step: nothing kept yet
-    *sums, batches = extras.take_epoch().tolist()
-    assert extras.means(sums, batches, prefix="train/epoch_") == {"train/epoch_accuracy": 0.5}
-
-
-def test_throughput_is_in_samples_unless_the_recipe_names_and_counts_its_unit():
-    class Samples:
-        Config = engine.TrainConfig
-        build_model = build_datasets = build_optimizer = None
-        train_step = staticmethod(lambda batch, ctx: None)
-
-    class Tokens(Samples):
-        throughput_unit = "tokens"
-
-    assert Throughput(recipe_from_object(Samples)).metric == "train/samples_per_sec"
-    with pytest.raises(ConfigError, match="throughput_unit='tokens' without "
-                                          r"count_throughput\(batch\) -> int"):
-        Throughput(recipe_from_object(Tokens))
-    Tokens.count_throughput = staticmethod(lambda batch: batch.numel())
-    assert Throughput(recipe_from_object(Tokens)).metric == "train/tokens_per_sec"
+def test_the_trainer_class_only_trains():
+    """The Trainer is the loop, read top to bottom: the step (engine/step.py), the check
+    points (engine/check_point.py), validation (engine/validation.py) and the checks of
+    the metrics a config names (engine/metrics.py) live in their modules. Its size and
+    what it asks of the snapshot layer, printed for the record (pytest -s)."""
+    tree = ast.parse((REPO / "engine" / "trainer.py").read_text())
+    (trainer,) = [node for node in tree.body
+                  if isinstance(node, ast.ClassDef) and node.name == "Trainer"]
+    size = trainer.end_lineno - trainer.lineno + 1
+    asked = sorted({node.attr for node in ast.walk(trainer) if isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "snapshots"})
+    print(f"\nthe Trainer class: {size} lines; the snapshot layer: {', '.join(asked)}")
+    assert size <= 450, size
+    # A step's snapshot (behind next_due: no call where none is due), the loop's own, the
+    # epoch's end; the memory tier's progress note after each step.
+    assert asked == ["due_at_epoch_end", "next_due", "note_reached", "save", "step_ended"]
 
 
 @pytest.mark.parametrize("step, shape", [

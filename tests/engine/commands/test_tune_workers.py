@@ -19,6 +19,7 @@ from tests.conftest import REPO, engine_env, run_cli
 
 OCT_DDP = str(REPO / "recipes" / "oct_ddp.py")
 TINY_RESUME = str(REPO / "tests" / "recipes" / "tiny_resume.py")
+REGRESSION = str(REPO / "tests" / "recipes" / "tiny_regression.py")
 ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d./]+)\s+(\d+)%(?:\s+<- (.*))?$")
 
 
@@ -102,6 +103,18 @@ def test_full_step_measures_the_training_step_too():
     ((workers, batch, total, per_process, marks),) = table(proc.stdout)
     assert (workers, batch, len(per_process)) == (0, 16, 1) and total > 0
     assert "best" in marks
+
+
+def test_full_step_is_the_trainers_step_with_its_non_finite_policy():
+    """--full-step measures the step training runs (engine/step.py), accumulation and
+    on_nonfinite included: a NaN sample's step is skipped, as the Trainer skips it."""
+    proc = run_cli("tune-workers", REGRESSION, "nan_sample=0", "on_nonfinite=skip",
+                   "grad_accum_steps=2", "--workers", "0", "--budget", "0.5", "--nproc",
+                   "1", "--full-step", check=True)
+    assert re.search(r"non-finite loss at step \d+: step skipped \(on_nonfinite=skip\)",
+                     proc.stderr), proc.stderr
+    ((workers, batch, total, per_process, marks),) = table(proc.stdout)
+    assert total > 0 and "best" in marks
 
 
 @pytest.mark.parametrize("recipe, overrides, unit", [
