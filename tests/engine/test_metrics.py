@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from engine.config import TrainConfig, apply_overrides
+from engine.config import TrainConfig
+from engine.overrides import apply_overrides
 from engine.errors import ConfigError
 from engine.metrics import direction, improves, not_logged, resolved_mode
 from tests.conftest import REPO, run_cli_here
