@@ -211,8 +211,7 @@ def all_keys(cfg: Any, prefix: str = "") -> list[str]:
 
 def check(cfg: TrainConfig) -> None:
     """Cross-field checks that apply to every recipe."""
-    positive = ("epochs", "batch_size", "grad_accum_steps", "log_every")
-    for name in positive:
+    for name in ("epochs", "batch_size", "grad_accum_steps", "log_every"):
         value = getattr(cfg, name)
         if value < 1:
             raise ConfigError(f"config key {name!r}: {value!r} is not allowed; it must be >= 1")
@@ -259,16 +258,13 @@ def check(cfg: TrainConfig) -> None:
             # launching process, --dry-run and engine.launch (the trackers' stores).
             group.check()
     _check_out_dir(str(cfg.out_dir))
-    # Here, not at the top: engine.run_dir imports engine.distributed (multiprocessing,
-    # subprocess), which importing the config does not need.
+    # Here, not at the top: engine.run_dir imports engine.distributed, which the config does not.
     from engine.run_dir import placeholders
 
     placeholders(str(cfg.out_dir))  # an unknown {name} is refused now, not at the start
     if not cfg.init_method.startswith(("env://", "tcp://", "file://")):
-        raise ConfigError(
-            f"config key 'init_method': {cfg.init_method!r} is not allowed; "
-            "use env://, tcp://HOST:PORT or file:///shared/path"
-        )
+        raise ConfigError(f"config key 'init_method': {cfg.init_method!r} is not allowed; "
+                          "use env://, tcp://HOST:PORT or file:///shared/path")
 
 
 def check_run_length(cfg) -> None:
@@ -330,8 +326,7 @@ def _check_out_dir(out_dir: str) -> None:
     if not existing.is_dir():
         where = "" if existing == path else f" ({existing} is not a folder)"
         raise ConfigError(f"config key 'out_dir': {out_dir!r} cannot be the run's folder"
-                          f"{where or ': it is a file'}; give a folder (created when "
-                          "missing)")
+                          f"{where or ': it is a file'}; give a folder (created when missing)")
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

@@ -31,8 +31,7 @@ _NONE = {"none", "null"}
 
 
 def field_types(cls: type) -> dict[str, Any]:
-    """Resolved annotations of an attrs class (``from __future__ import annotations``
-    leaves them as strings)."""
+    """An attrs class's annotations, resolved (``from __future__ import annotations``)."""
     try:
         return typing.get_type_hints(cls)
     except Exception as exc:
@@ -55,15 +54,14 @@ def check_redeclared(cls: type) -> None:
     declaration allows. One line naming the field and how to change a default."""
     for field in attrs.fields(cls):
         base, base_tp = declared_first(cls, field.name)
-        if base is cls or isinstance(field.default, attrs.Factory) or attrs.has(base_tp):
-            continue
-        default = field.default
-        if fits(default, base_tp):
+        if (base is cls or isinstance(field.default, attrs.Factory) or attrs.has(base_tp)
+                or fits(field.default, base_tp)):
             continue
         raise ConfigError(
-            f"{cls.__name__}.{field.name}: the default {default!r} is not "
+            f"{cls.__name__}.{field.name}: the default {field.default!r} is not "
             f"{_describe(base_tp)} ({base.__qualname__}.{field.name}); to change a default, "
-            f"give a value that is (e.g. {field.name}: {_annotation(base_tp)} = ...)")
+            f"give a value that is (e.g. {field.name}: "
+            f"{repr(base_tp).replace('typing.', '')} = ...)")
 
 
 def fits(value: Any, tp: Any) -> bool:
@@ -75,10 +73,6 @@ def fits(value: Any, tp: Any) -> bool:
                        tp) == value
     except (ValueError, TypeError):
         return False
-
-
-def _annotation(tp: Any) -> str:
-    return repr(tp).replace("typing.", "")
 
 
 def _describe(tp: Any) -> str:
@@ -186,30 +180,24 @@ def apply_override(cfg: Any, key: str, text: str) -> None:
             break
         target = getattr(target, part)
         if not attrs.has(type(target)):
-            raise ConfigError(
-                f"config key {key!r}: {'.'.join(parts[: i + 1])!r} is a value, not a group"
-            )
+            raise ConfigError(f"config key {key!r}: {'.'.join(parts[: i + 1])!r} is a "
+                              "value, not a group")
     name = parts[-1]
     current = getattr(target, name)
     if attrs.has(type(current)):
         if "enabled" in attrs.fields_dict(type(current)):
             # A group switched on and off (compile, ema): GROUP=true is GROUP.enabled=true.
             return apply_override(cfg, f"{key}.enabled", text)
-        raise ConfigError(
-            f"config key {key!r} is a group; set one of its fields, e.g. "
-            f"{all_keys(current, key + '.')[0]}=..."
-        )
+        raise ConfigError(f"config key {key!r} is a group; set one of its fields, e.g. "
+                          f"{all_keys(current, key + '.')[0]}=...")
     tp = field_types(type(target))[name]
     base, base_tp = declared_first(type(target), name)
     try:
         value = convert(text, tp)
     except (ValueError, TypeError):
-        raise ConfigError(
-            f"config key {key!r}: {text!r} is not {_describe(tp)}"
-        ) from None
+        raise ConfigError(f"config key {key!r}: {text!r} is not {_describe(tp)}") from None
     if base_tp != tp and not fits(value, base_tp):
-        # A recipe re-declared the field (to change its default): the engine still
-        # reads it as the base declared it.
+        # A recipe re-declared the field (another default): read as the base declares it.
         raise ConfigError(f"config key {key!r}: {text!r} is not {_describe(base_tp)} "
                           f"({base.__qualname__}.{name})")
     field = attrs.fields_dict(type(target))[name]
@@ -227,9 +215,8 @@ def apply_overrides(cfg: Any, overrides: list[str], checked: bool = True) -> Any
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
-            raise ConfigError(
-                f"override {item!r} is not of the form key=value (e.g. epochs=3, data.root=/data)"
-            )
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. "
+                              "epochs=3, data.root=/data)")
         apply_override(cfg, key.strip(), text)
     if checked:
         check(cfg)
@@ -246,8 +233,7 @@ NOT_REPRODUCED = ("out_dir", "launcher", "init_method")
 
 def load_config_file(path: str) -> list[str]:
     """The overrides (``key=value``) a ``--config`` file holds: TOML, YAML or JSON, by
-    its suffix; nested tables and dotted keys both name a field. The parsers are
-    imported here, when a file is given (nothing at start-up). A run's own config.json
+    its suffix; nested tables and dotted keys both name a field. A run's own config.json
     (its out_dir is the folder it sits in) leaves out :data:`NOT_REPRODUCED`."""
     file = pathlib.Path(path).expanduser()
     suffix = file.suffix.lower()
