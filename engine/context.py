@@ -21,7 +21,7 @@ import attrs
 
 import engine
 from engine import config as config_mod
-from engine import distributed, phases, stateful, worker_setup
+from engine import distributed, phases, rng, shards, stateful, worker_setup
 from engine.atomic_io import atomic_write_text
 from engine.compile import explain_failure, seconds_spent
 from engine.compile import report as compile_report
@@ -59,7 +59,7 @@ def utc_now(at: float | None = None) -> str:
 def weights_digests(module, warn) -> dict:
     """Every rank digests its own copy of the weights: DDP promises they are equal, we
     check (a collective: every rank calls it)."""
-    if stateful.is_sharded(module):
+    if shards.is_sharded(module):
         # One model spread over the ranks (fsdp): the digest of its full state, which
         # only rank 0 gathers; every rank reports that one.
         full = stateful.ModelState(module).state_dict()
@@ -205,7 +205,7 @@ class WorkerContext:
                                                        self.warn))
         parts.add("metrics", stateful.Metrics(self.metrics))
         stateful.add_extra_parts(parts, self.pm, self, recipe_parts)
-        parts.add("rng", stateful.RngStates(self.world, self.warn))
+        parts.add("rng", rng.RngStates(self.world, self.warn))
 
     def record_memory(self, record: dict) -> None:
         """summary.json's ``memory_snapshots`` (the memory tier's interval and costs)."""

@@ -523,7 +523,7 @@ class RecipeJob(Worker):
         """The job of ``engine-run RECIPE ...``: the recipe file, the overrides (the
         component flags among them: they win over the recipe), the -p list, and every
         option as engine.options."""
-        from engine.config import load_config_file
+        from engine.overrides import load_config_file
 
         # Read here, once: spawned workers get the overrides, not the file.
         file_overrides = tuple(load_config_file(args.config)) if args.config else ()
@@ -555,7 +555,8 @@ class RecipeJob(Worker):
 
     def load(self, pm):
         """The recipe and its resolved config (the same in every process)."""
-        from engine.config import apply_overrides, with_groups
+        from engine.config import with_groups
+        from engine.overrides import apply_overrides
         from engine.plugin_manager import require_plugins
 
         recipe = self.loaded_recipe()
@@ -651,7 +652,7 @@ def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
     job = RecipeJob(tuple(plugins), library_options(resume, overwrite, threads, nproc=nproc,
                                                     max_restarts=max_restarts),
                     door=FIT, recipe=_recipe_reference(recipe), overrides=tuple(items))
-    from engine.config import UnknownKey
+    from engine.overrides import UnknownKey
     from engine.worker_setup import callers_state_kept
 
     with callers_state_kept():

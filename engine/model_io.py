@@ -12,7 +12,8 @@ import attrs
 
 from engine.atomic_io import atomic_write, file_checksum
 from engine.checkpoint import POINTERS
-from engine.config import _as_text, apply_overrides, flatten
+from engine.config import flatten
+from engine.overrides import _as_text, apply_overrides
 from engine.errors import CheckpointError, ConfigError, first_line, untrusted_pickle
 from engine.launching import _recipe_reference
 from engine.recipe import load_recipe, recipe_from_object

@@ -9,9 +9,9 @@ from typing import Any
 # this module (engine.cli's train, the workers).
 import torch
 
-from engine import config as config_mod
 from engine import cpu_bf16, loader_settings
 from engine.data import split_batch
+from engine.overrides import format_config
 from engine.parallel import choose_parallel
 from engine.world import format_world_table
 
@@ -149,7 +149,7 @@ def format_plan(cfg, plan: dict[str, Any], worlds, config: bool = True,
     lines = []
     if config:
         lines.append("config:")
-        lines.extend(f"  {line}" for line in config_mod.format_config(cfg, describe=describe))
+        lines.extend(f"  {line}" for line in format_config(cfg, describe=describe))
     lines.append("plan:")
     batch = (f"{plan['global_batch']} global = {plan['world_size']} processes x "
              f"{plan['per_process_batch']}")

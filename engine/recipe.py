@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 
-from engine.config import TrainConfig, check_redeclared
+from engine.config import TrainConfig
+from engine.overrides import check_redeclared
 from engine.errors import ConfigError
 
 if TYPE_CHECKING:  # for the annotations only: no import at start-up

@@ -1,12 +1,8 @@
 """Stateful parts: everything an exact resume needs, each behind ``state_dict()`` and
-``load_state_dict()``.
-
-The protocol is torch.distributed.checkpoint's ``Stateful``: any object with those two
-methods is a part (a module, an optimizer, a scheduler, a GradScaler are already). A
-snapshot is the walk over a run's registered parts (:meth:`SnapshotParts.state_dict`)
-plus a small header, and a resume is the walk back
-(:meth:`SnapshotParts.load_state_dict`); no module reaches into another's attributes to
-save or restore it. The core registers, in this order::
+``load_state_dict()`` (torch.distributed.checkpoint's ``Stateful``; a module, an
+optimizer, a scheduler, a GradScaler already are parts). A snapshot is the walk over a
+run's registered parts (:class:`SnapshotParts`) plus a small header, a resume the walk
+back: no module reaches into another's attributes. The core registers, in this order::
 
     model       the unwrapped module (a sharded checkpointer gets the sharded form)
     optimizer
@@ -19,33 +15,28 @@ save or restore it. The core registers, in this order::
     metrics     the latest reduced values (what the summary reports after a resume)
     ...         the recipe's ``state_parts(cfg, ctx)`` and the plugins'
                 ``engine_register_state(engine, parts)``
-    rng         every rank's RNG states (gathered: a collective)
+    rng         every rank's RNG states (gathered: a collective; engine/rng.py)
 
-``state_dict`` of a part may be a collective (rng, progress): every rank walks the
-parts in the same order, so every rank calls them alike.
-
-Under a sharded checkpointer (dcp) a part whose state holds DTensors is written as
-shards, and one whose ``sharded`` attribute is true is loaded in place: its own
-``state_dict()`` is the template the shards are read into (model, optimizer, and the
-ema plugin's average under fsdp).
+A part's ``state_dict`` may be a collective (rng, progress): every rank walks the parts
+in the same order. Under a sharded checkpointer (dcp) a part whose state holds DTensors
+is written as shards, and one whose ``sharded`` attribute is true is loaded in place
+into its own ``state_dict()`` (model, optimizer, the ema plugin's average under fsdp).
 """
 
 from __future__ import annotations
 
 import hashlib
-import pickle
-import random
-import struct
-import sys
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import attrs
 
-from engine import distributed
 from engine.errors import CheckpointError, ConfigError, EngineError, first_line
+# engine.trainer calls stateful.rng_state and set_rng_state: here until it imports engine.rng
+from engine.rng import rng_state, set_rng_state  # noqa: F401
+from engine.shards import (distributed_options, from_shards, holds_shards, holds_tensors,
+                           is_sharded, mesh_of, to_shards)
 
-# torch, numpy and engine.data (which imports torch) are imported inside the functions
-# that use them: the launching process imports this module (engine.checkpoint does).
+# torch is imported inside the functions that use it: engine.checkpoint imports this module.
 
 #: Snapshot keys that are the header, not parts: a part may not take these names.
 HEADER = frozenset({"engine_version", "config", "recipe", "world_size", "threads", "epoch",
@@ -76,8 +67,7 @@ class SnapshotParts:
     def __init__(self) -> None:
         self._parts: dict[str, Stateful] = {}
         self._owners: dict[str, str] = {}
-        #: Who is adding parts now (a plugin's name, "the recipe"): named in the error
-        #: when two owners take one name.
+        #: Who adds parts now (a plugin, "the recipe"): named when two owners take one name.
         self.current_owner = "the engine"
 
     def add(self, name: str, part: Stateful) -> None:
@@ -167,8 +157,8 @@ class TrainState:
     best_step: int = 0
     best_saved: float | None = None  # checkpoint.best_metric's best (Trainer.best_improved)
 
-    # A stateful part (engine/stateful.py). The position in the epoch is the loader
-    # part's (stateful.LoaderPosition), which converts it to another number of processes.
+    # batch_in_epoch is the loader part's (LoaderPosition): it converts it to another
+    # number of processes.
     def state_dict(self) -> dict:
         state = attrs.asdict(self)
         del state["batch_in_epoch"]
@@ -177,9 +167,8 @@ class TrainState:
     local_state_dict = state_dict  # LocalStateful: every rank keeps the same
 
     def position(self) -> str:
-        """Where training stands, for a person: epochs counted from 1, as the console's
-        ``epoch 1/2`` (``epoch 2, step 10, batch 4 of the epoch``, ``the end of epoch 1,
-        step 8``)."""
+        """Where training stands, for a person, epochs from 1 as on the console: ``epoch 2,
+        step 10, batch 4 of the epoch``, ``the end of epoch 1, step 8``."""
         if self.batch_in_epoch:
             return (f"epoch {self.epoch + 1}, step {self.step}, batch {self.batch_in_epoch} "
                     "of the epoch")
@@ -192,30 +181,6 @@ class TrainState:
         for field in attrs.fields(type(self)):
             if field.name != "batch_in_epoch" and field.name in state_dict:
                 setattr(self, field.name, state_dict[field.name])
-
-
-def distributed_options(module, sharded: bool):
-    """How a module's and its optimizer's state go through torch's
-    ``get_state_dict`` helpers, or None for their own ``state_dict()``:
-
-    - ``sharded`` (a checkpointer that stores it, dcp): as they are, each rank its own
-      shards (a DTensor's); the checkpointer writes and reshards them.
-    - a model sharded by fully_shard, for a single-file checkpointer: the full state,
-      gathered shard by shard onto rank 0's CPU (the other ranks get nothing), so the
-      file is the plain model's; loading slices each rank's shards out of it.
-    """
-    if not (sharded or is_sharded(module)):
-        return None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=not sharded, cpu_offload=not sharded)
-
-
-def is_sharded(module) -> bool:
-    """True for a module that fully_shard split over the ranks (FSDP2). Without
-    importing FSDP: a run that never imported it has no such module."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 # ------------------------------------------------------ the model's keys and digest
@@ -238,8 +203,7 @@ def model_digest(state_dict: dict) -> str:
     return digest.hexdigest()
 
 
-#: The key segment of a module compiled by ``torch.compile(module)`` (an
-#: OptimizedModule keeps the original as its submodule ``_orig_mod``).
+#: torch.compile's key segment (an OptimizedModule keeps its module as ``_orig_mod``).
 COMPILED_SEGMENT = "_orig_mod"
 
 
@@ -292,11 +256,10 @@ def load_model_state(model, state_dict: dict, source: str = "checkpoint") -> Non
 
 
 class ModelState:
-    """The unwrapped module, under the keys of a plain model (without torch.compile's
-    ``_orig_mod.``), so that a snapshot loads into a compiled and a plain model alike.
-    ``sharded``: torch.distributed.checkpoint's form (keyed by parameter name, sharded
-    tensors left sharded), for a checkpointer that stores it; see
-    :func:`distributed_options`."""
+    """The unwrapped module, under a plain model's keys (no torch.compile ``_orig_mod.``):
+    a snapshot loads into a compiled and a plain model alike. ``sharded``: torch's
+    distributed form (by parameter name, sharded tensors left sharded), for a
+    checkpointer that stores it (:func:`engine.shards.distributed_options`)."""
 
     def __init__(self, module, sharded: bool = False):
         self.module = module
@@ -308,7 +271,6 @@ class ModelState:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
             return get_model_state_dict(self.module, options=options)  # plain keys
-        # A model the user compiled (torch.compile) saves the keys a plain one has.
         return plain_keys(self.module.state_dict())
 
     def local_state_dict(self) -> dict:
@@ -329,8 +291,6 @@ class ModelState:
 
             set_model_state_dict(self.module, state_dict, options=options)
             return
-        # DDP's "module." prefix or not: load_model_state accepts both, and names the
-        # missing and unexpected keys.
         load_model_state(self.module, state_dict, source="its model state")
 
 
@@ -394,7 +354,7 @@ class OptimizerState:
             from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                                  set_optimizer_state_dict)
 
-            if options.full_state_dict and not _holds_tensors(state_dict.get("state")):
+            if options.full_state_dict and not holds_tensors(state_dict.get("state")):
                 # Nothing to slice into shards (plain SGD keeps no state), and torch's
                 # full-state loader fails on that ("Expected device to be set").
                 options = StateDictOptions()
@@ -421,122 +381,6 @@ def _keyed_by_index(state_dict: dict) -> bool:
     parameters by their index), False for the named form of torch's state_dict helpers."""
     groups = state_dict.get("param_groups") or [{}]
     return any(isinstance(p, int) for p in groups[0].get("params", ()))
-
-
-def _anywhere(tree, test) -> bool:
-    """True when ``test`` holds for ``tree`` or for anything in it (nested dicts, lists
-    and tuples), the containers themselves included."""
-    if test(tree):
-        return True
-    if isinstance(tree, dict):
-        return any(_anywhere(v, test) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return any(_anywhere(v, test) for v in tree)
-    return False
-
-
-def holds_dtensor(tree) -> bool:
-    """True when ``tree`` (nested dicts and lists) holds a DTensor: a sharded part's
-    state, which a sharded checkpointer stores as shards. Without importing DTensor: a
-    run that never imported it has none."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and _anywhere(tree, lambda v: isinstance(v, dtensor.DTensor))
-
-
-#: A DTensor's place in an in-memory snapshot (:func:`to_shards`): ``(SHARD, this
-#: rank's local tensor, the global shape, the global stride, the placements as text)``,
-#: plain values and a tensor, which the memory tier's restricted unpickler reads.
-SHARD = "\x00engine-shard"
-
-
-def to_shards(tree):
-    """``tree`` (nested dicts and lists) with each DTensor replaced by this rank's own
-    shard (:data:`SHARD`): no gather, no collective, no copy (the local tensor is the
-    DTensor's own storage, which the memory snapshot copies)."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None:
-        return tree
-    DTensor = dtensor.DTensor
-
-    def local(value):
-        if not isinstance(value, DTensor):
-            return None
-        # _local_tensor is what to_local() returns, without its autograd function.
-        return (SHARD, value._local_tensor, tuple(value.shape), tuple(value.stride()),
-                _placements_text(value.placements))
-
-    return _replaced(tree, local)
-
-
-def _replaced(tree, replace):
-    """``tree`` (nested dicts, lists and tuples) with each value for which ``replace``
-    gives something other than None replaced by that."""
-    new = replace(tree)
-    if new is not None:
-        return new
-    if isinstance(tree, dict):
-        return type(tree)((k, _replaced(v, replace)) for k, v in tree.items())
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_replaced(v, replace) for v in tree)
-    return tree
-
-
-def _placements_text(placements) -> str:
-    """``S0,R`` for (Shard(0), Replicate()): plain text, which a memory snapshot holds."""
-    text = []
-    for placement in placements:
-        if placement.is_shard():
-            text.append(f"S{placement.dim}")
-        elif placement.is_replicate():
-            text.append("R")
-        else:  # Partial: a pending reduction, never in a state dict
-            raise ValueError(f"a DTensor placed as {placement} cannot be snapshot")
-    return ",".join(text)
-
-
-def is_shard(value) -> bool:
-    return type(value) is tuple and len(value) == 5 and value[0] == SHARD
-
-
-def holds_shards(tree) -> bool:
-    """True when ``tree`` holds a shard of :func:`to_shards` (a memory snapshot's part
-    under fsdp)."""
-    return _anywhere(tree, is_shard)
-
-
-def mesh_of(module):
-    """The device mesh a sharded module's parameters are spread over."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    for parameter in module.parameters():
-        if dtensor is not None and isinstance(parameter, dtensor.DTensor):
-            return parameter.device_mesh
-    raise CheckpointError("the memory snapshot holds fsdp shards and this run's model is "
-                          "not sharded: resume with --parallel fsdp, or from a disk "
-                          "snapshot with --resume PATH")
-
-
-def from_shards(tree, mesh):
-    """:func:`to_shards` undone: each shard a DTensor over ``mesh`` again, with its
-    saved shape, stride and placements (no collective: this rank's shard as it was)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    def placement(text: str):
-        return Replicate() if text == "R" else Shard(int(text[1:]))
-
-    def build(value):
-        if not is_shard(value):
-            return None
-        _, local, shape, stride, placements = value
-        return DTensor.from_local(
-            local.to(mesh.device_type), mesh, [placement(p) for p in placements.split(",")],
-            run_check=False, shape=tuple(shape), stride=tuple(stride))
-
-    return _replaced(tree, build)
-
-
-def _holds_tensors(tree) -> bool:
-    """True when ``tree`` (nested dicts and lists) holds a tensor of one dimension or more."""
-    return _anywhere(tree, lambda v: getattr(v, "dim", lambda: 0)() > 0)
 
 
 class LoaderPosition:
@@ -586,117 +430,6 @@ class Metrics:
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.metrics.update(state_dict)
-
-
-def rng_state() -> dict:
-    """This process's Python, numpy, torch (and CUDA) RNG states, as tensors and plain
-    values (``torch.load(weights_only=True)`` reads them)."""
-    import numpy as np
-    import torch
-
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    import numpy as np
-    import torch
-
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    # CPU tensors only (numpy's and torch's setters refuse others): snapshots are loaded
-    # onto the CPU for this (snapshot.load_snapshot).
-    np.random.set_state(("MT19937", n["keys"].numpy().astype("uint32"), n["pos"],
-                         n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-#: Room for one rank's RNG states in :func:`gather_rng_states` (pickled with their tensors
-#: as bytes: 13 kB on the CPU, 16 bytes more per GPU); larger ones go the slow way.
-RNG_BYTES = 16384
-
-
-def gather_rng_states() -> list[dict]:
-    """Every rank's :func:`rng_state`, in one all_gather of a fixed-size byte tensor.
-    torch's all_gather_object pickles and sends twice (sizes, then data), several times
-    slower, and a memory snapshot every step gathers them every step."""
-    import torch
-
-    state = rng_state()
-    if not distributed.is_initialized():
-        return [state]
-    data = pickle.dumps(_rng_as_bytes(state), protocol=pickle.HIGHEST_PROTOCOL)
-    row = bytearray(8 + RNG_BYTES)
-    if len(data) <= RNG_BYTES:  # else a length of 0 sends every rank the slow way
-        row[:8 + len(data)] = struct.pack("<Q", len(data)) + data
-    rows = distributed.all_gather_tensor(torch.frombuffer(row, dtype=torch.uint8).to(
-        distributed.collective_device())).cpu().numpy()
-    lengths = [struct.unpack("<Q", r[:8].tobytes())[0] for r in rows]
-    if not all(lengths):
-        return distributed.all_gather_object(state)
-    return [_rng_from_bytes(pickle.loads(r[8:8 + n].tobytes())) for r, n in zip(rows, lengths)]
-
-
-def _rng_as_bytes(state: dict) -> dict:
-    """:func:`rng_state` with its tensors as bytes (for :func:`gather_rng_states`)."""
-    plain = {**state, "numpy": {**state["numpy"], "keys": state["numpy"]["keys"].numpy()
-                                .tobytes()}, "torch": state["torch"].numpy().tobytes()}
-    if "cuda" in state:
-        plain["cuda"] = [t.cpu().numpy().tobytes() for t in state["cuda"]]
-    return plain
-
-
-def _rng_from_bytes(plain: dict) -> dict:
-    import torch
-
-    def tensor(data: bytes, dtype):
-        return torch.frombuffer(bytearray(data), dtype=dtype).clone()
-
-    state = {**plain, "numpy": {**plain["numpy"], "keys": tensor(plain["numpy"]["keys"],
-                                                                  torch.int64)},
-             "torch": tensor(plain["torch"], torch.uint8)}
-    if "cuda" in plain:
-        state["cuda"] = [tensor(b, torch.uint8) for b in plain["cuda"]]
-    return state
-
-
-class RngStates:
-    """Every rank's RNG states, gathered into the snapshot (so a rank-0 write holds
-    them all); each rank restores its own, when the number of processes is the same."""
-
-    def __init__(self, world, warn):
-        self.world = world
-        self.warn = warn
-
-    def state_dict(self) -> dict:
-        return {"ranks": gather_rng_states(), "world_size": self.world.world_size}
-
-    def local_state_dict(self) -> dict:
-        """Whose they are: the memory tier keeps this rank's states in its exchange
-        row (engine/memory/rows.py), sent to every rank off the step's path."""
-        return {"world_size": self.world.world_size, "rank": self.world.rank}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        ranks = state_dict.get("ranks") or []
-        saved_world = state_dict.get("world_size", len(ranks))
-        if saved_world == self.world.world_size and self.world.rank < len(ranks):
-            set_rng_state(ranks[self.world.rank])
-        elif ranks:
-            self.warn(f"the snapshot was written by {saved_world} processes, this run has "
-                      f"{self.world.world_size}: RNG states are not restored, so the run "
-                      "will not be bit-identical to an uninterrupted one (the data order "
-                      "is: see docs/checkpoints.md, Changing the number of processes)")
 
 
 def add_extra_parts(parts: SnapshotParts, pm, ctx, recipe_parts=None) -> None:

@@ -46,7 +46,7 @@ from engine import distributed
 from engine.atomic_io import atomic_write, checksum_entry, file_checksum, fsync_directory
 from engine.checkpoint import SnapshotStore
 from engine.errors import CheckpointError, one_line, untrusted_pickle
-from engine.stateful import holds_dtensor
+from engine.shards import holds_dtensor
 
 # torch is imported inside the functions that use it: the plugin manager loads every
 # built-in plugin without torch (engine-run plugins; a run's launching process).

@@ -38,7 +38,7 @@ import attrs
 
 import engine
 from engine.errors import ConfigError
-from engine.stateful import from_shards, holds_shards, is_sharded, mesh_of, to_shards
+from engine.shards import from_shards, holds_shards, is_sharded, mesh_of, to_shards
 
 # torch is imported inside the functions that use it: the plugin manager loads every
 # built-in plugin without torch (engine-run plugins; a run's launching process).

@@ -30,7 +30,7 @@ Precision: ``precision=bf16`` is FSDP2's MixedPrecisionPolicy: parameters gather
 computed in bf16, the sharded fp32 parameters (and optimizer state) kept as they are.
 ``fp16`` needs a gradient scaler that knows the shards: refused, use bf16.
 ``checkpoint.memory_every_steps``: each rank's in-memory snapshot holds its own shards
-(engine/stateful.py's to_shards), so a restart at the same number of processes resumes
+(engine/shards.py's to_shards), so a restart at the same number of processes resumes
 from memory; a rank whose memory is gone, or another number of processes, from disk.
 
 The optimizer is built by the engine after the wrap, on the sharded parameters.

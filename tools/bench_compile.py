@@ -68,7 +68,7 @@ COMPILE_WORKLOADS = {**WORKLOADS, "char_lm": (
 
 def run_config(args):
     """(recipe, its config with the run's overrides, as the engine's run gets them)."""
-    from engine.config import apply_overrides
+    from engine.overrides import apply_overrides
     from engine.recipe import load_recipe
 
     recipe_path, size_overrides, *_ = COMPILE_WORKLOADS[args.workload]

@@ -197,7 +197,7 @@ class EpochTimer:
 
 def through_engine(rank: int, world_size: int, port: int, variant: str, mode: str,
                    out_dir: str, args) -> float:
-    from engine.config import apply_overrides
+    from engine.overrides import apply_overrides
     from engine.engine import Engine
     from engine.plugin_manager import build_plugin_manager
     from engine.recipe import load_recipe

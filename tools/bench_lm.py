@@ -160,7 +160,7 @@ def hand_written(rank: int, world_size: int, port: int, args) -> dict:
     from torch.utils.data.distributed import DistributedSampler
 
     from engine.checkpoint import model_digest
-    from engine.config import apply_overrides
+    from engine.overrides import apply_overrides
     from engine.recipe import load_recipe
 
     recipe = load_recipe(EXAMPLE)

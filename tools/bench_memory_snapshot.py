@@ -49,10 +49,10 @@ snapshot are outside. Printed per workload, process count and N:
   bytes are in --json); bandwidth: payload bytes / time of one snapshot;
 - where one snapshot's time goes, measured by the probe after the loop (median of 3):
   capture (the snapshot dict, each rank its own share, no collective:
-  engine.memory.tier's capture) and its slowest parts (engine/stateful.py's; rng:
-  this rank's exchange row), copy (skeleton, tensors into the buffer, checksum, header,
-  waited for here, where the loop leaves a large state's to a background thread), and
-  payload bytes / copy time;
+  engine.memory.tier's capture) and its slowest parts (engine/stateful.py's; rng,
+  engine/rng.py's: this rank's exchange row), copy (skeleton, tensors into the buffer,
+  checksum, header, waited for here, where the loop leaves a large state's to a
+  background thread), and payload bytes / copy time;
 - the ratio on / off of the step's wall and process CPU time, paired by round (the
   CPU time counts the background thread's and torch's threads' work as well: on a
   machine without an idle core, what overlapping cannot hide);

@@ -205,7 +205,8 @@ def through_engine(mode: str, rank: int, world_size: int, port: int, out_dir: st
                    ) -> tuple[float, float, str, int, tuple[float, float]]:
     """The same workload through engine.engine.Engine, as engine-run's workers run it
     (``workloads``: where ``args.workload`` is defined; bench_compile.py adds its own)."""
-    from engine.config import apply_overrides, with_groups
+    from engine.config import with_groups
+    from engine.overrides import apply_overrides
     from engine.engine import Engine
     from engine.plugin_manager import build_plugin_manager
     from engine.recipe import load_recipe

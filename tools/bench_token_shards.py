@@ -52,7 +52,7 @@ HAND, ENGINE, ENGINE_AUTO, LOADER = "hand-written", "engine", "engine auto", "lo
 
 
 def recipe_config(args, *extra: str):
-    from engine.config import apply_overrides
+    from engine.overrides import apply_overrides
     from engine.recipe import load_recipe
 
     recipe = load_recipe(CHAR_LM)

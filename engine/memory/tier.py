@@ -21,7 +21,7 @@ from engine.memory.files import (BUFFER_NAME, NoRoom, Unsafe, claim_run_id, copi
 from engine.memory.pair import MemorySnapshots
 from engine.memory.rows import make_row
 from engine.shm import SHM, sweep
-from engine.stateful import is_sharded
+from engine.shards import is_sharded
 
 
 class MemoryTier:

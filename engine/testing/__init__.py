@@ -32,7 +32,8 @@ import pytest
 
 from engine.atomic_io import proc_stat
 from engine.cli import build_parser
-from engine.config import TrainConfig, apply_overrides, with_groups
+from engine.config import TrainConfig, with_groups
+from engine.overrides import apply_overrides
 from engine.launch_env import START_METHOD_ENV
 from engine.launching import RecipeJob
 from engine.plugin_manager import build_plugin_manager

@@ -157,7 +157,8 @@ class GroupPlugin:
 
 
 def test_a_plugins_group_joins_the_config_and_survives_pickling(make_plugin_manager):
-    from engine.config import TrainConfig, apply_overrides, to_dict, with_groups
+    from engine.config import TrainConfig, to_dict, with_groups
+    from engine.overrides import apply_overrides
 
     pm = make_plugin_manager(GroupPlugin())
     assert pm.config_groups["extra"] is Extra and pm.config_group_owners["ddp"] == "ddp"

@@ -8,7 +8,8 @@ from typing import Literal
 import attrs
 import pytest
 
-from engine.config import TrainConfig, apply_overrides, convert, to_dict
+from engine.config import TrainConfig, to_dict
+from engine.overrides import apply_overrides, convert
 from engine.errors import ConfigError
 
 
@@ -157,7 +158,7 @@ JSON = ('{"epochs": 3, "data.root": "/data", "data": {"source": "synthetic", '
 
 @pytest.mark.parametrize("suffix, text", [(".toml", TOML), (".yaml", YAML), (".json", JSON)])
 def test_a_config_file_holds_the_same_overrides_nested_or_dotted(tmp_path, suffix, text):
-    from engine.config import load_config_file
+    from engine.overrides import load_config_file
 
     path = tmp_path / f"exp{suffix}"
     path.write_text(text)
@@ -175,7 +176,7 @@ def test_a_config_file_holds_the_same_overrides_nested_or_dotted(tmp_path, suffi
     ("missing.toml", None, "--config {path}: cannot read it: No such file or directory"),
 ])
 def test_a_bad_config_file_is_one_line_naming_it(tmp_path, name, text, message):
-    from engine.config import load_config_file
+    from engine.overrides import load_config_file
 
     path = tmp_path / name
     if text is not None:
@@ -187,7 +188,7 @@ def test_a_bad_config_file_is_one_line_naming_it(tmp_path, name, text, message):
 
 
 def test_yaml_without_pyyaml_says_what_to_install(tmp_path, monkeypatch):
-    from engine.config import load_config_file
+    from engine.overrides import load_config_file
 
     monkeypatch.setitem(sys.modules, "yaml", None)  # as if PyYAML were not installed
     (tmp_path / "exp.yml").write_text("epochs: 3\n")
@@ -199,7 +200,7 @@ def test_yaml_without_pyyaml_says_what_to_install(tmp_path, monkeypatch):
 def test_a_runs_config_json_reproduces_it_elsewhere(tmp_path):
     """config.json as the engine writes it (engine/context.py): every key comes back but
     where the run wrote and how it was launched."""
-    from engine.config import NOT_REPRODUCED, load_config_file
+    from engine.overrides import NOT_REPRODUCED, load_config_file
 
     run = tmp_path / "runs" / "version_3"
     run.mkdir(parents=True)
@@ -238,7 +239,7 @@ class ChangesDefaults(TrainConfig):
 def test_a_redeclared_field_keeps_the_base_fields_choices():
     """precision=fp8 once trained as fp16 and exited 0: the re-declaration as str had
     dropped TrainConfig's choices."""
-    from engine.config import check_redeclared
+    from engine.overrides import check_redeclared
 
     check_redeclared(ChangesDefaults)  # its defaults are allowed values
     cfg = apply_overrides(ChangesDefaults(), ["precision=fp16", "num_workers=3"])
@@ -252,7 +253,7 @@ def test_a_redeclared_field_keeps_the_base_fields_choices():
 
 
 def test_a_redeclared_default_the_base_refuses_is_one_line_saying_how():
-    from engine.config import check_redeclared
+    from engine.overrides import check_redeclared
 
     @attrs.define
     class Widened(TrainConfig):
@@ -267,7 +268,7 @@ def test_a_redeclared_default_the_base_refuses_is_one_line_saying_how():
 
 
 def test_described_config_lists_allowed_values_and_the_declarations_comment():
-    from engine.config import format_config
+    from engine.overrides import format_config
 
     lines = format_config(ChangesDefaults(), describe=True)
     (precision,) = [line for line in lines if line.startswith("precision = ")]

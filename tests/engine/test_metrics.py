@@ -10,7 +10,8 @@ import math
 import pytest
 
 import engine
-from engine.config import TrainConfig, apply_overrides
+from engine.config import TrainConfig
+from engine.overrides import apply_overrides
 from engine.errors import ConfigError
 from engine.recipe import recipe_from_object
 from engine.metrics import (EarlyStopping, Throughput, direction, improves, not_logged,

@@ -11,7 +11,7 @@ import csv
 import pytest
 import torch
 
-from engine.config import apply_overrides
+from engine.overrides import apply_overrides
 from engine.errors import ConfigError
 from engine import TrainConfig as TinyConfig
 from tests.conftest import REPO, engine_env, read_summary, run_cli

@@ -237,7 +237,7 @@ def test_rng_states_travel_as_bytes_and_come_back_the_same():
     RNG_BYTES, and back to the same states."""
     import pickle
 
-    from engine.stateful import RNG_BYTES, _rng_as_bytes, _rng_from_bytes, rng_state
+    from engine.rng import RNG_BYTES, _rng_as_bytes, _rng_from_bytes, rng_state
     from engine.testing import assert_same_snapshot
 
     state = rng_state()

@@ -491,7 +491,8 @@ def plateau(mode="min"):
 ])
 def test_a_scheduler_and_its_metric_that_disagree_are_one_line(scheduler, overrides,
                                                                message):
-    from engine.config import TrainConfig, apply_overrides
+    from engine.config import TrainConfig
+    from engine.overrides import apply_overrides
     from engine.trainer import scheduler_metric
 
     cfg = apply_overrides(TrainConfig(), overrides)
@@ -501,7 +502,8 @@ def test_a_scheduler_and_its_metric_that_disagree_are_one_line(scheduler, overri
 
 
 def test_a_scheduler_steps_on_the_metric_its_name_or_its_own_mode_agrees_with():
-    from engine.config import TrainConfig, apply_overrides
+    from engine.config import TrainConfig
+    from engine.overrides import apply_overrides
     from engine.snapshot import steps_on_metric
     from engine.trainer import scheduler_metric
 

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from engine.config import apply_overrides, with_groups
+from engine.config import with_groups
+from engine.overrides import apply_overrides
 from engine.errors import PluginError
 from engine.plugins.mlflow_logger import MLflowConfig, MLflowLogger
 from engine.testing import make_engine, make_plugin_manager, tiny_recipe  # noqa: F401 (fixtures)

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from engine.config import apply_overrides, with_groups
+from engine.config import with_groups
+from engine.overrides import apply_overrides
 from engine.errors import PluginError
 from engine.plugins.wandb_logger import WandbConfig, WandbLogger
 from engine.testing import make_engine, make_plugin_manager, tiny_recipe  # noqa: F401 (fixtures)

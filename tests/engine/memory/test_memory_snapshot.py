@@ -101,7 +101,8 @@ def test_an_fsdp_models_snapshot_holds_its_shards_and_loads_them_back_bit_for_bi
     from torch import nn
 
     from engine.errors import CheckpointError
-    from engine.stateful import SHARD, ModelState, OptimizerState
+    from engine.shards import SHARD
+    from engine.stateful import ModelState, OptimizerState
     from tests.engine.test_stateful import tiny_adamw_run
 
     def trained(steps: int):
@@ -161,7 +162,7 @@ def test_the_ring_keeps_the_newest_whole_copy_and_gives_it_back_checked(shm, tmp
 
 def _ring_snapshot(step: int, rank: int) -> dict:
     """A memory snapshot of rank ``rank``'s fsdp shards, of 2 processes."""
-    from engine.stateful import SHARD
+    from engine.shards import SHARD
 
     state = a_snapshot(step)
     torch.manual_seed(100 * step + rank)

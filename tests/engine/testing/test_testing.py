@@ -191,7 +191,8 @@ def test_the_state_part_contract_holds_for_every_built_in_part_and_catches_a_car
     from torch import nn
 
     from engine.plugins.ema import ExponentialMovingAverage
-    from engine.stateful import Metrics, ModelState, OptimizerState, RngStates, TrainState
+    from engine.rng import RngStates
+    from engine.stateful import Metrics, ModelState, OptimizerState, TrainState
     from engine.testing import assert_state_part
     from engine.world import World
     from tests.engine.memory.rank_part import RankPart
