@@ -6,12 +6,12 @@ A door describes the run as a *job*, a :class:`Worker` (:class:`RecipeJob`: a re
 and the Trainer; ``engine.api.LoopJob``: the caller's function). :class:`Launch` sets it
 up once, in the launching process::
 
-    the arguments checked (check_arguments); the plugin manager
-    job.configure: the config, its groups and overrides (finish_config: out_dir's
-                   default, the component names; a recipe's checks that need no batch)
+    the arguments checked (engine/launch_checks.py, as every check before workers)
+    job.configure: the plugin manager, the config, its groups and overrides
+                   (finish_config: out_dir's default, the component names)
     a fresh start refused where out_dir holds a run, unless asked to overwrite
-    choose_launcher, its worlds; the threads per process (choose_threads)
-    Launch.start: a library door's spawned workers checked; launcher.launch(job)
+    choose_launcher, its worlds; the threads per process (engine/threads.py)
+    Launch.start: a finished run answered; spawned workers checked; launcher.launch(job)
 
 and the launcher calls the job once in every worker (``Worker.__call__``): the plugin
 manager and the config again, ``job.run`` (engine/context.py's lifecycle), an error
@@ -22,10 +22,8 @@ library door's caller), rank 0's value back to the launching process.
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import inspect
-import multiprocessing
 import os
 import pathlib
 import pickle
@@ -38,22 +36,20 @@ from typing import Any, Sequence
 
 import attrs
 
-from engine.errors import (EXIT_INTERRUPTED, CheckpointError, ConfigError, EngineError,
-                           Interrupted, PeerFailed, PluginCodeError, error_line, exit_code,
-                           traceback_wanted, warn)
-from engine.launch_env import start_method
+from engine.errors import (EXIT_INTERRUPTED, ConfigError, EngineError, Interrupted,
+                           PeerFailed, PluginCodeError, error_line, exit_code,
+                           traceback_wanted)
+from engine.launch_checks import (already_complete, check_arguments, check_before_workers,
+                                  check_spawnable)
 from engine.processes import exit_failed_worker, reports_to_launcher, with_rank
-from engine.world import usable_cpus
+from engine.threads import choose_threads, warn_if_oversubscribed
 
-# engine-run's start imports this module (engine.cli does): the engine modules that only
-# a run needs (config, plugin_manager, launcher, run_dir, snapshot, recipe...) are
-# imported inside the functions that use them, so that --help, --version and the
-# commands start without them; engine.engine and worker_setup import torch.
+# engine-run's start imports this module (engine.cli does): the modules only a run needs
+# (config, plugin_manager, launcher, run_dir, recipe; engine.engine imports torch) are
+# imported inside the functions that use them: --help, the commands start without them.
 
 #: What rank 0's value is called in the exchange folder of a library door.
 RESULT_FILE = "result.pickle"
-#: The 1-minute load average the default threads count, where set (choose_threads).
-LOAD_ENV = "ENGINE_LOAD_AVERAGE"
 
 
 @attrs.frozen
@@ -64,9 +60,8 @@ class Door:
     fresh_start: str  # how a fresh start is asked for
     overwrite: str  # how to allow removing the run out_dir holds
     start_over: str  # both together, to start a finished run over
-    #: A library door (Python): an error in the launching process reaches the caller as
-    #: the exception itself, rank 0's value comes back, and spawned workers need a
-    #: guarded script and a picklable job.
+    #: A library door (Python): the caller gets an error as the exception itself and rank
+    #: 0's value back; spawned workers need a guarded script and a picklable job.
     library: bool = True
 
 
@@ -110,34 +105,8 @@ def library_options(resume: bool | str | os.PathLike, overwrite: bool,
             "threads": threads, **launch}
 
 
-def check_arguments(door: Door, options: dict) -> None:
-    """The launch arguments, checked before any worker starts, in one line in the door's
-    words: ``nproc`` and ``threads`` None or a positive int, ``resume`` a bool, None or
-    the path of something that exists."""
-    def asked(name: str, value: Any) -> str:
-        return f"{door.name}({name}={value!r})" if door.library else f"--{name} {value!r}"
-
-    for name, default in (("nproc", "one process per GPU, 2 without a GPU"),
-                          ("threads", "the CPUs the load leaves idle, shared by the "
-                                      "processes")):
-        value = options.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise ConfigError(f"{asked(name, value)}: {name} must be a positive int"
-                              f"{', or None' if door.library else ''} (default: {default})")
-    resume = options.get("resume")
-    if resume is not None and not isinstance(resume, str):
-        raise ConfigError(f"{asked('resume', resume)}: resume must be True (the newest "
-                          "snapshot in out_dir), False (start fresh) or the path of a "
-                          "snapshot")
-    if resume is not None and not os.path.exists(resume):
-        raise CheckpointError(f"{asked('resume', resume)}: no such snapshot")
-
-
 def launch_options(pm, cfg, options: dict):
-    """The launcher's :class:`~engine.launcher.LaunchOptions`: the job's options (nproc,
-    nnodes, node_rank, master_addr, master_port, local_rank, max_restarts) and the
-    config's."""
+    """The launcher's :class:`~engine.launcher.LaunchOptions`: the job's and the config's."""
     from engine.launcher import LaunchOptions
 
     nproc = options.get("nproc")
@@ -156,9 +125,8 @@ def launch_options(pm, cfg, options: dict):
 
 @contextlib.contextmanager
 def blaming_plugins(pm, spare: Sequence[BaseException] = ()):
-    """An exception raised in a plugin's code (a launcher's, a hook's) becomes one that
-    names the plugin; not those in ``spare``: a worker in this process raised them to a
-    library caller, through the launcher's frames but not its doing."""
+    """An exception raised in a plugin's code (a launcher's, a hook's) becomes one naming
+    the plugin; not those in ``spare``, which a worker here raised to a library caller."""
     from engine.plugin_manager import attribute
 
     try:
@@ -172,52 +140,11 @@ def blaming_plugins(pm, spare: Sequence[BaseException] = ()):
 
 @attrs.frozen
 class Finished:
-    """What the workers of this node sent back: each one's run status ("completed",
-    "preempted"; None where unknown) and, for a library door, rank 0's value (this
-    node's first worker's on another node; None if none came back)."""
+    """What this node's workers sent back: each one's run status (None where unknown)
+    and, for a library door, rank 0's value (another node's first worker's; or None)."""
 
     statuses: list
     result: Any
-
-
-def default_threads(cpus: int, load: float, processes: int) -> int:
-    """Torch threads per process where none were asked for: the CPUs the load leaves idle
-    shared by the processes, rounded; at least one, at most their share."""
-    processes = max(1, processes)
-    idle = max(0.0, cpus - load) / processes
-    return max(1, min(cpus // processes, int(idle + 0.5)))
-
-
-def choose_threads(share, processes: int) -> tuple[int, str]:
-    """:func:`default_threads` here, and the plan's words for it. The load counts every
-    CPU of the machine: left out where ours are fewer (a SLURM allocation's); LOAD_ENV,
-    where set, stands for it (a test suite's runs pin it: the same threads every run)."""
-    cpus, source = share.shared or usable_cpus()
-    try:
-        load = float(os.environ.get(LOAD_ENV) or (
-            os.getloadavg()[0] if cpus >= (os.cpu_count() or cpus) else 0.0))
-    except (OSError, ValueError):  # no load average here, or LOAD_ENV no number
-        load = 0.0
-    return default_threads(cpus, load, processes), (
-        f"default: {cpus} CPU(s) ({source}), load {load:.1f}, {processes} process(es); "
-        "--threads N sets it")
-
-
-def warn_if_oversubscribed(local_processes: int, share, threads: int, door: Door) -> None:
-    """Processes or threads beyond the CPUs this node may use take turns on them: a
-    warning (the run is right, only slow, and a GPU node may not care)."""
-    cpus, source = share.shared or usable_cpus()
-    if local_processes > cpus:
-        warn(f"{local_processes} processes on this node share {cpus} usable CPU(s) "
-             f"({source}): each gets 1 torch thread and they take turns, so training "
-             f"will be slow; --nproc {cpus} or fewer fits the CPUs")
-    elif threads * local_processes > cpus:
-        asked = (f"{door.name}(threads={threads})" if door.library
-                 else f"--threads {threads}")
-        warn(f"{asked} x {local_processes} process(es) = {threads * local_processes} torch "
-             f"threads on {cpus} usable CPU(s) ({source}): they take turns, so training "
-             f"will be slow; leave threads out (the default fits the CPUs and their load) "
-             f"or ask for {max(1, cpus // local_processes)}")
 
 
 class Launch:
@@ -264,7 +191,8 @@ class Launch:
         # A rerun of a finished run is answered from its folder, no worker started (said
         # once: by the process of rank 0 where a launcher adopted every rank's).
         holds_rank0 = bool(self.worlds) and self.worlds[0].rank == 0
-        finished = already_complete(self.cfg, self.job, say=holds_rank0)
+        finished = (already_complete(self.cfg, self.job, say=holds_rank0)
+                    if isinstance(self.job, RecipeJob) else None)
         if finished is not None:
             return Finished(["already_complete"], finished)
         library = self.job.door.library
@@ -284,116 +212,6 @@ class Launch:
             return Finished(statuses, job.launched_result())
 
 
-def already_complete(cfg, job: "Worker", say: bool = True) -> dict | None:
-    """A rerun into a completed run's folder, answered from its summary.json and
-    config.json, no worker started: the same config, its summary with status
-    "already_complete"; another (an lr sweep through one folder), a ConfigError naming
-    the changes and how to keep both runs. None: train as usual."""
-    from engine import config as config_mod
-    from engine import snapshot
-    from engine.run_dir import completed_run
-
-    options = job.options
-    if options.get("no_resume") or options.get("resume") or not isinstance(job, RecipeJob):
-        return None
-    found = completed_run(cfg.out_dir)
-    if found is None:
-        return None
-    summary, saved = found
-    done = int(summary.get("epochs_completed") or 0)
-    steps = int(summary.get("global_step") or 0)
-    if summary.get("stopped_early") or not (0 < cfg.epochs <= done
-                                            or 0 < getattr(cfg, "max_steps", 0) <= steps):
-        return None  # more to train: the workers resume and train on (or say it stopped)
-    changes = {k: v for k, v in snapshot.config_changes(saved, config_mod.to_dict(cfg)).items()
-               if k == "lr" or not snapshot.may_change(k, cfg)}
-    door = job.door
-    if changes:
-        listed = ", ".join(f"{k} {old!r} (asked: {new!r})" for k, (old, new)
-                           in sorted(changes.items()))
-        who = f"{door.name}: " if door.library else ""  # engine-run's prefix says it
-        raise ConfigError(
-            f"{who}{cfg.out_dir} holds a completed run trained with {listed}: "
-            "nothing would be trained with this config; to keep both runs, give each its "
-            f"folder (out_dir={pathlib.Path(cfg.out_dir) / '{version}'}), or use "
-            f"{door.start_over} to replace it")
-    if say and not 0 < cfg.epochs <= done:  # ended by max_steps, in an epoch
-        print(f"already complete: {cfg.out_dir} holds a finished run of {steps} steps "
-              f"(asked for max_steps={cfg.max_steps}), nothing to train; to train on, ask "
-              f"for more (max_steps={steps + 1} or more); to start over, use "
-              f"{door.start_over} or another out_dir", flush=True)
-    elif say:
-        print(f"already complete: {cfg.out_dir} holds a finished run of {done} "
-              f"epoch{'' if done == 1 else 's'} (asked for {cfg.epochs}), nothing to train; "
-              f"to train on, ask for more (epochs={done + 1} or more); to start over, use "
-              f"{door.start_over} or another out_dir", flush=True)
-    return {**summary, "status": "already_complete", "out_dir": cfg.out_dir}
-
-
-def check_spawnable(job: "Worker") -> None:
-    """Before spawning: a spawned worker imports the caller's main script and unpickles
-    the job; say so in one line (naming the door) when that cannot work."""
-    door = job.door.name
-    if multiprocessing.parent_process() is not None:
-        raise ConfigError(
-            f"{door} ran again inside a spawned worker: the workers import your "
-            "script, so guard the call with `if __name__ == \"__main__\":`")
-    _refuse_a_script_without_a_file(door)
-    script = _unguarded_main_script()
-    if script is not None:
-        raise ConfigError(
-            f"{door}: {script} starts workers at import time; spawned workers "
-            f"import {script.name} again, so put the call under "
-            "`if __name__ == \"__main__\":`")
-    try:
-        pickle.dumps(job)
-    except Exception as exc:
-        raise ConfigError(
-            f"{door}: cannot send {job.describe()} to the worker processes "
-            f"({type(exc).__name__}: {exc}); use a module-level function, not a lambda "
-            "or a nested function, and picklable arguments") from None
-
-
-def _refuse_a_script_without_a_file(door: str) -> None:
-    """A main script read on stdin (``python - < train.py``) has no file that spawned
-    workers could import (forked ones need none)."""
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
-    if path and not os.path.isfile(path) and start_method() == "spawn":
-        raise ConfigError(
-            f"{door}: the main script was read from {path}, not a file, and spawned "
-            "workers import it: use nproc=1 (trains in this process) or run the script "
-            "from a file")
-
-
-def _unguarded_main_script() -> pathlib.Path | None:
-    """The main script, when the code that launched runs at its top level outside an
-    ``if __name__ ...`` block; else None.
-
-    A spawned worker imports the main script before it runs anything: an unguarded
-    call would launch again there, and multiprocessing would fail in every worker with
-    a traceback about "bootstrapping". Checked here, before any process starts."""
-    frame = sys._getframe(1)
-    while frame is not None:  # the main module's top-level frame, if it is a caller
-        code, name = frame.f_code.co_name, frame.f_globals.get("__name__")
-        if code == "<module>" and name == "__main__":
-            break
-        frame = frame.f_back
-    path = frame and frame.f_globals.get("__file__")
-    if not path or not os.path.isfile(path):
-        return None  # python -c, an interactive session, a notebook: nothing to import
-    try:
-        tree = ast.parse(pathlib.Path(path).read_text(), path)
-    except (OSError, SyntaxError, ValueError):
-        return None
-    line = frame.f_lineno
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.If) and "__name__" in ast.unparse(node.test)
-                and node.lineno <= line <= (node.end_lineno or node.lineno)):
-            return None
-    return pathlib.Path(path)
-
-
-
 # ---------------------------------------------------------------- every worker
 
 
@@ -408,8 +226,7 @@ def worker_report(exc: BaseException) -> str:
 
 
 def report_worker_error(rank: int, exc: BaseException) -> None:
-    """A worker's error as :func:`worker_report` shows it, or ``error: LINE``, every
-    line marked with the rank."""
+    """:func:`worker_report`, or ``error: LINE``, every line marked with the rank."""
     text = worker_report(exc) or f"error: {error_line(exc)}\n"
     print(with_rank(rank, text), file=sys.stderr, end="", flush=True)
 
@@ -435,8 +252,7 @@ class Worker:
         raise NotImplementedError
 
     def run(self, pm, cfg, world) -> tuple[str, Any]:
-        """Run in this worker; returns the run's status ("completed", "preempted") and
-        the value a library door returns."""
+        """Run in this worker: its status ("completed", ...) and a library door's value."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -485,11 +301,9 @@ class Worker:
         return status
 
     def restarted(self) -> "Worker":
-        """The job as a launcher starts it again after a worker failed (spawn
-        --max-restarts): it resumes the run's newest snapshot in the run's folder, never
-        starts afresh nor clears the folder again (--no-resume, --overwrite: the first
-        start did). ``--resume PATH`` stays: the restart begins there again, as a
-        torchrun restart, which reruns the same command, does."""
+        """The job as a launcher starts it again after a worker failed (--max-restarts): it
+        resumes the newest snapshot in the run's folder (--no-resume, --overwrite: the first
+        start did); ``--resume PATH`` stays, as a torchrun restart reruns the command."""
         return attrs.evolve(self, options={**self.options, "no_resume": False,
                                            "overwrite": False})
 
@@ -520,9 +334,8 @@ class RecipeJob(Worker):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RecipeJob":
-        """The job of ``engine-run RECIPE ...``: the recipe file, the overrides (the
-        component flags among them: they win over the recipe), the -p list, and every
-        option as engine.options."""
+        """The job of ``engine-run RECIPE ...``: the recipe file, the overrides (component
+        flags among them), the -p list, and every option as engine.options."""
         from engine.overrides import load_config_file
 
         # Read here, once: spawned workers get the overrides, not the file.
@@ -590,8 +403,7 @@ class RecipeJob(Worker):
         return exc
 
     def run(self, pm, cfg, world) -> tuple[str, dict]:
-        """Train the recipe in this worker; the value is the run's summary and its folder
-        (``out_dir``: a ``{version}`` filled)."""
+        """Train the recipe here: its status, its summary and out_dir ({version} filled)."""
         from engine.engine import Engine
 
         run = Engine(pm, self.loaded_recipe(), cfg, world, self.options,
@@ -600,52 +412,13 @@ class RecipeJob(Worker):
         return summary["status"], {**summary, "out_dir": str(run.out_dir)}
 
 
-def check_before_workers(recipe, cfg) -> None:
-    """The worker's checks that need no batch, before the workers start: the throughput
-    unit, an engine metric named misspelt or in another unit, a scheduler's metric and
-    mode (built for a stand-in parameter on the meta device, else left to the worker)."""
-    import difflib
-    import types
-    import warnings
-
-    import torch
-
-    from engine.metrics import EPOCH_END, named, throughput_unit
-    from engine.trainer import EPOCH_LOSS, Throughput, scheduler_metric
-    from engine.worker_setup import build_scheduler
-
-    throughput = Throughput(recipe)
-    for key, metric in named(cfg):
-        epoch_end = key in EPOCH_END or metric.startswith("train/epoch_")
-        ours = throughput.epoch_metric if epoch_end else throughput.metric
-        known = [EPOCH_LOSS, ours, throughput.epoch_metric, "train/data_wait_fraction", "lr"]
-        close = ([ours] if throughput_unit(metric) not in (None, throughput.unit) else
-                 difflib.get_close_matches(metric, known, n=1, cutoff=0.9))
-        if metric not in known and close:
-            raise ConfigError(f"config key {key!r}: {metric!r} is not a metric this run "
-                              f"logs (did you mean {close[0]!r}?)")
-    scheduler = None
-    try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            optimizer = recipe.module.build_optimizer(cfg, torch.nn.Linear(1, 1))
-            steps = cfg.max_steps or cfg.epochs
-            scheduler = build_scheduler(recipe, cfg, optimizer, types.SimpleNamespace(
-                cfg=cfg, steps_per_epoch=1, total_steps=steps))
-    except Exception:  # its functions need the real model or data: the worker checks
-        if recipe.optional("build_scheduler") is not None:
-            return
-    scheduler_metric(scheduler, cfg)
-
-
 def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
         plugins=(), resume: bool | str = True, overwrite: bool = False,
         threads: int | None = None, max_restarts: int = 0, **overrides: Any) -> dict:
     """Train a recipe (a file's path, a module, an object with its attributes) from
     Python, as ``engine-run RECIPE key=value ...`` would, ``overrides`` being config keys
     (``**{"data.source": "synthetic"}``); returns the run's summary and out_dir.
-    docs/library.md, "engine.fit", says how errors and Ctrl-C reach the caller.
-    """
+    docs/library.md, "engine.fit", says how errors and Ctrl-C reach the caller."""
     items = [f"{key}={_override_text(value)}" for key, value in overrides.items()]
     if launcher is not None:
         items.append(f"launcher={launcher}")
@@ -664,10 +437,9 @@ def fit(recipe, *, nproc: int | None = None, launcher: str | None = None,
 
 
 def interrupted_raises(finished: Finished):
-    """A library door's value, or, for a run that Ctrl-C stopped (its snapshot written,
-    status "interrupted"), the KeyboardInterrupt the caller's script expects: a sweep
-    looping over ``engine.fit`` stops at the first Ctrl-C instead of starting the next
-    run. The summary travels with it (``exc.summary``)."""
+    """A library door's value, or, for a run Ctrl-C stopped (status "interrupted"), the
+    KeyboardInterrupt a caller's script expects (a sweep over ``engine.fit`` stops at the
+    first Ctrl-C), the summary with it (``exc.summary``)."""
     if "interrupted" not in finished.statuses:
         return finished.result
     exc = Interrupted("interrupted: the run stopped at a check point with its snapshot; "

@@ -29,7 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # written under __pycache__ (ignored by git), each file atomically.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
-# The default torch threads count the machine's load (engine/launching.py's
+# The default torch threads count the machine's load (engine/threads.py's
 # choose_threads): pinned to none, so that every run of a test trains with the same
 # threads (their number changes a run's last bits) whatever else the machine runs.
 os.environ.setdefault("ENGINE_LOAD_AVERAGE", "0")

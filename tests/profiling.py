@@ -160,9 +160,9 @@ def _cpu(who: int) -> float:
 
 
 def _warm_start_cpu() -> float:
-    from engine import testing
+    from engine.testing import processes
 
-    return testing._warm_starter().cpu_s
+    return processes._warm_starter().cpu_s
 
 
 class Profiler:

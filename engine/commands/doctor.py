@@ -20,11 +20,11 @@ import sys
 import engine
 from engine import cli, cpu_bf16
 from engine.errors import EngineError, LaunchError
-from engine.launching import choose_threads
 from engine.launcher import (LaunchOptions, check_port_free, choose_launcher, detection_order,
                              detects, is_local_address)
 from engine.plugin_manager import build_plugin_manager
 from engine.plugins.tracking import mlflow_store_problem
+from engine.threads import choose_threads
 from engine.world import format_world_table, tcp_endpoint
 
 OK, PROBLEM, NOTE = "ok", "PROBLEM", "note"
