@@ -1,40 +1,41 @@
 """Benchmark: how the engine's own costs grow with the number of ranks W, on one machine.
 
-    python tools/bench_scale.py                          # W = 2, 4, 8, 16
+    python tools/bench_scale.py                          # W = 2, 4, ..., 64
     python tools/bench_scale.py --sizes 2,4 --steps 20   # a short look
     python tools/bench_scale.py --sizes 2,4 --parallel fsdp   # the ring (fsdp only)
     python tools/bench_scale.py --markdown table.md --plots docs/images/scale
 
-For each W it runs engine-run on tools/bench_tiny_recipe.py (a Linear 8 -> 8, global
-batch 2 per rank, ``--threads 1``, gloo, spawn) twice, each run in a folder of its own:
-
-- ``steady``: ``--steps`` optimizer steps with a memory snapshot every ``--memory-every``
-  steps, a disk snapshot every ``--disk-every`` and a check point every ``--log-every``;
-- ``kill`` (unless ``--no-kill``): the same under ``--max-restarts 1``, where the last
-  rank SIGKILLs itself right after step ``--kill-step``: the time from the kill to the
-  restarted run's first step, its resume (the ranks' agreement on the snapshot) and the
-  steps lost.
+For each W it runs engine-run once, in a folder of its own: tools/bench_tiny_recipe.py (a
+Linear 8 -> 8, 2 samples per rank, ``--threads 1``, gloo, spawn) for ``--steps`` optimizer
+steps with a check point every ``--log-every`` steps, a memory snapshot every
+``--memory-every`` and a disk snapshot every ``--disk-every``, under ``--max-restarts 1``
+(every worker a fork of the warm spare, engine/spares.py). Right after step
+``--kill-step`` every rank writes its record and the last rank SIGKILLs itself; the
+launcher restarts all W, which resume from the newest snapshot and train to the end: the
+time from the kill to the restarted attempt's first step, its resume (the ranks'
+agreement on the snapshot) and the steps lost. ``--no-kill``: the run without the kill.
 
 What it measures is recorded by this module itself, loaded into every worker as the
 engine's plugin (``-p bench_scale``; its module-level ``engine_*`` functions are hook
 implementations, so no other function here may start with ``engine_``). In a worker it
-wraps torch.distributed's collectives (calls, the bytes this rank contributes and the
-bytes it receives, and the wall time of each call, per kind) and a few of the engine's
-functions (spans: a check point, a memory snapshot's step path and its background job,
-the rows' exchange, the ring, a disk snapshot, the resume and its agreement, the health
-barriers), and attributes each collective to the innermost span it ran in, else to the
-engine function that called it. Nothing in engine/ changes: a span whose function is
-not there (a later engine renamed it) is listed as missing and measures nothing. Each
-worker writes one JSON record at its run's end: the engine's phases (engine.phases), the
-spans, the collectives, its CPU time, peak RSS and the peak /dev/shm its memory
-snapshots held.
+wraps torch.distributed's collectives (calls, the bytes this rank sends and the bytes it
+receives, and the wall time of each call, per kind) and a few of the engine's functions
+(spans: a check point, a memory snapshot's step path and its background jobs, the rows'
+exchange, the ring, a disk snapshot, the resume and its agreement, the health barriers),
+and attributes each collective to the innermost span it ran in, else to the engine
+function that called it. Nothing in engine/ changes: a span whose function is not there
+(a later engine renamed it) is listed as not found, and its collectives go to the
+enclosing span. Each worker writes a JSON record (the first attempt's at the kill, the
+restarted one's at its end): the engine's phases (engine.phases), the spans, the
+collectives, its CPU time, peak RSS, PSS and the peak /dev/shm its memory snapshots held.
 
-Printed: one row per figure, the median over the ranks for each W (the max where the
-figure is the slowest rank's), the fit of its growth (constant, log2 W or W: least
-squares; "constant" where the values stay within 15% of their mean, else the better
-R² of the other two) and the fitted value at W = 1k, 4k and 16k. Figures marked ``t``
-are wall times: W processes on a machine with fewer cores slow each other down, so
-they grow with W for that reason alone; bytes, counts and CPU seconds per rank are
+Printed: one row per figure, the median over the ranks for each W, the fit of its growth
+(constant, log2 W or W: least squares; "constant" where the values stay within 15% of
+their mean or none grows, else the growing model of higher R²) and the fitted value at W =
+1k, 4k and 16k; then rank 0's collectives per stage and source, and the SLURM hostlist's
+expansion timed at 1k, 4k and 16k directly. Figures marked ``(t)`` are wall times: W
+processes on a machine with fewer cores slow each other down, so they grow with W for
+that reason alone and are not carried to 16k; bytes, counts and CPU seconds per rank are
 what the engine itself adds (docs/scale.md).
 
 Not counted: DDP's gradient all-reduce (C++, outside torch.distributed's Python
@@ -68,7 +69,7 @@ RECIPE = TOOLS / "bench_tiny_recipe.py"
 PLUGIN = "bench_scale"  # this module, as the engine's -p plugin (tools/ on PYTHONPATH)
 RECORDS_ENV = "BENCH_SCALE_RECORDS"  # the folder the workers write their records into
 KILL_ENV = "BENCH_SCALE_KILL_STEP"  # kill run: the step after which the last rank dies
-SIZES = (2, 4, 8, 16)
+SIZES = (2, 4, 8, 16, 32, 64)
 AT = (1024, 4096, 16384)  # the extrapolation's W
 FLAT = 0.15  # a figure within this fraction of its mean over W is "constant"
 
@@ -406,11 +407,10 @@ def run_engine(world_size: int, kind: str, folder: pathlib.Path, args) -> dict:
 # ------------------------------------------------------------------ the figures
 
 
-def span(record: dict, label: str, per_call: bool = True) -> float | None:
+def span(record: dict, label: str) -> float | None:
+    """The wall seconds of one call of span ``label`` (the mean), None where none ran."""
     row = record["spans"].get(label)
-    if not row:
-        return None
-    return row[1] / row[0] if per_call else row[1]
+    return row[1] / row[0] if row else None
 
 
 def collective_sum(record: dict, index: int, where=None, stage_=None) -> float:
@@ -478,7 +478,7 @@ FIGURES = {
         if r["spans"].get("memory snapshot") else None),
     "ring: bytes sent per snapshot": ("B", False, lambda r, run: per_call(
         r, "ring background", 4)),
-    "ring: messages per snapshot": ("calls", False, lambda r, run: per_call(
+    "ring: sends and receives per snapshot": ("calls", False, lambda r, run: per_call(
         r, "ring background", 3)),
     "ring copy (background job)": ("s", True, lambda r, run: span(r, "ring background")),
     "disk snapshot": ("s", True, lambda r, run: span(r, "disk snapshot")),
@@ -599,6 +599,27 @@ def markdown(result_rows: list[dict], sizes: list[int]) -> str:
     return "\n".join(lines)
 
 
+def hostlist_seconds(ranks_per_node: int = 8) -> dict[int, dict[str, float]]:
+    """The SLURM hostlist's expansion (plugins/slurm_hostlist.py, what each task of a
+    slurm launch parses at its start) timed at W = AT directly, W / ranks_per_node
+    nodes: a range ("gpu[00001-02048]") and the worst case, every other node ("gpu00001,
+    gpu00003,..." as SLURM writes a fragmented allocation: one item per node). Best of
+    3, seconds."""
+    import timeit
+
+    from engine.plugins import slurm_hostlist
+
+    out = {}
+    for world_size in AT:
+        nodes = world_size // ranks_per_node
+        lists = {"range": f"gpu[00001-{nodes:05d}]",
+                 "fragmented": ",".join(f"gpu{2 * i + 1:05d}" for i in range(nodes))}
+        out[world_size] = {kind: min(timeit.repeat(
+            functools.partial(slurm_hostlist.expand_nodelist, text), number=1, repeat=3))
+            for kind, text in lists.items()}
+    return out
+
+
 def breakdown(runs: list[dict]) -> dict[tuple[str, str, str], dict[int, list]]:
     """Rank 0's collectives in each run's first attempt, per (stage, where, kind): {W: [calls,
     bytes sent, bytes received]}, where the bytes and counts grow (or do not) with W."""
@@ -672,7 +693,7 @@ def slug(name: str) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=",".join(map(str, SIZES)),
-                   help="comma-separated numbers of ranks (default 2,4,8,16)")
+                   help="comma-separated numbers of ranks (default 2,4,8,16,32,64)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     p.add_argument("--memory-every", type=int, default=4)
     p.add_argument("--disk-every", type=int, default=6)
@@ -721,6 +742,10 @@ def main(argv=None) -> int:
     details = breakdown_markdown(breakdown(runs), args.sizes)
     print("\nrank 0's collectives (first attempt), per stage and where they come from")
     print(details)
+    hosts = hostlist_seconds()
+    print("\nthe SLURM hostlist's expansion at W ranks (8 per node), measured directly: "
+          + "; ".join(f"W={w}: range {t['range'] * 1e3:.2f} ms, fragmented "
+                      f"{t['fragmented'] * 1e3:.2f} ms" for w, t in hosts.items()))
     if missing:
         print(f"spans not found in this engine (not measured): {', '.join(missing)}")
     if args.markdown:
@@ -729,7 +754,8 @@ def main(argv=None) -> int:
         written = plot(result, pathlib.Path(args.plots))
         print(f"{len(written)} plot(s) in {args.plots}")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"runs": runs, "rows": result},
+        pathlib.Path(args.json).write_text(json.dumps({"runs": runs, "rows": result,
+                                                       "hostlist_s": hosts},
                                                       indent=1, default=str))
     return 0 if all(run["returncode"] == 0 for run in runs) else 1
 
