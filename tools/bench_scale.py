@@ -78,8 +78,8 @@ FLAT = 0.15  # a figure within this fraction of its mean over W is "constant"
 #: Engine functions timed as spans: label -> (module, attribute, ...). Collectives
 #: issued inside one are attributed to it (the innermost, per thread).
 SPANS = {
-    "check point": ("engine.trainer", "Trainer", "check_point"),
-    "check point finished": ("engine.trainer", "Trainer", "finish_check"),
+    "check point": ("engine.check_point", "CheckPoint", "start"),
+    "check point finished": ("engine.check_point", "CheckPoint", "finish"),
     "memory snapshot": ("engine.memory.tier", "MemoryTier", "save"),
     "exchange": ("engine.memory.background", "Exchanges", "start"),
     "ring": ("engine.memory.ring", "Ring", "copy"),
