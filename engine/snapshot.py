@@ -18,8 +18,6 @@ import pathlib
 import time
 import warnings
 
-import torch
-
 import engine
 from engine import config as config_mod
 from engine import distributed, phases
@@ -27,7 +25,7 @@ from engine.checkpoint import read_manifest
 from engine.errors import CheckpointError, ConfigError
 
 # torch is imported inside the functions that use it: the launching process imports
-# this module (engine/launching.py: already_complete) without torch; the memory tier
+# this module (engine/launch_checks.py: already_complete) without torch; the memory tier
 # (engine/memory/) only when it is on: ``import engine.trainer`` does not pay for it.
 
 #: Config keys a resumed run may change: they decide how long the run goes and how it
@@ -62,7 +60,7 @@ def capture(ctx, config: dict | None = None, parts: dict | None = None) -> dict:
         # engine.load_model rebuilds the model from.
         "recipe": ctx.recipe_path,
         "world_size": ctx.world.world_size,
-        "threads": torch.get_num_threads(),  # a CPU's sums depend on them (restore)
+        "threads": _threads(),  # a CPU's sums depend on them (restore)
         # Where training stands, for tools that read a snapshot without the engine
         # (tools/ckpt.py inspect); a resume reads the parts, never these.
         "epoch": state.epoch,
@@ -377,6 +375,14 @@ def load_snapshot(ctx, path: pathlib.Path) -> dict:
     return ctx.checkpointer.load(path, map_location="cpu")
 
 
+def _threads(n: int | None = None) -> int:
+    import torch
+
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
 def restore(ctx, snap: dict, source: str) -> None:
     """Put ``snap`` (from :func:`load_snapshot`) into every registered part, after
     checking its config against this run's."""
@@ -386,12 +392,12 @@ def restore(ctx, snap: dict, source: str) -> None:
     start = schedule_start(ctx.scheduler, ctx.optimizer) if length else None
     ctx.snapshot_parts.load_state_dict(snap, source=source, warn=ctx.warn)
     saved = snap.get("threads")
-    if ctx.options.get("threads_chosen") and saved and saved != torch.get_num_threads():
+    if ctx.options.get("threads_chosen") and saved and saved != _threads():
         # The default follows the machine's load, which moved since: the interrupted run's
         # threads, so that a CPU's sums (and the weights) are an uninterrupted run's.
         ctx.print(f"threads: {saved} per process, as the interrupted run had (the default "
-                  f"is {torch.get_num_threads()} now; --threads N sets it)")
-        torch.set_num_threads(saved)
+                  f"is {_threads()} now; --threads N sets it)")
+        _threads(saved)
     if lr_change is not None:
         _apply_lr(ctx, *lr_change, source)
     if length:
