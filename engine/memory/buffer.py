@@ -9,8 +9,8 @@ A buffer is a header page, the payload, then the exchange region::
     payload  [skeleton length, where the data region starts][skeleton: the snapshot
              dict pickled with every tensor replaced by engine.shm_codec's marker]
              [room for the skeleton to grow][data region: tensor bytes, 64-byte aligned]
-    exchange [the payload's sequence number, rows, row size, xxh3-128][one row per
-             rank: engine/memory/rows.py's, at the payload's step]
+    exchange [the payload's sequence number, rows, row size, xxh3-128][this rank's row
+             and those it keeps: engine/memory/rows.py's, at the payload's step]
 
 A save zeroes the sequence of the buffer that does not hold the newest snapshot, copies,
 then writes the header, the sequence last; a reader takes the valid buffer (magic,
@@ -36,8 +36,8 @@ from engine.memory.files import RUN_ID_FILE, NoRoom, Unsafe, open_own
 from engine.shm_codec import align, decode
 
 HEADER_BYTES = 4096
-# 5: the skeleton's markers are engine.shm_codec's (4: tuples holding a marker string).
-MAGIC = b"ENGMEM\x00\x05"
+# 6: each row names its rank, the ranks it keeps only (5: every rank's row).
+MAGIC = b"ENGMEM\x00\x06"
 # magic, sequence, step, epoch, payload length, checksum (16 bytes), step reached, run id,
 # where the exchange region starts (0: none)
 HEADER = struct.Struct("<8sQQQQ16sQ16sQ")
@@ -140,9 +140,9 @@ class Slot:
     info: dict
     tensor: Any = attrs.field(default=None, repr=False)  # header and payload, uint8
     mapping: Any = attrs.field(default=None, repr=False)
-    #: Every rank's exchange row of this snapshot (world size x ROW_BYTES, uint8), when
-    #: the exchange region holds them whole (:meth:`MemorySnapshots.exchange`); None
-    #: while they were on their way, or never came.
+    #: The exchange rows of this snapshot (this rank's and those it keeps, each
+    #: ROW_BYTES, uint8), when the exchange region holds them whole; None while they
+    #: were on their way, or never came.
     rows: Any = attrs.field(default=None, repr=False)
 
     def payload(self):
@@ -216,8 +216,8 @@ class Buffer:
         self.array[8:16] = 0
 
     def write_exchange(self, sequence: int, rows) -> bool:
-        """Every rank's row of the snapshot ``sequence`` (a uint8 array, world size x
-        ROW_BYTES) into the exchange region, its sequence last; False (nothing written)
+        """The rows of the snapshot ``sequence`` (a uint8 array, rows x ROW_BYTES) into
+        the exchange region, its sequence last; False (nothing written)
         when the buffer holds another snapshot by now, or has no room for the rows."""
         at, array = self.exchange_at, self.array
         if (array is None or not at or int(array[8:16].view("<u8")[0]) != sequence

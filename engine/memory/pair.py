@@ -18,13 +18,12 @@ import torch
 
 from engine import phases
 from engine.memory.background import Background, Exchanges
-from engine.memory.buffer import (EXCHANGE_HEAD, HEADER_BYTES, PAYLOAD, REACHED_AT,
-                                  Buffer, Slot, checksum, data_start, newest,
-                                  payload_size, read_header, signed)
+from engine.memory.buffer import (HEADER_BYTES, PAYLOAD, REACHED_AT, Buffer, Slot,
+                                  checksum, data_start, newest, payload_size,
+                                  read_header, signed)
 from engine.memory.copy_plan import Plan
 from engine.memory.files import (Unsafe, buffer_paths, folder_of, mount_namespace,
                                  own_dir, own_folder, run_buffers, user_folder)
-from engine.memory.rows import ROW_BYTES
 from engine.shm import SHM, free_bytes, unlink_own
 from engine.shm_codec import encode
 
@@ -54,9 +53,9 @@ class MemorySnapshots:
         self.info = {"run_dir": str(os.path.realpath(self.run_dir)),
                      "host": socket.gethostname(), "mnt": mount_namespace(),
                      "pid": os.getpid(), "rank": world.rank, "world_size": world.world_size}
-        self.exchange_bytes = EXCHANGE_HEAD + world.world_size * ROW_BYTES
         self.background = Background(self)
-        self.exchanges = Exchanges(world.world_size, self.background)
+        self.exchanges = Exchanges(world, self.background, sharded)
+        self.exchange_bytes = self.exchanges.bytes()["kept"]
         self.hook = None  # the next optimizer step's wait (hold)
         self.plan: Plan | None = None  # the last save's (reused while the state allows)
         self.ring = None  # fsdp, more than one process: ring.py's Ring (the tier's)
@@ -189,8 +188,8 @@ class MemorySnapshots:
         self.background.wait()
 
     def start_exchange(self, row: bytes) -> None:
-        """Every rank before each save (a collective): start sending ``row`` to every
-        rank; :meth:`record_exchange` has the thread write them into the snapshot."""
+        """Every rank before each save: start sending ``row`` to its keepers;
+        :meth:`record_exchange` has the thread write the rows into the snapshot."""
         self.exchanges.start(row)
 
     def record_exchange(self, saved: bool) -> None:

@@ -1,16 +1,18 @@
 """Agreeing at a resume: each rank loads its whole snapshots, the ranks agree
 (:func:`agree`) on the newest one every rank can restore (its own, or sent by a rank
-that has it: under fsdp its successor's copy, ring.py), and :func:`complete` makes it
-whole again (this rank's RNG states, the epoch's loss sums over the ranks)."""
+that has it with its row from a keeper, rows.py; under fsdp its successor's copy,
+ring.py), and :func:`complete` makes it whole again (this rank's RNG states, the
+epoch's loss sums over the ranks)."""
 
 from __future__ import annotations
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from engine import distributed, stateful
 from engine.memory.buffer import Slot, check_slot, load_slot, read_payload
-from engine.memory.rows import read_row, row_in
+from engine.memory.rows import ROW_BYTES, owners, read_row, row_in
 
 
 @attrs.define
@@ -85,7 +87,8 @@ def _not_a_snapshot(state, step: int) -> str | None:
 @attrs.define
 class MemoryChoice:
     """The newest step every rank can restore (-1: none), the ranks that hold it, the
-    rank that sends it to the others, and the step the interrupted run reached."""
+    rank that sends it to the others, and the step the interrupted run reached;
+    ``keepers``: {a rank without it: the rank that sends its row}."""
 
     step: int
     holders: list[int]
@@ -97,6 +100,7 @@ class MemoryChoice:
     #: Under fsdp: {a rank without its own snapshot of the step: its successor, which
     #: holds a copy and sends it} (engine/memory/ring.py).
     peers: dict = attrs.field(factory=dict)
+    keepers: dict = attrs.field(factory=dict)
 
     def newer_than(self, disk_step: int | None) -> bool:
         return self.step >= 0 and (disk_step is None or self.step > disk_step)
@@ -117,8 +121,8 @@ class MemoryChoice:
 
 def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
     """Collective, the same answer on every rank: the newest step every rank holds, or
-    a rank holding it can send with the missing ranks' rows (none needed at another
-    number of processes); fsdp shards only at their number of processes, a rank's own
+    a rank holding it can send, each missing rank's row kept by a holder (none needed
+    at another number of processes); fsdp shards only at their number of processes, a rank's own
     or its successor's copy (``copies``: ring.load_held's), and only where this run's
     model is alike. The newest one passed over is the choice's ``unusable``."""
     world_size = memory.world.world_size
@@ -131,7 +135,7 @@ def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
                                                     "whole tensors") + ", this run's model "
                              "is " + ("sharded (fsdp)" if memory.sharded else "whole")))
         elif not shards:
-            held.append((m.step, m.slot.rows is not None or saved_world != world_size))
+            held.append((m.step, None if saved_world != world_size else owners(m.slot.rows)))
         elif saved_world != world_size:  # another split: the disk's dcp snapshots reshard
             unusable.append((m.step, f"it holds the shards of {saved_world} processes "
                                      f"(fsdp), this run has {world_size}"))
@@ -142,11 +146,18 @@ def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
                                            [m.step for m in copies]))
     reached = max(r for _, r, _, _, _ in every)
     own, ring = [steps for _, _, _, steps, _ in every], [c for *_, c in every]
+    found = [u for _, _, theirs, _, _ in every for u in theirs]
     if memory.sharded:  # each rank's own shards, or its successor's copy of them
         choice = choose_sharded(own, ring, reached)
     else:
         choice = choose([h for h, *_ in every], reached)
-    found = [u for _, _, theirs, _, _ in every for u in theirs]
+        for step in {s for h, *_ in every for s, _ in h}:
+            keepers = row_keepers([h for h, *_ in every], step)
+            lacking = [m for m, keeper in keepers.items() if keeper is None]
+            if lacking:
+                found.append((step, f"rank(s) {', '.join(map(str, lacking))} had no copy, "
+                                    "and no rank that holds it kept their RNG states and "
+                                    "loss sums (never restored from another rank's)"))
     for step in {s for steps in own for s in steps}:
         lacking = lacking_sharded(own, ring, step)
         if lacking:
@@ -159,17 +170,28 @@ def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
     return choice
 
 
-def choose(held: list[list[tuple[int, bool]]], reached: int) -> MemoryChoice:
-    """:func:`agree`'s answer from what each rank holds (``held[rank]``: (step, whether
-    a peer can send it: its rows whole) for each of its snapshots): the newest step
-    that every rank holds, or that a rank holding it can send to those that do not."""
+def choose(held: list[list[tuple[int, tuple | None]]], reached: int) -> MemoryChoice:
+    """:func:`agree`'s answer from what each rank holds (``held[rank]``: (step, the
+    ranks whose rows it keeps with it; None: none needed, another number of processes)
+    for each of its snapshots): the newest step that every rank holds, or that a rank
+    holding it can send to those that do not, each one's row kept by a holder."""
     for step in sorted({s for h in held for s, _ in h}, reverse=True):
-        holders = [r for r, h in enumerate(held) if any(s == step for s, _ in h)]
-        senders = [r for r, h in enumerate(held) if (step, True) in h]
-        if len(holders) == len(held) or senders:
-            return MemoryChoice(step, holders, reached,
-                                source=senders[0] if senders else holders[0])
+        keepers = row_keepers(held, step)
+        if None not in keepers.values():
+            holders = [r for r, h in enumerate(held) if any(s == step for s, _ in h)]
+            return MemoryChoice(step, holders, reached, source=holders[0], keepers=keepers)
     return MemoryChoice(-1, [], reached)
+
+
+def row_keepers(held: list[list[tuple[int, tuple | None]]], step: int) -> dict:
+    """{each rank without ``step``: the first rank holding it that keeps its row (None:
+    none does)}; {} where no row is needed (another number of processes)."""
+    having = [(r, kept) for r, h in enumerate(held) for s, kept in h if s == step]
+    if any(kept is None for _, kept in having):
+        return {}
+    holders = {r for r, _ in having}
+    return {m: next((r for r, kept in having if m in kept), None)
+            for m in range(len(held)) if m not in holders}
 
 
 def choose_sharded(own: list[list[int]], copies: list[list[int]],
@@ -198,7 +220,7 @@ def lacking_sharded(own: list[list[int]], copies: list[list[int]], step: int) ->
 
 def fetch(memory, choice: MemoryChoice, mine: list[Loaded]) -> dict:
     """Collective: the chosen snapshot on every rank (:func:`complete`): its own, or
-    broadcast by ``choice.source`` with its rows (fsdp: ring.py's fetch)."""
+    broadcast by ``choice.source``, its row sent by its keeper (fsdp: ring.py's fetch)."""
     rank, world_size = memory.world.rank, memory.world.world_size
     own = next((m for m in mine if m.step == choice.step), None)
     if own is not None:
@@ -206,35 +228,45 @@ def fetch(memory, choice: MemoryChoice, mine: list[Loaded]) -> dict:
     if not choice.missing(world_size):
         return complete(own.state, rank, world_size, None)
     length = distributed.broadcast_object(
-        (own.slot.length, own.slot.rows.shape if own.slot.rows is not None else None)
-        if rank == choice.source else None, src=choice.source)
-    payload_length, rows_shape = length
+        own.slot.length if rank == choice.source else None, src=choice.source)
     device = distributed.collective_device()
     if rank == choice.source:
         payload = own.slot.payload().to(device, copy=True)
     else:
-        payload = torch.empty(payload_length, dtype=torch.uint8, device=device)
+        payload = torch.empty(length, dtype=torch.uint8, device=device)
     distributed.broadcast_tensor(payload, src=choice.source)
-    rows = None
-    if rows_shape is not None:
-        rows = (torch.from_numpy(own.slot.rows.copy()).to(device) if rank == choice.source
-                else torch.empty(rows_shape, dtype=torch.uint8, device=device))
-        distributed.broadcast_tensor(rows, src=choice.source)
-        rows = rows.cpu().numpy()
+    row = _rows_from_keepers(choice, rank, own, device)
     if own is not None:
         return complete(own.state, rank, world_size, None)
-    return complete(read_payload(payload.cpu()), rank, world_size, rows)
+    return complete(read_payload(payload.cpu()), rank, world_size, row)
 
 
-def complete(state: dict, rank: int, world_size: int, rows) -> dict:
+def _rows_from_keepers(choice: MemoryChoice, rank: int, own: Loaded | None, device):
+    """Each missing rank's row from its keeper (point to point): this rank's (b"": none
+    came), or None where it sent or needed none."""
+    ops, received = [], None
+    for missing, keeper in choice.keepers.items():
+        if keeper == rank:
+            line = next(line for line in own.slot.rows if row_in([line], missing))
+            ops.append(dist.P2POp(dist.isend, torch.from_numpy(line.copy()).to(device),
+                                  missing))
+        elif missing == rank:
+            received = torch.zeros(ROW_BYTES, dtype=torch.uint8, device=device)
+            ops.append(dist.P2POp(dist.irecv, received, keeper))
+    for work in dist.batch_isend_irecv(ops) if ops else ():
+        work.wait()
+    return None if received is None else row_in([received.cpu().numpy()], rank)
+
+
+def complete(state: dict, rank: int, world_size: int, row: bytes | None) -> dict:
     """A memory snapshot (a rank's own row and loss sums) as a resume restores it: its
-    ``rng`` as the disk snapshot's, this rank's states from its own row (or the sender's
-    ``rows``), the epoch's loss sums over every rank (a collective, mid-epoch)."""
+    ``rng`` as the disk snapshot's, this rank's states from its own row (or ``row``,
+    its keeper's), the epoch's loss sums over every rank (a collective, mid-epoch)."""
     part = state.get("rng") or {}
     if "row" not in part:  # a whole state (a test's, or an older form): as it is
         return state
     saved_world = part["world_size"]
-    mine = read_row(part["row"] if rows is None else row_in(rows, rank))
+    mine = read_row(part["row"] if row is None else row)
     ranks = [None] * saved_world
     if mine is not None and rank < saved_world:
         ranks[rank] = mine["rng"]

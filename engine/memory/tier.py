@@ -104,7 +104,7 @@ class MemoryTier:
     def save(self, whole) -> tuple[int, str] | None:
         """Copy a snapshot (:func:`capture`'s, ``whole`` its header) into this rank's
         buffer, with no collective to wait for: the rows go off the step's path. A rank
-        whose buffer cannot be had still starts the exchange (a collective) and sets
+        whose buffer cannot be had still starts the exchange (its keepers wait) and sets
         ``failed`` (off at the next check point); before the first snapshot the ranks
         agree at once: returns the first rank that cannot, and why."""
         ctx, pair = self.ctx, self.pair
@@ -117,7 +117,7 @@ class MemoryTier:
                 problem = self._first_problem(state)  # collective
                 if problem is not None:
                     return problem
-            pair.start_exchange(row)  # every rank: a collective, not waited for
+            pair.start_exchange(row)  # every rank: to its keepers, not waited for
             saved = False
             if pair.failed is None:
                 # What only the optimizer's step changes is copied during the next
@@ -161,6 +161,11 @@ class MemoryTier:
             ctx.print(f"in-memory snapshots: every {pair.every_steps} step(s){auto}, 2 x "
                       f"{each:.1f} MB per rank in {pair.folder}")
         return None
+
+    def exchange_bytes(self) -> dict[str, int]:
+        """Per snapshot: the bytes of rows this rank sends and receives, and those each
+        buffer keeps (its exchange region); none of them grows with the processes."""
+        return self.pair.exchanges.bytes()
 
     def failed_rank(self) -> tuple[int, str]:
         """The first rank whose buffer failed, and why (collective: one gather)."""
@@ -256,8 +261,11 @@ class MemoryTier:
         missing = choice.missing(ctx.world.world_size)
         # fsdp: each missing rank's successor sent its copy (one rank, the usual case).
         senders = sorted(set(choice.peers.values())) or [choice.source]
+        keepers = sorted(set(choice.keepers.values()) - set(senders))  # their rows
         why = (f"rank(s) {', '.join(map(str, missing))} had no copy: sent by rank "
-               f"{', '.join(map(str, senders))}" if missing else
+               f"{', '.join(map(str, senders))}" + (
+                   f", the RNG states and loss sums by rank(s) {', '.join(map(str, keepers))}"
+                   if keepers else "") if missing else
                f"restart {ctx.world.restart_count}" if ctx.world.restart_count else "rerun")
         lost = max(0, choice.reached - choice.step)
         ctx.print(f"resumed from memory at step {choice.step} ({why}; {lost} step"
