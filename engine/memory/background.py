@@ -99,10 +99,9 @@ os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
 class Exchanges:
-    """At each snapshot, this rank's row to its keepers and the rows of the ranks it
-    keeps (rows.offsets), point-to-point operations not waited for; the thread writes
-    them into the buffer when they have come. Under fsdp none: a rank's snapshot and
-    its successor's copy hold its row (ring.py)."""
+    """At each snapshot, this rank's row to its keepers and the rows of those it keeps
+    (rows.offsets), sent point to point, not waited for: the thread writes them into the
+    buffer. Under fsdp none: a rank's snapshot and its ring copy hold its row."""
 
     def __init__(self, world, background: Background, sharded: bool = False):
         self.rank, size = world.rank, world.world_size
@@ -114,8 +113,7 @@ class Exchanges:
         self.work = None  # the operations started, not yet handed to the thread
 
     def bytes(self) -> dict[str, int]:
-        """Per snapshot: the rows' bytes sent and received, and the exchange region each
-        buffer keeps; bounded by rows.KEEPERS, whatever the number of processes."""
+        """Per snapshot: the bytes of rows sent and received, and of the region kept."""
         return {"sent": len(self.keepers) * ROW_BYTES, "received": len(self.kept) * ROW_BYTES,
                 "kept": EXCHANGE_HEAD + (1 + len(self.kept)) * ROW_BYTES}
 
@@ -137,9 +135,8 @@ class Exchanges:
                 + [dist.P2POp(dist.irecv, self.wire[1 + i], r) for i, r in enumerate(self.kept)])
 
     def record(self, target: Buffer | None, sequence: int) -> None:
-        """The rows of the exchange :meth:`start` began go into ``target`` (the buffer
-        just saved, holding the snapshot ``sequence`` once the background thread has
-        finished it; None: this rank saved none) when they have come."""
+        """The rows of the exchange :meth:`start` began go into ``target`` (the buffer of
+        the snapshot ``sequence``, finished by the thread; None: none saved) once come."""
         work, self.work = self.work, None
 
         def write() -> None:
@@ -153,8 +150,6 @@ class Exchanges:
             if target is not None:
                 target.write_exchange(sequence, self.rows.numpy())
 
-        if work is None and target is None:
-            return
         if work is None and not self.background.pending:
             write()  # no transfer, the snapshot whole: no thread to wake for it
             return

@@ -12,9 +12,8 @@ A buffer is a header page, the payload, then the exchange region::
     exchange [the payload's sequence number, rows, row size, xxh3-128][this rank's row
              and those it keeps: engine/memory/rows.py's, at the payload's step]
 
-A save zeroes the sequence of the buffer that does not hold the newest snapshot, copies,
-then writes the header, the sequence last; a reader takes the valid buffer (magic,
-sequence > 0, this run's id, the checksum) with the highest sequence.
+A save zeroes the sequence of the buffer without the newest snapshot, copies, writes the
+header, the sequence last; a reader takes the valid buffer with the highest sequence.
 """
 
 from __future__ import annotations
@@ -65,7 +64,6 @@ def payload_size(skeleton: bytes, data_size: int) -> int:
     return data_start(len(skeleton)) + data_size
 
 
-
 def read_payload(buf) -> dict:
     """The snapshot dict in the payload ``buf`` (a uint8 tensor), its tensors copied out
     (the buffer is written again by later snapshots)."""
@@ -102,8 +100,8 @@ def signed(sequence: int, step: int, epoch: int, length: int, run_id: bytes) -> 
 
 def intact(payload, sequence: int, step: int, epoch: int, length: int, run_id: bytes,
            digest: bytes) -> bool:
-    """Whether ``payload`` (its first ``length`` bytes) and those header fields are
-    what ``digest`` was computed over: a buffer's own, or a copy the ring sent."""
+    """Whether ``digest`` is that of ``payload`` (its first ``length`` bytes) and those
+    header fields: a buffer's own, or a copy the ring sent."""
     return checksum(signed(sequence, step, epoch, length, run_id), payload[:length]) == digest
 
 
@@ -140,9 +138,8 @@ class Slot:
     info: dict
     tensor: Any = attrs.field(default=None, repr=False)  # header and payload, uint8
     mapping: Any = attrs.field(default=None, repr=False)
-    #: The exchange rows of this snapshot (this rank's and those it keeps, each
-    #: ROW_BYTES, uint8), when the exchange region holds them whole; None while they
-    #: were on their way, or never came.
+    #: This snapshot's exchange rows (its own and those it keeps, uint8), when they came
+    #: whole; None while they were on their way, or never came.
     rows: Any = attrs.field(default=None, repr=False)
 
     def payload(self):
@@ -172,9 +169,8 @@ class Buffer:
     def map(self, payload_bytes: int, info: dict, run_id: bytes,
             exchange_bytes: int = 0) -> None:
         """Map the file with room for ``payload_bytes`` and ``exchange_bytes``, its pages
-        reserved (a full tmpfs is NoRoom here, not a SIGBUS during a copy), the magic,
-        run id and ``info`` written at once (a clean-up knows whose it is). Unsafe when
-        the name is taken by anything but this user's file."""
+        reserved (a full tmpfs is NoRoom here, not a SIGBUS during a copy), the magic, run
+        id and ``info`` written at once (whose it is); Unsafe if not this user's file."""
         size = HEADER_BYTES + payload_bytes + exchange_bytes
         self.unmap()
         if self.fd is None:
@@ -266,9 +262,8 @@ class Buffer:
 
 def check_slot(path: pathlib.Path, verify: bool = True,
                run_id: str | None = None) -> tuple[Slot | None, str | None]:
-    """The buffer at ``path`` if it holds a whole snapshot of the run ``run_id`` (any
-    run's when None; its checksum checked when ``verify``), and why not: None when it is
-    missing or holds no snapshot yet (sequence 0: never written, or torn), else a text."""
+    """The buffer at ``path`` if it holds a whole snapshot of the run ``run_id`` (None:
+    any; checksum checked if ``verify``), and why not (None: missing, empty or torn)."""
     try:
         fd = open_own(path, writable=False)
     except (OSError, Unsafe):

@@ -6,6 +6,8 @@ epoch's loss sums over the ranks)."""
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import torch
 import torch.distributed as dist
@@ -121,12 +123,11 @@ class MemoryChoice:
 
 def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
     """Collective, the same answer on every rank: the newest step every rank holds, or
-    a rank holding it can send, each missing rank's row kept by a holder (none needed
-    at another number of processes); fsdp shards only at their number of processes, a rank's own
-    or its successor's copy (``copies``: ring.load_held's), and only where this run's
-    model is alike. The newest one passed over is the choice's ``unusable``."""
+    a holder can send with each missing rank's row (:func:`choose`); fsdp shards only at
+    their number of processes, a rank's own or its successor's copy (``copies``:
+    ring.load_held's), where the model is alike. The newest passed over: ``unusable``."""
     world_size = memory.world.world_size
-    held, unusable, sharded = [], [], []
+    held, unusable = [], []
     for m in mine:
         saved_world = m.state.get("world_size")
         shards = stateful.holds_shards(m.state.get("model"))
@@ -140,30 +141,25 @@ def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
             unusable.append((m.step, f"it holds the shards of {saved_world} processes "
                                      f"(fsdp), this run has {world_size}"))
         else:  # fsdp: this rank's own shards (its successor has a copy: copies)
-            held.append((m.step, False))
-            sharded.append(m.step)
-    every = distributed.all_gather_object((held, memory.reached(), unusable, sharded,
+            held.append((m.step, ()))
+    every = distributed.all_gather_object((held, memory.reached(), unusable,
                                            [m.step for m in copies]))
-    reached = max(r for _, r, _, _, _ in every)
-    own, ring = [steps for _, _, _, steps, _ in every], [c for *_, c in every]
-    found = [u for _, _, theirs, _, _ in every for u in theirs]
+    held = [h for h, _, _, _ in every]
+    reached = max(r for _, r, _, _ in every)
+    found = [u for _, _, theirs, _ in every for u in theirs]
     if memory.sharded:  # each rank's own shards, or its successor's copy of them
+        own, ring = [[s for s, _ in h] for h in held], [c for *_, c in every]
         choice = choose_sharded(own, ring, reached)
+        lacking = functools.partial(lacking_sharded, own, ring)
+        why = ("under fsdp a rank's shards are only in its own memory and its "
+               "successor's: no other peer can send them")
     else:
-        choice = choose([h for h, *_ in every], reached)
-        for step in {s for h, *_ in every for s, _ in h}:
-            keepers = row_keepers([h for h, *_ in every], step)
-            lacking = [m for m, keeper in keepers.items() if keeper is None]
-            if lacking:
-                found.append((step, f"rank(s) {', '.join(map(str, lacking))} had no copy, "
-                                    "and no rank that holds it kept their RNG states and "
-                                    "loss sums (never restored from another rank's)"))
-    for step in {s for steps in own for s in steps}:
-        lacking = lacking_sharded(own, ring, step)
-        if lacking:
-            found.append((step, f"rank(s) {', '.join(map(str, lacking))} had no copy, "
-                                "and under fsdp a rank's shards are only in its own memory "
-                                "and its successor's: no other peer can send them"))
+        choice = choose(held, reached)
+        lacking = lambda step: [m for m, k in row_keepers(held, step).items() if k is None]
+        why = ("no rank that holds it kept their RNG states and loss sums (never restored "
+               "from another rank's)")
+    found += [(step, f"rank(s) {', '.join(map(str, ranks))} had no copy, and {why}")
+              for step in {s for h in held for s, _ in h} if (ranks := lacking(step))]
     newest = max(found, default=None)  # the same on every rank
     if newest is not None and newest[0] > choice.step:
         choice.unusable = newest
@@ -171,10 +167,9 @@ def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
 
 
 def choose(held: list[list[tuple[int, tuple | None]]], reached: int) -> MemoryChoice:
-    """:func:`agree`'s answer from what each rank holds (``held[rank]``: (step, the
-    ranks whose rows it keeps with it; None: none needed, another number of processes)
-    for each of its snapshots): the newest step that every rank holds, or that a rank
-    holding it can send to those that do not, each one's row kept by a holder."""
+    """:func:`agree`'s answer from ``held[rank]``: (step, the ranks whose rows it keeps
+    with it; None: none needed, another number of processes) for each of its snapshots:
+    the newest step every rank holds, or a holder sends with each one's row kept."""
     for step in sorted({s for h in held for s, _ in h}, reverse=True):
         keepers = row_keepers(held, step)
         if None not in keepers.values():
@@ -225,25 +220,21 @@ def fetch(memory, choice: MemoryChoice, mine: list[Loaded]) -> dict:
     own = next((m for m in mine if m.step == choice.step), None)
     if own is not None:
         memory.newest_index = memory.paths.index(own.slot.path)
-    if not choice.missing(world_size):
-        return complete(own.state, rank, world_size, None)
-    length = distributed.broadcast_object(
-        own.slot.length if rank == choice.source else None, src=choice.source)
-    device = distributed.collective_device()
-    if rank == choice.source:
-        payload = own.slot.payload().to(device, copy=True)
-    else:
-        payload = torch.empty(length, dtype=torch.uint8, device=device)
-    distributed.broadcast_tensor(payload, src=choice.source)
-    row = _rows_from_keepers(choice, rank, own, device)
+    if choice.missing(world_size):
+        length = distributed.broadcast_object(
+            own.slot.length if rank == choice.source else None, src=choice.source)
+        device = distributed.collective_device()
+        payload = (own.slot.payload().to(device, copy=True) if rank == choice.source
+                   else torch.empty(length, dtype=torch.uint8, device=device))
+        distributed.broadcast_tensor(payload, src=choice.source)
+        row = _rows_from_keepers(choice, rank, own, device)
     if own is not None:
         return complete(own.state, rank, world_size, None)
     return complete(read_payload(payload.cpu()), rank, world_size, row)
 
 
 def _rows_from_keepers(choice: MemoryChoice, rank: int, own: Loaded | None, device):
-    """Each missing rank's row from its keeper (point to point): this rank's (b"": none
-    came), or None where it sent or needed none."""
+    """Each missing rank's row from its keeper, point to point: this rank's, or None."""
     ops, received = [], None
     for missing, keeper in choice.keepers.items():
         if keeper == rank:
@@ -259,9 +250,9 @@ def _rows_from_keepers(choice: MemoryChoice, rank: int, own: Loaded | None, devi
 
 
 def complete(state: dict, rank: int, world_size: int, row: bytes | None) -> dict:
-    """A memory snapshot (a rank's own row and loss sums) as a resume restores it: its
-    ``rng`` as the disk snapshot's, this rank's states from its own row (or ``row``,
-    its keeper's), the epoch's loss sums over every rank (a collective, mid-epoch)."""
+    """A memory snapshot as a resume restores it: its ``rng`` as the disk snapshot's,
+    this rank's from its own row (or ``row``, its keeper's), the epoch's loss sums over
+    every rank (a collective, mid-epoch)."""
     part = state.get("rng") or {}
     if "row" not in part:  # a whole state (a test's, or an older form): as it is
         return state
@@ -278,7 +269,6 @@ def complete(state: dict, rank: int, world_size: int, row: bytes | None) -> dict
         # resumed epoch's mean loss covers the batches after the resume.
         state["progress"] = {**progress, "epoch_loss": None}
     elif loss is not None:  # every rank is mid-epoch alike (the same step)
-
         # The all-reduce of the same values the disk snapshot's capture sums: the same
         # sums, to the bit.
         totals = torch.tensor(mine["loss"], dtype=torch.float64,

@@ -26,12 +26,10 @@ KEEPERS = 2
 
 
 def offsets(world) -> list[int]:
-    """Rank r's row goes to ranks r + o (mod W) for each o, and r keeps those of r - o:
-    up to :data:`KEEPERS` peers, a node apart where there are several (a node's ranks
-    lose their memory together)."""
+    """Rank r's row goes to ranks r + o (mod W) for each o, r keeps those of r - o: up
+    to KEEPERS peers, a node apart where there are several (a node's memory goes whole)."""
     size, local = world.world_size, world.local_world_size
-    stride = local if local < size else 1
-    found = [j * stride % size for j in range(1, KEEPERS + 1)]
+    found = [j * (local if local < size else 1) % size for j in range(1, KEEPERS + 1)]
     return found[:found.index(0)] if 0 in found else found  # j * stride wrapped to r
 
 
