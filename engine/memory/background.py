@@ -22,8 +22,7 @@ class Background:
     """This rank's thread for the jobs of each snapshot, in order. A job that fails
     sets ``memory.failed``: the ranks turn the tier off at the next check point."""
 
-    #: How long anything waits for the thread: the process group's own timeout ends a
-    #: collective whose peer died well before this.
+    #: How long anything waits for the thread (the process group's timeout comes first).
     TIMEOUT_S = 3600.0
 
     def __init__(self, memory):

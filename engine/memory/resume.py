@@ -33,9 +33,8 @@ class Loaded:
 
 
 def load_all(memory, warn) -> list[Loaded]:
-    """This rank's memory snapshots of this run that load whole, newest first (both: a
-    peer may need the older one); one that does not (:func:`load_checked`) is one
-    ``warn``ing, never a traceback: a good disk snapshot is still there behind it."""
+    """This rank's memory snapshots of this run that load whole, newest first (a peer may
+    need the older one); one that does not is one ``warn``ing, never a traceback."""
     slots, problems = [], []
     for path in memory.paths:
         slot, problem = check_slot(path, run_id=memory.run_id)
@@ -155,9 +154,12 @@ def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
                "successor's: no other peer can send them")
     else:
         choice = choose(held, reached)
-        lacking = lambda step: [m for m, k in row_keepers(held, step).items() if k is None]
         why = ("no rank that holds it kept their RNG states and loss sums (never restored "
                "from another rank's)")
+
+        def lacking(step: int) -> list[int]:  # where its rows came (else: a kill before)
+            came = any(kept for h in held for s, kept in h if s == step)
+            return [m for m, k in row_keepers(held, step).items() if k is None and came]
     found += [(step, f"rank(s) {', '.join(map(str, ranks))} had no copy, and {why}")
               for step in {s for h in held for s, _ in h} if (ranks := lacking(step))]
     newest = max(found, default=None)  # the same on every rank
@@ -184,9 +186,9 @@ def row_keepers(held: list[list[tuple[int, tuple | None]]], step: int) -> dict:
     having = [(r, kept) for r, h in enumerate(held) for s, kept in h if s == step]
     if any(kept is None for _, kept in having):
         return {}
+    keeper = {m: r for r, kept in reversed(having) for m in kept}  # the first holder's
     holders = {r for r, _ in having}
-    return {m: next((r for r, kept in having if m in kept), None)
-            for m in range(len(held)) if m not in holders}
+    return {m: keeper.get(m) for m in range(len(held)) if m not in holders}
 
 
 def choose_sharded(own: list[list[int]], copies: list[list[int]],

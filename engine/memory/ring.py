@@ -57,7 +57,6 @@ class Ring:
         # The messages' tensors, made once (the job runs at every snapshot).
         self.head_out, self.head_in, self.ack_out, self.ack_in = (
             torch.zeros(n, dtype=torch.uint8) for n in (HEAD_BYTES, HEAD_BYTES, 8, 8))
-        self._dist = dist
 
     # ------------------------------------------------------ at each snapshot
 
@@ -72,9 +71,9 @@ class Ring:
             committed, damaged = self._receive_into_held()
             # A damaged copy is acknowledged too (as none): the predecessor goes on.
             self.ack_out[:] = self._bytes(struct.pack("<Q", committed))
-            sends.append(self._dist.isend(self.ack_out, self.prev, group=self.group,
+            sends.append(dist.isend(self.ack_out, self.prev, group=self.group,
                                           tag=_TAG_ACK))
-            self._wait(self._dist.irecv(self.ack_in, self.next, group=self.group,
+            self._wait(dist.irecv(self.ack_in, self.next, group=self.group,
                                         tag=_TAG_ACK), "the successor's acknowledgement")
         except RuntimeError:
             _settle(sends)
@@ -97,13 +96,13 @@ class Ring:
             payload = buffer[ms.HEADER_BYTES:ms.HEADER_BYTES + length]
         self.head_out.zero_()
         self.head_out[:len(head)] = self._bytes(head)
-        sends = [self._dist.isend(self.head_out, dst, group=self.group, tag=_TAG_HEAD)]
+        sends = [dist.isend(self.head_out, dst, group=self.group, tag=_TAG_HEAD)]
         if payload is not None and len(payload):
-            sends.append(self._dist.isend(payload, dst, group=self.group, tag=_TAG_PAYLOAD))
+            sends.append(dist.isend(payload, dst, group=self.group, tag=_TAG_PAYLOAD))
         return sends
 
     def _receive_head(self, src: int) -> tuple:
-        self._wait(self._dist.irecv(self.head_in, src, group=self.group, tag=_TAG_HEAD),
+        self._wait(dist.irecv(self.head_in, src, group=self.group, tag=_TAG_HEAD),
                    f"rank {src}'s header")
         return _HEAD.unpack(self.head_in.numpy()[:_HEAD.size].tobytes())
 
@@ -115,7 +114,7 @@ class Ring:
             return 0, None
         target = self._older(length)
         target.invalidate()  # a kill from here on leaves it invalid, the other whole
-        self._wait(self._dist.irecv(target.payload(length), self.prev, group=self.group,
+        self._wait(dist.irecv(target.payload(length), self.prev, group=self.group,
                                     tag=_TAG_PAYLOAD), f"rank {self.prev}'s snapshot")
         raw_id = self.memory.raw_id
         if not ms.intact(target.array[ms.HEADER_BYTES:], sequence, step, epoch, length,
@@ -224,7 +223,7 @@ def _own_or_received(memory, choice, mine: list) -> dict:
             raise RuntimeError(f"rank {sender} sent no copy of step {choice.step} of this "
                                f"rank's memory snapshot")
         payload = torch.empty(length, dtype=torch.uint8)
-        ring._wait(ring._dist.irecv(payload, sender, group=ring.group, tag=_TAG_PAYLOAD),
+        ring._wait(dist.irecv(payload, sender, group=ring.group, tag=_TAG_PAYLOAD),
                    f"rank {sender}'s copy of this rank's snapshot")
         if not ms.intact(payload.numpy(), sequence, step, epoch, length, memory.raw_id,
                          digest):
