@@ -286,10 +286,15 @@ def _rng_digest(rng: dict) -> str:
 def _keeper_rank(phase: str, rank: int, shm, tmp_path) -> None:
     """One of 4 ranks: "save" two snapshots (a loss sum of step + rank each, the RNG
     states seeded by rank), else resume from what the buffers hold."""
+    import faulthandler
     import json
 
     import torch.distributed as dist
 
+    # Forked from a pytest worker whose earlier tests may have started OpenMP threads,
+    # which the child does not have: a parallel op would wait for them forever.
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang: its stack, not a stray
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / phase), 4),
                             rank=rank, world_size=4)
     memory = MemorySnapshots(tmp_path, world(rank, 4), every_steps=1, run_id=RUN_ID,
