@@ -1,12 +1,11 @@
 """The thread that finishes each memory snapshot off the step's path (the held copies,
 checksum and header, the rows, under fsdp the ring's copy), and the rows' exchange
-(an all_gather nobody waits for, written into the buffer by the thread)."""
+(each rank's row to its keepers, written into their buffers by the thread)."""
 
 from __future__ import annotations
 
 import os
 import queue
-import struct
 import threading
 import weakref
 
@@ -15,16 +14,15 @@ import torch
 import torch.distributed as dist
 
 from engine import distributed
-from engine.memory.buffer import Buffer
-from engine.memory.rows import ROW_BYTES
+from engine.memory.buffer import EXCHANGE_HEAD, Buffer
+from engine.memory.rows import ROW_BYTES, ROW_HEAD, offsets
 
 
 class Background:
     """This rank's thread for the jobs of each snapshot, in order. A job that fails
     sets ``memory.failed``: the ranks turn the tier off at the next check point."""
 
-    #: How long anything waits for the thread: the process group's own timeout ends a
-    #: collective whose peer died well before this.
+    #: How long anything waits for the thread (the process group's timeout comes first).
     TIMEOUT_S = 3600.0
 
     def __init__(self, memory):
@@ -100,62 +98,58 @@ os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
 class Exchanges:
-    """Every rank's row at each snapshot: an all_gather not waited for; the thread
-    writes the rows into the buffer when they have come."""
+    """At each snapshot, this rank's row to its keepers and the rows of those it keeps
+    (rows.offsets), sent point to point, not waited for: the thread writes them into the
+    buffer. Under fsdp none: a rank's snapshot and its ring copy hold its row."""
 
-    def __init__(self, world_size: int, background: Background):
-        self.world_size = world_size
+    def __init__(self, world, background: Background, sharded: bool = False):
+        self.rank, size = world.rank, world.world_size
+        moves = [] if sharded else offsets(world)
+        self.keepers = [(self.rank + o) % size for o in moves]
+        self.kept = [(self.rank - o) % size for o in moves]
         self.background = background
-        self.line = self.line_tensor = None  # this rank's row (numpy, torch)
-        self.row = self.rows = self.views = None  # the same, and every rank's (torch)
-        self.work = None  # the all_gather started, not yet handed to the thread
+        self.rows = self.wire = None  # this rank's row, then the kept ones; on the wire
+        self.work = None  # the operations started, not yet handed to the thread
+
+    def bytes(self) -> dict[str, int]:
+        """Per snapshot: the bytes of rows sent and received, and of the region kept."""
+        return {"sent": len(self.keepers) * ROW_BYTES, "received": len(self.kept) * ROW_BYTES,
+                "kept": EXCHANGE_HEAD + (1 + len(self.kept)) * ROW_BYTES}
 
     def start(self, row: bytes) -> None:
         self.background.wait()  # the previous rows are written, the tensors free
-        spread = distributed.is_initialized()
-        if self.line is None:
-            self._allocate(distributed.collective_device() if spread else None)
-        line = self.line
-        line[:8] = np.frombuffer(struct.pack("<Q", len(row)), dtype=np.uint8)
+        if self.rows is None:
+            # On a GPU (NCCL) the rows go through a copy on it; on the CPU, in place.
+            self.rows = torch.zeros(1 + len(self.kept), ROW_BYTES, dtype=torch.uint8)
+            device = distributed.collective_device()
+            self.wire = self.rows if device.type == "cpu" else self.rows.to(device)
+        line = self.rows[0].numpy()
+        line[:8] = np.frombuffer(ROW_HEAD.pack(len(row), self.rank), dtype=np.uint8)
         line[8:8 + len(row)] = np.frombuffer(row, dtype=np.uint8)  # b"": did not fit
-        if spread:
-            if self.row.device.type != "cpu":
-                self.row.copy_(self.line_tensor)
-            self.work = dist.all_gather(self.views, self.row, async_op=True)
-
-    def _allocate(self, device) -> None:
-        """This rank's row and every rank's: on the CPU the row is the collective's own
-        tensor (written in place); on a GPU (NCCL) a pinned copy is sent over."""
-        self.line_tensor = torch.zeros(ROW_BYTES, dtype=torch.uint8)
-        self.line = self.line_tensor.numpy()
-        if device is None:
-            return
-        self.row = self.line_tensor if device.type == "cpu" else torch.zeros(
-            ROW_BYTES, dtype=torch.uint8, device=device)
-        self.rows = torch.zeros(self.world_size, ROW_BYTES, dtype=torch.uint8,
-                                device=device)
-        self.views = list(self.rows.unbind(0))
+        if self.keepers and distributed.is_initialized():
+            if self.wire is not self.rows:
+                self.wire[0].copy_(self.rows[0])
+            self.work = dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, self.wire[0], k) for k in self.keepers]
+                + [dist.P2POp(dist.irecv, self.wire[1 + i], r) for i, r in enumerate(self.kept)])
 
     def record(self, target: Buffer | None, sequence: int) -> None:
-        """The rows of the exchange :meth:`start` began go into ``target`` (the buffer
-        just saved, holding the snapshot ``sequence`` once the background thread has
-        finished it; None: this rank saved none) when they have come."""
+        """The rows of the exchange :meth:`start` began go into ``target`` (the buffer of
+        the snapshot ``sequence``, finished by the thread; None: none saved) once come."""
         work, self.work = self.work, None
 
         def write() -> None:
-            if work is not None:
-                work.wait()  # the GIL is released meanwhile
-                if self.rows.device.type == "cuda":
-                    # NCCL's wait only orders this thread's stream after the gather:
-                    # the rows are read once that stream got there.
-                    torch.cuda.current_stream(self.rows.device).synchronize()
+            for one in work or ():
+                one.wait()  # the GIL is released meanwhile
+            if work and self.wire is not self.rows:
+                # NCCL's wait only orders this thread's stream after the transfers: the
+                # rows are read once that stream got there.
+                torch.cuda.current_stream(self.wire.device).synchronize()
+                self.rows[1:].copy_(self.wire[1:])
             if target is not None:
-                target.write_exchange(sequence, self.line.reshape(1, -1) if work is None
-                                      else self.rows.cpu().numpy())
+                target.write_exchange(sequence, self.rows.numpy())
 
-        if work is None and target is None:
-            return
         if work is None and not self.background.pending:
-            write()  # a single process, its snapshot whole: no thread to wake for it
+            write()  # no transfer, the snapshot whole: no thread to wake for it
             return
         self.background.submit(write)

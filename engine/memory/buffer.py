@@ -9,12 +9,11 @@ A buffer is a header page, the payload, then the exchange region::
     payload  [skeleton length, where the data region starts][skeleton: the snapshot
              dict pickled with every tensor replaced by engine.shm_codec's marker]
              [room for the skeleton to grow][data region: tensor bytes, 64-byte aligned]
-    exchange [the payload's sequence number, rows, row size, xxh3-128][one row per
-             rank: engine/memory/rows.py's, at the payload's step]
+    exchange [the payload's sequence number, rows, row size, xxh3-128][this rank's row
+             and those it keeps: engine/memory/rows.py's, at the payload's step]
 
-A save zeroes the sequence of the buffer that does not hold the newest snapshot, copies,
-then writes the header, the sequence last; a reader takes the valid buffer (magic,
-sequence > 0, this run's id, the checksum) with the highest sequence.
+A save zeroes the sequence of the buffer without the newest snapshot, copies, writes the
+header, the sequence last; a reader takes the valid buffer with the highest sequence.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ from engine.memory.files import RUN_ID_FILE, NoRoom, Unsafe, open_own
 from engine.shm_codec import align, decode
 
 HEADER_BYTES = 4096
-# 5: the skeleton's markers are engine.shm_codec's (4: tuples holding a marker string).
-MAGIC = b"ENGMEM\x00\x05"
+# 6: each row names its rank, the ranks it keeps only (5: every rank's row).
+MAGIC = b"ENGMEM\x00\x06"
 # magic, sequence, step, epoch, payload length, checksum (16 bytes), step reached, run id,
 # where the exchange region starts (0: none)
 HEADER = struct.Struct("<8sQQQQ16sQ16sQ")
@@ -63,7 +62,6 @@ def data_start(skeleton_bytes: int) -> int:
 
 def payload_size(skeleton: bytes, data_size: int) -> int:
     return data_start(len(skeleton)) + data_size
-
 
 
 def read_payload(buf) -> dict:
@@ -102,8 +100,8 @@ def signed(sequence: int, step: int, epoch: int, length: int, run_id: bytes) -> 
 
 def intact(payload, sequence: int, step: int, epoch: int, length: int, run_id: bytes,
            digest: bytes) -> bool:
-    """Whether ``payload`` (its first ``length`` bytes) and those header fields are
-    what ``digest`` was computed over: a buffer's own, or a copy the ring sent."""
+    """Whether ``digest`` is that of ``payload`` (its first ``length`` bytes) and those
+    header fields: a buffer's own, or a copy the ring sent."""
     return checksum(signed(sequence, step, epoch, length, run_id), payload[:length]) == digest
 
 
@@ -140,9 +138,8 @@ class Slot:
     info: dict
     tensor: Any = attrs.field(default=None, repr=False)  # header and payload, uint8
     mapping: Any = attrs.field(default=None, repr=False)
-    #: Every rank's exchange row of this snapshot (world size x ROW_BYTES, uint8), when
-    #: the exchange region holds them whole (:meth:`MemorySnapshots.exchange`); None
-    #: while they were on their way, or never came.
+    #: This snapshot's exchange rows (its own and those it keeps, uint8), when they came
+    #: whole; None while they were on their way, or never came.
     rows: Any = attrs.field(default=None, repr=False)
 
     def payload(self):
@@ -172,9 +169,8 @@ class Buffer:
     def map(self, payload_bytes: int, info: dict, run_id: bytes,
             exchange_bytes: int = 0) -> None:
         """Map the file with room for ``payload_bytes`` and ``exchange_bytes``, its pages
-        reserved (a full tmpfs is NoRoom here, not a SIGBUS during a copy), the magic,
-        run id and ``info`` written at once (a clean-up knows whose it is). Unsafe when
-        the name is taken by anything but this user's file."""
+        reserved (a full tmpfs is NoRoom here, not a SIGBUS during a copy), the magic, run
+        id and ``info`` written at once (whose it is); Unsafe if not this user's file."""
         size = HEADER_BYTES + payload_bytes + exchange_bytes
         self.unmap()
         if self.fd is None:
@@ -216,8 +212,8 @@ class Buffer:
         self.array[8:16] = 0
 
     def write_exchange(self, sequence: int, rows) -> bool:
-        """Every rank's row of the snapshot ``sequence`` (a uint8 array, world size x
-        ROW_BYTES) into the exchange region, its sequence last; False (nothing written)
+        """The rows of the snapshot ``sequence`` (a uint8 array, rows x ROW_BYTES) into
+        the exchange region, its sequence last; False (nothing written)
         when the buffer holds another snapshot by now, or has no room for the rows."""
         at, array = self.exchange_at, self.array
         if (array is None or not at or int(array[8:16].view("<u8")[0]) != sequence
@@ -266,9 +262,8 @@ class Buffer:
 
 def check_slot(path: pathlib.Path, verify: bool = True,
                run_id: str | None = None) -> tuple[Slot | None, str | None]:
-    """The buffer at ``path`` if it holds a whole snapshot of the run ``run_id`` (any
-    run's when None; its checksum checked when ``verify``), and why not: None when it is
-    missing or holds no snapshot yet (sequence 0: never written, or torn), else a text."""
+    """The buffer at ``path`` if it holds a whole snapshot of the run ``run_id`` (None:
+    any; checksum checked if ``verify``), and why not (None: missing, empty or torn)."""
     try:
         fd = open_own(path, writable=False)
     except (OSError, Unsafe):

@@ -15,9 +15,8 @@ BACKGROUND_BYTES = 4 << 20
 
 
 class Plan:
-    """Where each tensor goes in the payload, and the copies that put it there, reused
-    while the state holds the same tensors (it keeps them alive: no other can come to
-    live at one's address). ``held``: :func:`held_by`'s, copied later, in the thread."""
+    """Where each tensor goes in the payload and the copies that put it there, reused while
+    the state holds the same tensors (kept alive: none other at their addresses)."""
 
     def __init__(self, key: list, tensors: list, data_size: int, data_at: int,
                  held: frozenset | None):
@@ -61,9 +60,8 @@ class Plan:
 
 
 def held_by(optimizer) -> frozenset:
-    """Where the tensors that only ``optimizer``'s step changes live (data pointers: its
-    parameters and state), which a save may copy before its next step; anything else
-    (a module's buffers, which a forward updates) is copied at once."""
+    """The data pointers of what only ``optimizer``'s step changes (its parameters and
+    state), which a save may copy before that step; the rest is copied at once."""
     def pointer(tensor) -> int:
         # A DTensor's (fsdp) data_ptr() is 0: its local tensor's memory is the snapshot's.
         return getattr(tensor, "_local_tensor", tensor).data_ptr()

@@ -17,13 +17,11 @@ PAUSED = 1 << 62
 
 
 class MemoryCost:
-    """What this rank's memory snapshots cost against its steps, measured at each check
-    point with the clocks the run keeps anyway (engine/phases.py's carved snapshot and
-    copy-wait times, the window's wall time and steps), totalled from the check point
-    after the tier's first snapshot (which also reserves the buffers). A window's step
-    time is its wall time less its snapshots (memory and disk). What no clock sees (a
-    background copy taking the step's CPUs) is measured once by the tier's probe
-    (:meth:`probed`)."""
+    """What this rank's memory snapshots cost against its steps, by the clocks the run
+    keeps anyway (engine/phases.py's carved times, each window's wall time and steps),
+    from the check point after the first snapshot (which reserves the buffers). A
+    window's step time is its wall time less its snapshots (memory and disk); what no
+    clock sees (a background copy taking the step's CPUs) the probe measures once."""
 
     def __init__(self):
         self.snapshot_s = self.step_s = 0.0
@@ -84,8 +82,7 @@ class MemoryCost:
 
     def every_steps(self, current: int) -> int | None:
         """The shortest interval whose snapshots cost at most MEMORY_BUDGET of the step
-        time (None until measured and probed); shorter than ``current`` only within 80%
-        of the budget, or a cost near a boundary would change it at every check point."""
+        (None until probed); shorter than ``current`` only within 80% of it (no flapping)."""
         percent = self.percent(1)
         if self.hidden_s is None or percent is None:
             return None

@@ -104,9 +104,8 @@ def folder_of(run_dir, shm: pathlib.Path = SHM) -> pathlib.Path:
 
 def own_folder(run_dir, shm: pathlib.Path = SHM) -> pathlib.Path:
     """The run's buffer folder on this host (:func:`folder_of`'s, made when missing), or,
-    where another user took this user's folder name first, a private folder of random
-    name (made as mkdtemp does), recorded in the run folder for its restarts and its
-    other local ranks (under the record's lock). Unsafe when none can be had."""
+    where another user took the name first, a private one of random name, recorded in
+    the run folder (under its lock) for the restarts and other local ranks; or Unsafe."""
     try:
         return own_dir(folder_of(run_dir, shm))
     except Unsafe as exc:
@@ -184,9 +183,8 @@ def run_id_of(run_dir) -> str | None:
 
 
 def claim_run_id(run_dir, fresh: bool) -> tuple[str | None, str]:
-    """Rank 0 at the start: (the id ``run_dir`` had, the run's id). The old one is
-    kept unless the run starts ``fresh`` or has none (a copy's is not its own); a new
-    one is written (atomically) with the folder's inode."""
+    """Rank 0 at the start: (the id ``run_dir`` had, the run's id): the old one unless
+    the run starts ``fresh`` or has none, else a new one written with the folder's inode."""
     old = run_id_of(run_dir)
     if old is not None and not fresh:
         return old, old
@@ -215,7 +213,6 @@ def run_buffers(run_id: str, shm: pathlib.Path = SHM, run_dir=None) -> list[path
                   if (m := BUFFER_NAME.fullmatch(n)) and m["run_id"] == run_id)
 
 
-
 def writer_gone(path: pathlib.Path) -> bool:
     """Whether no process holds the buffer at ``path`` open for writing (its writer's
     flock, :class:`Buffer`): the kernel drops it however the writer ended."""
@@ -230,7 +227,6 @@ def writer_gone(path: pathlib.Path) -> bool:
     finally:
         os.close(fd)  # and the lock with it
     return True
-
 
 
 def mount_namespace() -> str | None:

@@ -2,9 +2,8 @@
 
     /dev/shm/engine-memory-<uid>/<run id>-r<rank>-a, -b      (folder 0700, files 0600)
 
-The state is pickled once with a marker at each tensor (engine.shm_codec), and the
-copies planned at the previous save (copy_plan.py) are done again while the tensors
-are the same."""
+The state is pickled once with a marker at each tensor (engine.shm_codec); the copies
+planned at a save (copy_plan.py) are done again while the tensors are the same."""
 
 from __future__ import annotations
 
@@ -18,13 +17,12 @@ import torch
 
 from engine import phases
 from engine.memory.background import Background, Exchanges
-from engine.memory.buffer import (EXCHANGE_HEAD, HEADER_BYTES, PAYLOAD, REACHED_AT,
-                                  Buffer, Slot, checksum, data_start, newest,
-                                  payload_size, read_header, signed)
+from engine.memory.buffer import (HEADER_BYTES, PAYLOAD, REACHED_AT, Buffer, Slot,
+                                  checksum, data_start, newest, payload_size,
+                                  read_header, signed)
 from engine.memory.copy_plan import Plan
 from engine.memory.files import (Unsafe, buffer_paths, folder_of, mount_namespace,
                                  own_dir, own_folder, run_buffers, user_folder)
-from engine.memory.rows import ROW_BYTES
 from engine.shm import SHM, free_bytes, unlink_own
 from engine.shm_codec import encode
 
@@ -48,15 +46,13 @@ class MemorySnapshots:
         self.reached_before = 0  # how far the interrupted run had got (agree() says)
         self.sharded = sharded  # fsdp: its shards restore only a sharded model
         self.config = None  # the run's config, pickled once (snapshot.py: shm_codec.Pickled)
-        # Why this rank's last save failed (a full tmpfs, a name taken since): the
-        # ranks agree at the next check point to turn the tier off.
-        self.failed: str | None = None
+        self.failed: str | None = None  # why the last save failed: off at the next check
         self.info = {"run_dir": str(os.path.realpath(self.run_dir)),
                      "host": socket.gethostname(), "mnt": mount_namespace(),
                      "pid": os.getpid(), "rank": world.rank, "world_size": world.world_size}
-        self.exchange_bytes = EXCHANGE_HEAD + world.world_size * ROW_BYTES
         self.background = Background(self)
-        self.exchanges = Exchanges(world.world_size, self.background)
+        self.exchanges = Exchanges(world, self.background, sharded)
+        self.exchange_bytes = self.exchanges.bytes()["kept"]
         self.hook = None  # the next optimizer step's wait (hold)
         self.plan: Plan | None = None  # the last save's (reused while the state allows)
         self.ring = None  # fsdp, more than one process: ring.py's Ring (the tier's)
@@ -118,12 +114,10 @@ class MemorySnapshots:
                 self.buffers[i].map(capacity, self.info, self.raw_id, self.exchange_bytes)
 
     def save(self, state: dict, *, step: int, epoch: int, held=None) -> bool:
-        """Copy ``state`` into the buffer without the newest snapshot (with the last
-        save's :class:`Plan` while the tensors are the same). NoRoom or Unsafe when a
-        buffer cannot be had; the newest snapshot stays valid. ``held`` (:func:`held_by`'s
-        set, or a callable giving it when a plan is made): those tensors, the checksum
-        and the header may be left to the background thread (on a GPU, or above
-        BACKGROUND_BYTES); returns whether they were (then :meth:`hold`)."""
+        """Copy ``state`` into the buffer without the newest snapshot (the last save's
+        :class:`Plan` while the tensors are the same); NoRoom or Unsafe, the newest kept.
+        ``held`` (held_by's, or a callable giving it): tensors whose copy, the checksum
+        and header may go to the background thread; returns whether they did (hold)."""
         plan = self.plan
         skeleton, tensors, data_size, key = encode(state, plan)
         if key is not None or not plan.fits(skeleton, held):
@@ -189,16 +183,15 @@ class MemorySnapshots:
         self.background.wait()
 
     def start_exchange(self, row: bytes) -> None:
-        """Every rank before each save (a collective): start sending ``row`` to every
-        rank; :meth:`record_exchange` has the thread write them into the snapshot."""
+        """Every rank before each save: start sending ``row`` to its keepers;
+        :meth:`record_exchange` has the thread write the rows into the snapshot."""
         self.exchanges.start(row)
 
     def record_exchange(self, saved: bool) -> None:
-        self.exchanges.record(self.buffers[self.newest_index] if saved else None,
-                              self.sequence)
+        target = self.buffers[self.newest_index] if saved else None
+        self.exchanges.record(target, self.sequence)
         if self.ring is not None:  # after the copy and the rows, in the same thread
-            self.ring.copy(self.buffers[self.newest_index] if saved else None,
-                           self.sequence)
+            self.ring.copy(target, self.sequence)
 
     def room_for(self, state: dict) -> tuple[int, int]:
         """The bytes the buffers of ``state`` take on this machine (every local rank asks
@@ -208,16 +201,14 @@ class MemorySnapshots:
         held = 0
         for path in run_buffers(self.run_id, self.shm, self.run_dir):
             try:
-                # Its pages, not its size: another local rank's posix_fallocate may be
-                # under way, its pages taken from the free space before the size is set
-                # (tmpfs sets it at the end), and would look like someone else's.
+                # Its pages, not its size: tmpfs sets the size after another local rank's
+                # posix_fallocate has taken the pages from the free space.
                 held += os.lstat(path).st_blocks * 512
             except OSError:
                 pass
-        per_rank = 2 * (HEADER_BYTES + payload_size(skeleton, data_size)
-                        + self.exchange_bytes)
-        if self.ring is not None:  # two copies of the predecessor's, about as large
-            per_rank += 2 * (HEADER_BYTES + payload_size(skeleton, data_size))
+        one = HEADER_BYTES + payload_size(skeleton, data_size)
+        # fsdp: two copies of the predecessor's, about as large.
+        per_rank = 2 * (one + self.exchange_bytes) + (2 * one if self.ring else 0)
         # Not to be asked (None): the reservation says whether there is room.
         return (per_rank * self.world.local_world_size,
                 (float("inf") if free is None else free) + held)

@@ -1,16 +1,20 @@
 """Agreeing at a resume: each rank loads its whole snapshots, the ranks agree
 (:func:`agree`) on the newest one every rank can restore (its own, or sent by a rank
-that has it: under fsdp its successor's copy, ring.py), and :func:`complete` makes it
-whole again (this rank's RNG states, the epoch's loss sums over the ranks)."""
+that has it with its row from a keeper, rows.py; under fsdp its successor's copy,
+ring.py), and :func:`complete` makes it whole again (this rank's RNG states, the
+epoch's loss sums over the ranks)."""
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import torch
+import torch.distributed as dist
 
 from engine import distributed, stateful
 from engine.memory.buffer import Slot, check_slot, load_slot, read_payload
-from engine.memory.rows import read_row, row_in
+from engine.memory.rows import ROW_BYTES, owners, read_row, row_in
 
 
 @attrs.define
@@ -29,9 +33,8 @@ class Loaded:
 
 
 def load_all(memory, warn) -> list[Loaded]:
-    """This rank's memory snapshots of this run that load whole, newest first (both: a
-    peer may need the older one); one that does not (:func:`load_checked`) is one
-    ``warn``ing, never a traceback: a good disk snapshot is still there behind it."""
+    """This rank's memory snapshots of this run that load whole, newest first (a peer may
+    need the older one); one that does not is one ``warn``ing, never a traceback."""
     slots, problems = [], []
     for path in memory.paths:
         slot, problem = check_slot(path, run_id=memory.run_id)
@@ -85,7 +88,8 @@ def _not_a_snapshot(state, step: int) -> str | None:
 @attrs.define
 class MemoryChoice:
     """The newest step every rank can restore (-1: none), the ranks that hold it, the
-    rank that sends it to the others, and the step the interrupted run reached."""
+    rank that sends it to the others, and the step the interrupted run reached;
+    ``keepers``: {a rank without it: the rank that sends its row}."""
 
     step: int
     holders: list[int]
@@ -97,6 +101,7 @@ class MemoryChoice:
     #: Under fsdp: {a rank without its own snapshot of the step: its successor, which
     #: holds a copy and sends it} (engine/memory/ring.py).
     peers: dict = attrs.field(factory=dict)
+    keepers: dict = attrs.field(factory=dict)
 
     def newer_than(self, disk_step: int | None) -> bool:
         return self.step >= 0 and (disk_step is None or self.step > disk_step)
@@ -117,12 +122,11 @@ class MemoryChoice:
 
 def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
     """Collective, the same answer on every rank: the newest step every rank holds, or
-    a rank holding it can send with the missing ranks' rows (none needed at another
-    number of processes); fsdp shards only at their number of processes, a rank's own
-    or its successor's copy (``copies``: ring.load_held's), and only where this run's
-    model is alike. The newest one passed over is the choice's ``unusable``."""
+    a holder can send with each missing rank's row (:func:`choose`); fsdp shards only at
+    their number of processes, a rank's own or its successor's copy (``copies``:
+    ring.load_held's), where the model is alike. The newest passed over: ``unusable``."""
     world_size = memory.world.world_size
-    held, unusable, sharded = [], [], []
+    held, unusable = [], []
     for m in mine:
         saved_world = m.state.get("world_size")
         shards = stateful.holds_shards(m.state.get("model"))
@@ -131,45 +135,60 @@ def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
                                                     "whole tensors") + ", this run's model "
                              "is " + ("sharded (fsdp)" if memory.sharded else "whole")))
         elif not shards:
-            held.append((m.step, m.slot.rows is not None or saved_world != world_size))
+            held.append((m.step, None if saved_world != world_size else owners(m.slot.rows)))
         elif saved_world != world_size:  # another split: the disk's dcp snapshots reshard
             unusable.append((m.step, f"it holds the shards of {saved_world} processes "
                                      f"(fsdp), this run has {world_size}"))
         else:  # fsdp: this rank's own shards (its successor has a copy: copies)
-            held.append((m.step, False))
-            sharded.append(m.step)
-    every = distributed.all_gather_object((held, memory.reached(), unusable, sharded,
+            held.append((m.step, ()))
+    every = distributed.all_gather_object((held, memory.reached(), unusable,
                                            [m.step for m in copies]))
-    reached = max(r for _, r, _, _, _ in every)
-    own, ring = [steps for _, _, _, steps, _ in every], [c for *_, c in every]
+    held = [h for h, _, _, _ in every]
+    reached = max(r for _, r, _, _ in every)
+    found = [u for _, _, theirs, _ in every for u in theirs]
     if memory.sharded:  # each rank's own shards, or its successor's copy of them
+        own, ring = [[s for s, _ in h] for h in held], [c for *_, c in every]
         choice = choose_sharded(own, ring, reached)
+        lacking = functools.partial(lacking_sharded, own, ring)
+        why = ("under fsdp a rank's shards are only in its own memory and its "
+               "successor's: no other peer can send them")
     else:
-        choice = choose([h for h, *_ in every], reached)
-    found = [u for _, _, theirs, _, _ in every for u in theirs]
-    for step in {s for steps in own for s in steps}:
-        lacking = lacking_sharded(own, ring, step)
-        if lacking:
-            found.append((step, f"rank(s) {', '.join(map(str, lacking))} had no copy, "
-                                "and under fsdp a rank's shards are only in its own memory "
-                                "and its successor's: no other peer can send them"))
+        choice = choose(held, reached)
+        why = ("no rank that holds it kept their RNG states and loss sums (never restored "
+               "from another rank's)")
+
+        def lacking(step: int) -> list[int]:  # where its rows came (else: a kill before)
+            came = any(kept for h in held for s, kept in h if s == step)
+            return [m for m, k in row_keepers(held, step).items() if k is None and came]
+    found += [(step, f"rank(s) {', '.join(map(str, ranks))} had no copy, and {why}")
+              for step in {s for h in held for s, _ in h} if (ranks := lacking(step))]
     newest = max(found, default=None)  # the same on every rank
     if newest is not None and newest[0] > choice.step:
         choice.unusable = newest
     return choice
 
 
-def choose(held: list[list[tuple[int, bool]]], reached: int) -> MemoryChoice:
-    """:func:`agree`'s answer from what each rank holds (``held[rank]``: (step, whether
-    a peer can send it: its rows whole) for each of its snapshots): the newest step
-    that every rank holds, or that a rank holding it can send to those that do not."""
+def choose(held: list[list[tuple[int, tuple | None]]], reached: int) -> MemoryChoice:
+    """:func:`agree`'s answer from ``held[rank]``: (step, the ranks whose rows it keeps
+    with it; None: none needed, another number of processes) for each of its snapshots:
+    the newest step every rank holds, or a holder sends with each one's row kept."""
     for step in sorted({s for h in held for s, _ in h}, reverse=True):
-        holders = [r for r, h in enumerate(held) if any(s == step for s, _ in h)]
-        senders = [r for r, h in enumerate(held) if (step, True) in h]
-        if len(holders) == len(held) or senders:
-            return MemoryChoice(step, holders, reached,
-                                source=senders[0] if senders else holders[0])
+        keepers = row_keepers(held, step)
+        if None not in keepers.values():
+            holders = [r for r, h in enumerate(held) if any(s == step for s, _ in h)]
+            return MemoryChoice(step, holders, reached, source=holders[0], keepers=keepers)
     return MemoryChoice(-1, [], reached)
+
+
+def row_keepers(held: list[list[tuple[int, tuple | None]]], step: int) -> dict:
+    """{each rank without ``step``: the first rank holding it that keeps its row (None:
+    none does)}; {} where no row is needed (another number of processes)."""
+    having = [(r, kept) for r, h in enumerate(held) for s, kept in h if s == step]
+    if any(kept is None for _, kept in having):
+        return {}
+    keeper = {m: r for r, kept in reversed(having) for m in kept}  # the first holder's
+    holders = {r for r, _ in having}
+    return {m: keeper.get(m) for m in range(len(held)) if m not in holders}
 
 
 def choose_sharded(own: list[list[int]], copies: list[list[int]],
@@ -198,43 +217,49 @@ def lacking_sharded(own: list[list[int]], copies: list[list[int]], step: int) ->
 
 def fetch(memory, choice: MemoryChoice, mine: list[Loaded]) -> dict:
     """Collective: the chosen snapshot on every rank (:func:`complete`): its own, or
-    broadcast by ``choice.source`` with its rows (fsdp: ring.py's fetch)."""
+    broadcast by ``choice.source``, its row sent by its keeper (fsdp: ring.py's fetch)."""
     rank, world_size = memory.world.rank, memory.world.world_size
     own = next((m for m in mine if m.step == choice.step), None)
     if own is not None:
         memory.newest_index = memory.paths.index(own.slot.path)
-    if not choice.missing(world_size):
-        return complete(own.state, rank, world_size, None)
-    length = distributed.broadcast_object(
-        (own.slot.length, own.slot.rows.shape if own.slot.rows is not None else None)
-        if rank == choice.source else None, src=choice.source)
-    payload_length, rows_shape = length
-    device = distributed.collective_device()
-    if rank == choice.source:
-        payload = own.slot.payload().to(device, copy=True)
-    else:
-        payload = torch.empty(payload_length, dtype=torch.uint8, device=device)
-    distributed.broadcast_tensor(payload, src=choice.source)
-    rows = None
-    if rows_shape is not None:
-        rows = (torch.from_numpy(own.slot.rows.copy()).to(device) if rank == choice.source
-                else torch.empty(rows_shape, dtype=torch.uint8, device=device))
-        distributed.broadcast_tensor(rows, src=choice.source)
-        rows = rows.cpu().numpy()
+    if choice.missing(world_size):
+        length = distributed.broadcast_object(
+            own.slot.length if rank == choice.source else None, src=choice.source)
+        device = distributed.collective_device()
+        payload = (own.slot.payload().to(device, copy=True) if rank == choice.source
+                   else torch.empty(length, dtype=torch.uint8, device=device))
+        distributed.broadcast_tensor(payload, src=choice.source)
+        row = _rows_from_keepers(choice, rank, own, device)
     if own is not None:
         return complete(own.state, rank, world_size, None)
-    return complete(read_payload(payload.cpu()), rank, world_size, rows)
+    return complete(read_payload(payload.cpu()), rank, world_size, row)
 
 
-def complete(state: dict, rank: int, world_size: int, rows) -> dict:
-    """A memory snapshot (a rank's own row and loss sums) as a resume restores it: its
-    ``rng`` as the disk snapshot's, this rank's states from its own row (or the sender's
-    ``rows``), the epoch's loss sums over every rank (a collective, mid-epoch)."""
+def _rows_from_keepers(choice: MemoryChoice, rank: int, own: Loaded | None, device):
+    """Each missing rank's row from its keeper, point to point: this rank's, or None."""
+    ops, received = [], None
+    for missing, keeper in choice.keepers.items():
+        if keeper == rank:
+            line = next(line for line in own.slot.rows if row_in([line], missing))
+            ops.append(dist.P2POp(dist.isend, torch.from_numpy(line.copy()).to(device),
+                                  missing))
+        elif missing == rank:
+            received = torch.zeros(ROW_BYTES, dtype=torch.uint8, device=device)
+            ops.append(dist.P2POp(dist.irecv, received, keeper))
+    for work in dist.batch_isend_irecv(ops) if ops else ():
+        work.wait()
+    return None if received is None else row_in([received.cpu().numpy()], rank)
+
+
+def complete(state: dict, rank: int, world_size: int, row: bytes | None) -> dict:
+    """A memory snapshot as a resume restores it: its ``rng`` as the disk snapshot's,
+    this rank's from its own row (or ``row``, its keeper's), the epoch's loss sums over
+    every rank (a collective, mid-epoch)."""
     part = state.get("rng") or {}
     if "row" not in part:  # a whole state (a test's, or an older form): as it is
         return state
     saved_world = part["world_size"]
-    mine = read_row(part["row"] if rows is None else row_in(rows, rank))
+    mine = read_row(part["row"] if row is None else row)
     ranks = [None] * saved_world
     if mine is not None and rank < saved_world:
         ranks[rank] = mine["rng"]
@@ -246,7 +271,6 @@ def complete(state: dict, rank: int, world_size: int, rows) -> dict:
         # resumed epoch's mean loss covers the batches after the resume.
         state["progress"] = {**progress, "epoch_loss": None}
     elif loss is not None:  # every rank is mid-epoch alike (the same step)
-
         # The all-reduce of the same values the disk snapshot's capture sums: the same
         # sums, to the bit.
         totals = torch.tensor(mine["loss"], dtype=torch.float64,

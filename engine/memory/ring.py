@@ -2,12 +2,11 @@
 memory snapshot (its own shards, which no other rank has), so that the loss of one
 node's memory still resumes from memory (docs/checkpoints.md, "The ring under fsdp").
 
-Rank r sends its committed snapshot (a fixed header, then the payload as its buffer
-holds it) to rank (r + 1) % W, which keeps it in two buffers in the own buffers' format
-(``<run id>-r<holder>-held-a``, ``-b``), the older one written, its sequence last. A job
-of the background thread, on a gloo group of its own, every wait bounded by
-``timeout_s``: a dead peer or a damaged copy fails it (the tier goes off). At a resume a
-rank without its own snapshot gets its successor's copy (:func:`fetch`).
+Rank r sends its committed snapshot (a header, then the payload) to rank (r + 1) % W,
+which keeps it in two buffers of the own buffers' format (``<run id>-r<holder>-held-a``,
+``-b``): a job of the background thread, on a gloo group of its own, every wait bounded
+(a dead peer or a damaged copy turns the tier off). At a resume a rank without its own
+snapshot gets its successor's copy (:func:`fetch`).
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ class Ring:
         # The messages' tensors, made once (the job runs at every snapshot).
         self.head_out, self.head_in, self.ack_out, self.ack_in = (
             torch.zeros(n, dtype=torch.uint8) for n in (HEAD_BYTES, HEAD_BYTES, 8, 8))
-        self._dist = dist
 
     # ------------------------------------------------------ at each snapshot
 
@@ -68,14 +66,14 @@ class Ring:
         self.memory.background.submit(lambda: self._exchange(buffer, sequence))
 
     def _exchange(self, buffer, sequence: int) -> None:
-        sends = self._send(buffer, sequence, self.next)
+        sends = self._send(None if buffer is None else buffer.tensor, sequence, self.next)
         try:
             committed, damaged = self._receive_into_held()
             # A damaged copy is acknowledged too (as none): the predecessor goes on.
             self.ack_out[:] = self._bytes(struct.pack("<Q", committed))
-            sends.append(self._dist.isend(self.ack_out, self.prev, group=self.group,
+            sends.append(dist.isend(self.ack_out, self.prev, group=self.group,
                                           tag=_TAG_ACK))
-            self._wait(self._dist.irecv(self.ack_in, self.next, group=self.group,
+            self._wait(dist.irecv(self.ack_in, self.next, group=self.group,
                                         tag=_TAG_ACK), "the successor's acknowledgement")
         except RuntimeError:
             _settle(sends)
@@ -86,25 +84,25 @@ class Ring:
             raise RuntimeError(damaged)
 
     def _send(self, buffer, sequence: int, dst: int, newest: int = 0) -> list:
-        """Start sending ``buffer``'s snapshot ``sequence`` (header, then payload) to
-        ``dst``; a header of sequence 0 where there is none. The sends, not waited for."""
-        fields = ms.HEADER.unpack(buffer.array[:ms.HEADER.size].tobytes()) \
-            if buffer is not None and buffer.array is not None else None
+        """The sends, not waited for, of the snapshot ``sequence`` in ``buffer`` (a uint8
+        tensor, a buffer's or a slot's) to ``dst``; a header of sequence 0 if none."""
+        fields = None if buffer is None else ms.HEADER.unpack(
+            buffer[:ms.HEADER.size].numpy().tobytes())
         if fields is None or fields[1] != sequence or not sequence:
             head, payload = _HEAD.pack(0, 0, 0, 0, bytes(16), newest), None
         else:
             _, seq, step, epoch, length, digest, *_ = fields
             head = _HEAD.pack(seq, step, epoch, length, digest, newest)
-            payload = buffer.tensor[ms.HEADER_BYTES:ms.HEADER_BYTES + length]
+            payload = buffer[ms.HEADER_BYTES:ms.HEADER_BYTES + length]
         self.head_out.zero_()
         self.head_out[:len(head)] = self._bytes(head)
-        sends = [self._dist.isend(self.head_out, dst, group=self.group, tag=_TAG_HEAD)]
+        sends = [dist.isend(self.head_out, dst, group=self.group, tag=_TAG_HEAD)]
         if payload is not None and len(payload):
-            sends.append(self._dist.isend(payload, dst, group=self.group, tag=_TAG_PAYLOAD))
+            sends.append(dist.isend(payload, dst, group=self.group, tag=_TAG_PAYLOAD))
         return sends
 
     def _receive_head(self, src: int) -> tuple:
-        self._wait(self._dist.irecv(self.head_in, src, group=self.group, tag=_TAG_HEAD),
+        self._wait(dist.irecv(self.head_in, src, group=self.group, tag=_TAG_HEAD),
                    f"rank {src}'s header")
         return _HEAD.unpack(self.head_in.numpy()[:_HEAD.size].tobytes())
 
@@ -116,7 +114,7 @@ class Ring:
             return 0, None
         target = self._older(length)
         target.invalidate()  # a kill from here on leaves it invalid, the other whole
-        self._wait(self._dist.irecv(target.payload(length), self.prev, group=self.group,
+        self._wait(dist.irecv(target.payload(length), self.prev, group=self.group,
                                     tag=_TAG_PAYLOAD), f"rank {self.prev}'s snapshot")
         raw_id = self.memory.raw_id
         if not ms.intact(target.array[ms.HEADER_BYTES:], sequence, step, epoch, length,
@@ -191,16 +189,15 @@ def load_held(memory, warn) -> list:
 
 
 def fetch(memory, choice, mine: list, held: list) -> dict:
-    """Each rank's chosen snapshot where some rank lacks its own (``choice.peers``):
-    its own, or its successor's copy sent over the ring's group (checked by the
-    receiver); then resume.complete (collective)."""
+    """Each rank's chosen snapshot where some rank lacks its own (``choice.peers``): its
+    own, or its successor's copy sent over the ring's group, checked; resume.complete."""
     ring, rank = memory.ring, memory.world.rank
     sends = []
     for receiver, sender in choice.peers.items():
         if sender == rank:
             copy = next(m for m in held if m.step == choice.step)
             newest = max(m.slot.sequence for m in held)
-            sends += ring._send(_SlotView(copy.slot), copy.slot.sequence, receiver,
+            sends += ring._send(copy.slot.tensor, copy.slot.sequence, receiver,
                                 newest=newest)
     try:
         state = _own_or_received(memory, choice, mine)
@@ -226,7 +223,7 @@ def _own_or_received(memory, choice, mine: list) -> dict:
             raise RuntimeError(f"rank {sender} sent no copy of step {choice.step} of this "
                                f"rank's memory snapshot")
         payload = torch.empty(length, dtype=torch.uint8)
-        ring._wait(ring._dist.irecv(payload, sender, group=ring.group, tag=_TAG_PAYLOAD),
+        ring._wait(dist.irecv(payload, sender, group=ring.group, tag=_TAG_PAYLOAD),
                    f"rank {sender}'s copy of this rank's snapshot")
         if not ms.intact(payload.numpy(), sequence, step, epoch, length, memory.raw_id,
                          digest):
@@ -247,11 +244,3 @@ def _settle(sends: list) -> None:
             work.wait()
         except RuntimeError:
             pass
-
-
-class _SlotView:
-    """A checked held copy (a buffer.Slot) as :meth:`Ring._send` reads a buffer."""
-
-    def __init__(self, slot):
-        self.tensor = slot.tensor
-        self.array = slot.tensor.numpy()

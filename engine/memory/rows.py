@@ -1,6 +1,6 @@
-"""Each rank's exchange row: its RNG states and its part of the epoch's loss sums, sent
-to every rank and kept in every buffer, so that in the replicated modes any rank's
-buffer restores any rank (resume.py's complete)."""
+"""Each rank's exchange row: its RNG states and its part of the epoch's loss sums, kept
+by :data:`KEEPERS` peers (:func:`offsets`), so that in the replicated modes a rank whose
+memory is lost takes the state from any holder and its row from a keeper (resume.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,21 @@ import torch
 
 from engine.shm_codec import PlainUnpickler
 
-#: One rank's row in the exchange: its length, then the pickled RNG states and epoch
-#: loss; a larger one is left out (a peer then cannot restore that rank's snapshot).
+#: One rank's row in the exchange: its length and rank (:data:`ROW_HEAD`), then the
+#: pickled RNG states and epoch loss; a larger one is left out (no peer keeps it).
 ROW_BYTES = 8 + 16384 + 512
+ROW_HEAD = struct.Struct("<II")
+#: How many peers keep each rank's row: two, so that a rank and one of its keepers lost
+#: in one failure still leave one (a row is 17 kB: the second costs little).
+KEEPERS = 2
+
+
+def offsets(world) -> list[int]:
+    """Rank r's row goes to ranks r + o (mod W) for each o, r keeps those of r - o: up
+    to KEEPERS peers, a node apart where there are several (a node's memory goes whole)."""
+    size, local = world.world_size, world.local_world_size
+    found = [j * (local if local < size else 1) % size for j in range(1, KEEPERS + 1)]
+    return found[:found.index(0)] if 0 in found else found  # j * stride wrapped to r
 
 
 def make_row(loss) -> bytes:
@@ -100,9 +112,19 @@ def read_row(row: bytes) -> dict | None:
     return {"rng": state, "loss": plain["loss"]}
 
 
+def _filled(rows):
+    """(rank, row) of each row that is not empty among ``rows`` (None: none)."""
+    for line in () if rows is None else rows:
+        length, rank = ROW_HEAD.unpack(line[:8].tobytes())
+        if 0 < length <= len(line) - 8:
+            yield rank, line[8:8 + length].tobytes()
+
+
 def row_in(rows, rank: int) -> bytes:
     """Rank ``rank``'s row among an exchange region's ``rows`` (b"": none)."""
-    if rows is None or rank >= len(rows):
-        return b""
-    (length,) = struct.unpack("<Q", rows[rank][:8].tobytes())
-    return rows[rank][8:8 + length].tobytes() if 8 + length <= rows.shape[1] else b""
+    return next((row for owner, row in _filled(rows) if owner == rank), b"")
+
+
+def owners(rows) -> tuple[int, ...]:
+    """The ranks whose rows ``rows`` holds."""
+    return tuple(owner for owner, _ in _filled(rows))

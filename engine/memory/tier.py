@@ -33,12 +33,13 @@ class MemoryTier:
         self.pair = pair
         self.note_reached = pair.note_reached  # after each optimizer step: the loop's
         self.cost = MemoryCost()  # measured at check points, auto or not
+        # Per snapshot, bytes: rows "sent", "received", and the exchange region "kept".
+        self.exchange_bytes = pair.exchanges.bytes()
         # auto: from every step (each restart too), then what the ranks' costs allow.
         self.auto = ctx.cfg.checkpoint.memory_every_steps == "auto"
-        # auto's probe, by check point (the same on every rank, so the tier pauses and
-        # resumes at the same steps everywhere): the window of the first snapshot (it
-        # reserves the buffers: not counted), one with a snapshot at every step, one
-        # without any (paused), then None: MemoryCost.probed compares the two.
+        # auto's probe, by check point, the same on every rank: the first snapshot's window
+        # (it reserves the buffers: not counted), one with a snapshot at every step, one
+        # without (paused), then None: MemoryCost.probed compares the two.
         self.probe = "first" if self.auto else None
         self.probe_with_s = None  # the window with a snapshot at every step, per step
         self.record()
@@ -103,10 +104,9 @@ class MemoryTier:
 
     def save(self, whole) -> tuple[int, str] | None:
         """Copy a snapshot (:func:`capture`'s, ``whole`` its header) into this rank's
-        buffer, with no collective to wait for: the rows go off the step's path. A rank
-        whose buffer cannot be had still starts the exchange (a collective) and sets
-        ``failed`` (off at the next check point); before the first snapshot the ranks
-        agree at once: returns the first rank that cannot, and why."""
+        buffer, no collective waited for. A rank whose buffer cannot be had still starts
+        the exchange (its keepers wait) and sets ``failed``; before the first snapshot
+        the ranks agree at once: returns the first rank that cannot, and why."""
         ctx, pair = self.ctx, self.pair
         with phases.carve(phases.MEMORY_SNAPSHOTS, within="training",
                           label="memory snapshot"):
@@ -117,7 +117,7 @@ class MemoryTier:
                 problem = self._first_problem(state)  # collective
                 if problem is not None:
                     return problem
-            pair.start_exchange(row)  # every rank: a collective, not waited for
+            pair.start_exchange(row)  # every rank: to its keepers, not waited for
             saved = False
             if pair.failed is None:
                 # What only the optimizer's step changes is copied during the next
@@ -136,8 +136,7 @@ class MemoryTier:
 
     def _first_problem(self, state: dict) -> tuple[int, str] | None:
         """Before the first snapshot, collective: whether every rank has room for two
-        buffers and reserved them (all turn the tier off together: a rank alone would
-        leave the others' next snapshot, a collective, waiting)."""
+        buffers and reserved them (all turn the tier off together, none left waiting)."""
         ctx, pair = self.ctx, self.pair
         needed, free = pair.room_for(state)
         each = needed / 2 / ctx.world.local_world_size / 2**20  # MB, one buffer
@@ -168,8 +167,7 @@ class MemoryTier:
             distributed.all_gather_object(self.pair.failed)) if why is not None)
 
     def switch_off(self) -> list[str]:
-        """No more snapshots: summary.json's interval 0, the buffers removed (a warning
-        for each left)."""
+        """No more snapshots: summary.json's interval 0, the buffers removed (warnings)."""
         self.record(every=0)
         return self.pair.remove()
 
@@ -230,13 +228,11 @@ class MemoryTier:
 
     def resume(self, disk_step: int | None, restore) -> bool:
         """Collective: resume (``restore(ctx, snap, source)``) from the newest memory
-        snapshot every rank can have (its own, or a peer's sent) when it is newer than
-        the disk snapshot of ``disk_step``; False where none is. One that fails to load
-        is a warning and the next tier."""
+        snapshot every rank can have when it is newer than the disk snapshot of
+        ``disk_step``; False where none is (one that fails to load: a warning)."""
         ctx, pair = self.ctx, self.pair
         mine = agreeing.load_all(pair, ctx.warn_here)
-        # fsdp: this rank's copies of its predecessor's snapshots (engine/memory/ring.py).
-        copies = ring_mod.load_held(pair, ctx.warn_here)
+        copies = ring_mod.load_held(pair, ctx.warn_here)  # fsdp: its predecessor's
         try:
             choice = agreeing.agree(pair, mine, copies)
             pair.reached_before = choice.reached
@@ -246,7 +242,6 @@ class MemoryTier:
                     ctx.print(notice)
                 return False
             source = f"memory (step {choice.step})"
-            # fsdp, a rank without its own: its successor's copy.
             snap = (ring_mod.fetch(pair, choice, mine, copies) if choice.peers
                     else agreeing.fetch(pair, choice, mine))
             restore(ctx, snap, source=source)
@@ -254,8 +249,9 @@ class MemoryTier:
             for loaded in mine + copies:
                 loaded.close()
         missing = choice.missing(ctx.world.world_size)
-        # fsdp: each missing rank's successor sent its copy (one rank, the usual case).
-        senders = sorted(set(choice.peers.values())) or [choice.source]
+        # fsdp: each missing rank's successor sent its copy; else the source sent the
+        # state, and each missing rank's keeper its row.
+        senders = sorted(set(choice.peers.values()) or {choice.source, *choice.keepers.values()})
         why = (f"rank(s) {', '.join(map(str, missing))} had no copy: sent by rank "
                f"{', '.join(map(str, senders))}" if missing else
                f"restart {ctx.world.restart_count}" if ctx.world.restart_count else "rerun")
@@ -277,8 +273,7 @@ class MemoryTier:
 
 def capture(ctx, config, whole) -> tuple[dict, bytes]:
     """A memory snapshot's dict without a collective, ``whole(ctx, config, parts)`` of
-    every part's local state (stateful.LocalStateful), and this rank's exchange row
-    (rows.py: its RNG states, its loss sums), which ``rng`` holds."""
+    every part's local state, and this rank's row (rows.py), which ``rng`` holds."""
     states = ctx.snapshot_parts.local_state_dict()
     loss = (states.get("progress") or {}).get("epoch_loss")
     row = make_row(None if loss is None else (loss["sum"], loss["batches"]))
@@ -289,10 +284,9 @@ def capture(ctx, config, whole) -> tuple[dict, bytes]:
 
 def remove_leftovers(run_dir, run_id: str, shm: pathlib.Path = SHM,
                      forget: str | None = None) -> tuple[list[pathlib.Path], list[str]]:
-    """At a run's start (local rank 0): remove the buffers left behind in the run's
-    folder, and only those: of this host and mount namespace, their writer gone, of this
-    run folder under another id or of a folder that no longer exists; ``forget``: an id
-    whose buffers all go. What was removed, and a warning for each that could not be."""
+    """At a run's start (local rank 0): remove the buffers left behind, and only those:
+    of this host and mount namespace, their writer gone, of this run folder under another
+    id or of a folder gone, all of the id ``forget``. What went, and warnings."""
     host, here = socket.gethostname(), os.path.realpath(os.fspath(run_dir))
     mnt = mount_namespace()
 

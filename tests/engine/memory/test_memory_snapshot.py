@@ -224,6 +224,115 @@ def _ring_rank(rank: int, shm, tmp_path) -> None:
     dist.destroy_process_group()
 
 
+def test_a_rank_lost_with_one_keeper_of_its_row_resumes_exactly_with_all_keepers_disk(
+        shm, tmp_path):
+    """4 real gloo processes (forked), each rank's row kept by the next two: each
+    buffer's exchange region holds 3 rows (its own and its two predecessors'), whatever
+    the number of processes, as the tier's accounting says. Then rank 1 and rank 2 (one
+    of rank 1's keepers) lost in one failure (their buffers gone): 4 new processes
+    resume step 2 from memory, rank 1's row from rank 3, rank 2's from rank 0, each
+    rank with its own RNG states and the loss sums over the ranks, as saved. Rank 3
+    lost too (rank 1's last keeper): the ranks agree on none, and the line the run
+    prints before it takes its disk snapshot says why."""
+    import json
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+
+    def everyone(phase: str) -> list[dict]:
+        ranks = [context.Process(target=_keeper_rank, args=(phase, rank, shm, tmp_path))
+                 for rank in range(4)]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join(120)
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+        assert [p.exitcode for p in ranks] == [0] * 4, "a rank failed: see above"
+        return [json.loads((tmp_path / f"{phase}-{r}.json").read_text()) for r in range(4)]
+
+    saved = everyone("save")
+    row = rows.ROW_BYTES
+    for rank, one in enumerate(saved):
+        assert one["bytes"] == {"sent": 2 * row, "received": 2 * row,
+                                "kept": buffer.EXCHANGE_HEAD + 3 * row}
+        assert one["owners"] == [rank, (rank - 1) % 4, (rank - 2) % 4]
+    for rank in (1, 2):  # a rank and one of its row's keepers, in one failure
+        for path in files.buffer_paths(tmp_path, rank, shm, RUN_ID):
+            path.unlink()
+    resumed = everyone("resume")
+    assert {(r["step"], r["source"], r["not_used"]) for r in resumed} == {(2, 0, None)}
+    assert all(r["keepers"] == {"1": 3, "2": 0} for r in resumed)
+    for one, before in zip(resumed, saved, strict=True):
+        assert one["rng"] == before["rng"]  # its own RNG states, never another's
+        assert one["loss"] == {"sum": 14.0, "batches": 4.0, "micro_batch": 1}
+        assert one["model"]
+    for path in files.buffer_paths(tmp_path, 3, shm, RUN_ID):  # its last keeper
+        path.unlink()
+    lost = everyone("lost")
+    assert {(r["step"], r["not_used"]) for r in lost} == {(-1, (
+        "the memory snapshot of step 2 is not used: rank(s) 1 had no copy, and no rank "
+        "that holds it kept their RNG states and loss sums (never restored from another "
+        "rank's)"))}
+
+
+def _rng_digest(rng: dict) -> str:
+    import hashlib
+
+    return hashlib.sha256(repr((rng["python"], rng["torch"].tolist(),
+                                rng["numpy"]["keys"].tolist())).encode()).hexdigest()
+
+
+def _keeper_rank(phase: str, rank: int, shm, tmp_path) -> None:
+    """One of 4 ranks: "save" two snapshots (a loss sum of step + rank each, the RNG
+    states seeded by rank), else resume from what the buffers hold."""
+    import faulthandler
+    import json
+
+    import torch.distributed as dist
+
+    # Forked from a pytest worker whose earlier tests may have started OpenMP threads,
+    # which the child does not have: a parallel op would wait for them forever.
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang: its stack, not a stray
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / phase), 4),
+                            rank=rank, world_size=4)
+    memory = MemorySnapshots(tmp_path, world(rank, 4), every_steps=1, run_id=RUN_ID,
+                             shm=shm)
+    assert memory.check() is None
+    if phase == "save":
+        for step in (1, 2):
+            torch.manual_seed(10 * step + rank)
+            row = rows.make_row((float(step + rank), 1.0))
+            memory.start_exchange(row)
+            memory.save({**a_snapshot(step), "world_size": 4, "rng": {
+                "world_size": 4, "rank": rank, "row": row}, "progress": {
+                "epoch": 1, "step": step, "epoch_loss": {
+                    "sum": 0.0, "batches": 0.0, "micro_batch": 1}}}, step=step, epoch=0)
+            memory.record_exchange(saved=True)
+        memory.finish()
+        slot = memory.newest()
+        out = {"bytes": memory.exchanges.bytes(), "owners": list(rows.owners(slot.rows)),
+               "rng": _rng_digest(rows.read_row(row)["rng"])}
+        slot.close()
+    else:
+        mine = resume.load_all(memory, pytest.fail)
+        choice = resume.agree(memory, mine)
+        out = {"step": choice.step, "source": choice.source, "keepers": choice.keepers,
+               "not_used": choice.not_used(None)}
+        if choice.step >= 0:
+            whole = resume.fetch(memory, choice, mine)
+            out.update(rng=_rng_digest(whole["rng"]["ranks"][rank]),
+                       loss=whole["progress"]["epoch_loss"], model=torch.equal(
+                           whole["model"]["w"], a_snapshot(choice.step)["model"]["w"]))
+        for one in mine:
+            one.close()
+    memory.close()
+    (tmp_path / f"{phase}-{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
 def test_the_folder_and_buffers_are_this_users_alone(shm, tmp_path):
     memory = memory_of(tmp_path, shm)
     memory.save(a_snapshot(1), step=1, epoch=0)
@@ -595,22 +704,60 @@ def test_a_process_killed_during_its_copies_leaves_one_whole_snapshot(shm, tmp_p
 
 
 def test_the_ranks_choose_the_newest_step_each_rank_can_restore():
-    """A rank without a copy of a step needs a holder whose exchange rows (its RNG
-    states and loss sums) came whole; else an older step, or none."""
+    """A rank without a copy of a step needs a holder, and a holder that keeps its row
+    (its RNG states and loss sums) of that step; else an older step, or none (held:
+    (step, the ranks whose rows came whole with it) per snapshot)."""
     choose = resume.choose
     # Every rank holds step 7: its rows are not needed.
-    assert choose([[(7, False), (6, True)], [(7, False), (6, True)]], 7) == \
+    assert choose([[(7, ()), (6, (0, 1))], [(7, ()), (6, (1, 0))]], 7) == \
         resume.MemoryChoice(7, [0, 1], 7, source=0)
-    # Rank 1's buffers are gone: rank 0 sends step 7 when it has the rows of step 7...
-    assert choose([[(7, True), (6, True)], []], 8) == \
-        resume.MemoryChoice(7, [0], 8, source=0)
+    # Rank 1's buffers are gone: rank 0 sends step 7 when it has rank 1's row of step 7...
+    assert choose([[(7, (0, 1)), (6, (0, 1))], []], 8) == \
+        resume.MemoryChoice(7, [0], 8, source=0, keepers={1: 0})
     # ...else step 6, whose rows it has (a kill before step 7's exchange came).
-    choice = choose([[(7, False), (6, True)], []], 8)
+    choice = choose([[(7, (0,)), (6, (0, 1))], []], 8)
     assert (choice.step, choice.source, choice.missing(2)) == (6, 0, [1])
     # Rank 1 killed during step 7's copy: step 6, which both hold.
-    assert choose([[(7, False), (6, True)], [(6, True)]], 7).holders == [0, 1]
-    assert choose([[(7, False)], []], 7).step == -1  # nothing rank 1 could restore
+    assert choose([[(7, (0,)), (6, (0, 1))], [(6, (1, 0))]], 7).holders == [0, 1]
+    assert choose([[(7, (0,))], []], 7).step == -1  # nothing rank 1 could restore
     assert choose([[], []], 0).step == -1
+    # 4 ranks, each row kept by the next two: ranks 1 and 2 lost, rank 1's row comes
+    # from rank 3 (its other keeper), rank 2's from rank 0, the state from rank 0.
+    kept = [(7, (r, (r - 1) % 4, (r - 2) % 4)) for r in range(4)]
+    choice = choose([[kept[0]], [], [], [kept[3]]], 7)
+    assert (choice.step, choice.source, choice.keepers) == (7, 0, {1: 3, 2: 0})
+    # Rank 3 lost too: nobody keeps rank 1's row of step 7, and a rank is never
+    # restored with another rank's: none (the disk snapshot).
+    assert choose([[kept[0]], [], [], []], 7).step == -1
+    assert resume.row_keepers([[kept[0]], [], [], []], 7) == {1: None, 2: 0, 3: 0}
+    # Saved by another number of processes: no rows needed (RNG states not restored).
+    assert choose([[(7, None)], [], []], 7) == resume.MemoryChoice(7, [0], 7, source=0)
+
+
+def test_each_rank_s_row_is_kept_by_a_bounded_number_of_peers_a_node_apart():
+    """rows.offsets: rank r's row goes to r + o for each offset, at most rows.KEEPERS
+    of them, a node's ranks apart where there are several nodes; the bytes a rank
+    sends and keeps per snapshot stop growing with the number of processes."""
+    from engine.memory.background import Exchanges
+
+    def offsets(size: int, local: int) -> list[int]:
+        return rows.offsets(World(rank=0, local_rank=0, world_size=size,
+                                  local_world_size=local))
+
+    assert rows.KEEPERS == 2
+    assert offsets(1, 1) == [] and offsets(2, 2) == [1] and offsets(4, 4) == [1, 2]
+    assert offsets(4, 2) == [2] and offsets(16, 4) == [4, 8]  # other nodes only
+    assert offsets(16384, 8) == [8, 16]
+    exchanged = {size: Exchanges(World(rank=size - 1, local_rank=size - 1,
+                                       world_size=size, local_world_size=size),
+                                 None).bytes() for size in (2, 3, 4, 1024, 16384)}
+    assert exchanged[2] == {"sent": rows.ROW_BYTES, "received": rows.ROW_BYTES,
+                            "kept": buffer.EXCHANGE_HEAD + 2 * rows.ROW_BYTES}
+    assert exchanged[3] == exchanged[4] == exchanged[1024] == exchanged[16384] == {
+        "sent": 2 * rows.ROW_BYTES, "received": 2 * rows.ROW_BYTES,
+        "kept": buffer.EXCHANGE_HEAD + 3 * rows.ROW_BYTES}
+    fsdp = Exchanges(world(0, 4), None, sharded=True).bytes()  # its ring holds its row
+    assert fsdp == {"sent": 0, "received": 0, "kept": buffer.EXCHANGE_HEAD + rows.ROW_BYTES}
 
 
 def test_under_fsdp_a_rank_without_its_snapshot_takes_its_successors_copy_or_disk():
