@@ -31,8 +31,6 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import attrs
 
 from engine.errors import CheckpointError, ConfigError, EngineError, first_line
-# engine.trainer calls stateful.rng_state and set_rng_state: here until it imports engine.rng
-from engine.rng import rng_state, set_rng_state  # noqa: F401
 from engine.shards import (distributed_options, from_shards, holds_shards, holds_tensors,
                            is_sharded, mesh_of, to_shards)
 

@@ -11,7 +11,7 @@ import itertools
 
 import torch
 
-from engine import data, distributed, stateful
+from engine import data, distributed, rng
 from engine.errors import EngineError, PeerFailed
 
 
@@ -160,8 +160,8 @@ class Validation:
 @contextlib.contextmanager
 def forked_rng():
     """Every RNG state as it was before, afterwards."""
-    saved = stateful.rng_state()
+    saved = rng.rng_state()
     try:
         yield
     finally:
-        stateful.set_rng_state(saved)
+        rng.set_rng_state(saved)

@@ -12,7 +12,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from engine import distributed, stateful
+from engine import distributed
+from engine.shards import holds_shards
 from engine.memory.buffer import Slot, check_slot, load_slot, read_payload
 from engine.memory.rows import ROW_BYTES, owners, read_row, row_in
 
@@ -129,7 +130,7 @@ def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
     held, unusable = [], []
     for m in mine:
         saved_world = m.state.get("world_size")
-        shards = stateful.holds_shards(m.state.get("model"))
+        shards = holds_shards(m.state.get("model"))
         if shards != memory.sharded:  # --parallel changed from or to fsdp: from disk
             unusable.append((m.step, "it holds " + ("fsdp shards" if shards else
                                                     "whole tensors") + ", this run's model "

@@ -18,7 +18,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-from engine import health, stateful
+from engine import health, shards
 from engine.memory import buffer as ms
 from engine.memory.files import buffer_paths
 from engine.memory.resume import complete, load_checked
@@ -177,7 +177,7 @@ def load_held(memory, warn) -> list:
         if slot is None:
             continue
         one, problem = load_checked(slot, also=lambda state: (
-            None if stateful.holds_shards(state.get("model"))
+            None if shards.holds_shards(state.get("model"))
             and state.get("world_size") == memory.world.world_size else
             "not fsdp shards of this number of processes"))
         if one is not None:

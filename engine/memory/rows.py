@@ -34,7 +34,7 @@ def offsets(world) -> list[int]:
 
 
 def make_row(loss) -> bytes:
-    """This rank's exchange row: its RNG states (stateful.rng_state's, as raw bytes)
+    """This rank's exchange row: its RNG states (engine.rng.rng_state's, as raw bytes)
     and its loss sums ((sum, micro-batches) or None); b"" above ROW_BYTES."""
     state = {"python": _python_rng(), "numpy": _numpy_rng(),
              "torch": torch.get_rng_state().numpy().tobytes()}
@@ -91,7 +91,7 @@ def _numpy_rng() -> dict:
 
 
 def read_row(row: bytes) -> dict | None:
-    """:func:`make_row`'s dict, its RNG states as engine.stateful.rng_state gives them;
+    """:func:`make_row`'s dict, its RNG states as engine.rng.rng_state gives them;
     None for an empty row (the states did not fit)."""
     if not row:
         return None

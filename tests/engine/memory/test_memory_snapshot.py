@@ -789,23 +789,23 @@ def test_under_fsdp_a_rank_without_its_snapshot_takes_its_successors_copy_or_dis
 
 def test_a_row_gives_back_this_ranks_rng_states_and_loss_sums():
     """The row a peer keeps (raw bytes, numpy's state read only when it may have moved)
-    restores what engine.stateful.rng_state would have: after normal deviates cached
+    restores what engine.rng.rng_state would have: after normal deviates cached
     and drawn (a draw that leaves numpy's generator where it was), a reseed, a
     set_state."""
     import numpy as np
 
-    from engine import stateful
+    from engine import rng
 
     def same_as_now(loss=None) -> bool:
         row = rows.read_row(rows.make_row(loss))
-        now, kept = stateful.rng_state(), row["rng"]
+        now, kept = rng.rng_state(), row["rng"]
         return (row["loss"] == loss and now["python"] == kept["python"]
                 and torch.equal(now["torch"], kept["torch"])
                 and torch.equal(now["numpy"]["keys"], kept["numpy"]["keys"])
                 and all(now["numpy"][k] == kept["numpy"][k]
                         for k in ("pos", "has_gauss", "gauss")))
 
-    saved = stateful.rng_state()
+    saved = rng.rng_state()
     try:
         checks = [same_as_now((1.5, 4.0))]
         for move in (np.random.randn, np.random.randn, lambda: np.random.seed(3),
@@ -818,7 +818,7 @@ def test_a_row_gives_back_this_ranks_rng_states_and_loss_sums():
         checks.append(same_as_now())
         assert all(checks), checks
     finally:
-        stateful.set_rng_state(saved)
+        rng.set_rng_state(saved)
 
 
 def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(
