@@ -23,6 +23,13 @@ ddp.bucket_cap_mb=50``):
 - ``sync_batchnorm`` (false): convert BatchNorm layers to SyncBatchNorm, which
   normalises with the statistics of the global batch. torch supports it on GPUs only;
   on the CPU it is a clear error.
+- ``reduce_per_tensor`` (false): one all-reduce per parameter instead of per bucket. At 3
+  processes or more the order in which an all-reduce sums the ranks' values depends on
+  where a value sits in the buffer, and DDP lays its buckets out anew after the first
+  step: a resumed run's first step sums in another order than the uninterrupted run's
+  did, so the weights agree to rounding, not bit for bit (a resume says so in one line).
+  Per tensor, the order depends on the tensor alone: resumes are bit-identical at any
+  number of processes, for one collective per parameter each step.
 
 With one process there is nothing to synchronise: the model trains unwrapped, as with
 ``single``, and the mode says so.
@@ -50,7 +57,8 @@ class DDPConfig:
     #: Keys a resume may change (engine.config.resume_safe): how gradients travel, not
     #: what they are. broadcast_buffers and sync_batchnorm change the arithmetic.
     RESUME_SAFE = frozenset({"bucket_cap_mb", "gradient_as_bucket_view", "static_graph",
-                             "find_unused_parameters", "gpus_per_process"})
+                             "find_unused_parameters", "gpus_per_process",
+                             "reduce_per_tensor"})
 
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = True  # saves one copy of the gradients
@@ -58,6 +66,7 @@ class DDPConfig:
     find_unused_parameters: bool = False  # costs a graph traversal every step
     broadcast_buffers: bool = True
     sync_batchnorm: bool = False
+    reduce_per_tensor: bool = False  # bit-identical resumes at 3+ processes
     gpus_per_process: int = 0  # ddp-multigpu: GPUs each process drives (0: all it can)
 
 
@@ -144,7 +153,7 @@ class DistributedDataParallel(Parallel):
         # during training) and warns on the old name.
         sync_buffers = ("forward_sync_buffers" if "forward_sync_buffers" in
                         inspect.signature(DDP.__init__).parameters else "broadcast_buffers")
-        return DDP(
+        ddp = DDP(
             module,
             device_ids=device_ids,
             bucket_cap_mb=opts.bucket_cap_mb,
@@ -153,6 +162,9 @@ class DistributedDataParallel(Parallel):
             find_unused_parameters=opts.find_unused_parameters,
             **{sync_buffers: opts.broadcast_buffers},
         )
+        if opts.reduce_per_tensor:
+            ddp.register_comm_hook(None, all_reduce_per_tensor)
+        return ddp
 
     def unwrap(self, model):
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -196,6 +208,43 @@ class DistributedDataParallel(Parallel):
             return ("two processes drive the same GPU; give each process its own "
                     "(CUDA_VISIBLE_DEVICES, srun --gpus-per-task) or start fewer (--nproc)")
         return None
+
+
+def all_reduce_per_tensor(_, bucket):
+    """A DDP comm hook: the bucket's mean as DDP's own hook takes it (divided, then
+    summed), one all-reduce per gradient, so each value's place in its all-reduce (and so
+    the order its ranks' values are summed in) does not depend on DDP's bucket layout."""
+    import torch
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    futures, offset = [], 0
+    for grad in bucket.gradients():  # the buffer holds them back to back, in this order
+        view = buffer[offset:offset + grad.numel()]
+        futures.append(dist.all_reduce(view, async_op=True).get_future())
+        offset += grad.numel()
+    return torch.futures.collect_all(futures).then(lambda _: buffer)
+
+
+def resumed_in_another_order(ctx) -> str | None:
+    """The line a resume at 3+ processes under DDP says (reduce_per_tensor off), or None."""
+    if (ctx.resumed_from is None or ctx.world.world_size < 3
+            or not isinstance(ctx.parallel, DistributedDataParallel)
+            or ddp_options(ctx.cfg).reduce_per_tensor):
+        return None
+    return (f"resumed at {ctx.world.world_size} processes: DDP's first step after a resume "
+            "sums the ranks' gradients in another order than the uninterrupted run did (its "
+            "buckets are laid out anew after a first step), so the weights agree with it to "
+            "rounding, not bit for bit; ddp.reduce_per_tensor=true makes resumes "
+            "bit-identical (one all-reduce per parameter)")
+
+
+@engine.hookimpl
+def engine_run_start(ctx):
+    line = resumed_in_another_order(ctx)
+    if line is not None:
+        ctx.print(line)
 
 
 @engine.hookimpl

@@ -231,3 +231,47 @@ def test_unused_parameter_hints_cover_torchs_variants():
         "NCCL error: invalid usage, Duplicate GPU detected : rank 1 and rank 0 both on "
         "CUDA device 1000"))
     assert mode.explain(ValueError("something else")) is None
+
+
+def test_reduce_per_tensor_makes_a_resume_at_three_processes_bit_identical(tmp_path):
+    """At 3 processes DDP's all-reduce sums each value in an order set by its place in the
+    bucket, and DDP lays the buckets out anew after a first step, so a killed run resumed
+    from its snapshot ended on other weights than the uninterrupted run (by rounding).
+    ddp.reduce_per_tensor=true: bit-identical; without it the resume says so."""
+    from tests.engine.conftest import RESUME_BASE, RESUME_RECIPE
+    from tests.conftest import read_summary
+
+    args = (RESUME_RECIPE, *RESUME_BASE, "epochs=2", "batch_size=12", "size=72",
+            "ddp.reduce_per_tensor=true", "--nproc", "3", "--threads", "1")
+    run_cli(*args, f"out_dir={tmp_path / 'whole'}", check=True)
+    out = tmp_path / "killed"
+    fault = engine_env(ENGINE_FAULT_ACTION="kill", ENGINE_FAULT_RANK="1",
+                       ENGINE_FAULT_EPOCH="1", ENGINE_FAULT_ONCE=str(tmp_path / "once"))
+    killed = (*args, f"out_dir={out}", "checkpoint.memory_every_steps=0", "-p",
+              "tests.fault_plugin")
+    assert run_cli(*killed, env=fault).returncode != 0
+    resumed = run_cli(*killed, env=fault, check=True)
+    assert "resuming from " in resumed.stdout and "not bit for bit" not in resumed.stdout
+    assert read_summary(out)["weights_sha256"] == read_summary(
+        tmp_path / "whole")["weights_sha256"]
+
+
+def test_a_resume_at_three_processes_without_reduce_per_tensor_says_so():
+    from types import SimpleNamespace
+
+    from engine.plugins.ddp import DDPConfig, DistributedDataParallel, resumed_in_another_order
+
+    def ctx(world_size, resumed="snapshot.pt", per_tensor=False, parallel=None):
+        return SimpleNamespace(
+            resumed_from=resumed, world=SimpleNamespace(world_size=world_size),
+            parallel=parallel or object.__new__(DistributedDataParallel),
+            cfg=SimpleNamespace(ddp=DDPConfig(reduce_per_tensor=per_tensor)))
+
+    line = resumed_in_another_order(ctx(3))
+    assert line.startswith("resumed at 3 processes: DDP's first step after a resume sums")
+    assert "ddp.reduce_per_tensor=true makes resumes bit-identical" in line
+    # Two processes sum two values: the same either way. A fresh start, the option on, or
+    # another parallel mode: nothing to say.
+    for quiet in (ctx(2), ctx(3, resumed=None), ctx(3, per_tensor=True),
+                  ctx(4, parallel=object())):
+        assert resumed_in_another_order(quiet) is None
