@@ -102,7 +102,9 @@ COLLECTIVES = {
     "reduce_scatter": (1, 0), "reduce_scatter_tensor": (1, 0),
     "all_to_all": (1, 0), "all_to_all_single": (1, 0),
     "gather": (0, 1), "scatter": (1, 0),
-    "send": (0, None), "isend": (0, None), "recv": (None, 0), "irecv": (None, 0),
+    # isend/irecv are counted inside batch_isend_irecv (wrapping them would make torch's
+    # P2POp refuse them: it checks the op is torch's own function)
+    "send": (0, None), "recv": (None, 0), "batch_isend_irecv": ("p2p", "p2p"),
     "barrier": (None, None), "monitored_barrier": (None, None),
     "all_gather_object": ("object", "objects"), "broadcast_object_list": ("objects", None),
     "gather_object": ("object", None), "scatter_object_list": ("objects", None),
@@ -139,7 +141,7 @@ def object_bytes(value) -> int:
 def payload(spec, args: tuple, kwargs: dict) -> int:
     """The bytes the argument ``spec`` names: an index (tensors), "object" (the
     first argument's pickle), "objects" (a list of objects' pickles)."""
-    if spec is None:
+    if spec is None or spec == "p2p":  # batch_isend_irecv: counted by its ops (counted)
         return 0
     if spec == "object":
         return object_bytes(args[1] if len(args) > 1 else kwargs.get("obj"))
@@ -183,6 +185,14 @@ def counted(kind: str, fn):
         result = fn(*args, **kwargs)
         seconds = time.perf_counter() - start
         received = payload(receives, args, kwargs)
+        if kind == "batch_isend_irecv":  # the ops' tensors: sent by isend, received by irecv
+            import torch.distributed as dist
+
+            def nbytes(op):
+                return op.tensor.numel() * op.tensor.element_size()
+
+            sent = sum(nbytes(op) for op in args[0] if op.op is dist.isend)
+            received = sum(nbytes(op) for op in args[0] if op.op is dist.irecv)
         if kind == "broadcast_object_list":  # the source sends, the others receive
             import torch.distributed as dist
 
