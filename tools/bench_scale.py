@@ -367,7 +367,9 @@ def write_record(ctx, resume=None) -> None:
     }
     folder = pathlib.Path(os.environ[RECORDS_ENV])
     name = f"a{ctx.world.restart_count}.rank{ctx.world.rank}.json"
-    (folder / name).write_text(json.dumps(record))
+    # Whole or not at all: the launcher may stop this rank mid-write (the kill's restart).
+    (folder / f".{name}").write_text(json.dumps(record))
+    os.replace(folder / f".{name}", folder / name)
 
 
 # ------------------------------------------------------------------ the runs
