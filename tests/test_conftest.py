@@ -73,6 +73,14 @@ def test_only_cuda_skips_pass_and_any_other_skip_fails_the_session(tmp_path, opt
     assert "1 error" in bad.stdout and "test_a_run_about_the_clock" not in bad.stdout
 
 
+def test_a_test_runs_environment_pins_the_load_the_default_threads_follow(monkeypatch):
+    from engine.testing import engine_env
+
+    monkeypatch.delenv("ENGINE_LOAD_AVERAGE", raising=False)  # a plugin's suite: no pin
+    assert engine_env()["ENGINE_LOAD_AVERAGE"] == "0"
+    assert engine_env({"ENGINE_LOAD_AVERAGE": "1.5"})["ENGINE_LOAD_AVERAGE"] == "1.5"
+
+
 def test_a_recipe_run_started_by_the_helpers_gets_a_fixed_memory_interval():
     from engine.testing import pinned
 

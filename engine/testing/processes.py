@@ -13,6 +13,7 @@ from typing import Mapping, Sequence
 
 from engine.atomic_io import proc_stat
 from engine.launch_env import START_METHOD_ENV
+from engine.threads import LOAD_ENV
 from engine.testing import warm_start
 
 #: Launcher and scheduler variables that would make a test run adopt them: removed.
@@ -38,10 +39,12 @@ def pinned(args: Sequence[str]) -> list[str]:
 
 
 def engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """os.environ for a test run: CPU only, no launcher variables, unbuffered output."""
+    """os.environ for a test run: CPU only, no launcher variables, unbuffered output, and
+    the default threads not from the machine's load (their number changes a run's bits)."""
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
     env.update({"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"})
+    env.setdefault(LOAD_ENV, "0")
     env.update(extra or {})
     return env
 
