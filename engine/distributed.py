@@ -444,6 +444,20 @@ def all_gather_tensor(tensor):
     return torch.stack(out)
 
 
+def gather_tensor(tensor, dst: int = 0):
+    """Every rank's ``tensor`` stacked on rank ``dst``, None on the others: what only one
+    rank needs costs the others their own tensor, whatever the number of ranks."""
+    if not is_initialized():
+        return tensor.unsqueeze(0)
+    import torch
+    import torch.distributed as dist
+
+    here = dist.get_rank() == dst
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())] if here else None
+    dist.gather(tensor, out, dst=dst)
+    return torch.stack(out) if here else None
+
+
 def broadcast_object(obj, src: int = 0):
     if not is_initialized():
         return obj
@@ -483,6 +497,16 @@ def all_gather_object(obj) -> list:
 
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_object(obj, dst: int = 0) -> list | None:
+    if not is_initialized():
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
     return out
 
 

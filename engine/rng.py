@@ -51,24 +51,28 @@ def set_rng_state(state: dict) -> None:
 RNG_BYTES = 16384
 
 
-def gather_rng_states() -> list[dict]:
-    """Every rank's :func:`rng_state`, in one all_gather of a fixed-size byte tensor.
-    torch's all_gather_object pickles and sends twice (sizes, then data), several times
-    slower, and a memory snapshot every step gathers them every step."""
+def gather_rng_states() -> list[dict] | None:
+    """Every rank's :func:`rng_state` on rank 0, the one that writes a snapshot's states
+    (None on the others: none receives W ranks' states), in one gather of a fixed-size
+    byte tensor; torch's gather_object (pickles, sizes gathered everywhere) only where a
+    rank's states exceed it, as a summed flag says."""
     import torch
 
     state = rng_state()
     if not distributed.is_initialized():
         return [state]
     data = pickle.dumps(_rng_as_bytes(state), protocol=pickle.HIGHEST_PROTOCOL)
+    device = distributed.collective_device()
+    too_long = torch.tensor([float(len(data) > RNG_BYTES)], device=device)
+    if distributed.all_reduce_sum(too_long).item():
+        return distributed.gather_object(state)
     row = bytearray(8 + RNG_BYTES)
-    if len(data) <= RNG_BYTES:  # else a length of 0 sends every rank the slow way
-        row[:8 + len(data)] = struct.pack("<Q", len(data)) + data
-    rows = distributed.all_gather_tensor(torch.frombuffer(row, dtype=torch.uint8).to(
-        distributed.collective_device())).cpu().numpy()
+    row[:8 + len(data)] = struct.pack("<Q", len(data)) + data
+    rows = distributed.gather_tensor(torch.frombuffer(row, dtype=torch.uint8).to(device))
+    if rows is None:
+        return None
+    rows = rows.cpu().numpy()
     lengths = [struct.unpack("<Q", r[:8].tobytes())[0] for r in rows]
-    if not all(lengths):
-        return distributed.all_gather_object(state)
     return [_rng_from_bytes(pickle.loads(r[8:8 + n].tobytes())) for r, n in zip(rows, lengths)]
 
 
@@ -96,8 +100,9 @@ def _rng_from_bytes(plain: dict) -> dict:
 
 
 class RngStates:
-    """Every rank's RNG states, gathered into the snapshot (so a rank-0 write holds
-    them all); each rank restores its own, when the number of processes is the same."""
+    """Every rank's RNG states, gathered into rank 0's snapshot (the one written: it
+    holds them all; another rank's holds None); each rank restores its own from the file,
+    when the number of processes is the same."""
 
     def __init__(self, world, warn):
         self.world = world
@@ -108,7 +113,7 @@ class RngStates:
 
     def local_state_dict(self) -> dict:
         """Whose they are: the memory tier keeps this rank's states in its exchange
-        row (engine/memory/rows.py), sent to every rank off the step's path."""
+        row (engine/memory/rows.py), sent to its keepers off the step's path."""
         return {"world_size": self.world.world_size, "rank": self.world.rank}
 
     def load_state_dict(self, state_dict: dict) -> None:
