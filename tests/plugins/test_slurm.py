@@ -284,7 +284,7 @@ def test_master_port_in_use_stops_the_step_early(tmp_path):
                     *train_args(tmp_path / "run"), "timeout_s=20"], env=env, check=False,
                    timeout=200)
     assert proc.returncode != 0
-    assert re.search(f"engine-run: error: master port {port} on n[12] is already in use; "
+    assert re.search(f"engine-run: error: master port {port} on n[1-4] is already in use; "
                      "choose another with MASTER_PORT=PORT in the job's environment \\(the "
                      "port was MASTER_PORT\\)", proc.stderr), proc.stderr
 
