@@ -52,6 +52,8 @@ def capture(ctx, config: dict | None = None, parts: dict | None = None) -> dict:
     (engine/stateful.py). Collective: every rank walks the parts (some gather).
     ``config``: the config as a dict, when the caller keeps it (it does not change
     while training); ``parts``: the parts' states, when the caller walked them."""
+    import torch
+
     state = ctx.state
     return {
         "engine_version": engine.__version__,
@@ -60,7 +62,7 @@ def capture(ctx, config: dict | None = None, parts: dict | None = None) -> dict:
         # engine.load_model rebuilds the model from.
         "recipe": ctx.recipe_path,
         "world_size": ctx.world.world_size,
-        "threads": _threads(),  # a CPU's sums depend on them (restore)
+        "threads": torch.get_num_threads(),  # a CPU's sums depend on them (restore)
         # Where training stands, for tools that read a snapshot without the engine
         # (tools/ckpt.py inspect); a resume reads the parts, never these.
         "epoch": state.epoch,
@@ -375,29 +377,23 @@ def load_snapshot(ctx, path: pathlib.Path) -> dict:
     return ctx.checkpointer.load(path, map_location="cpu")
 
 
-def _threads(n: int | None = None) -> int:
-    import torch
-
-    if n is not None:
-        torch.set_num_threads(n)
-    return torch.get_num_threads()
-
-
 def restore(ctx, snap: dict, source: str) -> None:
     """Put ``snap`` (from :func:`load_snapshot`) into every registered part, after
     checking its config against this run's."""
+    import torch
+
     snap = upgrade(snap)
     lr_change = check_config(ctx, snap.get("config"), source)
     length = _length_change(ctx, snap.get("config"), source)
     start = schedule_start(ctx.scheduler, ctx.optimizer) if length else None
     ctx.snapshot_parts.load_state_dict(snap, source=source, warn=ctx.warn)
-    saved = snap.get("threads")
-    if ctx.options.get("threads_chosen") and saved and saved != _threads():
+    saved, now = snap.get("threads"), torch.get_num_threads()
+    if ctx.options.get("threads_chosen") and saved and saved != now:
         # The default follows the machine's load, which moved since: the interrupted run's
         # threads, so that a CPU's sums (and the weights) are an uninterrupted run's.
         ctx.print(f"threads: {saved} per process, as the interrupted run had (the default "
-                  f"is {_threads()} now; --threads N sets it)")
-        _threads(saved)
+                  f"is {now} now; --threads N sets it)")
+        torch.set_num_threads(saved)
     if lr_change is not None:
         _apply_lr(ctx, *lr_change, source)
     if length:

@@ -21,10 +21,7 @@ TORCHRUN = {"TORCHELASTIC_RUN_ID": "job7", "RANK": "3", "LOCAL_RANK": "1", "WORL
 
 
 def doctor(*args: str, **env: str):
-    # engine_env pins ENGINE_LOAD_AVERAGE for test runs; a test that unset it asks the load
-    pinned = "ENGINE_LOAD_AVERAGE" in os.environ or "ENGINE_LOAD_AVERAGE" in env
-    return run_cli_here("doctor", *args, env={
-        k: v for k, v in engine_env(**env).items() if pinned or k != "ENGINE_LOAD_AVERAGE"})
+    return run_cli_here("doctor", *args, env=engine_env(**env))
 
 
 def detection_rows(stdout: str) -> list[list[str]]:
@@ -143,13 +140,12 @@ def test_a_broken_plugin_is_named_by_help_doctor_and_plugins_and_stops_a_run(
 
 
 def test_the_threads_line_names_the_setting_when_the_load_leaves_fewer_cpus(monkeypatch):
-    monkeypatch.delenv("ENGINE_LOAD_AVERAGE", raising=False)  # tests/conftest.py's pin
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.0, 1.0))
-    busy = doctor("--nproc", "1").stdout
+    busy = doctor("--nproc", "1", ENGINE_LOAD_AVERAGE="").stdout
     assert ("note    torch threads: 1 per process (default: 2 CPU(s) (affinity), load 1.9, "
             "1 process(es); --threads N sets it); the load keeps CPUs busy") in busy, busy
     monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 1.0, 1.0))
     assert "ok      torch threads: 2 per process (default: 2 CPU(s) (affinity), load 0.1" in \
-        doctor("--nproc", "1").stdout
+        doctor("--nproc", "1", ENGINE_LOAD_AVERAGE="").stdout
