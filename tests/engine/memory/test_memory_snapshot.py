@@ -138,18 +138,14 @@ def test_an_fsdp_models_snapshot_holds_its_shards_and_loads_them_back_bit_for_bi
         dist.destroy_process_group()
 
 
-def test_the_ring_keeps_the_newest_whole_copy_and_gives_it_back_checked(shm, tmp_path):
-    """engine/memory/ring.py between 2 real gloo processes (forked: no imports to
-    repeat), each the other's successor: each snapshot's copy goes into the held buffer
-    with the older copy; one that arrives damaged is refused and leaves the newest whole
-    copy; at a resume where both ranks' own snapshots are gone, they agree on the
-    copies' step and each gets its own back from the other, checked: the same snapshot
-    to the bit."""
+def forked_ranks(world_size: int, target, *args, **kwargs) -> None:
+    """``target(*args, rank, **kwargs)`` in ``world_size`` forked processes (no imports
+    to repeat), each given 120 s; every one must exit 0 (a failure's traceback is above)."""
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_ring_rank, args=(rank, shm, tmp_path))
-             for rank in (0, 1)]
+    ranks = [context.Process(target=target, args=(*args, rank), kwargs=kwargs)
+             for rank in range(world_size)]
     for process in ranks:
         process.start()
     for process in ranks:
@@ -157,7 +153,17 @@ def test_the_ring_keeps_the_newest_whole_copy_and_gives_it_back_checked(shm, tmp
     for process in ranks:
         if process.is_alive():
             process.kill()
-    assert [p.exitcode for p in ranks] == [0, 0], "a rank failed: its traceback is above"
+    assert [p.exitcode for p in ranks] == [0] * world_size, "a rank failed: see above"
+
+
+def test_the_ring_keeps_the_newest_whole_copy_and_gives_it_back_checked(shm, tmp_path):
+    """engine/memory/ring.py between 2 real gloo processes (forked: no imports to
+    repeat), each the other's successor: each snapshot's copy goes into the held buffer
+    with the older copy; one that arrives damaged is refused and leaves the newest whole
+    copy; at a resume where both ranks' own snapshots are gone, they agree on the
+    copies' step and each gets its own back from the other, checked: the same snapshot
+    to the bit."""
+    forked_ranks(2, _ring_rank, shm=shm, tmp_path=tmp_path)
 
 
 def _ring_snapshot(step: int, rank: int) -> dict:
@@ -235,21 +241,8 @@ def test_a_rank_lost_with_one_keeper_of_its_row_resumes_exactly_with_all_keepers
     lost too (rank 1's last keeper): the ranks agree on none, and the line the run
     prints before it takes its disk snapshot says why."""
     import json
-    import multiprocessing
-
-    context = multiprocessing.get_context("fork")
-
     def everyone(phase: str) -> list[dict]:
-        ranks = [context.Process(target=_keeper_rank, args=(phase, rank, shm, tmp_path))
-                 for rank in range(4)]
-        for process in ranks:
-            process.start()
-        for process in ranks:
-            process.join(120)
-        for process in ranks:
-            if process.is_alive():
-                process.kill()
-        assert [p.exitcode for p in ranks] == [0] * 4, "a rank failed: see above"
+        forked_ranks(4, _keeper_rank, phase, shm=shm, tmp_path=tmp_path)
         return [json.loads((tmp_path / f"{phase}-{r}.json").read_text()) for r in range(4)]
 
     saved = everyone("save")
