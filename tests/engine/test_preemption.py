@@ -157,6 +157,10 @@ def test_slurm_job_signalled_mid_run_is_requeued_and_finishes_identically(tmp_pa
             time.sleep(1)
             if (out / "summary.json").exists():
                 summary = json.loads((out / "summary.json").read_text())
+            # A failed run is not requeued: say so now, with the job's log, not at the deadline.
+            assert summary.get("status") != "failed", (
+                f"job {job} failed: {summary.get('error')}\n"
+                + (out / f"slurm-{job}.out").read_text(errors="replace"))
     finally:
         subprocess.run(["scancel", job], timeout=30)
         uninterrupted.result(timeout=300)  # raises what the run raised
