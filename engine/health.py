@@ -12,6 +12,7 @@ rank stuck outside the collectives (say, in its data pipeline) is named there to
 from __future__ import annotations
 
 import datetime
+import os
 import re
 
 from engine import phases
@@ -64,6 +65,7 @@ ROLL_CALL_S = 2.0
 #: The gloo side groups: "epoch" (timeout ``timeout_s``) for the end-of-epoch barrier,
 #: "roll_call" (timeout ``ROLL_CALL_S``) for :func:`missing_ranks`.
 _GROUPS: dict = {}
+LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
 
 
 def _side_group(name: str):
@@ -77,24 +79,42 @@ def _side_group(name: str):
 
 
 def prepare(timeout_s: float) -> None:
-    """Create the gloo side groups up front (collectives: every rank, right after init),
-    each with a finite timeout."""
-    for name, seconds in (("epoch", timeout_s), ("roll_call", ROLL_CALL_S)):
-        gloo_group(name, seconds)
+    """Create the gloo side groups up front (collectives: every rank, right after init).
+    They connect lazily: their one collective, the monitored barrier, joins rank 0 and
+    each other rank only, and one barrier each now makes those pairs (every rank but 0
+    one per group; gloo's eager mesh connects all W - 1 peers), so a roll call after a
+    failure finds them made. The roll call's bound is set after its first barrier, which
+    waits for every rank to get here."""
+    import torch.distributed as dist
+
+    for name in ("epoch", "roll_call"):
+        dist.monitored_barrier(group=gloo_group(name, timeout_s, lazy=True),
+                               timeout=datetime.timedelta(seconds=timeout_s),
+                               wait_all_ranks=True)
+    dist.set_timeout(datetime.timedelta(seconds=ROLL_CALL_S), group=_GROUPS["roll_call"])
     phases.mark("health check groups")
 
 
-def gloo_group(name: str, seconds: float):
+def gloo_group(name: str, seconds: float, lazy: bool = False):
     """The gloo side group ``name`` with a timeout of ``seconds``, created on the first
     call (a collective: every rank at once), destroyed with the others by
     :func:`release`. Also the memory tier's ring (engine/memory/ring.py): a group of its
     own, for the transfers its background thread makes while the training thread uses
-    the main group."""
+    the main group. ``lazy``: a pair connects at its first message (torch reads
+    TORCH_GLOO_LAZY_INIT as it makes a gloo group: set here for this group only)."""
     if name not in _GROUPS:
         import torch.distributed as dist
 
-        _GROUPS[name] = dist.new_group(backend="gloo",
-                                       timeout=datetime.timedelta(seconds=seconds))
+        before = os.environ.get(LAZY_INIT)
+        os.environ[LAZY_INIT] = "1" if lazy else (before or "0")
+        try:
+            _GROUPS[name] = dist.new_group(backend="gloo",
+                                           timeout=datetime.timedelta(seconds=seconds))
+        finally:
+            if before is None:
+                del os.environ[LAZY_INIT]
+            else:
+                os.environ[LAZY_INIT] = before
     return _GROUPS[name]
 
 
