@@ -250,8 +250,8 @@ def _lead_roll_call(store, world: World, deadline: float, timeout_s: float, entr
         missing = missing()
         _fail(store, world, session, keys,
               f"{_ranks(missing)} of {world.world_size} never joined the rendezvous at "
-              f"{world.rendezvous} within {_budget(timeout_s)}; check that every rank was "
-              "started, with the same world size and master, and can reach it")
+              f"{world.rendezvous} within {timeout_s:g}s (timeout_s); check that every "
+              "rank was started, with the same world size and master, and can reach it")
     entries = {r: json.loads(store.get(key)) for r, key in enumerate(keys)}
     disagree = {r: e["world_size"] for r, e in entries.items()
                 if e["world_size"] != world.world_size}
@@ -305,7 +305,7 @@ def _join_roll_call(store, world: World, deadline: float, timeout_s: float, entr
         return session
     raise LaunchError(
         f"rank {world.rank}: rank 0 did not complete the rendezvous at {world.rendezvous} "
-        f"within {_budget(timeout_s)}; check that rank 0 was started, with the same "
+        f"within {timeout_s:g}s (timeout_s); check that rank 0 was started, with the same "
         "world size and master"
     )
 
@@ -350,10 +350,6 @@ def _poll(store, keys: list[str], deadline: float,
         time.sleep(min(pause, left))
         pause = min(pause * 2, CHECK_S)
     return True
-
-
-def _budget(timeout_s: float) -> str:
-    return f"{timeout_s:g}s (timeout_s)"
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -495,10 +491,9 @@ def first_problem(problem: str | None) -> tuple[int, str] | None:
     import torch
 
     flag = torch.tensor([problem is not None], dtype=torch.int32, device=collective_device())
-    if not all_reduce_sum(flag).item():
-        return None
-    return next((rank, p) for rank, p in enumerate(all_gather_object(problem))
-                if p is not None)
+    if all_reduce_sum(flag).item():
+        return next((r, p) for r, p in enumerate(all_gather_object(problem)) if p is not None)
+    return None
 
 
 def gather_object(obj, dst: int = 0) -> list | None:

@@ -16,8 +16,7 @@ import re
 from engine import phases
 from engine.errors import RunError, first_line
 
-# torch is imported inside the functions that use it: engine.distributed imports this
-# module, and the launching process imports that one without torch.
+# torch is imported in the functions: the launching process imports this without it.
 
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
@@ -44,10 +43,8 @@ def peer_is_gone(exc: BaseException) -> bool:
 def is_collective_failure(exc: BaseException) -> bool:
     import torch.distributed as dist
 
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(m in text for m in _COLLECTIVE_FAILURE_MARKERS)
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(
+        m in str(exc) for m in _COLLECTIVE_FAILURE_MARKERS))
 
 
 #: How long the roll call after a failed collective waits for the ranks to answer; also
@@ -58,7 +55,6 @@ ROLL_CALL_S = 2.0
 #: The gloo side groups: "epoch" (timeout ``timeout_s``) for the end-of-epoch barrier,
 #: "roll_call" (timeout ``ROLL_CALL_S``) for :func:`missing_ranks`.
 _GROUPS: dict = {}
-LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
 
 
 def _barrier(name: str, timeout_s: float) -> None:
@@ -72,10 +68,10 @@ def _barrier(name: str, timeout_s: float) -> None:
 
 
 def prepare(timeout_s: float) -> None:
-    """Create the side groups (collectives: every rank, right after init), connected
-    lazily: their barriers join rank 0 and each other rank only, so one barrier each now
-    makes just those pairs (a rank other than 0: one per group, not W - 1) and a roll call
-    after a failure finds them made. The roll call's bound is set after its barrier."""
+    """Create the side groups (collectives: every rank, right after init), lazily connected:
+    their barriers join rank 0 and each other rank only, so one barrier each makes just those
+    pairs now (a rank other than 0: 1 per group, not W - 1), for the roll call after a
+    failure, whose bound is set after its barrier."""
     import torch.distributed as dist
 
     for name in ("epoch", "roll_call"):
@@ -93,16 +89,13 @@ def gloo_group(name: str, seconds: float, lazy: bool = False):
     if name not in _GROUPS:
         import torch.distributed as dist
 
-        before = os.environ.get(LAZY_INIT)
-        os.environ[LAZY_INIT] = "1" if lazy else (before or "0")
+        before = os.environ.get("TORCH_GLOO_LAZY_INIT") or "0"  # "0": torch's default
+        os.environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else before
         try:
             _GROUPS[name] = dist.new_group(backend="gloo",
                                            timeout=datetime.timedelta(seconds=seconds))
         finally:
-            if before is None:
-                del os.environ[LAZY_INIT]
-            else:
-                os.environ[LAZY_INIT] = before
+            os.environ["TORCH_GLOO_LAZY_INIT"] = before
     return _GROUPS[name]
 
 
@@ -120,9 +113,8 @@ def release() -> None:
 
 
 def missing_ranks(timeout_s: float = ROLL_CALL_S) -> list[int] | None:
-    """The ranks that do not reach a monitored barrier within ``timeout_s``; None when
-    that cannot be found out (the check itself failed). On a rank other than 0, a rank 0
-    that does not answer is the one missing."""
+    """The ranks that miss a monitored barrier within ``timeout_s`` (on a rank other than 0:
+    rank 0, where it does not answer); None where that cannot be found out."""
     import torch.distributed as dist
 
     try:

@@ -170,9 +170,9 @@ def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
 
 
 def _reached_where_alike(memory, own: list[int], copies: list[int], unusable: list):
-    """Collective, one all-reduce (max) of a few numbers (at most 2 snapshots and 2 copies
-    a rank): the step the run reached where every rank holds the same steps, none unusable
-    (a restart in place: every rank's answer is this rank's); else None (lost, unusable)."""
+    """Collective, one all-reduce (max) of a few numbers (a rank holds at most 2 snapshots
+    and 2 copies): the step the run reached where every rank holds the same steps and none
+    unusable (a restart in place: every rank's answer is this rank's), else None."""
     mine = [len(unusable), *(v for steps in (own, copies) for v in (
         len(steps), *sorted(steps), *[-2] * (len(memory.paths) - len(steps))))]
     values = torch.tensor([*mine, *(-v for v in mine), memory.reached()],

@@ -75,8 +75,7 @@ class MemoryTier:
                 for warning in remove_leftovers(ctx.out_dir, run_id, pair.shm,
                                                 forget=forget)[1]:
                     ctx.warn_here(warning)
-        problem = distributed.first_problem(problem)  # a barrier too
-        if problem is not None:
+        if (problem := distributed.first_problem(problem)) is not None:  # a barrier too
             ctx.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: "
                      f"{problem[1]}; the run goes on with disk snapshots")
             return None
@@ -151,8 +150,7 @@ class MemoryTier:
                 pair.reserve(state)
             except (NoRoom, Unsafe) as exc:
                 problem = str(exc)
-        problem = distributed.first_problem(problem)
-        if problem is not None:
+        if (problem := distributed.first_problem(problem)) is not None:
             return problem
         if ctx.options.get("verbose"):
             auto = " to start with (auto)" if self.auto else ""
