@@ -16,7 +16,8 @@ import re
 from engine import phases
 from engine.errors import RunError, first_line
 
-# torch is imported in the functions: the launching process imports this without it.
+# torch is imported inside the functions that use it: engine.distributed imports this
+# module, and the launching process imports that one without torch.
 
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
