@@ -27,7 +27,8 @@ function that called it. Nothing in engine/ changes: a span whose function is no
 (a later engine renamed it) is listed as not found, and its collectives go to the
 enclosing span. Each worker writes a JSON record (the first attempt's at the kill, the
 restarted one's at its end): the engine's phases (engine.phases), the spans, the
-collectives, its CPU time, peak RSS, PSS and the peak /dev/shm its memory snapshots held.
+collectives, its CPU time, peak RSS, PSS, the peak /dev/shm its memory snapshots held and
+its established TCP connections (gloo's pairs, the store's).
 
 Printed: one row per figure, the median over the ranks for each W, the fit of its growth
 (constant, log2 W or W: least squares; "constant" where the values stay within 15% of
