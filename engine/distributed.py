@@ -2,18 +2,16 @@
 
 Every wait here is bounded by ``cfg.timeout_s``: a rank that never joins, or dies,
 makes the others fail with a message instead of hanging. :func:`init` does what
-``init_process_group(init_method=...)`` does in three visible steps, so that each
-failure gets its own message: open the rendezvous store (a TCPStore at the master, or
-a FileStore for file://); a roll call through it (a timeout names the ranks that never
-checked in, and ranks that disagree about the world size); ``init_process_group`` on
-the same store, under a key prefix private to this run.
+``init_process_group(init_method=...)`` does in three steps, each failure with its own
+message: open the rendezvous store (a TCPStore at the master, or a FileStore); a roll
+call through it (naming the ranks that never checked in or disagree about the world
+size); ``init_process_group`` on that store, under a key prefix private to this run.
 
-A file:// store is an append-only file that a crashed run leaves its keys in, and
-another rank of this run may already be writing to it, so it is never deleted: each
-run starts a *session* (rank 0 writes a random id, each rank checks in under it with a
-token of its own, rank 0's confirmation lists the tokens it accepted). A rank that read
-a dead run's id never sees its token confirmed, re-reads the id and checks in again;
-the process group keeps its keys under ``engine/<session>/pg/``.
+A file:// store is an append-only file, a crashed run's keys in it, that another rank
+may already be writing to, so it is never deleted: each run starts a *session* (rank 0
+writes a random id, each rank checks in under it with a token, rank 0's confirmation
+lists the tokens it accepted). A rank that read a dead run's id never sees its token
+confirmed and checks in again; the process group's keys are under ``engine/<session>/pg/``.
 """
 
 from __future__ import annotations
@@ -189,8 +187,7 @@ class Patience:
         self.notice_at = time.monotonic() + NOTICE_AFTER_S
 
     def check(self, waiting_for: str | Callable[[], str]) -> None:
-        """``waiting_for``: what the line says is awaited (a callable: worked out only
-        when the line is printed)."""
+        """``waiting_for``: what is awaited (a callable: called only to print the line)."""
         now = time.monotonic()
         if now < self.notice_at or now >= self.deadline:
             return
@@ -253,8 +250,8 @@ def _lead_roll_call(store, world: World, deadline: float, timeout_s: float, entr
         missing = missing()
         _fail(store, world, session, keys,
               f"{_ranks(missing)} of {world.world_size} never joined the rendezvous at "
-              f"{world.rendezvous} within {_budget(timeout_s)}; check that every rank was "
-              "started, with the same world size and master, and can reach it")
+              f"{world.rendezvous} within {timeout_s:g}s (timeout_s); check that every "
+              "rank was started, with the same world size and master, and can reach it")
     entries = {r: json.loads(store.get(key)) for r, key in enumerate(keys)}
     disagree = {r: e["world_size"] for r, e in entries.items()
                 if e["world_size"] != world.world_size}
@@ -308,7 +305,7 @@ def _join_roll_call(store, world: World, deadline: float, timeout_s: float, entr
         return session
     raise LaunchError(
         f"rank {world.rank}: rank 0 did not complete the rendezvous at {world.rendezvous} "
-        f"within {_budget(timeout_s)}; check that rank 0 was started, with the same "
+        f"within {timeout_s:g}s (timeout_s); check that rank 0 was started, with the same "
         "world size and master"
     )
 
@@ -328,11 +325,9 @@ def _note_local_peers(world: World, entries: dict[int, dict]) -> None:
 
 def stopped_local_peers(ranks: list[int]) -> list[int]:
     """Of ``ranks`` (found missing after a failed collective), those whose process runs
-    on this machine and is stopped (SIGSTOP, a debugger). Unless this process's
-    launcher watches its siblings itself (spawn), each is killed as this rank exits
-    (:func:`engine.processes.end_when_exiting`), so that the launcher ends the job
-    within timeout_s plus a few seconds. A stopped rank on another machine is out of
-    this rank's reach: its launcher there decides."""
+    on this machine and is stopped (SIGSTOP, a debugger). Unless this process's launcher
+    watches its siblings (spawn), each is killed as this rank exits, so that the launcher
+    ends the job within timeout_s plus a few seconds (elsewhere: its launcher decides)."""
     stopped = [r for r in ranks if r in _local_peers
                and process_state(_local_peers[r][0]) in ("T", "t")]
     if not spawned_here():
@@ -343,9 +338,8 @@ def stopped_local_peers(ranks: list[int]) -> list[int]:
 
 def _poll(store, keys: list[str], deadline: float,
           while_waiting: Callable[[], None] | None = None) -> bool:
-    """True once every key exists, False at the deadline. Polls with ``check`` rather
-    than ``store.wait``: torch logs a warning for every wait that times out.
-    ``while_waiting`` is called between two looks."""
+    """True once every key exists, False at the deadline; ``while_waiting()`` between two
+    looks. ``check``, not ``store.wait``: torch logs a warning for each wait timed out."""
     pause = 0.01
     while not store.check(keys):
         left = deadline - time.monotonic()
@@ -356,10 +350,6 @@ def _poll(store, keys: list[str], deadline: float,
         time.sleep(min(pause, left))
         pause = min(pause * 2, CHECK_S)
     return True
-
-
-def _budget(timeout_s: float) -> str:
-    return f"{timeout_s:g}s (timeout_s)"
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -406,8 +396,7 @@ def all_reduce_sum(tensor):
 
 class Reduction:
     """An all-reduce (sum) started without waiting for it. ``values()`` waits (bounded by
-    the process group's timeout, like any collective) and reads the sums back; read one
-    log window after it started, it is long done and the wait costs nothing."""
+    the group's timeout) and reads the sums back: one log window later, at no cost."""
 
     __slots__ = ("tensor", "work")
 
@@ -421,8 +410,7 @@ class Reduction:
 
 
 def start_all_reduce_sum(tensor) -> Reduction:
-    """Start summing ``tensor`` (in place) over all ranks; every rank must start the same
-    reductions in the same order, as with any collective."""
+    """Start summing ``tensor`` (in place) over all ranks (a collective)."""
     work = None
     if is_initialized():
         import torch.distributed as dist
@@ -432,8 +420,7 @@ def start_all_reduce_sum(tensor) -> Reduction:
 
 
 def all_gather_tensor(tensor):
-    """Every rank's ``tensor``, stacked along a new first dimension, in one collective:
-    for sums and maxima taken from the same small tensor."""
+    """Every rank's ``tensor``, stacked along a new first dimension, in one collective."""
     if not is_initialized():
         return tensor.unsqueeze(0)
     import torch
@@ -445,8 +432,7 @@ def all_gather_tensor(tensor):
 
 
 def gather_tensor(tensor, dst: int = 0):
-    """Every rank's ``tensor`` stacked on rank ``dst``, None on the others: what only one
-    rank needs costs the others their own tensor, whatever the number of ranks."""
+    """Every rank's ``tensor`` stacked on rank ``dst``, None on the others."""
     if not is_initialized():
         return tensor.unsqueeze(0)
     import torch
@@ -478,8 +464,7 @@ def broadcast_tensor(tensor, src: int = 0):
 
 
 def collective_device():
-    """Where the process group's tensors must be: this rank's GPU under NCCL, else the
-    CPU."""
+    """Where the process group's tensors must be: this rank's GPU under NCCL, else CPU."""
     import torch
 
     if is_initialized():
@@ -498,6 +483,17 @@ def all_gather_object(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def first_problem(problem: str | None) -> tuple[int, str] | None:
+    """Collective: the first rank with a ``problem``, and it; None where no rank has one.
+    One all-reduce of a flag; every rank's problem is gathered only where a rank has one."""
+    import torch
+
+    flag = torch.tensor([problem is not None], dtype=torch.int32, device=collective_device())
+    if all_reduce_sum(flag).item():
+        return next((r, p) for r, p in enumerate(all_gather_object(problem)) if p is not None)
+    return None
 
 
 def gather_object(obj, dst: int = 0) -> list | None:

@@ -1,17 +1,16 @@
 """No hangs: telling which rank failed, and checking that all ranks are still there.
 
-A rank that dies makes the others fail at their next collective (gloo notices the
-closed connection at once); a rank that hangs makes them wait for the process-group
-timeout (``cfg.timeout_s``). Either way, what the user needs is *which* rank. After a
-failed collective, the surviving ranks call :func:`missing_ranks`: rank 0 runs a
-monitored barrier with a short timeout, which names every rank that does not answer.
-At epoch boundaries :func:`epoch_barrier` does the same check while all is well, so a
-rank stuck outside the collectives (say, in its data pipeline) is named there too.
+A rank that dies makes the others fail at their next collective; one that hangs makes
+them wait for the process-group timeout (``cfg.timeout_s``). Either way the user needs
+*which* rank: after a failed collective, :func:`missing_ranks` (rank 0's monitored
+barrier with a short timeout) names every rank that does not answer, and at epoch ends
+:func:`epoch_barrier` names a rank stuck outside the collectives (its data pipeline).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import re
 
 from engine import phases
@@ -27,38 +26,31 @@ _COLLECTIVE_FAILURE_MARKERS = (
     "Connection closed by peer", "Connection reset by peer", "Timed out", "timed out",
     "Broken pipe", "NCCL communicator was aborted", "failed to pass monitoredBarrier",
     "Socket Timeout", "ProcessGroupGloo", "gloo", "NCCL error",
-    # gloo, for an operation on a connection that an earlier one's timeout closed (a
-    # collective started before the one that timed out, waited for after it).
+    # gloo, for a collective waited for after a later one's timeout closed the pairs
     "Application timeout caused pair closure",
 )
 
 
-#: Texts of the errors a collective fails with when a peer's connection closed: that
-#: process has ended or is ending, and its own error (or its launcher) says why.
+#: A peer's connection closed: it has ended or is ending, and its own error says why.
 _PEER_GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 def peer_is_gone(exc: BaseException) -> bool:
-    """Whether a failed collective failed because a peer closed its connection (not a
-    timeout): this rank's error is an echo of that peer's end, and a roll call has
-    nothing to name. (It could wait its whole bound for a peer still on its way out,
-    and then name it as one that stopped answering.)"""
+    """Whether a collective failed because a peer closed its connection (not a timeout):
+    an echo of that peer's end, and a roll call would name a peer still on its way out."""
     return any(m in str(exc) for m in _PEER_GONE_MARKERS)
 
 
 def is_collective_failure(exc: BaseException) -> bool:
     import torch.distributed as dist
 
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(m in text for m in _COLLECTIVE_FAILURE_MARKERS)
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(
+        m in str(exc) for m in _COLLECTIVE_FAILURE_MARKERS))
 
 
-#: How long the roll call after a failed collective waits for the ranks to answer. It
-#: bounds a non-zero rank's wait for rank 0 too (the roll call group's own timeout), so
-#: a run whose rank 0 is stopped still ends within ``timeout_s`` plus this and the
-#: launcher's clean-up (a group without a timeout would wait torch's default 30 minutes).
+#: How long the roll call after a failed collective waits for the ranks to answer; also
+#: a non-zero rank's wait for rank 0 (its group's timeout), so a run whose rank 0 is
+#: stopped ends within ``timeout_s`` plus this and the launcher's clean-up.
 ROLL_CALL_S = 2.0
 
 #: The gloo side groups: "epoch" (timeout ``timeout_s``) for the end-of-epoch barrier,
@@ -66,43 +58,52 @@ ROLL_CALL_S = 2.0
 _GROUPS: dict = {}
 
 
-def _side_group(name: str):
-    """A gloo group of its own for these checks: monitored_barrier exists on gloo only,
-    and after a collective of the main group times out, gloo closes that group's
-    connections ("Application timeout caused pair closure"), so only a separate group
-    can still ask who is there. monitored_barrier's ``timeout`` bounds rank 0's wait
-    only; the other ranks wait for rank 0's answer under the group's own timeout, hence
-    one group per bound."""
-    return _GROUPS[name]
+def _barrier(name: str, timeout_s: float) -> None:
+    """A monitored barrier (gloo's only) on the side group ``name``: a group of its own,
+    since gloo closes a group's pairs when a collective times out. ``timeout_s`` bounds
+    rank 0's wait; the others wait for rank 0 under the group's timeout (one per bound)."""
+    import torch.distributed as dist
+
+    dist.monitored_barrier(group=_GROUPS[name], wait_all_ranks=True,
+                           timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def prepare(timeout_s: float) -> None:
-    """Create the gloo side groups up front (collectives: every rank, right after init),
-    each with a finite timeout."""
-    for name, seconds in (("epoch", timeout_s), ("roll_call", ROLL_CALL_S)):
-        gloo_group(name, seconds)
+    """Create the side groups (collectives: every rank, right after init), lazily connected:
+    their barriers join rank 0 and each other rank only, so one barrier each makes just those
+    pairs now (a rank other than 0: 1 per group, not W - 1), for the roll call after a
+    failure, whose bound is set after its barrier."""
+    import torch.distributed as dist
+
+    for name in ("epoch", "roll_call"):
+        gloo_group(name, timeout_s, lazy=True)
+        _barrier(name, timeout_s)
+    dist.set_timeout(datetime.timedelta(seconds=ROLL_CALL_S), group=_GROUPS["roll_call"])
     phases.mark("health check groups")
 
 
-def gloo_group(name: str, seconds: float):
-    """The gloo side group ``name`` with a timeout of ``seconds``, created on the first
-    call (a collective: every rank at once), destroyed with the others by
-    :func:`release`. Also the memory tier's ring (engine/memory/ring.py): a group of its
-    own, for the transfers its background thread makes while the training thread uses
-    the main group."""
+def gloo_group(name: str, seconds: float, lazy: bool = False):
+    """The gloo side group ``name`` (timeout ``seconds``), made at the first call (every
+    rank at once), destroyed by :func:`release`; also the memory ring's (ring.py).
+    ``lazy``: a pair connects at its first message (TORCH_GLOO_LAZY_INIT, which torch
+    reads as it makes a group: set for this one only)."""
     if name not in _GROUPS:
         import torch.distributed as dist
 
-        _GROUPS[name] = dist.new_group(backend="gloo",
-                                       timeout=datetime.timedelta(seconds=seconds))
+        before = os.environ.get("TORCH_GLOO_LAZY_INIT") or "0"  # "0": torch's default
+        os.environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else before
+        try:
+            _GROUPS[name] = dist.new_group(backend="gloo",
+                                           timeout=datetime.timedelta(seconds=seconds))
+        finally:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = before
     return _GROUPS[name]
 
 
 def release() -> None:
-    """Destroy the side groups and drop our references to them, before the world group
-    goes. A group still referenced at interpreter exit is torn down during C++
-    finalisation, where gloo's threads abort the process ("terminate called without an
-    active exception") after a run that finished."""
+    """Destroy the side groups, and our references, before the world group: one still
+    referenced at exit is torn down in C++ finalisation, where gloo's threads abort the
+    process ("terminate called without an active exception") after a finished run."""
     if _GROUPS:
         import torch.distributed as dist
 
@@ -113,15 +114,12 @@ def release() -> None:
 
 
 def missing_ranks(timeout_s: float = ROLL_CALL_S) -> list[int] | None:
-    """The ranks that do not reach a monitored barrier within ``timeout_s``; None when
-    that cannot be found out (the check itself failed). On a rank other than 0, a rank 0
-    that does not answer is the one missing."""
+    """The ranks that miss a monitored barrier within ``timeout_s`` (on a rank other than 0:
+    rank 0, where it does not answer); None where that cannot be found out."""
     import torch.distributed as dist
 
     try:
-        dist.monitored_barrier(group=_side_group("roll_call"),
-                               timeout=datetime.timedelta(seconds=timeout_s),
-                               wait_all_ranks=True)
+        _barrier("roll_call", timeout_s)
     except Exception as exc:  # the point of the exercise
         match = _MISSING.search(str(exc))
         if match:
@@ -139,9 +137,7 @@ def epoch_barrier(timeout_s: float) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     try:
-        dist.monitored_barrier(group=_side_group("epoch"),
-                               timeout=datetime.timedelta(seconds=timeout_s),
-                               wait_all_ranks=True)
+        _barrier("epoch", timeout_s)
     except Exception as exc:
         match = _MISSING.search(str(exc))
         who = f"rank(s) {match.group(1)}" if match else "some rank"

@@ -27,7 +27,8 @@ function that called it. Nothing in engine/ changes: a span whose function is no
 (a later engine renamed it) is listed as not found, and its collectives go to the
 enclosing span. Each worker writes a JSON record (the first attempt's at the kill, the
 restarted one's at its end): the engine's phases (engine.phases), the spans, the
-collectives, its CPU time, peak RSS, PSS and the peak /dev/shm its memory snapshots held.
+collectives, its CPU time, peak RSS, PSS, the peak /dev/shm its memory snapshots held and
+its established TCP connections (gloo's pairs, the store's).
 
 Printed: one row per figure, the median over the ranks for each W, the fit of its growth
 (constant, log2 W or W: least squares; "constant" where the values stay within 15% of
@@ -320,6 +321,27 @@ def proportional_set_size() -> int:
     return 0
 
 
+def tcp_connections() -> int:
+    """This process's established TCP connections (gloo's pairs of every group, the
+    store's): its sockets' inodes (/proc/self/fd), found in /proc/self/net/tcp{,6}."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            mine.add(link[len("socket:["):-1])
+    established = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = pathlib.Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        established += sum(f[3] == "01" and f[9] in mine for f in map(str.split, lines))
+    return established
+
+
 @engine.hookimpl
 def engine_run_start(ctx):
     _state["resumed_step"] = ctx.state.step
@@ -364,6 +386,7 @@ def write_record(ctx, resume=None) -> None:
         "collectives": [[*key, *row] for key, row in _collectives.items()],
         "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_bytes": usage.ru_maxrss * 1024,
         "shm_peak_bytes": _state["shm_peak"], "pss_bytes": proportional_set_size(),
+        "tcp_connections": tcp_connections(),
     }
     folder = pathlib.Path(os.environ[RECORDS_ENV])
     name = f"a{ctx.world.restart_count}.rank{ctx.world.rank}.json"
@@ -503,6 +526,8 @@ FIGURES = {
     "peak RSS per rank": ("B", False, lambda r, run: r["peak_rss_bytes"]),
     "PSS per rank at the end": ("B", False, lambda r, run: r["pss_bytes"]),
     "peak /dev/shm per rank": ("B", False, lambda r, run: r["shm_peak_bytes"]),
+    "TCP connections per rank": ("connections", False,
+                                 lambda r, run: r.get("tcp_connections")),
 }
 #: Figures of the kill run (its restarted attempt's records).
 KILL_FIGURES = {

@@ -1,8 +1,7 @@
-"""Agreeing at a resume: each rank loads its whole snapshots, the ranks agree
-(:func:`agree`) on the newest one every rank can restore (its own, or sent by a rank
-that has it with its row from a keeper, rows.py; under fsdp its successor's copy,
-ring.py), and :func:`complete` makes it whole again (this rank's RNG states, the
-epoch's loss sums over the ranks)."""
+"""Agreeing at a resume: each rank loads its whole snapshots, the ranks agree (:func:`agree`)
+on the newest one every rank can restore (its own, or a holder's with its row from a
+keeper, rows.py; fsdp: its successor's copy, ring.py), and :func:`complete` makes it
+whole again (this rank's RNG states, the epoch's loss sums over the ranks)."""
 
 from __future__ import annotations
 
@@ -96,8 +95,7 @@ class MemoryChoice:
     holders: list[int]
     reached: int
     source: int = 0
-    #: The newest step of a snapshot passed over (fsdp shards or whole tensors where the
-    #: run is not alike: agree), and why.
+    #: The newest step of a snapshot passed over (:func:`agree`), and why.
     unusable: tuple[int, str] | None = None
     #: Under fsdp: {a rank without its own snapshot of the step: its successor, which
     #: holds a copy and sends it} (engine/memory/ring.py).
@@ -142,8 +140,10 @@ def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
                                      f"(fsdp), this run has {world_size}"))
         else:  # fsdp: this rank's own shards (its successor has a copy: copies)
             held.append((m.step, ()))
-    every = distributed.all_gather_object((held, memory.reached(), unusable,
-                                           [m.step for m in copies]))
+    copied = [m.step for m in copies]
+    reached = _reached_where_alike(memory, [s for s, _ in held], copied, unusable)
+    every = ([(held, reached, [], copied)] * world_size if reached is not None else
+             distributed.all_gather_object((held, memory.reached(), unusable, copied)))
     held = [h for h, _, _, _ in every]
     reached = max(r for _, r, _, _ in every)
     found = [u for _, _, theirs, _ in every for u in theirs]
@@ -167,6 +167,20 @@ def agree(memory, mine: list[Loaded], copies=()) -> MemoryChoice:
     if newest is not None and newest[0] > choice.step:
         choice.unusable = newest
     return choice
+
+
+def _reached_where_alike(memory, own: list[int], copies: list[int], unusable: list):
+    """Collective, one all-reduce (max) of a few numbers (a rank holds at most 2 snapshots
+    and 2 copies): the step the run reached where every rank holds the same steps and none
+    unusable (a restart in place: every rank's answer is this rank's), else None."""
+    mine = [len(unusable), *(v for steps in (own, copies) for v in (
+        len(steps), *sorted(steps), *[-2] * (len(memory.paths) - len(steps))))]
+    values = torch.tensor([*mine, *(-v for v in mine), memory.reached()],
+                          dtype=torch.int64, device=distributed.collective_device())
+    if distributed.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    highest, lowest = values[:len(mine)], -values[len(mine):-1]
+    return int(values[-1]) if highest[0] == 0 and bool((highest == lowest).all()) else None
 
 
 def choose(held: list[list[tuple[int, tuple | None]]], reached: int) -> MemoryChoice:
@@ -268,12 +282,10 @@ def complete(state: dict, rank: int, world_size: int, row: bytes | None) -> dict
     progress = state.get("progress")
     loss = (progress or {}).get("epoch_loss")
     if loss is not None and saved_world != world_size:
-        # Another number of processes: the ranks that kept the sums are not these; the
-        # resumed epoch's mean loss covers the batches after the resume.
+        # Other ranks kept the sums: the epoch's mean covers the batches after the resume.
         state["progress"] = {**progress, "epoch_loss": None}
     elif loss is not None:  # every rank is mid-epoch alike (the same step)
-        # The all-reduce of the same values the disk snapshot's capture sums: the same
-        # sums, to the bit.
+        # The same values the disk snapshot's capture sums: the same sums, to the bit.
         totals = torch.tensor(mine["loss"], dtype=torch.float64,
                               device=distributed.collective_device())
         total, batches = distributed.all_reduce_sum(totals).tolist()

@@ -75,10 +75,9 @@ class MemoryTier:
                 for warning in remove_leftovers(ctx.out_dir, run_id, pair.shm,
                                                 forget=forget)[1]:
                     ctx.warn_here(warning)
-        problems = [p for p in distributed.all_gather_object(problem) if p]  # a barrier too
-        if problems:
+        if (problem := distributed.first_problem(problem)) is not None:  # a barrier too
             ctx.warn(f"checkpoint.memory_every_steps: in-memory snapshots are off: "
-                     f"{problems[0]}; the run goes on with disk snapshots")
+                     f"{problem[1]}; the run goes on with disk snapshots")
             return None
         if pair.sharded and ctx.world.world_size > 1:  # fsdp: each rank's at its successor
             pair.ring = ring_mod.Ring(pair, ctx.cfg.timeout_s)  # collective
@@ -151,10 +150,8 @@ class MemoryTier:
                 pair.reserve(state)
             except (NoRoom, Unsafe) as exc:
                 problem = str(exc)
-        problems = [(rank, p) for rank, p in
-                    enumerate(distributed.all_gather_object(problem)) if p]
-        if problems:
-            return problems[0]
+        if (problem := distributed.first_problem(problem)) is not None:
+            return problem
         if ctx.options.get("verbose"):
             auto = " to start with (auto)" if self.auto else ""
             ctx.print(f"in-memory snapshots: every {pair.every_steps} step(s){auto}, 2 x "
@@ -162,9 +159,8 @@ class MemoryTier:
         return None
 
     def failed_rank(self) -> tuple[int, str]:
-        """The first rank whose buffer failed, and why (collective: one gather)."""
-        return next((rank, why) for rank, why in enumerate(
-            distributed.all_gather_object(self.pair.failed)) if why is not None)
+        """The first rank whose buffer failed, and why (collective)."""
+        return distributed.first_problem(self.pair.failed)
 
     def switch_off(self) -> list[str]:
         """No more snapshots: summary.json's interval 0, the buffers removed (warnings)."""
@@ -249,8 +245,7 @@ class MemoryTier:
             for loaded in mine + copies:
                 loaded.close()
         missing = choice.missing(ctx.world.world_size)
-        # fsdp: each missing rank's successor sent its copy; else the source sent the
-        # state, and each missing rank's keeper its row.
+        # fsdp: each missing rank's successor sent its copy; else the source, keepers rows
         senders = sorted(set(choice.peers.values()) or {choice.source, *choice.keepers.values()})
         why = (f"rank(s) {', '.join(map(str, missing))} had no copy: sent by rank "
                f"{', '.join(map(str, senders))}" if missing else

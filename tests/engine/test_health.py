@@ -136,3 +136,45 @@ def test_destroy_releases_the_side_group_before_the_world_group(tmp_path):
     proc = subprocess.run([sys.executable, "-c", RELEASE_PROBE, str(tmp_path / "store")],
                           capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout.split()) == (0, ["True", "False"]), proc.stderr
+
+
+
+def test_a_non_zero_rank_connects_its_side_groups_to_rank_0_only(tmp_path):
+    """gloo connects every pair of a group as it makes it: the side groups cost each rank
+    2 (W - 1) connections at every start, the first term to break at thousands of ranks
+    (docs/scale.md). Their monitored barriers join rank 0 and each other rank only: a
+    rank other than 0 makes one connection per group, and the roll call still answers."""
+    from tests.engine.memory.test_memory_snapshot import forked_ranks
+
+    forked_ranks(4, _side_groups_rank, str(tmp_path / "store"), 4)
+
+
+def _side_groups_rank(store: str, world_size: int, rank: int) -> None:
+    import torch.distributed as dist
+
+    from engine import distributed, health
+
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank,
+                            world_size=world_size)
+    before = _connections()
+    health.prepare(30.0)
+    made = _connections() - before
+    assert made == (2 * (world_size - 1) if rank == 0 else 2), f"rank {rank}: {made}"
+    assert health.missing_ranks() == []
+    distributed.destroy()
+
+
+def _connections() -> int:
+    """This process's established TCP connections (/proc: its sockets' inodes, found in
+    the tables of the network namespace)."""
+    import os
+
+    links = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+             if os.path.islink(f"/proc/self/fd/{fd}")]
+    mine = {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
+    established = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            established += fields[3] == "01" and fields[9] in mine  # 01: ESTABLISHED
+    return established

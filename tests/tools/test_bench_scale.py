@@ -156,3 +156,15 @@ def test_the_smallest_setting_measures_two_ranks(tmp_path):
     assert figures["start-up to first step"] > 0
     assert "| check point collective bytes | 52 B | constant | 52 B | 52 B | 52 B |" \
         in proc.stdout
+
+
+def test_tcp_connections_counts_this_process_s_established_connections():
+    """The figure that shows gloo's pairs per rank: a connection made here adds its two
+    ends (both this process's)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        before = bench_scale.tcp_connections()
+        with socket.create_connection(server.getsockname()) as client, \
+                server.accept()[0] as accepted:
+            assert bench_scale.tcp_connections() == before + 2, (client, accepted)

@@ -234,9 +234,11 @@ def test_a_rank_lost_with_one_keeper_of_its_row_resumes_exactly_with_all_keepers
         shm, tmp_path):
     """4 real gloo processes (forked), each rank's row kept by the next two: each
     buffer's exchange region holds 3 rows (its own and its two predecessors'), whatever
-    the number of processes, as the tier's accounting says. Then rank 1 and rank 2 (one
-    of rank 1's keepers) lost in one failure (their buffers gone): 4 new processes
-    resume step 2 from memory, rank 1's row from rank 3, rank 2's from rank 0, each
+    the number of processes, as the tier's accounting says. A restart in place agrees
+    on step 2 with one all-reduce, nothing gathered (every rank holds the same steps).
+    Then rank 1 and rank 2 (one of rank 1's keepers) lost in one failure (their buffers
+    gone): 4 new processes gather who holds what and resume step 2 from memory, rank 1's
+    row from rank 3, rank 2's from rank 0, each
     rank with its own RNG states and the loss sums over the ranks, as saved. Rank 3
     lost too (rank 1's last keeper): the ranks agree on none, and the line the run
     prints before it takes its disk snapshot says why."""
@@ -251,11 +253,17 @@ def test_a_rank_lost_with_one_keeper_of_its_row_resumes_exactly_with_all_keepers
         assert one["bytes"] == {"sent": 2 * row, "received": 2 * row,
                                 "kept": buffer.EXCHANGE_HEAD + 3 * row}
         assert one["owners"] == [rank, (rank - 1) % 4, (rank - 2) % 4]
+    in_place = everyone("restart")
+    assert {(r["step"], r["source"], r["not_used"], r["gathered"]) for r in in_place} == {
+        (2, 0, None, 0)}
+    assert [(r["keepers"], r["rng"], r["loss"]["sum"]) for r in in_place] == [
+        ({}, before["rng"], 14.0) for before in saved]
     for rank in (1, 2):  # a rank and one of its row's keepers, in one failure
         for path in files.buffer_paths(tmp_path, rank, shm, RUN_ID):
             path.unlink()
     resumed = everyone("resume")
-    assert {(r["step"], r["source"], r["not_used"]) for r in resumed} == {(2, 0, None)}
+    assert {(r["step"], r["source"], r["not_used"], r["gathered"]) for r in resumed} == {
+        (2, 0, None, 1)}
     assert all(r["keepers"] == {"1": 3, "2": 0} for r in resumed)
     for one, before in zip(resumed, saved, strict=True):
         assert one["rng"] == before["rng"]  # its own RNG states, never another's
@@ -311,9 +319,11 @@ def _keeper_rank(phase: str, rank: int, shm, tmp_path) -> None:
         slot.close()
     else:
         mine = resume.load_all(memory, pytest.fail)
+        gathered, gather = [], resume.distributed.all_gather_object  # this process's
+        resume.distributed.all_gather_object = lambda obj: gathered.append(1) or gather(obj)
         choice = resume.agree(memory, mine)
         out = {"step": choice.step, "source": choice.source, "keepers": choice.keepers,
-               "not_used": choice.not_used(None)}
+               "not_used": choice.not_used(None), "gathered": len(gathered)}
         if choice.step >= 0:
             whole = resume.fetch(memory, choice, mine)
             out.update(rng=_rng_digest(whole["rng"]["ranks"][rank]),

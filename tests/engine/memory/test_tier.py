@@ -37,3 +37,26 @@ def test_a_part_with_only_the_declared_protocol_resumes_from_memory_under_fsdp(t
     assert "resumed from memory at step 3" in resumed.stdout, resumed.stdout
     ranks = [json.loads((out / f"rank_part-rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks == [{"value": 6, "gathers": 1}, {"value": 12, "gathers": 1}]
+
+
+def test_the_ranks_agree_there_is_no_problem_without_gathering_every_ranks(tmp_path):
+    """The tier's agreements (open, the first snapshot's room, a failed save): an
+    all-reduce of a flag, the same size at any number of ranks; every rank's problem is
+    gathered only where some rank has one, and the first such rank is named."""
+    from tests.engine.memory.test_memory_snapshot import forked_ranks
+
+    forked_ranks(3, _problem_rank, str(tmp_path / "store"))
+
+
+def _problem_rank(store: str, rank: int) -> None:
+    import torch.distributed as dist
+
+    from engine import distributed
+
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=3)
+    gathered, gather = [], distributed.all_gather_object  # this process's
+    distributed.all_gather_object = lambda obj: gathered.append(obj) or gather(obj)
+    assert (distributed.first_problem(None), gathered) == (None, [])
+    why = "no room" if rank > 0 else None
+    assert (distributed.first_problem(why), gathered) == ((1, "no room"), [why])
+    dist.destroy_process_group()
