@@ -146,8 +146,9 @@ class Trainer:
         return {**self.ctx.state.state_dict(), "epoch_loss": self.epoch_loss_so_far()}
 
     def local_state_dict(self) -> dict:
-        """The same with this rank's own loss sums, without a collective: a memory
-        snapshot's, which sums them over the ranks at a resume (engine.stateful.LocalStateful)."""
+        """The same with this rank's own loss sums, without a collective, the sum a device
+        tensor (not read back): a memory snapshot's, which sums them over the ranks at a
+        resume (engine.stateful.LocalStateful)."""
         return {**self.ctx.state.state_dict(),
                 "epoch_loss": self.epoch_loss_so_far(reduce=False)}
 
@@ -408,7 +409,7 @@ class Trainer:
     def epoch_loss_so_far(self, reduce: bool = True) -> dict | None:
         """For a snapshot (collective: every rank takes part): the epoch's loss sum and
         micro-batch count over all ranks so far, with the micro-batch size they are in;
-        None between epochs. ``reduce=False``: this rank's alone, no collective."""
+        None between epochs. ``reduce=False``: this rank's alone, its sum a tensor."""
         window, ctx = self.window, self.ctx
         if window is None:
             return None
@@ -417,8 +418,8 @@ class Trainer:
             totals = torch.stack([window.total_loss(), torch.tensor(
                 batches, dtype=torch.float64, device=self.device)])
             loss_sum, batch_count = distributed.all_reduce_sum(totals).tolist()
-        else:  # a memory snapshot's, each step at memory_every_steps=1: no more ops
-            loss_sum, batch_count = window.total_loss().item(), float(batches)
+        else:  # a memory snapshot's: no collective, nothing read from the device
+            loss_sum, batch_count = window.total_loss(), float(batches)
         return {"sum": loss_sum, "batches": batch_count,
                 "micro_batch": self.run_parts.micro_batch}
 

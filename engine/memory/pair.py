@@ -182,10 +182,11 @@ class MemorySnapshots:
         """Wait for what the background thread has yet to do."""
         self.background.wait()
 
-    def start_exchange(self, row: bytes) -> None:
-        """Every rank before each save: start sending ``row`` to its keepers;
-        :meth:`record_exchange` has the thread write the rows into the snapshot."""
-        self.exchanges.start(row)
+    def start_exchange(self, row: bytes, loss_sum=None) -> None:
+        """Every rank before each save: start sending ``row`` (``loss_sum`` copied into
+        it) to its keepers; :meth:`record_exchange` has the thread write the rows into
+        the snapshot."""
+        self.exchanges.start(row, loss_sum)
 
     def record_exchange(self, saved: bool) -> None:
         target = self.buffers[self.newest_index] if saved else None

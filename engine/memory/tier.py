@@ -4,7 +4,6 @@ point, and closes it at the run's end."""
 
 from __future__ import annotations
 
-import functools
 import os
 import pathlib
 import socket
@@ -112,18 +111,19 @@ class MemoryTier:
                           label="memory snapshot"):
             if pair.config is None:  # the same at every step: converted and pickled once
                 pair.config = shm_codec.Pickled(config_mod.to_dict(ctx.cfg))
-            state, row = capture(ctx, pair.config, whole)
+            line = pair.exchanges.line(ctx.device)
+            state, row, loss_sum = capture(ctx, pair.config, whole, line)
             if not pair.saves:
                 problem = self._first_problem(state)  # collective
                 if problem is not None:
                     return problem
-            pair.start_exchange(row)  # every rank: to its keepers, not waited for
+            pair.start_exchange(row, loss_sum)  # every rank: to its keepers, not waited for
             saved = False
             if pair.failed is None:
-                # What only the optimizer's step changes is copied during the next
-                # step's forward and backward (pair.hold).
+                # What only the optimizer's step changes, and the row (on a GPU its loss
+                # sum is copied there), are copied during the next step (pair.hold).
                 held = (None if ctx.optimizer is None
-                        else functools.partial(held_by, ctx.optimizer))
+                        else lambda: held_by(ctx.optimizer) | {line.data_ptr()})
                 try:
                     if pair.save(state, step=ctx.state.step, epoch=ctx.state.epoch,
                                  held=held):
@@ -271,15 +271,20 @@ class MemoryTier:
         return self.pair.remove()
 
 
-def capture(ctx, config, whole) -> tuple[dict, bytes]:
+def capture(ctx, config, whole, line) -> tuple[dict, bytes, object]:
     """A memory snapshot's dict without a collective, ``whole(ctx, config, parts)`` of
-    every part's local state, and this rank's row (rows.py), which ``rng`` holds."""
+    every part's local state, this rank's row (rows.py), which ``rng`` holds (``line``,
+    Exchanges.line's), and the loss sum to write into it (a tensor; None between epochs)."""
     states = ctx.snapshot_parts.local_state_dict()
-    loss = (states.get("progress") or {}).get("epoch_loss")
-    row = make_row(None if loss is None else (loss["sum"], loss["batches"]))
+    progress = states.get("progress") or {}
+    loss = dict(progress.get("epoch_loss") or {})  # its sum goes into the row
+    loss_sum = loss.pop("sum", None)
+    row = make_row((0.0, loss["batches"]) if loss else None)
+    if loss:
+        states["progress"] = {**progress, "epoch_loss": loss}
     if "rng" in states:
-        states["rng"] = {**states["rng"], "row": row}
-    return whole(ctx, config, states), row
+        states["rng"] = {**states["rng"], "row": line}
+    return whole(ctx, config, states), row, loss_sum
 
 
 def remove_leftovers(run_dir, run_id: str, shm: pathlib.Path = SHM,

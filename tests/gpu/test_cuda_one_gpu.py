@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import QUICK, engine_env, read_summary, run_cli
+from tests.conftest import QUICK, REPO, engine_env, read_summary, run_cli
 from tests.engine.test_snapshot import BASE, RECIPE
 from tests.recipes.tiny_parallel_runs import probes, run_tiny, tiny_env, weights
 
@@ -129,3 +129,35 @@ def test_the_language_model_learns_in_bf16_on_one_gpu(tmp_path):
     assert metrics["val/loss"] <= SMALL_FRACTION * baseline_of(proc.stdout), proc.stdout
     assert metrics["val/perplexity"] == pytest.approx(math.exp(metrics["val/loss"]))
     assert re.search(r"tokens/s \d+", proc.stdout)
+
+
+def test_a_memory_snapshot_never_waits_for_the_gpu(tmp_path, monkeypatch):
+    """docs/architecture.md promises no per-step host-device synchronisation: from the
+    second memory snapshot on (the first maps and pins its buffers), each runs under
+    torch.cuda.set_sync_debug_mode("error") and none synchronises (the loss sum goes into
+    its row on the GPU; the copies off the device are the background thread's)."""
+    from engine import testing
+    from engine.memory import tier
+
+    save, devices, errors = tier.MemoryTier.save, [], []
+
+    def watched(self, whole):
+        devices.append(self.ctx.device.type)
+        torch.cuda.set_sync_debug_mode("error" if len(devices) > 1 else "default")
+        try:
+            return save(self, whole)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+            raise
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(tier.MemoryTier, "save", watched)
+    try:
+        testing.fit(REPO / "tests" / "recipes" / "tiny_regression.py", nproc=1, epochs=1,
+                    out_dir=str(tmp_path / "run"), **{"checkpoint.memory_every_steps": 1,
+                                                      "checkpoint.every_steps": 0})
+    except Exception:  # noqa: BLE001 - a synchronisation is in errors, said below
+        pass
+    assert errors == []
+    assert len(devices) >= 3 and set(devices) == {"cuda"}, devices
