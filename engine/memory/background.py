@@ -117,23 +117,20 @@ class Exchanges:
                 "kept": EXCHANGE_HEAD + (1 + len(self.kept)) * ROW_BYTES}
 
     def line(self, device=None) -> torch.Tensor:
-        """This rank's row as its snapshot holds it (a tensor the copy plan copies): on
-        the group's device (NCCL: the GPU; else the CPU, in place), without keepers on
-        ``device`` (the loss sum's)."""
+        """This rank's row as its snapshot holds it: on the group's device (NCCL: the
+        GPU; else the CPU, in place), without keepers on ``device`` (the loss sum's)."""
         if self.rows is None:
-            device = distributed.collective_device() if self.keepers or device is None \
-                else device
+            device = device if device and not self.keepers else distributed.collective_device()
             self.rows = torch.zeros(1 + len(self.kept), ROW_BYTES, dtype=torch.uint8,
                                     pin_memory=device.type == "cuda")
             self.wire = self.rows if device.type == "cpu" else self.rows.to(device)
         return self.wire[0]
 
     def start(self, row: bytes, loss_sum=None) -> None:
-        """Send ``row`` (make_row's) to the keepers, ``loss_sum`` (a tensor: None, the
-        row's own) copied into it where it is: nothing read back (rows.LOSS_SUM)."""
+        """Send ``row`` (make_row's) to the keepers, ``loss_sum`` (a tensor) copied into
+        it where it is: nothing read back."""
         self.background.wait()  # the previous rows are written, the tensors free
-        wire = self.line()
-        line = self.rows[0].numpy()
+        wire, line = self.line(), self.rows[0].numpy()
         line[:8] = np.frombuffer(ROW_HEAD.pack(len(row), self.rank), dtype=np.uint8)
         line[8:8 + len(row)] = np.frombuffer(row, dtype=np.uint8)  # b"": did not fit
         if self.wire is not self.rows:  # pinned: the thread's write waits for it

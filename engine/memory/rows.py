@@ -16,10 +16,9 @@ import torch
 
 from engine.shm_codec import PlainUnpickler
 
-#: One rank's row in the exchange: its length and rank (:data:`ROW_HEAD`), then its
-#: epoch loss sum (:data:`LOSS_SUM`: the float64 Exchanges.start copies from the device
-#: tensor, not read back on the step's path), the pickled RNG states and micro-batch
-#: count; a larger one is left out (no peer keeps it).
+#: One rank's row in the exchange: its length and rank (:data:`ROW_HEAD`), its epoch loss
+#: sum (:data:`LOSS_SUM`, copied from the device: Exchanges.start), the pickled RNG states
+#: and micro-batch count; a larger one is left out (no peer keeps it).
 ROW_BYTES = 8 + 16384 + 512
 ROW_HEAD = struct.Struct("<II")
 LOSS_SUM = struct.Struct("<d")
@@ -96,8 +95,7 @@ def _numpy_rng() -> dict:
 
 def read_row(row: bytes) -> dict | None:
     """:func:`make_row`'s dict, its RNG states as engine.rng.rng_state gives them;
-    None for an empty row (the states did not fit). ``row``: bytes, or a memory
-    snapshot's own line (a tensor: tier.capture's)."""
+    None for an empty row (the states did not fit). ``row``: bytes, or a line (tensor)."""
     if isinstance(row, torch.Tensor):
         row = next((body for _, body in _filled([row.numpy()])), b"")
     if not row:
@@ -116,9 +114,8 @@ def read_row(row: bytes) -> dict | None:
              "torch": tensor(rng["torch"])}
     if "cuda" in rng:
         state["cuda"] = [tensor(b) for b in rng["cuda"]]
-    batches = plain["batches"]
-    return {"rng": state, "loss": None if batches is None else
-            (LOSS_SUM.unpack_from(row)[0], batches)}
+    loss = plain["batches"] is not None and (LOSS_SUM.unpack_from(row)[0], plain["batches"])
+    return {"rng": state, "loss": loss or None}
 
 
 def _filled(rows):

@@ -117,11 +117,10 @@ class MemoryTier:
                 problem = self._first_problem(state)  # collective
                 if problem is not None:
                     return problem
-            pair.start_exchange(row, loss_sum)  # every rank: to its keepers, not waited for
+            pair.exchanges.start(row, loss_sum)  # every rank: to its keepers, not waited for
             saved = False
             if pair.failed is None:
-                # What only the optimizer's step changes, and the row (on a GPU its loss
-                # sum is copied there), are copied during the next step (pair.hold).
+                # The optimizer's tensors and the row: copied during the next step (hold).
                 held = (None if ctx.optimizer is None
                         else lambda: held_by(ctx.optimizer) | {line.data_ptr()})
                 try:
@@ -273,18 +272,16 @@ class MemoryTier:
 
 def capture(ctx, config, whole, line) -> tuple[dict, bytes, object]:
     """A memory snapshot's dict without a collective, ``whole(ctx, config, parts)`` of
-    every part's local state, this rank's row (rows.py), which ``rng`` holds (``line``,
-    Exchanges.line's), and the loss sum to write into it (a tensor; None between epochs)."""
+    every part's local state; this rank's row (rows.py), which ``rng`` holds as ``line``
+    (Exchanges.line's), and the loss sum (a tensor) Exchanges.start writes into it."""
     states = ctx.snapshot_parts.local_state_dict()
-    progress = states.get("progress") or {}
-    loss = dict(progress.get("epoch_loss") or {})  # its sum goes into the row
-    loss_sum = loss.pop("sum", None)
-    row = make_row((0.0, loss["batches"]) if loss else None)
-    if loss:
-        states["progress"] = {**progress, "epoch_loss": loss}
+    loss = (states.get("progress") or {}).get("epoch_loss")
+    if loss is not None:  # its sum is the row's (a resume sums the ranks' rows)
+        states["progress"] = {**states["progress"], "epoch_loss": {**loss, "sum": 0.0}}
     if "rng" in states:
         states["rng"] = {**states["rng"], "row": line}
-    return whole(ctx, config, states), row, loss_sum
+    return (whole(ctx, config, states), make_row(loss and (0.0, loss["batches"])),
+            loss and loss["sum"])
 
 
 def remove_leftovers(run_dir, run_id: str, shm: pathlib.Path = SHM,
