@@ -124,11 +124,11 @@ class Exchanges:
             self.rows = torch.zeros(1 + len(self.kept), ROW_BYTES, dtype=torch.uint8,
                                     pin_memory=device.type == "cuda")
             self.wire = self.rows if device.type == "cpu" else self.rows.to(device)
+            self.sum_slot = self.wire[0, 8:8 + LOSS_SUM.size].view(torch.float64)  # made once
         return self.wire[0]
 
     def start(self, row: bytes, loss_sum=None) -> None:
-        """Send ``row`` (make_row's) to the keepers, ``loss_sum`` (a tensor) copied into
-        it where it is: nothing read back."""
+        """Send ``row`` (make_row's), ``loss_sum`` (a tensor) copied into it where it is."""
         self.background.wait()  # the previous rows are written, the tensors free
         wire, line = self.line(), self.rows[0].numpy()
         line[:8] = np.frombuffer(ROW_HEAD.pack(len(row), self.rank), dtype=np.uint8)
@@ -136,7 +136,7 @@ class Exchanges:
         if self.wire is not self.rows:  # pinned: the thread's write waits for it
             wire.copy_(self.rows[0], non_blocking=True)
         if loss_sum is not None and row:
-            wire[8:8 + LOSS_SUM.size].view(torch.float64).copy_(loss_sum)
+            self.sum_slot.copy_(loss_sum)
         if self.keepers and distributed.is_initialized():
             self.work = dist.batch_isend_irecv(
                 [dist.P2POp(dist.isend, self.wire[0], k) for k in self.keepers]
