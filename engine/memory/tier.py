@@ -30,7 +30,9 @@ class MemoryTier:
     def __init__(self, ctx, pair: MemorySnapshots):
         self.ctx = ctx
         self.pair = pair
-        self.note_reached = pair.note_reached  # after each optimizer step: the loop's
+        # The step reached, at each optimizer step taken (a restart says what it lost).
+        self.reached = ctx.optimizer and ctx.optimizer.register_step_post_hook(
+            lambda *_: pair.note_reached(ctx.state.step + 1))
         self.cost = MemoryCost()  # measured at check points, auto or not
         # Per snapshot, bytes: rows "sent", "received", and the exchange region "kept".
         self.exchange_bytes = pair.exchanges.bytes()
@@ -168,6 +170,7 @@ class MemoryTier:
     def switch_off(self) -> list[str]:
         """No more snapshots: summary.json's interval 0, the buffers removed (warnings)."""
         self.record(every=0)
+        self.close()
         return self.pair.remove()
 
     # ------------------------------------------------------------ check points
@@ -262,7 +265,9 @@ class MemoryTier:
         return True
 
     def close(self, wait: bool = True) -> None:
-        """The thread and the mappings go, the files stay (for a restart)."""
+        """The thread, the mappings and the optimizer's hook go, the files stay."""
+        if self.reached is not None:
+            self.reached.remove()
         self.pair.close(wait=wait)
 
     def remove(self) -> list[str]:
