@@ -133,12 +133,12 @@ class SnapshotPolicy:
 
 
 class Snapshots:
-    """The run's snapshots, one layer: the loop tells it when an optimizer step ended
-    (:meth:`step_ended`, asked only from step :attr:`next_due` on) and it decides: to
-    disk (``every_steps``, a check point's time flag), into shared memory, or nothing;
-    the loop has it write the snapshots the loop decides (:meth:`save`). It owns the
-    memory tier (engine/memory/'s MemoryTier, ``memory``; None while off): opens it at
-    the resume, feeds it, turns it off on every rank at one check point
+    """The run's snapshots, one layer the loop calls three ways: after each optimizer
+    step (:meth:`step_ended`) it decides: to disk (a new best, ``every_steps``, a check
+    point's time flag), into shared memory, or nothing; it says whether one is due at an
+    epoch's end (:meth:`due_at_epoch_end`); it writes the loop's own (:meth:`save`). It
+    owns the memory tier (engine/memory/'s MemoryTier, ``memory``; None while off): opens
+    it at the resume, feeds it, turns it off on every rank at one check point
     (:meth:`check_flags`, :meth:`agreed`), closes it at the run's end.
 
     ``finish_check``: the loop's, called before a snapshot at a step: the check point in
@@ -153,18 +153,13 @@ class Snapshots:
         self.policy = SnapshotPolicy(ctx.cfg, ctx.is_rank0)
         self.finish_check = finish_check
         self.time_due = False  # a check point said one is due by time: to disk next
-        # The first step the loop asks at (step_ended): 0 until the first step (a resume
-        # moves the count) and while a time flag waits for a snapshot to disk.
+        # The first step step_ended looks further than an integer compare at: 0 until the
+        # first step (a resume moves the count) and while a time flag waits for one to disk.
         self.next_due = 0
-        self._use(memory)
+        self.memory = memory
         if check_point is not None:  # the loop's (engine/check_point.py): this layer's slot
             check_point.add("snapshots", self.check_flags, self.agree_on,
                             started=self.window_started)
-
-    def _use(self, memory) -> None:
-        self.memory = memory
-        # The loop calls it after each optimizer step (a restart says what it lost).
-        self.note_reached = None if memory is None else memory.note_reached
 
     # ---------------------------------------------------------- start and end
 
@@ -173,7 +168,7 @@ class Snapshots:
         if self.ctx.cfg.checkpoint.memory_every_steps:
             from engine.memory import MemoryTier  # only when on: a costly import
 
-            self._use(MemoryTier.open(self.ctx))
+            self.memory = MemoryTier.open(self.ctx)
         resume(self.ctx, self.memory)
 
     def ended(self) -> None:
@@ -190,19 +185,19 @@ class Snapshots:
 
     # --------------------------------------------------------------- per step
 
-    def step_ended(self, step: int) -> None:
-        """After optimizer step ``step`` (not where the run stops at it: the loop writes
-        that one): to disk when due by count or time, else into shared memory when due.
-        The check in flight is finished first (``finish_check``): a pre-emption writes
-        no snapshot here (the loop writes the durable one)."""
+    def step_ended(self, step: int, new_best: bool = False) -> None:
+        """After optimizer step ``step`` and its validation (not where the run stops at
+        it): to disk when ``new_best`` or due by count or time, else into shared memory
+        when due; before :attr:`next_due`, an integer compare. The check in flight is
+        finished first (``finish_check``): a pre-emption writes none (the loop does)."""
+        if step < self.next_due and not new_best:
+            return
         self.next_due = 0 if self.time_due else self._next_due(step)
-        to_disk = self.policy.due_at_step(step)
+        to_disk = new_best or self.time_due or self.policy.due_at_step(step)
         to_memory = self.memory is not None and self.memory.due(step)
-        if not (to_disk or to_memory or self.time_due):
+        if not (to_disk or to_memory) or self.finish_check():
             return
-        if self.finish_check():
-            return
-        if to_disk or self.time_due:
+        if to_disk:
             self.save()
         elif self.memory is not None:  # the finished check may have turned it off
             problem = self.memory.save(capture)
@@ -210,9 +205,8 @@ class Snapshots:
                 self._memory_off(*problem)
 
     def _next_due(self, step: int) -> float:
-        """The first step after ``step`` at which a snapshot is due by count (a
-        multiple of every_steps or of the memory tier's every_steps; it may have gone
-        off since: then the call finds nothing due)."""
+        """The first step after ``step`` due by count (a multiple of every_steps or of the
+        memory tier's, which may have gone off since: that call finds nothing due)."""
         counts = [n for n in (self.policy.every_steps,
                               self.memory.every_steps if self.memory is not None else 0) if n]
         return min((step // n + 1) * n for n in counts) if counts else math.inf
@@ -280,7 +274,7 @@ class Snapshots:
         """Every rank, together: no more memory snapshots, their buffers removed, one
         warning naming the step, the rank and why."""
         ctx, memory = self.ctx, self.memory
-        self._use(None)
+        self.memory = None
         for problem in memory.switch_off():
             ctx.warn_here(problem)
         where = f"rank {rank}: " if ctx.world.world_size > 1 else ""

@@ -94,8 +94,7 @@ class Trainer:
                                  extras_known=self.extras_known)
         self.bind_step_hooks()
         self.throughput = Throughput(ctx.recipe)
-        # The check points' slots: pre-emption's, the snapshot layer's (it registers
-        # them), train_step's extras once known (extras_known).
+        # The check points' slots: pre-emption's, the snapshot layer's, train_step's extras.
         self.check = CheckPoint(ctx, self.runner.nonfinite, self.throughput.metric,
                                 self.log_hook)
         self.stop = preemption.StopRequest(ctx.preemption)  # the ranks agreed to stop
@@ -146,8 +145,8 @@ class Trainer:
         return {**self.ctx.state.state_dict(), "epoch_loss": self.epoch_loss_so_far()}
 
     def local_state_dict(self) -> dict:
-        """The same with this rank's own loss sums, without a collective: a memory
-        snapshot's, which sums them over the ranks at a resume (engine.stateful.LocalStateful)."""
+        """The same with this rank's own loss sums (a tensor, not read back), without a
+        collective: a memory snapshot's (engine.stateful.LocalStateful)."""
         return {**self.ctx.state.state_dict(),
                 "epoch_loss": self.epoch_loss_so_far(reduce=False)}
 
@@ -196,10 +195,8 @@ class Trainer:
         train_metrics = self.train_epoch(epoch)
         if self.ending is not None:  # max_steps or early stopping, inside the epoch
             return self.end_in_epoch()
-        # Pre-empted half-way through the epoch, or at its end (its last check point,
-        # finished there, carried the flag): stop before validating, even in the last
-        # epoch, where no check point would come again. The snapshot is at the position
-        # reached; the run resumed from it finishes the epoch.
+        # Pre-empted in the epoch or at its end (its last check point's flag): stop before
+        # validating, even in the last epoch; the run resumed here finishes the epoch.
         if self.stop.requested:
             self.save_snapshot()
             return False
@@ -236,11 +233,9 @@ class Trainer:
         return not (stop or last)
 
     def end_in_epoch(self) -> bool:
-        """The run ends inside the epoch (``self.ending``): max_steps reached, or early
-        stopping at a validation by steps. That step's validation is done
-        (validate_if_due); the final snapshot is at this position, mid-epoch, so that a
-        resume with a larger max_steps trains on from it. No epoch end (the epoch is not
-        complete): returns False, the run stops."""
+        """The run ends inside the epoch (``self.ending``: max_steps, or early stopping at
+        a validation by steps, done by validate_if_due): the final snapshot is here, mid-
+        epoch (a larger max_steps trains on from it); no epoch end. Returns False."""
         self.save_snapshot(at_end=True)
         if self.ending == "early stopping":
             self.stop_early()
@@ -333,8 +328,7 @@ class Trainer:
 
     def optimizer_step(self, loss, window: LogWindow) -> bool:
         """After a group's last micro-batch: step, hooks, check point, snapshot if due.
-        Returns True when the epoch must stop here (the ranks agreed on a pre-emption:
-        run_epoch writes the snapshot)."""
+        True when the epoch stops here (a pre-emption agreed: run_epoch writes that one)."""
         ctx, parts, state = self.ctx, self.run_parts, self.ctx.state
         taken = self.runner.optimizer_step(state.step + 1)
         if self.runner.nonfinite.skip:
@@ -343,8 +337,6 @@ class Trainer:
             parts.scheduler.step()
         state.step += 1
         window.steps += 1
-        if self.snapshots.note_reached is not None:  # the memory tier's: how far the run
-            self.snapshots.note_reached(state.step)  # got (a restart says what it lost)
         if self.step_end_hook is not None:
             self.step_end_hook(ctx=ctx, step=state.step, loss=loss)
         if state.step % self.cfg.log_every == 0:
@@ -356,19 +348,14 @@ class Trainer:
         new_best = self.validate_if_due(state.step)
         if self.ending is not None:
             return True  # the run ends here: run_epoch writes the final snapshot
-        # A snapshot to disk if its validation is the new best, else the layer's if due,
-        # asked from the step it says one may be due at. Either finishes the check in
-        # flight first: a pre-emption it carried stops here (run_epoch writes that one).
-        if new_best and not self.finish_before_snapshot():
-            self.snapshots.save()
-        elif not self.stop.requested and state.step >= self.snapshots.next_due:
-            self.snapshots.step_ended(state.step)
+        # To disk at a new best, else as due; a pre-emption stops here (run_epoch saves).
+        self.snapshots.step_ended(state.step, new_best)
         return self.stop.requested
 
     def finish_before_snapshot(self) -> bool:
-        """The snapshot layer's, before a snapshot at a step: the check in flight is
-        finished (a run resumed from the snapshot would never log its window). True when
-        it stops the run here (a pre-emption: run_epoch writes that snapshot)."""
+        """The snapshot layer's, before a snapshot at a step: the check in flight finished
+        (a run resumed from it would never log its window); True when a pre-emption stops
+        the run here (run_epoch writes that snapshot)."""
         self.check.finish_pending()
         return self.stop.requested
 
@@ -408,7 +395,7 @@ class Trainer:
     def epoch_loss_so_far(self, reduce: bool = True) -> dict | None:
         """For a snapshot (collective: every rank takes part): the epoch's loss sum and
         micro-batch count over all ranks so far, with the micro-batch size they are in;
-        None between epochs. ``reduce=False``: this rank's alone, no collective."""
+        None between epochs. ``reduce=False``: this rank's alone, its sum a tensor."""
         window, ctx = self.window, self.ctx
         if window is None:
             return None
@@ -417,8 +404,8 @@ class Trainer:
             totals = torch.stack([window.total_loss(), torch.tensor(
                 batches, dtype=torch.float64, device=self.device)])
             loss_sum, batch_count = distributed.all_reduce_sum(totals).tolist()
-        else:  # a memory snapshot's, each step at memory_every_steps=1: no more ops
-            loss_sum, batch_count = window.total_loss().item(), float(batches)
+        else:  # a memory snapshot's: no collective, nothing read from the device
+            loss_sum, batch_count = window.total_loss(), float(batches)
         return {"sum": loss_sum, "batches": batch_count,
                 "micro_batch": self.run_parts.micro_batch}
 
@@ -434,12 +421,10 @@ class Trainer:
     # ------------------------------------------------------------ validation
 
     def validate_if_due(self, step: int) -> bool:
-        """After optimizer step ``step``, unless the epoch ends with it (run_epoch
-        validates there): a validation when ``val_every_steps`` divides the step, or when
-        max_steps ends the run here (``self.ending``; the validation that an epoch's end
-        would run), its metrics logged at the step and joining the run's. Training goes
-        on exactly as without it (the RNG states, the model's mode and the training loader
-        as they were). Early stopping may then end the run at this step. True when the
+        """After optimizer step ``step``, unless the epoch ends with it (run_epoch's): a
+        validation when ``val_every_steps`` divides the step or max_steps ends the run here
+        (``self.ending``), logged at the step. Training goes on as without it (RNG states,
+        the model's mode, the loader); early stopping may end the run here. True when the
         validation is the new best (best_improved)."""
         ctx = self.ctx
         parts = self.run_parts

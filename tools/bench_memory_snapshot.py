@@ -179,7 +179,8 @@ def split_times(eng, times: int = 3) -> dict:
             spent[name].append(time.perf_counter() - start)
         start = time.perf_counter()
         memory = eng.snapshots.memory.pair
-        state, _ = tier.capture(eng, memory.config, snapshot.capture)
+        state = tier.capture(eng, memory.config, snapshot.capture,
+                             memory.exchanges.line(eng.device))[0]
         middle = time.perf_counter()
         memory.save(state, step=eng.state.step, epoch=eng.state.epoch,
                     held=functools.partial(copy_plan.held_by, eng.optimizer))

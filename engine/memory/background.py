@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from engine import distributed
 from engine.memory.buffer import EXCHANGE_HEAD, Buffer
-from engine.memory.rows import ROW_BYTES, ROW_HEAD, offsets
+from engine.memory.rows import LOSS_SUM, ROW_BYTES, ROW_HEAD, offsets
 
 
 class Background:
@@ -116,19 +116,28 @@ class Exchanges:
         return {"sent": len(self.keepers) * ROW_BYTES, "received": len(self.kept) * ROW_BYTES,
                 "kept": EXCHANGE_HEAD + (1 + len(self.kept)) * ROW_BYTES}
 
-    def start(self, row: bytes) -> None:
-        self.background.wait()  # the previous rows are written, the tensors free
+    def line(self, device=None) -> torch.Tensor:
+        """This rank's row as its snapshot holds it: on the group's device (NCCL: the
+        GPU; else the CPU, in place), without keepers on ``device`` (the loss sum's)."""
         if self.rows is None:
-            # On a GPU (NCCL) the rows go through a copy on it; on the CPU, in place.
-            self.rows = torch.zeros(1 + len(self.kept), ROW_BYTES, dtype=torch.uint8)
-            device = distributed.collective_device()
+            device = device if device and not self.keepers else distributed.collective_device()
+            self.rows = torch.zeros(1 + len(self.kept), ROW_BYTES, dtype=torch.uint8,
+                                    pin_memory=device.type == "cuda")
             self.wire = self.rows if device.type == "cpu" else self.rows.to(device)
-        line = self.rows[0].numpy()
+            self.sum_slot = self.wire[0, 8:8 + LOSS_SUM.size].view(torch.float64)  # made once
+        return self.wire[0]
+
+    def start(self, row: bytes, loss_sum=None) -> None:
+        """Send ``row`` (make_row's), ``loss_sum`` (a tensor) copied into it where it is."""
+        self.background.wait()  # the previous rows are written, the tensors free
+        wire, line = self.line(), self.rows[0].numpy()
         line[:8] = np.frombuffer(ROW_HEAD.pack(len(row), self.rank), dtype=np.uint8)
         line[8:8 + len(row)] = np.frombuffer(row, dtype=np.uint8)  # b"": did not fit
+        if self.wire is not self.rows:  # pinned: the thread's write waits for it
+            wire.copy_(self.rows[0], non_blocking=True)
+        if loss_sum is not None and row:
+            self.sum_slot.copy_(loss_sum)
         if self.keepers and distributed.is_initialized():
-            if self.wire is not self.rows:
-                self.wire[0].copy_(self.rows[0])
             self.work = dist.batch_isend_irecv(
                 [dist.P2POp(dist.isend, self.wire[0], k) for k in self.keepers]
                 + [dist.P2POp(dist.irecv, self.wire[1 + i], r) for i, r in enumerate(self.kept)])
@@ -141,11 +150,11 @@ class Exchanges:
         def write() -> None:
             for one in work or ():
                 one.wait()  # the GIL is released meanwhile
-            if work and self.wire is not self.rows:
+            if self.wire is not self.rows:
                 # NCCL's wait only orders this thread's stream after the transfers: the
-                # rows are read once that stream got there.
+                # rows (this rank's loss sum too) are read once that stream got there.
                 torch.cuda.current_stream(self.wire.device).synchronize()
-                self.rows[1:].copy_(self.wire[1:])
+                self.rows.copy_(self.wire)
             if target is not None:
                 target.write_exchange(sequence, self.rows.numpy())
 

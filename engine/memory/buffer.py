@@ -35,8 +35,8 @@ from engine.memory.files import RUN_ID_FILE, NoRoom, Unsafe, open_own
 from engine.shm_codec import align, decode
 
 HEADER_BYTES = 4096
-# 6: each row names its rank, the ranks it keeps only (5: every rank's row).
-MAGIC = b"ENGMEM\x00\x06"
+# 7: a row's loss sum raw, before its pickle (6: each row names its rank, its keepers').
+MAGIC = b"ENGMEM\x00\x07"
 # magic, sequence, step, epoch, payload length, checksum (16 bytes), step reached, run id,
 # where the exchange region starts (0: none)
 HEADER = struct.Struct("<8sQQQQ16sQ16sQ")

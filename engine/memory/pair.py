@@ -152,6 +152,8 @@ class MemorySnapshots:
                       else torch.cuda.stream(stream)):
                     for copy in later:
                         copy()
+                if stream is not None:  # every copy off the GPU, none waited for, done
+                    stream.synchronize()
                 digest = checksum(signed(sequence, step, epoch, length, raw_id),
                                   array[HEADER_BYTES:HEADER_BYTES + length])
                 buffer.write_header(sequence, step, epoch, length, raw_id, digest)
@@ -182,12 +184,8 @@ class MemorySnapshots:
         """Wait for what the background thread has yet to do."""
         self.background.wait()
 
-    def start_exchange(self, row: bytes) -> None:
-        """Every rank before each save: start sending ``row`` to its keepers;
-        :meth:`record_exchange` has the thread write the rows into the snapshot."""
-        self.exchanges.start(row)
-
     def record_exchange(self, saved: bool) -> None:
+        """After ``exchanges.start`` and the save: the thread writes the rows into it."""
         target = self.buffers[self.newest_index] if saved else None
         self.exchanges.record(target, self.sequence)
         if self.ring is not None:  # after the copy and the rows, in the same thread

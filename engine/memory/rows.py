@@ -16,10 +16,12 @@ import torch
 
 from engine.shm_codec import PlainUnpickler
 
-#: One rank's row in the exchange: its length and rank (:data:`ROW_HEAD`), then the
-#: pickled RNG states and epoch loss; a larger one is left out (no peer keeps it).
+#: One rank's row in the exchange: its length and rank (:data:`ROW_HEAD`), its epoch loss
+#: sum (:data:`LOSS_SUM`, copied from the device: Exchanges.start), the pickled RNG states
+#: and micro-batch count; a larger one is left out (no peer keeps it).
 ROW_BYTES = 8 + 16384 + 512
 ROW_HEAD = struct.Struct("<II")
+LOSS_SUM = struct.Struct("<d")
 #: How many peers keep each rank's row: two, so that a rank and one of its keepers lost
 #: in one failure still leave one (a row is 17 kB: the second costs little).
 KEEPERS = 2
@@ -34,13 +36,14 @@ def offsets(world) -> list[int]:
 
 
 def make_row(loss) -> bytes:
-    """This rank's exchange row: its RNG states (engine.rng.rng_state's, as raw bytes)
-    and its loss sums ((sum, micro-batches) or None); b"" above ROW_BYTES."""
+    """This rank's exchange row: its loss sums ((sum, micro-batches) or None) and RNG
+    states (engine.rng.rng_state's, as raw bytes); b"" above ROW_BYTES."""
     state = {"python": _python_rng(), "numpy": _numpy_rng(),
              "torch": torch.get_rng_state().numpy().tobytes()}
     if torch.cuda.is_initialized():  # (is_available asks the driver, each time)
         state["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
-    data = pickle.dumps({"rng": state, "loss": loss}, protocol=pickle.HIGHEST_PROTOCOL)
+    data = LOSS_SUM.pack(loss[0] if loss else 0.0) + pickle.dumps(
+        {"rng": state, "batches": loss and loss[1]}, protocol=pickle.HIGHEST_PROTOCOL)
     return data if 8 + len(data) <= ROW_BYTES else b""
 
 
@@ -92,10 +95,12 @@ def _numpy_rng() -> dict:
 
 def read_row(row: bytes) -> dict | None:
     """:func:`make_row`'s dict, its RNG states as engine.rng.rng_state gives them;
-    None for an empty row (the states did not fit)."""
+    None for an empty row (the states did not fit). ``row``: bytes, or a line (tensor)."""
+    if isinstance(row, torch.Tensor):
+        row = next((body for _, body in _filled([row.numpy()])), b"")
     if not row:
         return None
-    plain = PlainUnpickler(io.BytesIO(row)).load()
+    plain = PlainUnpickler(io.BytesIO(row[LOSS_SUM.size:])).load()
     rng = plain["rng"]
 
     def tensor(data: bytes, dtype=np.uint8):
@@ -109,7 +114,8 @@ def read_row(row: bytes) -> dict | None:
              "torch": tensor(rng["torch"])}
     if "cuda" in rng:
         state["cuda"] = [tensor(b) for b in rng["cuda"]]
-    return {"rng": state, "loss": plain["loss"]}
+    loss = plain["batches"] is not None and (LOSS_SUM.unpack_from(row)[0], plain["batches"])
+    return {"rng": state, "loss": loss or None}
 
 
 def _filled(rows):

@@ -4,7 +4,6 @@ point, and closes it at the run's end."""
 
 from __future__ import annotations
 
-import functools
 import os
 import pathlib
 import socket
@@ -31,7 +30,9 @@ class MemoryTier:
     def __init__(self, ctx, pair: MemorySnapshots):
         self.ctx = ctx
         self.pair = pair
-        self.note_reached = pair.note_reached  # after each optimizer step: the loop's
+        # The step reached, at each optimizer step taken (a restart says what it lost).
+        self.reached = ctx.optimizer and ctx.optimizer.register_step_post_hook(
+            lambda *_: pair.note_reached(ctx.state.step + 1))
         self.cost = MemoryCost()  # measured at check points, auto or not
         # Per snapshot, bytes: rows "sent", "received", and the exchange region "kept".
         self.exchange_bytes = pair.exchanges.bytes()
@@ -111,18 +112,18 @@ class MemoryTier:
                           label="memory snapshot"):
             if pair.config is None:  # the same at every step: converted and pickled once
                 pair.config = shm_codec.Pickled(config_mod.to_dict(ctx.cfg))
-            state, row = capture(ctx, pair.config, whole)
+            line = pair.exchanges.line(ctx.device)
+            state, row, loss_sum = capture(ctx, pair.config, whole, line)
             if not pair.saves:
                 problem = self._first_problem(state)  # collective
                 if problem is not None:
                     return problem
-            pair.start_exchange(row)  # every rank: to its keepers, not waited for
+            pair.exchanges.start(row, loss_sum)  # every rank: to its keepers, not waited for
             saved = False
             if pair.failed is None:
-                # What only the optimizer's step changes is copied during the next
-                # step's forward and backward (pair.hold).
+                # The optimizer's tensors and the row: copied during the next step (hold).
                 held = (None if ctx.optimizer is None
-                        else functools.partial(held_by, ctx.optimizer))
+                        else lambda: held_by(ctx.optimizer) | {line.data_ptr()})
                 try:
                     if pair.save(state, step=ctx.state.step, epoch=ctx.state.epoch,
                                  held=held):
@@ -165,6 +166,7 @@ class MemoryTier:
     def switch_off(self) -> list[str]:
         """No more snapshots: summary.json's interval 0, the buffers removed (warnings)."""
         self.record(every=0)
+        self.close()
         return self.pair.remove()
 
     # ------------------------------------------------------------ check points
@@ -258,7 +260,9 @@ class MemoryTier:
         return True
 
     def close(self, wait: bool = True) -> None:
-        """The thread and the mappings go, the files stay (for a restart)."""
+        """The thread, the mappings and the optimizer's hook go, the files stay."""
+        if self.reached is not None:
+            self.reached.remove()
         self.pair.close(wait=wait)
 
     def remove(self) -> list[str]:
@@ -266,15 +270,18 @@ class MemoryTier:
         return self.pair.remove()
 
 
-def capture(ctx, config, whole) -> tuple[dict, bytes]:
+def capture(ctx, config, whole, line) -> tuple[dict, bytes, object]:
     """A memory snapshot's dict without a collective, ``whole(ctx, config, parts)`` of
-    every part's local state, and this rank's row (rows.py), which ``rng`` holds."""
+    every part's local state; this rank's row (rows.py), which ``rng`` holds as ``line``
+    (Exchanges.line's), and the loss sum (a tensor) Exchanges.start writes into it."""
     states = ctx.snapshot_parts.local_state_dict()
     loss = (states.get("progress") or {}).get("epoch_loss")
-    row = make_row(None if loss is None else (loss["sum"], loss["batches"]))
+    if loss is not None:  # its sum is the row's (a resume sums the ranks' rows)
+        states["progress"] = {**states["progress"], "epoch_loss": {**loss, "sum": 0.0}}
     if "rng" in states:
-        states["rng"] = {**states["rng"], "row": row}
-    return whole(ctx, config, states), row
+        states["rng"] = {**states["rng"], "row": line}
+    return (whole(ctx, config, states), make_row(loss and (0.0, loss["batches"])),
+            loss and loss["sum"])
 
 
 def remove_leftovers(run_dir, run_id: str, shm: pathlib.Path = SHM,

@@ -24,7 +24,7 @@ def run_object(**names):
     """The run object's names a snapshot layer reads, and where its tier records."""
     from types import SimpleNamespace
 
-    ctx = SimpleNamespace(**names, memory_record=None)
+    ctx = SimpleNamespace(**{"optimizer": None, **names}, memory_record=None)
     ctx.record_memory = lambda record: setattr(ctx, "memory_record", record)
     return ctx
 
@@ -56,12 +56,12 @@ def test_snapshot_policy():
     (4, 3, 1), (4, 3, 6), (0, 5, 1), (6, 0, 8), (0, 0, 1)])
 def test_the_snapshot_layer_asks_for_a_snapshot_exactly_at_the_due_steps(
         tmp_path, every_steps, memory_every, first):
-    """The loop asks the snapshot layer (step_ended) only from its next_due step on, to
-    cost nothing where no snapshot is due; it must still ask at every step a disk or
-    memory snapshot is due at, from the run's first step or a resumed one, and at every
-    step after a check point's time flag. The loop's finish_check, called before any
-    snapshot, answers "pre-empted" here, so that the layer's decisions are all that is
-    recorded."""
+    """The loop tells the snapshot layer each step's end (step_ended), which looks no
+    further than its next_due step, to cost nothing where no snapshot is due; it must
+    still look at every step a disk or memory snapshot is due at, from the run's first
+    step or a resumed one, and at every step after a check point's time flag. The loop's
+    finish_check, called before any snapshot, answers "pre-empted" here, so that the
+    layer's decisions are all that is recorded."""
     from types import SimpleNamespace
 
     from engine.config import TrainConfig
@@ -78,19 +78,17 @@ def test_the_snapshot_layer_asks_for_a_snapshot_exactly_at_the_due_steps(
         memory_every, run_id="0" * 32, shm=tmp_path)) if memory_every else None)
     asked = []
     layer = Snapshots(ctx, finish_check=lambda: asked.append(step) or True, memory=memory)
-    def step_ended(step):  # as Trainer.optimizer_step asks
-        if step >= layer.next_due:
-            layer.step_ended(step)
-
     for step in range(first, 31):
-        step_ended(step)
+        layer.step_ended(step)
     assert asked == [s for s in range(first, 31) if (every_steps and s % every_steps == 0)
                      or (memory_every and s % memory_every == 0)]
     asked.clear()
+    step = 31  # finish_check records it
+    layer.step_ended(step, new_best=True)  # a validation's new best: to disk, due or not
     layer.agreed(due_by_time=True, memory_failed=False)  # a check point said so
-    for step in (31, 32):
-        step_ended(step)
-    assert asked == [31, 32]  # until a snapshot to disk is written
+    for step in (32, 33):
+        layer.step_ended(step)
+    assert asked == [31, 32, 33]  # until a snapshot to disk is written
 
 
 def auto_layers(tmp_path, ranks: int = 2):

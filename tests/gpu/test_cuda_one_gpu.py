@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import QUICK, engine_env, read_summary, run_cli
+from tests.conftest import QUICK, REPO, engine_env, read_summary, run_cli
 from tests.engine.test_snapshot import BASE, RECIPE
 from tests.recipes.tiny_parallel_runs import probes, run_tiny, tiny_env, weights
 
@@ -129,3 +129,44 @@ def test_the_language_model_learns_in_bf16_on_one_gpu(tmp_path):
     assert metrics["val/loss"] <= SMALL_FRACTION * baseline_of(proc.stdout), proc.stdout
     assert metrics["val/perplexity"] == pytest.approx(math.exp(metrics["val/loss"]))
     assert re.search(r"tokens/s \d+", proc.stdout)
+
+
+def test_a_memory_snapshot_never_waits_for_the_gpu(tmp_path, monkeypatch):
+    """docs/architecture.md promises no per-step host-device synchronisation: from the
+    second memory snapshot on (the first maps and pins its buffers), each runs under
+    torch.cuda.set_sync_debug_mode("warn") and the loop's thread synchronises nowhere in
+    it (the loss sum goes into its row on the GPU; the copies off the device are waited
+    for by the background thread, whose waits are not counted: the mode is global)."""
+    import threading
+    import warnings
+
+    from engine import testing
+    from engine.memory import tier
+
+    save, devices, syncs = tier.MemoryTier.save, [], []
+    loop = threading.current_thread()
+
+    def watched(self, whole):
+        devices.append(self.ctx.device.type)
+        torch.cuda.set_sync_debug_mode("warn" if len(devices) > 1 else "default")
+        try:
+            return save(self, whole)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def shown(message, *args, _show=warnings.showwarning, **kwargs):
+        if "synchronizing CUDA operation" in str(message):
+            if threading.current_thread() is loop:
+                syncs.append(str(message))
+            return
+        _show(message, *args, **kwargs)
+
+    monkeypatch.setattr(tier.MemoryTier, "save", watched)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        monkeypatch.setattr(warnings, "showwarning", shown)
+        testing.fit(REPO / "tests" / "recipes" / "tiny_regression.py", nproc=1, epochs=1,
+                    out_dir=str(tmp_path / "run"), **{"checkpoint.memory_every_steps": 1,
+                                                      "checkpoint.every_steps": 0})
+    assert syncs == []
+    assert len(devices) >= 3 and set(devices) == {"cuda"}, devices

@@ -306,7 +306,7 @@ def _keeper_rank(phase: str, rank: int, shm, tmp_path) -> None:
         for step in (1, 2):
             torch.manual_seed(10 * step + rank)
             row = rows.make_row((float(step + rank), 1.0))
-            memory.start_exchange(row)
+            memory.exchanges.start(row)
             memory.save({**a_snapshot(step), "world_size": 4, "rng": {
                 "world_size": 4, "rank": rank, "row": row}, "progress": {
                 "epoch": 1, "step": step, "epoch_loss": {
@@ -846,7 +846,7 @@ def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(
                                    "row": rows.make_row(None)}}
     row = state["rng"]["row"]
     go = threading.Event()
-    memory.start_exchange(row)
+    memory.exchanges.start(row)
     memory.background.submit(lambda: go.wait(60))  # the thread busy: the copy waits
     assert memory.save(state, step=1, epoch=0, held=copy_plan.held_by(optimizer))
     memory.record_exchange(saved=True)

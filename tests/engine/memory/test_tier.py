@@ -60,3 +60,50 @@ def _problem_rank(store: str, rank: int) -> None:
     why = "no room" if rank > 0 else None
     assert (distributed.first_problem(why), gathered) == ((1, "no room"), [why])
     dist.destroy_process_group()
+
+
+def test_a_memory_snapshot_reads_no_tensor_back_and_its_row_holds_the_loss_sum(
+        tmp_path, monkeypatch):
+    """docs/architecture.md promises no per-step host-device synchronisation: a memory
+    snapshot at every step of an in-process run turns no tensor into a Python value (on
+    a GPU each would wait for the device; the first snapshot's agreement on the room,
+    once per run, reads one flag), and the loss sum its row holds (which a resume
+    sums over the ranks) is the Trainer's, to the bit."""
+    import torch
+
+    from engine import testing
+    from engine.memory import rows, tier
+    from engine.trainer import Trainer
+
+    reads, inside, sums, checked = [], [False], [], []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        def counted(self, *args, _read=getattr(torch.Tensor, name), _name=name):
+            if inside[0]:
+                reads.append(_name)
+            return _read(self, *args)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    local_state_dict, save = Trainer.local_state_dict, tier.MemoryTier.save
+
+    def kept(self):
+        state = local_state_dict(self)
+        sums.append(state["epoch_loss"] and state["epoch_loss"]["sum"])
+        return state
+
+    def watched(self, whole):
+        inside[0] = bool(checked)  # the first agrees on the room, once: one flag read back
+        try:
+            problem = save(self, whole)
+        finally:
+            inside[0] = False
+        self.pair.finish()  # the thread copied the row back from the device
+        row = rows.read_row(rows.row_in([self.pair.exchanges.rows[0].numpy()], 0))
+        checked.append(row["loss"][0] == torch.as_tensor(sums[-1]).item())
+        return problem
+
+    monkeypatch.setattr(Trainer, "local_state_dict", kept)
+    monkeypatch.setattr(tier.MemoryTier, "save", watched)
+    testing.fit(REPO / "tests" / "recipes" / "tiny_regression.py", nproc=1, epochs=1,
+                out_dir=str(tmp_path / "run"), **{"checkpoint.memory_every_steps": 1,
+                                                  "checkpoint.every_steps": 0})
+    assert reads == []
+    assert len(checked) >= 3 and all(checked), checked
