@@ -10,6 +10,7 @@ import stat
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -853,16 +854,30 @@ def test_a_background_copy_ends_before_the_optimizer_step_and_holds_its_row(
     memory.hold(optimizer)
     assert memory.newest() is None  # not valid until the copy is done
     waited_before, _, waits_before = phases.carved(phases.MEMORY_WAITS)
+    # When the step's wait starts and ends (an event, not a guess at the scheduler).
+    waiting, span, wait = threading.Event(), [], memory.background.wait
+
+    def timed_wait(*args):
+        span.append(time.monotonic())
+        waiting.set()
+        try:
+            return wait(*args)
+        finally:
+            span.append(time.monotonic())
+
+    memory.background.wait = timed_wait  # this object's only
     stepper = threading.Thread(target=optimizer.step)
     stepper.start()
-    stepper.join(timeout=0.5)
+    assert waiting.wait(60), "the optimizer's step never waited for the copy"
+    stepper.join(timeout=0.2)  # it waits for the copy, which waits for go
     assert stepper.is_alive(), "the optimizer stepped while the copy was in flight"
     go.set()
     stepper.join(timeout=60)
     assert not stepper.is_alive()
-    # The wait is the snapshot's cost (memory_every_steps=auto counts it).
+    del memory.background.wait  # the rest waits untimed
+    # The whole wait is the snapshot's cost (memory_every_steps=auto counts it).
     waited, _, waits = phases.carved(phases.MEMORY_WAITS)
-    assert waits == waits_before + 1 and waited - waited_before >= 0.5
+    assert waits == waits_before + 1 and waited - waited_before >= span[1] - span[0] > 0
     memory.note_reached(2)  # after the step: the hook goes
     assert memory.hook is None and not optimizer._optimizer_step_pre_hooks
     memory.finish()
