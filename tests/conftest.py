@@ -317,23 +317,29 @@ def _mark_slow(item) -> None:
 # of a few long tests handed out last leaves the other workers idle meanwhile. xdist's
 # own order (most tests first, --loadscope-reorder) put exactly those modules last
 # (test_memory_kill_loop: 1 test, 44 s), so pyproject.toml turns it off and the modules
-# measured longest (issue 39, longest first) are handed out first; the rest follow in
-# collection order. A module missing here only runs in its turn: no test depends on it.
+# measured longest (their tests' durations summed, 2026-11-29; test_preemption stands
+# for the SLURM scope) are handed out first; the rest follow in collection order. A
+# module missing here only runs in its turn: no test depends on it.
 LONGEST_FIRST = (
-    "tests/test_combinations.py", "tests/engine/test_snapshot.py", "tests/plugins/test_checkpointer_contract.py",
-    "tests/engine/memory/test_memory_resume.py", "tests/engine/test_compile.py",
-    "tests/plugins/test_async_file.py", "tests/engine/test_preemption.py",
-    "tests/engine/test_trainer.py", "tests/tools/test_memory_kill_loop.py",
-    "tests/examples/test_hf_causal_lm.py", "tests/plugins/test_spawn.py",
-    "tests/engine/test_worker_setup.py",
-    "tests/engine/commands/test_tune_workers.py", "tests/tools/test_bench_gpu_resnet.py",
-    "tests/plugins/test_torchrun.py", "tests/examples/test_custom_loop.py",
-    "tests/engine/test_processes.py", "tests/recipes/test_char_lm.py",
-    "tests/plugins/test_fsdp.py", "tests/tools/test_bench_overhead.py",
-    "tests/recipes/test_cifar_ddp.py", "tests/engine/test_launch_env.py",
-    "tests/engine/testing/test_warm_start.py", "tests/engine/test_health.py",
-    "tests/engine/test_cli.py", "tests/engine/test_distributed.py",
-    "tests/plugins/test_ddp.py", "tests/tools/test_bench_startup.py",
+    "tests/test_combinations.py", "tests/engine/test_preemption.py",
+    "tests/engine/test_snapshot.py", "tests/plugins/test_torchrun.py",
+    "tests/engine/memory/test_memory_resume.py", "tests/engine/test_spares.py",
+    "tests/plugins/test_legacy.py", "tests/engine/testing/test_testing.py",
+    "tests/engine/test_launch_env.py", "tests/engine/testing/test_warm_start.py",
+    "tests/test_sample_plugin.py", "tests/engine/test_processes.py",
+    "tests/tools/test_memory_kill_loop.py", "tests/examples/test_custom_loop.py",
+    "tests/recipes/test_oct.py", "tests/plugins/test_ema.py",
+    "tests/recipes/test_cifar_ddp.py", "tests/examples/test_hf_causal_lm.py",
+    "tests/plugins/test_async_file.py", "tests/plugins/test_spawn.py",
+    "tests/engine/test_health.py", "tests/plugins/test_torch_file.py",
+    "tests/engine/test_cli.py", "tests/engine/memory/test_memory_snapshot.py",
+    "tests/test_hook_contract.py", "tests/test_conftest.py", "tests/tools/test_bench_fsdp.py",
+    "tests/engine/commands/test_tune_workers.py", "tests/engine/test_metrics.py",
+    "tests/plugins/test_console.py", "tests/plugins/test_checkpointer_contract.py",
+    "tests/engine/test_launching.py", "tests/engine/test_plugin_manager.py",
+    "tests/engine/test_trainer.py", "tests/engine/test_compile.py",
+    "tests/tools/test_bench_threads.py", "tests/engine/test_streaming.py",
+    "tests/plugins/test_fsdp.py", "tests/tools/test_bench_scale.py",
 )
 
 

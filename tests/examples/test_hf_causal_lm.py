@@ -19,7 +19,8 @@ from tests.conftest import REPO, engine_env, read_summary, run_cli
 
 RECIPE = str(REPO / "examples" / "hf_causal_lm.py")
 TINY = ("model.layers=1", "model.heads=2", "model.width=16", "model.context=15",
-        "batch_size=8", "log_every=2", "data.group_records=1000")
+        "batch_size=8", "log_every=2", "data.group_records=1000",
+        "-p", "tests.examples.hf_imports")  # the workers inherit transformers' import
 # Windows of 16 bytes; records of 31 bytes + end-of-text: 2 windows each. File 0 has 40
 # records (80 windows: 20 micro-batches of 4 on rank 0), file 1 has 16 (8 on rank 1).
 STEPS_PER_EPOCH, EPOCHS, KILL_STEP = 20, 2, 31  # the snapshot before the kill: step 30
