@@ -1,6 +1,6 @@
 """What the memory snapshots cost (:class:`MemoryCost`), and the interval
 ``checkpoint.memory_every_steps=auto`` takes: each rank proposes one at a check point
-(:func:`proposal`), all take the largest (:func:`agreed_interval`)."""
+(:meth:`MemoryCost.check`, :func:`proposal`), all take the largest (:func:`agreed_interval`)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,28 @@ MEMORY_BUDGET = 0.02
 #: auto's intervals: powers of two, so that a crash while the interval changes still
 #: loses at most the larger of the two (engine.snapshot's Snapshots.agreed); at most 128.
 MEMORY_INTERVALS = tuple(2**i for i in range(8))
-#: The tier's interval while auto's probe pauses it for a window (never due).
+#: The tier's interval while auto pauses it for a window (never due).
 PAUSED = 1 << 62
+#: auto's audits: after this many windows at one interval, one window paused.
+AUDIT_AFTER = 4
 
 
 class MemoryCost:
     """What this rank's memory snapshots cost against its steps, by the clocks the run
     keeps anyway (engine/phases.py's carved times, each window's wall time and steps),
     from the check point after the first snapshot (which reserves the buffers). A
-    window's step time is its wall time less its snapshots (memory and disk); what no
-    clock sees (a background copy taking the step's CPUs) the probe measures once."""
+    window's step time is its wall time less its snapshots (memory and disk).
 
-    def __init__(self):
+    What no clock sees (a background copy taking the step's CPUs, caches, page faults)
+    auto measures by paired windows, the same on every rank: windows at the interval in
+    force, then one paused (no snapshot). The first pair (the probe: one window at a
+    snapshot every step, after the first snapshot's) adds its difference, beyond the
+    clocks, to every snapshot's cost; each later pair (an audit, after AUDIT_AFTER
+    windows) measures the snapshots' share of the step at their interval, and where it
+    is over the budget no interval up to that one is proposed again."""
+
+    def __init__(self, auto: bool = False):
+        self.auto = auto
         self.snapshot_s = self.step_s = 0.0
         self.snapshots = self.steps = 0
         self.last = self.clocks()  # at the last check point, or the window's start
@@ -33,6 +43,17 @@ class MemoryCost:
         self.window_step_s: float | None = None
         #: Per snapshot, what it costs beyond its clocks (probed); None until measured.
         self.hidden_s: float | None = None
+        #: The last audit's share of the step time the snapshots took (None: none yet).
+        self.measured: float | None = None
+        self.over = 0  # the longest interval an audit found over the budget
+        self.taken(1)
+
+    def taken(self, every: int) -> None:
+        """The ranks agreed on interval ``every`` (the tier's but while paused): its
+        paired windows start afresh, after the window in progress (part at the old one)."""
+        self.interval = every
+        self.windows = -1  # windows at the interval, -1: skip the next
+        self.paired = [0.0, 0, 0.0, 0]  # seconds and steps: with snapshots, paused
 
     @staticmethod
     def clocks() -> tuple[float, int, float]:
@@ -46,6 +67,52 @@ class MemoryCost:
         """An epoch's first window starts: what came since the last check point (the
         epoch's end) is in no window."""
         self.last = self.clocks()
+
+    def check(self, every: int, window_s: float, window_steps: int,
+              saves: int) -> tuple[int, int | None]:
+        """At a check point (:meth:`measure`'s arguments): the tier's interval from now
+        (PAUSED: none in the next window) and, under auto, the interval this rank's costs
+        allow (None: none yet, or paused)."""
+        self.measure(window_s, window_steps, saves)
+        if not self.auto:
+            return every, None
+        if self.window_step_s is not None:  # a window without steps: nothing moves
+            every = self._paired(every, self.window_step_s * window_steps, window_steps)
+        wanted = None if every == PAUSED else self.every_steps(every)
+        return every, None if wanted is None else max(wanted, shortest(self.over + 1))
+
+    def _paired(self, every: int, seconds: float, steps: int) -> int:
+        """A window ended: counted with or without snapshots, the next paused after
+        enough, an audit's verdict at a pause's end."""
+        paired = self.paired
+        if every == PAUSED:
+            if paired[1]:  # else the ranks took another interval during the pause
+                paired[2] += seconds
+                paired[3] += steps
+                self._audit(paired[0] / paired[1], paired[2] / paired[3])
+            self.paired = [0.0, 0, 0.0, 0]  # each audit's pair its own: load drifts
+            return self.interval
+        if self.windows >= 0:
+            paired[0] += seconds
+            paired[1] += steps
+        self.windows += 1
+        # The probe pauses after one window (of every step), audits after more.
+        if self.windows >= (AUDIT_AFTER if self.hidden_s is not None else 1):
+            self.windows = 0
+            return PAUSED
+        return every
+
+    def _audit(self, with_s: float, without_s: float) -> None:
+        """A step's seconds at the interval, with its snapshots and paused: a share over
+        the budget rules the interval and all shorter ones out; under a quarter of it,
+        just above the ones ruled out, lets the longest of those in again."""
+        if self.hidden_s is None:
+            self.probed(with_s, without_s)
+        self.measured = with_s / without_s - 1
+        if self.measured > MEMORY_BUDGET:
+            self.over = max(self.over, self.interval)
+        elif self.measured < MEMORY_BUDGET / 4 and self.interval == 2 * self.over:
+            self.over //= 2
 
     def measure(self, window_s: float, window_steps: int, saves: int) -> None:
         """At a check point: its window's seconds and steps, this rank's saves so far."""
@@ -61,8 +128,8 @@ class MemoryCost:
         self.last, self.counting = now, saves > 0
 
     def probed(self, with_snapshots_s: float, without_s: float) -> None:
-        """The probe's windows' seconds per step, with a snapshot at every step and
-        without: what their difference shows beyond the clocks counts from now on."""
+        """The probe's seconds per step, with a snapshot at every step and without:
+        their difference beyond the clocks counts from now on."""
         clocked = self.snapshot_s / self.snapshots if self.snapshots else 0.0
         self.hidden_s = max(0.0, with_snapshots_s - without_s - clocked)
 
@@ -104,7 +171,9 @@ class MemoryCost:
 
         return {"every_steps": every_steps, "auto": auto,
                 "snapshot_s": rounded(self.per_snapshot()), "step_s": rounded(self.per_step()),
-                "cost_percent": rounded(self.percent(every_steps) if every_steps else None, 3)}
+                "cost_percent": rounded(self.percent(every_steps) if every_steps else None, 3),
+                "measured_percent": rounded(None if self.measured is None
+                                            else 100 * self.measured, 3)}
 
 
 def shortest(needed: float) -> int:

@@ -39,7 +39,8 @@ def test_auto_takes_the_shortest_interval_within_2_percent_of_the_step(tmp_path)
         assert cost.percent(every) <= 100 * MEMORY_BUDGET or every == 128
     costs(cost, 0.024, 0.1)
     assert cost.record(16, True) == {"every_steps": 16, "auto": True, "snapshot_s": 0.024,
-                                     "step_s": 0.1, "cost_percent": 1.5}
+                                     "step_s": 0.1, "cost_percent": 1.5,
+                                     "measured_percent": None}
 
 
 def test_the_costs_are_the_carved_snapshot_times_from_the_window_after_the_first(tmp_path):
