@@ -1,6 +1,5 @@
-"""What the memory snapshots cost (:class:`MemoryCost`), and the interval
-``checkpoint.memory_every_steps=auto`` takes: each rank proposes one at a check point
-(:meth:`MemoryCost.check`, :func:`proposal`), all take the largest (:func:`agreed_interval`)."""
+"""What the memory snapshots cost (:class:`MemoryCost`), and the interval ``auto`` takes:
+each rank proposes one at a check point (:meth:`MemoryCost.check`), all take the largest."""
 
 from __future__ import annotations
 
@@ -14,23 +13,18 @@ MEMORY_BUDGET = 0.02
 MEMORY_INTERVALS = tuple(2**i for i in range(8))
 #: The tier's interval while auto pauses it for a window (never due).
 PAUSED = 1 << 62
-#: auto's audits: after this many windows at one interval, one window paused.
-AUDIT_AFTER = 4
+AUDIT_AFTER = 4  #: auto's audits: after this many windows at an interval, one paused
 
 
 class MemoryCost:
     """What this rank's memory snapshots cost against its steps, by the clocks the run
     keeps anyway (engine/phases.py's carved times, each window's wall time and steps),
-    from the check point after the first snapshot (which reserves the buffers). A
-    window's step time is its wall time less its snapshots (memory and disk).
-
-    What no clock sees (a background copy taking the step's CPUs, caches, page faults)
-    auto measures by paired windows, the same on every rank: windows at the interval in
-    force, then one paused (no snapshot). The first pair (the probe: one window at a
-    snapshot every step, after the first snapshot's) adds its difference, beyond the
-    clocks, to every snapshot's cost; each later pair (an audit, after AUDIT_AFTER
-    windows) measures the snapshots' share of the step at their interval, and where it
-    is over the budget no interval up to that one is proposed again."""
+    from the check point after the first snapshot (which reserves the buffers). What no
+    clock sees (a copy taking the step's CPUs, caches, page faults) auto measures by
+    paired windows, on every rank alike: windows at the interval, then one paused. The
+    first pair (the probe, at a snapshot every step) adds their difference beyond the
+    clocks to every snapshot's cost; each later one (an audit) measures the snapshots'
+    share of the step at their interval (:meth:`_audit`)."""
 
     def __init__(self, auto: bool = False):
         self.auto = auto
@@ -38,22 +32,18 @@ class MemoryCost:
         self.snapshots = self.steps = 0
         self.last = self.clocks()  # at the last check point, or the window's start
         self.counting = False  # the last check came after the tier's first snapshot
-        #: The last window's seconds per step, its memory snapshots included (its disk
-        #: snapshots not), or None after a window without steps.
-        self.window_step_s: float | None = None
+        #: The last window's seconds per step, memory snapshots in, disk ones out.
+        self.window_step_s: float | None = None  # None: a window without steps
         #: Per snapshot, what it costs beyond its clocks (probed); None until measured.
         self.hidden_s: float | None = None
-        #: The last audit's share of the step time the snapshots took (None: none yet).
-        self.measured: float | None = None
-        self.over = 0  # the longest interval an audit found over the budget
+        self.measured: float | None = None  # the last audit's share of the step
+        self.over = 0  # the longest interval ruled out by an audit
         self.taken(1)
 
     def taken(self, every: int) -> None:
-        """The ranks agreed on interval ``every`` (the tier's but while paused): its
-        paired windows start afresh, after the window in progress (part at the old one)."""
-        self.interval = every
-        self.windows = -1  # windows at the interval, -1: skip the next
-        self.paired = [0.0, 0, 0.0, 0]  # seconds and steps: with snapshots, paused
+        """The ranks agreed on ``every`` (the tier's but while paused): its windows
+        count from the next (this one is part at the old one)."""
+        self.interval, self.skip, self.with_s = every, True, []
 
     @staticmethod
     def clocks() -> tuple[float, int, float]:
@@ -71,43 +61,34 @@ class MemoryCost:
     def check(self, every: int, window_s: float, window_steps: int,
               saves: int) -> tuple[int, int | None]:
         """At a check point (:meth:`measure`'s arguments): the tier's interval from now
-        (PAUSED: none in the next window) and, under auto, the interval this rank's costs
-        allow (None: none yet, or paused)."""
+        (PAUSED: none) and, under auto, the one this rank's costs allow (None: none)."""
         self.measure(window_s, window_steps, saves)
-        if not self.auto:
-            return every, None
-        if self.window_step_s is not None:  # a window without steps: nothing moves
-            every = self._paired(every, self.window_step_s * window_steps, window_steps)
-        wanted = None if every == PAUSED else self.every_steps(every)
+        if self.auto and self.window_step_s is not None:  # else nothing moves
+            every = self._paired(every, self.window_step_s)
+        wanted = None if every == PAUSED or not self.auto else self.every_steps(every)
         return every, None if wanted is None else max(wanted, shortest(self.over + 1))
 
-    def _paired(self, every: int, seconds: float, steps: int) -> int:
-        """A window ended: counted with or without snapshots, the next paused after
-        enough, an audit's verdict at a pause's end."""
-        paired = self.paired
+    def _paired(self, every: int, step_s: float) -> int:
+        """A window ended: paused (an audit's verdict), or at the interval (paused next
+        after one window at the probe, AUDIT_AFTER at an audit)."""
         if every == PAUSED:
-            if paired[1]:  # else the ranks took another interval during the pause
-                paired[2] += seconds
-                paired[3] += steps
-                self._audit(paired[0] / paired[1], paired[2] / paired[3])
-            self.paired = [0.0, 0, 0.0, 0]  # each audit's pair its own: load drifts
+            if self.with_s:  # else the ranks took another interval during the pause
+                self._audit(sum(self.with_s) / len(self.with_s), step_s)
+            self.with_s = []
             return self.interval
-        if self.windows >= 0:
-            paired[0] += seconds
-            paired[1] += steps
-        self.windows += 1
-        # The probe pauses after one window (of every step), audits after more.
-        if self.windows >= (AUDIT_AFTER if self.hidden_s is not None else 1):
-            self.windows = 0
-            return PAUSED
-        return every
+        if not self.skip:
+            self.with_s.append(step_s)
+        self.skip = False
+        enough = len(self.with_s) >= (1 if self.hidden_s is None else AUDIT_AFTER)
+        return PAUSED if enough else every
 
     def _audit(self, with_s: float, without_s: float) -> None:
         """A step's seconds at the interval, with its snapshots and paused: a share over
-        the budget rules the interval and all shorter ones out; under a quarter of it,
-        just above the ones ruled out, lets the longest of those in again."""
-        if self.hidden_s is None:
-            self.probed(with_s, without_s)
+        the budget rules the interval and all shorter ones out; under a quarter of it
+        just above those, the longest of them is let in again."""
+        if self.hidden_s is None:  # the probe: what no clock saw counts from now on
+            clocked = self.snapshot_s / self.snapshots if self.snapshots else 0.0
+            self.hidden_s = max(0.0, with_s - without_s - clocked)
         self.measured = with_s / without_s - 1
         if self.measured > MEMORY_BUDGET:
             self.over = max(self.over, self.interval)
@@ -127,15 +108,8 @@ class MemoryCost:
             self.steps += window_steps
         self.last, self.counting = now, saves > 0
 
-    def probed(self, with_snapshots_s: float, without_s: float) -> None:
-        """The probe's seconds per step, with a snapshot at every step and without:
-        their difference beyond the clocks counts from now on."""
-        clocked = self.snapshot_s / self.snapshots if self.snapshots else 0.0
-        self.hidden_s = max(0.0, with_snapshots_s - without_s - clocked)
-
     def per_step(self) -> float | None:
-        """One step's time without the snapshots (less what the probe found: at most
-        half)."""
+        """One step's time without the snapshots (less what the probe found, <= half)."""
         if not (self.steps and self.step_s > 0):
             return None
         hidden = (self.hidden_s or 0.0) * self.snapshots
@@ -168,7 +142,6 @@ class MemoryCost:
         """summary.json's ``memory_snapshots``: the interval, auto, the costs."""
         def rounded(value, digits=6):
             return None if value is None else round(value, digits)
-
         return {"every_steps": every_steps, "auto": auto,
                 "snapshot_s": rounded(self.per_snapshot()), "step_s": rounded(self.per_step()),
                 "cost_percent": rounded(self.percent(every_steps) if every_steps else None, 3),
@@ -182,8 +155,7 @@ def shortest(needed: float) -> int:
 
 
 def proposal(every_steps: int | None) -> list[float]:
-    """A rank's proposed interval for the check point's all-reduce (a sum): a 1 at its
-    place in MEMORY_INTERVALS (all 0: none)."""
+    """A rank's interval for the check point's all-reduce (a sum): 1 at its place."""
     return [float(n == every_steps) for n in MEMORY_INTERVALS]
 
 

@@ -172,17 +172,15 @@ class MemoryTier:
         self.cost.window_started()
 
     def measure(self, window_s: float, window_steps: int) -> int | None:
-        """At a check point: its window's costs (MemoryCost.check: auto may pause the
-        tier for the next window: a crash there loses at most a window and a step); the
-        interval this rank's costs allow under auto (None: none yet, or not auto)."""
+        """At a check point: MemoryCost.check (auto may pause the tier for a window: a
+        crash in it loses a window and a step at most); the interval it proposes."""
         self.every_steps, every = self.cost.check(self.every_steps, window_s, window_steps,
                                                   self.pair.saves)
         self.record()
         return every
 
     def take_interval(self, every: int | None) -> None:
-        """auto: the interval the ranks agreed on (the largest any proposed), from now
-        or from the end of a pause."""
+        """auto: the interval the ranks agreed on, from now or from a pause's end."""
         if every is None or every == self.cost.interval:
             return
         self.cost.taken(every)
