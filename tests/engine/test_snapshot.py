@@ -212,8 +212,9 @@ def test_auto_audits_the_interval_by_paired_windows_until_it_is_within_budget(tm
     share. Here (injected) the clocks say 1% a snapshot and the probe found nothing, so
     the estimate asks for every step, while each snapshot costs the steps 12% of one on
     rank 1 (0.5% on rank 0): the audits rule out 1, 2 and 4 in turn (12, 6, 3%), and
-    both ranks take 8 (1.5%) at the same steps, where it stays, snapshotting at the
-    same steps, none in the paused windows."""
+    both ranks take 8 (1.5%) at the same step, where it stays; when the snapshots grow
+    cheap, audits far under the budget bring it back. Both ranks snapshot at the same
+    steps throughout, none in the paused windows."""
     from engine.memory.cost import AUDIT_AFTER, MEMORY_BUDGET, PAUSED
 
     layers, asked = auto_layers(tmp_path)
