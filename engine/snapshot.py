@@ -24,8 +24,8 @@ from engine import distributed, phases
 from engine.checkpoint import read_manifest
 from engine.errors import CheckpointError, ConfigError
 
-# torch and the memory tier (engine/memory/) are imported where used: the launching
-# process imports this module without torch, ``import engine.trainer`` without the tier.
+# torch is imported inside the functions that use it: the launching process imports
+# this module without it; the memory tier (engine/memory/) only when on (a costly import).
 
 #: Config keys a resumed run may change: how long it goes and how it is launched, watched
 #: and stored, not what a step computes. Any OTHER key that differs refuses the resume
