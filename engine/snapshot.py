@@ -25,17 +25,14 @@ from engine.checkpoint import read_manifest
 from engine.errors import CheckpointError, ConfigError
 
 # torch is imported inside the functions that use it: the launching process imports
-# this module (engine/launch_checks.py: already_complete) without torch; the memory tier
-# (engine/memory/) only when it is on: ``import engine.trainer`` does not pay for it.
+# this module without it; the memory tier (engine/memory/) only when on (a costly import).
 
-#: Config keys a resumed run may change: they decide how long the run goes and how it
-#: is launched, watched and stored, not what an optimizer step computes. Any OTHER key
-#: that differs refuses the resume (unless --resume-anyway): batch_size,
-#: grad_accum_steps, seed, drop_last, per_sample_seed, precision, scheduler_interval,
-#: ddp's arithmetic, a recipe's own keys (the engine cannot judge those: refusing never
-#: mixes two runs silently). ``lr`` has its own rule (:func:`_apply_lr`). Another world
-#: size continues at the global sample position (:class:`engine.stateful.LoaderPosition`).
-#: A config group names its own in ``RESUME_SAFE`` (:func:`engine.config.resume_safe`).
+#: Config keys a resumed run may change: how long it goes and how it is launched, watched
+#: and stored, not what a step computes. Any OTHER key that differs refuses the resume
+#: (unless --resume-anyway): batch_size, grad_accum_steps, seed, drop_last, precision,
+#: per_sample_seed, scheduler_interval, ddp's arithmetic, a recipe's own keys (never two
+#: runs mixed silently). ``lr`` has its own rule (:func:`_apply_lr`); another world size
+#: goes on at the global sample position; a config group names its own in ``RESUME_SAFE``.
 MAY_CHANGE = frozenset({
     "epochs", "log_every", "num_workers", "timeout_s", "out_dir", "launcher", "init_method",
     "parallel", "checkpointer", "preemption", "requeue", "deterministic", "on_nonfinite",
@@ -50,8 +47,7 @@ MAY_CHANGE = frozenset({
 def capture(ctx, config: dict | None = None, parts: dict | None = None) -> dict:
     """The snapshot dict: a header, then every registered part's state
     (engine/stateful.py). Collective: every rank walks the parts (some gather).
-    ``config``: the config as a dict, when the caller keeps it (it does not change
-    while training); ``parts``: the parts' states, when the caller walked them."""
+    ``config`` (as a dict), ``parts`` (their states): where the caller has them."""
     import torch
 
     state = ctx.state
@@ -106,9 +102,8 @@ def save(ctx) -> pathlib.Path | None:
 
 
 class SnapshotPolicy:
-    """When a snapshot to disk is due: every ``every_steps`` optimizer steps, every
-    ``every_minutes`` of wall time (rank 0's clock; the ranks agree at a check point),
-    every ``every_epochs`` epochs, and after the last epoch."""
+    """When a snapshot to disk is due: every ``every_steps`` steps, ``every_minutes``
+    (rank 0's clock, agreed at a check point), ``every_epochs`` epochs, the last epoch."""
 
     def __init__(self, cfg, is_rank0: bool):
         self.every_steps = cfg.checkpoint.every_steps
@@ -141,9 +136,8 @@ class Snapshots:
     it at the resume, feeds it, turns it off on every rank at one check point
     (:meth:`check_flags`, :meth:`agreed`), closes it at the run's end.
 
-    ``finish_check``: the loop's, called before a snapshot at a step: the check point in
-    flight is finished and its flags recorded; True when they stop the run at this step
-    (a pre-emption: the loop writes the durable snapshot as the epoch stops)."""
+    ``finish_check``: the loop's, before a snapshot at a step: finishes the check point
+    in flight; True when its flags stop the run at this step (a pre-emption)."""
 
     #: :meth:`check_flags`' values: time, failure, engine.memory.cost.MEMORY_INTERVALS'.
     FLAGS = 2 + 8
@@ -172,14 +166,13 @@ class Snapshots:
         resume(self.ctx, self.memory)
 
     def ended(self) -> None:
-        """The run ended by itself, its last snapshot durable: the memory snapshots go
-        (a failed or killed run keeps them for its restart)."""
+        """The run ended by itself, its last snapshot durable: the memory snapshots go."""
         if self.memory is not None:
             self.memory.remove()
 
     def close(self, wait: bool = True) -> None:
-        """However the run ended: the tier's thread and mappings go, its files stay.
-        ``wait=False`` (a failed run): the thread may wait on a gone peer."""
+        """However the run ended: the tier's thread and mappings go, its files stay
+        (``wait=False``, a failed run: the thread may wait on a gone peer)."""
         if self.memory is not None:
             self.memory.close(wait=wait)
 
@@ -220,8 +213,7 @@ class Snapshots:
         self.time_due = False
 
     def due_at_epoch_end(self, epochs_done: int) -> bool:
-        """At an epoch's end: every_epochs, the last epoch, or a check point's time flag
-        (the epoch's last check point, finished at its end, may have raised it)."""
+        """At an epoch's end: every_epochs, the last epoch, or a check point's time flag."""
         return self.policy.due_at_epoch_end(epochs_done) or self.time_due
 
     def window_started(self) -> None:
@@ -230,17 +222,16 @@ class Snapshots:
             self.memory.window_started()
 
     def check_flags(self, window_s: float, window_steps: int) -> list[float]:
-        """This rank's flags for a check point's all-reduce (summed over the ranks): a
-        snapshot due by time (rank 0's clock decides), this rank's memory buffer could
-        not be had, and under auto the interval its costs allow (one flag per interval).
-        ``window_s``, ``window_steps``: the check point's window, the costs' measure."""
+        """This rank's flags for a check point's all-reduce (a sum): a snapshot due by
+        time (rank 0's clock), its memory buffer failed, under auto the interval its costs
+        allow (a flag per interval), measured on the window (``window_s``, its steps)."""
         memory, proposal = self.memory, [0.0] * (self.FLAGS - 2)
         if memory is not None:
             from engine.memory import cost  # the tier is on: imported already
 
             every_before = memory.every_steps
             proposal = cost.proposal(memory.measure(window_s, window_steps))
-            if memory.every_steps != every_before:  # auto's probe paused or ended
+            if memory.every_steps != every_before:  # auto paused it, or ended a pause
                 self.next_due = 0
         return [float(self.policy.due_by_time()),
                 float(memory is not None and memory.failed is not None), *proposal]
@@ -251,11 +242,9 @@ class Snapshots:
 
     def agreed(self, due_by_time: bool, memory_failed: bool, intervals=()) -> None:
         """A finished check point's sums of :meth:`check_flags`, the same on every rank:
-        the next snapshot goes to disk, or every rank turns the memory tier off, or
-        (auto) takes the largest interval any rank proposed, at this step: a memory
-        snapshot is a collective, written by every rank at the same steps. The intervals
-        are powers of two: between two snapshots there are never more steps than the
-        larger of the old and the new interval."""
+        the next snapshot to disk, the memory tier off, or (auto) the largest interval
+        any rank proposed from this step: every rank takes a memory snapshot at the
+        same steps (powers of two: never more steps between two than either interval)."""
         if due_by_time:
             self.time_due = True
             self.next_due = 0  # the loop asks at every step until a snapshot to disk
@@ -271,8 +260,7 @@ class Snapshots:
             self._memory_off(*memory.failed_rank())  # every rank, at one check point
 
     def _memory_off(self, rank: int, why: str) -> None:
-        """Every rank, together: no more memory snapshots, their buffers removed, one
-        warning naming the step, the rank and why."""
+        """Every rank, together: the memory tier off, one warning (step, rank, why)."""
         ctx, memory = self.ctx, self.memory
         self.memory = None
         for problem in memory.switch_off():
@@ -327,7 +315,7 @@ def _step_of(path) -> int | None:
 
 def _forget_memory(ctx, memory) -> None:
     """A run that did not resume from its memory snapshots removes them (older than what
-    it resumed from): a restart before its first memory snapshot must not take them."""
+    it resumed from: a restart before its first memory snapshot must not take them)."""
     if memory is not None:
         for problem in memory.remove():
             ctx.warn_here(problem)
@@ -347,9 +335,8 @@ def _checked_resume_path(ctx, chosen: str) -> str | CheckpointError:
 
 
 def _say_when_every_snapshot_is_unusable(ctx) -> None:
-    """No good snapshot in the checkpoint folder (each reported as unusable): the run
-    starts over and says so in one line. Not refused: a run killed during its first
-    save leaves a snapshot without its manifest, and must start again by itself."""
+    """No good snapshot in the checkpoint folder: the run starts over and says so (not
+    refused: a run killed in its first save leaves one without a manifest)."""
     found = ctx.checkpointer.snapshots()
     if found:
         ctx.warn(f"none of the {len(found)} snapshot(s) in {ctx.checkpointer.directory} is "
@@ -359,9 +346,8 @@ def _say_when_every_snapshot_is_unusable(ctx) -> None:
 def load_snapshot(ctx, path: pathlib.Path) -> dict:
     """The snapshot at ``path``, through the checkpointer; nothing is changed yet."""
     if ctx.checkpointer.distributed_state_dict:
-        # A sharded format loads in place: the sharded parts' own state dicts (model,
-        # optimizer, and any part whose ``sharded`` is true: ema under fsdp) say what to
-        # read and where (get_state_dict creates the optimizer state if it has none yet).
+        # A sharded format loads in place, as the sharded parts' state dicts say (model,
+        # optimizer: created if none yet, a part whose ``sharded`` is true: fsdp's ema).
         parts = ctx.snapshot_parts
         return ctx.checkpointer.load(path, template={
             name: parts[name].state_dict() for name in parts.names()
@@ -403,8 +389,7 @@ def may_change(key: str, cfg) -> bool:
 
 def config_changes(saved: dict, current: dict) -> dict[str, tuple]:
     """``{key: (saved value, current value)}`` for the keys both configs have and that
-    differ. A key only one of them has (a snapshot from an older engine or recipe) is no
-    change: there is nothing to compare it with."""
+    differ (one only one has, from an older engine or recipe, is no change)."""
     old, new = config_mod.flatten(saved), config_mod.flatten(current)
     return {k: (old[k], new[k]) for k in old.keys() & new.keys() if old[k] != new[k]}
 
@@ -437,9 +422,8 @@ def check_config(ctx, saved: dict | None, source: str) -> tuple | None:
 
 
 def _length_change(ctx, saved: dict | None, source: str) -> str | None:
-    """``epochs``/``max_steps`` changed since ``source``, said, when the scheduler follows
-    the run's length (one stepping on a metric does not); a scheduler that is no torch
-    LRScheduler (which follow_new_length can rebuild) refuses the resume."""
+    """``epochs``/``max_steps`` changed since ``source``, said, where the scheduler
+    follows the run's length; one that is no torch LRScheduler refuses the resume."""
     from torch.optim.lr_scheduler import LRScheduler
 
     scheduler = ctx.scheduler
@@ -473,11 +457,10 @@ def schedule_start(scheduler, optimizer) -> tuple:
 
 
 def follow_new_length(ctx, start: tuple, changed: str) -> None:
-    """After loading a snapshot of another run length, whose scheduler state holds the
-    old one (T_max, total_steps, milestones...): the scheduler and the optimizer's
-    hyperparameters go back to ``start`` (the scheduler built for the new length) and it
-    steps as often as the loaded one had (its count; ChainedScheduler's first's): where a
-    run of the new length stands, whatever the schedule (a chained formula, a closure)."""
+    """After loading a snapshot of another run length (its scheduler's T_max,
+    total_steps, milestones...): the scheduler and the optimizer's hyperparameters go back
+    to ``start`` (built for the new length) and it steps as often as the loaded one had
+    (ChainedScheduler's first's count): where a run of the new length stands."""
     from torch.optim.lr_scheduler import ChainedScheduler
 
     scheduler, groups = ctx.scheduler, ctx.optimizer.param_groups
@@ -501,9 +484,8 @@ def follow_new_length(ctx, start: tuple, changed: str) -> None:
 
 
 def _apply_lr(ctx, old: float, new: float, source: str) -> None:
-    """Set a changed ``lr`` on the loaded optimizer, which would otherwise keep the
-    snapshot's while config.json says the new one. A param group at another lr (a
-    recipe's per-group multiple of cfg.lr) is scaled by new/old, keeping the ratio."""
+    """Set a changed ``lr`` on the loaded optimizer (else it keeps the snapshot's); a
+    param group at another lr (a per-group multiple of cfg.lr) is scaled by new/old."""
     for group in ctx.optimizer.param_groups:
         if group["lr"] == old or not old:
             group["lr"] = new

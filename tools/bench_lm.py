@@ -127,7 +127,7 @@ class EngineClock(Marks):
     def __init__(self, steps: int):
         super().__init__()
         self.steps = steps
-        self.windows = self.initial = self.final_loss = None
+        self.windows = self.initial = self.final_loss = self.memory = None
 
     @hookimpl(trylast=True)  # after every other plugin's: training starts next
     def engine_run_start(self, ctx):
@@ -146,6 +146,7 @@ class EngineClock(Marks):
     def engine_run_end(self, ctx, summary):
         # Every rank's summary has it (rank 0 writes it); a failed run's may not.
         self.final_loss = summary.get("train_loss")
+        self.memory = ctx.memory_record  # the tier's interval and costs (None: off)
 
 
 # --------------------------------------------------------------------- the two sides
@@ -232,7 +233,8 @@ def through_engine(memory: str, rank: int, world_size: int, port: int, out_dir: 
     _, _, digest, steps, _ = overhead.through_engine("auto", rank, world_size, port,
                                                      out_dir, engine_args, workloads)
     return {**clock.record(steps), "steps": steps, "final_loss": clock.final_loss,
-            "digest": digest, "windows": clock.windows, "initial": clock.initial}
+            "digest": digest, "windows": clock.windows, "initial": clock.initial,
+            "memory_record": clock.memory}
 
 
 # ------------------------------------------------------------------------ sessions
@@ -286,6 +288,8 @@ def summarize(world_size: int, results: list[dict]) -> list[dict]:
             "engine_faults_per_step": statistics.median(r["faults_per_step"] for r in runs),
             "hand_faults_per_step": statistics.median(r["faults_per_step"] for r in hand),
             "engine_loss": runs[-1]["final_loss"], "hand_loss": hand[-1]["final_loss"],
+            # the tier at each counted run's end (rank 0's): interval, estimate, audit
+            "memory": [auto_said(r.get("memory_record")) for r in runs],
             # every round, the warm-up's too: one result on each side, and the same
             "identical": len(hand_results) == 1 and engine_results == hand_results,
         })
@@ -301,17 +305,28 @@ def report(rows: list[dict], args, log_path: str) -> None:
           "last step; ratio: engine / hand-written of the medians [median of the "
           "per-round ratios]; faults: minor page faults per step after the first, "
           "medians; final loss: the last log window's mean over the ranks; identical: "
-          "final loss and weights, every round")
+          "final loss and weights, every round; auto: the memory tier at each counted "
+          "run's end, interval / its estimated % / its last audit's measured % of the "
+          "step time (rank 0's)")
     print()
     print("| processes | setting | engine s | hand s | ratio train time | ratio CPU "
-          "| minor faults/step engine / hand | final loss engine / hand | identical |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| minor faults/step engine / hand | final loss engine / hand | identical | auto |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['processes']} | {r['setting']} | {r['engine_s']:.3f} "
               f"| {r['hand_s']:.3f} | {r['ratio']:.3f} [{r['paired_ratio']:.3f}] "
               f"| {r['cpu_ratio']:.3f} | {r['engine_faults_per_step']:,.0f} / "
               f"{r['hand_faults_per_step']:,.0f} | {r['engine_loss']:.6f} / "
-              f"{r['hand_loss']:.6f} | {'yes' if r['identical'] else 'NO'} |")
+              f"{r['hand_loss']:.6f} | {'yes' if r['identical'] else 'NO'} "
+              f"| {', '.join(r['memory'])} |")
+
+
+def auto_said(record: dict | None) -> str:
+    """summary.json's memory_snapshots as interval / estimated % / measured %."""
+    if not record:
+        return "-"
+    return "/".join(str(record.get(key)) for key in
+                    ("every_steps", "cost_percent", "measured_percent"))
 
 
 # ------------------------------------------------------------------------- data

@@ -1,6 +1,5 @@
-"""What the memory snapshots cost (:class:`MemoryCost`), and the interval
-``checkpoint.memory_every_steps=auto`` takes: each rank proposes one at a check point
-(:func:`proposal`), all take the largest (:func:`agreed_interval`)."""
+"""What the memory snapshots cost (:class:`MemoryCost`), and the interval ``auto`` takes:
+each rank proposes one at a check point (:meth:`MemoryCost.check`), all take the largest."""
 
 from __future__ import annotations
 
@@ -12,27 +11,39 @@ MEMORY_BUDGET = 0.02
 #: auto's intervals: powers of two, so that a crash while the interval changes still
 #: loses at most the larger of the two (engine.snapshot's Snapshots.agreed); at most 128.
 MEMORY_INTERVALS = tuple(2**i for i in range(8))
-#: The tier's interval while auto's probe pauses it for a window (never due).
+#: The tier's interval while auto pauses it for a window (never due).
 PAUSED = 1 << 62
+AUDIT_AFTER = 4  #: auto's audits: after this many windows at an interval, one paused
 
 
 class MemoryCost:
     """What this rank's memory snapshots cost against its steps, by the clocks the run
     keeps anyway (engine/phases.py's carved times, each window's wall time and steps),
-    from the check point after the first snapshot (which reserves the buffers). A
-    window's step time is its wall time less its snapshots (memory and disk); what no
-    clock sees (a background copy taking the step's CPUs) the probe measures once."""
+    from the check point after the first snapshot (which reserves the buffers). What no
+    clock sees (a copy taking the step's CPUs, caches, page faults) auto measures by
+    paired windows, on every rank alike: windows at the interval, then one paused. The
+    first pair (the probe, at a snapshot every step) adds their difference beyond the
+    clocks to every snapshot's cost; each later one (an audit) measures the snapshots'
+    share of the step at their interval (:meth:`_audit`)."""
 
-    def __init__(self):
+    def __init__(self, auto: bool = False):
+        self.auto = auto
         self.snapshot_s = self.step_s = 0.0
         self.snapshots = self.steps = 0
         self.last = self.clocks()  # at the last check point, or the window's start
         self.counting = False  # the last check came after the tier's first snapshot
-        #: The last window's seconds per step, its memory snapshots included (its disk
-        #: snapshots not), or None after a window without steps.
-        self.window_step_s: float | None = None
+        #: The last window's seconds per step, memory snapshots in, disk ones out.
+        self.window_step_s: float | None = None  # None: a window without steps
         #: Per snapshot, what it costs beyond its clocks (probed); None until measured.
         self.hidden_s: float | None = None
+        self.measured: float | None = None  # the last audit's share of the step
+        self.over = 0  # the longest interval ruled out by an audit
+        self.taken(1)
+
+    def taken(self, every: int) -> None:
+        """The ranks agreed on ``every`` (the tier's but while paused): its windows
+        count from the next (this one is part at the old one)."""
+        self.interval, self.skip, self.with_s = every, True, []
 
     @staticmethod
     def clocks() -> tuple[float, int, float]:
@@ -47,6 +58,43 @@ class MemoryCost:
         epoch's end) is in no window."""
         self.last = self.clocks()
 
+    def check(self, every: int, window_s: float, window_steps: int,
+              saves: int) -> tuple[int, int | None]:
+        """At a check point (:meth:`measure`'s arguments): the tier's interval from now
+        (PAUSED: none) and, under auto, the one this rank's costs allow (None: none)."""
+        self.measure(window_s, window_steps, saves)
+        if self.auto and self.window_step_s is not None:  # else nothing moves
+            every = self._paired(every, self.window_step_s)
+        wanted = None if every == PAUSED or not self.auto else self.every_steps(every)
+        return every, None if wanted is None else max(wanted, shortest(self.over + 1))
+
+    def _paired(self, every: int, step_s: float) -> int:
+        """A window ended: paused (an audit's verdict), or at the interval (paused next
+        after one window at the probe, AUDIT_AFTER at an audit)."""
+        if every == PAUSED:
+            if self.with_s:  # else the ranks took another interval during the pause
+                self._audit(sum(self.with_s) / len(self.with_s), step_s)
+            self.with_s = []
+            return self.interval
+        if not self.skip:
+            self.with_s.append(step_s)
+        self.skip = False
+        enough = len(self.with_s) >= (1 if self.hidden_s is None else AUDIT_AFTER)
+        return PAUSED if enough else every
+
+    def _audit(self, with_s: float, without_s: float) -> None:
+        """A step's seconds at the interval, with its snapshots and paused: a share over
+        the budget rules the interval and all shorter ones out; under a quarter of it
+        just above those, the longest of them is let in again."""
+        if self.hidden_s is None:  # the probe: what no clock saw counts from now on
+            clocked = self.snapshot_s / self.snapshots if self.snapshots else 0.0
+            self.hidden_s = max(0.0, with_s - without_s - clocked)
+        self.measured = with_s / without_s - 1
+        if self.measured > MEMORY_BUDGET:
+            self.over = max(self.over, self.interval)
+        elif self.measured < MEMORY_BUDGET / 4 and self.interval == 2 * self.over:
+            self.over //= 2
+
     def measure(self, window_s: float, window_steps: int, saves: int) -> None:
         """At a check point: its window's seconds and steps, this rank's saves so far."""
         now = self.clocks()
@@ -60,15 +108,8 @@ class MemoryCost:
             self.steps += window_steps
         self.last, self.counting = now, saves > 0
 
-    def probed(self, with_snapshots_s: float, without_s: float) -> None:
-        """The probe's windows' seconds per step, with a snapshot at every step and
-        without: what their difference shows beyond the clocks counts from now on."""
-        clocked = self.snapshot_s / self.snapshots if self.snapshots else 0.0
-        self.hidden_s = max(0.0, with_snapshots_s - without_s - clocked)
-
     def per_step(self) -> float | None:
-        """One step's time without the snapshots (less what the probe found: at most
-        half)."""
+        """One step's time without the snapshots (less what the probe found, <= half)."""
         if not (self.steps and self.step_s > 0):
             return None
         hidden = (self.hidden_s or 0.0) * self.snapshots
@@ -101,10 +142,11 @@ class MemoryCost:
         """summary.json's ``memory_snapshots``: the interval, auto, the costs."""
         def rounded(value, digits=6):
             return None if value is None else round(value, digits)
-
         return {"every_steps": every_steps, "auto": auto,
                 "snapshot_s": rounded(self.per_snapshot()), "step_s": rounded(self.per_step()),
-                "cost_percent": rounded(self.percent(every_steps) if every_steps else None, 3)}
+                "cost_percent": rounded(self.percent(every_steps) if every_steps else None, 3),
+                "measured_percent": rounded(None if self.measured is None
+                                            else 100 * self.measured, 3)}
 
 
 def shortest(needed: float) -> int:
@@ -113,8 +155,7 @@ def shortest(needed: float) -> int:
 
 
 def proposal(every_steps: int | None) -> list[float]:
-    """A rank's proposed interval for the check point's all-reduce (a sum): a 1 at its
-    place in MEMORY_INTERVALS (all 0: none)."""
+    """A rank's interval for the check point's all-reduce (a sum): 1 at its place."""
     return [float(n == every_steps) for n in MEMORY_INTERVALS]
 
 

@@ -24,8 +24,8 @@ from engine.shards import is_sharded
 
 
 class MemoryTier:
-    """This rank's in-memory snapshots: its buffers (``pair``), what they cost
-    (``cost``), auto's probe. Every call is made on every rank at the same step."""
+    """This rank's in-memory snapshots: its buffers (``pair``), what they cost and
+    auto's interval (``cost``). Every call is made on every rank at the same step."""
 
     def __init__(self, ctx, pair: MemorySnapshots):
         self.ctx = ctx
@@ -33,16 +33,11 @@ class MemoryTier:
         # The step reached, at each optimizer step taken (a restart says what it lost).
         self.reached = ctx.optimizer and ctx.optimizer.register_step_post_hook(
             lambda *_: pair.note_reached(ctx.state.step + 1))
-        self.cost = MemoryCost()  # measured at check points, auto or not
         # Per snapshot, bytes: rows "sent", "received", and the exchange region "kept".
         self.exchange_bytes = pair.exchanges.bytes()
         # auto: from every step (each restart too), then what the ranks' costs allow.
         self.auto = ctx.cfg.checkpoint.memory_every_steps == "auto"
-        # auto's probe, by check point, the same on every rank: the first snapshot's window
-        # (it reserves the buffers: not counted), one with a snapshot at every step, one
-        # without (paused), then None: MemoryCost.probed compares the two.
-        self.probe = "first" if self.auto else None
-        self.probe_with_s = None  # the window with a snapshot at every step, per step
+        self.cost = MemoryCost(self.auto)  # measured at check points, auto or not
         self.record()
 
     @classmethod
@@ -175,34 +170,20 @@ class MemoryTier:
         self.cost.window_started()
 
     def measure(self, window_s: float, window_steps: int) -> int | None:
-        """At a check point: its window's costs, auto's next probe stage; the interval
-        this rank's costs allow under auto (None: none yet, or not auto)."""
-        self.cost.measure(window_s, window_steps, self.pair.saves)
-        if self.probe is not None:
-            self._probe()
-        every = self.cost.every_steps(self.every_steps) if self.auto else None
+        """At a check point: MemoryCost.check (auto may pause the tier for a window: a
+        crash in it loses a window and a step at most); the interval it proposes."""
+        self.every_steps, every = self.cost.check(self.every_steps, window_s, window_steps,
+                                                  self.pair.saves)
         self.record()
         return every
 
-    def _probe(self) -> None:
-        cost = self.cost
-        if cost.window_step_s is None:  # a window without steps: the stage waits
-            return
-        if self.probe == "first":
-            self.probe = "with"
-        elif self.probe == "with":
-            self.probe_with_s, self.probe = cost.window_step_s, "without"
-            self.every_steps = PAUSED  # the next window takes none: a crash there goes
-            # back to the last one, at most a window and a step
-        else:
-            cost.probed(self.probe_with_s, cost.window_step_s)
-            self.probe, self.every_steps = None, 1
-
     def take_interval(self, every: int | None) -> None:
-        """auto: the interval the ranks agreed on (the largest any proposed)."""
-        if every is None or every == self.every_steps:
+        """auto: the interval the ranks agreed on, from now or from a pause's end."""
+        if every is None or every == self.cost.interval:
             return
-        self.every_steps = every
+        self.cost.taken(every)
+        if self.every_steps != PAUSED:
+            self.every_steps = every
         self.record()
         if self.ctx.options.get("verbose"):
             percent = self.cost.percent(every)
@@ -216,7 +197,8 @@ class MemoryTier:
     def record(self, every: int | None = None) -> None:
         """summary.json's ``memory_snapshots`` (MemoryCost.record)."""
         every = self.every_steps if every is None else every
-        self.ctx.record_memory(self.cost.record(1 if every == PAUSED else every, self.auto))
+        self.ctx.record_memory(self.cost.record(
+            self.cost.interval if every == PAUSED else every, self.auto))
 
     # ------------------------------------------------------------ resume, end
 

@@ -137,13 +137,13 @@ def test_auto_probes_what_the_clocks_do_not_see_with_one_window_paused(tmp_path)
         return layer.check_flags(window_s=seconds, window_steps=steps)
 
     assert agreed_interval(window(1.0)[2:]) is None  # the first snapshot's window
-    assert (layer.memory.probe, layer.memory.every_steps) == ("with", 1)
+    assert (layer.memory.cost.hidden_s, layer.memory.every_steps) == (None, 1)
     assert agreed_interval(window(2.0)[2:]) is None  # 0.2 s a step, a snapshot each
-    assert (layer.memory.probe, layer.memory.every_steps) == ("without", PAUSED)
+    assert (layer.memory.cost.hidden_s, layer.memory.every_steps) == (None, PAUSED)
     assert layer.ctx.memory_record["every_steps"] == 1  # not the pause's
     window(1.0)  # paused: 0.1 s a step
     assert asked == list(range(1, 21))  # nothing asked for in the paused window
-    assert (layer.memory.probe, layer.memory.every_steps) == (None, 1)
+    assert layer.memory.every_steps == 1
     assert layer.memory.cost.hidden_s == pytest.approx(0.1)  # no clock saw any of it
     window(1.0)
     assert asked == [*range(1, 21), *range(31, 41)]  # every step again
@@ -163,8 +163,6 @@ def test_ranks_that_propose_different_intervals_take_the_longest_at_the_same_ste
     (a memory snapshot is a collective). As intervals change, the steps between two
     snapshots are never more than the longer interval of the two (what a crash loses)."""
     layers, asked = auto_layers(tmp_path)
-    for layer in layers:
-        layer.memory.probe = None  # probed: test_auto_probes_what_the_clocks_do_not_see
     costs(layers[0].memory.cost, snapshot_s=0.001, step_s=0.1)  # 1%: every step
     costs(layers[1].memory.cost, snapshot_s=0.02, step_s=0.1)   # 20%: every 16 steps
     step = 0
@@ -202,6 +200,70 @@ def test_ranks_that_propose_different_intervals_take_the_longest_at_the_same_ste
         assert asked[0][len(before):] == [s for s in range(first, until + 1) if s % every == 0]
     for before, after in zip(asked[0], asked[0][1:]):
         assert after - before <= max(schedule[before], schedule[after]), (before, after)
+
+
+def test_auto_audits_the_interval_by_paired_windows_until_it_is_within_budget(tmp_path):
+    """What the snapshots cost the steps around them (caches, page faults, a copy taking
+    the step's CPUs) no clock sees, and the probe at a snapshot every step may miss it:
+    under auto, after AUDIT_AFTER windows at an interval, every rank pauses the next
+    window, and the step time with the snapshots against without is their measured
+    share. Here (injected) the clocks say 1% a snapshot and the probe found nothing, so
+    the estimate asks for every step, while each snapshot costs the steps 12% of one on
+    rank 1 (0.5% on rank 0): the audits rule out 1, 2 and 4 in turn (12, 6, 3%), and
+    both ranks take 8 (1.5%) at the same step, where it stays; when the snapshots grow
+    cheap, audits far under the budget bring it back. Both ranks snapshot at the same
+    steps throughout, none in the paused windows."""
+    from engine.memory.cost import AUDIT_AFTER, MEMORY_BUDGET, PAUSED
+
+    layers, asked = auto_layers(tmp_path)
+    for layer in layers:
+        costs(layer.memory.cost, snapshot_s=0.001, step_s=0.1)  # 1%, hidden 0: every step
+    share = (0.005, 0.12)  # what a snapshot costs rank 0's and rank 1's steps
+    step, window, paused, taken = 0, 8, set(), []
+
+    def run_window():
+        nonlocal step
+        every = layers[0].memory.every_steps
+        assert [layer.memory.every_steps for layer in layers] == [every] * 2
+        first = step + 1
+        for step in range(first, first + window):
+            for layer in layers:
+                layer.ctx.state.step = step
+                if step >= layer.next_due:
+                    layer.step_ended(step)
+        if every == PAUSED:
+            paused.update(range(first, step + 1))
+        flags = [layer.check_flags(  # 0.1 s a step, and what the snapshots cost it
+            window_s=window * 0.1 * (1 + (0 if every == PAUSED else cost / every)),
+            window_steps=window) for layer, cost in zip(layers, share)]
+        sums = [sum(values) for values in zip(*flags)]  # what the all-reduce gives each
+        for layer in layers:
+            layer.agree_on(sums)
+        if layers[0].memory.cost.interval != (taken[-1][1] if taken else 1):
+            taken.append((step, layers[0].memory.cost.interval))
+
+    for _ in range(4 * (AUDIT_AFTER + 2) + 2 * (AUDIT_AFTER + 1)):
+        run_window()
+    # Each interval: a window part at the old one (not counted), AUDIT_AFTER windows,
+    # one paused; then the next, at the same check point on both ranks.
+    assert [every for _, every in taken] == [2, 4, 8]
+    assert [layer.memory.cost.interval for layer in layers] == [8, 8]
+    assert layers[1].memory.cost.measured == pytest.approx(0.12 / 8)  # <= MEMORY_BUDGET
+    assert layers[1].memory.cost.measured <= MEMORY_BUDGET
+    assert layers[1].ctx.memory_record["measured_percent"] == pytest.approx(1.5)
+    # Rank 1's snapshots grow cheap (0.8% each): an audit far under the budget (a
+    # quarter) lets the longest interval ruled out in again: 4, 2 (0.4%), then 1 (0.8%).
+    share = (0.005, 0.008)
+    for _ in range(3 * (AUDIT_AFTER + 2) + 2 * (AUDIT_AFTER + 1)):
+        run_window()
+    assert [every for _, every in taken] == [2, 4, 8, 4, 2, 1]
+    assert layers[1].memory.cost.measured == pytest.approx(0.008)
+    assert asked[0] == asked[1] and not paused & set(asked[0])
+    # Snapshots at each interval's multiples from the check point that took it on.
+    schedule = [(0, 1), *taken]
+    for (since, every), (until, _) in zip(schedule, [*taken, (step, None)]):
+        assert [s for s in asked[0] if since < s <= until] == [
+            s for s in range(since + 1, until + 1) if s % every == 0 and s not in paused]
 
 
 @pytest.mark.clock  # the costs are injected: rank 1's 0.3 s dwarfs the machine's noise

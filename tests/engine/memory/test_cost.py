@@ -39,7 +39,8 @@ def test_auto_takes_the_shortest_interval_within_2_percent_of_the_step(tmp_path)
         assert cost.percent(every) <= 100 * MEMORY_BUDGET or every == 128
     costs(cost, 0.024, 0.1)
     assert cost.record(16, True) == {"every_steps": 16, "auto": True, "snapshot_s": 0.024,
-                                     "step_s": 0.1, "cost_percent": 1.5}
+                                     "step_s": 0.1, "cost_percent": 1.5,
+                                     "measured_percent": None}
 
 
 def test_the_costs_are_the_carved_snapshot_times_from_the_window_after_the_first(tmp_path):
@@ -87,3 +88,22 @@ def test_the_check_points_flags_hold_one_per_interval():
     from engine.snapshot import Snapshots
 
     assert Snapshots.FLAGS == 2 + len(MEMORY_INTERVALS) == 2 + len(proposal(None))
+
+
+def test_an_interval_agreed_during_an_audits_pause_is_taken_at_its_end_unaudited():
+    """The ranks' agreement of a check point arrives at the next one, after its own
+    flags: it may fall in a window auto paused. The new interval starts at the pause's
+    end, and the pause audits nothing: its windows with snapshots were at the old one."""
+    from engine.memory.cost import AUDIT_AFTER, PAUSED, MemoryCost
+
+    cost = MemoryCost(auto=True)
+    costs(cost, snapshot_s=0.001, step_s=0.1)  # probed: 1% a snapshot, every step
+    every = 1
+    for _ in range(1 + AUDIT_AFTER):  # the window of the interval's start is not counted
+        assert every == 1
+        every, proposed = cost.check(every, window_s=2.0, window_steps=10, saves=5)
+    assert (every, proposed) == (PAUSED, None)
+    cost.taken(4)  # agreed on in the paused window
+    every, proposed = cost.check(every, window_s=1.0, window_steps=10, saves=5)
+    assert every == 4 and proposed is not None
+    assert cost.measured is None  # 2.0 s against 1.0 would have ruled 1 out
