@@ -82,21 +82,28 @@ def prepare(timeout_s: float) -> None:
     phases.mark("health check groups")
 
 
+#: torch reads it as it makes a gloo group: its pairs connect at their first message.
+LAZY = "TORCH_GLOO_LAZY_INIT"
+
+
 def gloo_group(name: str, seconds: float, lazy: bool = False):
     """The gloo side group ``name`` (timeout ``seconds``), made at the first call (every
     rank at once), destroyed by :func:`release`; also the memory ring's (ring.py).
-    ``lazy``: a pair connects at its first message (TORCH_GLOO_LAZY_INIT, which torch
-    reads as it makes a group: set for this one only)."""
+    ``lazy``: a pair connects at its first message (:data:`LAZY`, for this group only)."""
     if name not in _GROUPS:
         import torch.distributed as dist
 
-        before = os.environ.get("TORCH_GLOO_LAZY_INIT") or "0"  # "0": torch's default
-        os.environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else before
+        before = os.environ.get(LAZY)
+        if lazy:
+            os.environ[LAZY] = "1"
         try:
             _GROUPS[name] = dist.new_group(backend="gloo",
                                            timeout=datetime.timedelta(seconds=seconds))
-        finally:
-            os.environ["TORCH_GLOO_LAZY_INIT"] = before
+        finally:  # as it was: the workers a launcher starts later inherit it
+            if lazy and before is None:
+                del os.environ[LAZY]
+            elif lazy:
+                os.environ[LAZY] = before
     return _GROUPS[name]
 
 

@@ -161,6 +161,19 @@ def _side_groups_rank(store: str, world_size: int, rank: int) -> None:
     made = _connections() - before
     assert made == (2 * (world_size - 1) if rank == 0 else 2), f"rank {rank}: {made}"
     assert health.missing_ranks() == []
+    # The memory ring's group (engine/memory/ring.py), lazy too: a rank's messages to its
+    # successor and from its predecessor connect those 2 pairs only, not W - 1.
+    import torch
+
+    before = _connections()
+    ring = health.gloo_group("memory ring", 30.0, lazy=True)
+    got = torch.zeros(1)
+    for request in dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, torch.tensor([float(rank)]), (rank + 1) % world_size, ring),
+            dist.P2POp(dist.irecv, got, (rank - 1) % world_size, ring)]):
+        request.wait()
+    assert got.item() == (rank - 1) % world_size
+    assert _connections() - before == 2, f"rank {rank}: {_connections() - before}"
     distributed.destroy()
 
 
