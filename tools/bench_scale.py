@@ -62,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 
 import engine
 
@@ -176,8 +177,13 @@ def stage() -> str:
     return "start-up" if _state["first_step_at"] is None else "training"
 
 
+#: Point-to-point calls counted where the memory ring makes them (its module's name for
+#: torch.distributed: torch's own isend/irecv stay unwrapped, see COLLECTIVES).
+RING_P2P = {"isend": (0, None), "irecv": (None, 0)}
+
+
 def counted(kind: str, fn):
-    sends, receives = COLLECTIVES[kind]
+    sends, receives = {**COLLECTIVES, **RING_P2P}[kind]
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -275,6 +281,13 @@ def instrument() -> None:
     for label, path in SPANS.items():
         if not patch(path, functools.partial(timed, label)):
             _state["missing"].append(label)
+    try:
+        from engine.memory import ring
+    except ImportError:
+        _state["missing"].append("ring")
+    else:
+        ring.dist = types.SimpleNamespace(**{**vars(dist), **{
+            kind: counted(kind, getattr(dist, kind)) for kind in RING_P2P}})
     if not patch(BACKGROUND, background_jobs):
         _state["missing"].append("memory snapshot background")
 
