@@ -44,8 +44,9 @@ def peer_is_gone(exc: BaseException) -> bool:
 def is_collective_failure(exc: BaseException) -> bool:
     import torch.distributed as dist
 
-    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(
-        m in str(exc) for m in _COLLECTIVE_FAILURE_MARKERS))
+    # DistError: torch 2.2 on (pyproject allows 2.1)
+    return isinstance(exc, getattr(dist, "DistError", ())) or (isinstance(
+        exc, RuntimeError) and any(m in str(exc) for m in _COLLECTIVE_FAILURE_MARKERS))
 
 
 #: How long the roll call after a failed collective waits for the ranks to answer; also
@@ -75,10 +76,17 @@ def prepare(timeout_s: float) -> None:
     failure, whose bound is set after its barrier."""
     import torch.distributed as dist
 
-    for name in ("epoch", "roll_call"):
+    # torch 2.14's public name, else the same operation's earlier private one; a torch
+    # with neither (pyproject allows 2.1) gets the roll call's group eager, at its bound.
+    set_timeout = (getattr(dist, "set_timeout", None)
+                   or getattr(dist.distributed_c10d, "_set_pg_timeout", None))
+    for name in ("epoch", "roll_call") if set_timeout else ("epoch",):
         gloo_group(name, timeout_s, lazy=True)
         _barrier(name, timeout_s)
-    dist.set_timeout(datetime.timedelta(seconds=ROLL_CALL_S), group=_GROUPS["roll_call"])
+    if set_timeout:
+        set_timeout(datetime.timedelta(seconds=ROLL_CALL_S), _GROUPS["roll_call"])
+    else:
+        gloo_group("roll_call", ROLL_CALL_S)
     phases.mark("health check groups")
 
 

@@ -177,6 +177,30 @@ def _side_groups_rank(store: str, world_size: int, rank: int) -> None:
     distributed.destroy()
 
 
+def test_a_torch_without_set_timeout_gets_an_eager_roll_call_group_that_answers(tmp_path):
+    """pyproject allows torch 2.1: where neither torch.distributed.set_timeout (2.14) nor
+    its earlier private name exists, the roll call's group is made at its 2 s bound."""
+    from tests.engine.memory.test_memory_snapshot import forked_ranks
+
+    forked_ranks(2, _old_torch_rank, str(tmp_path / "store"), 2)
+
+
+def _old_torch_rank(store: str, world_size: int, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from engine import distributed, health
+
+    del dist.set_timeout, dist.distributed_c10d._set_pg_timeout  # this forked process's
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank,
+                            world_size=world_size)
+    health.prepare(30.0)
+    gloo = health._GROUPS["roll_call"]._get_backend(torch.device("cpu"))
+    assert gloo.options._timeout.total_seconds() == health.ROLL_CALL_S
+    assert health.missing_ranks() == []
+    distributed.destroy()
+
+
 def _connections() -> int:
     """This process's established TCP connections (/proc: its sockets' inodes, found in
     the tables of the network namespace)."""
