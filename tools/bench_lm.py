@@ -307,7 +307,7 @@ def report(rows: list[dict], args, log_path: str) -> None:
           "medians; final loss: the last log window's mean over the ranks; identical: "
           "final loss and weights, every round; auto: the memory tier at each counted "
           "run's end, interval / its estimated % / its last audit's measured % of the "
-          "step time (rank 0's)")
+          "step time +- that audit's standard error (rank 0's)")
     print()
     print("| processes | setting | engine s | hand s | ratio train time | ratio CPU "
           "| minor faults/step engine / hand | final loss engine / hand | identical | auto |")
@@ -322,11 +322,13 @@ def report(rows: list[dict], args, log_path: str) -> None:
 
 
 def auto_said(record: dict | None) -> str:
-    """summary.json's memory_snapshots as interval / estimated % / measured %."""
+    """summary.json's memory_snapshots as interval / estimated % / measured % +- its error."""
     if not record:
         return "-"
-    return "/".join(str(record.get(key)) for key in
+    said = "/".join(str(record.get(key)) for key in
                     ("every_steps", "cost_percent", "measured_percent"))
+    error = record.get("measured_error_percent")
+    return said if error is None else f"{said}+-{error}"
 
 
 # ------------------------------------------------------------------------- data

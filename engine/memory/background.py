@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -27,6 +28,7 @@ class Background:
 
     def __init__(self, memory):
         self.memory = memory
+        self.cpu_s = 0.0  # the CPU seconds the thread's jobs took (MemoryCost counts them)
         self._forget()
         _LIVE.add(self)
 
@@ -55,12 +57,14 @@ class Background:
             job = self.queue.get()
             if job is None:  # stop()
                 return
+            started = time.thread_time()
             try:
                 job()
             except Exception as exc:  # a peer gone, a buffer gone: the tier goes off
                 self.memory.failed = self.memory.failed or (
                     f"the background copy failed: {type(exc).__name__}: {exc}")
             finally:
+                self.cpu_s += time.thread_time() - started
                 with self.lock:
                     self.pending -= 1
                     if not self.pending:

@@ -3,6 +3,8 @@ each rank proposes one at a check point (:meth:`MemoryCost.check`), all take the
 
 from __future__ import annotations
 
+import statistics
+
 from engine import phases
 
 #: ``checkpoint.memory_every_steps=auto``: the share of the training step's time the
@@ -18,16 +20,20 @@ AUDIT_AFTER = 4  #: auto's audits: after this many windows at an interval, one p
 
 class MemoryCost:
     """What this rank's memory snapshots cost against its steps, by the clocks the run
-    keeps anyway (engine/phases.py's carved times, each window's wall time and steps),
-    from the check point after the first snapshot (which reserves the buffers). What no
-    clock sees (a copy taking the step's CPUs, caches, page faults) auto measures by
+    keeps anyway (engine/phases.py's carved times, each window's wall time and steps,
+    the background thread's CPU time where the training's threads fill the CPUs), from
+    the check point after the first snapshot (which reserves the buffers). What no
+    clock sees (caches, page faults, the memory bus) auto measures by
     paired windows, on every rank alike: windows at the interval, then one paused. The
     first pair (the probe, at a snapshot every step) adds their difference beyond the
     clocks to every snapshot's cost; each later one (an audit) measures the snapshots'
     share of the step at their interval (:meth:`_audit`)."""
 
-    def __init__(self, auto: bool = False):
+    def __init__(self, auto: bool = False, background=None):
         self.auto = auto
+        #: The background thread's CPU seconds so far (a callable), where they are the
+        #: step's (:func:`crowded`); None: on CPUs of their own, they cost the step nothing.
+        self.background = background
         self.snapshot_s = self.step_s = 0.0
         self.snapshots = self.steps = 0
         self.last = self.clocks()  # at the last check point, or the window's start
@@ -36,8 +42,10 @@ class MemoryCost:
         self.window_step_s: float | None = None  # None: a window without steps
         #: Per snapshot, what it costs beyond its clocks (probed); None until measured.
         self.hidden_s: float | None = None
-        self.measured: float | None = None  # the last audit's share of the step
-        self.over = 0  # the longest interval ruled out by an audit
+        #: The last audit's share of the step, and its standard error.
+        self.measured: float | None = None
+        self.error: float | None = None
+        self.over = 0  # the longest interval ruled out by the audits
         self.taken(1)
 
     def taken(self, every: int) -> None:
@@ -45,12 +53,14 @@ class MemoryCost:
         count from the next (this one is part at the old one)."""
         self.interval, self.skip, self.with_s = every, True, []
 
-    @staticmethod
-    def clocks() -> tuple[float, int, float]:
-        """Memory snapshots' seconds (with the waits for their copies) and count, and
-        disk snapshots' seconds, so far in this process."""
+    def clocks(self) -> tuple[float, int, float]:
+        """Memory snapshots' seconds (with the waits for their copies and, where it takes
+        the step's CPUs, the background thread's work) and count, and disk snapshots'
+        seconds, so far in this process."""
         memory_s, _, memory_n = phases.carved(phases.MEMORY_SNAPSHOTS)
         memory_s += phases.carved(phases.MEMORY_WAITS)[0]
+        if self.background is not None:
+            memory_s += self.background()
         return memory_s, memory_n, phases.carved(phases.SNAPSHOTS)[0]
 
     def window_started(self) -> None:
@@ -73,7 +83,7 @@ class MemoryCost:
         after one window at the probe, AUDIT_AFTER at an audit)."""
         if every == PAUSED:
             if self.with_s:  # else the ranks took another interval during the pause
-                self._audit(sum(self.with_s) / len(self.with_s), step_s)
+                self._audit(self.with_s, step_s)
             self.with_s = []
             return self.interval
         if not self.skip:
@@ -82,17 +92,23 @@ class MemoryCost:
         enough = len(self.with_s) >= (1 if self.hidden_s is None else AUDIT_AFTER)
         return PAUSED if enough else every
 
-    def _audit(self, with_s: float, without_s: float) -> None:
-        """A step's seconds at the interval, with its snapshots and paused: a share over
-        the budget rules the interval and all shorter ones out; under a quarter of it
-        just above those, the longest of them is let in again."""
+    def _audit(self, windows: list[float], without_s: float) -> None:
+        """A step's seconds in each window at the interval, with its snapshots, and in the
+        paused one. Their share clearly over the budget (by more than its standard error,
+        from the windows' spread) rules that interval and all shorter ones out; clearly
+        under a quarter of it just above those, the longest of them is let in again. Noise
+        as large as the budget (2 processes on 2 cores: +-3% a window) decides nothing."""
+        with_s = statistics.fmean(windows)
         if self.hidden_s is None:  # the probe: what no clock saw counts from now on
             clocked = self.snapshot_s / self.snapshots if self.snapshots else 0.0
             self.hidden_s = max(0.0, with_s - without_s - clocked)
         self.measured = with_s / without_s - 1
-        if self.measured > MEMORY_BUDGET:
+        spread = statistics.stdev(windows) if len(windows) > 1 else 0.0
+        self.error = spread * (1 + 1 / len(windows)) ** 0.5 / without_s  # mean less one
+        if self.measured - self.error > MEMORY_BUDGET:
             self.over = max(self.over, self.interval)
-        elif self.measured < MEMORY_BUDGET / 4 and self.interval == 2 * self.over:
+        elif (self.measured + self.error < MEMORY_BUDGET / 4
+              and self.interval == 2 * self.over):
             self.over //= 2
 
     def measure(self, window_s: float, window_steps: int, saves: int) -> None:
@@ -146,7 +162,16 @@ class MemoryCost:
                 "snapshot_s": rounded(self.per_snapshot()), "step_s": rounded(self.per_step()),
                 "cost_percent": rounded(self.percent(every_steps) if every_steps else None, 3),
                 "measured_percent": rounded(None if self.measured is None
-                                            else 100 * self.measured, 3)}
+                                            else 100 * self.measured, 3),
+                "measured_error_percent": rounded(None if self.error is None
+                                                  else 100 * self.error, 3)}
+
+
+def crowded(device, threads: int, cpus: int) -> bool:
+    """Whether the background thread's work takes the step's CPUs: training on the CPU
+    with this process's ``threads`` filling its share of them (``cpus``). Else (a GPU's
+    step, a CPU to spare) it runs beside the step."""
+    return device.type == "cpu" and threads >= cpus
 
 
 def shortest(needed: float) -> int:

@@ -8,13 +8,15 @@ import os
 import pathlib
 import socket
 
+import torch
+
 from engine import config as config_mod
 from engine import distributed, phases, shm_codec
 from engine.memory import resume as agreeing
 from engine.memory import ring as ring_mod
 from engine.memory.buffer import read_info
 from engine.memory.copy_plan import held_by
-from engine.memory.cost import MEMORY_BUDGET, PAUSED, MemoryCost
+from engine.memory.cost import MEMORY_BUDGET, PAUSED, MemoryCost, crowded
 from engine.memory.files import (BUFFER_NAME, NoRoom, Unsafe, claim_run_id, copied,
                                  folder_of, mount_namespace, writer_gone)
 from engine.memory.pair import MemorySnapshots
@@ -37,7 +39,8 @@ class MemoryTier:
         self.exchange_bytes = pair.exchanges.bytes()
         # auto: from every step (each restart too), then what the ranks' costs allow.
         self.auto = ctx.cfg.checkpoint.memory_every_steps == "auto"
-        self.cost = MemoryCost(self.auto)  # measured at check points, auto or not
+        self.cost = MemoryCost(self.auto, (lambda: pair.background.cpu_s) if crowded(
+            ctx.device, torch.get_num_threads(), pair.world.cpu_share().count) else None)
         self.record()
 
     @classmethod

@@ -24,7 +24,10 @@ def run_object(**names):
     """The run object's names a snapshot layer reads, and where its tier records."""
     from types import SimpleNamespace
 
-    ctx = SimpleNamespace(**{"optimizer": None, **names}, memory_record=None)
+    import torch
+
+    ctx = SimpleNamespace(**{"optimizer": None, "device": torch.device("cpu"), **names},
+                          memory_record=None)
     ctx.record_memory = lambda record: setattr(ctx, "memory_record", record)
     return ctx
 

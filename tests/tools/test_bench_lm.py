@@ -51,10 +51,10 @@ def test_bench_lm_rows_pair_rounds_and_say_whether_losses_and_weights_agree():
                run(2, "on", seconds=4.0, digest="v")]
     results[4]["memory_record"] = {"every_steps": 8, "auto": True, "snapshot_s": 0.01,
                                    "step_s": 0.1, "cost_percent": 1.25,
-                                   "measured_percent": 1.5}
+                                   "measured_percent": 1.5, "measured_error_percent": 0.4}
     on, off = tool.summarize(2, results)
     assert (on["setting"], off["setting"]) == ("engine", "engine, memory off")
-    assert on["memory"] == ["8/1.25/1.5", "-"]  # the tier at each counted run's end
+    assert on["memory"] == ["8/1.25/1.5+-0.4", "-"]  # the tier at each counted run's end
     assert on["processes"] == 2 and on["rounds"] == 2
     assert on["hand_s"] == 3.0 and on["engine_s"] == 3.1
     assert on["ratio"] == pytest.approx(3.1 / 3.0)

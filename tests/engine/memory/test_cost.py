@@ -40,7 +40,8 @@ def test_auto_takes_the_shortest_interval_within_2_percent_of_the_step(tmp_path)
     costs(cost, 0.024, 0.1)
     assert cost.record(16, True) == {"every_steps": 16, "auto": True, "snapshot_s": 0.024,
                                      "step_s": 0.1, "cost_percent": 1.5,
-                                     "measured_percent": None}
+                                     "measured_percent": None,
+                                     "measured_error_percent": None}
 
 
 def test_the_costs_are_the_carved_snapshot_times_from_the_window_after_the_first(tmp_path):
@@ -107,3 +108,73 @@ def test_an_interval_agreed_during_an_audits_pause_is_taken_at_its_end_unaudited
     every, proposed = cost.check(every, window_s=1.0, window_steps=10, saves=5)
     assert every == 4 and proposed is not None
     assert cost.measured is None  # 2.0 s against 1.0 would have ruled 1 out
+
+
+def test_the_background_threads_cpu_counts_where_the_training_fills_the_cpus():
+    """A snapshot's copy and checksum in the background thread take CPU from the step
+    where the training's threads fill the CPUs (2 processes on 2 cores): its CPU time, not
+    its wall time (a wait for a peer costs nothing), counts with the snapshots' clocks.
+    Beside a GPU's step, or with a CPU to spare, it costs the step nothing."""
+    import threading
+    import time
+
+    import torch
+
+    from engine import phases
+    from engine.memory.background import Background
+    from engine.memory.cost import MemoryCost, crowded
+
+    background, go, burnt = Background(memory=None), threading.Event(), []
+
+    def burn():
+        started = time.thread_time()
+        sum(range(300_000))
+        burnt.append(time.thread_time() - started)
+
+    cost = MemoryCost(background=lambda: background.cpu_s)
+    cost.measure(window_s=1.0, window_steps=10, saves=1)  # the first snapshot's window
+    background.submit(lambda: go.wait(60))  # a wait: no CPU
+    background.submit(burn)
+    go.set()
+    background.wait()
+    with phases.carve(phases.MEMORY_SNAPSHOTS, within="training"):
+        pass
+    cost.measure(window_s=1.0, window_steps=10, saves=2)
+    background.stop()
+    assert burnt[0] > 0 and burnt[0] <= background.cpu_s < burnt[0] + 0.05
+    assert cost.snapshots == 1
+    assert cost.snapshot_s >= burnt[0]
+    assert cost.step_s == pytest.approx(1.0 - cost.snapshot_s)
+    assert MemoryCost().background is None  # not crowded: the clocks alone
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert crowded(cpu, threads=1, cpus=1) and crowded(cpu, threads=4, cpus=4)
+    assert not crowded(cpu, threads=1, cpus=2)  # 1 process, 1 thread, 2 cores: one spare
+    assert not crowded(gpu, threads=8, cpus=8)
+
+
+@pytest.mark.parametrize("windows, ruled_out", [
+    ((0.1029, 0.1031, 0.1030, 0.1030), True),    # 3% over the paused window, +-0.1%
+    ((0.1000, 0.1060, 0.1000, 0.1060), False)])  # 3% too, but +-3%: noise, not a cost
+def test_an_audit_rules_an_interval_out_only_when_its_windows_resolve_the_budget(
+        windows, ruled_out):
+    """An audit's share (its windows with snapshots against the paused one) rules its
+    interval out when it is over the budget by more than its standard error, which the
+    windows' own spread gives: on 2 processes filling 2 cores a window's step time moves
+    by +-3%, as large as the budget, and a single pair of windows would push the interval
+    about at random."""
+    from engine.memory.cost import AUDIT_AFTER, PAUSED, MemoryCost
+
+    assert len(windows) == AUDIT_AFTER
+    cost = MemoryCost(auto=True)
+    costs(cost, snapshot_s=0.0001, step_s=0.1)  # probed: 0.1% a snapshot, every step
+    every, _ = cost.check(1, window_s=1.0, window_steps=10, saves=5)  # the interval's start
+    for step_s in windows:
+        assert every == 1
+        every, _ = cost.check(every, window_s=10 * step_s, window_steps=10, saves=5)
+    assert every == PAUSED
+    every, proposed = cost.check(every, window_s=1.0, window_steps=10, saves=5)
+    assert every == 1 and cost.measured == pytest.approx(0.03)
+    assert (cost.error < 0.01) is ruled_out
+    assert (cost.over, proposed) == ((1, 2) if ruled_out else (0, 1))
+    assert cost.record(1, True)["measured_error_percent"] == pytest.approx(100 * cost.error,
+                                                                           abs=1e-3)
