@@ -103,11 +103,14 @@ class MemoryCost:
             clocked = self.snapshot_s / self.snapshots if self.snapshots else 0.0
             self.hidden_s = max(0.0, with_s - without_s - clocked)
         self.measured = with_s / without_s - 1
-        spread = statistics.stdev(windows) if len(windows) > 1 else 0.0
-        self.error = spread * (1 + 1 / len(windows)) ** 0.5 / without_s  # mean less one
-        if self.measured - self.error > MEMORY_BUDGET:
+        # A mean of k windows less one window: sigma * sqrt(1/k + 1), sigma from their
+        # spread (none in the probe's one window).
+        self.error = (None if len(windows) < 2 else
+                      statistics.stdev(windows) * (1 / len(windows) + 1) ** 0.5 / without_s)
+        error = self.error or 0.0
+        if self.measured - error > MEMORY_BUDGET:
             self.over = max(self.over, self.interval)
-        elif (self.measured + self.error < MEMORY_BUDGET / 4
+        elif (self.measured + error < MEMORY_BUDGET / 4
               and self.interval == 2 * self.over):
             self.over //= 2
 
