@@ -10,7 +10,6 @@ barrier with a short timeout) names every rank that does not answer, and at epoc
 from __future__ import annotations
 
 import datetime
-import os
 import re
 
 from engine import phases
@@ -70,48 +69,23 @@ def _barrier(name: str, timeout_s: float) -> None:
 
 
 def prepare(timeout_s: float) -> None:
-    """Create the side groups (collectives: every rank, right after init), lazily connected:
-    their barriers join rank 0 and each other rank only, so one barrier each makes just those
-    pairs now (a rank other than 0: 1 per group, not W - 1), for the roll call after a
-    failure, whose bound is set after its barrier."""
-    import torch.distributed as dist
-
-    # torch 2.14's public name, else the same operation's earlier private one; a torch
-    # with neither (pyproject allows 2.1) gets the roll call's group eager, at its bound.
-    set_timeout = (getattr(dist, "set_timeout", None)
-                   or getattr(dist.distributed_c10d, "_set_pg_timeout", None))
-    for name in ("epoch", "roll_call") if set_timeout else ("epoch",):
-        gloo_group(name, timeout_s, lazy=True)
-        _barrier(name, timeout_s)
-    if set_timeout:
-        set_timeout(datetime.timedelta(seconds=ROLL_CALL_S), _GROUPS["roll_call"])
-    else:
-        gloo_group("roll_call", ROLL_CALL_S)
+    """Create the side groups (collectives: every rank, right after init), each with its
+    bound. Eager: gloo's lazily connected groups (TORCH_GLOO_LAZY_INIT, which made a rank
+    other than 0 connect to rank 0 only) aborted a finished run in gloo's teardown
+    ("state_ <= CONNECTED. 5 vs 4") once in about 700 runs (docs/scale.md)."""
+    for name, seconds in (("epoch", timeout_s), ("roll_call", ROLL_CALL_S)):
+        gloo_group(name, seconds)
     phases.mark("health check groups")
 
 
-#: torch reads it as it makes a gloo group: its pairs connect at their first message.
-LAZY = "TORCH_GLOO_LAZY_INIT"
-
-
-def gloo_group(name: str, seconds: float, lazy: bool = False):
+def gloo_group(name: str, seconds: float):
     """The gloo side group ``name`` (timeout ``seconds``), made at the first call (every
-    rank at once), destroyed by :func:`release`; also the memory ring's (ring.py).
-    ``lazy``: a pair connects at its first message (:data:`LAZY`, for this group only)."""
+    rank at once), destroyed by :func:`release`; also the memory ring's (ring.py)."""
     if name not in _GROUPS:
         import torch.distributed as dist
 
-        before = os.environ.get(LAZY)
-        if lazy:
-            os.environ[LAZY] = "1"
-        try:
-            _GROUPS[name] = dist.new_group(backend="gloo",
-                                           timeout=datetime.timedelta(seconds=seconds))
-        finally:  # as it was: the workers a launcher starts later inherit it
-            if lazy and before is None:
-                del os.environ[LAZY]
-            elif lazy:
-                os.environ[LAZY] = before
+        _GROUPS[name] = dist.new_group(backend="gloo",
+                                       timeout=datetime.timedelta(seconds=seconds))
     return _GROUPS[name]
 
 

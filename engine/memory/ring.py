@@ -50,8 +50,7 @@ class Ring:
         rank, world_size = memory.world.rank, memory.world.world_size
         self.next, self.prev = (rank + 1) % world_size, (rank - 1) % world_size
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        # Lazily connected: a rank talks to its two neighbours only (2 pairs, not W - 1).
-        self.group = health.gloo_group("memory ring", timeout_s, lazy=True)
+        self.group = health.gloo_group("memory ring", timeout_s)
         self.paths = held_paths(memory.run_dir, rank, memory.shm, memory.run_id)
         self.buffers = [ms.Buffer(p) for p in self.paths]
         self.info = {**memory.info, "holds_rank": self.prev}
