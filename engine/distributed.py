@@ -80,6 +80,7 @@ def init(world: World, backend: str, timeout_s: float) -> None:
             f"all {world.world_size} ranks had checked in, so look at the network between "
             "the hosts (NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME)"
         ) from None
+    health.prepare(dist.PrefixStore(f"engine/{session}/health/", store))
     phases.mark("process group")
 
 

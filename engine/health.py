@@ -2,23 +2,22 @@
 
 A rank that dies makes the others fail at their next collective; one that hangs makes
 them wait for the process-group timeout (``cfg.timeout_s``). Either way the user needs
-*which* rank: after a failed collective, :func:`missing_ranks` (rank 0's monitored
-barrier with a short timeout) names every rank that does not answer, and at epoch ends
-:func:`epoch_barrier` names a rank stuck outside the collectives (its data pipeline).
+*which* rank: after a failed collective, :func:`missing_ranks` (a roll call with a short
+bound) names every rank that does not answer, and at epoch ends :func:`epoch_barrier`
+names a rank stuck outside the collectives (its data pipeline). Both meet on the store the
+ranks met on at the start (engine/distributed.py): no group, no connection of their own.
 """
 
 from __future__ import annotations
 
 import datetime
-import re
+import json
+import threading
 
-from engine import phases
-from engine.errors import RunError, first_line
+from engine.errors import RunError
 
 # torch is imported inside the functions that use it: engine.distributed imports this
 # module, and the launching process imports that one without torch.
-
-_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 #: Texts of the errors torch raises when a collective cannot complete.
 _COLLECTIVE_FAILURE_MARKERS = (
@@ -48,39 +47,64 @@ def is_collective_failure(exc: BaseException) -> bool:
         exc, RuntimeError) and any(m in str(exc) for m in _COLLECTIVE_FAILURE_MARKERS))
 
 
-#: How long the roll call after a failed collective waits for the ranks to answer; also
-#: a non-zero rank's wait for rank 0 (its group's timeout), so a run whose rank 0 is
-#: stopped ends within ``timeout_s`` plus this and the launcher's clean-up.
+#: How long the roll call after a failed collective waits for the ranks to answer; a rank
+#: other than 0 waits this long again for rank 0's answer, so a run whose rank 0 is
+#: stopped ends within ``timeout_s`` plus twice this and the launcher's clean-up.
 ROLL_CALL_S = 2.0
 
-#: The gloo side groups: "epoch" (timeout ``timeout_s``) for the end-of-epoch barrier,
-#: "roll_call" (timeout ``ROLL_CALL_S``) for :func:`missing_ranks`.
-_GROUPS: dict = {}
+#: The store the checks meet on (:func:`prepare`); None: no checks (one process).
+_STORE = None
+_MET: dict[str, int] = {}  # per kind of meeting, how many this process has joined
 
 
-def _barrier(name: str, timeout_s: float) -> None:
-    """A monitored barrier (gloo's only) on the side group ``name``: a group of its own,
-    since gloo closes a group's pairs when a collective times out. ``timeout_s`` bounds
-    rank 0's wait; the others wait for rank 0 under the group's timeout (one per bound)."""
+def prepare(store) -> None:
+    """Keep ``store`` (the ranks' rendezvous store, under a prefix of the checks' own):
+    every rank, right after the process group is made."""
+    global _STORE
+    _STORE = store
+    _MET.clear()
+
+
+def _meet(kind: str, timeout_s: float) -> list[int]:
+    """Every rank sets its key of this meeting; rank 0 waits ``timeout_s`` for all of
+    them and posts the ranks whose key is missing, which the others wait for as long
+    again (one request each: the store's wait). Returns the ranks missing: [0] on a rank
+    other than 0 that rank 0's answer does not reach."""
     import torch.distributed as dist
 
-    dist.monitored_barrier(group=_GROUPS[name], wait_all_ranks=True,
-                           timeout=datetime.timedelta(seconds=timeout_s))
+    count = _MET[kind] = _MET.get(kind, 0) + 1
+    rank, size = dist.get_rank(), dist.get_world_size()
+    meeting, bound = f"{kind}/{count}", datetime.timedelta(seconds=timeout_s)
+    if rank != 0:
+        answer = []
 
+        def ask() -> None:
+            _STORE.set(f"{meeting}/{rank}", "1")
+            _STORE.wait([f"{meeting}/missing"], 2 * bound)
+            answer.append(json.loads(_STORE.get(f"{meeting}/missing")))
 
-def prepare(timeout_s: float) -> None:
-    """Create the side groups (collectives: every rank, right after init), each with its
-    bound. Eager: gloo's lazily connected groups (TORCH_GLOO_LAZY_INIT, which made a rank
-    other than 0 connect to rank 0 only) aborted a finished run in gloo's teardown
-    ("state_ <= CONNECTED. 5 vs 4") once in about 700 runs (docs/scale.md)."""
-    for name, seconds in (("epoch", timeout_s), ("roll_call", ROLL_CALL_S)):
-        gloo_group(name, seconds)
-    phases.mark("health check groups")
+        # In a thread, bounded: a stopped rank 0 (SIGSTOP) hosting the store answers no
+        # request, and the store's client would wait for it without end.
+        asking = threading.Thread(target=ask, daemon=True, name="engine-health")
+        asking.start()
+        asking.join(2 * timeout_s + 1)
+        return answer[0] if answer else [0]  # rank 0 did not answer: it is the one missing
+    _STORE.set(f"{meeting}/{rank}", "1")
+    keys = [f"{meeting}/{r}" for r in range(size)]
+    try:
+        _STORE.wait(keys, bound)
+        missing = []
+    except Exception:  # timed out: one look at each key says who did not come
+        missing = [r for r, key in enumerate(keys) if not _STORE.check([key])]
+    _STORE.set(f"{meeting}/missing", json.dumps(missing))
+    return missing
 
 
 def gloo_group(name: str, seconds: float):
-    """The gloo side group ``name`` (timeout ``seconds``), made at the first call (every
-    rank at once), destroyed by :func:`release`; also the memory ring's (ring.py)."""
+    """The gloo group ``name`` (timeout ``seconds``), made at the first call (every rank
+    at once), destroyed by :func:`release`: the memory ring's (ring.py). Eager: gloo's
+    lazily connected groups (TORCH_GLOO_LAZY_INIT) aborted a finished run in gloo's
+    teardown ("state_ <= CONNECTED. 5 vs 4") once in about 700 runs (docs/scale.md)."""
     if name not in _GROUPS:
         import torch.distributed as dist
 
@@ -89,10 +113,16 @@ def gloo_group(name: str, seconds: float):
     return _GROUPS[name]
 
 
+_GROUPS: dict = {}
+
+
 def release() -> None:
-    """Destroy the side groups, and our references, before the world group: one still
-    referenced at exit is torn down in C++ finalisation, where gloo's threads abort the
-    process ("terminate called without an active exception") after a finished run."""
+    """Forget the store; destroy the groups, and our references, before the world group:
+    one still referenced at exit is torn down in C++ finalisation, where gloo's threads
+    abort the process ("terminate called without an active exception") after a finished
+    run."""
+    global _STORE
+    _STORE = None
     if _GROUPS:
         import torch.distributed as dist
 
@@ -103,33 +133,24 @@ def release() -> None:
 
 
 def missing_ranks(timeout_s: float = ROLL_CALL_S) -> list[int] | None:
-    """The ranks that miss a monitored barrier within ``timeout_s`` (on a rank other than 0:
-    rank 0, where it does not answer); None where that cannot be found out."""
-    import torch.distributed as dist
-
-    try:
-        _barrier("roll_call", timeout_s)
-    except Exception as exc:  # the point of the exercise
-        match = _MISSING.search(str(exc))
-        if match:
-            return [int(r) for r in match.group(1).replace(" ", "").split(",") if r]
-        if dist.get_rank() != 0 and "from rank 0" in str(exc):
-            return [0]
+    """The ranks that miss the roll call within ``timeout_s`` (on a rank other than 0: as
+    rank 0 saw them, or rank 0 where it does not answer); None where that cannot be found
+    out (no store, or the store fails)."""
+    if _STORE is None:
         return None
-    return []
+    try:
+        return _meet("roll_call", timeout_s)
+    except Exception:
+        return None
 
 
 def epoch_barrier(timeout_s: float) -> None:
     """All ranks meet at the end of an epoch; a rank that does not come is named."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _STORE is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    try:
-        _barrier("epoch", timeout_s)
-    except Exception as exc:
-        match = _MISSING.search(str(exc))
-        who = f"rank(s) {match.group(1)}" if match else "some rank"
-        raise RunError(f"{who} did not reach the end of the epoch within {timeout_s:g}s "
-                          f"(rank {dist.get_rank()} waited): {first_line(exc)}"
-                          ) from None
+    missing = _meet("epoch", timeout_s)
+    if missing:
+        raise RunError(f"rank(s) {', '.join(map(str, missing))} did not reach the end of the "
+                       f"epoch within {timeout_s:g}s (rank {dist.get_rank()} waited)")

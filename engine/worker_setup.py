@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import attrs
 
-from engine import activation_checkpointing, distributed, health, loader_settings, phases
+from engine import activation_checkpointing, distributed, loader_settings, phases
 from engine import run_dir
 from engine.compile import compile_model
 from engine.errors import ConfigError
@@ -112,7 +112,6 @@ def start_worker(pm, cfg, world, options: dict[str, Any], recipe=None, alone: bo
         return parallel
     if world.distributed:
         distributed.init(world, parallel.backend or "gloo", cfg.timeout_s)
-        health.prepare(cfg.timeout_s)
     # out_dir's pattern filled by rank 0, the same for every rank (engine/run_dir.py).
     run_dir.settle(cfg, world, options, run_dir.run_files(pm))
     return parallel

@@ -497,7 +497,6 @@ FIGURES = {
     "  imports, plugins, recipe": ("s", True,
                                    lambda r, run: phase(r, "imports, plugins, recipe")),
     "  process group (rendezvous)": ("s", True, lambda r, run: phase(r, "process group")),
-    "  health check groups": ("s", True, lambda r, run: phase(r, "health check groups")),
     "  data, model": ("s", True, lambda r, run: phase(r, "data, model")),
     "  resume, run-start hooks": ("s", True,
                                   lambda r, run: phase(r, "resume, run-start hooks")),

@@ -119,7 +119,7 @@ import sys
 import torch.distributed as dist
 from engine import distributed, health
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
-health.prepare(30.0)
+health.gloo_group("memory ring", 30.0)
 distributed.destroy()
 print(not health._GROUPS, dist.is_initialized())
 """
@@ -139,24 +139,36 @@ def test_destroy_releases_the_side_group_before_the_world_group(tmp_path):
 
 
 
-def test_the_roll_call_answers_within_its_own_bound(tmp_path):
-    """The roll call's group waits ROLL_CALL_S, not the run's timeout (a non-zero rank's
-    wait for a stopped rank 0 ends in seconds), and every rank answers it."""
+def test_the_roll_call_meets_on_the_store_and_names_a_rank_that_does_not_come(tmp_path):
+    """The roll call and the epoch barrier need no group of their own: the ranks meet on
+    the store they met on at the start. Every rank there: none missing, on every rank. A
+    rank that does not come within rank 0's bound is named, on rank 0 and on the ranks
+    that came; the epoch barrier raises with its name."""
     from tests.engine.memory.test_memory_snapshot import forked_ranks
 
-    forked_ranks(2, _roll_call_rank, str(tmp_path / "store"), 2)
+    forked_ranks(3, _roll_call_rank, str(tmp_path / "store"), 3)
 
 
 def _roll_call_rank(store: str, world_size: int, rank: int) -> None:
-    import torch
+    import json
+
+    import pytest
     import torch.distributed as dist
 
     from engine import distributed, health
+    from engine.errors import RunError
 
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank,
                             world_size=world_size)
-    health.prepare(30.0)
-    gloo = health._GROUPS["roll_call"]._get_backend(torch.device("cpu"))
-    assert gloo.options._timeout.total_seconds() == health.ROLL_CALL_S
+    health.prepare(dist.FileStore(store + ".health", world_size))
     assert health.missing_ranks() == []
+    health.epoch_barrier(30.0)
+    if rank == 2:  # stays away from the next roll call; sees what rank 0 posted
+        health._STORE.wait(["roll_call/2/missing"])
+        assert json.loads(health._STORE.get("roll_call/2/missing")) == [2]
+    else:
+        assert health.missing_ranks(timeout_s=0.5) == [2]
+        with pytest.raises(RunError, match=r"rank\(s\) 2 did not reach the end of the epoch"):
+            health.epoch_barrier(0.5)
     distributed.destroy()
+    assert health._STORE is None
