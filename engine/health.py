@@ -67,8 +67,8 @@ def prepare(store) -> None:
 
 def _meet(kind: str, timeout_s: float) -> list[int]:
     """Every rank sets its key of this meeting; rank 0 waits ``timeout_s`` for all of
-    them and posts the ranks whose key is missing, which the others wait for as long
-    again (one request each: the store's wait). Returns the ranks missing: [0] on a rank
+    them and posts the ranks whose key is missing, which the others wait for ROLL_CALL_S
+    longer (one request each: the store's wait). Returns the ranks missing: [0] on a rank
     other than 0 that rank 0's answer does not reach."""
     import torch.distributed as dist
 
@@ -78,16 +78,20 @@ def _meet(kind: str, timeout_s: float) -> list[int]:
     if rank != 0:
         answer = []
 
+        # Rank 0's bound and a roll call's more: the ranks enter a meeting at different
+        # moments (each saw the failed collective at its own).
+        patience = timeout_s + ROLL_CALL_S
+
         def ask() -> None:
             _STORE.set(f"{meeting}/{rank}", "1")
-            _STORE.wait([f"{meeting}/missing"], 2 * bound)
+            _STORE.wait([f"{meeting}/missing"], datetime.timedelta(seconds=patience))
             answer.append(json.loads(_STORE.get(f"{meeting}/missing")))
 
         # In a thread, bounded: a stopped rank 0 (SIGSTOP) hosting the store answers no
         # request, and the store's client would wait for it without end.
         asking = threading.Thread(target=ask, daemon=True, name="engine-health")
         asking.start()
-        asking.join(2 * timeout_s + 1)
+        asking.join(patience)
         return answer[0] if answer else [0]  # rank 0 did not answer: it is the one missing
     _STORE.set(f"{meeting}/{rank}", "1")
     keys = [f"{meeting}/{r}" for r in range(size)]
