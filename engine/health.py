@@ -75,6 +75,10 @@ def _meet(kind: str, timeout_s: float) -> list[int]:
     count = _MET[kind] = _MET.get(kind, 0) + 1
     rank, size = dist.get_rank(), dist.get_world_size()
     meeting, bound = f"{kind}/{count}", datetime.timedelta(seconds=timeout_s)
+    # The last meeting's keys go (an epoch barrier per epoch would leave W a time on the
+    # store's host): each rank's own as it comes to this one, rank 0's post once every
+    # rank is here (each has read it).
+    last = f"{kind}/{count - 1}" if count > 1 else None
     if rank != 0:
         answer = []
 
@@ -83,6 +87,8 @@ def _meet(kind: str, timeout_s: float) -> list[int]:
         patience = timeout_s + ROLL_CALL_S
 
         def ask() -> None:
+            if last:
+                _STORE.delete_key(f"{last}/{rank}")
             _STORE.set(f"{meeting}/{rank}", "1")
             _STORE.wait([f"{meeting}/missing"], datetime.timedelta(seconds=patience))
             answer.append(json.loads(_STORE.get(f"{meeting}/missing")))
@@ -98,6 +104,9 @@ def _meet(kind: str, timeout_s: float) -> list[int]:
     try:
         _STORE.wait(keys, bound)
         missing = []
+        if last:
+            _STORE.delete_key(f"{last}/0")
+            _STORE.delete_key(f"{last}/missing")
     except Exception:  # timed out: one look at each key says who did not come
         missing = [r for r, key in enumerate(keys) if not _STORE.check([key])]
     _STORE.set(f"{meeting}/missing", json.dumps(missing))

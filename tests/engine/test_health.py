@@ -141,7 +141,8 @@ def test_destroy_releases_the_side_group_before_the_world_group(tmp_path):
 
 def test_the_roll_call_meets_on_the_store_and_names_a_rank_that_does_not_come(tmp_path):
     """The roll call and the epoch barrier need no group of their own: the ranks meet on
-    the store they met on at the start. Every rank there: none missing, on every rank. A
+    the store they met on at the start, and a meeting's keys go at the next. Every rank
+    there: none missing, on every rank. A
     rank that does not come within rank 0's bound is named, on rank 0 and on the ranks
     that came; the epoch barrier raises with its name."""
     from tests.engine.memory.test_memory_snapshot import forked_ranks
@@ -163,6 +164,13 @@ def _roll_call_rank(store: str, world_size: int, rank: int) -> None:
     health.prepare(dist.FileStore(store + ".health", world_size))
     assert health.missing_ranks() == []
     health.epoch_barrier(30.0)
+    health.epoch_barrier(30.0)
+    # The first barrier's keys are gone (one per rank and epoch would pile up): each rank's
+    # own at the second, rank 0's post once every rank had come to the second.
+    assert not health._STORE.check([f"epoch/1/{rank}"])
+    if rank == 0:
+        assert not health._STORE.check(["epoch/1/missing"]) and health._STORE.check(
+            ["epoch/2/missing"])
     if rank == 2:  # stays away from the next roll call; sees what rank 0 posted
         health._STORE.wait(["roll_call/2/missing"])
         assert json.loads(health._STORE.get("roll_call/2/missing")) == [2]
