@@ -247,7 +247,7 @@ def _lead_roll_call(store, world: World, deadline: float, timeout_s: float, entr
                 f"the rendezvous at {world.rendezvous}")
 
     patience = Patience(deadline, timeout_s)
-    if not _poll(store, keys, deadline, lambda: patience.check(waiting_for)):
+    if not poll_keys(store, keys, deadline, lambda: patience.check(waiting_for)):
         missing = missing()
         _fail(store, world, session, keys,
               f"{_ranks(missing)} of {world.world_size} never joined the rendezvous at "
@@ -275,7 +275,7 @@ def _fail(store, world: World, session: str, keys: list[str], message: str) -> N
               json.dumps({"ok": False, "message": message, "tokens": tokens}))
     # Rank 0's TCPStore dies with it: give the others a moment to read the verdict.
     acks = [f"engine/{session}/read/{k.rsplit('/', 1)[1]}" for k in joined]
-    _poll(store, acks, time.monotonic() + ACK_WAIT_S)
+    poll_keys(store, acks, time.monotonic() + ACK_WAIT_S)
     raise LaunchError(f"rank 0: {message}")
 
 
@@ -285,13 +285,13 @@ def _join_roll_call(store, world: World, deadline: float, timeout_s: float, entr
     patience = Patience(deadline, timeout_s)
     waiting_for = (f"rank {world.rank}: waiting for rank 0 to complete the rendezvous at "
                    f"{world.rendezvous}")
-    while _poll(store, [SESSION_KEY], deadline, lambda: patience.check(waiting_for)):
+    while poll_keys(store, [SESSION_KEY], deadline, lambda: patience.check(waiting_for)):
         session = store.get(SESSION_KEY).decode()
         if session != joined:
             store.set(f"engine/{session}/rank/{world.rank}", entry)
             joined = session
         verdict_key = f"engine/{session}/verdict"
-        if not _poll(store, [verdict_key], min(deadline, time.monotonic() + POLL_S),
+        if not poll_keys(store, [verdict_key], min(deadline, time.monotonic() + POLL_S),
                      lambda: patience.check(waiting_for)):
             continue
         verdict = json.loads(store.get(verdict_key))
@@ -337,7 +337,7 @@ def stopped_local_peers(ranks: list[int]) -> list[int]:
     return stopped
 
 
-def _poll(store, keys: list[str], deadline: float,
+def poll_keys(store, keys: list[str], deadline: float,
           while_waiting: Callable[[], None] | None = None) -> bool:
     """True once every key exists, False at the deadline; ``while_waiting()`` between two
     looks. ``check``, not ``store.wait``: torch logs a warning for each wait timed out."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import threading
+import time
 
 from engine.errors import RunError
 
@@ -55,6 +56,7 @@ ROLL_CALL_S = 2.0
 #: The store the checks meet on (:func:`prepare`); None: no checks (one process).
 _STORE = None
 _MET: dict[str, int] = {}  # per kind of meeting, how many this process has joined
+_GROUPS: dict = {}  # gloo_group's, by name
 
 
 def prepare(store) -> None:
@@ -68,13 +70,16 @@ def prepare(store) -> None:
 def _meet(kind: str, timeout_s: float) -> list[int]:
     """Every rank sets its key of this meeting; rank 0 waits ``timeout_s`` for all of
     them and posts the ranks whose key is missing, which the others wait for ROLL_CALL_S
-    longer (one request each: the store's wait). Returns the ranks missing: [0] on a rank
-    other than 0 that rank 0's answer does not reach."""
+    longer. Returns the ranks missing: [0] on a rank other than 0 that rank 0's answer
+    does not reach. The waits look at the keys (distributed.poll_keys): a store's wait
+    that times out has torch print two lines."""
     import torch.distributed as dist
+
+    from engine.distributed import poll_keys  # (that module imports this one)
 
     count = _MET[kind] = _MET.get(kind, 0) + 1
     rank, size = dist.get_rank(), dist.get_world_size()
-    meeting, bound = f"{kind}/{count}", datetime.timedelta(seconds=timeout_s)
+    meeting, post = f"{kind}/{count}", f"{kind}/{count}/missing"
     # The last meeting's keys go (an epoch barrier per epoch would leave W a time on the
     # store's host): each rank's own as it comes to this one, rank 0's post once every
     # rank is here (each has read it).
@@ -85,13 +90,14 @@ def _meet(kind: str, timeout_s: float) -> list[int]:
         # Rank 0's bound and a roll call's more: the ranks enter a meeting at different
         # moments (each saw the failed collective at its own).
         patience = timeout_s + ROLL_CALL_S
+        deadline = time.monotonic() + patience
 
         def ask() -> None:
             if last:
                 _STORE.delete_key(f"{last}/{rank}")
             _STORE.set(f"{meeting}/{rank}", "1")
-            _STORE.wait([f"{meeting}/missing"], datetime.timedelta(seconds=patience))
-            answer.append(json.loads(_STORE.get(f"{meeting}/missing")))
+            if poll_keys(_STORE, [post], deadline):
+                answer.append(json.loads(_STORE.get(post)))
 
         # In a thread, bounded: a stopped rank 0 (SIGSTOP) hosting the store answers no
         # request, and the store's client would wait for it without end.
@@ -101,15 +107,14 @@ def _meet(kind: str, timeout_s: float) -> list[int]:
         return answer[0] if answer else [0]  # rank 0 did not answer: it is the one missing
     _STORE.set(f"{meeting}/{rank}", "1")
     keys = [f"{meeting}/{r}" for r in range(size)]
-    try:
-        _STORE.wait(keys, bound)
+    if poll_keys(_STORE, keys, time.monotonic() + timeout_s):
         missing = []
         if last:
             _STORE.delete_key(f"{last}/0")
             _STORE.delete_key(f"{last}/missing")
-    except Exception:  # timed out: one look at each key says who did not come
+    else:  # one look at each key says who did not come
         missing = [r for r, key in enumerate(keys) if not _STORE.check([key])]
-    _STORE.set(f"{meeting}/missing", json.dumps(missing))
+    _STORE.set(post, json.dumps(missing))
     return missing
 
 
@@ -124,9 +129,6 @@ def gloo_group(name: str, seconds: float):
         _GROUPS[name] = dist.new_group(backend="gloo",
                                        timeout=datetime.timedelta(seconds=seconds))
     return _GROUPS[name]
-
-
-_GROUPS: dict = {}
 
 
 def release() -> None:
