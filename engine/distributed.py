@@ -40,9 +40,6 @@ from engine.world import World, format_world_table, tcp_endpoint, whole_world
 
 #: How often a waiting rank re-reads the session id (a stale file's is replaced).
 POLL_S = 0.5
-#: The longest pause between two looks at the store while waiting for a key: a rank
-#: that checks in is seen within it (a look is one small request to the store).
-CHECK_S = 0.05
 #: How long a failing rank 0 keeps its store up for the others to read why.
 ACK_WAIT_S = 3.0
 SESSION_KEY = "engine/session"
@@ -247,7 +244,7 @@ def _lead_roll_call(store, world: World, deadline: float, timeout_s: float, entr
                 f"the rendezvous at {world.rendezvous}")
 
     patience = Patience(deadline, timeout_s)
-    if not poll_keys(store, keys, deadline, lambda: patience.check(waiting_for)):
+    if not health.poll_keys(store, keys, deadline, lambda: patience.check(waiting_for)):
         missing = missing()
         _fail(store, world, session, keys,
               f"{_ranks(missing)} of {world.world_size} never joined the rendezvous at "
@@ -275,7 +272,7 @@ def _fail(store, world: World, session: str, keys: list[str], message: str) -> N
               json.dumps({"ok": False, "message": message, "tokens": tokens}))
     # Rank 0's TCPStore dies with it: give the others a moment to read the verdict.
     acks = [f"engine/{session}/read/{k.rsplit('/', 1)[1]}" for k in joined]
-    poll_keys(store, acks, time.monotonic() + ACK_WAIT_S)
+    health.poll_keys(store, acks, time.monotonic() + ACK_WAIT_S)
     raise LaunchError(f"rank 0: {message}")
 
 
@@ -285,14 +282,16 @@ def _join_roll_call(store, world: World, deadline: float, timeout_s: float, entr
     patience = Patience(deadline, timeout_s)
     waiting_for = (f"rank {world.rank}: waiting for rank 0 to complete the rendezvous at "
                    f"{world.rendezvous}")
-    while poll_keys(store, [SESSION_KEY], deadline, lambda: patience.check(waiting_for)):
+    while health.poll_keys(store, [SESSION_KEY], deadline,
+                           lambda: patience.check(waiting_for)):
         session = store.get(SESSION_KEY).decode()
         if session != joined:
             store.set(f"engine/{session}/rank/{world.rank}", entry)
             joined = session
         verdict_key = f"engine/{session}/verdict"
-        if not poll_keys(store, [verdict_key], min(deadline, time.monotonic() + POLL_S),
-                     lambda: patience.check(waiting_for)):
+        if not health.poll_keys(store, [verdict_key],
+                                min(deadline, time.monotonic() + POLL_S),
+                                lambda: patience.check(waiting_for)):
             continue
         verdict = json.loads(store.get(verdict_key))
         if token not in verdict["tokens"]:
@@ -335,22 +334,6 @@ def stopped_local_peers(ranks: list[int]) -> list[int]:
         for rank in stopped:
             end_when_exiting(*_local_peers[rank])
     return stopped
-
-
-def poll_keys(store, keys: list[str], deadline: float,
-          while_waiting: Callable[[], None] | None = None) -> bool:
-    """True once every key exists, False at the deadline; ``while_waiting()`` between two
-    looks. ``check``, not ``store.wait``: torch logs a warning for each wait timed out."""
-    pause = 0.01
-    while not store.check(keys):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        if while_waiting is not None:
-            while_waiting()
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, CHECK_S)
-    return True
 
 
 def _ranks(ranks: list[int]) -> str:

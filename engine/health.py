@@ -14,6 +14,7 @@ import datetime
 import json
 import threading
 import time
+from typing import Callable
 
 from engine.errors import RunError
 
@@ -53,6 +54,10 @@ def is_collective_failure(exc: BaseException) -> bool:
 #: stopped ends within ``timeout_s`` plus twice this and the launcher's clean-up.
 ROLL_CALL_S = 2.0
 
+#: The longest pause between two looks at the store while waiting for a key: a rank
+#: that checks in is seen within it (a look is one small request to the store).
+CHECK_S = 0.05
+
 #: The store the checks meet on (:func:`prepare`); None: no checks (one process).
 _STORE = None
 _MET: dict[str, int] = {}  # per kind of meeting, how many this process has joined
@@ -71,11 +76,9 @@ def _meet(kind: str, timeout_s: float) -> list[int]:
     """Every rank sets its key of this meeting; rank 0 waits ``timeout_s`` for all of
     them and posts the ranks whose key is missing, which the others wait for ROLL_CALL_S
     longer. Returns the ranks missing: [0] on a rank other than 0 that rank 0's answer
-    does not reach. The waits look at the keys (distributed.poll_keys): a store's wait
-    that times out has torch print two lines."""
+    does not reach. The waits look at the keys (:func:`poll_keys`): a store's wait that
+    times out has torch print two lines."""
     import torch.distributed as dist
-
-    from engine.distributed import poll_keys  # (that module imports this one)
 
     count = _MET[kind] = _MET.get(kind, 0) + 1
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -145,6 +148,23 @@ def release() -> None:
         _GROUPS.clear()
         for group in groups:
             dist.destroy_process_group(group)
+
+
+def poll_keys(store, keys: list[str], deadline: float,
+              while_waiting: Callable[[], None] | None = None) -> bool:
+    """True once every key of ``store`` exists, False at the deadline; ``while_waiting()``
+    between two looks (the rendezvous, engine/distributed.py, and the meetings here).
+    ``check``, not ``store.wait``: torch logs a warning for each wait timed out."""
+    pause = 0.01
+    while not store.check(keys):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if while_waiting is not None:
+            while_waiting()
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, CHECK_S)
+    return True
 
 
 def missing_ranks(timeout_s: float = ROLL_CALL_S) -> list[int] | None:
